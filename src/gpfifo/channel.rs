@@ -1,0 +1,511 @@
+use std::fmt;
+use std::os::fd::AsRawFd;
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::{debug, warn};
+
+use crate::hw::host::c361;
+use crate::rm::{GpuCore, Memory, MemoryDesc, Object, Placement, sys};
+
+use super::timeline::{Semaphores, Timeline, wait_until};
+use super::{COMPUTE_CLASSES, COPY_CLASSES, Error, GPFIFO_CLASSES, GpEntry, Result, RingState};
+
+/// How to build a channel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChannelConfig {
+    /// GPFIFO entries (a power of two, 2 to 65536).
+    pub entries: u32,
+    /// Where the ring and USERD live. Video memory, mapped write-combined through BAR1, is what libcuda uses.
+    pub ring_placement: Placement,
+    /// Bind the compute class (subchannel 1) and the copy class (subchannel 4) to the channel.
+    pub compute: bool,
+    pub copy: bool,
+}
+
+impl Default for ChannelConfig {
+    fn default() -> ChannelConfig {
+        ChannelConfig {
+            entries: 1024,
+            ring_placement: Placement::Video,
+            compute: true,
+            copy: true,
+        }
+    }
+}
+
+/// The classes a channel was built with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChannelClasses {
+    pub gpfifo: u32,
+    pub compute: Option<u32>,
+    pub copy: Option<u32>,
+}
+
+/// What RM wrote to the channel's error notifier when the channel faulted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChannelFault {
+    /// Non-zero once RM has posted an error.
+    pub status: u16,
+    /// The error code (the Xid RM logs, e.g. 13 graphics exception, 31 MMU fault, 43 reset channel).
+    pub info32: u32,
+    pub info16: u16,
+    pub timestamp_ns: u64,
+}
+
+impl fmt::Display for ChannelFault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match self.info32 {
+            13 => {
+                "graphics engine exception (illegal instruction, trap, or out-of-range access in a kernel)"
+            }
+            31 => "GPU memory management unit fault (access to an unmapped address)",
+            43 => "channel stopped by RM",
+            45 => "channel preempted and removed",
+            _ => "channel error",
+        };
+        write!(
+            f,
+            "{kind}: error code {} (info16 {:#x}, notifier status {:#x})",
+            self.info32, self.info16, self.status
+        )
+    }
+}
+
+const USERD_SIZE: u64 = 0x200;
+const NOTIFIER_SIZE: u64 = 0x1000;
+/// VA that UVM_REGISTER_CHANNEL reserves for the channel's context buffers (libcuda passes the GR context size).
+const CHANNEL_VA_SIZE: u64 = 64 << 20;
+
+/// Unregisters the channel from UVM and returns its context VA, before the channel object is freed.
+#[derive(Debug)]
+struct UvmChannel {
+    core: Arc<GpuCore>,
+    channel: u32,
+    va: u64,
+}
+
+impl Drop for UvmChannel {
+    fn drop(&mut self) {
+        let mut p = sys::UVM_UNREGISTER_CHANNEL_PARAMS {
+            gpuUuid: sys::NvProcessorUuid {
+                uuid: self.core.info.uuid_bytes,
+            },
+            hClient: self.core.client.handle(),
+            hChannel: self.channel,
+            rmStatus: 0,
+        };
+        if let Err(e) = self.core.client.uvm_call(
+            sys::UVM_UNREGISTER_CHANNEL,
+            &mut p,
+            "UVM_UNREGISTER_CHANNEL",
+            |p| p.rmStatus,
+        ) {
+            warn!(error = %e, "UVM_UNREGISTER_CHANNEL failed");
+        }
+        self.core.low.free(self.va, CHANNEL_VA_SIZE);
+    }
+}
+
+/// A GPFIFO channel of our own, in a channel group of its own, on our VA space.
+///
+/// Fields drop in order: UVM registration, engine objects, channel, group; then the memory they used.
+#[derive(Debug)]
+pub struct Channel {
+    uvm: Option<UvmChannel>,
+    compute: Option<Object>,
+    copy: Option<Object>,
+    channel: Arc<Object>,
+    _ctxshare: Arc<Object>,
+    tsg: Arc<Object>,
+    ring_mem: Memory,
+    notifier: Arc<Memory>,
+    sems: Arc<Semaphores>,
+    ring: NonNull<u64>,
+    userd: NonNull<u32>,
+    doorbell: NonNull<u32>,
+    token: u32,
+    state: RingState,
+    classes: ChannelClasses,
+    core: Arc<GpuCore>,
+}
+
+// SAFETY: the raw pointers point into mappings owned by this struct (ring, USERD) or by the GpuCore it holds
+// (doorbell); `&mut self` serialises every write through them.
+unsafe impl Send for Channel {}
+
+impl Channel {
+    pub fn new(core: &Arc<GpuCore>, config: ChannelConfig) -> Result<Channel> {
+        let state = RingState::new(config.entries)
+            .filter(|_| config.entries <= 65536)
+            .ok_or_else(|| {
+                Error::InvalidConfig(format!(
+                    "{} GPFIFO entries: need a power of two from 2 to 65536",
+                    config.entries
+                ))
+            })?;
+        let gpfifo = core.pick_class("GPFIFO channel", GPFIFO_CLASSES)?;
+        let compute_class = if config.compute {
+            Some(core.pick_class("compute", COMPUTE_CLASSES)?)
+        } else {
+            None
+        };
+        let copy_class = if config.copy {
+            Some(core.pick_class("copy engine", COPY_CLASSES)?)
+        } else {
+            None
+        };
+        let client = core.client();
+
+        let mut gp = sys::NV_CHANNEL_GROUP_ALLOCATION_PARAMETERS {
+            engineType: sys::NV2080_ENGINE_TYPE_GRAPHICS,
+            ..Default::default()
+        };
+        let tsg = Arc::new(Object::alloc(
+            client,
+            Some(core.device()),
+            sys::KEPLER_CHANNEL_GROUP_A,
+            Some(&mut gp),
+            "KEPLER_CHANNEL_GROUP_A",
+        )?);
+        let mut cs = sys::NV_CTXSHARE_ALLOCATION_PARAMETERS {
+            hVASpace: core.vaspace().handle(),
+            flags: sys::NV_CTXSHARE_ALLOCATION_FLAGS_SUBCONTEXT_ASYNC,
+            subctxId: 0,
+        };
+        let ctxshare = Arc::new(Object::alloc(
+            client,
+            Some(&tsg),
+            sys::FERMI_CONTEXT_SHARE_A,
+            Some(&mut cs),
+            "FERMI_CONTEXT_SHARE_A",
+        )?);
+
+        // Ring, then USERD in the same allocation right after it (as libcuda and tinygrad place them).
+        let ring_bytes = u64::from(config.entries) * 8;
+        let ring_desc = MemoryDesc {
+            size: ring_bytes + 0x1000,
+            placement: config.ring_placement,
+            cpu_mapped: true,
+            low: true,
+            contiguous: true,
+        };
+        let ring_mem = Memory::alloc(core, ring_desc)?;
+        ring_mem.fill(0, ring_mem.size(), 0)?;
+        let notifier = Arc::new(Memory::alloc(
+            core,
+            MemoryDesc::video(NOTIFIER_SIZE)
+                .placement(Placement::SystemCached)
+                .with_cpu()
+                .low(),
+        )?);
+        notifier.fill(0, NOTIFIER_SIZE, 0)?;
+        let sems = Semaphores::new(core)?;
+
+        let mut cp = sys::NV_CHANNEL_ALLOC_PARAMS {
+            hObjectError: notifier.handle(),
+            hObjectBuffer: ring_mem.handle(),
+            gpFifoOffset: ring_mem.va(),
+            gpFifoEntries: config.entries,
+            hContextShare: ctxshare.handle(),
+            ..Default::default()
+        };
+        cp.hUserdMemory[0] = ring_mem.handle();
+        cp.userdOffset[0] = ring_bytes;
+        let channel = Arc::new(Object::alloc(
+            client,
+            Some(&tsg),
+            gpfifo,
+            Some(&mut cp),
+            "GPFIFO channel",
+        )?);
+        let compute = compute_class
+            .map(|c| Object::alloc::<()>(client, Some(&channel), c, None, "compute class"))
+            .transpose()?;
+        let copy = copy_class
+            .map(|c| Object::alloc::<()>(client, Some(&channel), c, None, "copy class"))
+            .transpose()?;
+
+        let mut tok = sys::NVC36F_CTRL_CMD_GPFIFO_GET_WORK_SUBMIT_TOKEN_PARAMS {
+            workSubmitToken: u32::MAX,
+        };
+        channel.control(
+            sys::NVC36F_CTRL_CMD_GPFIFO_GET_WORK_SUBMIT_TOKEN,
+            &mut tok,
+            "NVC36F_CTRL_CMD_GPFIFO_GET_WORK_SUBMIT_TOKEN",
+        )?;
+
+        let uvm_va = core.low.alloc(CHANNEL_VA_SIZE, 2 << 20)?;
+        let mut rc = sys::UVM_REGISTER_CHANNEL_PARAMS {
+            gpuUuid: sys::NvProcessorUuid {
+                uuid: core.info.uuid_bytes,
+            },
+            rmCtrlFd: client.ctl().as_raw_fd(),
+            hClient: client.handle(),
+            hChannel: channel.handle(),
+            base: uvm_va,
+            length: CHANNEL_VA_SIZE,
+            rmStatus: 0,
+        };
+        if let Err(e) = client.uvm_call(
+            sys::UVM_REGISTER_CHANNEL,
+            &mut rc,
+            "UVM_REGISTER_CHANNEL",
+            |p| p.rmStatus,
+        ) {
+            core.low.free(uvm_va, CHANNEL_VA_SIZE);
+            return Err(e.into());
+        }
+        let uvm = UvmChannel {
+            core: core.clone(),
+            channel: channel.handle(),
+            va: uvm_va,
+        };
+
+        let mut sched = sys::NVA06C_CTRL_GPFIFO_SCHEDULE_PARAMS {
+            bEnable: 1,
+            ..Default::default()
+        };
+        tsg.control(
+            sys::NVA06C_CTRL_CMD_GPFIFO_SCHEDULE,
+            &mut sched,
+            "NVA06C_CTRL_CMD_GPFIFO_SCHEDULE",
+        )?;
+
+        let base = ring_mem.cpu_ptr().ok_or(crate::rm::Error::NotCpuMapped {
+            size: ring_mem.size(),
+        })?;
+        let ring = base.cast::<u64>();
+        // SAFETY: USERD starts `ring_bytes` into the CPU mapping of `ring_mem`, which is ring_bytes + 4 KiB long.
+        let userd = unsafe { base.add(ring_bytes as usize) }.cast::<u32>();
+        let doorbell = NonNull::new(core.usermode_ptr()).ok_or(Error::InvalidConfig(
+            "the GPU has no usermode mapping".into(),
+        ))?;
+        // SAFETY: the usermode mapping is USERMODE_SIZE (64 KiB) long; the doorbell offset is inside it.
+        let doorbell = unsafe { doorbell.add(c361::NOTIFY_CHANNEL_PENDING as usize) }.cast::<u32>();
+        let classes = ChannelClasses {
+            gpfifo,
+            compute: compute_class,
+            copy: copy_class,
+        };
+        debug!(
+            token = format_args!("{:#x}", tok.workSubmitToken),
+            ?classes,
+            ring = format_args!("{:#x}", ring_mem.va()),
+            "channel ready"
+        );
+        Ok(Channel {
+            uvm: Some(uvm),
+            compute,
+            copy,
+            channel,
+            _ctxshare: ctxshare,
+            tsg,
+            ring_mem,
+            notifier,
+            sems,
+            ring,
+            userd,
+            doorbell,
+            token: tok.workSubmitToken,
+            state,
+            classes,
+            core: core.clone(),
+        })
+    }
+
+    pub fn classes(&self) -> ChannelClasses {
+        self.classes
+    }
+
+    pub fn gpu(&self) -> &Arc<GpuCore> {
+        &self.core
+    }
+
+    /// The work-submit token this channel rings the doorbell with.
+    pub fn token(&self) -> u32 {
+        self.token
+    }
+
+    pub fn ring_va(&self) -> u64 {
+        self.ring_mem.va()
+    }
+
+    pub fn ring_state(&self) -> RingState {
+        self.state
+    }
+
+    /// The channel's semaphore page (slot 0 is free for the layer above to use as its timeline).
+    pub fn semaphores(&self) -> &Arc<Semaphores> {
+        &self.sems
+    }
+
+    pub fn timeline(&self, slot: usize) -> Timeline {
+        Timeline::new(self.sems.clone(), slot)
+    }
+
+    fn userd_word(&self, byte_offset: usize) -> *mut u32 {
+        // SAFETY (for callers' dereference): byte_offset is one of USERD's fields, inside the 512-byte USERD.
+        debug_assert!(byte_offset + 4 <= USERD_SIZE as usize);
+        self.userd.as_ptr().wrapping_add(byte_offset / 4)
+    }
+
+    /// GP_GET as the GPU last wrote it to USERD.
+    pub fn read_gp_get(&self) -> u32 {
+        let off = std::mem::offset_of!(sys::HopperAControlGPFifo, GPGet);
+        // SAFETY: USERD is mapped for the channel's lifetime; the GPU updates this word, so it is read volatile.
+        unsafe { self.userd_word(off).read_volatile() }
+    }
+
+    /// Re-reads GP_GET and returns the free entries.
+    pub fn refresh(&mut self) -> u32 {
+        let get = self.read_gp_get();
+        self.state.observe_get(get);
+        self.state.free()
+    }
+
+    /// The error RM posted to the channel's notifier, if any.
+    pub fn fault(&self) -> Option<ChannelFault> {
+        read_fault(&self.notifier)
+    }
+
+    /// A handle that reads the channel's error notifier, for waiters that do not hold the channel.
+    pub fn fault_watch(&self) -> FaultWatch {
+        FaultWatch(self.notifier.clone())
+    }
+
+    /// Writes an entry for `[va, va + 4*dwords)` without ringing the doorbell. Waits up to `timeout` for a free
+    /// slot when the ring is full; never overwrites an entry the GPU has not fetched.
+    pub fn push(&mut self, va: u64, dwords: u64, timeout: Duration) -> Result<()> {
+        let entry = GpEntry::segment(va, dwords)?;
+        if self.state.free() == 0 && self.refresh() == 0 {
+            if let Some(f) = self.fault() {
+                return Err(Error::Fault(f));
+            }
+            // Ring the doorbell first so the GPU is fetching what we wait for.
+            self.kick();
+            let notifier = &self.notifier;
+            let userd = self.userd_word(std::mem::offset_of!(sys::HopperAControlGPFifo, GPGet));
+            let state = &mut self.state;
+            wait_until(
+                "a free GPFIFO entry",
+                timeout,
+                || {
+                    // SAFETY: as in `read_gp_get`.
+                    let get = unsafe { userd.read_volatile() };
+                    state.observe_get(get);
+                    state.free() > 0
+                },
+                || read_fault(notifier),
+            )?;
+        }
+        let slot = self.state.push().expect("a free slot was ensured above");
+        // SAFETY: slot < entries and the ring mapping holds `entries` u64s; the GPU reads it, so volatile.
+        unsafe {
+            self.ring
+                .as_ptr()
+                .add(slot as usize)
+                .write_volatile(entry.0)
+        };
+        Ok(())
+    }
+
+    /// Publishes every pushed entry: GPPut to USERD, store fence, the token to the doorbell.
+    #[inline]
+    pub fn kick(&mut self) {
+        let put = self.state.put();
+        // SAFETY: GPPut lies inside USERD, mapped for the channel's lifetime.
+        unsafe {
+            self.userd_word(std::mem::offset_of!(sys::HopperAControlGPFifo, GPPut))
+                .write_volatile(put)
+        };
+        store_fence();
+        // SAFETY: the doorbell word lies inside the usermode page, which the GpuCore we hold keeps mapped.
+        unsafe { self.doorbell.as_ptr().write_volatile(self.token) };
+    }
+
+    /// `push` then `kick`.
+    pub fn submit(&mut self, va: u64, dwords: u64, timeout: Duration) -> Result<()> {
+        self.push(va, dwords, timeout)?;
+        self.kick();
+        Ok(())
+    }
+
+    /// Waits until the GPU has fetched every entry written so far.
+    pub fn wait_fetched(&mut self, timeout: Duration) -> Result<()> {
+        let target = self.state.put();
+        let userd = self.userd_word(std::mem::offset_of!(sys::HopperAControlGPFifo, GPGet));
+        let notifier = &self.notifier;
+        let state = &mut self.state;
+        wait_until(
+            "the GPU to fetch the GPFIFO ring",
+            timeout,
+            || {
+                // SAFETY: as in `read_gp_get`.
+                state.observe_get(unsafe { userd.read_volatile() });
+                state.get() == target
+            },
+            || read_fault(notifier),
+        )
+    }
+
+    /// RM handles, for tools that correlate with RM's view.
+    pub fn handles(&self) -> (u32, u32) {
+        (self.tsg.handle(), self.channel.handle())
+    }
+
+    pub fn has_compute(&self) -> bool {
+        self.compute.is_some()
+    }
+
+    pub fn has_copy(&self) -> bool {
+        self.copy.is_some()
+    }
+}
+
+impl Drop for Channel {
+    fn drop(&mut self) {
+        // Objects go before the memory they reference; fields below handle the rest in declaration order.
+        self.uvm = None;
+        self.compute = None;
+        self.copy = None;
+    }
+}
+
+/// Reads a channel's error notifier (cheap: four volatile loads from cached system memory).
+#[derive(Clone, Debug)]
+pub struct FaultWatch(Arc<Memory>);
+
+impl FaultWatch {
+    pub fn check(&self) -> Option<ChannelFault> {
+        read_fault(&self.0)
+    }
+}
+
+fn read_fault(notifier: &Memory) -> Option<ChannelFault> {
+    let off_info = std::mem::offset_of!(sys::NvNotificationRec, info32) as u64;
+    let w0 = notifier.read_u32_volatile(0).ok()?;
+    let w1 = notifier.read_u32_volatile(4).ok()?;
+    let info32 = notifier.read_u32_volatile(off_info).ok()?;
+    let last = notifier.read_u32_volatile(off_info + 4).ok()?;
+    let (info16, status) = (last as u16, (last >> 16) as u16);
+    (status != 0).then_some(ChannelFault {
+        status,
+        info32,
+        info16,
+        timestamp_ns: u64::from(w0) | (u64::from(w1) << 32),
+    })
+}
+
+/// Orders the write-combined ring and USERD stores before the doorbell store.
+#[inline(always)]
+fn store_fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: sfence has no preconditions.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+}

@@ -1,0 +1,176 @@
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::rm::{GpuCore, Memory, MemoryDesc, Placement};
+
+use super::{ChannelFault, Error, Result};
+
+/// A page of 64-bit semaphores in CPU-cached system memory, which the GPU releases and the CPU polls.
+/// Slots are 16 bytes apart: a four-word release writes a payload and a timestamp.
+#[derive(Debug)]
+pub struct Semaphores {
+    mem: Memory,
+}
+
+impl Semaphores {
+    pub const STRIDE: u64 = 16;
+    const SIZE: u64 = 0x1000;
+
+    pub fn new(core: &Arc<GpuCore>) -> Result<Arc<Semaphores>> {
+        let desc = MemoryDesc::video(Self::SIZE)
+            .placement(Placement::SystemCached)
+            .with_cpu()
+            .low();
+        let mem = Memory::alloc(core, desc)?;
+        mem.fill(0, Self::SIZE, 0)?;
+        Ok(Arc::new(Semaphores { mem }))
+    }
+
+    pub fn slots(&self) -> usize {
+        (Self::SIZE / Self::STRIDE) as usize
+    }
+
+    /// GPU address of `slot`.
+    pub fn va(&self, slot: usize) -> u64 {
+        self.mem.va() + slot as u64 * Self::STRIDE
+    }
+
+    /// The value at `slot` (volatile: the GPU writes it). Out-of-range slots read as 0.
+    pub fn read(&self, slot: usize) -> u64 {
+        self.mem
+            .read_u64_volatile(slot as u64 * Self::STRIDE)
+            .unwrap_or(0)
+    }
+
+    /// The timestamp a four-word release wrote after the payload (nanoseconds, GPU clock).
+    pub fn timestamp(&self, slot: usize) -> u64 {
+        self.mem
+            .read_u64_volatile(slot as u64 * Self::STRIDE + 8)
+            .unwrap_or(0)
+    }
+
+    pub fn write(&self, slot: usize, value: u64) -> Result<()> {
+        Ok(self
+            .mem
+            .write_u64_volatile(slot as u64 * Self::STRIDE, value)?)
+    }
+}
+
+/// A monotonically increasing 64-bit value in a semaphore slot: the GPU releases `n` when the n-th piece of
+/// work is done; the CPU compares.
+#[derive(Clone, Debug)]
+pub struct Timeline {
+    sems: Arc<Semaphores>,
+    slot: usize,
+}
+
+impl Timeline {
+    pub fn new(sems: Arc<Semaphores>, slot: usize) -> Timeline {
+        Timeline { sems, slot }
+    }
+
+    pub fn va(&self) -> u64 {
+        self.sems.va(self.slot)
+    }
+
+    /// The last value the GPU released.
+    pub fn completed(&self) -> u64 {
+        self.sems.read(self.slot)
+    }
+
+    pub fn is_reached(&self, value: u64) -> bool {
+        self.completed() >= value
+    }
+
+    pub fn semaphores(&self) -> &Arc<Semaphores> {
+        &self.sems
+    }
+
+    pub fn slot(&self) -> usize {
+        self.slot
+    }
+}
+
+/// Spins (then yields) until `done()` holds, `fault()` reports a channel error, or `timeout` passes.
+pub fn wait_until(
+    what: &'static str,
+    timeout: Duration,
+    mut done: impl FnMut() -> bool,
+    mut fault: impl FnMut() -> Option<ChannelFault>,
+) -> Result<()> {
+    // A short pure spin catches the microsecond completions this library exists for; after that, yield
+    // so a long kernel does not starve other threads, and look at the clock and the error notifier.
+    for _ in 0..2048 {
+        if done() {
+            return Ok(());
+        }
+        std::hint::spin_loop();
+    }
+    let start = Instant::now();
+    let mut spins = 0u32;
+    loop {
+        if done() {
+            return Ok(());
+        }
+        spins = spins.wrapping_add(1);
+        if spins.is_multiple_of(64) {
+            if let Some(f) = fault() {
+                return Err(Error::Fault(f));
+            }
+            if start.elapsed() >= timeout {
+                // One last look: the value may have landed while we read the clock.
+                return if done() {
+                    Ok(())
+                } else {
+                    Err(Error::Timeout {
+                        what,
+                        waited: start.elapsed(),
+                    })
+                };
+            }
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wait_times_out_with_what_it_waited_for() {
+        let e = wait_until("nothing", Duration::from_millis(5), || false, || None).unwrap_err();
+        assert!(
+            matches!(e, Error::Timeout { what: "nothing", waited } if waited >= Duration::from_millis(5))
+        );
+    }
+
+    #[test]
+    fn wait_returns_as_soon_as_done() {
+        let mut n = 0;
+        wait_until(
+            "n",
+            Duration::from_secs(5),
+            || {
+                n += 1;
+                n > 5000
+            },
+            || None,
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn a_fault_ends_the_wait() {
+        let f = ChannelFault {
+            status: 0xffff,
+            info32: 31,
+            info16: 0,
+            timestamp_ns: 1,
+        };
+        let e = wait_until("x", Duration::from_secs(5), || false, || Some(f)).unwrap_err();
+        assert!(matches!(e, Error::Fault(ChannelFault { info32: 31, .. })));
+    }
+}

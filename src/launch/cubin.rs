@@ -1,0 +1,1121 @@
+//! Cubins: the ELF files ptxas writes for one SM architecture.
+//!
+//! [`Cubin::parse`] reads everything a launcher needs from the ELF with the `object` crate and keeps owned copies,
+//! so a [`Cubin`] outlives the bytes it came from:
+//!
+//! - the loadable image: every `SHF_ALLOC` `PROGBITS`/`NOBITS` section of global memory (kernel code, constant-bank
+//!   templates, `__device__` and `__constant__` data) laid out in section order at its alignment;
+//! - per kernel ([`KernelInfo`]): register count, parameter layout, stack and shared memory sizes, constant banks,
+//!   from `.nv.info` (module-wide records keyed by symbol) and `.nv.info.<kernel>` (per-kernel records);
+//! - the relocations that patch the image, resolved and checked at parse time so [`Cubin::link`] only does arithmetic.
+//!
+//! Shared (`.nv.shared.*`) and local (`.nv.local.*`) sections are allocated by the hardware per CTA / per thread, so
+//! they are not part of the image; their sizes end up in [`KernelInfo::static_shared`]. Mercury sections of sm_100+
+//! (`.nv.merc.*`, `.nv.capmerc.*`: input for the driver's finalizer) and debug sections are ignored.
+//!
+//! Everything read from the file is bounds-checked and uses checked arithmetic: bad input is a [`CubinError`],
+//! never a panic.
+
+use object::LittleEndian;
+use object::elf;
+use object::read::elf::{FileHeader, Rel as _, Rela as _, SectionHeader, Sym as _};
+
+type Elf = elf::FileHeader64<LittleEndian>;
+
+/// `e_machine` of CUDA ELFs.
+pub const EM_CUDA: u16 = 190;
+/// Section type of `.nv.info` and `.nv.info.<kernel>`.
+pub const SHT_CUDA_INFO: u32 = 0x7000_0000;
+/// `st_other` bit marking a kernel entry point (`__global__`), as opposed to a `__device__` function.
+pub const STO_CUDA_ENTRY: u8 = 0x10;
+
+/// `.nv.info` record formats: the first byte of every record.
+pub mod eifmt {
+    /// No value (the record is still 4 bytes: the u16 after the attribute is padding).
+    pub const NVAL: u8 = 0x01;
+    /// One byte of value, then a padding byte.
+    pub const BVAL: u8 = 0x02;
+    /// A u16 value.
+    pub const HVAL: u8 = 0x03;
+    /// A u16 size, then that many bytes.
+    pub const SVAL: u8 = 0x04;
+}
+
+/// `.nv.info` attribute codes this module reads (names as cuobjdump prints them; codes checked against the
+/// fixtures' `cuobjdump -elf` output where they occur there).
+pub mod eiattr {
+    /// `u32 x, y, z` from `__launch_bounds__` / `.maxntid`.
+    pub const MAX_THREADS: u8 = 0x05;
+    /// `u32 symbol, u16 offset, u16 size`: where the parameters live in constant bank 0.
+    pub const PARAM_CBANK: u8 = 0x0a;
+    /// `u32 x, y, z` from `.reqntid`.
+    pub const REQNTID: u8 = 0x10;
+    /// Module-wide `u32 symbol, u32 bytes`: the function's frame size.
+    pub const FRAME_SIZE: u8 = 0x11;
+    /// Module-wide `u32 symbol, u32 bytes`: the per-thread stack the function needs.
+    pub const MIN_STACK_SIZE: u8 = 0x12;
+    /// `u32 index, u16 ordinal, u16 offset, u32 flags` (size in flags bits 31:18).
+    pub const KPARAM_INFO: u8 = 0x17;
+    /// `u16`: bytes of parameters.
+    pub const CBANK_PARAM_SIZE: u8 = 0x19;
+    /// `u16`: the `-maxrregcount` limit (0xff: none).
+    pub const MAXREG_COUNT: u8 = 0x1b;
+    /// `u32` list: code offsets of the EXIT instructions.
+    pub const EXIT_INSTR_OFFSETS: u8 = 0x1c;
+    /// `u32` list: code offsets of the S2R SR_CTAID instructions.
+    pub const S2RCTAID_INSTR_OFFSETS: u8 = 0x1d;
+    /// `u32`: call/return stack bytes.
+    pub const CRS_STACK_SIZE: u8 = 0x1e;
+    /// Module-wide `u32 symbol, u32 bytes`: the stack with recursion bounded.
+    pub const MAX_STACK_SIZE: u8 = 0x23;
+    /// Module-wide `u32 symbol, u32 count`: registers per thread.
+    pub const REGCOUNT: u8 = 0x2f;
+    /// `u32 x, y, z`: `__cluster_dims__` (not in the fixtures; read only when 12 bytes long).
+    pub const CTA_PER_CLUSTER: u8 = 0x3d;
+    /// `u8`: named barriers the kernel uses (`bar.sync` ids).
+    pub const NUM_BARRIERS: u8 = 0x4c;
+}
+
+/// Relocation types (`R_CUDA_*`) that [`Cubin::link`] applies.
+pub mod reloc {
+    /// Nothing to do.
+    pub const R_CUDA_NONE: u32 = 0;
+    /// `u32` at the offset: the address (must fit in 32 bits).
+    pub const R_CUDA_32: u32 = 1;
+    /// `u64` at the offset: the address.
+    pub const R_CUDA_64: u32 = 2;
+    /// `u64` at the offset: a generic-space address (same value as [`R_CUDA_64`] for global memory).
+    pub const R_CUDA_G64: u32 = 4;
+    /// The 32-bit immediate of a 128-bit instruction (bits 32..64, byte offset + 4): the address (must fit).
+    pub const R_CUDA_ABS32_32: u32 = 55;
+    /// The 32-bit immediate of a 128-bit instruction: the low half of the address (`32@lo(sym)`).
+    pub const R_CUDA_ABS32_LO_32: u32 = 56;
+    /// The 32-bit immediate of a 128-bit instruction: the high half of the address (`32@hi(sym)`).
+    pub const R_CUDA_ABS32_HI_32: u32 = 57;
+    /// `u32` at the offset becomes zero.
+    pub const R_CUDA_UNUSED_CLEAR32: u32 = 72;
+    /// `u64` at the offset becomes zero.
+    pub const R_CUDA_UNUSED_CLEAR64: u32 = 73;
+}
+
+/// Why a cubin could not be read or linked.
+#[derive(thiserror::Error, Debug, Clone, PartialEq, Eq)]
+pub enum CubinError {
+    #[error("not a 64-bit little-endian ELF file: {0}")]
+    NotElf(String),
+    #[error("ELF machine is {machine}, not EM_CUDA ({EM_CUDA}): not a cubin")]
+    NotCuda { machine: u16 },
+    #[error(
+        "cubin is not executable (e_type {e_type}): relocatable device code (nvcc -rdc / -dc) must go through nvlink first"
+    )]
+    NotExecutable { e_type: u16 },
+    #[error("corrupt cubin: {what}")]
+    Corrupt { what: String },
+    #[error("cubin is built for sm_{cubin_sm}, which cannot run on an sm_{device_sm} device")]
+    WrongArch { cubin_sm: u32, device_sm: u32 },
+    #[error("relocation type {kind} in section {section} is not supported")]
+    UnknownRelocation { kind: u32, section: String },
+    #[error(
+        "relocation in section {section} refers to symbol {symbol:?}, which is not in the loadable image (undefined or in a non-global memory)"
+    )]
+    UnresolvedSymbol { symbol: String, section: String },
+    #[error("relocation type {kind} at image offset {offset:#x}: value {value:#x} does not fit")]
+    RelocationOverflow { kind: u32, offset: u64, value: u64 },
+    #[error("no kernel named {0:?} in the cubin")]
+    NoSuchKernel(String),
+    #[error("image buffer holds {got} bytes, the image needs {need}")]
+    ImageTooSmall { need: u64, got: u64 },
+}
+
+fn corrupt(what: impl Into<String>) -> CubinError {
+    CubinError::Corrupt { what: what.into() }
+}
+
+/// One kernel parameter, from `EIATTR_KPARAM_INFO`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParamInfo {
+    /// Position in the kernel's parameter list.
+    pub ordinal: u32,
+    /// Byte offset inside the parameter block (add [`KernelInfo::param_cbank_offset`] for the bank 0 offset).
+    pub offset: u32,
+    /// Bytes.
+    pub size: u32,
+}
+
+/// A constant bank the kernel uses, and where its initial contents are in the image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConstBank {
+    /// Bank number (`.nv.constantN`): 0 holds driver values and parameters, 3 holds `__constant__` data.
+    pub bank: u32,
+    /// Offset of the bank's template inside the image; `None` when the bank has no image section.
+    pub image_offset: Option<u64>,
+    /// Bytes.
+    pub size: u64,
+}
+
+/// What a launcher needs to know about one kernel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelInfo {
+    pub name: String,
+    /// Offset of `.text.<name>` inside the image: the program entry is `base_va + code_offset`.
+    pub code_offset: u64,
+    /// Bytes of `.text.<name>`.
+    pub code_size: u64,
+    /// Registers per thread: `EIATTR_REGCOUNT`, else the high byte of the text section's `sh_info` (older cubins).
+    pub registers: u32,
+    /// Offset of the parameter block in constant bank 0 (`EIATTR_PARAM_CBANK`; 0x210 on sm_90). 0 without parameters.
+    pub param_cbank_offset: u32,
+    /// Bytes of the parameter block per `EIATTR_PARAM_CBANK`. 0 without parameters.
+    pub param_cbank_size: u32,
+    /// Parameters, sorted by ordinal.
+    pub params: Vec<ParamInfo>,
+    /// `EIATTR_CBANK_PARAM_SIZE`: bytes of parameters.
+    pub cbank_param_size: u32,
+    /// `EIATTR_MAX_THREADS` as a thread count (x * y * z).
+    pub max_threads: Option<u32>,
+    /// `EIATTR_MAX_THREADS` as written.
+    pub max_threads_dims: Option<[u32; 3]>,
+    /// `EIATTR_REQNTID`: the block shape the kernel was compiled for.
+    pub required_block: Option<[u32; 3]>,
+    /// `EIATTR_CTA_PER_CLUSTER`: compile-time cluster shape.
+    pub cluster_dims: Option<[u32; 3]>,
+    /// `EIATTR_MIN_STACK_SIZE`: per-thread stack (local memory) bytes.
+    pub min_stack_size: u32,
+    /// `EIATTR_FRAME_SIZE`, 0 if absent.
+    pub frame_size: u32,
+    /// `EIATTR_MAX_STACK_SIZE`, 0 if absent.
+    pub max_stack_size: u32,
+    /// `EIATTR_CRS_STACK_SIZE`, 0 if absent.
+    pub crs_stack_size: u32,
+    /// `EIATTR_NUM_BARRIERS`; cubins without it keep the count in bits 20..27 of the text section's `sh_flags`.
+    pub barrier_count: u32,
+    /// Bytes of `.nv.shared.<name>` (0 if absent). On sm_90+ this includes the 1 KiB the compiler reserves at
+    /// shared address 0, so dynamic shared memory starts after it (cuobjdump's `SHARED:1024`).
+    pub static_shared: u64,
+    /// `.nv.constantN.<name>` and module-wide `.nv.constantN` banks, sorted by bank.
+    pub const_banks: Vec<ConstBank>,
+    /// `EIATTR_EXIT_INSTR_OFFSETS`: code offsets of EXIT instructions.
+    pub exit_offsets: Vec<u32>,
+    /// `EIATTR_S2RCTAID_INSTR_OFFSETS`.
+    pub ctaid_offsets: Vec<u32>,
+}
+
+impl KernelInfo {
+    /// The constant bank numbered `bank`, if the kernel has one.
+    pub fn const_bank(&self, bank: u32) -> Option<&ConstBank> {
+        self.const_banks.iter().find(|b| b.bank == bank)
+    }
+}
+
+/// One section of the loadable image.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageSection {
+    pub name: String,
+    /// Offset inside the image.
+    pub image_offset: u64,
+    /// Bytes.
+    pub size: u64,
+    /// `SHT_NOBITS`: zero-filled, no bytes in the file.
+    pub nobits: bool,
+}
+
+#[derive(Debug, Clone)]
+struct LoadedSection {
+    info: ImageSection,
+    /// The section's bytes; `None` for NOBITS.
+    data: Option<Vec<u8>>,
+}
+
+/// Where a relocation's symbol is.
+#[derive(Debug, Clone, Copy)]
+enum SymbolValue {
+    /// This offset inside the image: the address is `base_va + offset`.
+    Image(u64),
+    /// An absolute value (`SHN_ABS`, or no symbol).
+    Absolute(u64),
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Relocation {
+    kind: u32,
+    /// Image offset of the patched bytes (the instruction's start for instruction relocations).
+    offset: u64,
+    symbol: SymbolValue,
+    addend: i64,
+}
+
+/// A parsed cubin: kernels, the loadable image and its relocations. Owns its data.
+#[derive(Debug, Clone)]
+pub struct Cubin {
+    sm: u32,
+    kernels: Vec<KernelInfo>,
+    sections: Vec<LoadedSection>,
+    relocations: Vec<Relocation>,
+    image_size: u64,
+}
+
+/// The fields of a section header this module uses, read once.
+struct SectionMeta<'data> {
+    name: String,
+    sh_type: u32,
+    flags: u64,
+    size: u64,
+    align: u64,
+    link: u32,
+    info: u32,
+    /// File bytes; empty for NOBITS.
+    data: &'data [u8],
+}
+
+struct SymbolMeta {
+    name: String,
+    st_type: u8,
+    other: u8,
+    /// Section index, `None` for undefined or special (`SHN_ABS`, `SHN_COMMON`) symbols.
+    section: Option<usize>,
+    absolute: bool,
+    value: u64,
+}
+
+/// Module-wide `.nv.info` values, per function symbol index.
+#[derive(Default)]
+struct ModuleInfo {
+    regcount: Vec<(u32, u32)>,
+    frame_size: Vec<(u32, u32)>,
+    min_stack: Vec<(u32, u32)>,
+    max_stack: Vec<(u32, u32)>,
+}
+
+fn lookup(list: &[(u32, u32)], symbol: u32) -> Option<u32> {
+    list.iter().find(|(s, _)| *s == symbol).map(|(_, v)| *v)
+}
+
+/// The SM version in `e_flags`: bits 15:8 since ELF ABI version 8 (CUDA 12.8+), bits 7:0 before.
+pub fn sm_from_e_flags(abi_version: u8, e_flags: u32) -> u32 {
+    if abi_version >= 8 || e_flags >> 24 != 0 {
+        (e_flags >> 8) & 0xff
+    } else {
+        e_flags & 0xff
+    }
+}
+
+/// Whether SASS for `cubin_sm` runs on a `device_sm` GPU: same major version, device minor at least the cubin's.
+pub fn sass_compatible(cubin_sm: u32, device_sm: u32) -> bool {
+    cubin_sm / 10 == device_sm / 10 && cubin_sm <= device_sm
+}
+
+impl Cubin {
+    /// Parses a cubin. Fails on anything that would make the image or the kernel descriptions wrong.
+    pub fn parse(bytes: &[u8]) -> Result<Cubin, CubinError> {
+        let header = Elf::parse(bytes).map_err(|e| CubinError::NotElf(e.to_string()))?;
+        let endian = header
+            .endian()
+            .map_err(|e| CubinError::NotElf(e.to_string()))?;
+        let machine = header.e_machine(endian).0;
+        if machine != EM_CUDA {
+            return Err(CubinError::NotCuda { machine });
+        }
+        let e_type = header.e_type(endian).0;
+        if e_type != elf::ET_EXEC.0 {
+            return Err(CubinError::NotExecutable { e_type });
+        }
+        let sm = sm_from_e_flags(header.e_ident().abi_version, header.e_flags(endian).0);
+        if sm == 0 {
+            return Err(corrupt("e_flags name no SM version"));
+        }
+
+        let table = header
+            .sections(endian, bytes)
+            .map_err(|e| corrupt(format!("section headers: {e}")))?;
+        let mut metas = Vec::with_capacity(table.len());
+        for (index, sh) in table.enumerate() {
+            let name = table
+                .section_name(endian, sh)
+                .map_err(|e| corrupt(format!("section {}: name: {e}", index.0)))?;
+            let name = String::from_utf8_lossy(name).into_owned();
+            let data = sh
+                .data(endian, bytes)
+                .map_err(|e| corrupt(format!("section {name}: contents: {e}")))?;
+            metas.push(SectionMeta {
+                name,
+                sh_type: sh.sh_type(endian).0,
+                flags: sh.sh_flags(endian).0,
+                size: sh.sh_size(endian),
+                align: sh.sh_addralign(endian),
+                link: sh.sh_link(endian),
+                info: sh.sh_info(endian),
+                data,
+            });
+        }
+
+        let (sections, image_index, image_size) = layout(&metas)?;
+
+        let symtab = table
+            .symbols(endian, bytes, elf::SHT_SYMTAB)
+            .map_err(|e| corrupt(format!("symbol table: {e}")))?;
+        let mut symbols = Vec::with_capacity(symtab.len());
+        for (index, sym) in symtab.enumerate() {
+            let name = symtab
+                .symbol_name(endian, sym)
+                .map_err(|e| corrupt(format!("symbol {}: name: {e}", index.0)))?;
+            let section = symtab
+                .symbol_section(endian, sym, index)
+                .map_err(|e| corrupt(format!("symbol {}: section: {e}", index.0)))?
+                .map(|s| s.0);
+            if section.is_some_and(|s| s >= metas.len()) {
+                return Err(corrupt(format!(
+                    "symbol {}: section index out of range",
+                    index.0
+                )));
+            }
+            symbols.push(SymbolMeta {
+                name: String::from_utf8_lossy(name).into_owned(),
+                st_type: sym.st_type().0,
+                other: sym.st_other().0,
+                section,
+                absolute: sym.st_shndx(endian) == elf::SHN_ABS,
+                value: sym.st_value(endian),
+            });
+        }
+        let symtab_index = symtab.section().0;
+
+        let module = module_info(&metas)?;
+        let mut kernels = Vec::new();
+        for (sym_index, sym) in symbols.iter().enumerate() {
+            if let Some(kernel) =
+                kernel_info(sym_index, sym, &metas, &sections, &image_index, &module)?
+            {
+                kernels.push(kernel);
+            }
+        }
+
+        let relocations = relocations(
+            &table,
+            endian,
+            bytes,
+            &metas,
+            &symbols,
+            symtab_index,
+            &sections,
+            &image_index,
+        )?;
+
+        Ok(Cubin {
+            sm,
+            kernels,
+            sections,
+            relocations,
+            image_size,
+        })
+    }
+
+    /// SM version the SASS is for, e.g. 90.
+    pub fn sm_version(&self) -> u32 {
+        self.sm
+    }
+
+    /// [`CubinError::WrongArch`] unless the cubin's SASS runs on an `device_sm` GPU (see [`sass_compatible`]).
+    pub fn check_arch(&self, device_sm: u32) -> Result<(), CubinError> {
+        if sass_compatible(self.sm, device_sm) {
+            Ok(())
+        } else {
+            Err(CubinError::WrongArch {
+                cubin_sm: self.sm,
+                device_sm,
+            })
+        }
+    }
+
+    /// Every kernel (`__global__` function), in symbol table order.
+    pub fn kernels(&self) -> &[KernelInfo] {
+        &self.kernels
+    }
+
+    /// The kernel named `name` (the mangled name for C++ kernels).
+    pub fn kernel(&self, name: &str) -> Result<&KernelInfo, CubinError> {
+        self.kernels
+            .iter()
+            .find(|k| k.name == name)
+            .ok_or_else(|| CubinError::NoSuchKernel(name.to_owned()))
+    }
+
+    /// Bytes of the loadable image.
+    pub fn image_size(&self) -> u64 {
+        self.image_size
+    }
+
+    /// The sections of the image, in image order.
+    pub fn image_sections(&self) -> impl Iterator<Item = &ImageSection> {
+        self.sections.iter().map(|s| &s.info)
+    }
+
+    /// Offset of the image section named `name` inside the image.
+    pub fn section_offset(&self, name: &str) -> Option<u64> {
+        self.sections
+            .iter()
+            .find(|s| s.info.name == name)
+            .map(|s| s.info.image_offset)
+    }
+
+    /// Writes the image for loading at GPU virtual address `base_va` into `image[..image_size]`: section bytes,
+    /// zeros for NOBITS sections and padding, then the relocations.
+    pub fn link(&self, base_va: u64, image: &mut [u8]) -> Result<(), CubinError> {
+        let need = self.image_size;
+        let got = u64::try_from(image.len()).unwrap_or(u64::MAX);
+        let too_small = CubinError::ImageTooSmall { need, got };
+        let need_len = usize::try_from(need).map_err(|_| too_small.clone())?;
+        let image = image.get_mut(..need_len).ok_or(too_small)?;
+        image.fill(0);
+        for section in &self.sections {
+            if let Some(data) = &section.data {
+                let dst = range_mut(image, section.info.image_offset, data.len())?;
+                dst.copy_from_slice(data);
+            }
+        }
+        for r in &self.relocations {
+            apply(r, base_va, image)?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether a section belongs to the global-memory image.
+fn in_image(meta: &SectionMeta) -> bool {
+    let alloc = meta.flags & elf::SHF_ALLOC.0 != 0;
+    let loadable = meta.sh_type == elf::SHT_PROGBITS.0 || meta.sh_type == elf::SHT_NOBITS.0;
+    // Shared and local memory are per-CTA / per-thread windows, not global memory; mercury sections are
+    // finalizer input.
+    let other_space = [".nv.shared.", ".nv.local.", ".nv.merc.", ".nv.capmerc."]
+        .iter()
+        .any(|p| meta.name.starts_with(p));
+    alloc && loadable && !other_space
+}
+
+type Layout = (Vec<LoadedSection>, Vec<Option<usize>>, u64);
+
+/// Lays the image sections out in section order; returns them, a map from section index to image section, and
+/// the image size.
+fn layout(metas: &[SectionMeta]) -> Result<Layout, CubinError> {
+    let mut sections = Vec::new();
+    let mut index = vec![None; metas.len()];
+    let mut cursor: u64 = 0;
+    for (i, meta) in metas.iter().enumerate() {
+        if !in_image(meta) {
+            continue;
+        }
+        let align = meta.align.max(1);
+        if !align.is_power_of_two() {
+            return Err(corrupt(format!(
+                "section {}: alignment {align} is not a power of two",
+                meta.name
+            )));
+        }
+        let offset = cursor
+            .checked_next_multiple_of(align)
+            .ok_or_else(|| corrupt(format!("section {}: image offset overflows", meta.name)))?;
+        cursor = offset
+            .checked_add(meta.size)
+            .ok_or_else(|| corrupt(format!("section {}: size overflows", meta.name)))?;
+        let nobits = meta.sh_type == elf::SHT_NOBITS.0;
+        let data = if nobits {
+            None
+        } else {
+            if u64::try_from(meta.data.len()).ok() != Some(meta.size) {
+                return Err(corrupt(format!(
+                    "section {}: contents outside the file",
+                    meta.name
+                )));
+            }
+            Some(meta.data.to_vec())
+        };
+        if let Some(slot) = index.get_mut(i) {
+            *slot = Some(sections.len());
+        }
+        sections.push(LoadedSection {
+            info: ImageSection {
+                name: meta.name.clone(),
+                image_offset: offset,
+                size: meta.size,
+                nobits,
+            },
+            data,
+        });
+    }
+    Ok((sections, index, cursor))
+}
+
+/// A decoded `.nv.info` record.
+struct Record<'a> {
+    attr: u8,
+    value: Value<'a>,
+}
+
+enum Value<'a> {
+    None,
+    Byte(u8),
+    Half(u16),
+    Bytes(&'a [u8]),
+}
+
+/// Splits a `.nv.info` section into records: `u8 format, u8 attribute, u16 value-or-size[, size bytes]`.
+fn records<'a>(data: &'a [u8], section: &str) -> Result<Vec<Record<'a>>, CubinError> {
+    let mut out = Vec::new();
+    let mut rest = data;
+    while !rest.is_empty() {
+        let Some((head, tail)) = rest.split_first_chunk::<4>() else {
+            return Err(corrupt(format!("{section}: truncated attribute record")));
+        };
+        let [format, attr, lo, hi] = *head;
+        let half = u16::from_le_bytes([lo, hi]);
+        let value = match format {
+            eifmt::NVAL => Value::None,
+            eifmt::BVAL => Value::Byte(lo),
+            eifmt::HVAL => Value::Half(half),
+            eifmt::SVAL => {
+                let len = usize::from(half);
+                let Some((value, after)) = tail.split_at_checked(len) else {
+                    return Err(corrupt(format!(
+                        "{section}: attribute {attr:#x} runs past the section end"
+                    )));
+                };
+                out.push(Record {
+                    attr,
+                    value: Value::Bytes(value),
+                });
+                rest = after;
+                continue;
+            }
+            other => {
+                return Err(corrupt(format!(
+                    "{section}: unknown attribute format {other:#x}"
+                )));
+            }
+        };
+        out.push(Record { attr, value });
+        rest = tail;
+    }
+    Ok(out)
+}
+
+fn u32_at(data: &[u8], offset: usize) -> Option<u32> {
+    let end = offset.checked_add(4)?;
+    Some(u32::from_le_bytes(data.get(offset..end)?.try_into().ok()?))
+}
+
+fn u16_at(data: &[u8], offset: usize) -> Option<u16> {
+    let end = offset.checked_add(2)?;
+    Some(u16::from_le_bytes(data.get(offset..end)?.try_into().ok()?))
+}
+
+fn u64_at(data: &[u8], offset: usize) -> Option<u64> {
+    let end = offset.checked_add(8)?;
+    Some(u64::from_le_bytes(data.get(offset..end)?.try_into().ok()?))
+}
+
+fn bytes_of<'a>(
+    record: &Record<'a>,
+    section: &str,
+    len: Option<usize>,
+) -> Result<&'a [u8], CubinError> {
+    match record.value {
+        Value::Bytes(b) if len.is_none_or(|l| l == b.len()) => Ok(b),
+        _ => Err(corrupt(format!(
+            "{section}: attribute {:#x} has the wrong format or size",
+            record.attr
+        ))),
+    }
+}
+
+fn u32_list(record: &Record, section: &str) -> Result<Vec<u32>, CubinError> {
+    let b = bytes_of(record, section, None)?;
+    if !b.len().is_multiple_of(4) {
+        return Err(corrupt(format!(
+            "{section}: attribute {:#x} is not a list of u32",
+            record.attr
+        )));
+    }
+    Ok(b.chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+fn triple(b: &[u8]) -> Option<[u32; 3]> {
+    Some([u32_at(b, 0)?, u32_at(b, 4)?, u32_at(b, 8)?])
+}
+
+/// `(symbol, value)` pairs: the module-wide form of the per-function attributes.
+fn keyed(record: &Record, section: &str) -> Result<(u32, u32), CubinError> {
+    let b = bytes_of(record, section, Some(8))?;
+    match (u32_at(b, 0), u32_at(b, 4)) {
+        (Some(symbol), Some(value)) => Ok((symbol, value)),
+        _ => Err(corrupt(format!(
+            "{section}: attribute {:#x} is truncated",
+            record.attr
+        ))),
+    }
+}
+
+fn module_info(metas: &[SectionMeta]) -> Result<ModuleInfo, CubinError> {
+    let mut info = ModuleInfo::default();
+    for meta in metas.iter().filter(|m| m.name == ".nv.info") {
+        for record in records(meta.data, &meta.name)? {
+            let list = match record.attr {
+                eiattr::REGCOUNT => &mut info.regcount,
+                eiattr::FRAME_SIZE => &mut info.frame_size,
+                eiattr::MIN_STACK_SIZE => &mut info.min_stack,
+                eiattr::MAX_STACK_SIZE => &mut info.max_stack,
+                _ => continue,
+            };
+            list.push(keyed(&record, &meta.name)?);
+        }
+    }
+    Ok(info)
+}
+
+/// Builds the kernel description for `sym` if it is a kernel: a function in `.text.<its name>`, marked as an
+/// entry point or described by a `.nv.info.<its name>`.
+fn kernel_info(
+    sym_index: usize,
+    sym: &SymbolMeta,
+    metas: &[SectionMeta],
+    sections: &[LoadedSection],
+    image_index: &[Option<usize>],
+    module: &ModuleInfo,
+) -> Result<Option<KernelInfo>, CubinError> {
+    if sym.st_type != elf::STT_FUNC.0 || sym.name.is_empty() {
+        return Ok(None);
+    }
+    let Some(text_index) = sym.section else {
+        return Ok(None);
+    };
+    let Some(text) = metas.get(text_index) else {
+        return Ok(None);
+    };
+    if text.name.strip_prefix(".text.") != Some(sym.name.as_str()) {
+        return Ok(None);
+    }
+    let info_name = format!(".nv.info.{}", sym.name);
+    let info_section = metas.iter().find(|m| m.name == info_name).or_else(|| {
+        metas.iter().find(|m| {
+            m.sh_type == SHT_CUDA_INFO
+                && m.name.starts_with(".nv.info.")
+                && usize::try_from(m.info).ok() == Some(text_index)
+        })
+    });
+    if sym.other & STO_CUDA_ENTRY == 0 && info_section.is_none() {
+        return Ok(None); // a __device__ function
+    }
+    let name = sym.name.clone();
+    let image = image_index
+        .get(text_index)
+        .copied()
+        .flatten()
+        .and_then(|i| sections.get(i))
+        .ok_or_else(|| corrupt(format!("kernel {name}: code section is not loadable")))?;
+    let sym_key = u32::try_from(sym_index).map_err(|_| corrupt("symbol index overflows"))?;
+
+    let mut k = KernelInfo {
+        name,
+        code_offset: image.info.image_offset,
+        code_size: image.info.size,
+        registers: 0,
+        param_cbank_offset: 0,
+        param_cbank_size: 0,
+        params: Vec::new(),
+        cbank_param_size: 0,
+        max_threads: None,
+        max_threads_dims: None,
+        required_block: None,
+        cluster_dims: None,
+        min_stack_size: lookup(&module.min_stack, sym_key).unwrap_or(0),
+        frame_size: lookup(&module.frame_size, sym_key).unwrap_or(0),
+        max_stack_size: lookup(&module.max_stack, sym_key).unwrap_or(0),
+        crs_stack_size: 0,
+        barrier_count: 0,
+        static_shared: 0,
+        const_banks: Vec::new(),
+        exit_offsets: Vec::new(),
+        ctaid_offsets: Vec::new(),
+    };
+    let mut registers = lookup(&module.regcount, sym_key);
+    let mut barriers = None;
+
+    if let Some(meta) = info_section {
+        let section = meta.name.as_str();
+        for record in records(meta.data, section)? {
+            match record.attr {
+                eiattr::PARAM_CBANK => {
+                    let b = bytes_of(&record, section, Some(8))?;
+                    let (offset, size) = u16_at(b, 4)
+                        .zip(u16_at(b, 6))
+                        .ok_or_else(|| corrupt("PARAM_CBANK"))?;
+                    k.param_cbank_offset = offset.into();
+                    k.param_cbank_size = size.into();
+                }
+                eiattr::CBANK_PARAM_SIZE => match record.value {
+                    Value::Half(v) => k.cbank_param_size = v.into(),
+                    _ => return Err(corrupt(format!("{section}: CBANK_PARAM_SIZE is not a u16"))),
+                },
+                eiattr::KPARAM_INFO => {
+                    let b = bytes_of(&record, section, Some(12))?;
+                    let fields = u16_at(b, 4).zip(u16_at(b, 6)).zip(u32_at(b, 8));
+                    let ((ordinal, offset), flags) =
+                        fields.ok_or_else(|| corrupt("KPARAM_INFO"))?;
+                    k.params.push(ParamInfo {
+                        ordinal: ordinal.into(),
+                        offset: offset.into(),
+                        size: flags >> 18,
+                    });
+                }
+                eiattr::MAX_THREADS => {
+                    let dims = triple(bytes_of(&record, section, Some(12))?)
+                        .ok_or_else(|| corrupt("MAX_THREADS"))?;
+                    k.max_threads_dims = Some(dims);
+                    k.max_threads = dims.iter().try_fold(1u32, |acc, d| acc.checked_mul(*d));
+                    if k.max_threads.is_none() {
+                        return Err(corrupt(format!("{section}: MAX_THREADS overflows")));
+                    }
+                }
+                eiattr::REQNTID => {
+                    k.required_block = Some(
+                        triple(bytes_of(&record, section, Some(12))?)
+                            .ok_or_else(|| corrupt("REQNTID"))?,
+                    );
+                }
+                eiattr::CTA_PER_CLUSTER => {
+                    // Layout not confirmed by a fixture: take it only in the expected shape.
+                    if let Value::Bytes(b) = record.value {
+                        k.cluster_dims = triple(b).filter(|_| b.len() == 12);
+                    }
+                }
+                eiattr::NUM_BARRIERS => match record.value {
+                    Value::Byte(v) => barriers = Some(u32::from(v)),
+                    Value::Half(v) => barriers = Some(u32::from(v)),
+                    _ => {
+                        return Err(corrupt(format!(
+                            "{section}: NUM_BARRIERS has the wrong format"
+                        )));
+                    }
+                },
+                eiattr::EXIT_INSTR_OFFSETS => k.exit_offsets = u32_list(&record, section)?,
+                eiattr::S2RCTAID_INSTR_OFFSETS => k.ctaid_offsets = u32_list(&record, section)?,
+                eiattr::CRS_STACK_SIZE => {
+                    k.crs_stack_size = u32_at(bytes_of(&record, section, Some(4))?, 0).unwrap_or(0);
+                }
+                // Per-kernel copies of the module-wide attributes, keyed the same way.
+                eiattr::REGCOUNT
+                | eiattr::FRAME_SIZE
+                | eiattr::MIN_STACK_SIZE
+                | eiattr::MAX_STACK_SIZE => {
+                    let (key, value) = keyed(&record, section)?;
+                    if key == sym_key {
+                        match record.attr {
+                            eiattr::REGCOUNT => registers = Some(value),
+                            eiattr::FRAME_SIZE => k.frame_size = value,
+                            eiattr::MIN_STACK_SIZE => k.min_stack_size = value,
+                            _ => k.max_stack_size = value,
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    k.params.sort_by_key(|p| p.ordinal);
+    if k.params.windows(2).any(|w| w[0].ordinal == w[1].ordinal) {
+        return Err(corrupt(format!(
+            "kernel {}: two parameters with one ordinal",
+            k.name
+        )));
+    }
+    // Older cubins keep the register count in sh_info's high byte and the barrier count in sh_flags.
+    k.registers = match registers {
+        Some(r) => r,
+        None => text.info >> 24,
+    };
+    if k.registers == 0 {
+        return Err(corrupt(format!("kernel {}: no register count", k.name)));
+    }
+    k.barrier_count = barriers.unwrap_or(((text.flags >> 20) & 0x7f) as u32);
+
+    let shared_name = format!(".nv.shared.{}", k.name);
+    k.static_shared = metas
+        .iter()
+        .find(|m| m.name == shared_name)
+        .map_or(0, |m| m.size);
+
+    for (i, meta) in metas.iter().enumerate() {
+        let Some(rest) = meta.name.strip_prefix(".nv.constant") else {
+            continue;
+        };
+        let (digits, owner) = match rest.split_once('.') {
+            Some((digits, owner)) => (digits, Some(owner)),
+            None => (rest, None),
+        };
+        if owner.is_some_and(|o| o != k.name) {
+            continue;
+        }
+        let Ok(bank) = digits.parse::<u32>() else {
+            continue;
+        };
+        let image_offset = image_index
+            .get(i)
+            .copied()
+            .flatten()
+            .and_then(|s| sections.get(s))
+            .map(|s| s.info.image_offset);
+        k.const_banks.push(ConstBank {
+            bank,
+            image_offset,
+            size: meta.size,
+        });
+    }
+    k.const_banks.sort_by_key(|b| b.bank);
+    if k.const_banks.windows(2).any(|w| w[0].bank == w[1].bank) {
+        return Err(corrupt(format!(
+            "kernel {}: two sections for one constant bank",
+            k.name
+        )));
+    }
+    Ok(Some(k))
+}
+
+/// Bytes a relocation patches, counted from its offset.
+fn reloc_width(kind: u32) -> Option<u64> {
+    match kind {
+        reloc::R_CUDA_NONE => Some(0),
+        reloc::R_CUDA_32 | reloc::R_CUDA_UNUSED_CLEAR32 => Some(4),
+        reloc::R_CUDA_64 | reloc::R_CUDA_G64 | reloc::R_CUDA_UNUSED_CLEAR64 => Some(8),
+        // The 32-bit immediate sits in bytes 4..8 of the 16-byte instruction.
+        reloc::R_CUDA_ABS32_32 | reloc::R_CUDA_ABS32_LO_32 | reloc::R_CUDA_ABS32_HI_32 => Some(8),
+        _ => None,
+    }
+}
+
+/// The implicit addend of a REL entry: what the patched field holds before linking.
+fn implicit_addend(kind: u32, field: &[u8]) -> i64 {
+    let value = match kind {
+        reloc::R_CUDA_32 => u32_at(field, 0).map(u64::from),
+        reloc::R_CUDA_64 | reloc::R_CUDA_G64 => u64_at(field, 0),
+        reloc::R_CUDA_ABS32_32 | reloc::R_CUDA_ABS32_LO_32 => u32_at(field, 4).map(u64::from),
+        _ => None,
+    };
+    value.map_or(0, |v| v as i64)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn relocations(
+    table: &object::read::elf::SectionTable<Elf>,
+    endian: LittleEndian,
+    bytes: &[u8],
+    metas: &[SectionMeta],
+    symbols: &[SymbolMeta],
+    symtab_index: usize,
+    sections: &[LoadedSection],
+    image_index: &[Option<usize>],
+) -> Result<Vec<Relocation>, CubinError> {
+    let mut out = Vec::new();
+    for (index, sh) in table.enumerate() {
+        let Some(meta) = metas.get(index.0) else {
+            continue;
+        };
+        // (offset, info type, symbol, explicit addend)
+        let entries: Vec<(u64, u32, u32, Option<i64>)> = if let Some((rela, _)) = sh
+            .rela(endian, bytes)
+            .map_err(|e| corrupt(format!("{}: {e}", meta.name)))?
+        {
+            rela.iter()
+                .map(|r| {
+                    (
+                        r.r_offset(endian),
+                        r.r_type(endian, false).0,
+                        r.r_sym(endian, false),
+                        Some(r.r_addend(endian)),
+                    )
+                })
+                .collect()
+        } else if let Some((rel, _)) = sh
+            .rel(endian, bytes)
+            .map_err(|e| corrupt(format!("{}: {e}", meta.name)))?
+        {
+            rel.iter()
+                .map(|r| {
+                    (
+                        r.r_offset(endian),
+                        r.r_type(endian).0,
+                        r.r_sym(endian),
+                        None,
+                    )
+                })
+                .collect()
+        } else {
+            continue;
+        };
+        // Relocations of sections outside the image (debug info) are for tools, not for the loader.
+        let target = usize::try_from(meta.info).ok();
+        let Some(image) = target
+            .and_then(|t| image_index.get(t).copied().flatten())
+            .and_then(|i| sections.get(i))
+        else {
+            continue;
+        };
+        if entries.is_empty() {
+            continue;
+        }
+        if usize::try_from(meta.link).ok() != Some(symtab_index) {
+            return Err(corrupt(format!(
+                "{}: not linked to the symbol table",
+                meta.name
+            )));
+        }
+        for (offset, kind, sym, addend) in entries {
+            let width = reloc_width(kind).ok_or_else(|| CubinError::UnknownRelocation {
+                kind,
+                section: meta.name.clone(),
+            })?;
+            if kind == reloc::R_CUDA_NONE {
+                continue;
+            }
+            let end = offset.checked_add(width);
+            let Some(data) = image
+                .data
+                .as_deref()
+                .filter(|_| end.is_some_and(|e| e <= image.info.size))
+            else {
+                return Err(corrupt(format!(
+                    "{}: relocation at {offset:#x} is outside {} or patches a NOBITS section",
+                    meta.name, image.info.name
+                )));
+            };
+            let field = usize::try_from(offset)
+                .ok()
+                .and_then(|o| data.get(o..))
+                .unwrap_or_default();
+            let addend = addend.unwrap_or_else(|| implicit_addend(kind, field));
+            let symbol = symbol_value(sym, symbols, sections, image_index, &meta.name)?;
+            let offset =
+                image.info.image_offset.checked_add(offset).ok_or_else(|| {
+                    corrupt(format!("{}: relocation offset overflows", meta.name))
+                })?;
+            out.push(Relocation {
+                kind,
+                offset,
+                symbol,
+                addend,
+            });
+        }
+    }
+    Ok(out)
+}
+
+fn symbol_value(
+    sym: u32,
+    symbols: &[SymbolMeta],
+    sections: &[LoadedSection],
+    image_index: &[Option<usize>],
+    section: &str,
+) -> Result<SymbolValue, CubinError> {
+    if sym == 0 {
+        return Ok(SymbolValue::Absolute(0));
+    }
+    let s = usize::try_from(sym)
+        .ok()
+        .and_then(|i| symbols.get(i))
+        .ok_or_else(|| corrupt(format!("{section}: relocation symbol {sym} out of range")))?;
+    if s.absolute {
+        return Ok(SymbolValue::Absolute(s.value));
+    }
+    let base = s
+        .section
+        .and_then(|i| image_index.get(i).copied().flatten())
+        .and_then(|i| sections.get(i))
+        .ok_or_else(|| CubinError::UnresolvedSymbol {
+            symbol: s.name.clone(),
+            section: section.to_owned(),
+        })?;
+    // Executable cubins give symbol values relative to their section.
+    base.info
+        .image_offset
+        .checked_add(s.value)
+        .map(SymbolValue::Image)
+        .ok_or_else(|| corrupt(format!("{section}: symbol {} value overflows", s.name)))
+}
+
+fn range_mut(image: &mut [u8], offset: u64, len: usize) -> Result<&mut [u8], CubinError> {
+    let start = usize::try_from(offset).map_err(|_| corrupt("image offset overflows"))?;
+    let end = start
+        .checked_add(len)
+        .ok_or_else(|| corrupt("image offset overflows"))?;
+    image
+        .get_mut(start..end)
+        .ok_or_else(|| corrupt("patch outside the image"))
+}
+
+fn apply(r: &Relocation, base_va: u64, image: &mut [u8]) -> Result<(), CubinError> {
+    let overflow = |value: u64| CubinError::RelocationOverflow {
+        kind: r.kind,
+        offset: r.offset,
+        value,
+    };
+    let symbol = match r.symbol {
+        SymbolValue::Image(offset) => base_va
+            .checked_add(offset)
+            .ok_or_else(|| overflow(offset))?,
+        SymbolValue::Absolute(v) => v,
+    };
+    let value = symbol
+        .checked_add_signed(r.addend)
+        .ok_or_else(|| overflow(symbol))?;
+    let fit32 = |v: u64| u32::try_from(v).map_err(|_| overflow(v));
+    match r.kind {
+        reloc::R_CUDA_32 => {
+            range_mut(image, r.offset, 4)?.copy_from_slice(&fit32(value)?.to_le_bytes())
+        }
+        reloc::R_CUDA_64 | reloc::R_CUDA_G64 => {
+            range_mut(image, r.offset, 8)?.copy_from_slice(&value.to_le_bytes())
+        }
+        reloc::R_CUDA_ABS32_32 | reloc::R_CUDA_ABS32_LO_32 | reloc::R_CUDA_ABS32_HI_32 => {
+            let imm = match r.kind {
+                reloc::R_CUDA_ABS32_32 => fit32(value)?,
+                reloc::R_CUDA_ABS32_LO_32 => value as u32, // the low half by definition
+                _ => (value >> 32) as u32,
+            };
+            let at = r.offset.checked_add(4).ok_or_else(|| overflow(value))?;
+            range_mut(image, at, 4)?.copy_from_slice(&imm.to_le_bytes());
+        }
+        reloc::R_CUDA_UNUSED_CLEAR32 => range_mut(image, r.offset, 4)?.fill(0),
+        reloc::R_CUDA_UNUSED_CLEAR64 => range_mut(image, r.offset, 8)?.fill(0),
+        kind => {
+            return Err(CubinError::UnknownRelocation {
+                kind,
+                section: "(image)".into(),
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sm_from_flags_both_encodings() {
+        assert_eq!(sm_from_e_flags(8, 0x0600_5a04), 90);
+        assert_eq!(sm_from_e_flags(8, 0x0600_6402), 100);
+        assert_eq!(sm_from_e_flags(7, 0x0050_0550), 80);
+    }
+
+    #[test]
+    fn records_reject_overruns() {
+        assert!(records(&[4, 0x17, 12, 0, 1, 2], "t").is_err());
+        assert!(records(&[1, 0x35], "t").is_err());
+        assert!(records(&[9, 0x35, 0, 0], "t").is_err());
+        let r = records(
+            &[1, 0x35, 0, 0, 3, 0x19, 8, 0, 4, 0x1c, 4, 0, 0x60, 0, 0, 0],
+            "t",
+        )
+        .unwrap();
+        assert_eq!(r.len(), 3);
+    }
+}

@@ -1,0 +1,209 @@
+//! Kernel parameters, packed into constant bank 0 by the kernel's own parameter table (EIATTR_KPARAM_INFO).
+
+use super::cubin::KernelInfo;
+
+/// One kernel argument. Scalars and pointers are checked against the size the kernel declares; `Bytes` carries
+/// a by-value struct (or anything else) as its raw bytes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Arg<'a> {
+    I8(i8),
+    U8(u8),
+    I16(i16),
+    U16(u16),
+    I32(i32),
+    U32(u32),
+    I64(i64),
+    U64(u64),
+    F32(f32),
+    F64(f64),
+    /// A device pointer.
+    Ptr(u64),
+    Bytes(&'a [u8]),
+}
+
+impl Arg<'_> {
+    fn write(&self, out: &mut [u8]) {
+        match *self {
+            Arg::I8(v) => out.copy_from_slice(&v.to_le_bytes()),
+            Arg::U8(v) => out.copy_from_slice(&v.to_le_bytes()),
+            Arg::I16(v) => out.copy_from_slice(&v.to_le_bytes()),
+            Arg::U16(v) => out.copy_from_slice(&v.to_le_bytes()),
+            Arg::I32(v) => out.copy_from_slice(&v.to_le_bytes()),
+            Arg::U32(v) => out.copy_from_slice(&v.to_le_bytes()),
+            Arg::I64(v) => out.copy_from_slice(&v.to_le_bytes()),
+            Arg::U64(v) | Arg::Ptr(v) => out.copy_from_slice(&v.to_le_bytes()),
+            Arg::F32(v) => out.copy_from_slice(&v.to_le_bytes()),
+            Arg::F64(v) => out.copy_from_slice(&v.to_le_bytes()),
+            Arg::Bytes(b) => out.copy_from_slice(b),
+        }
+    }
+
+    pub fn size(&self) -> usize {
+        match self {
+            Arg::I8(_) | Arg::U8(_) => 1,
+            Arg::I16(_) | Arg::U16(_) => 2,
+            Arg::I32(_) | Arg::U32(_) | Arg::F32(_) => 4,
+            Arg::I64(_) | Arg::U64(_) | Arg::F64(_) | Arg::Ptr(_) => 8,
+            Arg::Bytes(b) => b.len(),
+        }
+    }
+}
+
+/// Arguments that do not match what the kernel declares.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ParamError {
+    #[error("kernel `{kernel}` takes {expected} parameters, {given} given")]
+    Count {
+        kernel: String,
+        expected: usize,
+        given: usize,
+    },
+    #[error("kernel `{kernel}` parameter {index} is {expected} bytes, the argument is {given}")]
+    Size {
+        kernel: String,
+        index: usize,
+        expected: u32,
+        given: usize,
+    },
+    #[error(
+        "kernel `{kernel}` parameter {index} at {offset:#x}+{size} lies outside its {block}-byte parameter block"
+    )]
+    Layout {
+        kernel: String,
+        index: usize,
+        offset: u32,
+        size: u32,
+        block: u32,
+    },
+}
+
+/// Packs `args` into `out` (the parameter block, at least `kernel.param_cbank_size` bytes) at the offsets the
+/// kernel declares. Padding between parameters is zeroed. Returns the block's size.
+pub fn pack(kernel: &KernelInfo, args: &[Arg<'_>], out: &mut [u8]) -> Result<usize, ParamError> {
+    if args.len() != kernel.params.len() {
+        return Err(ParamError::Count {
+            kernel: kernel.name.clone(),
+            expected: kernel.params.len(),
+            given: args.len(),
+        });
+    }
+    let block = kernel.param_cbank_size;
+    for (index, (arg, p)) in args.iter().zip(&kernel.params).enumerate() {
+        if arg.size() != p.size as usize {
+            return Err(ParamError::Size {
+                kernel: kernel.name.clone(),
+                index,
+                expected: p.size,
+                given: arg.size(),
+            });
+        }
+        let end = p
+            .offset
+            .checked_add(p.size)
+            .filter(|&e| e <= block && e as usize <= out.len());
+        if end.is_none() {
+            return Err(ParamError::Layout {
+                kernel: kernel.name.clone(),
+                index,
+                offset: p.offset,
+                size: p.size,
+                block,
+            });
+        }
+    }
+    let used = (block as usize).min(out.len());
+    out[..used].fill(0);
+    for (arg, p) in args.iter().zip(&kernel.params) {
+        arg.write(&mut out[p.offset as usize..(p.offset + p.size) as usize]);
+    }
+    Ok(used)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::launch::cubin::Cubin;
+
+    fn kernels() -> Cubin {
+        Cubin::parse(include_bytes!(
+            "../../kernels/apex_test_kernels.sm_90.cubin"
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn scalars_land_at_their_declared_offsets() {
+        let c = kernels();
+        let k = c.kernel("scalar_params").unwrap();
+        let mut block = [0xffu8; 64];
+        let n = pack(
+            k,
+            &[
+                Arg::Ptr(0x1122_3344_5566_7788),
+                Arg::I8(-2),
+                Arg::I16(-3),
+                Arg::I32(-4),
+                Arg::I64(-5),
+                Arg::F32(1.5),
+                Arg::F64(2.5),
+                Arg::U8(7),
+                Arg::U64(9),
+            ],
+            &mut block,
+        )
+        .unwrap();
+        assert_eq!(n, k.param_cbank_size as usize);
+        for (p, expect) in k.params.iter().zip([8usize, 1, 2, 4, 8, 4, 8, 1, 8]) {
+            assert_eq!(p.size as usize, expect);
+            assert_eq!(p.offset as usize % expect, 0, "natural alignment");
+        }
+        assert_eq!(&block[0..8], &0x1122_3344_5566_7788u64.to_le_bytes());
+        assert_eq!(block[k.params[1].offset as usize] as i8, -2);
+        let f = k.params[5].offset as usize;
+        assert_eq!(f32::from_le_bytes(block[f..f + 4].try_into().unwrap()), 1.5);
+        // The byte after the i8 is padding: zeroed, not left as it was.
+        assert_eq!(block[k.params[1].offset as usize + 1], 0);
+    }
+
+    #[test]
+    fn mismatches_are_errors() {
+        let c = kernels();
+        let k = c.kernel("saxpy").unwrap();
+        let mut block = [0u8; 64];
+        assert!(matches!(
+            pack(k, &[Arg::F32(1.0)], &mut block),
+            Err(ParamError::Count {
+                expected: 4,
+                given: 1,
+                ..
+            })
+        ));
+        let e = pack(
+            k,
+            &[Arg::F64(1.0), Arg::Ptr(0), Arg::Ptr(0), Arg::U32(1)],
+            &mut block,
+        )
+        .unwrap_err();
+        assert!(matches!(
+            e,
+            ParamError::Size {
+                index: 0,
+                expected: 4,
+                given: 8,
+                ..
+            }
+        ));
+        let big = c.kernel("big_param").unwrap();
+        let words = [0u8; 4096];
+        let mut small = [0u8; 64];
+        assert!(matches!(
+            pack(big, &[Arg::Ptr(0), Arg::Bytes(&words)], &mut small),
+            Err(ParamError::Layout { .. })
+        ));
+        let mut room = vec![0u8; 8192];
+        assert_eq!(
+            pack(big, &[Arg::Ptr(0), Arg::Bytes(&words)], &mut room).unwrap(),
+            big.param_cbank_size as usize
+        );
+    }
+}

@@ -1,0 +1,429 @@
+//! QMDs (queue meta data: the compute engine's launch descriptor), one builder per layout version, written
+//! through the field tables generated from the class headers.
+//!
+//! V03 is the Ampere/Ada layout, V04 Hopper's, V05 Blackwell's. Hopper silently drops a V03 QMD (see
+//! research/hopper-launch.md), so the version must follow the compute class.
+
+use crate::hw::qmd::{v03, v04, v05};
+use crate::hw::{Field, FieldError};
+
+/// QMD layout versions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QmdVersion {
+    V03,
+    V04,
+    V05,
+}
+
+impl QmdVersion {
+    /// The layout a compute class consumes.
+    pub fn for_compute_class(class: u32) -> Option<QmdVersion> {
+        match class {
+            0xc6c0 | 0xc7c0 | 0xc9c0 => Some(QmdVersion::V03),
+            0xcbc0 => Some(QmdVersion::V04),
+            0xcdc0 | 0xcec0 => Some(QmdVersion::V05),
+            _ => None,
+        }
+    }
+
+    pub fn size_bytes(self) -> usize {
+        match self {
+            QmdVersion::V03 => v03::SIZE_BYTES,
+            QmdVersion::V04 => v04::SIZE_BYTES,
+            QmdVersion::V05 => v05::SIZE_BYTES,
+        }
+    }
+
+    pub fn major(self) -> u8 {
+        match self {
+            QmdVersion::V03 => 3,
+            QmdVersion::V04 => 4,
+            QmdVersion::V05 => 5,
+        }
+    }
+}
+
+/// Words of the largest QMD (384 bytes).
+pub const QMD_WORDS: usize = 96;
+
+/// A constant bank bound to the launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct ConstBuffer {
+    pub va: u64,
+    pub size: u32,
+}
+
+/// Everything a QMD says about one launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QmdParams {
+    /// SM version as major * 10 + minor (90).
+    pub sm_version: u32,
+    pub program_va: u64,
+    pub registers: u32,
+    pub barriers: u32,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    /// Shared memory per block: the kernel's static size (with the 1 KiB the compiler reserves) plus dynamic.
+    pub shared_bytes: u32,
+    /// Local memory (stack) per thread that the context's local-memory buffer provides.
+    pub local_bytes_per_thread: u32,
+    pub const_buffers: [Option<ConstBuffer>; 8],
+    /// Semaphore written when the grid completes: four words (64-bit payload, then a timestamp).
+    pub release: Option<(u64, u64)>,
+}
+
+/// A value did not fit its QMD field.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {value:#x} does not fit the QMD field")]
+pub struct QmdError {
+    pub field: &'static str,
+    pub value: u64,
+}
+
+struct Writer<'a> {
+    words: &'a mut [u32; QMD_WORDS],
+}
+
+impl Writer<'_> {
+    fn set(&mut self, name: &'static str, field: Field, value: u64) -> Result<(), QmdError> {
+        field.set(self.words, value).map_err(|e| match e {
+            FieldError::TooWide { .. } | FieldError::OutOfRange { .. } => {
+                QmdError { field: name, value }
+            }
+        })
+    }
+}
+
+macro_rules! set {
+    ($w:expr, $m:ident :: $f:ident, $v:expr) => {
+        $w.set(stringify!($f), $m::$f, ($v) as u64)?
+    };
+    ($w:expr, $m:ident :: $f:ident ($i:expr), $v:expr) => {
+        $w.set(stringify!($f), $m::$f($i as u32), ($v) as u64)?
+    };
+}
+
+/// Shared-memory carveouts (KiB) the SM can be configured with, by architecture.
+pub fn shared_carveouts_kib(sm_version: u32) -> &'static [u32] {
+    match sm_version {
+        80 | 87 => &[0, 8, 16, 32, 64, 100, 132, 164],
+        86 | 89 => &[0, 8, 16, 32, 64, 100],
+        _ => &[0, 8, 16, 32, 64, 100, 132, 164, 196, 228],
+    }
+}
+
+/// The SM_CONFIG_SHARED_MEM_SIZE encoding of a carveout: KiB / 4 + 1 (228 KiB is 0x3a, as libcuda sends).
+pub const fn sm_config(kib: u32) -> u32 {
+    kib / 4 + 1
+}
+
+/// (min, target, max) shared-memory configurations for a block of `shared_bytes`: the smallest carveout that
+/// holds it, a target of at least 32 KiB (libcuda's choice for small kernels), and the largest carveout.
+pub fn sm_configs(sm_version: u32, shared_bytes: u32) -> (u32, u32, u32) {
+    let carve = shared_carveouts_kib(sm_version);
+    let max = *carve.last().unwrap_or(&0);
+    let min = carve
+        .iter()
+        .copied()
+        .find(|&k| k * 1024 >= shared_bytes)
+        .unwrap_or(max);
+    let target = min.max(32.min(max));
+    (sm_config(min), sm_config(target), sm_config(max))
+}
+
+/// Writes the QMD for `p` in layout `version` into `out` (all other bits zero).
+pub fn build(
+    version: QmdVersion,
+    p: &QmdParams,
+    out: &mut [u32; QMD_WORDS],
+) -> Result<(), QmdError> {
+    out.fill(0);
+    let (min_cfg, target_cfg, max_cfg) = sm_configs(p.sm_version, p.shared_bytes);
+    let sass = ((p.sm_version / 10) << 4) | (p.sm_version % 10);
+    let w = &mut Writer { words: out };
+    match version {
+        QmdVersion::V04 => {
+            set!(w, v04::QMD_GROUP_ID, 0x3f);
+            set!(w, v04::QMD_TYPE, v04::QMD_TYPE_GRID_CTA);
+            set!(w, v04::QMD_MAJOR_VERSION, 4);
+            set!(w, v04::QMD_MINOR_VERSION, 0);
+            set!(w, v04::SASS_VERSION, sass);
+            set!(
+                w,
+                v04::API_VISIBLE_CALL_LIMIT,
+                v04::API_VISIBLE_CALL_LIMIT_NO_CHECK
+            );
+            set!(w, v04::SAMPLER_INDEX, v04::SAMPLER_INDEX_VIA_HEADER_INDEX);
+            set!(w, v04::INVALIDATE_TEXTURE_HEADER_CACHE, 1);
+            set!(w, v04::INVALIDATE_TEXTURE_SAMPLER_CACHE, 1);
+            set!(w, v04::INVALIDATE_TEXTURE_DATA_CACHE, 1);
+            set!(w, v04::INVALIDATE_SHADER_DATA_CACHE, 1);
+            set!(w, v04::INVALIDATE_SHADER_CONSTANT_CACHE, 1);
+            set!(w, v04::CWD_MEMBAR_TYPE, v04::CWD_MEMBAR_TYPE_L1_SYSMEMBAR);
+            set!(w, v04::SHARED_MEMORY_SIZE, p.shared_bytes);
+            set!(w, v04::MIN_SM_CONFIG_SHARED_MEM_SIZE, min_cfg);
+            set!(w, v04::TARGET_SM_CONFIG_SHARED_MEM_SIZE, target_cfg);
+            set!(w, v04::MAX_SM_CONFIG_SHARED_MEM_SIZE, max_cfg);
+            set!(
+                w,
+                v04::SHADER_LOCAL_MEMORY_HIGH_SIZE,
+                p.local_bytes_per_thread
+            );
+            set!(w, v04::GRID_WIDTH, p.grid[0]);
+            set!(w, v04::GRID_HEIGHT, p.grid[1]);
+            set!(w, v04::GRID_DEPTH, p.grid[2]);
+            set!(w, v04::CTA_THREAD_DIMENSION0, p.block[0]);
+            set!(w, v04::CTA_THREAD_DIMENSION1, p.block[1]);
+            set!(w, v04::CTA_THREAD_DIMENSION2, p.block[2]);
+            set!(w, v04::REGISTER_COUNT, p.registers);
+            set!(w, v04::BARRIER_COUNT, p.barriers);
+            set!(w, v04::PROGRAM_ADDRESS_LOWER, p.program_va & 0xffff_ffff);
+            set!(w, v04::PROGRAM_ADDRESS_UPPER, p.program_va >> 32);
+            for (i, cb) in p.const_buffers.iter().enumerate() {
+                if let Some(cb) = cb {
+                    set!(w, v04::CONSTANT_BUFFER_VALID(i), 1);
+                    set!(
+                        w,
+                        v04::CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(i),
+                        (cb.va >> 6) & 0xffff_ffff
+                    );
+                    set!(w, v04::CONSTANT_BUFFER_ADDR_UPPER_SHIFTED6(i), cb.va >> 38);
+                    set!(
+                        w,
+                        v04::CONSTANT_BUFFER_SIZE_SHIFTED4(i),
+                        cb.size.div_ceil(16)
+                    );
+                }
+            }
+            if let Some((va, payload)) = p.release {
+                set!(w, v04::RELEASE_ENABLE(0), 1);
+                set!(
+                    w,
+                    v04::RELEASE_STRUCTURE_SIZE(0),
+                    v04::RELEASE_STRUCTURE_SIZE_SEMAPHORE_FOUR_WORDS
+                );
+                set!(w, v04::RELEASE_PAYLOAD64B(0), 1);
+                set!(w, v04::RELEASE_SEMAPHORE0_ADDR_LOWER, va & 0xffff_ffff);
+                set!(w, v04::RELEASE_SEMAPHORE0_ADDR_UPPER, va >> 32);
+                set!(
+                    w,
+                    v04::RELEASE_SEMAPHORE0_PAYLOAD_LOWER,
+                    payload & 0xffff_ffff
+                );
+                set!(w, v04::RELEASE_SEMAPHORE0_PAYLOAD_UPPER, payload >> 32);
+            }
+        }
+        QmdVersion::V05 => {
+            set!(w, v05::QMD_GROUP_ID, 0x3f);
+            set!(w, v05::QMD_TYPE, v05::QMD_TYPE_GRID_CTA);
+            set!(w, v05::QMD_MAJOR_VERSION, 5);
+            set!(w, v05::QMD_MINOR_VERSION, 0);
+            set!(w, v05::SASS_VERSION, sass);
+            set!(
+                w,
+                v05::API_VISIBLE_CALL_LIMIT,
+                v05::API_VISIBLE_CALL_LIMIT_NO_CHECK
+            );
+            set!(w, v05::SAMPLER_INDEX, v05::SAMPLER_INDEX_VIA_HEADER_INDEX);
+            set!(w, v05::INVALIDATE_TEXTURE_HEADER_CACHE, 1);
+            set!(w, v05::INVALIDATE_TEXTURE_SAMPLER_CACHE, 1);
+            set!(w, v05::INVALIDATE_TEXTURE_DATA_CACHE, 1);
+            set!(w, v05::INVALIDATE_SHADER_DATA_CACHE, 1);
+            set!(w, v05::INVALIDATE_SHADER_CONSTANT_CACHE, 1);
+            set!(w, v05::CWD_MEMBAR_TYPE, v05::CWD_MEMBAR_TYPE_L1_SYSMEMBAR);
+            set!(
+                w,
+                v05::SHARED_MEMORY_SIZE_SHIFTED7,
+                p.shared_bytes.div_ceil(128)
+            );
+            set!(w, v05::MIN_SM_CONFIG_SHARED_MEM_SIZE, min_cfg);
+            set!(w, v05::TARGET_SM_CONFIG_SHARED_MEM_SIZE, target_cfg);
+            set!(w, v05::MAX_SM_CONFIG_SHARED_MEM_SIZE, max_cfg);
+            set!(
+                w,
+                v05::SHADER_LOCAL_MEMORY_HIGH_SIZE_SHIFTED4,
+                p.local_bytes_per_thread.div_ceil(16)
+            );
+            set!(w, v05::GRID_WIDTH, p.grid[0]);
+            set!(w, v05::GRID_HEIGHT, p.grid[1]);
+            set!(w, v05::GRID_DEPTH, p.grid[2]);
+            set!(w, v05::CTA_THREAD_DIMENSION0, p.block[0]);
+            set!(w, v05::CTA_THREAD_DIMENSION1, p.block[1]);
+            set!(w, v05::CTA_THREAD_DIMENSION2, p.block[2]);
+            set!(w, v05::REGISTER_COUNT, p.registers);
+            set!(w, v05::BARRIER_COUNT, p.barriers);
+            set!(
+                w,
+                v05::PROGRAM_ADDRESS_LOWER_SHIFTED4,
+                (p.program_va >> 4) & 0xffff_ffff
+            );
+            set!(w, v05::PROGRAM_ADDRESS_UPPER_SHIFTED4, p.program_va >> 36);
+            for (i, cb) in p.const_buffers.iter().enumerate() {
+                if let Some(cb) = cb {
+                    set!(w, v05::CONSTANT_BUFFER_VALID(i), 1);
+                    set!(
+                        w,
+                        v05::CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(i),
+                        (cb.va >> 6) & 0xffff_ffff
+                    );
+                    set!(w, v05::CONSTANT_BUFFER_ADDR_UPPER_SHIFTED6(i), cb.va >> 38);
+                    set!(
+                        w,
+                        v05::CONSTANT_BUFFER_SIZE_SHIFTED4(i),
+                        cb.size.div_ceil(16)
+                    );
+                }
+            }
+            if let Some((va, payload)) = p.release {
+                set!(w, v05::RELEASE_ENABLE(0), 1);
+                set!(
+                    w,
+                    v05::RELEASE_STRUCTURE_SIZE(0),
+                    v05::RELEASE_STRUCTURE_SIZE_SEMAPHORE_FOUR_WORDS
+                );
+                set!(w, v05::RELEASE_PAYLOAD64B(0), 1);
+                set!(w, v05::RELEASE_SEMAPHORE0_ADDR_LOWER, va & 0xffff_ffff);
+                set!(w, v05::RELEASE_SEMAPHORE0_ADDR_UPPER, va >> 32);
+                set!(
+                    w,
+                    v05::RELEASE_SEMAPHORE0_PAYLOAD_LOWER,
+                    payload & 0xffff_ffff
+                );
+                set!(w, v05::RELEASE_SEMAPHORE0_PAYLOAD_UPPER, payload >> 32);
+            }
+        }
+        QmdVersion::V03 => {
+            set!(w, v03::QMD_GROUP_ID, 0x3f);
+            set!(w, v03::QMD_MAJOR_VERSION, 3);
+            set!(w, v03::SASS_VERSION, sass);
+            set!(w, v03::SM_GLOBAL_CACHING_ENABLE, 1);
+            set!(
+                w,
+                v03::API_VISIBLE_CALL_LIMIT,
+                v03::API_VISIBLE_CALL_LIMIT_NO_CHECK
+            );
+            set!(w, v03::SAMPLER_INDEX, v03::SAMPLER_INDEX_VIA_HEADER_INDEX);
+            set!(w, v03::INVALIDATE_TEXTURE_HEADER_CACHE, 1);
+            set!(w, v03::INVALIDATE_TEXTURE_SAMPLER_CACHE, 1);
+            set!(w, v03::INVALIDATE_TEXTURE_DATA_CACHE, 1);
+            set!(w, v03::INVALIDATE_SHADER_DATA_CACHE, 1);
+            set!(w, v03::INVALIDATE_SHADER_CONSTANT_CACHE, 1);
+            set!(w, v03::CWD_MEMBAR_TYPE, v03::CWD_MEMBAR_TYPE_L1_SYSMEMBAR);
+            set!(w, v03::SHARED_MEMORY_SIZE, p.shared_bytes);
+            set!(w, v03::MIN_SM_CONFIG_SHARED_MEM_SIZE, min_cfg);
+            set!(w, v03::TARGET_SM_CONFIG_SHARED_MEM_SIZE, target_cfg);
+            set!(w, v03::MAX_SM_CONFIG_SHARED_MEM_SIZE, max_cfg);
+            set!(
+                w,
+                v03::SHADER_LOCAL_MEMORY_HIGH_SIZE,
+                p.local_bytes_per_thread
+            );
+            set!(w, v03::CTA_RASTER_WIDTH, p.grid[0]);
+            set!(w, v03::CTA_RASTER_HEIGHT, p.grid[1]);
+            set!(w, v03::CTA_RASTER_DEPTH, p.grid[2]);
+            set!(w, v03::CTA_THREAD_DIMENSION0, p.block[0]);
+            set!(w, v03::CTA_THREAD_DIMENSION1, p.block[1]);
+            set!(w, v03::CTA_THREAD_DIMENSION2, p.block[2]);
+            set!(w, v03::REGISTER_COUNT_V, p.registers);
+            set!(w, v03::BARRIER_COUNT, p.barriers);
+            set!(w, v03::PROGRAM_ADDRESS_LOWER, p.program_va & 0xffff_ffff);
+            set!(w, v03::PROGRAM_ADDRESS_UPPER, p.program_va >> 32);
+            for (i, cb) in p.const_buffers.iter().enumerate() {
+                if let Some(cb) = cb {
+                    set!(w, v03::CONSTANT_BUFFER_VALID(i), 1);
+                    set!(w, v03::CONSTANT_BUFFER_ADDR_LOWER(i), cb.va & 0xffff_ffff);
+                    set!(w, v03::CONSTANT_BUFFER_ADDR_UPPER(i), cb.va >> 32);
+                    set!(
+                        w,
+                        v03::CONSTANT_BUFFER_SIZE_SHIFTED4(i),
+                        cb.size.div_ceil(16)
+                    );
+                }
+            }
+            if let Some((va, payload)) = p.release {
+                set!(w, v03::RELEASE0_ENABLE, 1);
+                set!(
+                    w,
+                    v03::RELEASE0_STRUCTURE_SIZE,
+                    v03::RELEASE0_STRUCTURE_SIZE_SEMAPHORE_FOUR_WORDS
+                );
+                set!(w, v03::RELEASE0_PAYLOAD64B, 1);
+                set!(w, v03::RELEASE0_ADDRESS_LOWER, va & 0xffff_ffff);
+                set!(w, v03::RELEASE0_ADDRESS_UPPER, va >> 32);
+                set!(w, v03::RELEASE0_PAYLOAD_LOWER, payload & 0xffff_ffff);
+                set!(w, v03::RELEASE0_PAYLOAD_UPPER, payload >> 32);
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn add_kernel() -> QmdParams {
+        // The `add<<<2,32>>>` launch of research/hopper-launch.md §5.
+        let mut cbs = [None; 8];
+        cbs[0] = Some(ConstBuffer {
+            va: 0x7fee_ae2b_0000,
+            size: 0x300,
+        });
+        QmdParams {
+            sm_version: 90,
+            program_va: 0x7fee_af7a_2400,
+            registers: 0x10,
+            barriers: 1,
+            grid: [2, 1, 1],
+            block: [32, 1, 1],
+            shared_bytes: 0x400,
+            local_bytes_per_thread: 0x640,
+            const_buffers: cbs,
+            release: Some((0x2_0463_7f24, 6)),
+        }
+    }
+
+    #[test]
+    fn sm_config_encoding_matches_libcuda() {
+        assert_eq!(sm_config(228), 0x3a);
+        assert_eq!(sm_config(32), 9);
+        assert_eq!(sm_configs(90, 0x400), (sm_config(8), 9, 0x3a));
+        assert_eq!(sm_configs(90, 0x19400).2, 0x3a);
+        assert_eq!(
+            sm_configs(89, 0x400).2,
+            0x1a,
+            "Ada's largest carveout is 100 KiB (tinygrad's 0x1a)"
+        );
+    }
+
+    #[test]
+    fn v04_sizes_and_versions() {
+        assert_eq!(QmdVersion::V04.size_bytes(), 384);
+        assert_eq!(QmdVersion::V03.size_bytes(), 256);
+        assert_eq!(QmdVersion::for_compute_class(0xcbc0), Some(QmdVersion::V04));
+        assert_eq!(QmdVersion::for_compute_class(0xc9c0), Some(QmdVersion::V03));
+        assert_eq!(QmdVersion::for_compute_class(0xcec0), Some(QmdVersion::V05));
+        assert_eq!(QmdVersion::for_compute_class(0x1234), None);
+    }
+
+    #[test]
+    fn oversized_values_name_the_field() {
+        let mut p = add_kernel();
+        p.block[2] = 1 << 20;
+        let mut q = [0u32; QMD_WORDS];
+        let e = build(QmdVersion::V04, &p, &mut q).unwrap_err();
+        assert_eq!(e.field, "CTA_THREAD_DIMENSION2");
+    }
+
+    #[test]
+    fn every_version_builds() {
+        let mut q = [0u32; QMD_WORDS];
+        for v in [QmdVersion::V03, QmdVersion::V04, QmdVersion::V05] {
+            build(v, &add_kernel(), &mut q).unwrap();
+            assert!(
+                q[v.size_bytes() / 4..].iter().all(|&w| w == 0),
+                "{v:?} writes past its size"
+            );
+        }
+    }
+}

@@ -1,0 +1,469 @@
+//! The compute queue: a pushbuffer queue whose channel is set up for compute, with per-launch slots holding a
+//! QMD and its constant bank 0, local memory sized from the kernels' stacks, and launches that run in order
+//! like a CUDA stream.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::debug;
+
+use crate::gpfifo::wait_until;
+use crate::pushbuf::{Acquire, Fence, Queue, QueueConfig, Signal};
+use crate::rm::{GpuCore, Memory, MemoryDesc, Placement};
+
+use super::cbank::{DRIVER_BYTES, write_driver_words};
+use super::module::{Kernel, newest_generation};
+use super::params::{Arg, pack};
+use super::qmd::{self, ConstBuffer, QMD_WORDS, QmdParams, QmdVersion};
+use super::{Error, Result};
+
+/// Grid and block shape and dynamic shared memory of one launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchConfig {
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared_bytes: u32,
+}
+
+impl LaunchConfig {
+    pub fn linear(blocks: u32, threads: u32) -> LaunchConfig {
+        LaunchConfig {
+            grid: [blocks, 1, 1],
+            block: [threads, 1, 1],
+            shared_bytes: 0,
+        }
+    }
+}
+
+/// Device limits a launch is checked against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub max_grid: [u32; 3],
+    pub max_block: [u32; 3],
+    pub max_threads_per_block: u32,
+    /// Shared memory one block may use, the compiler's reserved 1 KiB included.
+    pub max_shared_per_block: u32,
+    pub registers_per_sm: u32,
+    pub max_param_bytes: u32,
+}
+
+impl Limits {
+    pub fn for_sm(sm_version: u32) -> Limits {
+        let carve = qmd::shared_carveouts_kib(sm_version);
+        Limits {
+            max_grid: [i32::MAX as u32, 65535, 65535],
+            max_block: [1024, 1024, 64],
+            max_threads_per_block: 1024,
+            max_shared_per_block: carve.last().copied().unwrap_or(48) * 1024,
+            registers_per_sm: 65536,
+            max_param_bytes: MAX_PARAM_BYTES as u32,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ComputeQueueConfig {
+    pub queue: QueueConfig,
+    /// Launch slots (QMD + constant bank 0 each): how many launches can be in flight.
+    pub slots: usize,
+    pub timeout: Duration,
+}
+
+impl Default for ComputeQueueConfig {
+    fn default() -> ComputeQueueConfig {
+        let queue = QueueConfig {
+            push_placement: Placement::Video,
+            ..QueueConfig::default()
+        };
+        ComputeQueueConfig {
+            queue,
+            slots: 256,
+            timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Largest parameter block (sm_90 kernels may take up to 32764 bytes).
+const MAX_PARAM_BYTES: usize = 32 * 1024;
+const QMD_BYTES: u64 = 512;
+const CBANK_BYTES: u64 = (DRIVER_BYTES + MAX_PARAM_BYTES).next_multiple_of(256) as u64;
+const SLOT_BYTES: u64 = QMD_BYTES + CBANK_BYTES;
+/// Local memory per thread that the queue starts with: 1 KiB of stack plus what the driver reserves (0x240),
+/// as libcuda does.
+const LOCAL_RESERVE: u32 = 0x240;
+const INITIAL_STACK: u32 = 1024;
+/// Address range for the shared- and local-memory windows: no mapping may lie in the 4 GiB above the shared
+/// window (Hopper), so the whole range stays empty.
+const WINDOWS_BYTES: u64 = 12 << 30;
+const WINDOW_ALIGN: u64 = 4 << 30;
+
+/// Kernel launches in order on our own channel.
+pub struct ComputeQueue {
+    queue: Queue,
+    gpu: Arc<GpuCore>,
+    version: QmdVersion,
+    limits: Limits,
+    slots: Memory,
+    slot_values: Vec<u64>,
+    next_slot: usize,
+    params: Vec<u8>,
+    windows_va: u64,
+    local: Option<Memory>,
+    local_per_thread: u32,
+    retired_local: Vec<(Memory, u64)>,
+    seen_generation: u64,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for ComputeQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ComputeQueue")
+            .field("version", &self.version)
+            .field("last", &self.queue.last_submitted())
+            .finish()
+    }
+}
+
+impl ComputeQueue {
+    pub fn new(gpu: &Arc<GpuCore>, config: ComputeQueueConfig) -> Result<ComputeQueue> {
+        if config.slots == 0 {
+            return Err(Error::Unsupported(
+                "a compute queue needs at least one launch slot".into(),
+            ));
+        }
+        let mut qc = config.queue;
+        qc.channel.compute = true;
+        let queue = Queue::new(gpu, qc)?;
+        let class = queue
+            .channel()
+            .classes()
+            .compute
+            .ok_or_else(|| Error::Unsupported("no compute class".into()))?;
+        let version = QmdVersion::for_compute_class(class).ok_or_else(|| {
+            Error::Unsupported(format!("compute class {class:#x} has no known QMD layout"))
+        })?;
+        let sm = gpu.info().sm_version;
+        if version != QmdVersion::V04 || sm / 10 != 9 {
+            // The cbank0 driver layout and QMD recipe are verified on Hopper; other generations use the driver.
+            return Err(Error::Unsupported(format!(
+                "sm_{sm} (QMD {version:?}); the direct launch path runs on Hopper (sm_90)"
+            )));
+        }
+        let slots = Memory::alloc(
+            gpu,
+            MemoryDesc::video(SLOT_BYTES * config.slots as u64)
+                .with_cpu()
+                .low(),
+        )?;
+        // The constant banks' driver words are zero except the ones each launch writes, so zero them once.
+        slots.fill(0, slots.size(), 0)?;
+        let windows_va = gpu.low_region().alloc(WINDOWS_BYTES, WINDOW_ALIGN)?;
+        let mut cq = ComputeQueue {
+            queue,
+            gpu: gpu.clone(),
+            version,
+            limits: Limits::for_sm(sm),
+            slots,
+            slot_values: vec![0; config.slots],
+            next_slot: 0,
+            params: vec![0; MAX_PARAM_BYTES],
+            windows_va,
+            local: None,
+            local_per_thread: 0,
+            retired_local: Vec::new(),
+            seen_generation: 0,
+            timeout: config.timeout,
+        };
+        let (shared, local) = (cq.shared_window(), cq.local_window());
+        cq.queue.submit(16, Signal::Host, |p, _| {
+            p.set_spa_version(sm / 10, sm % 10);
+            p.set_qmd_version(0x40, 1);
+            p.set_shader_windows(shared, local);
+        })?;
+        cq.ensure_local_memory(INITIAL_STACK)?;
+        cq.queue.wait_idle(cq.timeout)?;
+        debug!(
+            shared = format_args!("{shared:#x}"),
+            local = format_args!("{local:#x}"),
+            "compute queue ready"
+        );
+        Ok(cq)
+    }
+
+    pub fn local_window(&self) -> u64 {
+        self.windows_va
+    }
+
+    pub fn shared_window(&self) -> u64 {
+        self.windows_va + WINDOW_ALIGN
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    pub fn gpu(&self) -> &Arc<GpuCore> {
+        &self.gpu
+    }
+
+    pub fn queue(&self) -> &Queue {
+        &self.queue
+    }
+
+    pub fn queue_mut(&mut self) -> &mut Queue {
+        &mut self.queue
+    }
+
+    /// Local memory per thread the queue provides now.
+    pub fn local_bytes_per_thread(&self) -> u32 {
+        self.local_per_thread
+    }
+
+    /// Grows the local-memory buffer so every thread has `stack` bytes of stack. The old buffer stays alive
+    /// until the launches that may use it are complete.
+    fn ensure_local_memory(&mut self, stack: u32) -> Result<()> {
+        let per_thread = (stack + LOCAL_RESERVE).next_multiple_of(16);
+        if per_thread <= self.local_per_thread {
+            return Ok(());
+        }
+        let info = self.gpu.info();
+        // Every thread an SM can hold, on both SMs of a TPC (libcuda: 0x640 per thread gives 0x640000 per TPC).
+        let threads_per_tpc = u64::from(info.max_warps_per_sm) * 32 * u64::from(info.sms_per_tpc);
+        let per_tpc = (u64::from(per_thread) * threads_per_tpc).next_multiple_of(0x8000);
+        let total = (per_tpc * u64::from(info.tpc_count)).next_multiple_of(2 << 20);
+        let mem = Memory::alloc(&self.gpu, MemoryDesc::video(total))?;
+        let va = mem.va();
+        let tpcs = info.tpc_count;
+        self.queue.submit(24, Signal::Host, |p, _| {
+            p.wfi();
+            p.set_local_memory(va, per_tpc, tpcs);
+        })?;
+        if let Some(old) = self.local.replace(mem) {
+            self.retired_local.push((old, self.queue.last_submitted()));
+        }
+        self.local_per_thread = per_thread;
+        debug!(per_thread, total, "local memory grown");
+        Ok(())
+    }
+
+    fn check(&self, kernel: &Kernel, cfg: &LaunchConfig) -> Result<u32> {
+        let k = kernel.info();
+        let bad = |why: String| Error::InvalidLaunch {
+            kernel: k.name.clone(),
+            why,
+        };
+        let l = &self.limits;
+        for (i, axis) in ["x", "y", "z"].iter().enumerate() {
+            if cfg.grid[i] == 0 || cfg.grid[i] > l.max_grid[i] {
+                return Err(bad(format!(
+                    "grid.{axis} = {} (must be 1..={})",
+                    cfg.grid[i], l.max_grid[i]
+                )));
+            }
+            if cfg.block[i] == 0 || cfg.block[i] > l.max_block[i] {
+                return Err(bad(format!(
+                    "block.{axis} = {} (must be 1..={})",
+                    cfg.block[i], l.max_block[i]
+                )));
+            }
+        }
+        let threads = cfg.block.iter().map(|&b| u64::from(b)).product::<u64>();
+        if threads > u64::from(l.max_threads_per_block) {
+            return Err(bad(format!(
+                "{threads} threads per block (at most {})",
+                l.max_threads_per_block
+            )));
+        }
+        if let Some(max) = k.max_threads.filter(|&m| threads > u64::from(m)) {
+            return Err(bad(format!(
+                "{threads} threads per block, the kernel was compiled for at most {max}"
+            )));
+        }
+        if let Some(req) = k.required_block.filter(|r| *r != cfg.block) {
+            return Err(bad(format!(
+                "block {:?}, the kernel requires {req:?}",
+                cfg.block
+            )));
+        }
+        // Registers are allocated per warp in units of 256.
+        let per_warp = (u64::from(k.registers.max(1)) * 32).next_multiple_of(256);
+        let warps = threads.div_ceil(32);
+        if per_warp * warps > u64::from(l.registers_per_sm) {
+            return Err(bad(format!(
+                "{threads} threads need {} registers ({} per thread), an SM has {}",
+                per_warp * warps,
+                k.registers,
+                l.registers_per_sm
+            )));
+        }
+        let shared = k.static_shared.saturating_add(u64::from(cfg.shared_bytes));
+        if shared > u64::from(l.max_shared_per_block) {
+            return Err(bad(format!(
+                "{shared} bytes of shared memory ({} static + {} dynamic), at most {}",
+                k.static_shared, cfg.shared_bytes, l.max_shared_per_block
+            )));
+        }
+        if k.param_cbank_size as usize > MAX_PARAM_BYTES {
+            return Err(bad(format!(
+                "a {}-byte parameter block (at most {MAX_PARAM_BYTES})",
+                k.param_cbank_size
+            )));
+        }
+        if k.param_cbank_offset as usize != DRIVER_BYTES && !k.params.is_empty() {
+            return Err(bad(format!(
+                "parameters at c[0x0][{:#x}], expected {DRIVER_BYTES:#x} on sm_90",
+                k.param_cbank_offset
+            )));
+        }
+        Ok(shared as u32)
+    }
+
+    /// Launches `kernel` over `cfg` with `args` (checked against the kernel's parameter table). Launches on one
+    /// queue run in order. The fence completes when the kernel has finished.
+    ///
+    /// # Safety
+    /// The kernel runs with the queue's GPU access: it may read and write any address the arguments lead it to.
+    /// The caller guarantees that buffers the kernel writes are not in use elsewhere until the fence completes.
+    pub unsafe fn launch(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+    ) -> Result<Fence> {
+        // SAFETY: forwarded.
+        let fence = unsafe { self.record_launch(kernel, cfg, args)? };
+        self.queue.kick();
+        Ok(fence)
+    }
+
+    /// As [`launch`](Self::launch) without ringing the doorbell; [`flush`](Self::flush) sends everything
+    /// recorded under one doorbell.
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch).
+    pub unsafe fn record_launch(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+    ) -> Result<Fence> {
+        let k = kernel.info();
+        let shared = self.check(kernel, cfg)?;
+        let n = pack(k, args, &mut self.params)?;
+        if k.min_stack_size + LOCAL_RESERVE > self.local_per_thread {
+            self.ensure_local_memory(k.min_stack_size)?;
+        }
+        self.retire_local();
+
+        let slot = self.next_slot;
+        let busy_until = self.slot_values[slot];
+        if !self.queue.timeline().is_reached(busy_until) {
+            let t = self.queue.timeline().clone();
+            let fence = self.queue.fence_for(busy_until);
+            wait_until(
+                "a free launch slot",
+                self.timeout,
+                || t.is_reached(busy_until),
+                || None,
+            )?;
+            fence.wait(Duration::ZERO)?;
+        }
+        let slot_off = slot as u64 * SLOT_BYTES;
+        let qmd_va = self.slots.va() + slot_off;
+        let cb_va = qmd_va + QMD_BYTES;
+        let value = self.queue.last_submitted() + 1;
+
+        let mut cbs = [None; 8];
+        cbs[0] = Some(ConstBuffer {
+            va: cb_va,
+            size: (DRIVER_BYTES as u32 + k.param_cbank_size).next_multiple_of(16),
+        });
+        for bank in k.const_banks.iter().filter(|b| b.bank != 0 && b.bank < 8) {
+            if let Some(off) = bank.image_offset {
+                cbs[bank.bank as usize] = Some(ConstBuffer {
+                    va: kernel.module().base_va() + off,
+                    size: bank.size as u32,
+                });
+            }
+        }
+        let params = QmdParams {
+            sm_version: self.gpu.info().sm_version,
+            program_va: kernel.program_va(),
+            registers: k.registers,
+            barriers: k.barrier_count.max(1),
+            grid: cfg.grid,
+            block: cfg.block,
+            shared_bytes: shared.next_multiple_of(256),
+            local_bytes_per_thread: self.local_per_thread,
+            const_buffers: cbs,
+            release: Some((self.queue.timeline().va(), value)),
+        };
+        let mut q = [0u32; QMD_WORDS];
+        qmd::build(self.version, &params, &mut q)?;
+
+        let mut driver = [0u32; 11];
+        write_driver_words(
+            &mut driver,
+            cfg.block,
+            cfg.grid,
+            self.shared_window(),
+            self.local_window(),
+        );
+        self.slots.write_words(slot_off + QMD_BYTES, &driver)?;
+        self.slots.write(
+            slot_off + QMD_BYTES + DRIVER_BYTES as u64,
+            &self.params[..n],
+        )?;
+        self.slots
+            .write_words(slot_off, &q[..self.version.size_bytes() / 4])?;
+
+        let prev = self.queue.last_submitted();
+        let prev_done = self.queue.timeline().is_reached(prev);
+        let invalidate = self.seen_generation < kernel.module().generation();
+        let timeline_va = self.queue.timeline().va();
+        let fence = self.queue.record(16, Signal::Recorded, |p, v| {
+            debug_assert_eq!(v, value);
+            if invalidate {
+                p.invalidate_shader_caches_no_wfi();
+            }
+            if !prev_done {
+                // Stream order: this grid starts only after the previous one released its value.
+                p.sem_acquire(timeline_va, prev, Acquire::StrictGeq, true, false);
+            }
+            p.send_pcas(qmd_va);
+        })?;
+        if invalidate {
+            self.seen_generation = newest_generation();
+        }
+        self.slot_values[slot] = value;
+        self.next_slot = (slot + 1) % self.slot_values.len();
+        Ok(fence)
+    }
+
+    /// Rings the doorbell for everything recorded.
+    pub fn flush(&mut self) {
+        self.queue.kick();
+    }
+
+    /// Waits until every launch so far has completed.
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.queue.wait_idle(self.timeout)?)
+    }
+
+    fn retire_local(&mut self) {
+        if self.retired_local.is_empty() {
+            return;
+        }
+        let t = self.queue.timeline();
+        self.retired_local.retain(|(_, v)| !t.is_reached(*v));
+    }
+}
+
+impl Drop for ComputeQueue {
+    fn drop(&mut self) {
+        // Let in-flight launches finish before their memory goes (a short wait: a hung queue is torn down
+        // with its channel anyway).
+        let _ = self.queue.wait_idle(Duration::from_secs(2));
+        self.gpu.low_region().free(self.windows_va, WINDOWS_BYTES);
+    }
+}

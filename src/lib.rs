@@ -1,0 +1,11 @@
+//! APEX: launch work on NVIDIA GPUs by talking to the kernel driver directly.
+//!
+//! Layers, lowest first: [`rm`] (RM client over ioctls) → [`gpfifo`] (our own channel, ring and doorbell)
+//! → [`pushbuf`] (method encoding and decoding) → [`launch`] (cubins, QMDs, kernel launches).
+//! [`hw`] holds the class tables generated from NVIDIA's headers; it is data, not a layer.
+
+pub mod gpfifo;
+pub mod hw;
+pub mod launch;
+pub mod pushbuf;
+pub mod rm;

@@ -1,0 +1,546 @@
+//! Method encoding: headers per subchannel (incrementing, non-incrementing, immediate, increment-once) and
+//! typed methods of the host, compute and copy classes. Every offset and field comes from [`crate::hw`].
+
+use crate::hw::compute::cbc0 as compute;
+use crate::hw::host::{c56f, c86f as host};
+
+/// Subchannels as libcuda and NVK bind them: host methods on 0, compute on 1, copy on 4.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Subchannel(pub u8);
+
+impl Subchannel {
+    pub const HOST: Subchannel = Subchannel(0);
+    pub const COMPUTE: Subchannel = Subchannel(1);
+    pub const COPY: Subchannel = Subchannel(4);
+}
+
+/// The kinds of method header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Header {
+    /// Each data word goes to the next method.
+    Incrementing,
+    /// Every data word goes to the same method.
+    NonIncrementing,
+    /// The first word goes to the method, the rest to the one after it.
+    IncrementOnce,
+}
+
+/// Builds one method header word.
+pub const fn header(kind: Header, subc: Subchannel, method: u32, count: u32) -> u32 {
+    let op = match kind {
+        Header::Incrementing => c56f::DMA_SEC_OP_INC_METHOD,
+        Header::NonIncrementing => c56f::DMA_SEC_OP_NON_INC_METHOD,
+        Header::IncrementOnce => c56f::DMA_SEC_OP_ONE_INC,
+    };
+    c56f::DMA_SEC_OP.pack(op)
+        | c56f::DMA_METHOD_COUNT.pack(count)
+        | c56f::DMA_METHOD_SUBCHANNEL.pack(subc.0 as u32)
+        | c56f::DMA_METHOD_ADDRESS.pack(method >> 2)
+}
+
+/// An immediate-data header: the 13-bit value travels in the header itself.
+pub const fn immediate(subc: Subchannel, method: u32, value: u32) -> u32 {
+    c56f::DMA_SEC_OP.pack(c56f::DMA_SEC_OP_IMMD_DATA_METHOD)
+        | c56f::DMA_IMMD_DATA.pack(value)
+        | c56f::DMA_METHOD_SUBCHANNEL.pack(subc.0 as u32)
+        | c56f::DMA_METHOD_ADDRESS.pack(method >> 2)
+}
+
+/// Largest count a header carries, and largest immediate value.
+pub const MAX_COUNT: u32 = c56f::DMA_METHOD_COUNT.mask() as u32;
+pub const MAX_IMMEDIATE: u32 = c56f::DMA_IMMD_DATA.mask() as u32;
+
+/// The pushbuffer did not have room for what was written; nothing past its end was touched.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("pushbuffer overflow: {needed} words needed, {capacity} available")]
+pub struct Overflow {
+    pub needed: usize,
+    pub capacity: usize,
+}
+
+/// Writes methods into a word buffer (ordinarily the pushbuffer itself). Writes past the end are dropped and
+/// remembered; [`finish`](Push::finish) then reports the overflow, so no method is silently lost.
+#[derive(Debug)]
+pub struct Push<'a> {
+    buf: &'a mut [u32],
+    len: usize,
+    needed: usize,
+}
+
+/// Options of a host semaphore release.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Release {
+    /// Wait for the engines to go idle first, so all earlier work is complete when the value lands.
+    pub wfi: bool,
+    /// Write a 64-bit payload (else 32).
+    pub wide: bool,
+    /// Write the GPU timestamp after the payload (needs a 16-byte slot).
+    pub timestamp: bool,
+}
+
+impl Release {
+    pub const AFTER_IDLE_64: Release = Release {
+        wfi: true,
+        wide: true,
+        timestamp: false,
+    };
+}
+
+/// Acquire comparisons the host class offers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Acquire {
+    /// Wait until the value equals the payload.
+    Equal,
+    /// Wait until the value is at or past the payload, in wrapping (circular) order.
+    CircularGeq,
+    /// Wait until the value is at or past the payload, as unsigned numbers.
+    StrictGeq,
+}
+
+impl<'a> Push<'a> {
+    pub fn new(buf: &'a mut [u32]) -> Push<'a> {
+        Push {
+            buf,
+            len: 0,
+            needed: 0,
+        }
+    }
+
+    /// Words written so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn words(&self) -> &[u32] {
+        &self.buf[..self.len]
+    }
+
+    /// Words written, or the overflow if any write did not fit.
+    pub fn finish(self) -> Result<usize, Overflow> {
+        if self.needed > self.len {
+            Err(Overflow {
+                needed: self.needed,
+                capacity: self.buf.len(),
+            })
+        } else {
+            Ok(self.len)
+        }
+    }
+
+    #[inline(always)]
+    fn put(&mut self, word: u32) {
+        self.needed += 1;
+        if let Some(slot) = self.buf.get_mut(self.len) {
+            *slot = word;
+            self.len += 1;
+        }
+    }
+
+    /// A header and its data words.
+    #[inline]
+    pub fn methods(&mut self, kind: Header, subc: Subchannel, method: u32, data: &[u32]) {
+        self.put(header(kind, subc, method, data.len() as u32));
+        for &w in data {
+            self.put(w);
+        }
+    }
+
+    /// One method with one data word.
+    #[inline]
+    pub fn method(&mut self, subc: Subchannel, method: u32, value: u32) {
+        self.put(header(Header::Incrementing, subc, method, 1));
+        self.put(value);
+    }
+
+    /// One method with a 13-bit value carried in the header.
+    #[inline]
+    pub fn immediate(&mut self, subc: Subchannel, method: u32, value: u32) {
+        debug_assert!(value <= MAX_IMMEDIATE);
+        self.put(immediate(subc, method, value));
+    }
+
+    /// Raw words (already encoded).
+    pub fn raw(&mut self, words: &[u32]) {
+        for &w in words {
+            self.put(w);
+        }
+    }
+
+    // ---- host class -------------------------------------------------------------------------------------
+
+    /// Binds `class` to `subc`.
+    pub fn set_object(&mut self, subc: Subchannel, class: u32) {
+        self.method(subc, host::SET_OBJECT, class);
+    }
+
+    fn semaphore(&mut self, va: u64, payload: u64, execute: u32) {
+        self.methods(
+            Header::Incrementing,
+            Subchannel::HOST,
+            host::SEM_ADDR_LO,
+            &[
+                host::SEM_ADDR_LO_OFFSET.pack((va as u32) >> 2),
+                host::SEM_ADDR_HI_OFFSET.pack((va >> 32) as u32),
+                payload as u32,
+                (payload >> 32) as u32,
+                execute,
+            ],
+        );
+    }
+
+    /// Host semaphore release: writes `payload` at `va` when the channel reaches this point.
+    pub fn sem_release(&mut self, va: u64, payload: u64, opts: Release) {
+        let exec = host::SEM_EXECUTE_OPERATION.pack(host::SEM_EXECUTE_OPERATION_RELEASE)
+            | host::SEM_EXECUTE_RELEASE_WFI.pack(if opts.wfi {
+                c56f::SEM_EXECUTE_RELEASE_WFI_EN
+            } else {
+                host::SEM_EXECUTE_RELEASE_WFI_DIS
+            })
+            | host::SEM_EXECUTE_PAYLOAD_SIZE.pack(if opts.wide {
+                c56f::SEM_EXECUTE_PAYLOAD_SIZE_64BIT
+            } else {
+                host::SEM_EXECUTE_PAYLOAD_SIZE_32BIT
+            })
+            | host::SEM_EXECUTE_RELEASE_TIMESTAMP.pack(if opts.timestamp {
+                host::SEM_EXECUTE_RELEASE_TIMESTAMP_EN
+            } else {
+                host::SEM_EXECUTE_RELEASE_TIMESTAMP_DIS
+            });
+        self.semaphore(va, payload, exec);
+    }
+
+    /// Host semaphore acquire: the channel stops here until the value at `va` satisfies `cmp` against
+    /// `payload`. With `switch_tsg` the scheduler may run other channel groups meanwhile.
+    pub fn sem_acquire(
+        &mut self,
+        va: u64,
+        payload: u64,
+        cmp: Acquire,
+        wide: bool,
+        switch_tsg: bool,
+    ) {
+        let op = match cmp {
+            Acquire::Equal => host::SEM_EXECUTE_OPERATION_ACQUIRE,
+            Acquire::CircularGeq => host::SEM_EXECUTE_OPERATION_ACQ_CIRC_GEQ,
+            Acquire::StrictGeq => c56f::SEM_EXECUTE_OPERATION_ACQ_STRICT_GEQ,
+        };
+        let exec = host::SEM_EXECUTE_OPERATION.pack(op)
+            | host::SEM_EXECUTE_PAYLOAD_SIZE.pack(if wide {
+                c56f::SEM_EXECUTE_PAYLOAD_SIZE_64BIT
+            } else {
+                host::SEM_EXECUTE_PAYLOAD_SIZE_32BIT
+            })
+            | host::SEM_EXECUTE_ACQUIRE_SWITCH_TSG
+                .pack(u32::from(switch_tsg) * host::SEM_EXECUTE_ACQUIRE_SWITCH_TSG_EN);
+        self.semaphore(va, payload, exec);
+    }
+
+    /// Host wait-for-idle of every engine of the channel.
+    pub fn wfi(&mut self) {
+        self.method(
+            Subchannel::HOST,
+            host::WFI,
+            host::WFI_SCOPE.pack(host::WFI_SCOPE_ALL),
+        );
+    }
+
+    /// Raises the channel's non-stall interrupt (for waiters that sleep instead of polling).
+    pub fn non_stall_interrupt(&mut self) {
+        self.method(Subchannel::HOST, c56f::NON_STALL_INTERRUPT, 0);
+    }
+
+    /// A system-scope memory barrier by the host.
+    pub fn membar_sys(&mut self) {
+        self.methods(
+            Header::Incrementing,
+            Subchannel::HOST,
+            host::MEM_OP_A,
+            &[
+                0,
+                0,
+                host::MEM_OP_C_MEMBAR_TYPE.pack(host::MEM_OP_C_MEMBAR_TYPE_SYS_MEMBAR),
+                host::MEM_OP_D_OPERATION.pack(host::MEM_OP_D_OPERATION_MEMBAR),
+            ],
+        );
+    }
+
+    // ---- compute class ------------------------------------------------------------------------------------
+
+    /// Inline upload by the compute engine: `data` is copied to GPU address `dst` when the channel gets here.
+    pub fn inline_upload(&mut self, dst: u64, data: &[u32]) {
+        self.methods(
+            Header::Incrementing,
+            Subchannel::COMPUTE,
+            compute::LINE_LENGTH_IN,
+            &[
+                (data.len() * 4) as u32,
+                1,
+                compute::OFFSET_OUT_UPPER_VALUE.pack((dst >> 32) as u32),
+                dst as u32,
+            ],
+        );
+        self.method(
+            Subchannel::COMPUTE,
+            compute::LAUNCH_DMA,
+            compute::LAUNCH_DMA_DST_MEMORY_LAYOUT.pack(compute::LAUNCH_DMA_DST_MEMORY_LAYOUT_PITCH)
+                | compute::LAUNCH_DMA_SYSMEMBAR_DISABLE
+                    .pack(compute::LAUNCH_DMA_SYSMEMBAR_DISABLE_TRUE),
+        );
+        self.methods(
+            Header::NonIncrementing,
+            Subchannel::COMPUTE,
+            compute::LOAD_INLINE_DATA,
+            data,
+        );
+    }
+
+    /// Shared- and local-memory windows (GPU addresses where shared and local memory appear to kernels).
+    pub fn set_shader_windows(&mut self, shared: u64, local: u64) {
+        self.methods(
+            Header::Incrementing,
+            Subchannel::COMPUTE,
+            compute::SET_SHADER_SHARED_MEMORY_WINDOW_A,
+            &[
+                compute::SET_SHADER_SHARED_MEMORY_WINDOW_A_BASE_ADDRESS_UPPER
+                    .pack((shared >> 32) as u32),
+                compute::SET_SHADER_SHARED_MEMORY_WINDOW_B_BASE_ADDRESS.pack(shared as u32),
+            ],
+        );
+        self.methods(
+            Header::Incrementing,
+            Subchannel::COMPUTE,
+            compute::SET_SHADER_LOCAL_MEMORY_WINDOW_A,
+            &[
+                compute::SET_SHADER_LOCAL_MEMORY_WINDOW_A_BASE_ADDRESS_UPPER
+                    .pack((local >> 32) as u32),
+                compute::SET_SHADER_LOCAL_MEMORY_WINDOW_B_BASE_ADDRESS.pack(local as u32),
+            ],
+        );
+    }
+
+    /// The local-memory (stack) buffer: its address, bytes per TPC, and the SM count it is sized for.
+    pub fn set_local_memory(&mut self, va: u64, bytes_per_tpc: u64, max_sm_count: u32) {
+        self.methods(
+            Header::Incrementing,
+            Subchannel::COMPUTE,
+            compute::SET_SHADER_LOCAL_MEMORY_A,
+            &[
+                compute::SET_SHADER_LOCAL_MEMORY_A_ADDRESS_UPPER.pack((va >> 32) as u32),
+                va as u32,
+            ],
+        );
+        self.methods(
+            Header::Incrementing,
+            Subchannel::COMPUTE,
+            compute::SET_SHADER_LOCAL_MEMORY_NON_THROTTLED_A,
+            &[
+                compute::SET_SHADER_LOCAL_MEMORY_NON_THROTTLED_A_SIZE_UPPER
+                    .pack((bytes_per_tpc >> 32) as u32),
+                bytes_per_tpc as u32,
+                compute::SET_SHADER_LOCAL_MEMORY_NON_THROTTLED_C_MAX_SM_COUNT.pack(max_sm_count),
+            ],
+        );
+    }
+
+    /// Which QMD versions the compute engine is told to expect (libcuda sends current 0x40, oldest 1).
+    pub fn set_qmd_version(&mut self, current: u32, oldest: u32) {
+        self.method(
+            Subchannel::COMPUTE,
+            compute::SET_QMD_VERSION,
+            compute::SET_QMD_VERSION_CURRENT.pack(current)
+                | compute::SET_QMD_VERSION_OLDEST_SUPPORTED.pack(oldest),
+        );
+    }
+
+    /// The SM ISA version the channel's kernels are compiled for (major 9 minor 0 on Hopper).
+    pub fn set_spa_version(&mut self, major: u32, minor: u32) {
+        self.method(
+            Subchannel::COMPUTE,
+            compute::SET_SPA_VERSION,
+            compute::SET_SPA_VERSION_MAJOR.pack(major) | compute::SET_SPA_VERSION_MINOR.pack(minor),
+        );
+    }
+
+    /// Invalidates the shader instruction and constant caches without waiting for idle (after uploading code).
+    pub fn invalidate_shader_caches_no_wfi(&mut self) {
+        self.method(
+            Subchannel::COMPUTE,
+            compute::INVALIDATE_SHADER_CACHES_NO_WFI,
+            compute::INVALIDATE_SHADER_CACHES_NO_WFI_INSTRUCTION.pack(1)
+                | compute::INVALIDATE_SHADER_CACHES_NO_WFI_GLOBAL_DATA.pack(1)
+                | compute::INVALIDATE_SHADER_CACHES_NO_WFI_CONSTANT.pack(1),
+        );
+    }
+
+    /// Launches the QMD at `qmd_va` (256-byte aligned, below 2^40).
+    #[inline]
+    pub fn send_pcas(&mut self, qmd_va: u64) {
+        self.put(header(
+            Header::Incrementing,
+            Subchannel::COMPUTE,
+            compute::SEND_PCAS_A,
+            1,
+        ));
+        self.put(compute::SEND_PCAS_A_QMD_ADDRESS_SHIFTED8.pack((qmd_va >> 8) as u32));
+        self.put(header(
+            Header::Incrementing,
+            Subchannel::COMPUTE,
+            compute::SEND_SIGNALING_PCAS2_B,
+            1,
+        ));
+        self.put(
+            compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION.pack(
+                compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_INVALIDATE_PREFETCH_COPY_SCHEDULE,
+            ),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pushbuf::decode::{SubchannelClasses, decode};
+
+    #[test]
+    fn headers_match_the_words_libcuda_and_nvk_emit() {
+        // SET_OBJECT on subchannel 1 with one word (nvk-compute-launch.md §2.2).
+        assert_eq!(
+            header(Header::Incrementing, Subchannel::COMPUTE, 0, 1),
+            0x2001_2000
+        );
+        // The host semaphore block: subchannel 0, SEM_ADDR_LO (0x5c), 5 words.
+        assert_eq!(
+            header(Header::Incrementing, Subchannel::HOST, 0x5c, 5),
+            0x2005_0017
+        );
+        // SEND_PCAS_A as an incrementing header with count 1.
+        assert_eq!(
+            header(
+                Header::Incrementing,
+                Subchannel::COMPUTE,
+                compute::SEND_PCAS_A,
+                1
+            ),
+            0x2001_20ad
+        );
+        // NVK's immediate PCAS2_B with action 3.
+        assert_eq!(
+            immediate(Subchannel::COMPUTE, compute::SEND_SIGNALING_PCAS2_B, 3),
+            0x8003_20b0
+        );
+        assert_eq!(
+            header(
+                Header::NonIncrementing,
+                Subchannel::COMPUTE,
+                compute::LOAD_INLINE_DATA,
+                7
+            ) >> 29,
+            3
+        );
+        assert_eq!(
+            header(Header::IncrementOnce, Subchannel::COPY, 0x400, 2) >> 29,
+            5
+        );
+    }
+
+    #[test]
+    fn semaphore_release_encodes_like_tinygrad_on_the_h200() {
+        let mut buf = [0u32; 8];
+        let mut p = Push::new(&mut buf);
+        p.sem_release(
+            0x1_2345_6780,
+            0xdead_beef_0000_0001,
+            Release {
+                wfi: true,
+                wide: true,
+                timestamp: true,
+            },
+        );
+        assert_eq!(p.finish(), Ok(6));
+        // tinygrad's signal: RELEASE | RELEASE_WFI | 64-bit | timestamp = 0x03100001.
+        assert_eq!(
+            buf,
+            [
+                0x2005_0017,
+                0x2345_6780,
+                0x1,
+                0x0000_0001,
+                0xdead_beef,
+                0x0310_0001,
+                0,
+                0
+            ]
+        );
+    }
+
+    #[test]
+    fn acquire_circ_geq_64_matches_tinygrad() {
+        let mut buf = [0u32; 6];
+        let mut p = Push::new(&mut buf);
+        p.sem_acquire(0x1000, 7, Acquire::CircularGeq, true, false);
+        assert_eq!(buf[5], 0x0100_0003);
+    }
+
+    #[test]
+    fn overflow_is_reported_not_lost() {
+        let mut buf = [0u32; 4];
+        let mut p = Push::new(&mut buf);
+        p.sem_release(0x1000, 1, Release::AFTER_IDLE_64);
+        assert_eq!(
+            p.finish(),
+            Err(Overflow {
+                needed: 6,
+                capacity: 4
+            })
+        );
+    }
+
+    #[test]
+    fn encoded_methods_decode_back() {
+        let mut buf = [0u32; 64];
+        let mut p = Push::new(&mut buf);
+        p.set_object(Subchannel::COMPUTE, 0xcbc0);
+        p.set_shader_windows(0x7293_0000_0000, 0x7294_0000_0000);
+        p.send_pcas(0x2_04e0_d800);
+        p.sem_release(0x2_0460_fff0, 5, Release::AFTER_IDLE_64);
+        p.wfi();
+        p.inline_upload(0x7fee_ae2b_0000, &[1, 2, 3]);
+        let n = p.finish().unwrap();
+        let m = decode(&buf[..n], &SubchannelClasses::hopper()).unwrap();
+        let names: Vec<String> = m
+            .iter()
+            .map(|d| d.name.clone().unwrap_or_default())
+            .collect();
+        let expect = [
+            "SET_OBJECT",
+            "SET_SHADER_SHARED_MEMORY_WINDOW_A",
+            "SET_SHADER_SHARED_MEMORY_WINDOW_B",
+            "SET_SHADER_LOCAL_MEMORY_WINDOW_A",
+            "SET_SHADER_LOCAL_MEMORY_WINDOW_B",
+            "SEND_PCAS_A",
+            "SEND_SIGNALING_PCAS2_B",
+            "SEM_ADDR_LO",
+            "SEM_ADDR_HI",
+            "SEM_PAYLOAD_LO",
+            "SEM_PAYLOAD_HI",
+            "SEM_EXECUTE",
+            "WFI",
+            "LINE_LENGTH_IN",
+            "LINE_COUNT",
+            "OFFSET_OUT_UPPER",
+            "OFFSET_OUT",
+            "LAUNCH_DMA",
+            "LOAD_INLINE_DATA",
+            "LOAD_INLINE_DATA",
+            "LOAD_INLINE_DATA",
+        ];
+        assert_eq!(names, expect);
+        assert_eq!(m[5].value, 0x0204_e0d8);
+        assert_eq!(m[6].value, 0xa);
+        assert_eq!(m[8].value, 2);
+    }
+}

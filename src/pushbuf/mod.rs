@@ -1,0 +1,12 @@
+//! Pushbuffers: method encoding for the host, compute and copy classes, semaphores, a decoder, and the
+//! queue that submits them through our channel.
+
+pub mod decode;
+mod encode;
+mod queue;
+
+pub use encode::{
+    Acquire, Header, MAX_COUNT, MAX_IMMEDIATE, Overflow, Push, Release, Subchannel, header,
+    immediate,
+};
+pub use queue::{Error, Fence, Queue, QueueConfig, Result, Signal};

@@ -1,0 +1,206 @@
+//! A queue: our channel, its pushbuffer space and a timeline. Every submission releases the next timeline
+//! value when it is done, so completion, pushbuffer reuse and fences all follow one counter.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::gpfifo::{Channel, ChannelConfig, FaultWatch, PushSpace, Timeline, wait_until};
+use crate::rm::{GpuCore, Placement};
+
+use super::encode::{Overflow, Push, Release, Subchannel};
+
+/// Errors of the pushbuffer layer.
+#[derive(thiserror::Error, Debug)]
+#[non_exhaustive]
+pub enum Error {
+    #[error(transparent)]
+    Channel(#[from] crate::gpfifo::Error),
+    #[error(transparent)]
+    Overflow(#[from] Overflow),
+}
+
+impl From<crate::rm::Error> for Error {
+    fn from(e: crate::rm::Error) -> Error {
+        Error::Channel(e.into())
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QueueConfig {
+    pub channel: ChannelConfig,
+    /// Pushbuffer bytes, used as a ring.
+    pub push_bytes: u64,
+    pub push_placement: Placement,
+    /// How long waits inside the queue (ring or pushbuffer full) may take before failing.
+    pub timeout: Duration,
+}
+
+impl Default for QueueConfig {
+    fn default() -> QueueConfig {
+        QueueConfig {
+            channel: ChannelConfig::default(),
+            push_bytes: 4 << 20,
+            push_placement: Placement::SystemWriteCombined,
+            timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Who makes the GPU release a submission's timeline value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Signal {
+    /// The queue appends a host semaphore release after the submission's methods (waiting for idle first).
+    Host,
+    /// The submission's own methods release it (for example a QMD's release semaphore).
+    Recorded,
+}
+
+/// A point on a queue's timeline: done once the GPU has released `value`.
+#[derive(Clone, Debug)]
+pub struct Fence {
+    timeline: Timeline,
+    watch: FaultWatch,
+    value: u64,
+}
+
+impl Fence {
+    pub fn value(&self) -> u64 {
+        self.value
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.timeline.is_reached(self.value)
+    }
+
+    /// Waits until done, failing with a timeout or the channel's fault.
+    pub fn wait(&self, timeout: Duration) -> Result<()> {
+        let (t, v) = (&self.timeline, self.value);
+        Ok(wait_until(
+            "a fence on the queue's timeline",
+            timeout,
+            || t.is_reached(v),
+            || self.watch.check(),
+        )?)
+    }
+}
+
+/// A channel with a pushbuffer ring and a timeline.
+#[derive(Debug)]
+pub struct Queue {
+    channel: Channel,
+    space: PushSpace,
+    timeline: Timeline,
+    watch: FaultWatch,
+    last: u64,
+    timeout: Duration,
+}
+
+impl Queue {
+    /// Builds the channel and binds its engine classes; waits (up to the configured timeout) until the GPU has
+    /// run that first submission, so a queue that exists is known to work.
+    pub fn new(core: &Arc<GpuCore>, config: QueueConfig) -> Result<Queue> {
+        let channel = Channel::new(core, config.channel)?;
+        let max_pending = 4096;
+        let space = PushSpace::new(core, config.push_bytes, config.push_placement, max_pending)?;
+        let timeline = channel.timeline(0);
+        let watch = channel.fault_watch();
+        let mut q = Queue {
+            channel,
+            space,
+            timeline,
+            watch,
+            last: 0,
+            timeout: config.timeout,
+        };
+        let classes = q.channel.classes();
+        let fence = q.submit(16, Signal::Host, |p, _| {
+            if let Some(c) = classes.compute {
+                p.set_object(Subchannel::COMPUTE, c);
+            }
+            if let Some(c) = classes.copy {
+                p.set_object(Subchannel::COPY, c);
+            }
+        })?;
+        fence.wait(config.timeout)?;
+        Ok(q)
+    }
+
+    pub fn channel(&self) -> &Channel {
+        &self.channel
+    }
+
+    pub fn gpu(&self) -> &Arc<GpuCore> {
+        self.channel.gpu()
+    }
+
+    pub fn timeline(&self) -> &Timeline {
+        &self.timeline
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The value the last submission releases.
+    pub fn last_submitted(&self) -> u64 {
+        self.last
+    }
+
+    pub fn fence_for(&self, value: u64) -> Fence {
+        Fence {
+            timeline: self.timeline.clone(),
+            watch: self.watch.clone(),
+            value,
+        }
+    }
+
+    /// Records up to `max_words` methods with `f` (which gets the timeline value this submission must release)
+    /// and rings the doorbell.
+    pub fn submit(
+        &mut self,
+        max_words: usize,
+        signal: Signal,
+        f: impl FnOnce(&mut Push<'_>, u64),
+    ) -> Result<Fence> {
+        let fence = self.record(max_words, signal, f)?;
+        self.channel.kick();
+        Ok(fence)
+    }
+
+    /// As [`submit`](Self::submit) without ringing the doorbell: many recordings can go out under one
+    /// [`kick`](Self::kick).
+    pub fn record(
+        &mut self,
+        max_words: usize,
+        signal: Signal,
+        f: impl FnOnce(&mut Push<'_>, u64),
+    ) -> Result<Fence> {
+        let value = self.last + 1;
+        let extra = if signal == Signal::Host { 6 } else { 0 };
+        let (va, words) = self
+            .space
+            .reserve(max_words + extra, &self.timeline, self.timeout)?;
+        let mut push = Push::new(words);
+        f(&mut push, value);
+        if signal == Signal::Host {
+            push.sem_release(self.timeline.va(), value, Release::AFTER_IDLE_64);
+        }
+        let used = push.finish()?;
+        self.channel.push(va, used as u64, self.timeout)?;
+        self.space.commit(va, used, value);
+        self.last = value;
+        Ok(self.fence_for(value))
+    }
+
+    /// Rings the doorbell for everything recorded.
+    pub fn kick(&mut self) {
+        self.channel.kick();
+    }
+
+    /// Waits until every submission so far is complete.
+    pub fn wait_idle(&self, timeout: Duration) -> Result<()> {
+        self.fence_for(self.last).wait(timeout)
+    }
+}

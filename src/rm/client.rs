@@ -1,0 +1,274 @@
+//! The RM client: the file descriptors, the root client handle, and RAII handles for RM objects.
+
+use std::ffi::c_void;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::Arc;
+
+use tracing::{debug, warn};
+
+use super::ioctl::{nv_escape, uvm_ioctl};
+use super::{Error, NvStatus, Result, sys};
+
+/// Handle of an RM object, unique within its client.
+pub type Handle = u32;
+
+/// The file descriptors of one RM client and its root handle. Freed (with every object under it) on drop.
+#[derive(Debug)]
+pub struct Client {
+    handle: Handle,
+    ctl: OwnedFd,
+    uvm: OwnedFd,
+    // A second UVM fd, bound to this process's mm by UVM_MM_INITIALIZE; held open for the va space's life.
+    _uvm_mm: Option<OwnedFd>,
+}
+
+impl Client {
+    /// Allocates a root client on `ctl` and initialises a UVM va space on `uvm`.
+    pub(crate) fn new(ctl: OwnedFd, uvm: OwnedFd, uvm_mm: OwnedFd) -> Result<Client> {
+        let mut p = sys::NVOS21_PARAMETERS {
+            hClass: sys::NV01_ROOT_CLIENT,
+            ..Default::default()
+        };
+        // SAFETY: NVOS21_PARAMETERS is the NV_ESC_RM_ALLOC argument; pAllocParms is null.
+        unsafe { nv_escape(&ctl, sys::NV_ESC_RM_ALLOC, &mut p, "NV01_ROOT_CLIENT")? };
+        check("RM_ALLOC", "NV01_ROOT_CLIENT", p.status)?;
+        let mut client = Client {
+            handle: p.hObjectNew,
+            ctl,
+            uvm,
+            _uvm_mm: None,
+        };
+        debug!(
+            client = format_args!("{:#x}", client.handle),
+            "RM root client allocated"
+        );
+
+        let mut init = sys::UVM_INITIALIZE_PARAMS::default();
+        client.uvm_call(sys::UVM_INITIALIZE, &mut init, "UVM_INITIALIZE", |p| {
+            p.rmStatus
+        })?;
+        let mut mm = sys::UVM_MM_INITIALIZE_PARAMS {
+            uvmFd: client.uvm.as_raw_fd(),
+            ..Default::default()
+        };
+        // SAFETY: UVM_MM_INITIALIZE_PARAMS is the argument of UVM_MM_INITIALIZE.
+        let r = unsafe {
+            uvm_ioctl(
+                &uvm_mm,
+                sys::UVM_MM_INITIALIZE,
+                &mut mm,
+                "UVM_MM_INITIALIZE",
+            )
+        };
+        // libcuda sees this fail too when another va space already owns the mm; UVM works without it.
+        match r {
+            Ok(()) if mm.rmStatus == 0 => client._uvm_mm = Some(uvm_mm),
+            Ok(()) => debug!(status = %NvStatus(mm.rmStatus), "UVM_MM_INITIALIZE declined"),
+            Err(e) => debug!(error = %e, "UVM_MM_INITIALIZE declined"),
+        }
+        Ok(client)
+    }
+
+    pub fn handle(&self) -> Handle {
+        self.handle
+    }
+
+    pub(crate) fn ctl(&self) -> &OwnedFd {
+        &self.ctl
+    }
+
+    /// NV_ESC_RM_ALLOC of `class` under `parent`, with the class's allocation parameters.
+    pub fn alloc<P>(
+        &self,
+        parent: Handle,
+        class: u32,
+        params: Option<&mut P>,
+        what: &'static str,
+    ) -> Result<Handle> {
+        let ptr = params.map_or(std::ptr::null_mut(), |p| (p as *mut P).cast::<c_void>());
+        let mut p = sys::NVOS21_PARAMETERS {
+            hRoot: self.handle,
+            hObjectParent: parent,
+            hClass: class,
+            pAllocParms: ptr,
+            ..Default::default()
+        };
+        // SAFETY: NVOS21_PARAMETERS is the RM_ALLOC argument; pAllocParms is null or points to the caller's
+        // exclusively borrowed parameter struct, which outlives the call.
+        unsafe { nv_escape(&self.ctl, sys::NV_ESC_RM_ALLOC, &mut p, what)? };
+        check("RM_ALLOC", what, p.status)?;
+        debug!(
+            class = format_args!("{class:#x}"),
+            handle = format_args!("{:#x}", p.hObjectNew),
+            what,
+            "RM_ALLOC"
+        );
+        Ok(p.hObjectNew)
+    }
+
+    /// NV_ESC_RM_CONTROL `cmd` on `object` with its parameter struct.
+    pub fn control<P>(
+        &self,
+        object: Handle,
+        cmd: u32,
+        params: &mut P,
+        what: &'static str,
+    ) -> Result<()> {
+        let mut p = sys::NVOS54_PARAMETERS {
+            hClient: self.handle,
+            hObject: object,
+            cmd,
+            params: (params as *mut P).cast(),
+            paramsSize: size_of::<P>() as u32,
+            ..Default::default()
+        };
+        // SAFETY: NVOS54_PARAMETERS is the RM_CONTROL argument; params points to a live `P` of paramsSize
+        // bytes. The caller picks `P` to be the control's parameter struct.
+        unsafe { nv_escape(&self.ctl, sys::NV_ESC_RM_CONTROL, &mut p, what)? };
+        check("RM_CONTROL", what, p.status)
+    }
+
+    /// NV_ESC_RM_FREE of `handle` (and everything RM holds under it).
+    pub fn free(&self, parent: Handle, handle: Handle) -> Result<()> {
+        let mut p = sys::NVOS00_PARAMETERS {
+            hRoot: self.handle,
+            hObjectParent: parent,
+            hObjectOld: handle,
+            status: 0,
+        };
+        // SAFETY: NVOS00_PARAMETERS is the RM_FREE argument and holds no pointers.
+        unsafe { nv_escape(&self.ctl, sys::NV_ESC_RM_FREE, &mut p, "RM_FREE")? };
+        check("RM_FREE", "object", p.status)
+    }
+
+    /// A UVM ioctl whose parameter struct ends in an `rmStatus`, read back through `status`.
+    pub(crate) fn uvm_call<P>(
+        &self,
+        cmd: u32,
+        params: &mut P,
+        what: &'static str,
+        status: fn(&P) -> u32,
+    ) -> Result<()> {
+        // SAFETY: callers pass the UVM_*_PARAMS struct that belongs to `cmd`.
+        unsafe { uvm_ioctl(&self.uvm, cmd, params, what)? };
+        check("UVM", what, status(params))
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        // Freeing the root client frees every object allocated under it; closing the fds follows.
+        if let Err(e) = self.free(0, self.handle) {
+            warn!(error = %e, "freeing the RM root client failed");
+        }
+    }
+}
+
+pub(crate) fn check(call: &'static str, what: &'static str, status: u32) -> Result<()> {
+    if status == 0 {
+        Ok(())
+    } else {
+        Err(Error::Rm {
+            call,
+            what,
+            status: NvStatus(status),
+        })
+    }
+}
+
+/// An RM object, freed on drop. It holds its parent, so RM objects are always freed children first.
+#[derive(Debug)]
+pub struct Object {
+    client: Arc<Client>,
+    parent: Option<Arc<Object>>,
+    handle: Handle,
+    class: u32,
+    what: &'static str,
+}
+
+impl Object {
+    /// Allocates `class` under `parent` (or under the root client when `parent` is None).
+    pub fn alloc<P>(
+        client: &Arc<Client>,
+        parent: Option<&Arc<Object>>,
+        class: u32,
+        params: Option<&mut P>,
+        what: &'static str,
+    ) -> Result<Object> {
+        let parent_handle = parent.map_or(client.handle(), |p| p.handle);
+        let handle = client.alloc(parent_handle, class, params, what)?;
+        Ok(Object {
+            client: client.clone(),
+            parent: parent.cloned(),
+            handle,
+            class,
+            what,
+        })
+    }
+
+    pub fn handle(&self) -> Handle {
+        self.handle
+    }
+
+    pub fn class(&self) -> u32 {
+        self.class
+    }
+
+    pub fn client(&self) -> &Arc<Client> {
+        &self.client
+    }
+
+    /// RM control on this object.
+    pub fn control<P>(&self, cmd: u32, params: &mut P, what: &'static str) -> Result<()> {
+        self.client.control(self.handle, cmd, params, what)
+    }
+}
+
+impl Drop for Object {
+    fn drop(&mut self) {
+        let parent = self
+            .parent
+            .as_ref()
+            .map_or(self.client.handle(), |p| p.handle);
+        if let Err(e) = self.client.free(parent, self.handle) {
+            warn!(error = %e, what = self.what, handle = format_args!("{:#x}", self.handle), "RM_FREE failed");
+        }
+    }
+}
+
+/// Opens a device node read-write, close-on-exec, with errors that say what is wrong.
+pub(crate) fn open_node(path: &str) -> Result<OwnedFd> {
+    use rustix::fs::{Mode, OFlags, open};
+    open(path, OFlags::RDWR | OFlags::CLOEXEC, Mode::empty()).map_err(|e| match e {
+        rustix::io::Errno::NOENT | rustix::io::Errno::NXIO | rustix::io::Errno::NODEV => {
+            Error::NoDeviceNode {
+                path: path.to_string(),
+            }
+        }
+        rustix::io::Errno::ACCESS | rustix::io::Errno::PERM => Error::PermissionDenied {
+            path: path.to_string(),
+        },
+        e => Error::Open {
+            path: path.to_string(),
+            source: e.into(),
+        },
+    })
+}
+
+/// Opens /dev/nvidiaN and registers it with the client's control fd, as RM requires for mappings.
+pub(crate) fn open_gpu_node(ctl: &impl AsFd, minor: u32) -> Result<OwnedFd> {
+    let fd = open_node(&format!("/dev/nvidia{minor}"))?;
+    let mut reg = sys::nv_ioctl_register_fd_t {
+        ctl_fd: ctl.as_fd().as_raw_fd(),
+    };
+    // SAFETY: nv_ioctl_register_fd_t is the NV_ESC_REGISTER_FD argument.
+    unsafe {
+        nv_escape(
+            &fd,
+            sys::NV_ESC_REGISTER_FD,
+            &mut reg,
+            "register with /dev/nvidiactl",
+        )?
+    };
+    Ok(fd)
+}

@@ -1,0 +1,490 @@
+//! Opening a GPU through RM: enumeration, driver check, device/subdevice, class list, GPU info, our own
+//! GPU virtual address space registered with UVM, and the usermode (doorbell) page.
+
+use std::ffi::CStr;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Arc;
+
+use tracing::{debug, info};
+
+use super::client::{Client, Object, open_gpu_node, open_node};
+use super::ioctl::nv_escape;
+use super::memory::CpuMapping;
+use super::va::VaRegion;
+use super::{Error, Result, sys};
+
+/// Driver branch of the vendored headers in `open-gpu-headers/` (tag 580.142).
+pub const HEADERS_BRANCH: u32 = 580;
+
+/// Size of the usermode region: a 64 KiB page whose offset 0x90 is the doorbell.
+pub const USERMODE_SIZE: usize = 0x1_0000;
+
+/// Low region: everything the GPU front end addresses with 40 bits (rings, pushbuffers, QMDs, code,
+/// constant banks) and the shader windows. 64 GiB, placed below 1 TiB.
+const LOW_REGION_SIZE: u64 = 64 << 30;
+const LOW_REGION_LIMIT: u64 = 1 << 40;
+/// High region for user buffers: 1 TiB wherever the kernel finds room.
+const HIGH_REGION_SIZE: u64 = 1 << 40;
+
+/// What RM reports about the GPU.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuInfo {
+    pub index: usize,
+    pub minor: u32,
+    pub name: String,
+    /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as nvidia-smi prints it.
+    pub uuid: String,
+    pub uuid_bytes: [u8; 16],
+    pub pci_bus_id: String,
+    /// SM version as major * 10 + minor (90 for Hopper).
+    pub sm_version: u32,
+    pub sm_count: u32,
+    pub gpc_count: u32,
+    pub tpc_count: u32,
+    pub tpcs_per_gpc_max: u32,
+    pub sms_per_tpc: u32,
+    pub max_warps_per_sm: u32,
+    pub memory_bytes: u64,
+    pub driver_version: String,
+}
+
+/// The RM objects of one opened GPU that everything above builds on. Shared (`Arc`) by memory,
+/// channels and modules, so the device outlives all of them.
+#[derive(Debug)]
+pub struct GpuCore {
+    pub(crate) info: GpuInfo,
+    pub(crate) classes: Vec<u32>,
+    pub(crate) client: Arc<Client>,
+    // /dev/nvidiaN, registered with the control fd; held open for the GPU's lifetime as RM expects.
+    pub(crate) _dev_fd: OwnedFd,
+    pub(crate) device: Arc<Object>,
+    pub(crate) subdevice: Arc<Object>,
+    pub(crate) vaspace: Arc<Object>,
+    pub(crate) low: VaRegion,
+    pub(crate) high: VaRegion,
+    usermode: Option<(CpuMapping, Object)>,
+}
+
+impl GpuCore {
+    /// Opens GPU `index` (in the order NV_ESC_CARD_INFO lists them).
+    pub fn open(index: usize) -> Result<Arc<GpuCore>> {
+        let ctl = open_node("/dev/nvidiactl")?;
+        let driver_version = query_driver_version(&ctl)?;
+        let branch = driver_version
+            .split('.')
+            .next()
+            .and_then(|b| b.parse::<u32>().ok());
+        if branch != Some(HEADERS_BRANCH) {
+            return Err(Error::DriverBranch {
+                found: driver_version,
+                expected: HEADERS_BRANCH,
+            });
+        }
+        let cards = card_info(&ctl)?;
+        let card = *cards.get(index).ok_or(Error::NoSuchGpu {
+            index,
+            count: cards.len(),
+        })?;
+        let dev_fd = open_gpu_node(&ctl, card.minor_number)?;
+        let uvm = open_node("/dev/nvidia-uvm")?;
+        let uvm_mm = open_node("/dev/nvidia-uvm")?;
+        let client = Arc::new(Client::new(ctl, uvm, uvm_mm)?);
+
+        let mut id = sys::NV0000_CTRL_GPU_GET_ID_INFO_V2_PARAMS {
+            gpuId: card.gpu_id,
+            ..Default::default()
+        };
+        client.control(
+            client.handle(),
+            sys::NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2,
+            &mut id,
+            "NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2",
+        )?;
+
+        let mut dp = sys::NV0080_ALLOC_PARAMETERS {
+            deviceId: id.deviceInstance,
+            hClientShare: client.handle(),
+            vaMode: sys::NV_DEVICE_ALLOCATION_VAMODE_OPTIONAL_MULTIPLE_VASPACES,
+            ..Default::default()
+        };
+        let device = Arc::new(Object::alloc(
+            &client,
+            None,
+            sys::NV01_DEVICE_0,
+            Some(&mut dp),
+            "NV01_DEVICE_0",
+        )?);
+        let mut sp = sys::NV2080_ALLOC_PARAMETERS { subDeviceId: 0 };
+        let subdevice = Arc::new(Object::alloc(
+            &client,
+            Some(&device),
+            sys::NV20_SUBDEVICE_0,
+            Some(&mut sp),
+            "NV20_SUBDEVICE_0",
+        )?);
+
+        let mut cl = sys::NV0080_CTRL_GPU_GET_CLASSLIST_V2_PARAMS::default();
+        device.control(
+            sys::NV0080_CTRL_CMD_GPU_GET_CLASSLIST_V2,
+            &mut cl,
+            "NV0080_CTRL_CMD_GPU_GET_CLASSLIST_V2",
+        )?;
+        let n = (cl.numClasses as usize).min(cl.classList.len());
+        let classes = cl.classList[..n].to_vec();
+
+        let info = gpu_info(&subdevice, index, &card, driver_version)?;
+        info!(gpu = %info.name, uuid = %info.uuid, sm = info.sm_version, sms = info.sm_count, "opened GPU");
+
+        // Our own GPU VA space, owned by UVM so that buffers are mapped at their CPU addresses.
+        let mut vp = sys::NV_VASPACE_ALLOCATION_PARAMETERS {
+            vaBase: 0x1000,
+            vaSize: 0x1_ffff_fb00_0000,
+            flags: sys::NV_VASPACE_ALLOCATION_FLAGS_ENABLE_PAGE_FAULTING
+                | sys::NV_VASPACE_ALLOCATION_FLAGS_IS_EXTERNALLY_OWNED,
+            ..Default::default()
+        };
+        let vaspace = Arc::new(Object::alloc(
+            &client,
+            Some(&device),
+            sys::FERMI_VASPACE_A,
+            Some(&mut vp),
+            "FERMI_VASPACE_A",
+        )?);
+        let uuid = sys::NvProcessorUuid {
+            uuid: info.uuid_bytes,
+        };
+        let mut rg = sys::UVM_REGISTER_GPU_PARAMS {
+            gpu_uuid: uuid,
+            rmCtrlFd: -1,
+            ..Default::default()
+        };
+        client.uvm_call(sys::UVM_REGISTER_GPU, &mut rg, "UVM_REGISTER_GPU", |p| {
+            p.rmStatus
+        })?;
+        let mut rv = sys::UVM_REGISTER_GPU_VASPACE_PARAMS {
+            gpuUuid: uuid,
+            rmCtrlFd: client.ctl().as_raw_fd(),
+            hClient: client.handle(),
+            hVaSpace: vaspace.handle(),
+            ..Default::default()
+        };
+        client.uvm_call(
+            sys::UVM_REGISTER_GPU_VASPACE,
+            &mut rv,
+            "UVM_REGISTER_GPU_VASPACE",
+            |p| p.rmStatus,
+        )?;
+
+        // Candidates every 64 GiB from 64 GiB up, so two GPUs in one process each find a low region.
+        let low = VaRegion::reserve(
+            LOW_REGION_SIZE,
+            (1..15u64).map(|i| i * LOW_REGION_SIZE),
+            LOW_REGION_LIMIT,
+        )?;
+        let high = VaRegion::reserve(HIGH_REGION_SIZE, [], u64::MAX)?;
+
+        let mut core = GpuCore {
+            info,
+            classes,
+            client,
+            _dev_fd: dev_fd,
+            device,
+            subdevice,
+            vaspace,
+            low,
+            high,
+            usermode: None,
+        };
+        let usermode_class = core.pick_class("usermode", USERMODE_CLASSES)?;
+        let usermode = Object::alloc::<()>(
+            &core.client,
+            Some(&core.subdevice),
+            usermode_class,
+            None,
+            "USERMODE",
+        )?;
+        let map = CpuMapping::map_object(&core, &usermode, USERMODE_SIZE, 0, None)?;
+        core.usermode = Some((map, usermode));
+        debug!(classes = core.classes.len(), "GPU core ready");
+        Ok(Arc::new(core))
+    }
+
+    pub fn info(&self) -> &GpuInfo {
+        &self.info
+    }
+
+    /// Every class the GPU lists (NV0080_CTRL_CMD_GPU_GET_CLASSLIST_V2).
+    pub fn classes(&self) -> &[u32] {
+        &self.classes
+    }
+
+    pub fn has_class(&self, class: u32) -> bool {
+        self.classes.contains(&class)
+    }
+
+    /// The first of `preferred` that the GPU lists, or an error naming what it lists.
+    pub fn pick_class(&self, what: &'static str, preferred: &[u32]) -> Result<u32> {
+        preferred
+            .iter()
+            .copied()
+            .find(|c| self.has_class(*c))
+            .ok_or_else(|| Error::UnsupportedClass {
+                what,
+                count: self.classes.len(),
+                listed: self
+                    .classes
+                    .iter()
+                    .map(|c| format!("{c:#06x}"))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            })
+    }
+
+    pub fn client(&self) -> &Arc<Client> {
+        &self.client
+    }
+
+    pub fn device(&self) -> &Arc<Object> {
+        &self.device
+    }
+
+    pub fn subdevice(&self) -> &Arc<Object> {
+        &self.subdevice
+    }
+
+    pub fn vaspace(&self) -> &Arc<Object> {
+        &self.vaspace
+    }
+
+    /// The region below 1 TiB for what the front end addresses with 40 bits.
+    pub fn low_region(&self) -> &VaRegion {
+        &self.low
+    }
+
+    pub fn high_region(&self) -> &VaRegion {
+        &self.high
+    }
+
+    /// Start of the usermode page; the doorbell is at [`DOORBELL_OFFSET`](crate::hw) 0x90 in it.
+    pub fn usermode_ptr(&self) -> *mut u8 {
+        self.usermode
+            .as_ref()
+            .map_or(std::ptr::null_mut(), |(m, _)| m.as_ptr())
+    }
+
+    pub(crate) fn uuid(&self) -> sys::NvProcessorUuid {
+        sys::NvProcessorUuid {
+            uuid: self.info.uuid_bytes,
+        }
+    }
+}
+
+impl Drop for GpuCore {
+    fn drop(&mut self) {
+        // The usermode page is unmapped before its object is freed; the rest is freed by field order and
+        // by the root client, which takes every remaining object with it.
+        self.usermode = None;
+        let mut p = sys::UVM_UNREGISTER_GPU_VASPACE_PARAMS {
+            gpuUuid: self.uuid(),
+            ..Default::default()
+        };
+        let _ = self.client.uvm_call(
+            sys::UVM_UNREGISTER_GPU_VASPACE,
+            &mut p,
+            "UVM_UNREGISTER_GPU_VASPACE",
+            |p| p.rmStatus,
+        );
+        let mut p = sys::UVM_UNREGISTER_GPU_PARAMS {
+            gpu_uuid: self.uuid(),
+            ..Default::default()
+        };
+        let _ = self
+            .client
+            .uvm_call(sys::UVM_UNREGISTER_GPU, &mut p, "UVM_UNREGISTER_GPU", |p| {
+                p.rmStatus
+            });
+    }
+}
+
+/// Usermode (doorbell) classes, newest first.
+pub const USERMODE_CLASSES: &[u32] = &[
+    sys::BLACKWELL_USERMODE_A,
+    sys::HOPPER_USERMODE_A,
+    sys::AMPERE_USERMODE_A,
+    sys::TURING_USERMODE_A,
+    sys::VOLTA_USERMODE_A,
+];
+
+/// The loaded module's version string, through NV_ESC_CHECK_VERSION_STR's query command.
+fn query_driver_version(ctl: &OwnedFd) -> Result<String> {
+    let mut v = sys::nv_ioctl_rm_api_version_t {
+        cmd: u32::from(sys::NV_RM_API_VERSION_CMD_QUERY),
+        ..Default::default()
+    };
+    // SAFETY: nv_ioctl_rm_api_version_t is the NV_ESC_CHECK_VERSION_STR argument; it holds no pointers.
+    unsafe {
+        nv_escape(
+            ctl,
+            sys::NV_ESC_CHECK_VERSION_STR,
+            &mut v,
+            "query driver version",
+        )?
+    };
+    Ok(c_string(&v.versionString))
+}
+
+/// GPUs attached to the driver, in minor-number order.
+fn card_info(ctl: &OwnedFd) -> Result<Vec<sys::nv_ioctl_card_info_t>> {
+    let mut cards = [sys::nv_ioctl_card_info_t::default(); sys::NV_MAX_DEVICES as usize];
+    // SAFETY: NV_ESC_CARD_INFO takes an array of nv_ioctl_card_info_t; its size is encoded in the opcode.
+    unsafe { nv_escape(ctl, sys::NV_ESC_CARD_INFO, &mut cards, "list GPUs")? };
+    Ok(cards.into_iter().filter(|c| c.valid != 0).collect())
+}
+
+fn gpu_info(
+    sub: &Object,
+    index: usize,
+    card: &sys::nv_ioctl_card_info_t,
+    driver_version: String,
+) -> Result<GpuInfo> {
+    let mut name = sys::NV2080_CTRL_GPU_GET_NAME_STRING_PARAMS::default();
+    sub.control(
+        sys::NV2080_CTRL_CMD_GPU_GET_NAME_STRING,
+        &mut name,
+        "NV2080_CTRL_CMD_GPU_GET_NAME_STRING",
+    )?;
+    // SAFETY: gpuNameStringFlags = 0 asks for ASCII, so the `ascii` member of the union is the one written.
+    let name = c_string(unsafe { &name.gpuNameString.ascii });
+
+    let mut gid = sys::NV2080_CTRL_GPU_GET_GID_INFO_PARAMS {
+        flags: sys::NV2080_GPU_CMD_GPU_GET_GID_FLAGS_FORMAT_BINARY,
+        length: 16,
+        ..Default::default()
+    };
+    sub.control(
+        sys::NV2080_CTRL_CMD_GPU_GET_GID_INFO,
+        &mut gid,
+        "NV2080_CTRL_CMD_GPU_GET_GID_INFO",
+    )?;
+    let mut uuid_bytes = [0u8; 16];
+    uuid_bytes.copy_from_slice(&gid.data[..16]);
+
+    let indices = [
+        sys::NV2080_CTRL_GR_INFO_INDEX_SM_VERSION,
+        sys::NV2080_CTRL_GR_INFO_INDEX_MAX_WARPS_PER_SM,
+        sys::NV2080_CTRL_GR_INFO_INDEX_LITTER_NUM_TPC_PER_GPC,
+        sys::NV2080_CTRL_GR_INFO_INDEX_LITTER_NUM_SM_PER_TPC,
+    ];
+    let mut list = indices.map(|index| sys::NV2080_CTRL_GR_INFO { index, data: 0 });
+    let mut gr = sys::NV2080_CTRL_GR_GET_INFO_PARAMS {
+        grInfoListSize: list.len() as u32,
+        grInfoList: list.as_mut_ptr().cast(),
+        ..Default::default()
+    };
+    sub.control(
+        sys::NV2080_CTRL_CMD_GR_GET_INFO,
+        &mut gr,
+        "NV2080_CTRL_CMD_GR_GET_INFO",
+    )?;
+    let [sm_raw, warps, tpcs_per_gpc_max, sms_per_tpc] = list.map(|i| i.data);
+    // RM encodes the SM version as 0xMMmm (0x0900 = sm_90).
+    let sm_version = ((sm_raw >> 8) & 0xff) * 10 + (sm_raw & 0xff).min(9);
+
+    let mut gpc = sys::NV2080_CTRL_GR_GET_GPC_MASK_PARAMS::default();
+    sub.control(
+        sys::NV2080_CTRL_CMD_GR_GET_GPC_MASK,
+        &mut gpc,
+        "NV2080_CTRL_CMD_GR_GET_GPC_MASK",
+    )?;
+    let mut tpc_count = 0;
+    for gpc_id in (0..32).filter(|g| gpc.gpcMask & (1 << g) != 0) {
+        let mut tpc = sys::NV2080_CTRL_GR_GET_TPC_MASK_PARAMS {
+            gpcId: gpc_id,
+            ..Default::default()
+        };
+        sub.control(
+            sys::NV2080_CTRL_CMD_GR_GET_TPC_MASK,
+            &mut tpc,
+            "NV2080_CTRL_CMD_GR_GET_TPC_MASK",
+        )?;
+        tpc_count += tpc.tpcMask.count_ones();
+    }
+
+    let mut fb = sys::NV2080_CTRL_FB_GET_INFO_V2_PARAMS {
+        fbInfoListSize: 1,
+        ..Default::default()
+    };
+    fb.fbInfoList[0].index = sys::NV2080_CTRL_FB_INFO_INDEX_TOTAL_RAM_SIZE;
+    sub.control(
+        sys::NV2080_CTRL_CMD_FB_GET_INFO_V2,
+        &mut fb,
+        "NV2080_CTRL_CMD_FB_GET_INFO_V2",
+    )?;
+    // Reported in KiB.
+    let memory_bytes = u64::from(fb.fbInfoList[0].data) << 10;
+
+    let pci = &card.pci_info;
+    Ok(GpuInfo {
+        index,
+        minor: card.minor_number,
+        name,
+        uuid: format_uuid(&uuid_bytes),
+        uuid_bytes,
+        pci_bus_id: format!("{:08x}:{:02x}:{:02x}.0", pci.domain, pci.bus, pci.slot),
+        sm_version,
+        sm_count: tpc_count * sms_per_tpc,
+        gpc_count: gpc.gpcMask.count_ones(),
+        tpc_count,
+        tpcs_per_gpc_max,
+        sms_per_tpc,
+        max_warps_per_sm: warps,
+        memory_bytes,
+        driver_version,
+    })
+}
+
+/// `GPU-` and the 16 bytes as 8-4-4-4-12 hex digits, the form nvidia-smi prints.
+pub fn format_uuid(b: &[u8; 16]) -> String {
+    let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
+}
+
+fn c_string(bytes: &[impl Copy + Into<i64>]) -> String {
+    let v: Vec<u8> = bytes
+        .iter()
+        .map(|&c| c.into() as u8)
+        .take_while(|&c| c != 0)
+        .collect();
+    CStr::from_bytes_until_nul(&[v.as_slice(), &[0]].concat())
+        .map_or_else(|_| String::new(), |s| s.to_string_lossy().into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uuid_prints_like_nvidia_smi() {
+        let b = [
+            0xde, 0x91, 0x8d, 0x9d, 0xe2, 0x4e, 0x30, 0xae, 0x6e, 0xf5, 0x43, 0xa3, 0xfe, 0xaf,
+            0x0a, 0x39,
+        ];
+        assert_eq!(format_uuid(&b), "GPU-de918d9d-e24e-30ae-6ef5-43a3feaf0a39");
+    }
+
+    #[test]
+    fn c_strings_stop_at_nul() {
+        assert_eq!(
+            c_string(&[b'5' as i8, b'8' as i8, b'0' as i8, 0, b'x' as i8]),
+            "580"
+        );
+        assert_eq!(c_string(b"ab"), "ab");
+    }
+}

@@ -1,0 +1,98 @@
+//! The unsafe core of the RM layer: ioctls on the NVIDIA device nodes.
+
+use std::ffi::c_void;
+use std::os::fd::AsFd;
+
+use rustix::ioctl::{Ioctl, IoctlOutput, Opcode, opcode};
+
+use super::sys;
+use super::{Error, Result};
+
+/// One read-write ioctl whose argument is a `T` owned by the caller.
+struct ReadWrite<'a, T> {
+    opcode: Opcode,
+    arg: &'a mut T,
+}
+
+// SAFETY: `as_ptr` returns a pointer to a live, exclusively borrowed `T` whose size is encoded in the
+// opcode (RM escapes) or expected by the driver for that command number (UVM); the kernel writes back
+// at most that many bytes.
+unsafe impl<T> Ioctl for ReadWrite<'_, T> {
+    type Output = ();
+    const IS_MUTATING: bool = true;
+
+    fn opcode(&self) -> Opcode {
+        self.opcode
+    }
+
+    fn as_ptr(&mut self) -> *mut c_void {
+        (self.arg as *mut T).cast()
+    }
+
+    unsafe fn output_from_ptr(_: IoctlOutput, _: *mut c_void) -> rustix::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// An RM escape on /dev/nvidiactl or /dev/nvidiaN: `_IOWR('F', nr, T)`. The driver checks the
+/// size encoded in the opcode against the escape's structure, so `T` must be that structure.
+///
+/// # Safety
+/// `T` must be the parameter structure (or array) the driver expects for escape `nr`, and every pointer
+/// inside it must be valid for the access the escape makes.
+pub(crate) unsafe fn nv_escape<T>(
+    fd: impl AsFd,
+    nr: u32,
+    arg: &mut T,
+    what: &'static str,
+) -> Result<()> {
+    let code = opcode::read_write::<T>(sys::NV_IOCTL_MAGIC, nr as u8);
+    // SAFETY: forwarded to the caller's contract above.
+    unsafe { rustix::ioctl::ioctl(fd, ReadWrite { opcode: code, arg }) }.map_err(|e| Error::Ioctl {
+        call: escape_name(nr),
+        what,
+        source: e.into(),
+    })
+}
+
+/// A UVM ioctl on /dev/nvidia-uvm: the raw command number, no size encoding.
+///
+/// # Safety
+/// As for [`nv_escape`], with `T` the `UVM_*_PARAMS` structure of command `cmd`.
+pub(crate) unsafe fn uvm_ioctl<T>(
+    fd: impl AsFd,
+    cmd: u32,
+    arg: &mut T,
+    what: &'static str,
+) -> Result<()> {
+    // SAFETY: forwarded to the caller's contract above.
+    unsafe {
+        rustix::ioctl::ioctl(
+            fd,
+            ReadWrite {
+                opcode: cmd as Opcode,
+                arg,
+            },
+        )
+    }
+    .map_err(|e| Error::Ioctl {
+        call: "UVM",
+        what,
+        source: e.into(),
+    })
+}
+
+fn escape_name(nr: u32) -> &'static str {
+    match nr {
+        sys::NV_ESC_RM_ALLOC => "NV_ESC_RM_ALLOC",
+        sys::NV_ESC_RM_CONTROL => "NV_ESC_RM_CONTROL",
+        sys::NV_ESC_RM_FREE => "NV_ESC_RM_FREE",
+        sys::NV_ESC_RM_MAP_MEMORY => "NV_ESC_RM_MAP_MEMORY",
+        sys::NV_ESC_RM_UNMAP_MEMORY => "NV_ESC_RM_UNMAP_MEMORY",
+        sys::NV_ESC_RM_ALLOC_MEMORY => "NV_ESC_RM_ALLOC_MEMORY",
+        sys::NV_ESC_CARD_INFO => "NV_ESC_CARD_INFO",
+        sys::NV_ESC_REGISTER_FD => "NV_ESC_REGISTER_FD",
+        sys::NV_ESC_CHECK_VERSION_STR => "NV_ESC_CHECK_VERSION_STR",
+        _ => "NV_ESC",
+    }
+}

@@ -1,0 +1,581 @@
+//! GPU-visible memory: RM allocations in video or system memory, mapped for the GPU in our VA space through
+//! UVM external ranges and, when asked, for the CPU at the same address.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use rustix::mm::{MapFlags, ProtFlags, mmap, munmap};
+use tracing::{debug, warn};
+
+use super::client::{Object, open_gpu_node, open_node};
+use super::gpu::GpuCore;
+use super::ioctl::nv_escape;
+use super::sys::defs;
+use super::va::VaRegion;
+use super::{Error, Result, sys};
+
+/// Where the memory lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// Video memory (HBM on the H200). CPU mappings go through BAR1, write-combined.
+    Video,
+    /// System memory, pinned by RM, GPU access over PCIe, CPU-cached (for semaphores the CPU polls).
+    SystemCached,
+    /// System memory mapped write-combined for the CPU (for data the CPU only writes, like pushbuffers).
+    SystemWriteCombined,
+}
+
+/// How a buffer is to be allocated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryDesc {
+    pub size: u64,
+    pub placement: Placement,
+    /// Map for the CPU at the buffer's GPU address.
+    pub cpu_mapped: bool,
+    /// Allocate the GPU address below 1 TiB (what the front end addresses with 40 bits).
+    pub low: bool,
+    pub contiguous: bool,
+}
+
+impl MemoryDesc {
+    pub fn video(size: u64) -> MemoryDesc {
+        MemoryDesc {
+            size,
+            placement: Placement::Video,
+            cpu_mapped: false,
+            low: false,
+            contiguous: false,
+        }
+    }
+    pub fn with_cpu(mut self) -> MemoryDesc {
+        self.cpu_mapped = true;
+        self
+    }
+    pub fn low(mut self) -> MemoryDesc {
+        self.low = true;
+        self
+    }
+    pub fn placement(mut self, p: Placement) -> MemoryDesc {
+        self.placement = p;
+        self
+    }
+}
+
+/// A CPU mapping of an RM object (made by NV_ESC_RM_MAP_MEMORY and mmap), unmapped on drop.
+#[derive(Debug)]
+pub struct CpuMapping {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory; APEX's users of it synchronise through the GPU protocol
+// (semaphores, GPPut) and never hand out references into it.
+unsafe impl Send for CpuMapping {}
+// SAFETY: as above.
+unsafe impl Sync for CpuMapping {}
+
+impl CpuMapping {
+    /// Maps `len` bytes of `object` for the CPU, at `fixed` if given (which must lie in a reservation of ours).
+    pub(crate) fn map_object(
+        core: &GpuCore,
+        object: &Object,
+        len: usize,
+        flags: u32,
+        fixed: Option<u64>,
+    ) -> Result<CpuMapping> {
+        let system = object.class() == sys::NV01_MEMORY_SYSTEM;
+        // RM attaches the mapping to the fd named in the request; the mmap on that fd then consumes it.
+        let fd: OwnedFd = if system {
+            open_node("/dev/nvidiactl")?
+        } else {
+            open_gpu_node(core.client.ctl(), core.info.minor)?
+        };
+        let mut p = sys::nv_ioctl_nvos33_parameters_with_fd {
+            params: sys::NVOS33_PARAMETERS {
+                hClient: core.client.handle(),
+                hDevice: core.device.handle(),
+                hMemory: object.handle(),
+                length: len as u64,
+                flags,
+                ..Default::default()
+            },
+            fd: fd.as_raw_fd(),
+        };
+        // SAFETY: the Linux NV_ESC_RM_MAP_MEMORY argument; it holds no pointers RM dereferences.
+        unsafe {
+            nv_escape(
+                core.client.ctl(),
+                sys::NV_ESC_RM_MAP_MEMORY,
+                &mut p,
+                "map for the CPU",
+            )?
+        };
+        super::client::check("RM_MAP_MEMORY", "map for the CPU", p.params.status)?;
+        let mut mflags = MapFlags::SHARED;
+        if fixed.is_some() {
+            mflags |= MapFlags::FIXED;
+        }
+        let addr = fixed.map_or(std::ptr::null_mut(), |a| a as *mut std::ffi::c_void);
+        // SAFETY: maps the device memory RM just prepared on `fd`; with FIXED the target lies inside one of
+        // our PROT_NONE reservations (the caller guarantees it), so nothing of anyone else is replaced.
+        let ptr = unsafe {
+            mmap(
+                addr,
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                mflags,
+                &fd,
+                0,
+            )
+        }
+        .map_err(|e| Error::Mmap {
+            what: "RM memory",
+            source: e.into(),
+        })?;
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or(Error::Mmap {
+            what: "RM memory",
+            source: std::io::Error::other("mmap returned null"),
+        })?;
+        Ok(CpuMapping { ptr, len })
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Forget the mapping without unmapping it (the caller puts a reservation over it instead).
+    fn into_raw(self) -> (NonNull<u8>, usize) {
+        let me = std::mem::ManuallyDrop::new(self);
+        (me.ptr, me.len)
+    }
+}
+
+impl Drop for CpuMapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping was created by `map_object` with this length and is unmapped once.
+        if let Err(e) = unsafe { munmap(self.ptr.as_ptr().cast(), self.len) } {
+            warn!(error = %e, "munmap failed");
+        }
+    }
+}
+
+/// A GPU-visible buffer: an RM allocation, its GPU virtual address (equal to its CPU address when CPU-mapped),
+/// freed on drop (GPU mapping, CPU mapping, RM memory, address range).
+#[derive(Debug)]
+pub struct Memory {
+    core: Arc<GpuCore>,
+    object: Option<Object>,
+    va: u64,
+    size: u64,
+    desc: MemoryDesc,
+    cpu: Option<NonNull<u8>>,
+}
+
+// SAFETY: the CPU pointer is only dereferenced through bounds-checked methods copying plain bytes; the RM
+// handles are plain integers used through thread-safe ioctls.
+unsafe impl Send for Memory {}
+// SAFETY: as above; concurrent access to the bytes is like concurrent DMA, which the caller orders.
+unsafe impl Sync for Memory {}
+
+const HUGE_PAGE: u64 = 2 << 20;
+
+impl Memory {
+    pub fn alloc(core: &Arc<GpuCore>, desc: MemoryDesc) -> Result<Memory> {
+        if desc.size == 0 {
+            return Err(Error::InvalidArgument("a buffer of 0 bytes".into()));
+        }
+        // 2 MiB pages for large video buffers (fewer TLB misses), 4 KiB otherwise.
+        let page = if desc.placement == Placement::Video && desc.size >= 8 << 20 {
+            HUGE_PAGE
+        } else {
+            0x1000
+        };
+        let size = desc
+            .size
+            .checked_next_multiple_of(page)
+            .ok_or(Error::OutOfVa {
+                size: desc.size,
+                align: page,
+            })?;
+        let mut p = alloc_params(&desc, size, page, core.client.handle());
+        let class = match desc.placement {
+            Placement::Video => sys::NV01_MEMORY_LOCAL_USER,
+            _ => sys::NV01_MEMORY_SYSTEM,
+        };
+        let what = if class == sys::NV01_MEMORY_SYSTEM {
+            "NV01_MEMORY_SYSTEM"
+        } else {
+            "NV01_MEMORY_LOCAL_USER"
+        };
+        let object = Object::alloc(&core.client, Some(&core.device), class, Some(&mut p), what)?;
+        let region = if desc.low { &core.low } else { &core.high };
+        // Align to 2 MiB where we can, so the GPU can use big pages for the mapping.
+        let align = if size >= HUGE_PAGE { HUGE_PAGE } else { page };
+        let va = region.alloc(size, align)?;
+        let mut mem = Memory {
+            core: core.clone(),
+            object: Some(object),
+            va,
+            size,
+            desc,
+            cpu: None,
+        };
+
+        if desc.cpu_mapped {
+            let caching = match desc.placement {
+                Placement::SystemCached => sys::NVOS33_FLAGS_CACHING_TYPE_CACHED,
+                _ => sys::NVOS33_FLAGS_CACHING_TYPE_WRITECOMBINED,
+            };
+            let flags = defs::NVOS33_FLAGS_CACHING_TYPE.val(caching);
+            let obj = mem.object.as_ref().expect("object is set until drop");
+            let map = CpuMapping::map_object(core, obj, size as usize, flags, Some(va))?;
+            mem.cpu = Some(map.into_raw().0);
+        }
+
+        let mut cr = sys::UVM_CREATE_EXTERNAL_RANGE_PARAMS {
+            base: va,
+            length: size,
+            rmStatus: 0,
+        };
+        core.client.uvm_call(
+            sys::UVM_CREATE_EXTERNAL_RANGE,
+            &mut cr,
+            "UVM_CREATE_EXTERNAL_RANGE",
+            |p| p.rmStatus,
+        )?;
+        let mut mp = Box::new(sys::UVM_MAP_EXTERNAL_ALLOCATION_PARAMS {
+            base: va,
+            length: size,
+            gpuAttributesCount: 1,
+            rmCtrlFd: core.client.ctl().as_raw_fd(),
+            hClient: core.client.handle(),
+            hMemory: mem
+                .object
+                .as_ref()
+                .expect("object is set until drop")
+                .handle(),
+            ..Default::default()
+        });
+        mp.perGpuAttributes[0].gpuUuid = core.uuid();
+        mp.perGpuAttributes[0].gpuMappingType = UVM_MAPPING_READ_WRITE_ATOMIC;
+        if let Err(e) = core.client.uvm_call(
+            sys::UVM_MAP_EXTERNAL_ALLOCATION,
+            &mut *mp,
+            "UVM_MAP_EXTERNAL_ALLOCATION",
+            |p| p.rmStatus,
+        ) {
+            mem.free_range();
+            return Err(e);
+        }
+        debug!(va = format_args!("{va:#x}"), size = format_args!("{size:#x}"), ?desc.placement, cpu = desc.cpu_mapped, "allocated");
+        Ok(mem)
+    }
+
+    /// GPU virtual address (and CPU address, when CPU-mapped).
+    pub fn va(&self) -> u64 {
+        self.va
+    }
+
+    /// Size in bytes (rounded up to the page size).
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    pub fn desc(&self) -> &MemoryDesc {
+        &self.desc
+    }
+
+    pub fn handle(&self) -> u32 {
+        self.object.as_ref().map_or(0, Object::handle)
+    }
+
+    pub fn gpu(&self) -> &Arc<GpuCore> {
+        &self.core
+    }
+
+    /// The CPU address, when the buffer is CPU-mapped.
+    pub fn cpu_ptr(&self) -> Option<NonNull<u8>> {
+        self.cpu
+    }
+
+    fn check(&self, offset: u64, len: u64) -> Result<NonNull<u8>> {
+        let cpu = self.cpu.ok_or(Error::NotCpuMapped { size: self.size })?;
+        if offset.checked_add(len).is_none_or(|end| end > self.size) {
+            return Err(Error::OutOfBounds {
+                offset,
+                len,
+                size: self.size,
+            });
+        }
+        Ok(cpu)
+    }
+
+    /// Copies `data` into the buffer at `offset` through the CPU mapping.
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
+        let cpu = self.check(offset, data.len() as u64)?;
+        // SAFETY: bounds checked above; the mapping is live for `self`'s lifetime and `data` cannot
+        // overlap it (it is a Rust slice, the mapping is device memory handed out only as raw pointers).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                cpu.as_ptr().add(offset as usize),
+                data.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// Copies 32-bit words into the buffer at `offset` (4-byte aligned) through the CPU mapping.
+    pub fn write_words(&self, offset: u64, words: &[u32]) -> Result<()> {
+        let cpu = self.check(offset, words.len() as u64 * 4)?;
+        if !offset.is_multiple_of(4) {
+            return Err(Error::InvalidArgument(format!(
+                "unaligned word write at {offset:#x}"
+            )));
+        }
+        // SAFETY: bounds and alignment checked above; as in `write`, no overlap with `words`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                words.as_ptr(),
+                cpu.as_ptr().add(offset as usize).cast::<u32>(),
+                words.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// Copies bytes out of the buffer at `offset` through the CPU mapping.
+    pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+        let cpu = self.check(offset, out.len() as u64)?;
+        // SAFETY: as in `write`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                cpu.as_ptr().add(offset as usize),
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// Fills `[offset, offset + len)` with `byte`.
+    pub fn fill(&self, offset: u64, len: u64, byte: u8) -> Result<()> {
+        let cpu = self.check(offset, len)?;
+        // SAFETY: bounds checked above.
+        unsafe { std::ptr::write_bytes(cpu.as_ptr().add(offset as usize), byte, len as usize) };
+        Ok(())
+    }
+
+    /// A volatile 64-bit load (for semaphores the GPU writes).
+    pub fn read_u64_volatile(&self, offset: u64) -> Result<u64> {
+        let cpu = self.check(offset, 8)?;
+        if !offset.is_multiple_of(8) {
+            return Err(Error::InvalidArgument(format!(
+                "unaligned 64-bit read at {offset:#x}"
+            )));
+        }
+        // SAFETY: in bounds and 8-byte aligned (the mapping is page-aligned).
+        Ok(unsafe {
+            cpu.as_ptr()
+                .add(offset as usize)
+                .cast::<u64>()
+                .read_volatile()
+        })
+    }
+
+    /// A volatile 32-bit load.
+    pub fn read_u32_volatile(&self, offset: u64) -> Result<u32> {
+        let cpu = self.check(offset, 4)?;
+        if !offset.is_multiple_of(4) {
+            return Err(Error::InvalidArgument(format!(
+                "unaligned 32-bit read at {offset:#x}"
+            )));
+        }
+        // SAFETY: in bounds and 4-byte aligned.
+        Ok(unsafe {
+            cpu.as_ptr()
+                .add(offset as usize)
+                .cast::<u32>()
+                .read_volatile()
+        })
+    }
+
+    /// A volatile 64-bit store.
+    pub fn write_u64_volatile(&self, offset: u64, value: u64) -> Result<()> {
+        let cpu = self.check(offset, 8)?;
+        if !offset.is_multiple_of(8) {
+            return Err(Error::InvalidArgument(format!(
+                "unaligned 64-bit write at {offset:#x}"
+            )));
+        }
+        // SAFETY: in bounds and 8-byte aligned.
+        unsafe {
+            cpu.as_ptr()
+                .add(offset as usize)
+                .cast::<u64>()
+                .write_volatile(value)
+        };
+        Ok(())
+    }
+
+    fn free_range(&mut self) {
+        if self.cpu.take().is_some() {
+            let region = if self.desc.low {
+                &self.core.low
+            } else {
+                &self.core.high
+            };
+            if let Err(e) = region.unmap(self.va, self.size) {
+                warn!(error = %e, "re-reserving a freed buffer's range failed");
+            }
+        }
+        self.object = None;
+        let region: &VaRegion = if self.desc.low {
+            &self.core.low
+        } else {
+            &self.core.high
+        };
+        region.free(self.va, self.size);
+    }
+}
+
+impl Drop for Memory {
+    fn drop(&mut self) {
+        let mut p = sys::UVM_FREE_PARAMS {
+            base: self.va,
+            length: self.size,
+            rmStatus: 0,
+        };
+        if let Err(e) = self
+            .core
+            .client
+            .uvm_call(sys::UVM_FREE, &mut p, "UVM_FREE", |p| p.rmStatus)
+        {
+            warn!(error = %e, va = format_args!("{:#x}", self.va), "UVM_FREE failed");
+        }
+        self.free_range();
+    }
+}
+
+/// UvmGpuMappingTypeReadWriteAtomic (uvm_types.h).
+const UVM_MAPPING_READ_WRITE_ATOMIC: u32 = 1;
+
+fn alloc_params(
+    desc: &MemoryDesc,
+    size: u64,
+    page: u64,
+    owner: u32,
+) -> sys::NV_MEMORY_ALLOCATION_PARAMS {
+    use defs::*;
+    let physicality = if desc.contiguous {
+        sys::NVOS32_ATTR_PHYSICALITY_CONTIGUOUS
+    } else {
+        sys::NVOS32_ATTR_PHYSICALITY_ALLOW_NONCONTIGUOUS
+    };
+    let (attr, attr2, kind, flags) = match desc.placement {
+        Placement::Video => {
+            let huge = page == HUGE_PAGE;
+            (
+                NVOS32_ATTR_PHYSICALITY.val(physicality)
+                    | if huge {
+                        NVOS32_ATTR_PAGE_SIZE.val(sys::NVOS32_ATTR_PAGE_SIZE_HUGE)
+                    } else {
+                        0
+                    },
+                NVOS32_ATTR2_ZBC.val(sys::NVOS32_ATTR2_ZBC_PREFER_NO_ZBC)
+                    | NVOS32_ATTR2_GPU_CACHEABLE.val(sys::NVOS32_ATTR2_GPU_CACHEABLE_YES)
+                    | if huge {
+                        NVOS32_ATTR2_PAGE_SIZE_HUGE.val(sys::NVOS32_ATTR2_PAGE_SIZE_HUGE_2MB)
+                    } else {
+                        0
+                    },
+                sys::NVOS32_TYPE_IMAGE,
+                sys::NVOS32_ALLOC_FLAGS_PERSISTENT_VIDMEM,
+            )
+        }
+        Placement::SystemCached | Placement::SystemWriteCombined => {
+            let (coherency, gpu_cacheable) = if desc.placement == Placement::SystemCached {
+                (
+                    sys::NVOS32_ATTR_COHERENCY_CACHED,
+                    sys::NVOS32_ATTR2_GPU_CACHEABLE_YES,
+                )
+            } else {
+                (
+                    sys::NVOS32_ATTR_COHERENCY_WRITE_COMBINE,
+                    sys::NVOS32_ATTR2_GPU_CACHEABLE_NO,
+                )
+            };
+            (
+                NVOS32_ATTR_COHERENCY.val(coherency)
+                    | NVOS32_ATTR_PHYSICALITY.val(sys::NVOS32_ATTR_PHYSICALITY_NONCONTIGUOUS)
+                    | NVOS32_ATTR_LOCATION.val(sys::NVOS32_ATTR_LOCATION_PCI)
+                    | NVOS32_ATTR_PAGE_SIZE.val(sys::NVOS32_ATTR_PAGE_SIZE_4KB),
+                NVOS32_ATTR2_ZBC.val(sys::NVOS32_ATTR2_ZBC_PREFER_NO_ZBC)
+                    | NVOS32_ATTR2_GPU_CACHEABLE.val(gpu_cacheable),
+                sys::NVOS32_TYPE_NOTIFIER,
+                0,
+            )
+        }
+    };
+    sys::NV_MEMORY_ALLOCATION_PARAMS {
+        owner,
+        type_: kind,
+        flags: flags
+            | sys::NVOS32_ALLOC_FLAGS_ALIGNMENT_FORCE
+            | sys::NVOS32_ALLOC_FLAGS_MAP_NOT_REQUIRED
+            | sys::NVOS32_ALLOC_FLAGS_IGNORE_BANK_PLACEMENT
+            | sys::NVOS32_ALLOC_FLAGS_MEMORY_HANDLE_PROVIDED,
+        attr,
+        attr2,
+        format: 6,
+        size,
+        alignment: page,
+        limit: size - 1,
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn system_memory_attributes_match_what_libcuda_sends() {
+        // libcuda's semaphore buffer: attr 0x2a800000 (cached, non-contiguous, PCI, 4 KiB), attr2 5.
+        let cached = alloc_params(
+            &MemoryDesc::video(0x1000).placement(Placement::SystemCached),
+            0x1000,
+            0x1000,
+            1,
+        );
+        assert_eq!((cached.attr, cached.attr2), (0x2a80_0000, 5));
+        // libcuda's pushbuffer: attr 0x4a800000 (write-combined), attr2 9 (not GPU-cacheable).
+        let wc = alloc_params(
+            &MemoryDesc::video(0x1000).placement(Placement::SystemWriteCombined),
+            0x1000,
+            0x1000,
+            1,
+        );
+        assert_eq!((wc.attr, wc.attr2), (0x4a80_0000, 9));
+    }
+
+    #[test]
+    fn video_memory_uses_huge_pages_when_large() {
+        let p = alloc_params(&MemoryDesc::video(16 << 20), 16 << 20, HUGE_PAGE, 1);
+        assert_eq!(
+            p.attr & defs::NVOS32_ATTR_PAGE_SIZE.val(3),
+            defs::NVOS32_ATTR_PAGE_SIZE.val(sys::NVOS32_ATTR_PAGE_SIZE_HUGE)
+        );
+        assert_ne!(p.attr2 & defs::NVOS32_ATTR2_PAGE_SIZE_HUGE.val(3), 0);
+        assert_eq!(p.limit, (16 << 20) - 1);
+    }
+}
