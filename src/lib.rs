@@ -4,8 +4,17 @@
 //! → [`pushbuf`] (method encoding and decoding) → [`launch`] (cubins, QMDs, kernel launches).
 //! [`hw`] holds the class tables generated from NVIDIA's headers; it is data, not a layer.
 
+mod api;
+pub mod driver;
 pub mod gpfifo;
 pub mod hw;
 pub mod launch;
 pub mod pushbuf;
 pub mod rm;
+pub mod sim;
+
+pub use api::{
+    Backend, BackendRequest, Buffer, DeviceInfo, Error, FallbackReason, Fence, Gpu, HostBuffer,
+    Kernel, Module, Queue, Result, Selection, StreamWatch, choose,
+};
+pub use launch::{Arg, LaunchConfig};

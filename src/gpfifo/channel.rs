@@ -1,5 +1,4 @@
 use std::fmt;
-use std::os::fd::AsRawFd;
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::Duration;
@@ -183,7 +182,8 @@ impl Channel {
         )?);
 
         // Ring, then USERD in the same allocation right after it (as libcuda and tinygrad place them).
-        let ring_bytes = u64::from(config.entries) * 8;
+        // USERD follows the ring, 512-byte aligned as RM requires.
+        let ring_bytes = (u64::from(config.entries) * 8).next_multiple_of(512);
         let ring_desc = MemoryDesc {
             size: ring_bytes + 0x1000,
             placement: config.ring_placement,
@@ -241,7 +241,7 @@ impl Channel {
             gpuUuid: sys::NvProcessorUuid {
                 uuid: core.info.uuid_bytes,
             },
-            rmCtrlFd: client.ctl().as_raw_fd(),
+            rmCtrlFd: client.ctl_raw_fd(),
             hClient: client.handle(),
             hChannel: channel.handle(),
             base: uvm_va,

@@ -33,7 +33,7 @@ impl PushSpace {
         placement: Placement,
         max_pending: usize,
     ) -> Result<PushSpace> {
-        if placement == Placement::SystemCached {
+        if matches!(placement, Placement::SystemCached | Placement::Semaphores) {
             return Err(Error::InvalidConfig(
                 "pushbuffers are write-combined video or system memory".into(),
             ));
@@ -107,6 +107,12 @@ impl PushSpace {
         } else {
             (self.head + words < tail).then_some(self.head)
         }
+    }
+
+    /// Whether `words` fit now, given the timeline's completed value (no waiting).
+    pub fn fits_now(&mut self, words: usize, completed: u64) -> bool {
+        self.retire(completed);
+        self.fit(words).is_some()
     }
 
     /// Reserves `words` contiguous words, waiting up to `timeout` for earlier submissions to complete.

@@ -18,7 +18,7 @@ impl Semaphores {
 
     pub fn new(core: &Arc<GpuCore>) -> Result<Arc<Semaphores>> {
         let desc = MemoryDesc::video(Self::SIZE)
-            .placement(Placement::SystemCached)
+            .placement(Placement::Semaphores)
             .with_cpu()
             .low();
         let mem = Memory::alloc(core, desc)?;

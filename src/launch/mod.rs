@@ -4,13 +4,16 @@ pub mod cbank;
 pub mod cubin;
 pub mod fatbin;
 mod module;
+pub mod occupancy;
 pub mod params;
 pub mod qmd;
 mod queue;
 
 pub use module::{Kernel, Module};
 pub use params::{Arg, ParamError};
-pub use queue::{ComputeQueue, ComputeQueueConfig, LaunchConfig, Limits};
+pub use queue::{
+    ComputeQueue, ComputeQueueConfig, LaunchConfig, Limits, validate as queue_validate,
+};
 
 /// Errors of the launch layer. Everything about a launch is checked before anything reaches the ring.
 #[derive(thiserror::Error, Debug)]

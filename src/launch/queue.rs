@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use tracing::debug;
 
-use crate::gpfifo::wait_until;
 use crate::pushbuf::{Acquire, Fence, Queue, QueueConfig, Signal};
 use crate::rm::{GpuCore, Memory, MemoryDesc, Placement};
 
 use super::cbank::{DRIVER_BYTES, write_driver_words};
+use super::cubin::KernelInfo;
 use super::module::{Kernel, newest_generation};
 use super::params::{Arg, pack};
 use super::qmd::{self, ConstBuffer, QMD_WORDS, QmdParams, QmdVersion};
@@ -96,6 +96,8 @@ const INITIAL_STACK: u32 = 1024;
 /// window (Hopper), so the whole range stays empty.
 const WINDOWS_BYTES: u64 = 12 << 30;
 const WINDOW_ALIGN: u64 = 4 << 30;
+/// Semaphore slot of the channel's page that the copy engine releases.
+const COPY_SEMAPHORE_SLOT: usize = 1;
 
 /// Kernel launches in order on our own channel.
 pub struct ComputeQueue {
@@ -112,6 +114,11 @@ pub struct ComputeQueue {
     local_per_thread: u32,
     retired_local: Vec<(Memory, u64)>,
     seen_generation: u64,
+    /// Launches recorded without their own completion signal since the last join.
+    unordered_pending: bool,
+    /// How a launch waits for the previous one: the acquire comparison and whether the scheduler may switch
+    /// channel groups while it waits.
+    ordering: (Acquire, bool),
     timeout: Duration,
 }
 
@@ -172,6 +179,8 @@ impl ComputeQueue {
             local_per_thread: 0,
             retired_local: Vec::new(),
             seen_generation: 0,
+            unordered_pending: false,
+            ordering: (Acquire::CircularGeq, false),
             timeout: config.timeout,
         };
         let (shared, local) = (cq.shared_window(), cq.local_window());
@@ -214,6 +223,12 @@ impl ComputeQueue {
         &mut self.queue
     }
 
+    /// How launches wait for the previous one (the host acquire's comparison and ACQUIRE_SWITCH_TSG).
+    /// The default is a 64-bit circular >= without switching, the form tinygrad runs on the H200.
+    pub fn set_ordering(&mut self, cmp: Acquire, switch_tsg: bool) {
+        self.ordering = (cmp, switch_tsg);
+    }
+
     /// Local memory per thread the queue provides now.
     pub fn local_bytes_per_thread(&self) -> u32 {
         self.local_per_thread
@@ -247,75 +262,7 @@ impl ComputeQueue {
     }
 
     fn check(&self, kernel: &Kernel, cfg: &LaunchConfig) -> Result<u32> {
-        let k = kernel.info();
-        let bad = |why: String| Error::InvalidLaunch {
-            kernel: k.name.clone(),
-            why,
-        };
-        let l = &self.limits;
-        for (i, axis) in ["x", "y", "z"].iter().enumerate() {
-            if cfg.grid[i] == 0 || cfg.grid[i] > l.max_grid[i] {
-                return Err(bad(format!(
-                    "grid.{axis} = {} (must be 1..={})",
-                    cfg.grid[i], l.max_grid[i]
-                )));
-            }
-            if cfg.block[i] == 0 || cfg.block[i] > l.max_block[i] {
-                return Err(bad(format!(
-                    "block.{axis} = {} (must be 1..={})",
-                    cfg.block[i], l.max_block[i]
-                )));
-            }
-        }
-        let threads = cfg.block.iter().map(|&b| u64::from(b)).product::<u64>();
-        if threads > u64::from(l.max_threads_per_block) {
-            return Err(bad(format!(
-                "{threads} threads per block (at most {})",
-                l.max_threads_per_block
-            )));
-        }
-        if let Some(max) = k.max_threads.filter(|&m| threads > u64::from(m)) {
-            return Err(bad(format!(
-                "{threads} threads per block, the kernel was compiled for at most {max}"
-            )));
-        }
-        if let Some(req) = k.required_block.filter(|r| *r != cfg.block) {
-            return Err(bad(format!(
-                "block {:?}, the kernel requires {req:?}",
-                cfg.block
-            )));
-        }
-        // Registers are allocated per warp in units of 256.
-        let per_warp = (u64::from(k.registers.max(1)) * 32).next_multiple_of(256);
-        let warps = threads.div_ceil(32);
-        if per_warp * warps > u64::from(l.registers_per_sm) {
-            return Err(bad(format!(
-                "{threads} threads need {} registers ({} per thread), an SM has {}",
-                per_warp * warps,
-                k.registers,
-                l.registers_per_sm
-            )));
-        }
-        let shared = k.static_shared.saturating_add(u64::from(cfg.shared_bytes));
-        if shared > u64::from(l.max_shared_per_block) {
-            return Err(bad(format!(
-                "{shared} bytes of shared memory ({} static + {} dynamic), at most {}",
-                k.static_shared, cfg.shared_bytes, l.max_shared_per_block
-            )));
-        }
-        if k.param_cbank_size as usize > MAX_PARAM_BYTES {
-            return Err(bad(format!(
-                "a {}-byte parameter block (at most {MAX_PARAM_BYTES})",
-                k.param_cbank_size
-            )));
-        }
-        if k.param_cbank_offset as usize != DRIVER_BYTES && !k.params.is_empty() {
-            return Err(bad(format!(
-                "parameters at c[0x0][{:#x}], expected {DRIVER_BYTES:#x} on sm_90",
-                k.param_cbank_offset
-            )));
-        }
-        Ok(shared as u32)
+        validate(kernel.info(), cfg, &self.limits)
     }
 
     /// Launches `kernel` over `cfg` with `args` (checked against the kernel's parameter table). Launches on one
@@ -347,6 +294,84 @@ impl ComputeQueue {
         cfg: &LaunchConfig,
         args: &[Arg<'_>],
     ) -> Result<Fence> {
+        self.record(kernel, cfg, args, true)
+    }
+
+    /// Records a launch that may run concurrently with the launches around it (no wait for the previous one,
+    /// no completion signal of its own). [`join`](Self::join) returns the fence that covers it; an ordered
+    /// launch or copy after it joins first.
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch); also, nothing orders this kernel against the other unordered ones.
+    pub unsafe fn record_launch_unordered(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+    ) -> Result<()> {
+        self.record(kernel, cfg, args, false).map(drop)
+    }
+
+    /// Records a signal that completes once every launch so far has completed (waiting for the compute engine to
+    /// go idle), rings the doorbell, and returns its fence.
+    pub fn join(&mut self) -> Result<Fence> {
+        let fence = self.queue.submit(0, Signal::Host, |_, _| {})?;
+        self.unordered_pending = false;
+        Ok(fence)
+    }
+
+    /// Copies `bytes` from `src` to `dst` (GPU addresses: device or host memory mapped for the GPU) with the copy
+    /// engine, after every earlier launch and copy of this queue; later ones run after it.
+    pub fn copy(&mut self, src: u64, dst: u64, bytes: u64) -> Result<Fence> {
+        if bytes == 0 {
+            return Err(Error::InvalidLaunch {
+                kernel: "copy".into(),
+                why: "a copy of 0 bytes".into(),
+            });
+        }
+        if self.unordered_pending {
+            self.join()?;
+        }
+        let prev = self.queue.last_submitted();
+        let prev_done = self.queue.timeline().is_reached(prev);
+        let timeline_va = self.queue.timeline().va();
+        let copy_sem = self.queue.channel().semaphores().va(COPY_SEMAPHORE_SLOT);
+        let chunks = bytes.div_ceil(crate::pushbuf::Push::MAX_COPY_CHUNK) as usize;
+        let fence = self
+            .queue
+            .submit(chunks * 12 + 32, Signal::Recorded, |p, v| {
+                if !prev_done {
+                    p.sem_acquire(timeline_va, prev, Acquire::CircularGeq, true, false);
+                }
+                // The copy engine signals a 32-bit semaphore; the host turns that into the queue's 64-bit value.
+                p.copy_linear(src, dst, bytes, Some((copy_sem, v as u32)));
+                p.sem_acquire(
+                    copy_sem,
+                    u64::from(v as u32),
+                    Acquire::CircularGeq,
+                    false,
+                    false,
+                );
+                p.sem_release(
+                    timeline_va,
+                    v,
+                    crate::pushbuf::Release {
+                        wfi: false,
+                        wide: true,
+                        timestamp: false,
+                    },
+                );
+            })?;
+        Ok(fence)
+    }
+
+    fn record(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+        ordered: bool,
+    ) -> Result<Fence> {
         let k = kernel.info();
         let shared = self.check(kernel, cfg)?;
         let n = pack(k, args, &mut self.params)?;
@@ -358,20 +383,14 @@ impl ComputeQueue {
         let slot = self.next_slot;
         let busy_until = self.slot_values[slot];
         if !self.queue.timeline().is_reached(busy_until) {
-            let t = self.queue.timeline().clone();
-            let fence = self.queue.fence_for(busy_until);
-            wait_until(
-                "a free launch slot",
-                self.timeout,
-                || t.is_reached(busy_until),
-                || None,
-            )?;
-            fence.wait(Duration::ZERO)?;
+            // The launch that holds the slot may only be recorded so far: send it before waiting.
+            self.queue.kick();
+            self.queue.fence_for(busy_until).wait(self.timeout)?;
         }
         let slot_off = slot as u64 * SLOT_BYTES;
         let qmd_va = self.slots.va() + slot_off;
         let cb_va = qmd_va + QMD_BYTES;
-        let value = self.queue.last_submitted() + 1;
+        let value = self.queue.last_submitted() + 1 + u64::from(ordered && self.unordered_pending);
 
         let mut cbs = [None; 8];
         cbs[0] = Some(ConstBuffer {
@@ -396,7 +415,7 @@ impl ComputeQueue {
             shared_bytes: shared.next_multiple_of(256),
             local_bytes_per_thread: self.local_per_thread,
             const_buffers: cbs,
-            release: Some((self.queue.timeline().va(), value)),
+            release: ordered.then(|| (self.queue.timeline().va(), value)),
         };
         let mut q = [0u32; QMD_WORDS];
         qmd::build(self.version, &params, &mut q)?;
@@ -417,10 +436,17 @@ impl ComputeQueue {
         self.slots
             .write_words(slot_off, &q[..self.version.size_bytes() / 4])?;
 
+        if ordered && self.unordered_pending {
+            // Join the unordered launches first (recorded; the doorbell below sends both).
+            self.queue.record(0, Signal::Host, |_, _| {})?;
+            self.unordered_pending = false;
+        }
+        let value = self.queue.last_submitted() + 1;
         let prev = self.queue.last_submitted();
-        let prev_done = self.queue.timeline().is_reached(prev);
+        let prev_done = !ordered || self.queue.timeline().is_reached(prev);
         let invalidate = self.seen_generation < kernel.module().generation();
         let timeline_va = self.queue.timeline().va();
+        let order = self.ordering;
         let fence = self.queue.record(16, Signal::Recorded, |p, v| {
             debug_assert_eq!(v, value);
             if invalidate {
@@ -428,12 +454,15 @@ impl ComputeQueue {
             }
             if !prev_done {
                 // Stream order: this grid starts only after the previous one released its value.
-                p.sem_acquire(timeline_va, prev, Acquire::StrictGeq, true, false);
+                p.sem_acquire(timeline_va, prev, order.0, true, order.1);
             }
             p.send_pcas(qmd_va);
         })?;
         if invalidate {
             self.seen_generation = newest_generation();
+        }
+        if !ordered {
+            self.unordered_pending = true;
         }
         self.slot_values[slot] = value;
         self.next_slot = (slot + 1) % self.slot_values.len();
@@ -466,4 +495,76 @@ impl Drop for ComputeQueue {
         let _ = self.queue.wait_idle(Duration::from_secs(2));
         self.gpu.low_region().free(self.windows_va, WINDOWS_BYTES);
     }
+}
+
+/// Checks a launch of the kernel described by `k` against the device limits; returns the block's shared memory
+/// (static + dynamic). Nothing is submitted.
+pub fn validate(k: &KernelInfo, cfg: &LaunchConfig, l: &Limits) -> Result<u32> {
+    let bad = |why: String| Error::InvalidLaunch {
+        kernel: k.name.clone(),
+        why,
+    };
+    for (i, axis) in ["x", "y", "z"].iter().enumerate() {
+        if cfg.grid[i] == 0 || cfg.grid[i] > l.max_grid[i] {
+            return Err(bad(format!(
+                "grid.{axis} = {} (must be 1..={})",
+                cfg.grid[i], l.max_grid[i]
+            )));
+        }
+        if cfg.block[i] == 0 || cfg.block[i] > l.max_block[i] {
+            return Err(bad(format!(
+                "block.{axis} = {} (must be 1..={})",
+                cfg.block[i], l.max_block[i]
+            )));
+        }
+    }
+    let threads = cfg.block.iter().map(|&b| u64::from(b)).product::<u64>();
+    if threads > u64::from(l.max_threads_per_block) {
+        return Err(bad(format!(
+            "{threads} threads per block (at most {})",
+            l.max_threads_per_block
+        )));
+    }
+    if let Some(max) = k.max_threads.filter(|&m| threads > u64::from(m)) {
+        return Err(bad(format!(
+            "{threads} threads per block, the kernel was compiled for at most {max}"
+        )));
+    }
+    if let Some(req) = k.required_block.filter(|r| *r != cfg.block) {
+        return Err(bad(format!(
+            "block {:?}, the kernel requires {req:?}",
+            cfg.block
+        )));
+    }
+    // Registers are allocated per warp in units of 256.
+    let per_warp = (u64::from(k.registers.max(1)) * 32).next_multiple_of(256);
+    let warps = threads.div_ceil(32);
+    if per_warp * warps > u64::from(l.registers_per_sm) {
+        return Err(bad(format!(
+            "{threads} threads need {} registers ({} per thread), an SM has {}",
+            per_warp * warps,
+            k.registers,
+            l.registers_per_sm
+        )));
+    }
+    let shared = k.static_shared.saturating_add(u64::from(cfg.shared_bytes));
+    if shared > u64::from(l.max_shared_per_block) {
+        return Err(bad(format!(
+            "{shared} bytes of shared memory ({} static + {} dynamic), at most {}",
+            k.static_shared, cfg.shared_bytes, l.max_shared_per_block
+        )));
+    }
+    if k.param_cbank_size as usize > MAX_PARAM_BYTES {
+        return Err(bad(format!(
+            "a {}-byte parameter block (at most {MAX_PARAM_BYTES})",
+            k.param_cbank_size
+        )));
+    }
+    if k.param_cbank_offset as usize != DRIVER_BYTES && !k.params.is_empty() {
+        return Err(bad(format!(
+            "parameters at c[0x0][{:#x}], expected {DRIVER_BYTES:#x} on sm_90",
+            k.param_cbank_offset
+        )));
+    }
+    Ok(shared as u32)
 }

@@ -2,6 +2,7 @@
 //! typed methods of the host, compute and copy classes. Every offset and field comes from [`crate::hw`].
 
 use crate::hw::compute::cbc0 as compute;
+use crate::hw::copy::c8b5 as copy;
 use crate::hw::host::{c56f, c86f as host};
 
 /// Subchannels as libcuda and NVK bind them: host methods on 0, compute on 1, copy on 4.
@@ -374,6 +375,64 @@ impl<'a> Push<'a> {
                 | compute::INVALIDATE_SHADER_CACHES_NO_WFI_GLOBAL_DATA.pack(1)
                 | compute::INVALIDATE_SHADER_CACHES_NO_WFI_CONSTANT.pack(1),
         );
+    }
+
+    // ---- copy class ------------------------------------------------------------------------------------------
+
+    /// Largest copy one LAUNCH_DMA moves (LINE_LENGTH_IN is a 32-bit byte count).
+    pub const MAX_COPY_CHUNK: u64 = 1 << 30;
+
+    /// A linear copy of `bytes` from `src` to `dst` (GPU virtual addresses) by the copy engine, split into
+    /// chunks of at most [`MAX_COPY_CHUNK`](Self::MAX_COPY_CHUNK). When `release` is given, the copy engine
+    /// writes that 32-bit payload at that address after the last byte has landed (flushed).
+    pub fn copy_linear(&mut self, src: u64, dst: u64, bytes: u64, release: Option<(u64, u32)>) {
+        let mut done = 0u64;
+        while done < bytes {
+            let n = (bytes - done).min(Self::MAX_COPY_CHUNK);
+            let last = done + n == bytes;
+            let (s, d) = (src + done, dst + done);
+            self.methods(
+                Header::Incrementing,
+                Subchannel::COPY,
+                copy::OFFSET_IN_UPPER,
+                &[
+                    copy::OFFSET_IN_UPPER_UPPER.pack((s >> 32) as u32),
+                    s as u32,
+                    copy::OFFSET_OUT_UPPER_UPPER.pack((d >> 32) as u32),
+                    d as u32,
+                ],
+            );
+            self.method(Subchannel::COPY, copy::LINE_LENGTH_IN, n as u32);
+            let mut launch = copy::LAUNCH_DMA_DATA_TRANSFER_TYPE
+                .pack(copy::LAUNCH_DMA_DATA_TRANSFER_TYPE_NON_PIPELINED)
+                | copy::LAUNCH_DMA_SRC_MEMORY_LAYOUT.pack(copy::LAUNCH_DMA_SRC_MEMORY_LAYOUT_PITCH)
+                | copy::LAUNCH_DMA_DST_MEMORY_LAYOUT.pack(copy::LAUNCH_DMA_DST_MEMORY_LAYOUT_PITCH)
+                | copy::LAUNCH_DMA_MULTI_LINE_ENABLE.pack(copy::LAUNCH_DMA_MULTI_LINE_ENABLE_FALSE)
+                | copy::LAUNCH_DMA_SRC_TYPE.pack(copy::LAUNCH_DMA_SRC_TYPE_VIRTUAL)
+                | copy::LAUNCH_DMA_DST_TYPE.pack(copy::LAUNCH_DMA_DST_TYPE_VIRTUAL);
+            if last {
+                launch |= copy::LAUNCH_DMA_FLUSH_ENABLE.pack(copy::LAUNCH_DMA_FLUSH_ENABLE_TRUE)
+                    | copy::LAUNCH_DMA_FLUSH_TYPE.pack(copy::LAUNCH_DMA_FLUSH_TYPE_SYS);
+                if let Some((va, payload)) = release {
+                    self.methods(
+                        Header::Incrementing,
+                        Subchannel::COPY,
+                        copy::SET_SEMAPHORE_A,
+                        &[
+                            copy::SET_SEMAPHORE_A_UPPER.pack((va >> 32) as u32),
+                            va as u32,
+                            payload,
+                        ],
+                    );
+                    launch |= copy::LAUNCH_DMA_SEMAPHORE_TYPE
+                        .pack(copy::LAUNCH_DMA_SEMAPHORE_TYPE_RELEASE_ONE_WORD_SEMAPHORE)
+                        | copy::LAUNCH_DMA_SEMAPHORE_PAYLOAD_SIZE
+                            .pack(copy::LAUNCH_DMA_SEMAPHORE_PAYLOAD_SIZE_ONE_WORD);
+                }
+            }
+            self.method(Subchannel::COPY, copy::LAUNCH_DMA, launch);
+            done += n;
+        }
     }
 
     /// Launches the QMD at `qmd_va` (256-byte aligned, below 2^40).

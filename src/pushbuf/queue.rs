@@ -179,6 +179,13 @@ impl Queue {
     ) -> Result<Fence> {
         let value = self.last + 1;
         let extra = if signal == Signal::Host { 6 } else { 0 };
+        if !self
+            .space
+            .fits_now(max_words + extra, self.timeline.completed())
+        {
+            // Recorded work may be what frees the space: send it before waiting.
+            self.channel.kick();
+        }
         let (va, words) = self
             .space
             .reserve(max_words + extra, &self.timeline, self.timeout)?;

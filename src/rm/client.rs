@@ -7,6 +7,7 @@ use std::sync::Arc;
 use tracing::{debug, warn};
 
 use super::ioctl::{nv_escape, uvm_ioctl};
+use super::sim::SimShared;
 use super::{Error, NvStatus, Result, sys};
 
 /// Handle of an RM object, unique within its client.
@@ -16,10 +17,19 @@ pub type Handle = u32;
 #[derive(Debug)]
 pub struct Client {
     handle: Handle,
-    ctl: OwnedFd,
-    uvm: OwnedFd,
-    // A second UVM fd, bound to this process's mm by UVM_MM_INITIALIZE; held open for the va space's life.
-    _uvm_mm: Option<OwnedFd>,
+    backend: Backend,
+}
+
+/// Where RM calls go: the kernel driver, or the in-process simulated RM that CI uses (no GPU).
+#[derive(Debug)]
+enum Backend {
+    Device {
+        ctl: OwnedFd,
+        uvm: OwnedFd,
+        // A second UVM fd, bound to this process's mm by UVM_MM_INITIALIZE; held open for the va space's life.
+        _uvm_mm: Option<OwnedFd>,
+    },
+    Simulated(Arc<SimShared>),
 }
 
 impl Client {
@@ -32,11 +42,14 @@ impl Client {
         // SAFETY: NVOS21_PARAMETERS is the NV_ESC_RM_ALLOC argument; pAllocParms is null.
         unsafe { nv_escape(&ctl, sys::NV_ESC_RM_ALLOC, &mut p, "NV01_ROOT_CLIENT")? };
         check("RM_ALLOC", "NV01_ROOT_CLIENT", p.status)?;
+        let uvm_raw = uvm.as_raw_fd();
         let mut client = Client {
             handle: p.hObjectNew,
-            ctl,
-            uvm,
-            _uvm_mm: None,
+            backend: Backend::Device {
+                ctl,
+                uvm,
+                _uvm_mm: None,
+            },
         };
         debug!(
             client = format_args!("{:#x}", client.handle),
@@ -48,7 +61,7 @@ impl Client {
             p.rmStatus
         })?;
         let mut mm = sys::UVM_MM_INITIALIZE_PARAMS {
-            uvmFd: client.uvm.as_raw_fd(),
+            uvmFd: uvm_raw,
             ..Default::default()
         };
         // SAFETY: UVM_MM_INITIALIZE_PARAMS is the argument of UVM_MM_INITIALIZE.
@@ -62,19 +75,59 @@ impl Client {
         };
         // libcuda sees this fail too when another va space already owns the mm; UVM works without it.
         match r {
-            Ok(()) if mm.rmStatus == 0 => client._uvm_mm = Some(uvm_mm),
+            Ok(()) if mm.rmStatus == 0 => {
+                if let Backend::Device { _uvm_mm, .. } = &mut client.backend {
+                    *_uvm_mm = Some(uvm_mm);
+                }
+            }
             Ok(()) => debug!(status = %NvStatus(mm.rmStatus), "UVM_MM_INITIALIZE declined"),
             Err(e) => debug!(error = %e, "UVM_MM_INITIALIZE declined"),
         }
         Ok(client)
     }
 
+    /// A client of the simulated RM: no file descriptors, RM calls answered in process.
+    pub(crate) fn simulated(sim: Arc<SimShared>) -> Client {
+        let handle = sim.alloc_root();
+        Client {
+            handle,
+            backend: Backend::Simulated(sim),
+        }
+    }
+
     pub fn handle(&self) -> Handle {
         self.handle
     }
 
-    pub(crate) fn ctl(&self) -> &OwnedFd {
-        &self.ctl
+    /// /dev/nvidiactl; a simulated client has none.
+    pub(crate) fn ctl(&self) -> Result<&OwnedFd> {
+        match &self.backend {
+            Backend::Device { ctl, .. } => Ok(ctl),
+            Backend::Simulated(_) => Err(Error::Simulated {
+                what: "/dev/nvidiactl",
+            }),
+        }
+    }
+
+    /// The control fd as UVM calls name it (-1 for a simulated client, whose UVM calls do nothing).
+    pub(crate) fn ctl_raw_fd(&self) -> i32 {
+        match &self.backend {
+            Backend::Device { ctl, .. } => ctl.as_raw_fd(),
+            Backend::Simulated(_) => -1,
+        }
+    }
+
+    /// The simulated RM behind this client, if it is one.
+    pub(crate) fn sim(&self) -> Option<&Arc<SimShared>> {
+        match &self.backend {
+            Backend::Device { .. } => None,
+            Backend::Simulated(s) => Some(s),
+        }
+    }
+
+    /// Whether RM calls go to the simulated RM instead of the kernel driver.
+    pub fn is_simulated(&self) -> bool {
+        self.sim().is_some()
     }
 
     /// NV_ESC_RM_ALLOC of `class` under `parent`, with the class's allocation parameters.
@@ -86,6 +139,17 @@ impl Client {
         what: &'static str,
     ) -> Result<Handle> {
         let ptr = params.map_or(std::ptr::null_mut(), |p| (p as *mut P).cast::<c_void>());
+        let ctl = match &self.backend {
+            Backend::Device { ctl, .. } => ctl,
+            Backend::Simulated(sim) => {
+                let status = sim.alloc(parent, class, ptr.cast(), size_of::<P>());
+                return status.map_err(|s| Error::Rm {
+                    call: "RM_ALLOC",
+                    what,
+                    status: s,
+                });
+            }
+        };
         let mut p = sys::NVOS21_PARAMETERS {
             hRoot: self.handle,
             hObjectParent: parent,
@@ -95,7 +159,7 @@ impl Client {
         };
         // SAFETY: NVOS21_PARAMETERS is the RM_ALLOC argument; pAllocParms is null or points to the caller's
         // exclusively borrowed parameter struct, which outlives the call.
-        unsafe { nv_escape(&self.ctl, sys::NV_ESC_RM_ALLOC, &mut p, what)? };
+        unsafe { nv_escape(ctl, sys::NV_ESC_RM_ALLOC, &mut p, what)? };
         check("RM_ALLOC", what, p.status)?;
         debug!(
             class = format_args!("{class:#x}"),
@@ -114,6 +178,13 @@ impl Client {
         params: &mut P,
         what: &'static str,
     ) -> Result<()> {
+        let ctl = match &self.backend {
+            Backend::Device { ctl, .. } => ctl,
+            Backend::Simulated(sim) => {
+                let status = sim.control(object, cmd, (params as *mut P).cast(), size_of::<P>());
+                return check("RM_CONTROL", what, status.0);
+            }
+        };
         let mut p = sys::NVOS54_PARAMETERS {
             hClient: self.handle,
             hObject: object,
@@ -124,12 +195,16 @@ impl Client {
         };
         // SAFETY: NVOS54_PARAMETERS is the RM_CONTROL argument; params points to a live `P` of paramsSize
         // bytes. The caller picks `P` to be the control's parameter struct.
-        unsafe { nv_escape(&self.ctl, sys::NV_ESC_RM_CONTROL, &mut p, what)? };
+        unsafe { nv_escape(ctl, sys::NV_ESC_RM_CONTROL, &mut p, what)? };
         check("RM_CONTROL", what, p.status)
     }
 
     /// NV_ESC_RM_FREE of `handle` (and everything RM holds under it).
     pub fn free(&self, parent: Handle, handle: Handle) -> Result<()> {
+        let ctl = match &self.backend {
+            Backend::Device { ctl, .. } => ctl,
+            Backend::Simulated(sim) => return check("RM_FREE", "object", sim.free(handle).0),
+        };
         let mut p = sys::NVOS00_PARAMETERS {
             hRoot: self.handle,
             hObjectParent: parent,
@@ -137,7 +212,7 @@ impl Client {
             status: 0,
         };
         // SAFETY: NVOS00_PARAMETERS is the RM_FREE argument and holds no pointers.
-        unsafe { nv_escape(&self.ctl, sys::NV_ESC_RM_FREE, &mut p, "RM_FREE")? };
+        unsafe { nv_escape(ctl, sys::NV_ESC_RM_FREE, &mut p, "RM_FREE")? };
         check("RM_FREE", "object", p.status)
     }
 
@@ -149,8 +224,13 @@ impl Client {
         what: &'static str,
         status: fn(&P) -> u32,
     ) -> Result<()> {
+        let uvm = match &self.backend {
+            Backend::Device { uvm, .. } => uvm,
+            // UVM's job (GPU mappings at the CPU address) is done by the simulated RM's allocation registry.
+            Backend::Simulated(_) => return Ok(()),
+        };
         // SAFETY: callers pass the UVM_*_PARAMS struct that belongs to `cmd`.
-        unsafe { uvm_ioctl(&self.uvm, cmd, params, what)? };
+        unsafe { uvm_ioctl(uvm, cmd, params, what)? };
         check("UVM", what, status(params))
     }
 }

@@ -60,6 +60,8 @@ pub enum Error {
     OutOfBounds { offset: u64, len: u64, size: u64 },
     #[error("memory of {size:#x} bytes has no CPU mapping")]
     NotCpuMapped { size: u64 },
+    #[error("{what} does not exist on a simulated GPU")]
+    Simulated { what: &'static str },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -2,7 +2,7 @@
 //! GPU virtual address space registered with UVM, and the usermode (doorbell) page.
 
 use std::ffi::CStr;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use tracing::{debug, info};
@@ -21,10 +21,10 @@ pub const USERMODE_SIZE: usize = 0x1_0000;
 
 /// Low region: everything the GPU front end addresses with 40 bits (rings, pushbuffers, QMDs, code,
 /// constant banks) and the shader windows. 64 GiB, placed below 1 TiB.
-const LOW_REGION_SIZE: u64 = 64 << 30;
-const LOW_REGION_LIMIT: u64 = 1 << 40;
+pub(super) const LOW_REGION_SIZE: u64 = 64 << 30;
+pub(super) const LOW_REGION_LIMIT: u64 = 1 << 40;
 /// High region for user buffers: 1 TiB wherever the kernel finds room.
-const HIGH_REGION_SIZE: u64 = 1 << 40;
+pub(super) const HIGH_REGION_SIZE: u64 = 1 << 40;
 
 /// What RM reports about the GPU.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -55,14 +55,15 @@ pub struct GpuCore {
     pub(crate) info: GpuInfo,
     pub(crate) classes: Vec<u32>,
     pub(crate) client: Arc<Client>,
-    // /dev/nvidiaN, registered with the control fd; held open for the GPU's lifetime as RM expects.
-    pub(crate) _dev_fd: OwnedFd,
+    // /dev/nvidiaN, registered with the control fd; held open for the GPU's lifetime as RM expects
+    // (None for a simulated GPU).
+    pub(crate) _dev_fd: Option<OwnedFd>,
     pub(crate) device: Arc<Object>,
     pub(crate) subdevice: Arc<Object>,
     pub(crate) vaspace: Arc<Object>,
     pub(crate) low: VaRegion,
     pub(crate) high: VaRegion,
-    usermode: Option<(CpuMapping, Object)>,
+    pub(super) usermode: Option<(CpuMapping, Object)>,
 }
 
 impl GpuCore {
@@ -163,7 +164,7 @@ impl GpuCore {
         })?;
         let mut rv = sys::UVM_REGISTER_GPU_VASPACE_PARAMS {
             gpuUuid: uuid,
-            rmCtrlFd: client.ctl().as_raw_fd(),
+            rmCtrlFd: client.ctl_raw_fd(),
             hClient: client.handle(),
             hVaSpace: vaspace.handle(),
             ..Default::default()
@@ -187,7 +188,7 @@ impl GpuCore {
             info,
             classes,
             client,
-            _dev_fd: dev_fd,
+            _dev_fd: Some(dev_fd),
             device,
             subdevice,
             vaspace,
@@ -267,9 +268,14 @@ impl GpuCore {
 
     /// Start of the usermode page; the doorbell is at [`DOORBELL_OFFSET`](crate::hw) 0x90 in it.
     pub fn usermode_ptr(&self) -> *mut u8 {
-        self.usermode
-            .as_ref()
-            .map_or(std::ptr::null_mut(), |(m, _)| m.as_ptr())
+        match &self.usermode {
+            Some((m, _)) => m.as_ptr(),
+            // A simulated GPU's doorbell page belongs to the simulated RM, which outlives every channel.
+            None => self
+                .client
+                .sim()
+                .map_or(std::ptr::null_mut(), |s| s.usermode_ptr()),
+        }
     }
 
     pub(crate) fn uuid(&self) -> sys::NvProcessorUuid {
@@ -341,7 +347,7 @@ fn card_info(ctl: &OwnedFd) -> Result<Vec<sys::nv_ioctl_card_info_t>> {
     Ok(cards.into_iter().filter(|c| c.valid != 0).collect())
 }
 
-fn gpu_info(
+pub(super) fn gpu_info(
     sub: &Object,
     index: usize,
     card: &sys::nv_ioctl_card_info_t,

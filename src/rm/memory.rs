@@ -20,8 +20,13 @@ use super::{Error, Result, sys};
 pub enum Placement {
     /// Video memory (HBM on the H200). CPU mappings go through BAR1, write-combined.
     Video,
-    /// System memory, pinned by RM, GPU access over PCIe, CPU-cached (for semaphores the CPU polls).
+    /// System memory, pinned by RM, GPU access over PCIe, CPU-cached and not cached by the GPU (host buffers,
+    /// staging, anything the CPU writes).
     SystemCached,
+    /// System memory for semaphores the GPU releases and acquires and the CPU polls: CPU-cached and
+    /// GPU-cacheable, as libcuda allocates its semaphore page, so the front end's acquire polls hit the GPU's L2.
+    /// Not for data the CPU writes while the GPU may hold it in its cache.
+    Semaphores,
     /// System memory mapped write-combined for the CPU (for data the CPU only writes, like pushbuffers).
     SystemWriteCombined,
 }
@@ -89,7 +94,7 @@ impl CpuMapping {
         let fd: OwnedFd = if system {
             open_node("/dev/nvidiactl")?
         } else {
-            open_gpu_node(core.client.ctl(), core.info.minor)?
+            open_gpu_node(core.client.ctl()?, core.info.minor)?
         };
         let mut p = sys::nv_ioctl_nvos33_parameters_with_fd {
             params: sys::NVOS33_PARAMETERS {
@@ -105,7 +110,7 @@ impl CpuMapping {
         // SAFETY: the Linux NV_ESC_RM_MAP_MEMORY argument; it holds no pointers RM dereferences.
         unsafe {
             nv_escape(
-                core.client.ctl(),
+                core.client.ctl()?,
                 sys::NV_ESC_RM_MAP_MEMORY,
                 &mut p,
                 "map for the CPU",
@@ -178,6 +183,8 @@ pub struct Memory {
     size: u64,
     desc: MemoryDesc,
     cpu: Option<NonNull<u8>>,
+    /// Backed by anonymous memory registered with the simulated RM (simulated GPUs only).
+    sim_mapped: bool,
 }
 
 // SAFETY: the CPU pointer is only dereferenced through bounds-checked methods copying plain bytes; the RM
@@ -228,11 +235,25 @@ impl Memory {
             size,
             desc,
             cpu: None,
+            sim_mapped: false,
         };
+
+        if let Some(sim) = core.client.sim() {
+            // A simulated GPU reaches the buffer at its VA through the simulated RM's registry of live
+            // allocations (what UVM's GPU mapping is on hardware); the CPU sees it there only if asked to.
+            sim.map_memory(mem.handle(), va, size)?;
+            mem.sim_mapped = true;
+            if desc.cpu_mapped {
+                mem.cpu = NonNull::new(va as *mut u8);
+            }
+            return Ok(mem);
+        }
 
         if desc.cpu_mapped {
             let caching = match desc.placement {
-                Placement::SystemCached => sys::NVOS33_FLAGS_CACHING_TYPE_CACHED,
+                Placement::SystemCached | Placement::Semaphores => {
+                    sys::NVOS33_FLAGS_CACHING_TYPE_CACHED
+                }
                 _ => sys::NVOS33_FLAGS_CACHING_TYPE_WRITECOMBINED,
             };
             let flags = defs::NVOS33_FLAGS_CACHING_TYPE.val(caching);
@@ -256,7 +277,7 @@ impl Memory {
             base: va,
             length: size,
             gpuAttributesCount: 1,
-            rmCtrlFd: core.client.ctl().as_raw_fd(),
+            rmCtrlFd: core.client.ctl_raw_fd(),
             hClient: core.client.handle(),
             hMemory: mem
                 .object
@@ -428,7 +449,11 @@ impl Memory {
     }
 
     fn free_range(&mut self) {
-        if self.cpu.take().is_some() {
+        if let Some(sim) = self.core.client.sim() {
+            // Unregistered first: once this returns the simulated front end can no longer touch the range.
+            sim.unmap_memory(self.va);
+        }
+        if self.cpu.take().is_some() || std::mem::take(&mut self.sim_mapped) {
             let region = if self.desc.low {
                 &self.core.low
             } else {
@@ -502,8 +527,16 @@ fn alloc_params(
                 sys::NVOS32_ALLOC_FLAGS_PERSISTENT_VIDMEM,
             )
         }
-        Placement::SystemCached | Placement::SystemWriteCombined => {
+        Placement::SystemCached | Placement::Semaphores | Placement::SystemWriteCombined => {
+            // The GPU must not keep system memory in its L2: the CPU writes it behind the GPU's back (staging
+            // buffers, semaphores), and a cached copy would be read stale (seen on the H200 with a reused
+            // staging buffer).
             let (coherency, gpu_cacheable) = if desc.placement == Placement::SystemCached {
+                (
+                    sys::NVOS32_ATTR_COHERENCY_CACHED,
+                    sys::NVOS32_ATTR2_GPU_CACHEABLE_NO,
+                )
+            } else if desc.placement == Placement::Semaphores {
                 (
                     sys::NVOS32_ATTR_COHERENCY_CACHED,
                     sys::NVOS32_ATTR2_GPU_CACHEABLE_YES,
@@ -550,14 +583,23 @@ mod tests {
 
     #[test]
     fn system_memory_attributes_match_what_libcuda_sends() {
-        // libcuda's semaphore buffer: attr 0x2a800000 (cached, non-contiguous, PCI, 4 KiB), attr2 5.
+        // libcuda's semaphore buffer: attr 0x2a800000 (cached, non-contiguous, PCI, 4 KiB); attr2 9, not 5 as
+        // libcuda has it: APEX's host memory is also CPU-written staging, which the GPU must not cache.
         let cached = alloc_params(
             &MemoryDesc::video(0x1000).placement(Placement::SystemCached),
             0x1000,
             0x1000,
             1,
         );
-        assert_eq!((cached.attr, cached.attr2), (0x2a80_0000, 5));
+        assert_eq!((cached.attr, cached.attr2), (0x2a80_0000, 9));
+        // The semaphore page is exactly libcuda's: attr2 5 (GPU-cacheable).
+        let sems = alloc_params(
+            &MemoryDesc::video(0x1000).placement(Placement::Semaphores),
+            0x1000,
+            0x1000,
+            1,
+        );
+        assert_eq!((sems.attr, sems.attr2), (0x2a80_0000, 5));
         // libcuda's pushbuffer: attr 0x4a800000 (write-combined), attr2 9 (not GPU-cacheable).
         let wc = alloc_params(
             &MemoryDesc::video(0x1000).placement(Placement::SystemWriteCombined),

@@ -7,6 +7,7 @@ mod error;
 mod gpu;
 mod ioctl;
 mod memory;
+pub mod sim;
 mod status;
 pub mod sys;
 mod va;

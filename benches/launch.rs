@@ -1,0 +1,235 @@
+//! Launch benchmarks: APEX's direct path beside cuLaunchKernel (and CUDA graphs), in one process and one run.
+//! Needs an NVIDIA GPU with the 580 open kernel module and libcuda; prints a note and measures nothing
+//! otherwise.
+//!
+//! Groups (each measures both paths):
+//! - `submit`: CPU cost of one launch call (the queue is drained outside the timed part every 256 launches);
+//! - `launch_to_completion`: one launch, then wait until the CPU sees it complete;
+//! - `dependent_1000`: 1000 launches in stream order and one wait, per launch;
+//! - `batched_1000`: the same 1000 launches under one doorbell (direct) vs. a CUDA graph replay (cuGraphLaunch);
+//! - `independent_1000`: 1000 launches that may run concurrently (direct) vs. one stream, per launch.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use apex::driver;
+use apex::launch::{ComputeQueue, ComputeQueueConfig, Kernel, LaunchConfig, Module};
+use apex::rm::GpuCore;
+use criterion::{Criterion, criterion_group, criterion_main};
+
+const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
+const T: Duration = Duration::from_secs(10);
+
+struct Paths {
+    q: ComputeQueue,
+    k: Kernel,
+    stream: driver::Stream,
+    f: driver::Function,
+    _gpu: std::sync::Arc<GpuCore>,
+}
+
+fn setup() -> Option<Paths> {
+    // The CUDA driver first: it places its own address ranges at fixed addresses before APEX reserves its own.
+    let ctx = match driver::Context::new(0) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("launch benchmarks skipped: CUDA driver unavailable: {e}");
+            return None;
+        }
+    };
+    let gpu = match GpuCore::open(0) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("launch benchmarks skipped: direct path unavailable: {e}");
+            return None;
+        }
+    };
+    let q = ComputeQueue::new(&gpu, ComputeQueueConfig::default()).ok()?;
+    let k = Module::load(&gpu, CUBIN).ok()?.kernel("empty").ok()?;
+    let stream = driver::Stream::new(&ctx).ok()?;
+    let f = driver::Module::load(&ctx, CUBIN)
+        .ok()?
+        .function("empty")
+        .ok()?;
+    Some(Paths {
+        q,
+        k,
+        stream,
+        f,
+        _gpu: gpu,
+    })
+}
+
+const ONE: LaunchConfig = LaunchConfig {
+    grid: [1, 1, 1],
+    block: [1, 1, 1],
+    shared_bytes: 0,
+};
+
+impl Paths {
+    fn direct(&mut self) -> apex::pushbuf::Fence {
+        // SAFETY: the empty kernel touches no memory.
+        unsafe { self.q.launch(&self.k, &ONE, &[]) }.expect("direct launch")
+    }
+    fn cuda(&mut self) {
+        // SAFETY: the empty kernel takes no parameters and touches no memory.
+        unsafe {
+            self.stream
+                .launch(&self.f, [1, 1, 1], [1, 1, 1], 0, &mut [])
+        }
+        .expect("cuLaunchKernel");
+    }
+}
+
+fn benches(c: &mut Criterion) {
+    let Some(mut p) = setup() else { return };
+
+    let mut g = c.benchmark_group("submit");
+    g.bench_function("apex_direct", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            let mut left = iters;
+            while left > 0 {
+                let n = left.min(256);
+                let t = Instant::now();
+                let mut last = None;
+                for _ in 0..n {
+                    last = Some(p.direct());
+                }
+                total += t.elapsed();
+                last.expect("launched").wait(T).expect("drain");
+                left -= n;
+            }
+            total
+        })
+    });
+    g.bench_function("cuLaunchKernel", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            let mut left = iters;
+            while left > 0 {
+                let n = left.min(256);
+                let t = Instant::now();
+                for _ in 0..n {
+                    p.cuda();
+                }
+                total += t.elapsed();
+                p.stream.synchronize().expect("drain");
+                left -= n;
+            }
+            total
+        })
+    });
+    g.finish();
+
+    let mut g = c.benchmark_group("launch_to_completion");
+    g.bench_function("apex_direct", |b| {
+        b.iter(|| p.direct().wait(T).expect("wait"))
+    });
+    g.bench_function("cuLaunchKernel", |b| {
+        b.iter(|| {
+            p.cuda();
+            p.stream.synchronize().expect("sync")
+        })
+    });
+    g.finish();
+
+    let mut g = c.benchmark_group("dependent_1000");
+    g.bench_function("apex_direct", |b| {
+        b.iter_custom(|iters| {
+            per_launch(iters, || {
+                let mut last = None;
+                for _ in 0..1000 {
+                    last = Some(p.direct());
+                }
+                last.expect("launched").wait(T).expect("wait");
+            })
+        })
+    });
+    g.bench_function("cuLaunchKernel", |b| {
+        b.iter_custom(|iters| {
+            per_launch(iters, || {
+                for _ in 0..1000 {
+                    p.cuda();
+                }
+                p.stream.synchronize().expect("sync");
+            })
+        })
+    });
+    g.finish();
+
+    let graph = driver::Graph::capture(&mut p.stream, |s| {
+        for _ in 0..1000 {
+            // SAFETY: as in `Paths::cuda`.
+            unsafe { s.launch(&p.f, [1, 1, 1], [1, 1, 1], 0, &mut [])? };
+        }
+        Ok(())
+    })
+    .unwrap_or_else(|e| panic!("capturing a CUDA graph: {e}"));
+    let mut g = c.benchmark_group("batched_1000");
+    g.bench_function("apex_direct_one_doorbell", |b| {
+        b.iter_custom(|iters| {
+            per_launch(iters, || {
+                let mut last = None;
+                for _ in 0..1000 {
+                    // SAFETY: the empty kernel touches no memory.
+                    last = Some(unsafe { p.q.record_launch(&p.k, &ONE, &[]) }.expect("record"));
+                }
+                p.q.flush();
+                last.expect("launched").wait(T).expect("wait");
+            })
+        })
+    });
+    g.bench_function("cuGraphLaunch", |b| {
+        b.iter_custom(|iters| {
+            per_launch(iters, || {
+                graph.launch(&mut p.stream).expect("cuGraphLaunch");
+                p.stream.synchronize().expect("sync");
+            })
+        })
+    });
+    g.finish();
+
+    let mut g = c.benchmark_group("independent_1000");
+    g.bench_function("apex_direct_concurrent", |b| {
+        b.iter_custom(|iters| {
+            per_launch(iters, || {
+                for _ in 0..1000 {
+                    // SAFETY: the empty kernel touches no memory.
+                    unsafe { p.q.record_launch_unordered(&p.k, &ONE, &[]) }.expect("record");
+                }
+                p.q.join().expect("join").wait(T).expect("wait");
+            })
+        })
+    });
+    g.bench_function("cuLaunchKernel", |b| {
+        b.iter_custom(|iters| {
+            per_launch(iters, || {
+                for _ in 0..1000 {
+                    p.cuda();
+                }
+                p.stream.synchronize().expect("sync");
+            })
+        })
+    });
+    g.finish();
+    black_box(&p.q);
+}
+
+/// Runs `batch` (1000 launches) often enough for `iters` launches and returns the total time, so criterion
+/// reports the time per launch.
+fn per_launch(iters: u64, mut batch: impl FnMut()) -> Duration {
+    let rounds = iters.div_ceil(1000).max(1);
+    let t = Instant::now();
+    for _ in 0..rounds {
+        batch();
+    }
+    t.elapsed().mul_f64(iters as f64 / (rounds * 1000) as f64)
+}
+
+criterion_group! {
+    name = launch;
+    config = Criterion::default().sample_size(30).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
+    targets = benches
+}
+criterion_main!(launch);

@@ -1,0 +1,988 @@
+//! The public API: one set of types over two backends. The direct path (our own channel, launches by
+//! doorbell) is chosen when it can run; otherwise the CUDA driver API, with the reason available and logged.
+//!
+//! `APEX_BACKEND=direct|driver|auto` forces a choice (auto is the default).
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::info;
+
+use crate::driver;
+use crate::launch::{
+    self, Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig, Limits, cubin::KernelInfo,
+};
+use crate::pushbuf;
+use crate::rm::{self, GpuCore, Memory, MemoryDesc, Placement};
+
+/// Which implementation runs the work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// APEX's own channel: RM ioctls, pushbuffers, QMDs, doorbell.
+    Direct,
+    /// The CUDA driver API (libcuda).
+    Driver,
+}
+
+/// What the caller (or `APEX_BACKEND`) asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendRequest {
+    Auto,
+    Direct,
+    Driver,
+}
+
+impl BackendRequest {
+    /// Reads `APEX_BACKEND` (unset or empty = auto).
+    pub fn from_env() -> Result<BackendRequest> {
+        match std::env::var("APEX_BACKEND") {
+            Err(_) => Ok(BackendRequest::Auto),
+            Ok(v) => BackendRequest::parse(&v),
+        }
+    }
+
+    pub fn parse(v: &str) -> Result<BackendRequest> {
+        match v.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(BackendRequest::Auto),
+            "direct" => Ok(BackendRequest::Direct),
+            "driver" | "cuda" => Ok(BackendRequest::Driver),
+            _ => Err(Error::BadBackendVar(v.to_string())),
+        }
+    }
+}
+
+/// Why the direct path was not used.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FallbackReason {
+    /// `APEX_BACKEND=driver` (or `Backend::Driver` asked for).
+    Requested,
+    /// /dev/nvidiactl, /dev/nvidiaN or /dev/nvidia-uvm does not exist (no NVIDIA open kernel module loaded?).
+    NoDeviceNodes(String),
+    /// The device nodes exist but this user may not open them.
+    PermissionDenied(String),
+    /// The loaded driver is not of the branch whose RM structures APEX was built with.
+    DriverBranch { found: String, expected: u32 },
+    /// The GPU lists no channel/compute/usermode class in APEX's tables, or the launch recipe is not verified on it.
+    UnsupportedGpu(String),
+    /// The direct path failed for another reason (the error is kept).
+    Failed(String),
+}
+
+impl FallbackReason {
+    /// Classifies a direct-path error.
+    pub fn from_direct_error(e: &launch::Error) -> FallbackReason {
+        use crate::gpfifo::Error as G;
+        use launch::Error as L;
+        use pushbuf::Error as P;
+        let rm_err = match e {
+            L::Queue(P::Channel(G::Rm(r))) => Some(r),
+            _ => None,
+        };
+        match (e, rm_err) {
+            (_, Some(rm::Error::NoDeviceNode { path })) => {
+                FallbackReason::NoDeviceNodes(path.clone())
+            }
+            (_, Some(rm::Error::PermissionDenied { path })) => {
+                FallbackReason::PermissionDenied(path.clone())
+            }
+            (_, Some(rm::Error::DriverBranch { found, expected })) => {
+                FallbackReason::DriverBranch {
+                    found: found.clone(),
+                    expected: *expected,
+                }
+            }
+            (_, Some(e @ rm::Error::UnsupportedClass { .. })) => {
+                FallbackReason::UnsupportedGpu(e.to_string())
+            }
+            (L::Unsupported(why), _) => FallbackReason::UnsupportedGpu(why.clone()),
+            _ => FallbackReason::Failed(e.to_string()),
+        }
+    }
+}
+
+impl fmt::Display for FallbackReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FallbackReason::Requested => write!(f, "the CUDA driver backend was requested"),
+            FallbackReason::NoDeviceNodes(p) => {
+                write!(f, "{p} does not exist (no NVIDIA open kernel module?)")
+            }
+            FallbackReason::PermissionDenied(p) => write!(f, "permission denied on {p}"),
+            FallbackReason::DriverBranch { found, expected } => {
+                write!(
+                    f,
+                    "driver {found} is not of branch {expected}, which APEX's RM structures come from"
+                )
+            }
+            FallbackReason::UnsupportedGpu(why) => {
+                write!(f, "GPU not supported by the direct path: {why}")
+            }
+            FallbackReason::Failed(why) => write!(f, "the direct path failed: {why}"),
+        }
+    }
+}
+
+/// The backend chosen for a GPU and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Selection {
+    pub backend: Backend,
+    pub requested: BackendRequest,
+    /// Set when the driver backend runs instead of the direct path.
+    pub fallback: Option<FallbackReason>,
+}
+
+impl fmt::Display for Selection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (&self.backend, &self.fallback) {
+            (Backend::Direct, _) => write!(f, "direct (own channel, doorbell launches)"),
+            (Backend::Driver, Some(r)) => write!(f, "CUDA driver: {r}"),
+            (Backend::Driver, None) => write!(f, "CUDA driver"),
+        }
+    }
+}
+
+/// Decides the backend from the request and what opening the direct path gave. Pure, so every case is tested.
+pub fn choose<T>(
+    request: BackendRequest,
+    direct: impl FnOnce() -> std::result::Result<T, launch::Error>,
+) -> (Option<T>, Selection) {
+    match request {
+        BackendRequest::Driver => (
+            None,
+            Selection {
+                backend: Backend::Driver,
+                requested: request,
+                fallback: Some(FallbackReason::Requested),
+            },
+        ),
+        BackendRequest::Direct | BackendRequest::Auto => match direct() {
+            Ok(t) => (
+                Some(t),
+                Selection {
+                    backend: Backend::Direct,
+                    requested: request,
+                    fallback: None,
+                },
+            ),
+            Err(e) => (
+                None,
+                Selection {
+                    backend: Backend::Driver,
+                    requested: request,
+                    fallback: Some(FallbackReason::from_direct_error(&e)),
+                },
+            ),
+        },
+    }
+}
+
+/// Errors of the public API.
+#[derive(thiserror::Error, Debug)]
+#[non_exhaustive]
+pub enum Error {
+    #[error(transparent)]
+    Direct(#[from] launch::Error),
+    #[error(transparent)]
+    Driver(#[from] driver::Error),
+    #[error("APEX_BACKEND={0:?}: expected direct, driver or auto")]
+    BadBackendVar(String),
+    #[error("the direct path was requested but cannot run: {0}")]
+    DirectUnavailable(FallbackReason),
+    #[error("no backend can open GPU {index}: direct path: {direct}; CUDA driver: {driver}")]
+    NoBackend {
+        index: usize,
+        direct: FallbackReason,
+        driver: driver::Error,
+    },
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("the objects belong to different backends or GPUs")]
+    Mismatch,
+}
+
+impl From<rm::Error> for Error {
+    fn from(e: rm::Error) -> Error {
+        Error::Direct(e.into())
+    }
+}
+
+impl From<pushbuf::Error> for Error {
+    fn from(e: pushbuf::Error) -> Error {
+        Error::Direct(e.into())
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What both backends report about the device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub name: String,
+    pub sm_version: u32,
+    pub sm_count: u32,
+    pub memory_bytes: u64,
+}
+
+#[derive(Debug)]
+enum GpuInner {
+    Direct(Arc<GpuCore>),
+    Driver(Arc<driver::Context>),
+}
+
+/// An opened GPU.
+#[derive(Debug)]
+pub struct Gpu {
+    inner: GpuInner,
+    selection: Selection,
+    info: DeviceInfo,
+    limits: Limits,
+}
+
+impl Gpu {
+    /// Opens GPU `index` with the backend `APEX_BACKEND` asks for (auto by default).
+    pub fn open(index: usize) -> Result<Gpu> {
+        Gpu::open_with(index, BackendRequest::from_env()?)
+    }
+
+    pub fn open_with(index: usize, request: BackendRequest) -> Result<Gpu> {
+        let (core, selection) = choose(request, || {
+            let core = GpuCore::open(index)?;
+            // Building a compute queue proves the launch path (QMD layout, windows, local memory) on this GPU.
+            ComputeQueue::new(&core, ComputeQueueConfig::default())?;
+            Ok(core)
+        });
+        let inner = match core {
+            Some(core) => GpuInner::Direct(core),
+            None => {
+                let reason = selection
+                    .fallback
+                    .clone()
+                    .unwrap_or(FallbackReason::Requested);
+                if request == BackendRequest::Direct {
+                    return Err(Error::DirectUnavailable(reason));
+                }
+                match driver::Context::new(index) {
+                    Ok(ctx) => GpuInner::Driver(ctx),
+                    Err(e) => {
+                        return Err(Error::NoBackend {
+                            index,
+                            direct: reason,
+                            driver: e,
+                        });
+                    }
+                }
+            }
+        };
+        let info = match &inner {
+            GpuInner::Direct(c) => {
+                let i = c.info();
+                DeviceInfo {
+                    name: i.name.clone(),
+                    sm_version: i.sm_version,
+                    sm_count: i.sm_count,
+                    memory_bytes: i.memory_bytes,
+                }
+            }
+            GpuInner::Driver(ctx) => {
+                use cudarc::driver::sys::CUdevice_attribute as A;
+                let major = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? as u32;
+                let minor = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)? as u32;
+                DeviceInfo {
+                    name: ctx.name()?,
+                    sm_version: major * 10 + minor,
+                    sm_count: ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
+                    memory_bytes: ctx.total_memory()?,
+                }
+            }
+        };
+        info!(gpu = index, backend = ?selection.backend, reason = %selection, "APEX backend selected");
+        let limits = Limits::for_sm(info.sm_version);
+        Ok(Gpu {
+            inner,
+            selection,
+            info,
+            limits,
+        })
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.selection.backend
+    }
+
+    /// The backend and, for the driver backend, why the direct path is not used.
+    pub fn selection(&self) -> &Selection {
+        &self.selection
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// The direct path's RM objects, when that is the backend.
+    pub fn direct(&self) -> Option<&Arc<GpuCore>> {
+        match &self.inner {
+            GpuInner::Direct(c) => Some(c),
+            GpuInner::Driver(_) => None,
+        }
+    }
+
+    /// Device memory.
+    pub fn alloc(&self, bytes: u64) -> Result<Buffer> {
+        let inner = match &self.inner {
+            GpuInner::Direct(c) => BufferInner::Direct(Memory::alloc(c, MemoryDesc::video(bytes))?),
+            GpuInner::Driver(ctx) => BufferInner::Driver(driver::DeviceMemory::alloc(ctx, bytes)?),
+        };
+        Ok(Buffer {
+            inner: Arc::new(inner),
+            size: bytes,
+        })
+    }
+
+    /// Pinned host memory the GPU can read and write.
+    pub fn alloc_host(&self, bytes: u64) -> Result<HostBuffer> {
+        let inner = match &self.inner {
+            GpuInner::Direct(c) => HostInner::Direct(Memory::alloc(
+                c,
+                MemoryDesc::video(bytes)
+                    .placement(Placement::SystemCached)
+                    .with_cpu(),
+            )?),
+            GpuInner::Driver(ctx) => HostInner::Driver(driver::HostMemory::alloc(ctx, bytes)?),
+        };
+        Ok(HostBuffer {
+            inner: Arc::new(inner),
+            size: bytes,
+        })
+    }
+
+    /// Loads a cubin, a fatbin (the cubin for this GPU is picked), or PTX (driver backend only: the driver
+    /// compiles it).
+    pub fn load_module(&self, image: &[u8]) -> Result<Module> {
+        match &self.inner {
+            GpuInner::Direct(c) => Ok(Module::Direct(launch::Module::load(c, image)?)),
+            GpuInner::Driver(ctx) => {
+                let m = driver::Module::load(ctx, image)?;
+                // Keep the cubin's attributes, when it is one, so launches are checked as on the direct path.
+                let cubin = if launch::fatbin::is_fatbin(image) {
+                    launch::fatbin::select_cubin(image, self.info.sm_version)
+                        .ok()
+                        .and_then(|b| launch::cubin::Cubin::parse(&b).ok())
+                } else {
+                    launch::cubin::Cubin::parse(image).ok()
+                };
+                Ok(Module::Driver {
+                    module: m,
+                    cubin: cubin.map(Arc::new),
+                })
+            }
+        }
+    }
+
+    /// A queue: launches and copies on it run in order, like a CUDA stream.
+    pub fn queue(&self) -> Result<Queue> {
+        let inner = match &self.inner {
+            GpuInner::Direct(c) => QueueInner::Direct(Box::new(ComputeQueue::new(
+                c,
+                ComputeQueueConfig::default(),
+            )?)),
+            GpuInner::Driver(ctx) => QueueInner::Driver {
+                stream: driver::Stream::new(ctx)?,
+                ptrs: Vec::with_capacity(driver::MAX_PARAMS),
+            },
+        };
+        Ok(Queue {
+            inner,
+            limits: self.limits,
+            keep: Vec::new(),
+            staging: None,
+        })
+    }
+}
+
+#[derive(Debug)]
+enum BufferInner {
+    Direct(Memory),
+    Driver(driver::DeviceMemory),
+}
+
+/// Device memory.
+#[derive(Clone, Debug)]
+pub struct Buffer {
+    inner: Arc<BufferInner>,
+    size: u64,
+}
+
+impl Buffer {
+    /// The device address kernels use.
+    pub fn device_ptr(&self) -> u64 {
+        match &*self.inner {
+            BufferInner::Direct(m) => m.va(),
+            BufferInner::Driver(m) => m.ptr(),
+        }
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// The kernel argument for this buffer's address.
+    pub fn arg(&self) -> Arg<'static> {
+        Arg::Ptr(self.device_ptr())
+    }
+}
+
+#[derive(Debug)]
+enum HostInner {
+    Direct(Memory),
+    Driver(driver::HostMemory),
+}
+
+/// Pinned host memory, readable and writable by the GPU.
+#[derive(Clone, Debug)]
+pub struct HostBuffer {
+    inner: Arc<HostInner>,
+    size: u64,
+}
+
+impl HostBuffer {
+    /// The address the GPU uses for it.
+    pub fn device_ptr(&self) -> u64 {
+        match &*self.inner {
+            HostInner::Direct(m) => m.va(),
+            HostInner::Driver(m) => m.ptr(),
+        }
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
+        match &*self.inner {
+            HostInner::Direct(m) => Ok(m.write(offset, data)?),
+            HostInner::Driver(m) => Ok(m.write(offset, data)?),
+        }
+    }
+
+    pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+        match &*self.inner {
+            HostInner::Direct(m) => Ok(m.read(offset, out)?),
+            HostInner::Driver(m) => Ok(m.read(offset, out)?),
+        }
+    }
+}
+
+/// A loaded module.
+#[derive(Clone, Debug)]
+pub enum Module {
+    Direct(Arc<launch::Module>),
+    Driver {
+        module: Arc<driver::Module>,
+        cubin: Option<Arc<launch::cubin::Cubin>>,
+    },
+}
+
+impl Module {
+    pub fn kernel(&self, name: &str) -> Result<Kernel> {
+        match self {
+            Module::Direct(m) => Ok(Kernel::Direct(m.kernel(name)?)),
+            Module::Driver { module, cubin } => {
+                let info = match cubin {
+                    Some(c) => Some(c.kernel(name).map_err(launch::Error::from)?.clone()),
+                    None => None,
+                };
+                Ok(Kernel::Driver {
+                    func: module.function(name)?,
+                    info: info.map(Arc::new),
+                })
+            }
+        }
+    }
+}
+
+/// A kernel of a loaded module.
+#[derive(Clone, Debug)]
+pub enum Kernel {
+    Direct(launch::Kernel),
+    Driver {
+        func: driver::Function,
+        info: Option<Arc<KernelInfo>>,
+    },
+}
+
+impl Kernel {
+    /// The cubin's attributes (absent for PTX loaded by the driver).
+    pub fn info(&self) -> Option<&KernelInfo> {
+        match self {
+            Kernel::Direct(k) => Some(k.info()),
+            Kernel::Driver { info, .. } => info.as_deref(),
+        }
+    }
+}
+
+enum QueueInner {
+    Direct(Box<ComputeQueue>),
+    Driver {
+        stream: driver::Stream,
+        ptrs: Vec<*mut std::ffi::c_void>,
+    },
+}
+
+/// A completion point on a queue.
+#[derive(Clone, Debug)]
+pub enum Fence {
+    Direct(pushbuf::Fence),
+    /// The driver backend's fences complete with their stream (a conservative wait).
+    Driver(Arc<StreamWatch>),
+}
+
+/// Lets a driver-backend fence wait on its stream without borrowing the queue.
+#[derive(Debug)]
+pub struct StreamWatch {
+    ctx: Arc<driver::Context>,
+    stream: driver::StreamRef,
+}
+
+impl Fence {
+    pub fn wait(&self, timeout: Duration) -> Result<()> {
+        match self {
+            Fence::Direct(f) => Ok(f.wait(timeout).map_err(launch::Error::from)?),
+            Fence::Driver(w) => w.wait(timeout),
+        }
+    }
+
+    pub fn is_done(&self) -> bool {
+        match self {
+            Fence::Direct(f) => f.is_done(),
+            Fence::Driver(w) => w.is_idle(),
+        }
+    }
+}
+
+impl StreamWatch {
+    fn is_idle(&self) -> bool {
+        self.stream.is_idle(&self.ctx).unwrap_or(false)
+    }
+
+    fn wait(&self, timeout: Duration) -> Result<()> {
+        let start = std::time::Instant::now();
+        loop {
+            if self.stream.is_idle(&self.ctx)? {
+                return Ok(());
+            }
+            if start.elapsed() > timeout {
+                return Err(Error::Driver(driver::Error::Call {
+                    call: "fence wait",
+                    code: 0,
+                    name: format!("timed out after {timeout:?}"),
+                }));
+            }
+            std::thread::yield_now();
+        }
+    }
+}
+
+/// Launches and copies in order on one GPU.
+pub struct Queue {
+    inner: QueueInner,
+    limits: Limits,
+    /// Buffers used by copies in flight, released when their fences complete.
+    keep: Vec<(Fence, KeepAlive)>,
+    staging: Option<HostBuffer>,
+}
+
+#[derive(Debug)]
+#[allow(dead_code)]
+enum KeepAlive {
+    Device(Buffer),
+    Host(HostBuffer),
+}
+
+const STAGING_BYTES: u64 = 32 << 20;
+
+impl fmt::Debug for Queue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Queue")
+            .field("backend", &self.backend())
+            .finish()
+    }
+}
+
+impl Queue {
+    pub fn backend(&self) -> Backend {
+        match self.inner {
+            QueueInner::Direct(_) => Backend::Direct,
+            QueueInner::Driver { .. } => Backend::Driver,
+        }
+    }
+
+    /// The direct path's compute queue, when that is the backend.
+    pub fn direct(&mut self) -> Option<&mut ComputeQueue> {
+        match &mut self.inner {
+            QueueInner::Direct(q) => Some(q),
+            QueueInner::Driver { .. } => None,
+        }
+    }
+
+    /// Launches `kernel` with `args`, checked against the kernel's parameter table and the device limits before
+    /// anything is submitted.
+    ///
+    /// # Safety
+    /// The kernel may read and write any memory its arguments lead it to; the caller guarantees those buffers
+    /// are not in use elsewhere until the fence completes.
+    pub unsafe fn launch(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+    ) -> Result<Fence> {
+        match (&mut self.inner, kernel) {
+            // SAFETY: forwarded to the caller.
+            (QueueInner::Direct(q), Kernel::Direct(k)) => {
+                Ok(Fence::Direct(unsafe { q.launch(k, cfg, args)? }))
+            }
+            (QueueInner::Driver { stream, ptrs }, Kernel::Driver { func, info }) => {
+                if let Some(info) = info {
+                    launch::queue_validate(info, cfg, &self.limits)?;
+                }
+                check_driver_args(func, info.as_deref(), args)?;
+                ptrs.clear();
+                for a in args {
+                    ptrs.push(arg_ptr(a));
+                }
+                // SAFETY: each pointer refers into `args`, alive for the call, with the size the kernel declares
+                // (checked above); the rest is the caller's contract.
+                unsafe { stream.launch(func, cfg.grid, cfg.block, cfg.shared_bytes, ptrs)? };
+                Ok(Fence::Driver(Arc::new(StreamWatch {
+                    ctx: stream.context().clone(),
+                    stream: stream.handle(),
+                })))
+            }
+            _ => Err(Error::Mismatch),
+        }
+    }
+
+    /// Waits until everything submitted so far is complete.
+    pub fn synchronize(&mut self) -> Result<()> {
+        match &mut self.inner {
+            QueueInner::Direct(q) => q.synchronize()?,
+            QueueInner::Driver { stream, .. } => stream.synchronize()?,
+        }
+        self.keep.clear();
+        Ok(())
+    }
+
+    fn prune(&mut self) {
+        self.keep.retain(|(f, _)| !f.is_done());
+    }
+
+    /// Copies pinned host memory to the device (asynchronous; both buffers are kept alive until done).
+    pub fn copy_host_to_device(
+        &mut self,
+        src: &HostBuffer,
+        src_offset: u64,
+        dst: &Buffer,
+        dst_offset: u64,
+        bytes: u64,
+    ) -> Result<Fence> {
+        check_range(src.size, src_offset, bytes)?;
+        check_range(dst.size, dst_offset, bytes)?;
+        let f = self.copy_raw(
+            src.device_ptr() + src_offset,
+            dst.device_ptr() + dst_offset,
+            bytes,
+        )?;
+        self.keep.push((f.clone(), KeepAlive::Host(src.clone())));
+        self.keep.push((f.clone(), KeepAlive::Device(dst.clone())));
+        Ok(f)
+    }
+
+    /// Copies device memory to pinned host memory (asynchronous).
+    pub fn copy_device_to_host(
+        &mut self,
+        src: &Buffer,
+        src_offset: u64,
+        dst: &HostBuffer,
+        dst_offset: u64,
+        bytes: u64,
+    ) -> Result<Fence> {
+        check_range(src.size, src_offset, bytes)?;
+        check_range(dst.size, dst_offset, bytes)?;
+        let f = self.copy_raw(
+            src.device_ptr() + src_offset,
+            dst.device_ptr() + dst_offset,
+            bytes,
+        )?;
+        self.keep.push((f.clone(), KeepAlive::Device(src.clone())));
+        self.keep.push((f.clone(), KeepAlive::Host(dst.clone())));
+        Ok(f)
+    }
+
+    /// Copies between device buffers (asynchronous).
+    pub fn copy_device_to_device(
+        &mut self,
+        src: &Buffer,
+        src_offset: u64,
+        dst: &Buffer,
+        dst_offset: u64,
+        bytes: u64,
+    ) -> Result<Fence> {
+        check_range(src.size, src_offset, bytes)?;
+        check_range(dst.size, dst_offset, bytes)?;
+        let f = self.copy_raw(
+            src.device_ptr() + src_offset,
+            dst.device_ptr() + dst_offset,
+            bytes,
+        )?;
+        self.keep.push((f.clone(), KeepAlive::Device(src.clone())));
+        self.keep.push((f.clone(), KeepAlive::Device(dst.clone())));
+        Ok(f)
+    }
+
+    fn copy_raw(&mut self, src: u64, dst: u64, bytes: u64) -> Result<Fence> {
+        if bytes == 0 {
+            return Err(Error::InvalidArgument("a copy of 0 bytes".into()));
+        }
+        self.prune();
+        match &mut self.inner {
+            QueueInner::Direct(q) => Ok(Fence::Direct(q.copy(src, dst, bytes)?)),
+            QueueInner::Driver { stream, .. } => {
+                // SAFETY: the queue keeps both buffers alive until the copy's fence completes.
+                unsafe { stream.copy(dst, src, bytes)? };
+                Ok(Fence::Driver(Arc::new(StreamWatch {
+                    ctx: stream.context().clone(),
+                    stream: stream.handle(),
+                })))
+            }
+        }
+    }
+
+    /// Copies pageable host memory to the device; returns when the copy is complete.
+    pub fn upload(&mut self, gpu: &Gpu, dst: &Buffer, dst_offset: u64, data: &[u8]) -> Result<()> {
+        check_range(dst.size, dst_offset, data.len() as u64)?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        if let QueueInner::Driver { stream, .. } = &mut self.inner {
+            return Ok(stream.upload(dst.device_ptr() + dst_offset, data)?);
+        }
+        let staging = self.staging(gpu)?;
+        let half = STAGING_BYTES / 2;
+        let mut fences: [Option<Fence>; 2] = [None, None];
+        for (i, chunk) in data.chunks(half as usize).enumerate() {
+            let slot = i % 2;
+            if let Some(f) = fences[slot].take() {
+                f.wait(Duration::from_secs(30))?;
+            }
+            staging.write(slot as u64 * half, chunk)?;
+            let off = (i as u64) * half;
+            fences[slot] = Some(self.copy_raw(
+                staging.device_ptr() + slot as u64 * half,
+                dst.device_ptr() + dst_offset + off,
+                chunk.len() as u64,
+            )?);
+        }
+        for f in fences.into_iter().flatten() {
+            f.wait(Duration::from_secs(30))?;
+        }
+        Ok(())
+    }
+
+    /// Copies device memory to pageable host memory; returns when the copy is complete.
+    pub fn download(
+        &mut self,
+        gpu: &Gpu,
+        src: &Buffer,
+        src_offset: u64,
+        out: &mut [u8],
+    ) -> Result<()> {
+        check_range(src.size, src_offset, out.len() as u64)?;
+        if out.is_empty() {
+            return Ok(());
+        }
+        if let QueueInner::Driver { stream, .. } = &mut self.inner {
+            return Ok(stream.download(src.device_ptr() + src_offset, out)?);
+        }
+        let staging = self.staging(gpu)?;
+        let half = STAGING_BYTES / 2;
+        let n = out.len().div_ceil(half as usize);
+        let mut pending: Option<(usize, Fence)> = None;
+        for i in 0..=n {
+            // Start chunk i while the CPU drains chunk i-1.
+            let next = if i < n {
+                let slot = (i % 2) as u64;
+                let off = i as u64 * half;
+                let len = (out.len() as u64 - off).min(half);
+                Some((
+                    i,
+                    self.copy_raw(
+                        src.device_ptr() + src_offset + off,
+                        staging.device_ptr() + slot * half,
+                        len,
+                    )?,
+                ))
+            } else {
+                None
+            };
+            if let Some((j, f)) = pending.take() {
+                f.wait(Duration::from_secs(30))?;
+                let off = j as u64 * half;
+                let len = (out.len() as u64 - off).min(half) as usize;
+                staging.read(
+                    (j % 2) as u64 * half,
+                    &mut out[off as usize..off as usize + len],
+                )?;
+            }
+            pending = next;
+        }
+        Ok(())
+    }
+
+    fn staging(&mut self, gpu: &Gpu) -> Result<HostBuffer> {
+        if self.staging.is_none() {
+            self.staging = Some(gpu.alloc_host(STAGING_BYTES)?);
+        }
+        self.staging
+            .clone()
+            .ok_or(Error::InvalidArgument("staging buffer".into()))
+    }
+}
+
+fn check_range(size: u64, offset: u64, len: u64) -> Result<()> {
+    if offset.checked_add(len).is_none_or(|e| e > size) {
+        return Err(Error::InvalidArgument(format!(
+            "range {offset:#x}+{len:#x} outside a {size:#x}-byte buffer"
+        )));
+    }
+    Ok(())
+}
+
+fn check_driver_args(
+    func: &driver::Function,
+    info: Option<&KernelInfo>,
+    args: &[Arg<'_>],
+) -> Result<()> {
+    let name = info.map_or_else(|| "kernel".to_string(), |i| i.name.clone());
+    let params = func.params();
+    if args.len() != params.len() {
+        return Err(launch::Error::Params(launch::ParamError::Count {
+            kernel: name,
+            expected: params.len(),
+            given: args.len(),
+        })
+        .into());
+    }
+    if args.len() > driver::MAX_PARAMS {
+        return Err(Error::InvalidArgument(format!(
+            "{} parameters (at most {})",
+            args.len(),
+            driver::MAX_PARAMS
+        )));
+    }
+    for (index, (a, &(_, size))) in args.iter().zip(params).enumerate() {
+        if a.size() != size as usize {
+            return Err(launch::Error::Params(launch::ParamError::Size {
+                kernel: name,
+                index,
+                expected: size,
+                given: a.size(),
+            })
+            .into());
+        }
+    }
+    Ok(())
+}
+
+fn arg_ptr(a: &Arg<'_>) -> *mut std::ffi::c_void {
+    match a {
+        Arg::I8(v) => v as *const i8 as *mut _,
+        Arg::U8(v) => v as *const u8 as *mut _,
+        Arg::I16(v) => v as *const i16 as *mut _,
+        Arg::U16(v) => v as *const u16 as *mut _,
+        Arg::I32(v) => v as *const i32 as *mut _,
+        Arg::U32(v) => v as *const u32 as *mut _,
+        Arg::I64(v) => v as *const i64 as *mut _,
+        Arg::U64(v) | Arg::Ptr(v) => v as *const u64 as *mut _,
+        Arg::F32(v) => v as *const f32 as *mut _,
+        Arg::F64(v) => v as *const f64 as *mut _,
+        Arg::Bytes(b) => b.as_ptr() as *mut _,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rm_err(e: rm::Error) -> launch::Error {
+        launch::Error::from(e)
+    }
+
+    #[test]
+    fn apex_backend_variable() {
+        assert_eq!(BackendRequest::parse("").unwrap(), BackendRequest::Auto);
+        assert_eq!(
+            BackendRequest::parse("Direct").unwrap(),
+            BackendRequest::Direct
+        );
+        assert_eq!(
+            BackendRequest::parse(" driver ").unwrap(),
+            BackendRequest::Driver
+        );
+        assert!(matches!(
+            BackendRequest::parse("fast"),
+            Err(Error::BadBackendVar(_))
+        ));
+    }
+
+    #[test]
+    fn auto_prefers_the_direct_path() {
+        let (t, s) = choose(BackendRequest::Auto, || Ok(7));
+        assert_eq!((t, s.backend, s.fallback), (Some(7), Backend::Direct, None));
+    }
+
+    #[test]
+    fn forcing_the_driver_skips_the_direct_path() {
+        let (t, s) = choose::<()>(BackendRequest::Driver, || {
+            panic!("must not open the direct path")
+        });
+        assert_eq!(
+            (t, s.backend, s.fallback),
+            (None, Backend::Driver, Some(FallbackReason::Requested))
+        );
+    }
+
+    #[test]
+    fn each_reason_is_classified() {
+        let cases: Vec<(launch::Error, FallbackReason)> = vec![
+            (rm_err(rm::Error::NoDeviceNode { path: "/dev/nvidiactl".into() }), FallbackReason::NoDeviceNodes("/dev/nvidiactl".into())),
+            (rm_err(rm::Error::PermissionDenied { path: "/dev/nvidia0".into() }), FallbackReason::PermissionDenied("/dev/nvidia0".into())),
+            (
+                rm_err(rm::Error::DriverBranch { found: "570.86.15".into(), expected: 580 }),
+                FallbackReason::DriverBranch { found: "570.86.15".into(), expected: 580 },
+            ),
+            (
+                rm_err(rm::Error::UnsupportedClass { what: "GPFIFO channel", count: 2, listed: "0x0080 0x2080".into() }),
+                FallbackReason::UnsupportedGpu("no GPFIFO channel class known to APEX among the 2 classes this GPU lists (0x0080 0x2080)".into()),
+            ),
+            (launch::Error::Unsupported("sm_80".into()), FallbackReason::UnsupportedGpu("sm_80".into())),
+        ];
+        for (err, want) in cases {
+            let (t, s) = choose::<()>(BackendRequest::Auto, || Err(err));
+            assert!(t.is_none());
+            assert_eq!(s.backend, Backend::Driver);
+            assert_eq!(s.fallback, Some(want.clone()), "{want}");
+            assert!(!s.to_string().is_empty());
+        }
+        let (_, s) = choose::<()>(BackendRequest::Auto, || {
+            Err(rm_err(rm::Error::NoSuchGpu { index: 3, count: 1 }))
+        });
+        assert!(
+            matches!(s.fallback, Some(FallbackReason::Failed(m)) if m.contains("out of range"))
+        );
+    }
+}

@@ -1,0 +1,772 @@
+//! A simulated RM, for CI without a GPU: the same [`GpuCore`], [`Memory`](super::Memory) and channel code as on
+//! hardware, with only the driver boundary replaced.
+//!
+//! - RM allocs, controls and frees are answered in process: handles are handed out, the controls APEX issues
+//!   (class list, GPU info of an H200, work-submit token, scheduling) are answered like RM answers them, and every
+//!   GPFIFO channel allocation is registered from the `NV_CHANNEL_ALLOC_PARAMS` it was given.
+//! - Memory is anonymous shared memory mapped at its GPU VA inside our VA reservation (VA == CPU address, as
+//!   through UVM on hardware). UVM calls do nothing.
+//! - The usermode (doorbell) page is 64 KiB of anonymous memory.
+//!
+//! [`SimBus`] is the front end's view: channel registrations, the doorbell word, and memory access by GPU VA,
+//! each access checked against the registry of live allocations. The registry lock is held while the front end
+//! touches memory, and a buffer is unregistered (under that lock) before it is unmapped, so the front end never
+//! touches memory that is gone: a bad address is an [`AccessError`], never a segfault.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::c_void;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use rustix::mm::{MapFlags, ProtFlags, mmap_anonymous, munmap};
+use tracing::{debug, info, warn};
+
+use super::client::{Client, Handle, Object};
+use super::gpu::{
+    GpuCore, HEADERS_BRANCH, HIGH_REGION_SIZE, LOW_REGION_LIMIT, LOW_REGION_SIZE, USERMODE_CLASSES,
+    USERMODE_SIZE, gpu_info,
+};
+use super::va::VaRegion;
+use super::{Error, NvStatus, Result, sys};
+use crate::hw::{compute, copy, host};
+
+/// The GPU a simulated RM describes. The default is an H200: sm_90, 8 GPCs, 66 TPCs, 132 SMs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SimConfig {
+    pub name: String,
+    pub uuid: [u8; 16],
+    /// SM version as major * 10 + minor.
+    pub sm_version: u32,
+    /// TPCs of each GPC (the GPC count is the length).
+    pub tpcs_per_gpc: Vec<u32>,
+    pub sms_per_tpc: u32,
+    pub max_warps_per_sm: u32,
+    pub memory_bytes: u64,
+}
+
+impl Default for SimConfig {
+    fn default() -> SimConfig {
+        SimConfig {
+            name: "APEX simulated Hopper".into(),
+            uuid: *b"APEX-simulated-0",
+            sm_version: 90,
+            // 66 TPCs over 8 GPCs, as on the H200 (two GPCs with 9, six with 8).
+            tpcs_per_gpc: vec![9, 9, 8, 8, 8, 8, 8, 8],
+            sms_per_tpc: 2,
+            max_warps_per_sm: 64,
+            memory_bytes: 141 << 30,
+        }
+    }
+}
+
+impl SimConfig {
+    pub fn tpc_count(&self) -> u32 {
+        self.tpcs_per_gpc.iter().sum()
+    }
+
+    pub fn sm_count(&self) -> u32 {
+        self.tpc_count() * self.sms_per_tpc
+    }
+}
+
+/// A GPFIFO channel as RM registered it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimChannel {
+    /// The channel object's RM handle.
+    pub handle: Handle,
+    pub class: u32,
+    /// The work-submit token the simulated RM handed out.
+    pub token: u32,
+    pub ring_va: u64,
+    pub entries: u32,
+    pub userd_va: u64,
+    /// The error notifier (`NvNotificationRec`) that RM writes when the channel faults.
+    pub notifier_va: u64,
+}
+
+/// Why the front end could not access memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AccessError {
+    #[error("{len:#x} bytes at {va:#x} are not inside one live allocation")]
+    Unmapped { va: u64, len: u64 },
+    #[error("{len}-byte access at {va:#x} is not naturally aligned")]
+    Misaligned { va: u64, len: u64 },
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Obj {
+    parent: Handle,
+    class: u32,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    next_handle: Handle,
+    next_token: u32,
+    objects: HashMap<Handle, Obj>,
+    /// Live allocations by VA: (size, memory handle).
+    allocations: BTreeMap<u64, (u64, Handle)>,
+    va_of: HashMap<Handle, u64>,
+    channels: BTreeMap<Handle, SimChannel>,
+}
+
+impl State {
+    /// The live allocation holding all of `[va, va + len)`.
+    fn holds(&self, va: u64, len: u64) -> bool {
+        let Some(end) = va.checked_add(len) else {
+            return false;
+        };
+        self.allocations
+            .range(..=va)
+            .next_back()
+            .is_some_and(|(&base, &(size, _))| end <= base + size)
+    }
+
+    fn new_handle(&mut self) -> Handle {
+        self.next_handle += 1;
+        self.next_handle
+    }
+}
+
+/// State shared by the simulated client and the front end.
+#[derive(Debug)]
+pub(crate) struct SimShared {
+    state: Mutex<State>,
+    config: SimConfig,
+    classes: Vec<u32>,
+    usermode: NonNull<u8>,
+    start: Instant,
+}
+
+// SAFETY: `usermode` is an anonymous mapping owned by this struct; it is only accessed through atomics.
+unsafe impl Send for SimShared {}
+// SAFETY: as above; everything else is behind the mutex.
+unsafe impl Sync for SimShared {}
+
+impl Drop for SimShared {
+    fn drop(&mut self) {
+        // SAFETY: the mapping was created in `new` with this length and nobody else unmaps it.
+        if let Err(e) = unsafe { munmap(self.usermode.as_ptr().cast(), USERMODE_SIZE) } {
+            warn!(error = %e, "unmapping the simulated usermode page failed");
+        }
+    }
+}
+
+const NV_ERR_INVALID_ARGUMENT: NvStatus = NvStatus(sys::NV_ERR_INVALID_ARGUMENT);
+const NV_ERR_INVALID_CLASS: NvStatus = NvStatus(sys::NV_ERR_INVALID_CLASS);
+const NV_ERR_INVALID_OBJECT_HANDLE: NvStatus = NvStatus(sys::NV_ERR_INVALID_OBJECT_HANDLE);
+const NV_ERR_INVALID_PARAM_STRUCT: NvStatus = NvStatus(sys::NV_ERR_INVALID_PARAM_STRUCT);
+const NV_ERR_NOT_SUPPORTED: NvStatus = NvStatus(sys::NV_ERR_NOT_SUPPORTED);
+
+/// The caller's parameter struct as a `T`, if it has `T`'s size and alignment.
+///
+/// # Safety
+/// `ptr` is null or points to `size` bytes that the caller lends exclusively for the call (the contract of an
+/// RM alloc or control: the parameter struct belongs to the class or command).
+unsafe fn params<'a, T>(ptr: *mut u8, size: usize) -> std::result::Result<&'a mut T, NvStatus> {
+    if ptr.is_null() || size != size_of::<T>() || !ptr.cast::<T>().is_aligned() {
+        return Err(NV_ERR_INVALID_PARAM_STRUCT);
+    }
+    // SAFETY: non-null, aligned and of T's size (checked above), exclusively lent (the caller's contract);
+    // every T used here is a plain-old-data bindgen struct, valid for any bit pattern.
+    Ok(unsafe { &mut *ptr.cast::<T>() })
+}
+
+impl SimShared {
+    fn new(config: SimConfig) -> Result<SimShared> {
+        // SAFETY: a fresh anonymous mapping at a kernel-chosen address.
+        let page = unsafe {
+            mmap_anonymous(
+                std::ptr::null_mut(),
+                USERMODE_SIZE,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+            )
+        }
+        .map_err(|e| Error::Mmap {
+            what: "simulated usermode page",
+            source: e.into(),
+        })?;
+        let usermode = NonNull::new(page.cast::<u8>()).ok_or(Error::Mmap {
+            what: "simulated usermode page",
+            source: std::io::Error::other("mmap returned null"),
+        })?;
+        let classes = vec![
+            sys::NV01_ROOT_CLIENT,
+            sys::NV01_DEVICE_0,
+            sys::NV20_SUBDEVICE_0,
+            sys::NV01_MEMORY_SYSTEM,
+            sys::NV01_MEMORY_LOCAL_USER,
+            sys::FERMI_VASPACE_A,
+            sys::FERMI_CONTEXT_SHARE_A,
+            sys::KEPLER_CHANNEL_GROUP_A,
+            sys::HOPPER_USERMODE_A,
+            host::c86f::CLASS,
+            compute::cbc0::CLASS,
+            copy::c8b5::CLASS,
+        ];
+        Ok(SimShared {
+            state: Mutex::new(State {
+                next_handle: 0xcaf0_0000,
+                next_token: 0x20,
+                ..State::default()
+            }),
+            config,
+            classes,
+            usermode,
+            start: Instant::now(),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn usermode_ptr(&self) -> *mut u8 {
+        self.usermode.as_ptr()
+    }
+
+    pub(crate) fn alloc_root(&self) -> Handle {
+        let mut st = self.lock();
+        let h = st.new_handle();
+        st.objects.insert(
+            h,
+            Obj {
+                parent: 0,
+                class: sys::NV01_ROOT_CLIENT,
+            },
+        );
+        h
+    }
+
+    /// RM_ALLOC of `class` under `parent`; `ptr`/`size` are the caller's allocation parameters (or null).
+    pub(crate) fn alloc(
+        &self,
+        parent: Handle,
+        class: u32,
+        ptr: *mut u8,
+        size: usize,
+    ) -> std::result::Result<Handle, NvStatus> {
+        let mut st = self.lock();
+        if !st.objects.contains_key(&parent) {
+            return Err(NV_ERR_INVALID_OBJECT_HANDLE);
+        }
+        if !self.classes.contains(&class) {
+            return Err(NV_ERR_INVALID_CLASS);
+        }
+        let handle = st.new_handle();
+        if [
+            host::c56f::CLASS,
+            host::c86f::CLASS,
+            host::c96f::CLASS,
+            host::ca6f::CLASS,
+        ]
+        .contains(&class)
+        {
+            // SAFETY: a GPFIFO class's parameters are NV_CHANNEL_ALLOC_PARAMS (checked by size), lent by the caller.
+            let p = unsafe { params::<sys::NV_CHANNEL_ALLOC_PARAMS>(ptr, size)? };
+            let channel = register_channel(&mut st, handle, class, p)?;
+            debug!(?channel, "simulated GPFIFO channel registered");
+            st.channels.insert(handle, channel);
+        }
+        st.objects.insert(handle, Obj { parent, class });
+        Ok(handle)
+    }
+
+    /// RM_CONTROL `cmd` on `object`, answering the controls APEX issues.
+    pub(crate) fn control(&self, object: Handle, cmd: u32, ptr: *mut u8, size: usize) -> NvStatus {
+        match self.control_inner(object, cmd, ptr, size) {
+            Ok(()) => NvStatus::OK,
+            Err(s) => s,
+        }
+    }
+
+    fn control_inner(
+        &self,
+        object: Handle,
+        cmd: u32,
+        ptr: *mut u8,
+        size: usize,
+    ) -> std::result::Result<(), NvStatus> {
+        let st = self.lock();
+        let obj = *st
+            .objects
+            .get(&object)
+            .ok_or(NV_ERR_INVALID_OBJECT_HANDLE)?;
+        let c = &self.config;
+        // SAFETY (every `params` below): `ptr`/`size` are the parameter struct of `cmd`, lent by the caller.
+        match cmd {
+            sys::NV0080_CTRL_CMD_GPU_GET_CLASSLIST_V2 => {
+                let p =
+                    unsafe { params::<sys::NV0080_CTRL_GPU_GET_CLASSLIST_V2_PARAMS>(ptr, size)? };
+                let n = self.classes.len().min(p.classList.len());
+                p.classList[..n].copy_from_slice(&self.classes[..n]);
+                p.numClasses = n as u32;
+            }
+            sys::NV2080_CTRL_CMD_GPU_GET_NAME_STRING => {
+                let p =
+                    unsafe { params::<sys::NV2080_CTRL_GPU_GET_NAME_STRING_PARAMS>(ptr, size)? };
+                let mut ascii = [0u8; 64];
+                let n = c.name.len().min(ascii.len() - 1);
+                ascii[..n].copy_from_slice(&c.name.as_bytes()[..n]);
+                p.gpuNameString.ascii = ascii;
+            }
+            sys::NV2080_CTRL_CMD_GPU_GET_GID_INFO => {
+                let p = unsafe { params::<sys::NV2080_CTRL_GPU_GET_GID_INFO_PARAMS>(ptr, size)? };
+                p.data[..16].copy_from_slice(&c.uuid);
+                p.length = 16;
+            }
+            sys::NV2080_CTRL_CMD_GR_GET_INFO => {
+                let p = unsafe { params::<sys::NV2080_CTRL_GR_GET_INFO_PARAMS>(ptr, size)? };
+                let n = p.grInfoListSize as usize;
+                let list = p.grInfoList.cast::<sys::NV2080_CTRL_GR_INFO>();
+                if list.is_null() || n > 256 || !list.is_aligned() {
+                    return Err(NV_ERR_INVALID_ARGUMENT);
+                }
+                // SAFETY: as RM requires, grInfoList points to grInfoListSize entries the caller owns.
+                let list = unsafe { std::slice::from_raw_parts_mut(list, n) };
+                for e in list {
+                    e.data = match e.index {
+                        // RM's 0xMMmm encoding.
+                        sys::NV2080_CTRL_GR_INFO_INDEX_SM_VERSION => {
+                            ((c.sm_version / 10) << 8) | (c.sm_version % 10)
+                        }
+                        sys::NV2080_CTRL_GR_INFO_INDEX_MAX_WARPS_PER_SM => c.max_warps_per_sm,
+                        sys::NV2080_CTRL_GR_INFO_INDEX_LITTER_NUM_TPC_PER_GPC => {
+                            c.tpcs_per_gpc.iter().copied().max().unwrap_or(0)
+                        }
+                        sys::NV2080_CTRL_GR_INFO_INDEX_LITTER_NUM_SM_PER_TPC => c.sms_per_tpc,
+                        _ => return Err(NV_ERR_NOT_SUPPORTED),
+                    };
+                }
+            }
+            sys::NV2080_CTRL_CMD_GR_GET_GPC_MASK => {
+                let p = unsafe { params::<sys::NV2080_CTRL_GR_GET_GPC_MASK_PARAMS>(ptr, size)? };
+                p.gpcMask = mask(c.tpcs_per_gpc.len() as u32);
+            }
+            sys::NV2080_CTRL_CMD_GR_GET_TPC_MASK => {
+                let p = unsafe { params::<sys::NV2080_CTRL_GR_GET_TPC_MASK_PARAMS>(ptr, size)? };
+                let tpcs = c
+                    .tpcs_per_gpc
+                    .get(p.gpcId as usize)
+                    .ok_or(NV_ERR_INVALID_ARGUMENT)?;
+                p.tpcMask = mask(*tpcs);
+            }
+            sys::NV2080_CTRL_CMD_FB_GET_INFO_V2 => {
+                let p = unsafe { params::<sys::NV2080_CTRL_FB_GET_INFO_V2_PARAMS>(ptr, size)? };
+                let n = (p.fbInfoListSize as usize).min(p.fbInfoList.len());
+                for e in &mut p.fbInfoList[..n] {
+                    e.data = match e.index {
+                        sys::NV2080_CTRL_FB_INFO_INDEX_TOTAL_RAM_SIZE => (c.memory_bytes >> 10)
+                            .try_into()
+                            .map_err(|_| NV_ERR_INVALID_ARGUMENT)?,
+                        _ => return Err(NV_ERR_NOT_SUPPORTED),
+                    };
+                }
+            }
+            sys::NVC36F_CTRL_CMD_GPFIFO_GET_WORK_SUBMIT_TOKEN => {
+                let ch = st
+                    .channels
+                    .get(&object)
+                    .ok_or(NV_ERR_INVALID_OBJECT_HANDLE)?;
+                let p = unsafe {
+                    params::<sys::NVC36F_CTRL_CMD_GPFIFO_GET_WORK_SUBMIT_TOKEN_PARAMS>(ptr, size)?
+                };
+                p.workSubmitToken = ch.token;
+            }
+            sys::NVA06C_CTRL_CMD_GPFIFO_SCHEDULE => {
+                if obj.class != sys::KEPLER_CHANNEL_GROUP_A {
+                    return Err(NV_ERR_INVALID_OBJECT_HANDLE);
+                }
+                unsafe { params::<sys::NVA06C_CTRL_GPFIFO_SCHEDULE_PARAMS>(ptr, size)? };
+            }
+            _ => return Err(NV_ERR_NOT_SUPPORTED),
+        }
+        Ok(())
+    }
+
+    /// RM_FREE of `handle` and everything under it.
+    pub(crate) fn free(&self, handle: Handle) -> NvStatus {
+        let mut st = self.lock();
+        if !st.objects.contains_key(&handle) {
+            return NV_ERR_INVALID_OBJECT_HANDLE;
+        }
+        let mut doomed = vec![handle];
+        let mut i = 0;
+        while let Some(&h) = doomed.get(i) {
+            doomed.extend(
+                st.objects
+                    .iter()
+                    .filter(|(_, o)| o.parent == h)
+                    .map(|(&c, _)| c),
+            );
+            i += 1;
+        }
+        for h in doomed {
+            st.objects.remove(&h);
+            st.channels.remove(&h);
+            // A buffer whose memory object goes is no longer reachable by the GPU.
+            if let Some(va) = st.va_of.remove(&h) {
+                st.allocations.remove(&va);
+            }
+        }
+        NvStatus::OK
+    }
+
+    /// Backs `[va, va + size)` (inside one of our PROT_NONE reservations) with anonymous shared memory and
+    /// registers it as memory object `handle`.
+    pub(crate) fn map_memory(&self, handle: Handle, va: u64, size: u64) -> Result<()> {
+        // SAFETY: the range was just handed out by a VaRegion of ours, so it lies inside our PROT_NONE
+        // reservation and MAP_FIXED replaces nothing of anyone else's.
+        unsafe {
+            mmap_anonymous(
+                va as *mut c_void,
+                size as usize,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED | MapFlags::FIXED | MapFlags::NORESERVE,
+            )
+        }
+        .map_err(|e| Error::Mmap {
+            what: "simulated GPU memory",
+            source: e.into(),
+        })?;
+        let mut st = self.lock();
+        st.allocations.insert(va, (size, handle));
+        st.va_of.insert(handle, va);
+        Ok(())
+    }
+
+    /// Forgets the allocation at `va`; after this returns the front end cannot reach it.
+    pub(crate) fn unmap_memory(&self, va: u64) {
+        let mut st = self.lock();
+        if let Some((_, handle)) = st.allocations.remove(&va) {
+            st.va_of.remove(&handle);
+        }
+    }
+}
+
+fn mask(bits: u32) -> u32 {
+    if bits >= 32 {
+        u32::MAX
+    } else {
+        (1 << bits) - 1
+    }
+}
+
+/// Checks a GPFIFO allocation the way RM does and records where its ring, USERD and notifier are.
+fn register_channel(
+    st: &mut State,
+    handle: Handle,
+    class: u32,
+    p: &sys::NV_CHANNEL_ALLOC_PARAMS,
+) -> std::result::Result<SimChannel, NvStatus> {
+    let entries = p.gpFifoEntries;
+    if !entries.is_power_of_two() || entries < 2 {
+        return Err(NV_ERR_INVALID_ARGUMENT);
+    }
+    let userd_base = *st
+        .va_of
+        .get(&p.hUserdMemory[0])
+        .ok_or(NV_ERR_INVALID_OBJECT_HANDLE)?;
+    let notifier_va = *st
+        .va_of
+        .get(&p.hObjectError)
+        .ok_or(NV_ERR_INVALID_OBJECT_HANDLE)?;
+    let userd_va = userd_base
+        .checked_add(p.userdOffset[0])
+        .ok_or(NV_ERR_INVALID_ARGUMENT)?;
+    let notifier_len = size_of::<sys::NvNotificationRec>() as u64;
+    if !st.holds(p.gpFifoOffset, u64::from(entries) * 8)
+        || !st.holds(userd_va, 0x200)
+        || !st.holds(notifier_va, notifier_len)
+        || !p.gpFifoOffset.is_multiple_of(8)
+        || !userd_va.is_multiple_of(8)
+    {
+        return Err(NV_ERR_INVALID_ARGUMENT);
+    }
+    let token = st.next_token;
+    st.next_token += 1;
+    Ok(SimChannel {
+        handle,
+        class,
+        token,
+        ring_va: p.gpFifoOffset,
+        entries,
+        userd_va,
+        notifier_va,
+    })
+}
+
+impl GpuCore {
+    /// Opens a simulated GPU: the RM objects, VA regions, memory and channels work as on hardware, but RM is
+    /// answered in process and nothing executes what is submitted until a front-end model (the `sim` module)
+    /// reads the rings through the returned [`SimBus`].
+    pub fn open_simulated(config: SimConfig) -> Result<(std::sync::Arc<GpuCore>, SimBus)> {
+        let shared = Arc::new(SimShared::new(config)?);
+        let client = Arc::new(Client::simulated(shared.clone()));
+        let mut dp = sys::NV0080_ALLOC_PARAMETERS {
+            hClientShare: client.handle(),
+            vaMode: sys::NV_DEVICE_ALLOCATION_VAMODE_OPTIONAL_MULTIPLE_VASPACES,
+            ..Default::default()
+        };
+        let device = Arc::new(Object::alloc(
+            &client,
+            None,
+            sys::NV01_DEVICE_0,
+            Some(&mut dp),
+            "NV01_DEVICE_0",
+        )?);
+        let mut sp = sys::NV2080_ALLOC_PARAMETERS { subDeviceId: 0 };
+        let subdevice = Arc::new(Object::alloc(
+            &client,
+            Some(&device),
+            sys::NV20_SUBDEVICE_0,
+            Some(&mut sp),
+            "NV20_SUBDEVICE_0",
+        )?);
+        let mut cl = sys::NV0080_CTRL_GPU_GET_CLASSLIST_V2_PARAMS::default();
+        device.control(
+            sys::NV0080_CTRL_CMD_GPU_GET_CLASSLIST_V2,
+            &mut cl,
+            "NV0080_CTRL_CMD_GPU_GET_CLASSLIST_V2",
+        )?;
+        let n = (cl.numClasses as usize).min(cl.classList.len());
+        let classes = cl.classList[..n].to_vec();
+        let card = sys::nv_ioctl_card_info_t {
+            valid: 1,
+            ..Default::default()
+        };
+        let version = format!("{HEADERS_BRANCH}.0 (APEX simulated RM)");
+        let info = gpu_info(&subdevice, 0, &card, version)?;
+        let mut vp = sys::NV_VASPACE_ALLOCATION_PARAMETERS::default();
+        let vaspace = Arc::new(Object::alloc(
+            &client,
+            Some(&device),
+            sys::FERMI_VASPACE_A,
+            Some(&mut vp),
+            "FERMI_VASPACE_A",
+        )?);
+        let low = VaRegion::reserve(
+            LOW_REGION_SIZE,
+            (1..15u64).map(|i| i * LOW_REGION_SIZE),
+            LOW_REGION_LIMIT,
+        )?;
+        let high = VaRegion::reserve(HIGH_REGION_SIZE, [], u64::MAX)?;
+        let core = GpuCore {
+            info,
+            classes,
+            client,
+            _dev_fd: None,
+            device,
+            subdevice,
+            vaspace,
+            low,
+            high,
+            // The doorbell page belongs to the simulated RM (see `usermode_ptr`).
+            usermode: None,
+        };
+        core.pick_class("usermode", USERMODE_CLASSES)?;
+        info!(gpu = %core.info.name, sms = core.info.sm_count, "opened simulated GPU");
+        Ok((Arc::new(core), SimBus(shared)))
+    }
+}
+
+/// The simulated GPU as its front end sees it: channel registrations, the doorbell, memory by GPU VA.
+#[derive(Clone, Debug)]
+pub struct SimBus(Arc<SimShared>);
+
+impl SimBus {
+    /// Holds the registry until the view is dropped: allocations cannot go away meanwhile.
+    pub fn lock(&self) -> SimView<'_> {
+        SimView {
+            st: self.0.lock(),
+            shared: &self.0,
+        }
+    }
+
+    pub fn config(&self) -> &SimConfig {
+        &self.0.config
+    }
+
+    /// Nanoseconds since the simulated GPU was opened (its timestamp clock; never 0).
+    pub fn now_ns(&self) -> u64 {
+        self.0.start.elapsed().as_nanos() as u64 + 1
+    }
+}
+
+/// A locked view of the simulated GPU. Every access is checked against the live allocations.
+pub struct SimView<'a> {
+    st: MutexGuard<'a, State>,
+    shared: &'a SimShared,
+}
+
+impl SimView<'_> {
+    /// Every live GPFIFO channel.
+    pub fn channels(&self) -> Vec<SimChannel> {
+        self.st.channels.values().copied().collect()
+    }
+
+    pub fn channel(&self, handle: Handle) -> Option<SimChannel> {
+        self.st.channels.get(&handle).copied()
+    }
+
+    /// Whether an object of `class` is allocated under channel `channel` (what SET_OBJECT may bind).
+    pub fn channel_has_class(&self, channel: Handle, class: u32) -> bool {
+        self.st
+            .objects
+            .values()
+            .any(|o| o.parent == channel && o.class == class)
+    }
+
+    /// Whether `[va, va + len)` lies inside one live allocation.
+    pub fn contains(&self, va: u64, len: u64) -> bool {
+        self.st.holds(va, len)
+    }
+
+    fn ptr(&self, va: u64, len: u64, align: u64) -> std::result::Result<*mut u8, AccessError> {
+        if !va.is_multiple_of(align) {
+            return Err(AccessError::Misaligned { va, len });
+        }
+        if len == 0 || !self.st.holds(va, len) {
+            return Err(AccessError::Unmapped { va, len });
+        }
+        Ok(va as *mut u8)
+    }
+
+    /// Copies `out.len()` bytes from GPU address `va`.
+    pub fn read(&self, va: u64, out: &mut [u8]) -> std::result::Result<(), AccessError> {
+        if out.is_empty() {
+            return Ok(());
+        }
+        let p = self.ptr(va, out.len() as u64, 1)?;
+        // SAFETY: the range lies inside a live allocation, which is mapped read-write (VA == CPU address) and
+        // cannot be unmapped while we hold the registry lock; `out` is a Rust buffer, so no overlap.
+        unsafe { std::ptr::copy_nonoverlapping(p, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    /// Copies `data` to GPU address `va`.
+    pub fn write(&self, va: u64, data: &[u8]) -> std::result::Result<(), AccessError> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        let p = self.ptr(va, data.len() as u64, 1)?;
+        // SAFETY: as in `read`.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
+        Ok(())
+    }
+
+    /// Reads `n` little-endian words at `va` (4-byte aligned).
+    pub fn read_words(&self, va: u64, n: usize) -> std::result::Result<Vec<u32>, AccessError> {
+        let len = n as u64 * 4;
+        let p = self.ptr(va, len, 4)?.cast::<u32>();
+        // SAFETY: as in `read`; 4-byte aligned, n words in bounds. The CPU writes these words concurrently only
+        // in ways the protocol forbids (like DMA), so per-word volatile loads are what the hardware sees.
+        Ok((0..n)
+            .map(|i| unsafe { p.add(i).read_volatile() })
+            .collect())
+    }
+
+    pub fn read_u32(&self, va: u64) -> std::result::Result<u32, AccessError> {
+        let p = self.ptr(va, 4, 4)?;
+        // SAFETY: in a live allocation, 4-byte aligned; the CPU polls these words, so atomically.
+        Ok(unsafe { AtomicU32::from_ptr(p.cast()) }.load(Ordering::Acquire))
+    }
+
+    pub fn read_u64(&self, va: u64) -> std::result::Result<u64, AccessError> {
+        let p = self.ptr(va, 8, 8)?;
+        // SAFETY: in a live allocation, 8-byte aligned.
+        Ok(unsafe { AtomicU64::from_ptr(p.cast()) }.load(Ordering::Acquire))
+    }
+
+    pub fn write_u32(&self, va: u64, value: u32) -> std::result::Result<(), AccessError> {
+        let p = self.ptr(va, 4, 4)?;
+        // SAFETY: in a live allocation, 4-byte aligned; semaphores and GPGet are polled by the CPU.
+        unsafe { AtomicU32::from_ptr(p.cast()) }.store(value, Ordering::Release);
+        Ok(())
+    }
+
+    pub fn write_u64(&self, va: u64, value: u64) -> std::result::Result<(), AccessError> {
+        let p = self.ptr(va, 8, 8)?;
+        // SAFETY: in a live allocation, 8-byte aligned.
+        unsafe { AtomicU64::from_ptr(p.cast()) }.store(value, Ordering::Release);
+        Ok(())
+    }
+
+    /// Takes the last token written to the doorbell since the previous call (0 when none).
+    pub fn take_doorbell(&self) -> u32 {
+        let offset = host::c361::NOTIFY_CHANNEL_PENDING as usize;
+        // SAFETY: the usermode page is USERMODE_SIZE bytes, owned by `shared` (alive: we borrow it); the offset
+        // is inside it and 4-byte aligned.
+        let word = unsafe { AtomicU32::from_ptr(self.shared.usermode.as_ptr().add(offset).cast()) };
+        word.swap(0, Ordering::AcqRel)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rm::{Memory, MemoryDesc, Placement};
+
+    #[test]
+    fn opens_like_an_h200_and_checks_every_access() {
+        let (core, bus) = GpuCore::open_simulated(SimConfig::default()).unwrap();
+        let i = core.info();
+        assert_eq!(
+            (i.sm_version, i.sm_count, i.gpc_count, i.tpc_count),
+            (90, 132, 8, 66)
+        );
+        assert_eq!((i.sms_per_tpc, i.max_warps_per_sm), (2, 64));
+        assert_eq!(i.name, "APEX simulated Hopper");
+        assert!(core.has_class(0xc86f) && core.has_class(0xcbc0) && core.has_class(0xc8b5));
+        assert!(core.has_class(0xc661));
+        assert!(!core.usermode_ptr().is_null());
+
+        let mem = Memory::alloc(
+            &core,
+            MemoryDesc::video(0x1000)
+                .placement(Placement::SystemCached)
+                .with_cpu()
+                .low(),
+        )
+        .unwrap();
+        assert_eq!(mem.cpu_ptr().map(|p| p.as_ptr() as u64), Some(mem.va()));
+        mem.write_u64_volatile(8, 0x1234).unwrap();
+        let va = mem.va();
+        {
+            let v = bus.lock();
+            assert_eq!(v.read_u64(va + 8), Ok(0x1234));
+            v.write_u32(va + 16, 7).unwrap();
+            assert_eq!(
+                v.read_u32(va + 0x1000),
+                Err(AccessError::Unmapped {
+                    va: va + 0x1000,
+                    len: 4
+                })
+            );
+            assert_eq!(
+                v.read_u64(va + 4),
+                Err(AccessError::Misaligned { va: va + 4, len: 8 })
+            );
+        }
+        assert_eq!(mem.read_u32_volatile(16).unwrap(), 7);
+        drop(mem);
+        assert!(!bus.lock().contains(va, 4), "a freed buffer is unreachable");
+    }
+
+    #[test]
+    fn unknown_controls_and_classes_are_refused() {
+        let (core, _bus) = GpuCore::open_simulated(SimConfig::default()).unwrap();
+        let mut p = sys::NV2080_CTRL_GR_GET_GPC_MASK_PARAMS::default();
+        let e = core
+            .subdevice()
+            .control(0x2080_ffff, &mut p, "bogus")
+            .unwrap_err();
+        assert_eq!(e.status(), Some(NV_ERR_NOT_SUPPORTED));
+        let e = Object::alloc::<()>(core.client(), Some(core.device()), 0xc56f, None, "ampere")
+            .unwrap_err();
+        assert_eq!(e.status(), Some(NV_ERR_INVALID_CLASS));
+    }
+}

@@ -1,0 +1,589 @@
+//! One channel's front end: GPFIFO fetch, method decode and execution, QMD launch, faults.
+
+use crate::gpfifo::GpEntry;
+use crate::hw::compute::cbc0 as compute;
+use crate::hw::host::{c56f, c86f as host};
+use crate::pushbuf::decode::{DecodedMethod, HeaderKind, SubchannelClasses, decode};
+use crate::rm::sim::{AccessError, SimChannel, SimView};
+use crate::rm::sys;
+
+use super::qmd::{self, EnvFault, GpuMemory, LaunchState, QMD_WORDS_V04, ReleaseKind};
+use super::{ChannelStats, DroppedQmd, Launch, Records, SimError, SimErrorKind};
+
+/// Xid RM posts for an exception of the channel's engine (illegal method, bad QMD).
+pub const XID_GRAPHICS: u32 = 13;
+/// Xid RM posts for an MMU fault.
+pub const XID_MMU: u32 = 31;
+
+/// GP entries one channel may fetch per step before the others get a turn.
+const ENTRIES_PER_STEP: u32 = 64;
+
+const GP_GET: u64 = std::mem::offset_of!(sys::HopperAControlGPFifo, GPGet) as u64;
+const GP_PUT: u64 = std::mem::offset_of!(sys::HopperAControlGPFifo, GPPut) as u64;
+
+enum Flow {
+    Continue,
+    /// An acquire is not satisfied yet: retry this method next step.
+    Blocked,
+}
+
+#[derive(Debug, Default)]
+struct Semaphore {
+    addr_lo: u32,
+    addr_hi: u32,
+    payload_lo: u32,
+    payload_hi: u32,
+}
+
+#[derive(Debug)]
+struct Inline {
+    dst: u64,
+    bytes: usize,
+    data: Vec<u8>,
+}
+
+#[derive(Debug, Default)]
+struct Compute {
+    line_length: u32,
+    line_count: u32,
+    offset_out: u64,
+    inline: Option<Inline>,
+    launch: LaunchState,
+    pcas_a: Option<u32>,
+    qmd_version: u32,
+    spa_version: u32,
+}
+
+/// The model of one channel.
+#[derive(Debug)]
+pub(super) struct ChannelModel {
+    pub ch: SimChannel,
+    pub live: bool,
+    get: u32,
+    bound: [Option<u32>; 8],
+    pending: Vec<DecodedMethod>,
+    next: usize,
+    /// A malformed tail of the current segment: faults once the methods before it have run.
+    tail_error: Option<SimErrorKind>,
+    sem: Semaphore,
+    compute: Compute,
+    pub faulted: bool,
+    pub stats: ChannelStats,
+    sm_version: u32,
+}
+
+impl GpuMemory for SimView<'_> {
+    fn contains(&self, va: u64, len: u64) -> bool {
+        SimView::contains(self, va, len)
+    }
+    fn read_words(&self, va: u64, n: usize) -> Option<Vec<u32>> {
+        SimView::read_words(self, va, n).ok()
+    }
+}
+
+fn mmu(what: &'static str) -> impl Fn(AccessError) -> SimErrorKind {
+    move |source| SimErrorKind::Mmu { what, source }
+}
+
+impl ChannelModel {
+    pub fn new(ch: SimChannel, sm_version: u32, threads_per_tpc: u64) -> ChannelModel {
+        let mut bound = [None; 8];
+        bound[0] = Some(ch.class);
+        let compute = Compute {
+            launch: LaunchState {
+                threads_per_tpc,
+                ..LaunchState::default()
+            },
+            ..Compute::default()
+        };
+        ChannelModel {
+            ch,
+            live: true,
+            get: 0,
+            bound,
+            pending: Vec::new(),
+            next: 0,
+            tail_error: None,
+            sem: Semaphore::default(),
+            compute,
+            faulted: false,
+            stats: ChannelStats {
+                token: ch.token,
+                ..ChannelStats::default()
+            },
+            sm_version,
+        }
+    }
+
+    /// Runs the channel until it is idle, blocked, faulted or out of budget. Returns whether anything happened.
+    pub fn step(&mut self, view: &SimView<'_>, now: &dyn Fn() -> u64, rec: &mut Records) -> bool {
+        if self.faulted || !self.live {
+            return false;
+        }
+        match self.run(view, now, rec) {
+            Ok(progress) => progress,
+            Err(kind) => {
+                self.fault(view, now(), kind, rec);
+                true
+            }
+        }
+    }
+
+    fn run(
+        &mut self,
+        view: &SimView<'_>,
+        now: &dyn Fn() -> u64,
+        rec: &mut Records,
+    ) -> Result<bool, SimErrorKind> {
+        let mut progress = false;
+        let mut fetched = 0;
+        loop {
+            while let Some(m) = self.pending.get(self.next).cloned() {
+                match self.execute(&m, view, now, rec)? {
+                    Flow::Continue => {
+                        self.next += 1;
+                        self.stats.methods += 1;
+                        progress = true;
+                    }
+                    Flow::Blocked => {
+                        self.stats.acquire_retries += 1;
+                        return Ok(progress);
+                    }
+                }
+            }
+            if let Some(e) = self.tail_error.take() {
+                return Err(e);
+            }
+            if fetched == ENTRIES_PER_STEP {
+                return Ok(progress);
+            }
+            let put = view
+                .read_u32(self.ch.userd_va + GP_PUT)
+                .map_err(mmu("USERD"))?;
+            if put >= self.ch.entries {
+                return Err(SimErrorKind::BadGpPut {
+                    put,
+                    entries: self.ch.entries,
+                });
+            }
+            if put == self.get {
+                return Ok(progress);
+            }
+            let slot = self.ch.ring_va + u64::from(self.get) * 8;
+            let entry = GpEntry(view.read_u64(slot).map_err(mmu("GPFIFO ring"))?);
+            self.get = (self.get + 1) % self.ch.entries;
+            view.write_u32(self.ch.userd_va + GP_GET, self.get)
+                .map_err(mmu("USERD"))?;
+            self.stats.entries += 1;
+            self.stats.gp_get = self.get;
+            fetched += 1;
+            progress = true;
+            self.load(entry, view)?;
+        }
+    }
+
+    /// Fetches and decodes the segment an entry points to.
+    fn load(&mut self, entry: GpEntry, view: &SimView<'_>) -> Result<(), SimErrorKind> {
+        let dwords = entry.dwords();
+        // A zero-length entry is a control entry (NOP); APEX never writes one, hardware skips it.
+        if dwords == 0 {
+            return Ok(());
+        }
+        let words = view
+            .read_words(entry.va(), dwords as usize)
+            .map_err(mmu("pushbuffer segment"))?;
+        let mut classes = SubchannelClasses::new(self.ch.class);
+        for (sc, class) in self.bound.iter().enumerate().skip(1) {
+            if let Some(c) = class {
+                classes.bind(sc as u8, *c);
+            }
+        }
+        self.next = 0;
+        self.pending = match decode(&words, &classes) {
+            Ok(m) => m,
+            Err(e) => {
+                let at = match &e {
+                    crate::pushbuf::decode::DecodeError::Truncated { at_word, .. }
+                    | crate::pushbuf::decode::DecodeError::UnknownHeader { at_word, .. } => {
+                        *at_word
+                    }
+                };
+                self.tail_error = Some(SimErrorKind::Decode(e));
+                // The methods before the bad word were fetched and run, as on hardware.
+                decode(&words[..at], &classes).unwrap_or_default()
+            }
+        };
+        Ok(())
+    }
+
+    fn execute(
+        &mut self,
+        m: &DecodedMethod,
+        view: &SimView<'_>,
+        now: &dyn Fn() -> u64,
+        rec: &mut Records,
+    ) -> Result<Flow, SimErrorKind> {
+        if m.kind == HeaderKind::EndSegment {
+            return Ok(Flow::Continue);
+        }
+        // Methods below 0x100 belong to the host (PBDMA) on every subchannel.
+        if m.offset < 0x100 {
+            return self.host_method(m, view, now);
+        }
+        let class = self.bound.get(usize::from(m.subchannel)).copied().flatten();
+        match class {
+            None => Err(SimErrorKind::UnboundSubchannel {
+                subchannel: m.subchannel,
+                method: m.offset,
+            }),
+            Some(compute::CLASS) if m.subchannel != 0 => self.compute_method(m, view, now, rec),
+            Some(class) => Err(SimErrorKind::UnknownMethod {
+                subchannel: m.subchannel,
+                class,
+                method: m.offset,
+            }),
+        }
+    }
+
+    fn host_method(
+        &mut self,
+        m: &DecodedMethod,
+        view: &SimView<'_>,
+        now: &dyn Fn() -> u64,
+    ) -> Result<Flow, SimErrorKind> {
+        let v = m.value;
+        match m.offset {
+            host::SET_OBJECT => {
+                let class = c56f::SET_OBJECT_NVCLASS.unpack(v);
+                let ok = if m.subchannel == 0 {
+                    class == self.ch.class
+                } else {
+                    view.channel_has_class(self.ch.handle, class)
+                };
+                if !ok {
+                    return Err(SimErrorKind::ClassNotOnChannel {
+                        subchannel: m.subchannel,
+                        class,
+                    });
+                }
+                self.bound[usize::from(m.subchannel)] = Some(class);
+            }
+            c56f::NOP => {}
+            c56f::NON_STALL_INTERRUPT => self.stats.non_stall_interrupts += 1,
+            host::MEM_OP_A | host::MEM_OP_B | host::MEM_OP_C => {}
+            host::MEM_OP_D => {
+                if host::MEM_OP_D_OPERATION.unpack(v) == host::MEM_OP_D_OPERATION_MEMBAR {
+                    self.stats.membars += 1;
+                }
+            }
+            host::SEM_ADDR_LO => self.sem.addr_lo = v,
+            host::SEM_ADDR_HI => self.sem.addr_hi = v,
+            host::SEM_PAYLOAD_LO => self.sem.payload_lo = v,
+            host::SEM_PAYLOAD_HI => self.sem.payload_hi = v,
+            host::SEM_EXECUTE => return self.sem_execute(v, view, now),
+            host::WFI => self.stats.wfis += 1,
+            method => {
+                return Err(SimErrorKind::UnknownMethod {
+                    subchannel: m.subchannel,
+                    class: self.ch.class,
+                    method,
+                });
+            }
+        }
+        Ok(Flow::Continue)
+    }
+
+    fn sem_execute(
+        &mut self,
+        exec: u32,
+        view: &SimView<'_>,
+        now: &dyn Fn() -> u64,
+    ) -> Result<Flow, SimErrorKind> {
+        let s = &self.sem;
+        let va = (u64::from(host::SEM_ADDR_HI_OFFSET.unpack(s.addr_hi)) << 32)
+            | u64::from(host::SEM_ADDR_LO_OFFSET.unpack(s.addr_lo) << 2);
+        let wide =
+            host::SEM_EXECUTE_PAYLOAD_SIZE.unpack(exec) == c56f::SEM_EXECUTE_PAYLOAD_SIZE_64BIT;
+        let payload = if wide {
+            u64::from(s.payload_lo) | (u64::from(s.payload_hi) << 32)
+        } else {
+            u64::from(s.payload_lo)
+        };
+        let op = host::SEM_EXECUTE_OPERATION.unpack(exec);
+        let timestamp = host::SEM_EXECUTE_RELEASE_TIMESTAMP.unpack(exec)
+            == host::SEM_EXECUTE_RELEASE_TIMESTAMP_EN
+            && op == host::SEM_EXECUTE_OPERATION_RELEASE;
+        let align = if wide || timestamp { 8 } else { 4 };
+        if !va.is_multiple_of(align) {
+            return Err(SimErrorKind::BadSemaphore {
+                va,
+                why: "address not aligned to the payload (and timestamp)",
+            });
+        }
+        let read = |view: &SimView<'_>| -> Result<u64, SimErrorKind> {
+            if wide {
+                view.read_u64(va).map_err(mmu("semaphore"))
+            } else {
+                view.read_u32(va).map(u64::from).map_err(mmu("semaphore"))
+            }
+        };
+        let satisfied = match op {
+            host::SEM_EXECUTE_OPERATION_RELEASE => {
+                if wide {
+                    view.write_u64(va, payload).map_err(mmu("semaphore"))?;
+                } else {
+                    view.write_u32(va, payload as u32)
+                        .map_err(mmu("semaphore"))?;
+                }
+                if timestamp {
+                    view.write_u64(va + 8, now())
+                        .map_err(mmu("semaphore timestamp"))?;
+                }
+                self.stats.releases += 1;
+                true
+            }
+            host::SEM_EXECUTE_OPERATION_ACQUIRE => read(view)? == payload,
+            c56f::SEM_EXECUTE_OPERATION_ACQ_STRICT_GEQ => read(view)? >= payload,
+            host::SEM_EXECUTE_OPERATION_ACQ_CIRC_GEQ => {
+                let cur = read(view)?;
+                if wide {
+                    cur.wrapping_sub(payload) as i64 >= 0
+                } else {
+                    (cur as u32).wrapping_sub(payload as u32) as i32 >= 0
+                }
+            }
+            _ => {
+                return Err(SimErrorKind::BadSemaphore {
+                    va,
+                    why: "semaphore operation not modelled (AND, NOR, reductions)",
+                });
+            }
+        };
+        if !satisfied {
+            return Ok(Flow::Blocked);
+        }
+        if op != host::SEM_EXECUTE_OPERATION_RELEASE {
+            self.stats.acquires += 1;
+        }
+        Ok(Flow::Continue)
+    }
+
+    fn compute_method(
+        &mut self,
+        m: &DecodedMethod,
+        view: &SimView<'_>,
+        now: &dyn Fn() -> u64,
+        rec: &mut Records,
+    ) -> Result<Flow, SimErrorKind> {
+        let v = m.value;
+        let c = &mut self.compute;
+        let hi = |v: u32| u64::from(v) << 32;
+        match m.offset {
+            compute::NO_OPERATION | compute::WAIT_FOR_IDLE => {}
+            compute::LINE_LENGTH_IN => c.line_length = v,
+            compute::LINE_COUNT => c.line_count = v,
+            compute::OFFSET_OUT_UPPER => {
+                c.offset_out =
+                    (c.offset_out & 0xffff_ffff) | hi(compute::OFFSET_OUT_UPPER_VALUE.unpack(v))
+            }
+            compute::OFFSET_OUT => c.offset_out = (c.offset_out & !0xffff_ffff) | u64::from(v),
+            compute::LAUNCH_DMA => {
+                let bad = |why| Err(SimErrorKind::BadInlineUpload { why });
+                if compute::LAUNCH_DMA_DST_MEMORY_LAYOUT.unpack(v)
+                    != compute::LAUNCH_DMA_DST_MEMORY_LAYOUT_PITCH
+                {
+                    return bad("block-linear destinations are not modelled");
+                }
+                if compute::LAUNCH_DMA_COMPLETION_TYPE.unpack(v)
+                    == compute::LAUNCH_DMA_COMPLETION_TYPE_RELEASE_SEMAPHORE
+                    || compute::LAUNCH_DMA_REDUCTION_ENABLE.unpack(v) != 0
+                {
+                    return bad("semaphore completion and reductions are not modelled");
+                }
+                if c.line_count != 1 {
+                    return bad(
+                        "LINE_COUNT must be 1 (pitched multi-line copies are not modelled)",
+                    );
+                }
+                if c.inline.is_some() {
+                    return bad("LAUNCH_DMA before the previous upload's data arrived");
+                }
+                c.inline = Some(Inline {
+                    dst: c.offset_out,
+                    bytes: c.line_length as usize,
+                    data: Vec::with_capacity(c.line_length as usize),
+                });
+            }
+            compute::LOAD_INLINE_DATA => {
+                let Some(up) = c.inline.as_mut() else {
+                    return Err(SimErrorKind::BadInlineUpload {
+                        why: "LOAD_INLINE_DATA with no upload in progress",
+                    });
+                };
+                up.data.extend_from_slice(&v.to_le_bytes());
+                if up.data.len() >= up.bytes {
+                    up.data.truncate(up.bytes);
+                    view.write(up.dst, &up.data)
+                        .map_err(mmu("inline upload destination"))?;
+                    c.inline = None;
+                    self.stats.inline_uploads += 1;
+                }
+            }
+            compute::SET_SHADER_SHARED_MEMORY_WINDOW_A => {
+                c.launch.shared_window = (c.launch.shared_window & 0xffff_ffff)
+                    | hi(compute::SET_SHADER_SHARED_MEMORY_WINDOW_A_BASE_ADDRESS_UPPER.unpack(v))
+            }
+            compute::SET_SHADER_SHARED_MEMORY_WINDOW_B => {
+                c.launch.shared_window = (c.launch.shared_window & !0xffff_ffff) | u64::from(v)
+            }
+            compute::SET_SHADER_LOCAL_MEMORY_WINDOW_A => {
+                c.launch.local_window = (c.launch.local_window & 0xffff_ffff)
+                    | hi(compute::SET_SHADER_LOCAL_MEMORY_WINDOW_A_BASE_ADDRESS_UPPER.unpack(v))
+            }
+            compute::SET_SHADER_LOCAL_MEMORY_WINDOW_B => {
+                c.launch.local_window = (c.launch.local_window & !0xffff_ffff) | u64::from(v)
+            }
+            compute::SET_SHADER_LOCAL_MEMORY_A => {
+                c.launch.local_memory_va = (c.launch.local_memory_va & 0xffff_ffff)
+                    | hi(compute::SET_SHADER_LOCAL_MEMORY_A_ADDRESS_UPPER.unpack(v))
+            }
+            compute::SET_SHADER_LOCAL_MEMORY_B => {
+                c.launch.local_memory_va = (c.launch.local_memory_va & !0xffff_ffff) | u64::from(v)
+            }
+            compute::SET_SHADER_LOCAL_MEMORY_NON_THROTTLED_A => {
+                c.launch.local_bytes_per_tpc = (c.launch.local_bytes_per_tpc & 0xffff_ffff)
+                    | hi(compute::SET_SHADER_LOCAL_MEMORY_NON_THROTTLED_A_SIZE_UPPER.unpack(v))
+            }
+            compute::SET_SHADER_LOCAL_MEMORY_NON_THROTTLED_B => {
+                c.launch.local_bytes_per_tpc =
+                    (c.launch.local_bytes_per_tpc & !0xffff_ffff) | u64::from(v)
+            }
+            compute::SET_SHADER_LOCAL_MEMORY_NON_THROTTLED_C => {
+                c.launch.local_max_sm_count =
+                    compute::SET_SHADER_LOCAL_MEMORY_NON_THROTTLED_C_MAX_SM_COUNT.unpack(v)
+            }
+            compute::SET_QMD_VERSION => c.qmd_version = v,
+            compute::SET_SPA_VERSION => c.spa_version = v,
+            compute::INVALIDATE_SHADER_CACHES | compute::INVALIDATE_SHADER_CACHES_NO_WFI => {
+                self.stats.cache_invalidations += 1
+            }
+            compute::SEND_PCAS_A => c.pcas_a = Some(v),
+            compute::SEND_SIGNALING_PCAS2_B => {
+                let action = compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION.unpack(v);
+                let schedules = [
+                    compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_SCHEDULE,
+                    compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_INVALIDATE_COPY_SCHEDULE,
+                    compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_PREFETCH_SCHEDULE,
+                    compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_INVALIDATE_PREFETCH_COPY_SCHEDULE,
+                    compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_INVALIDATE_PREFETCH_COPY_FORCE_REQUIRE_SCHEDULING,
+                ];
+                if schedules.contains(&action) {
+                    let a = c.pcas_a.ok_or(SimErrorKind::BadQmd {
+                        qmd_va: 0,
+                        violation: qmd::QmdViolation::State(
+                            "SEND_SIGNALING_PCAS2_B schedules a QMD but SEND_PCAS_A never named one",
+                        ),
+                    })?;
+                    self.launch(u64::from(a) << 8, view, now, rec)?;
+                }
+            }
+            method => {
+                return Err(SimErrorKind::UnknownMethod {
+                    subchannel: m.subchannel,
+                    class: compute::CLASS,
+                    method,
+                });
+            }
+        }
+        Ok(Flow::Continue)
+    }
+
+    /// Validates the QMD at `qmd_va` like Hopper and, if it would run, records it and performs its releases.
+    fn launch(
+        &mut self,
+        qmd_va: u64,
+        view: &SimView<'_>,
+        now: &dyn Fn() -> u64,
+        rec: &mut Records,
+    ) -> Result<(), SimErrorKind> {
+        let bad = |violation| SimErrorKind::BadQmd { qmd_va, violation };
+        qmd::check_address(qmd_va).map_err(bad)?;
+        let words = view.read_words(qmd_va, QMD_WORDS_V04).map_err(mmu("QMD"))?;
+        let major = qmd::major_version(&words);
+        if major == 3 {
+            // Hopper drops a V03 QMD without an error: nothing runs and nothing is released.
+            self.stats.dropped_qmds += 1;
+            rec.dropped.push(DroppedQmd {
+                token: self.ch.token,
+                qmd_va,
+                major_version: major as u8,
+            });
+            return Ok(());
+        }
+        let d = qmd::check_fields(&words, self.sm_version).map_err(bad)?;
+        qmd::check_environment(&d, &self.compute.launch, view).map_err(|e| match e {
+            EnvFault::Address { what, va, len } => SimErrorKind::Mmu {
+                what,
+                source: AccessError::Unmapped { va, len },
+            },
+            EnvFault::Violation(v) => bad(v),
+        })?;
+        let (cb0, cb0_size) = d.const_banks[0].unwrap_or_default();
+        let mut params =
+            vec![0u8; (cb0_size as usize).saturating_sub(crate::launch::cbank::DRIVER_BYTES)];
+        view.read(cb0 + crate::launch::cbank::DRIVER_BYTES as u64, &mut params)
+            .map_err(mmu("constant bank 0"))?;
+        for r in &d.releases {
+            let res = match r.kind {
+                ReleaseKind::FourWords { payload64 } => {
+                    let first = if payload64 {
+                        view.write_u64(r.va, r.payload)
+                    } else {
+                        view.write_u32(r.va, r.payload as u32)
+                    };
+                    first.and_then(|()| view.write_u64(r.va + 8, now()))
+                }
+                ReleaseKind::OneWord => view.write_u32(r.va, r.payload as u32),
+                ReleaseKind::TwoWords => view.write_u64(r.va, r.payload),
+            };
+            res.map_err(mmu("QMD release semaphore"))?;
+        }
+        self.stats.launches += 1;
+        rec.launches.push(Launch {
+            token: self.ch.token,
+            qmd_va,
+            grid: d.grid,
+            block: d.block,
+            shared_bytes: d.shared_bytes,
+            registers: d.registers,
+            barriers: d.barriers,
+            program_va: d.program_va,
+            local_bytes_per_thread: d.local_bytes_per_thread,
+            cbank0_va: cb0,
+            cbank0_size: cb0_size as u32,
+            params,
+            releases: d.releases.iter().map(|r| (r.va, r.payload)).collect(),
+        });
+        Ok(())
+    }
+
+    /// Posts the error to the channel's notifier the way RM does and stops the channel.
+    fn fault(&mut self, view: &SimView<'_>, now: u64, kind: SimErrorKind, rec: &mut Records) {
+        let xid = kind.xid();
+        let n = self.ch.notifier_va;
+        let off_info32 = std::mem::offset_of!(sys::NvNotificationRec, info32) as u64;
+        // Timestamp and code first, status last: a reader sees a complete record once status is non-zero.
+        let _ = view.write_u64(n, now);
+        let _ = view.write_u32(n + off_info32, xid);
+        let _ = view.write_u32(n + off_info32 + 4, 0xffff << 16);
+        self.faulted = true;
+        self.stats.faulted = true;
+        tracing::debug!(token = self.ch.token, %kind, "simulated channel faulted");
+        rec.errors.push(SimError {
+            token: self.ch.token,
+            gp_get: self.get,
+            xid,
+            kind,
+        });
+    }
+}

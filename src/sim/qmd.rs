@@ -1,0 +1,698 @@
+//! QMD checks as Hopper's compute front end applies them. Split in two: [`check_fields`] looks only at the QMD's
+//! own words (pure, unit-tested), [`check_environment`] at what it points to (memory, cbank0, channel state).
+
+use crate::hw::qmd::v04;
+use crate::launch::cbank::{DRIVER_BYTES, INITIAL_STACK};
+use crate::launch::qmd::{shared_carveouts_kib, sm_config};
+
+/// Words of a V04 QMD.
+pub const QMD_WORDS_V04: usize = v04::SIZE_BYTES / 4;
+
+/// Largest grid and block Hopper accepts.
+const MAX_GRID: [u64; 3] = [(1 << 31) - 1, 65535, 65535];
+const MAX_BLOCK: [u64; 3] = [1024, 1024, 64];
+const MAX_THREADS: u64 = 1024;
+const REGISTERS_PER_SM: u64 = 65536;
+const MAX_REGISTERS_PER_THREAD: u64 = 255;
+/// Named barriers per CTA.
+const MAX_BARRIERS: u64 = 16;
+/// Release semaphores a V04 QMD carries.
+const RELEASES: u32 = 3;
+
+/// What a QMD violates.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum QmdViolation {
+    #[error("QMD_MAJOR_VERSION {0} (Hopper runs version 4)")]
+    Version(u64),
+    #[error("QMD_TYPE {0} (only GRID_CTA is launched)")]
+    Type(u64),
+    #[error("QMD address {0:#x} is not 256-byte aligned below 2^40")]
+    Address(u64),
+    #[error("grid.{axis} = {value} (must be 1..={max})")]
+    Grid {
+        axis: &'static str,
+        value: u64,
+        max: u64,
+    },
+    #[error("block.{axis} = {value} (must be 1..={max})")]
+    Block {
+        axis: &'static str,
+        value: u64,
+        max: u64,
+    },
+    #[error("{0} threads per block (at most 1024)")]
+    Threads(u64),
+    #[error("REGISTER_COUNT {registers} for {threads} threads (1..=255 per thread, 65536 per SM)")]
+    Registers { registers: u64, threads: u64 },
+    #[error("BARRIER_COUNT {0} (at most 16)")]
+    Barriers(u64),
+    #[error("SHARED_MEMORY_SIZE {bytes} bytes (at most {max})")]
+    SharedMemory { bytes: u64, max: u64 },
+    #[error("{field} = {value:#x}: {why}")]
+    SmConfig {
+        field: &'static str,
+        value: u64,
+        why: &'static str,
+    },
+    #[error("SASS_VERSION {found:#x}, the GPU is {expected:#x}")]
+    SassVersion { found: u64, expected: u64 },
+    #[error("constant bank 0 is not valid (kernels read their parameters from it)")]
+    NoConstantBank0,
+    #[error("constant bank {bank}: {why} (address {va:#x}, {size:#x} bytes)")]
+    ConstantBank {
+        bank: u32,
+        va: u64,
+        size: u64,
+        why: &'static str,
+    },
+    #[error("release semaphore {index}: {why}")]
+    Release { index: u32, why: &'static str },
+    #[error("cbank0 word at {offset:#x} is {found:#x}, expected {expected:#x} ({what})")]
+    Cbank0Word {
+        offset: u64,
+        found: u64,
+        expected: u64,
+        what: &'static str,
+    },
+    #[error("{0}")]
+    State(&'static str),
+    #[error("local memory: {0}")]
+    LocalMemory(String),
+}
+
+/// How a release semaphore is written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReleaseKind {
+    /// Payload (32 or 64 bits) then a 64-bit timestamp at +8.
+    FourWords {
+        payload64: bool,
+    },
+    OneWord,
+    TwoWords,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReleaseDesc {
+    pub va: u64,
+    pub payload: u64,
+    pub kind: ReleaseKind,
+}
+
+/// What a well-formed V04 QMD asks for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QmdDesc {
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared_bytes: u32,
+    pub registers: u32,
+    pub barriers: u32,
+    pub program_va: u64,
+    pub local_bytes_per_thread: u32,
+    /// (address, size) of each valid constant bank.
+    pub const_banks: [Option<(u64, u64)>; 8],
+    pub releases: Vec<ReleaseDesc>,
+}
+
+fn get(words: &[u32], f: crate::hw::Field) -> u64 {
+    f.get(words).unwrap_or(0)
+}
+
+/// The QMD's major version (same bits in V03, V04 and V05).
+pub fn major_version(words: &[u32]) -> u64 {
+    get(words, v04::QMD_MAJOR_VERSION)
+}
+
+/// A QMD address from SEND_PCAS_A: 256-byte aligned (by construction) and below 2^40.
+pub fn check_address(qmd_va: u64) -> Result<(), QmdViolation> {
+    if !qmd_va.is_multiple_of(256) || qmd_va >= 1 << 40 {
+        return Err(QmdViolation::Address(qmd_va));
+    }
+    Ok(())
+}
+
+/// Checks everything a V04 QMD says about itself. `sm_version` is the GPU's (90).
+pub fn check_fields(words: &[u32], sm_version: u32) -> Result<QmdDesc, QmdViolation> {
+    let major = major_version(words);
+    if major != 4 {
+        return Err(QmdViolation::Version(major));
+    }
+    let ty = get(words, v04::QMD_TYPE);
+    if ty != u64::from(v04::QMD_TYPE_GRID_CTA) {
+        return Err(QmdViolation::Type(ty));
+    }
+    let expected_sass = u64::from(((sm_version / 10) << 4) | (sm_version % 10));
+    let sass = get(words, v04::SASS_VERSION);
+    if sass != expected_sass {
+        return Err(QmdViolation::SassVersion {
+            found: sass,
+            expected: expected_sass,
+        });
+    }
+    let axes = ["x", "y", "z"];
+    let grid = [
+        get(words, v04::GRID_WIDTH),
+        get(words, v04::GRID_HEIGHT),
+        get(words, v04::GRID_DEPTH),
+    ];
+    let block = [
+        get(words, v04::CTA_THREAD_DIMENSION0),
+        get(words, v04::CTA_THREAD_DIMENSION1),
+        get(words, v04::CTA_THREAD_DIMENSION2),
+    ];
+    for i in 0..3 {
+        if grid[i] == 0 || grid[i] > MAX_GRID[i] {
+            return Err(QmdViolation::Grid {
+                axis: axes[i],
+                value: grid[i],
+                max: MAX_GRID[i],
+            });
+        }
+        if block[i] == 0 || block[i] > MAX_BLOCK[i] {
+            return Err(QmdViolation::Block {
+                axis: axes[i],
+                value: block[i],
+                max: MAX_BLOCK[i],
+            });
+        }
+    }
+    let threads: u64 = block.iter().product();
+    if threads > MAX_THREADS {
+        return Err(QmdViolation::Threads(threads));
+    }
+    let registers = get(words, v04::REGISTER_COUNT);
+    // Registers are allocated per warp in units of 256.
+    let per_warp = (registers * 32).next_multiple_of(256);
+    if registers == 0
+        || registers > MAX_REGISTERS_PER_THREAD
+        || per_warp * threads.div_ceil(32) > REGISTERS_PER_SM
+    {
+        return Err(QmdViolation::Registers { registers, threads });
+    }
+    let barriers = get(words, v04::BARRIER_COUNT);
+    if barriers > MAX_BARRIERS {
+        return Err(QmdViolation::Barriers(barriers));
+    }
+    let shared = check_shared(words, sm_version)?;
+
+    let mut const_banks = [None; 8];
+    for (i, slot) in const_banks.iter_mut().enumerate() {
+        let i = i as u32;
+        if get(words, v04::CONSTANT_BUFFER_VALID(i)) == 0 {
+            continue;
+        }
+        let va = (get(words, v04::CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(i))
+            | (get(words, v04::CONSTANT_BUFFER_ADDR_UPPER_SHIFTED6(i)) << 32))
+            << 6;
+        let size = get(words, v04::CONSTANT_BUFFER_SIZE_SHIFTED4(i)) * 16;
+        if size == 0 || size > 0x1_0000 {
+            return Err(QmdViolation::ConstantBank {
+                bank: i,
+                va,
+                size,
+                why: "size must be 16 bytes to 64 KiB",
+            });
+        }
+        *slot = Some((va, size));
+    }
+    match const_banks[0] {
+        None => return Err(QmdViolation::NoConstantBank0),
+        Some((va, size)) if size < DRIVER_BYTES as u64 => {
+            return Err(QmdViolation::ConstantBank {
+                bank: 0,
+                va,
+                size,
+                why: "smaller than the 0x210 bytes of driver words",
+            });
+        }
+        Some(_) => {}
+    }
+
+    let mut releases = Vec::new();
+    for i in 0..RELEASES {
+        if get(words, v04::RELEASE_ENABLE(i)) == 0 {
+            continue;
+        }
+        releases.push(check_release(words, i)?);
+    }
+    Ok(QmdDesc {
+        grid: grid.map(|g| g as u32),
+        block: block.map(|b| b as u32),
+        shared_bytes: shared as u32,
+        registers: registers as u32,
+        barriers: barriers as u32,
+        program_va: get(words, v04::PROGRAM_ADDRESS_LOWER)
+            | (get(words, v04::PROGRAM_ADDRESS_UPPER) << 32),
+        local_bytes_per_thread: get(words, v04::SHADER_LOCAL_MEMORY_HIGH_SIZE) as u32,
+        const_banks,
+        releases,
+    })
+}
+
+/// Shared memory size against the SM configuration fields: valid carveout encodings, min <= target <= max,
+/// and a block that fits the smallest carveout it allows.
+fn check_shared(words: &[u32], sm_version: u32) -> Result<u64, QmdViolation> {
+    let carveouts = shared_carveouts_kib(sm_version);
+    let max_kib = u64::from(carveouts.last().copied().unwrap_or(0));
+    let shared = get(words, v04::SHARED_MEMORY_SIZE);
+    if shared > max_kib * 1024 {
+        return Err(QmdViolation::SharedMemory {
+            bytes: shared,
+            max: max_kib * 1024,
+        });
+    }
+    let mut kib = [0u64; 3];
+    let fields = [
+        (
+            "MIN_SM_CONFIG_SHARED_MEM_SIZE",
+            v04::MIN_SM_CONFIG_SHARED_MEM_SIZE,
+        ),
+        (
+            "TARGET_SM_CONFIG_SHARED_MEM_SIZE",
+            v04::TARGET_SM_CONFIG_SHARED_MEM_SIZE,
+        ),
+        (
+            "MAX_SM_CONFIG_SHARED_MEM_SIZE",
+            v04::MAX_SM_CONFIG_SHARED_MEM_SIZE,
+        ),
+    ];
+    for (k, (field, f)) in kib.iter_mut().zip(fields) {
+        let value = get(words, f);
+        let found = carveouts
+            .iter()
+            .find(|&&c| u64::from(sm_config(c)) == value)
+            .ok_or(QmdViolation::SmConfig {
+                field,
+                value,
+                why: "not a carveout this SM has",
+            })?;
+        *k = u64::from(*found);
+    }
+    if !(kib[0] <= kib[1] && kib[1] <= kib[2]) {
+        return Err(QmdViolation::SmConfig {
+            field: "TARGET_SM_CONFIG_SHARED_MEM_SIZE",
+            value: get(words, v04::TARGET_SM_CONFIG_SHARED_MEM_SIZE),
+            why: "min <= target <= max does not hold",
+        });
+    }
+    if shared > kib[0] * 1024 {
+        return Err(QmdViolation::SmConfig {
+            field: "MIN_SM_CONFIG_SHARED_MEM_SIZE",
+            value: get(words, v04::MIN_SM_CONFIG_SHARED_MEM_SIZE),
+            why: "the carveout is smaller than the block's shared memory",
+        });
+    }
+    Ok(shared)
+}
+
+fn check_release(words: &[u32], i: u32) -> Result<ReleaseDesc, QmdViolation> {
+    let (addr_lo, addr_hi, pay_lo, pay_hi) = match i {
+        0 => (
+            v04::RELEASE_SEMAPHORE0_ADDR_LOWER,
+            v04::RELEASE_SEMAPHORE0_ADDR_UPPER,
+            v04::RELEASE_SEMAPHORE0_PAYLOAD_LOWER,
+            v04::RELEASE_SEMAPHORE0_PAYLOAD_UPPER,
+        ),
+        1 => (
+            v04::RELEASE_SEMAPHORE1_ADDR_LOWER,
+            v04::RELEASE_SEMAPHORE1_ADDR_UPPER,
+            v04::RELEASE_SEMAPHORE1_PAYLOAD_LOWER,
+            v04::RELEASE_SEMAPHORE1_PAYLOAD_UPPER,
+        ),
+        _ => (
+            v04::RELEASE_SEMAPHORE2_ADDR_LOWER,
+            v04::RELEASE_SEMAPHORE2_ADDR_UPPER,
+            v04::RELEASE_SEMAPHORE2_PAYLOAD_LOWER,
+            v04::RELEASE_SEMAPHORE2_PAYLOAD_UPPER,
+        ),
+    };
+    if get(words, v04::RELEASE_REDUCTION_ENABLE(i)) != 0 {
+        return Err(QmdViolation::Release {
+            index: i,
+            why: "reductions are not modelled",
+        });
+    }
+    let va = get(words, addr_lo) | (get(words, addr_hi) << 32);
+    let payload = get(words, pay_lo) | (get(words, pay_hi) << 32);
+    let payload64 = get(words, v04::RELEASE_PAYLOAD64B(i)) != 0;
+    let (kind, align) = match get(words, v04::RELEASE_STRUCTURE_SIZE(i)) as u32 {
+        v04::RELEASE_STRUCTURE_SIZE_SEMAPHORE_FOUR_WORDS => {
+            (ReleaseKind::FourWords { payload64 }, 16)
+        }
+        v04::RELEASE_STRUCTURE_SIZE_SEMAPHORE_ONE_WORD => (ReleaseKind::OneWord, 4),
+        v04::RELEASE_STRUCTURE_SIZE_SEMAPHORE_TWO_WORDS => (ReleaseKind::TwoWords, 8),
+        _ => {
+            return Err(QmdViolation::Release {
+                index: i,
+                why: "reserved RELEASE_STRUCTURE_SIZE",
+            });
+        }
+    };
+    if !va.is_multiple_of(align) {
+        return Err(QmdViolation::Release {
+            index: i,
+            why: "address not aligned to the structure size",
+        });
+    }
+    Ok(ReleaseDesc { va, payload, kind })
+}
+
+/// The compute engine state a launch depends on (set by methods before SEND_PCAS).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LaunchState {
+    pub shared_window: u64,
+    pub local_window: u64,
+    pub local_memory_va: u64,
+    pub local_bytes_per_tpc: u64,
+    pub local_max_sm_count: u32,
+    /// Threads one TPC holds (warps per SM × 32 × SMs per TPC): what local memory is sized for.
+    pub threads_per_tpc: u64,
+}
+
+/// Memory the environment check reads.
+pub trait GpuMemory {
+    fn contains(&self, va: u64, len: u64) -> bool;
+    fn read_words(&self, va: u64, n: usize) -> Option<Vec<u32>>;
+}
+
+/// Checks a QMD's pointers against live allocations and its cbank0 driver words against the channel state.
+pub fn check_environment(
+    d: &QmdDesc,
+    st: &LaunchState,
+    mem: &dyn GpuMemory,
+) -> Result<(), EnvFault> {
+    let fault = |what, va, len| EnvFault::Address { what, va, len };
+    if !mem.contains(d.program_va, 16) {
+        return Err(fault("program", d.program_va, 16));
+    }
+    for (bank, cb) in d.const_banks.iter().enumerate() {
+        if let Some((va, size)) = *cb
+            && !mem.contains(va, size)
+        {
+            return Err(if bank == 0 {
+                fault("constant bank 0", va, size)
+            } else {
+                fault("constant bank", va, size)
+            });
+        }
+    }
+    for r in &d.releases {
+        let len = match r.kind {
+            ReleaseKind::FourWords { .. } => 16,
+            ReleaseKind::OneWord => 4,
+            ReleaseKind::TwoWords => 8,
+        };
+        if !mem.contains(r.va, len) {
+            return Err(fault("release semaphore", r.va, len));
+        }
+    }
+    if st.shared_window == 0 || st.local_window == 0 {
+        return Err(EnvFault::Violation(QmdViolation::State(
+            "shared/local memory windows were never set (SET_SHADER_*_MEMORY_WINDOW)",
+        )));
+    }
+    let (cb0, _) = d.const_banks[0].ok_or(EnvFault::Violation(QmdViolation::NoConstantBank0))?;
+    let w = mem
+        .read_words(cb0, 11)
+        .ok_or_else(|| fault("constant bank 0", cb0, 44))?;
+    let w64 = |i: usize| u64::from(w[i]) | (u64::from(w[i + 1]) << 32);
+    let checks: [(u64, u64, u64, &'static str); 9] = [
+        (0x0, w[0].into(), d.block[0].into(), "blockDim.x"),
+        (0x4, w[1].into(), d.block[1].into(), "blockDim.y"),
+        (0x8, w[2].into(), d.block[2].into(), "blockDim.z"),
+        (0xc, w[3].into(), d.grid[0].into(), "gridDim.x"),
+        (0x10, w[4].into(), d.grid[1].into(), "gridDim.y"),
+        (0x14, w[5].into(), d.grid[2].into(), "gridDim.z"),
+        (0x18, w64(6), st.shared_window, "shared window"),
+        (0x20, w64(8), st.local_window, "local window"),
+        (0x28, w[10].into(), INITIAL_STACK.into(), "initial stack"),
+    ];
+    for (offset, found, expected, what) in checks {
+        if found != expected {
+            return Err(EnvFault::Violation(QmdViolation::Cbank0Word {
+                offset,
+                found,
+                expected,
+                what,
+            }));
+        }
+    }
+    if d.local_bytes_per_thread > 0 {
+        let local = |why: String| EnvFault::Violation(QmdViolation::LocalMemory(why));
+        if st.local_memory_va == 0 || st.local_bytes_per_tpc == 0 || st.local_max_sm_count == 0 {
+            return Err(local(format!(
+                "the QMD asks for {} bytes per thread but SET_SHADER_LOCAL_MEMORY_* was never sent",
+                d.local_bytes_per_thread
+            )));
+        }
+        let need = u64::from(d.local_bytes_per_thread) * st.threads_per_tpc;
+        if st.local_bytes_per_tpc < need {
+            return Err(local(format!(
+                "{} bytes per TPC, {} bytes per thread need {need}",
+                st.local_bytes_per_tpc, d.local_bytes_per_thread
+            )));
+        }
+        let len = st.local_bytes_per_tpc * u64::from(st.local_max_sm_count);
+        if !mem.contains(st.local_memory_va, len) {
+            return Err(fault("local memory", st.local_memory_va, len));
+        }
+    }
+    Ok(())
+}
+
+/// Why [`check_environment`] refused a launch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EnvFault {
+    /// An address outside every live allocation (an MMU fault on hardware).
+    Address {
+        what: &'static str,
+        va: u64,
+        len: u64,
+    },
+    Violation(QmdViolation),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::launch::cbank::write_driver_words;
+    use crate::launch::qmd::{ConstBuffer, QMD_WORDS, QmdParams, QmdVersion, build};
+
+    const CB: u64 = 0x10_0000;
+    const PROGRAM: u64 = 0x20_0000;
+    const SEM: u64 = 0x30_0000;
+
+    fn params() -> QmdParams {
+        let mut cbs = [None; 8];
+        cbs[0] = Some(ConstBuffer {
+            va: CB,
+            size: 0x300,
+        });
+        QmdParams {
+            sm_version: 90,
+            program_va: PROGRAM,
+            registers: 16,
+            barriers: 1,
+            grid: [2, 1, 1],
+            block: [32, 1, 1],
+            shared_bytes: 0x400,
+            local_bytes_per_thread: 0,
+            const_buffers: cbs,
+            release: Some((SEM, 6)),
+        }
+    }
+
+    fn qmd(p: &QmdParams, v: QmdVersion) -> [u32; QMD_WORDS] {
+        let mut q = [0u32; QMD_WORDS];
+        build(v, p, &mut q).unwrap();
+        q
+    }
+
+    #[test]
+    fn the_builders_qmd_passes() {
+        let d = check_fields(&qmd(&params(), QmdVersion::V04), 90).unwrap();
+        assert_eq!(
+            (d.grid, d.block, d.shared_bytes),
+            ([2, 1, 1], [32, 1, 1], 0x400)
+        );
+        assert_eq!(d.const_banks[0], Some((CB, 0x300)));
+        assert_eq!(
+            d.releases,
+            vec![ReleaseDesc {
+                va: SEM,
+                payload: 6,
+                kind: ReleaseKind::FourWords { payload64: true }
+            }]
+        );
+        assert_eq!(major_version(&qmd(&params(), QmdVersion::V03)), 3);
+    }
+
+    #[test]
+    fn field_violations_are_named() {
+        let mut q = qmd(&params(), QmdVersion::V04);
+        v04::GRID_WIDTH.set(&mut q, 0).unwrap();
+        assert!(matches!(
+            check_fields(&q, 90),
+            Err(QmdViolation::Grid { axis: "x", .. })
+        ));
+
+        let mut q = qmd(&params(), QmdVersion::V04);
+        v04::CTA_THREAD_DIMENSION2.set(&mut q, 65).unwrap();
+        assert!(matches!(
+            check_fields(&q, 90),
+            Err(QmdViolation::Block { axis: "z", .. })
+        ));
+
+        let mut p = params();
+        p.block = [32, 32, 2];
+        assert_eq!(
+            check_fields(&qmd(&p, QmdVersion::V04), 90),
+            Err(QmdViolation::Threads(2048))
+        );
+
+        let mut q = qmd(&params(), QmdVersion::V04);
+        v04::QMD_TYPE.set(&mut q, 1).unwrap();
+        assert_eq!(check_fields(&q, 90), Err(QmdViolation::Type(1)));
+
+        let mut q = qmd(&params(), QmdVersion::V04);
+        v04::SHARED_MEMORY_SIZE.set(&mut q, 229 * 1024).unwrap();
+        assert!(matches!(
+            check_fields(&q, 90),
+            Err(QmdViolation::SharedMemory { .. })
+        ));
+
+        // Shared memory larger than the minimum carveout the QMD allows.
+        let mut q = qmd(&params(), QmdVersion::V04);
+        v04::SHARED_MEMORY_SIZE.set(&mut q, 64 * 1024).unwrap();
+        assert!(matches!(
+            check_fields(&q, 90),
+            Err(QmdViolation::SmConfig { .. })
+        ));
+
+        let mut q = qmd(&params(), QmdVersion::V04);
+        v04::CONSTANT_BUFFER_VALID(0).set(&mut q, 0).unwrap();
+        assert_eq!(check_fields(&q, 90), Err(QmdViolation::NoConstantBank0));
+
+        let mut q = qmd(&params(), QmdVersion::V04);
+        v04::CONSTANT_BUFFER_SIZE_SHIFTED4(0)
+            .set(&mut q, 0x10)
+            .unwrap();
+        assert!(matches!(
+            check_fields(&q, 90),
+            Err(QmdViolation::ConstantBank { bank: 0, .. })
+        ));
+
+        let mut q = qmd(&params(), QmdVersion::V04);
+        v04::REGISTER_COUNT.set(&mut q, 0).unwrap();
+        assert!(matches!(
+            check_fields(&q, 90),
+            Err(QmdViolation::Registers { .. })
+        ));
+
+        let mut p = params();
+        p.release = Some((SEM + 8, 1));
+        assert!(matches!(
+            check_fields(&qmd(&p, QmdVersion::V04), 90),
+            Err(QmdViolation::Release { index: 0, .. })
+        ));
+        assert_eq!(
+            check_fields(&qmd(&params(), QmdVersion::V03), 90),
+            Err(QmdViolation::Version(3))
+        );
+        assert!(check_address(0x1_0000_0100).is_ok());
+        assert!(check_address(0x1_0000_0180).is_err());
+        assert!(check_address(1 << 40).is_err());
+    }
+
+    struct Fake {
+        ranges: Vec<(u64, u64)>,
+        cb0: Vec<u32>,
+    }
+
+    impl GpuMemory for Fake {
+        fn contains(&self, va: u64, len: u64) -> bool {
+            self.ranges
+                .iter()
+                .any(|&(b, s)| va >= b && va + len <= b + s)
+        }
+        fn read_words(&self, va: u64, n: usize) -> Option<Vec<u32>> {
+            (va == CB).then(|| self.cb0[..n].to_vec())
+        }
+    }
+
+    #[test]
+    fn environment_checks_addresses_and_cbank0() {
+        let d = check_fields(&qmd(&params(), QmdVersion::V04), 90).unwrap();
+        let st = LaunchState {
+            shared_window: 0x7000_0000_0000,
+            local_window: 0x7100_0000_0000,
+            ..LaunchState::default()
+        };
+        let mut cb0 = vec![0u32; 132];
+        write_driver_words(
+            &mut cb0,
+            [32, 1, 1],
+            [2, 1, 1],
+            st.shared_window,
+            st.local_window,
+        );
+        let mut mem = Fake {
+            ranges: vec![(CB, 0x1000), (PROGRAM, 0x1000), (SEM, 0x1000)],
+            cb0,
+        };
+        assert_eq!(check_environment(&d, &st, &mem), Ok(()));
+
+        mem.cb0[3] = 3;
+        assert!(matches!(
+            check_environment(&d, &st, &mem),
+            Err(EnvFault::Violation(QmdViolation::Cbank0Word {
+                offset: 0xc,
+                ..
+            }))
+        ));
+        mem.cb0[3] = 2;
+        mem.cb0[10] = 0;
+        assert!(matches!(
+            check_environment(&d, &st, &mem),
+            Err(EnvFault::Violation(QmdViolation::Cbank0Word {
+                offset: 0x28,
+                ..
+            }))
+        ));
+        mem.cb0[10] = INITIAL_STACK;
+        mem.ranges.remove(1);
+        assert!(matches!(
+            check_environment(&d, &st, &mem),
+            Err(EnvFault::Address {
+                what: "program",
+                ..
+            })
+        ));
+        mem.ranges.push((PROGRAM, 0x1000));
+
+        let mut p = params();
+        p.local_bytes_per_thread = 0x640;
+        let d = check_fields(&qmd(&p, QmdVersion::V04), 90).unwrap();
+        assert!(matches!(
+            check_environment(&d, &st, &mem),
+            Err(EnvFault::Violation(QmdViolation::LocalMemory(_)))
+        ));
+        let st = LaunchState {
+            local_memory_va: 0x100_0000,
+            local_bytes_per_tpc: 0x640 * 4096,
+            local_max_sm_count: 2,
+            threads_per_tpc: 4096,
+            ..st
+        };
+        mem.ranges.push((0x100_0000, 0x640 * 4096 * 2));
+        assert_eq!(check_environment(&d, &st, &mem), Ok(()));
+        let small = LaunchState {
+            local_bytes_per_tpc: 0x100 * 4096,
+            ..st
+        };
+        assert!(matches!(
+            check_environment(&d, &small, &mem),
+            Err(EnvFault::Violation(QmdViolation::LocalMemory(_)))
+        ));
+    }
+}

@@ -1,0 +1,218 @@
+//! The launch correctness tests against both backends, from the same test bodies (run with
+//! `--include-ignored` on an NVIDIA GPU with libcuda).
+
+use std::time::Duration;
+
+use apex::{Arg, Backend, BackendRequest, Gpu, LaunchConfig};
+
+const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
+const PTX: &[u8] = include_bytes!("../kernels/apex_test_kernels.ptx");
+const T: Duration = Duration::from_secs(20);
+
+fn gpu(b: Backend) -> Gpu {
+    let req = match b {
+        Backend::Direct => BackendRequest::Direct,
+        Backend::Driver => BackendRequest::Driver,
+    };
+    let g = Gpu::open_with(0, req).expect("open GPU");
+    assert_eq!(g.backend(), b, "{}", g.selection());
+    g
+}
+
+fn f32s(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn vector_add(b: Backend) {
+    let g = gpu(b);
+    let mut q = g.queue().unwrap();
+    let m = g.load_module(CUBIN).unwrap();
+    let k = m.kernel("vector_add").unwrap();
+    let n = 1usize << 20;
+    let a: Vec<f32> = (0..n).map(|i| (i as f32).sin() * 100.0).collect();
+    let c: Vec<f32> = (0..n).map(|i| (i as f32).cos() * 7.0).collect();
+    let (da, dc, dout) = (
+        g.alloc(n as u64 * 4).unwrap(),
+        g.alloc(n as u64 * 4).unwrap(),
+        g.alloc(n as u64 * 4).unwrap(),
+    );
+    q.upload(&g, &da, 0, &f32s(&a)).unwrap();
+    q.upload(&g, &dc, 0, &f32s(&c)).unwrap();
+    q.upload(&g, &dout, 0, &vec![0xffu8; n * 4]).unwrap();
+    // SAFETY: three live buffers of n floats.
+    let f = unsafe {
+        q.launch(
+            &k,
+            &LaunchConfig::linear((n / 256) as u32, 256),
+            &[da.arg(), dc.arg(), dout.arg(), Arg::U32(n as u32)],
+        )
+    }
+    .unwrap();
+    f.wait(T).unwrap();
+    let mut out = vec![0u8; n * 4];
+    q.download(&g, &dout, 0, &mut out).unwrap();
+    for (i, w) in out.chunks_exact(4).enumerate() {
+        assert_eq!(
+            f32::from_le_bytes(w.try_into().unwrap()),
+            a[i] + c[i],
+            "{b:?} element {i}"
+        );
+    }
+}
+
+fn chain(b: Backend) {
+    let g = gpu(b);
+    let mut q = g.queue().unwrap();
+    let k = g.load_module(CUBIN).unwrap().kernel("chain_step").unwrap();
+    let v = g.alloc(8).unwrap();
+    q.upload(&g, &v, 0, &5u64.to_le_bytes()).unwrap();
+    let mut expect = 5u64;
+    for i in 0..10_000u64 {
+        let (mul, add) = (i * 2 + 3, i ^ 0x5555);
+        expect = expect.wrapping_mul(mul).wrapping_add(add);
+        // SAFETY: an 8-byte buffer, all the kernel touches.
+        unsafe {
+            q.launch(
+                &k,
+                &LaunchConfig::linear(1, 1),
+                &[v.arg(), Arg::U64(mul), Arg::U64(add)],
+            )
+        }
+        .unwrap();
+    }
+    q.synchronize().unwrap();
+    let mut out = [0u8; 8];
+    q.download(&g, &v, 0, &mut out).unwrap();
+    assert_eq!(u64::from_le_bytes(out), expect, "{b:?}");
+}
+
+fn transfers(b: Backend) {
+    let g = gpu(b);
+    let mut q = g.queue().unwrap();
+    // Odd sizes and offsets, pageable and pinned, device to device.
+    for (size, off) in [
+        (1u64, 0u64),
+        (7, 3),
+        (4093, 1),
+        (1 << 20, 5),
+        ((33 << 20) + 17, 11),
+    ] {
+        let data: Vec<u8> = (0..size).map(|i| (i * 31 + size) as u8).collect();
+        let d1 = g.alloc(size + off + 64).unwrap();
+        let d2 = g.alloc(size + 2 * off + 64).unwrap();
+        q.upload(&g, &d1, off, &data).unwrap();
+        q.copy_device_to_device(&d1, off, &d2, 2 * off, size)
+            .unwrap();
+        let host = g.alloc_host(size + off).unwrap();
+        q.copy_device_to_host(&d2, 2 * off, &host, off, size)
+            .unwrap()
+            .wait(T)
+            .unwrap();
+        let mut back = vec![0u8; size as usize];
+        host.read(off, &mut back).unwrap();
+        assert!(
+            back == data,
+            "{b:?} {size} bytes at offset {off} via pinned memory"
+        );
+        let mut back2 = vec![0u8; size as usize];
+        q.download(&g, &d2, 2 * off, &mut back2).unwrap();
+        assert!(
+            back2 == data,
+            "{b:?} {size} bytes at offset {off} via pageable memory"
+        );
+        assert!(
+            q.copy_device_to_device(&d1, size + off, &d2, 0, 65)
+                .is_err(),
+            "out of range is refused"
+        );
+    }
+}
+
+fn bad_input(b: Backend) {
+    let g = gpu(b);
+    let mut q = g.queue().unwrap();
+    let k = g.load_module(CUBIN).unwrap().kernel("saxpy").unwrap();
+    let buf = g.alloc(64).unwrap();
+    let args = [Arg::F32(1.0), buf.arg(), buf.arg(), Arg::U32(1)];
+    for cfg in [
+        LaunchConfig {
+            grid: [0, 1, 1],
+            block: [1, 1, 1],
+            shared_bytes: 0,
+        },
+        LaunchConfig {
+            grid: [1, 1, 1],
+            block: [2048, 1, 1],
+            shared_bytes: 0,
+        },
+        LaunchConfig {
+            grid: [1, 1, 1],
+            block: [1, 1, 1],
+            shared_bytes: 1 << 20,
+        },
+    ] {
+        // SAFETY: refused before launch.
+        assert!(
+            unsafe { q.launch(&k, &cfg, &args) }.is_err(),
+            "{b:?} {cfg:?}"
+        );
+    }
+    // SAFETY: refused before launch.
+    assert!(unsafe { q.launch(&k, &LaunchConfig::linear(1, 1), &args[..2]) }.is_err());
+    // SAFETY: refused before launch.
+    assert!(
+        unsafe {
+            q.launch(
+                &k,
+                &LaunchConfig::linear(1, 1),
+                &[Arg::F64(1.0), buf.arg(), buf.arg(), Arg::U32(1)],
+            )
+        }
+        .is_err()
+    );
+    assert!(
+        g.load_module(CUBIN)
+            .unwrap()
+            .kernel("no_such_kernel")
+            .is_err()
+    );
+    assert!(g.load_module(b"\x7fELF garbage").is_err());
+    q.synchronize().unwrap();
+}
+
+macro_rules! both {
+    ($($name:ident),*) => {
+        mod direct { $( #[test] #[ignore = "needs an NVIDIA GPU"] fn $name() { super::$name(apex::Backend::Direct) } )* }
+        mod driver { $( #[test] #[ignore = "needs an NVIDIA GPU"] fn $name() { super::$name(apex::Backend::Driver) } )* }
+    };
+}
+both!(vector_add, chain, transfers, bad_input);
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn ptx_loads_on_the_driver_backend() {
+    let g = gpu(Backend::Driver);
+    let k = g.load_module(PTX).unwrap().kernel("saxpy").unwrap();
+    assert!(k.info().is_none(), "PTX has no cubin attributes");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn apex_backend_forcing() {
+    // SAFETY of env mutation: this test binary runs its tests on one thread (--test-threads=1 on the device).
+    unsafe { std::env::set_var("APEX_BACKEND", "driver") };
+    let g = Gpu::open(0).unwrap();
+    assert_eq!(g.backend(), Backend::Driver);
+    assert!(g.selection().to_string().contains("requested"));
+    unsafe { std::env::set_var("APEX_BACKEND", "direct") };
+    assert_eq!(Gpu::open(0).unwrap().backend(), Backend::Direct);
+    unsafe { std::env::set_var("APEX_BACKEND", "auto") };
+    assert_eq!(
+        Gpu::open(0).unwrap().backend(),
+        Backend::Direct,
+        "auto picks the direct path on an H200"
+    );
+    unsafe { std::env::set_var("APEX_BACKEND", "bogus") };
+    assert!(Gpu::open(0).is_err());
+    unsafe { std::env::remove_var("APEX_BACKEND") };
+}

@@ -1,0 +1,281 @@
+//! apex-trace preloaded into real CUDA programs (needs an NVIDIA GPU, nvcc in PATH).
+//!
+//! On the GPU machine `libapex_trace.so` must sit next to this test binary (or one directory up):
+//! copy `target/release/libapex_trace.so` into the same folder as the `gpu_trace-*` binary.
+//! Run: `./gpu_trace-<hash> --include-ignored --nocapture --test-threads=1`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use apex_trace::record::Record;
+
+/// `libapex_trace.so` next to this test binary or one level up.
+fn cdylib() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let dir = exe.parent().expect("test binary has a directory");
+    [
+        dir.join("libapex_trace.so"),
+        dir.join("../libapex_trace.so"),
+    ]
+    .into_iter()
+    .find(|p| p.exists())
+    .unwrap_or_else(|| {
+        panic!(
+            "copy libapex_trace.so next to {} (or one directory up)",
+            exe.display()
+        )
+    })
+}
+
+const PROGRAM: &str = r#"
+#include <cstdio>
+#include <cstdint>
+#include <cuda_runtime.h>
+extern "C" __global__ void k_add(float *a, int n) { int i = blockIdx.x * blockDim.x * blockDim.y + threadIdx.y * blockDim.x + threadIdx.x + blockIdx.y * 7; if (i < n) a[i] += 1.0f; }
+extern "C" __global__ void k_scale(float *a, int n) { int i = (blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x * blockDim.y + threadIdx.y * blockDim.x + threadIdx.x; if (i < n) a[i] *= 0.5f; }
+extern "C" __global__ void k_fill(float *a, int n) { __shared__ float s[64]; int i = blockIdx.x * blockDim.x + threadIdx.x; s[threadIdx.x % 64] = (float)blockIdx.y; __syncthreads(); if (i < n) a[i] = a[i] * 0.25f + s[threadIdx.x % 64]; }
+int main() {
+  const int n = 1 << 16; float *d; cudaMalloc(&d, n * sizeof(float)); cudaMemset(d, 0, n * sizeof(float));
+  for (int i = 0; i < 1000; i++) {
+    dim3 grid(1 + i % 7, 1 + i % 3, 1), block(32 * (1 + i % 4), 1 + i % 2, 1);
+    switch (i % 3) { case 0: k_add<<<grid, block>>>(d, n); break; case 1: k_scale<<<grid, block>>>(d, n); break; default: k_fill<<<grid, block>>>(d, n); }
+  }
+  float h[n]; cudaMemcpy(h, d, sizeof h, cudaMemcpyDeviceToHost);
+  double sum = 0; for (int i = 0; i < n; i++) sum += h[i] * (1 + i % 13);
+  printf("checksum %.6f\n", sum); printf("error %s\n", cudaGetErrorString(cudaGetLastError()));
+  return 0;
+}
+"#;
+
+/// (kernel, grid, block) → launches, as PROGRAM makes them.
+fn expected() -> BTreeMap<(String, [u32; 3], [u32; 3]), u64> {
+    let mut m = BTreeMap::new();
+    for i in 0..1000u32 {
+        let name = ["k_add", "k_scale", "k_fill"][(i % 3) as usize].to_string();
+        let key = (
+            name,
+            [1 + i % 7, 1 + i % 3, 1],
+            [32 * (1 + i % 4), 1 + i % 2, 1],
+        );
+        *m.entry(key).or_default() += 1;
+    }
+    m
+}
+
+fn read_trace(path: &Path) -> Vec<Record> {
+    let text = std::fs::read_to_string(path).expect("trace file written");
+    text.lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad record {e}: {l}")))
+        .collect()
+}
+
+/// Runs `cmd` with and without the tracer; returns (plain stdout, traced stdout, traced stderr,
+/// plain seconds, traced seconds).
+fn both(mut make: impl FnMut() -> Command, trace: &Path) -> (String, String, String, f64, f64) {
+    let t = Instant::now();
+    let plain = make().output().expect("program runs");
+    let plain_s = t.elapsed().as_secs_f64();
+    assert!(plain.status.success(), "{plain:?}");
+    let t = Instant::now();
+    let traced = make()
+        .env("LD_PRELOAD", cdylib())
+        .env("APEX_TRACE_FILE", trace)
+        .output()
+        .expect("program runs");
+    let traced_s = t.elapsed().as_secs_f64();
+    assert!(traced.status.success(), "{traced:?}");
+    let s = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (
+        s(&plain.stdout),
+        s(&traced.stdout),
+        s(&traced.stderr),
+        plain_s,
+        traced_s,
+    )
+}
+
+fn summarize(records: &[Record]) {
+    let mut kinds = BTreeMap::<&str, usize>::new();
+    for r in records {
+        let k = match r {
+            Record::Ioctl(_) => "ioctl",
+            Record::Channel(_) => "channel",
+            Record::Submission(_) => "submission",
+            Record::Launch(_) => "launch",
+            Record::DriverLaunch(_) => "driver_launch",
+            Record::Summary(_) => "summary",
+        };
+        *kinds.entry(k).or_default() += 1;
+    }
+    println!("records by type: {kinds:?}");
+    for r in records {
+        if let Record::Channel(c) = r {
+            println!("channel {c:?}");
+        }
+    }
+    if let Some(Record::Summary(s)) = records.last() {
+        print!("{}", apex_trace::tracer::render(s));
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn cuda_program_launches_are_all_found() {
+    let dir = std::env::temp_dir().join(format!("apex-trace-gpu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("prog.cu");
+    std::fs::write(&src, PROGRAM).unwrap();
+    let bin = dir.join("prog");
+    let nvcc = Command::new("nvcc")
+        .args(["-O2", "-arch=sm_90", "-o"])
+        .arg(&bin)
+        .arg(&src)
+        .output();
+    let Ok(nvcc) = nvcc else {
+        println!("SKIPPED: nvcc not found in PATH");
+        return;
+    };
+    assert!(
+        nvcc.status.success(),
+        "nvcc failed: {}",
+        String::from_utf8_lossy(&nvcc.stderr)
+    );
+    let trace = dir.join("trace.jsonl");
+    let (plain, traced, stderr, plain_s, traced_s) = both(|| Command::new(&bin), &trace);
+    println!("plain: {plain}traced: {traced}tracer stderr:\n{stderr}");
+    println!(
+        "overhead: {plain_s:.3} s without, {traced_s:.3} s with the tracer ({:+.1}%)",
+        (traced_s / plain_s - 1.0) * 100.0
+    );
+    assert_eq!(
+        plain, traced,
+        "the program's output changed under the tracer"
+    );
+    assert!(plain.contains("error no error"), "{plain}");
+    let records = read_trace(&trace);
+    summarize(&records);
+    let want = expected();
+    // From QMDs: every (grid, block) at least as often as the program launched it (CUDA's own
+    // kernels, e.g. cudaMemset, may add more).
+    let mut qmd = BTreeMap::<([u32; 3], [u32; 3]), u64>::new();
+    let mut undecoded = 0;
+    for r in &records {
+        match r {
+            Record::Launch(l) if l.kernel => *qmd.entry((l.grid, l.block)).or_default() += 1,
+            Record::Submission(s) if s.undecoded.is_some() => {
+                undecoded += 1;
+                if undecoded <= 5 {
+                    println!(
+                        "undecoded submission: {:?}",
+                        s.undecoded.as_ref().unwrap().reason
+                    );
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut want_shapes = BTreeMap::<([u32; 3], [u32; 3]), u64>::new();
+    for ((_, g, b), n) in &want {
+        *want_shapes.entry((*g, *b)).or_default() += n;
+    }
+    let mut missing = Vec::new();
+    for (shape, n) in &want_shapes {
+        let got = qmd.get(shape).copied().unwrap_or(0);
+        if got < *n {
+            missing.push(format!("QMD {shape:?}: want {n}, found {got}"));
+        }
+    }
+    // From cuLaunchKernel records: exact counts per name and shape.
+    let mut drv = BTreeMap::<(String, [u32; 3], [u32; 3]), u64>::new();
+    for r in &records {
+        if let Record::DriverLaunch(d) = r
+            && let Some(name) = &d.name
+            && name.starts_with("k_")
+        {
+            *drv.entry((name.clone(), d.grid, d.block)).or_default() += 1;
+        }
+    }
+    let drv_total: u64 = drv.values().sum();
+    println!(
+        "QMD kernel launches: {}, driver launches of k_*: {drv_total}, undecoded submissions: {undecoded}",
+        qmd.values().sum::<u64>()
+    );
+    if drv != want {
+        missing.push(format!(
+            "driver launches differ: {} of 1000 recorded; first differences: {:?}",
+            drv_total,
+            want.iter()
+                .filter(|(k, v)| drv.get(*k) != Some(v))
+                .take(5)
+                .collect::<Vec<_>>()
+        ));
+    }
+    for m in &missing {
+        println!("MISSING {m}");
+    }
+    assert!(missing.is_empty(), "{} problems", missing.len());
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn pytorch_script_runs_unchanged() {
+    let probe = Command::new("python3")
+        .args(["-c", "import torch; assert torch.cuda.is_available()"])
+        .output();
+    if !probe.is_ok_and(|o| o.status.success()) {
+        println!("SKIPPED: `python3 -c 'import torch'` failed (or no CUDA in torch)");
+        return;
+    }
+    let script = r#"
+import torch
+torch.manual_seed(0)
+x = torch.randn(1024, 1024, device="cuda")
+acc = torch.zeros(1024, 1024, device="cuda")
+for i in range(200):
+    acc = acc + torch.relu(x * (1.0 + i / 100.0) - 0.5)
+torch.cuda.synchronize()
+print("checksum %.4f" % float(acc.double().sum()))
+"#;
+    let dir = std::env::temp_dir().join(format!("apex-trace-torch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("trace.jsonl");
+    let (plain, traced, stderr, plain_s, traced_s) = both(
+        || {
+            let mut c = Command::new("python3");
+            c.args(["-c", script]);
+            c
+        },
+        &trace,
+    );
+    println!(
+        "plain: {plain}traced: {traced}tracer stderr (tail):\n{}",
+        tail(&stderr, 40)
+    );
+    println!(
+        "overhead: {plain_s:.3} s without, {traced_s:.3} s with the tracer ({:+.1}%)",
+        (traced_s / plain_s - 1.0) * 100.0
+    );
+    assert_eq!(plain, traced);
+    let records = read_trace(&trace);
+    summarize(&records);
+    let qmd = records
+        .iter()
+        .filter(|r| matches!(r, Record::Launch(l) if l.kernel))
+        .count();
+    let drv = records
+        .iter()
+        .filter(|r| matches!(r, Record::DriverLaunch(_)))
+        .count();
+    println!("PyTorch: {qmd} QMD kernel launches, {drv} driver launches");
+    assert!(
+        qmd >= 400,
+        "expected at least 400 kernel launches in QMDs, found {qmd}"
+    );
+}
+
+fn tail(s: &str, n: usize) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
