@@ -1,24 +1,109 @@
-//! A kernel that faults must not hang the caller: the wait ends with an error.
+//! GPU faults (run with `--include-ignored` on an NVIDIA GPU): a kernel that writes to an unmapped address,
+//! one that traps, one that never ends. The waiting call returns a typed error, the queue is rebuilt, and the
+//! next launch in the same process gives a correct result.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use apex::launch::{Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig, Module};
-use apex::rm::GpuCore;
+use apex::rm::{GpuCore, Memory, MemoryDesc};
+
+const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
+
+fn check_recovery(gpu: &Arc<GpuCore>, m: &Arc<Module>) {
+    let mut q =
+        ComputeQueue::new(gpu, ComputeQueueConfig::default()).expect("a new queue after the fault");
+    let k = m.kernel("chain_step").unwrap();
+    let v = Memory::alloc(gpu, MemoryDesc::video(8).with_cpu()).unwrap();
+    v.write(0, &10u64.to_le_bytes()).unwrap();
+    // SAFETY: `v` is the 8 bytes the kernel touches.
+    let f = unsafe {
+        q.launch(
+            &k,
+            &LaunchConfig::linear(1, 1),
+            &[Arg::Ptr(v.va()), Arg::U64(3), Arg::U64(4)],
+        )
+    }
+    .unwrap();
+    f.wait(Duration::from_secs(5)).unwrap();
+    let mut b = [0u8; 8];
+    v.read(0, &mut b).unwrap();
+    assert_eq!(
+        u64::from_le_bytes(b),
+        34,
+        "the launch after recovery computes the right value"
+    );
+}
+
+fn setup() -> (Arc<GpuCore>, Arc<Module>) {
+    let gpu = GpuCore::open(0).unwrap();
+    let m = Module::load(&gpu, CUBIN).unwrap();
+    (gpu, m)
+}
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
-fn faulting_kernel_ends_the_wait_with_an_error() {
-    let gpu = GpuCore::open(0).unwrap();
+fn unmapped_store_is_reported_and_recovered() {
+    let (gpu, m) = setup();
     let mut q = ComputeQueue::new(&gpu, ComputeQueueConfig::default()).unwrap();
-    let m = Module::load(
-        &gpu,
-        include_bytes!("../kernels/apex_test_kernels.sm_90.cubin"),
-    )
-    .unwrap();
     let k = m.kernel("fault_store").unwrap();
     let t = Instant::now();
     // SAFETY: the kernel writes to an unmapped address on purpose; only our channel is affected.
     let f = unsafe { q.launch(&k, &LaunchConfig::linear(1, 1), &[Arg::Ptr(0xdead_0000)]) }.unwrap();
     let e = f.wait(Duration::from_secs(5)).unwrap_err();
-    eprintln!("fault reported after {:?}: {e}", t.elapsed());
+    let took = t.elapsed();
+    eprintln!("unmapped store: reported after {took:?}: {e}");
+    assert!(e.to_string().contains("error code 31"), "{e}");
+    drop(q);
+    check_recovery(&gpu, &m);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn trap_is_reported_and_recovered() {
+    let (gpu, m) = setup();
+    let mut q = ComputeQueue::new(&gpu, ComputeQueueConfig::default()).unwrap();
+    let k = m.kernel("trap").unwrap();
+    let t = Instant::now();
+    // SAFETY: the kernel only traps.
+    let f = unsafe { q.launch(&k, &LaunchConfig::linear(1, 32), &[]) }.unwrap();
+    let e = f.wait(Duration::from_secs(5)).unwrap_err();
+    eprintln!("trap: reported after {:?}: {e}", t.elapsed());
+    assert!(
+        matches!(
+            e,
+            apex::pushbuf::Error::Channel(apex::gpfifo::Error::Fault(_))
+        ),
+        "{e}"
+    );
+    drop(q);
+    check_recovery(&gpu, &m);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn endless_kernel_times_out_and_the_channel_is_torn_down() {
+    let (gpu, m) = setup();
+    let mut q = ComputeQueue::new(&gpu, ComputeQueueConfig::default()).unwrap();
+    let k = m.kernel("spin").unwrap();
+    let stop = Memory::alloc(&gpu, MemoryDesc::video(4).with_cpu()).unwrap();
+    stop.write(0, &[0; 4]).unwrap();
+    // SAFETY: the kernel only reads `stop`.
+    let f =
+        unsafe { q.launch(&k, &LaunchConfig::linear(132, 128), &[Arg::Ptr(stop.va())]) }.unwrap();
+    let t = Instant::now();
+    let e = f.wait(Duration::from_millis(500)).unwrap_err();
+    eprintln!("endless kernel: wait ended after {:?}: {e}", t.elapsed());
+    assert!(
+        matches!(
+            e,
+            apex::pushbuf::Error::Channel(apex::gpfifo::Error::Timeout { .. })
+        ),
+        "{e}"
+    );
+    let t = Instant::now();
+    drop(q); // frees the channel: RM preempts the grid and tears the channel down
+    eprintln!("channel torn down in {:?}", t.elapsed());
+    drop(stop);
+    check_recovery(&gpu, &m);
 }

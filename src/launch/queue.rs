@@ -164,7 +164,7 @@ impl ComputeQueue {
         )?;
         // The constant banks' driver words are zero except the ones each launch writes, so zero them once.
         slots.fill(0, slots.size(), 0)?;
-        let windows_va = gpu.low_region().alloc(WINDOWS_BYTES, WINDOW_ALIGN)?;
+        let windows_va = gpu.window_range(WINDOWS_BYTES, WINDOW_ALIGN)?;
         let mut cq = ComputeQueue {
             queue,
             gpu: gpu.clone(),
@@ -383,6 +383,11 @@ impl ComputeQueue {
         let slot = self.next_slot;
         let busy_until = self.slot_values[slot];
         if !self.queue.timeline().is_reached(busy_until) {
+            if self.unordered_pending {
+                // Unordered launches release nothing themselves: a join makes their slots free again.
+                self.queue.record(0, Signal::Host, |_, _| {})?;
+                self.unordered_pending = false;
+            }
             // The launch that holds the slot may only be recorded so far: send it before waiting.
             self.queue.kick();
             self.queue.fence_for(busy_until).wait(self.timeout)?;
@@ -399,9 +404,13 @@ impl ComputeQueue {
         });
         for bank in k.const_banks.iter().filter(|b| b.bank != 0 && b.bank < 8) {
             if let Some(off) = bank.image_offset {
+                let size = u32::try_from(bank.size).map_err(|_| Error::InvalidLaunch {
+                    kernel: k.name.clone(),
+                    why: format!("constant bank {} of {} bytes", bank.bank, bank.size),
+                })?;
                 cbs[bank.bank as usize] = Some(ConstBuffer {
                     va: kernel.module().base_va() + off,
-                    size: bank.size as u32,
+                    size,
                 });
             }
         }
@@ -493,7 +502,6 @@ impl Drop for ComputeQueue {
         // Let in-flight launches finish before their memory goes (a short wait: a hung queue is torn down
         // with its channel anyway).
         let _ = self.queue.wait_idle(Duration::from_secs(2));
-        self.gpu.low_region().free(self.windows_va, WINDOWS_BYTES);
     }
 }
 

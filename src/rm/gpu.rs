@@ -64,6 +64,9 @@ pub struct GpuCore {
     pub(crate) low: VaRegion,
     pub(crate) high: VaRegion,
     pub(super) usermode: Option<(CpuMapping, Object)>,
+    /// An empty address range shared by every queue of this GPU for its shader windows (see
+    /// [`GpuCore::window_range`]).
+    pub(crate) windows: std::sync::OnceLock<u64>,
 }
 
 impl GpuCore {
@@ -195,6 +198,7 @@ impl GpuCore {
             low,
             high,
             usermode: None,
+            windows: std::sync::OnceLock::new(),
         };
         let usermode_class = core.pick_class("usermode", USERMODE_CLASSES)?;
         let usermode = Object::alloc::<()>(
@@ -260,6 +264,27 @@ impl GpuCore {
     /// The region below 1 TiB for what the front end addresses with 40 bits.
     pub fn low_region(&self) -> &VaRegion {
         &self.low
+    }
+
+    /// A range of `size` bytes aligned to `align` in the low region that nothing is ever mapped into, reserved
+    /// once per GPU (the first caller's size and alignment hold) and kept until the GPU is closed. Compute
+    /// queues put their shared- and local-memory windows there.
+    pub fn window_range(&self, size: u64, align: u64) -> Result<u64> {
+        if let Some(&va) = self.windows.get() {
+            return Ok(va);
+        }
+        let va = self.low.alloc(size, align)?;
+        match self.windows.set(va) {
+            Ok(()) => Ok(va),
+            Err(_) => {
+                // Another thread won the race; give ours back.
+                self.low.free(va, size);
+                self.windows
+                    .get()
+                    .copied()
+                    .ok_or(Error::OutOfVa { size, align })
+            }
+        }
     }
 
     pub fn high_region(&self) -> &VaRegion {

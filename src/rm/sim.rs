@@ -566,6 +566,7 @@ impl GpuCore {
             high,
             // The doorbell page belongs to the simulated RM (see `usermode_ptr`).
             usermode: None,
+            windows: std::sync::OnceLock::new(),
         };
         core.pick_class("usermode", USERMODE_CLASSES)?;
         info!(gpu = %core.info.name, sms = core.info.sm_count, "opened simulated GPU");

@@ -33,9 +33,16 @@ const PROGRAM: &str = r#"
 #include <cstdio>
 #include <cstdint>
 #include <cuda_runtime.h>
-extern "C" __global__ void k_add(float *a, int n) { int i = blockIdx.x * blockDim.x * blockDim.y + threadIdx.y * blockDim.x + threadIdx.x + blockIdx.y * 7; if (i < n) a[i] += 1.0f; }
-extern "C" __global__ void k_scale(float *a, int n) { int i = (blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x * blockDim.y + threadIdx.y * blockDim.x + threadIdx.x; if (i < n) a[i] *= 0.5f; }
-extern "C" __global__ void k_fill(float *a, int n) { __shared__ float s[64]; int i = blockIdx.x * blockDim.x + threadIdx.x; s[threadIdx.x % 64] = (float)blockIdx.y; __syncthreads(); if (i < n) a[i] = a[i] * 0.25f + s[threadIdx.x % 64]; }
+// Every thread owns one element (no two threads of a launch touch the same one), so the result is deterministic
+// and any difference under the tracer is the tracer's doing.
+__device__ int gid() {
+  int block = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  int thread = (threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x;
+  return block * (blockDim.x * blockDim.y * blockDim.z) + thread;
+}
+extern "C" __global__ void k_add(float *a, int n) { int i = gid(); if (i < n) a[i] += 1.0f; }
+extern "C" __global__ void k_scale(float *a, int n) { int i = gid(); if (i < n) a[i] *= 0.5f; }
+extern "C" __global__ void k_fill(float *a, int n) { __shared__ float s[64]; int i = gid(); s[threadIdx.x % 64] = (float)blockIdx.y; __syncthreads(); if (i < n) a[i] = a[i] * 0.25f + s[threadIdx.x % 64]; }
 int main() {
   const int n = 1 << 16; float *d; cudaMalloc(&d, n * sizeof(float)); cudaMemset(d, 0, n * sizeof(float));
   for (int i = 0; i < 1000; i++) {

@@ -1,0 +1,31 @@
+//! `fatbin::entries` on arbitrary bytes (a fatbin, or a host ELF with a `.nv_fatbin` section), every entry's
+//! payload (LZ4 decompression included), `select_cubin` for several SMs, and `Cubin::parse` on what it selects.
+#![no_main]
+
+use apex::launch::cubin::Cubin;
+use apex::launch::fatbin;
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let _ = fatbin::is_fatbin(data);
+    if let Ok(entries) = fatbin::entries(data) {
+        for e in &entries {
+            let _ = e.to_string();
+            if let Ok(payload) = fatbin::payload(data, e) {
+                if e.compression.is_none() {
+                    assert_eq!(payload.len(), e.payload_size);
+                }
+            }
+        }
+    }
+    for sm in [80, 90, 100] {
+        match fatbin::select_cubin(data, sm) {
+            Ok(cubin) => {
+                let _ = Cubin::parse(&cubin);
+            }
+            Err(e) => {
+                let _ = e.to_string();
+            }
+        }
+    }
+});

@@ -1,0 +1,121 @@
+//! Long runs and threads (run with `--include-ignored` on an NVIDIA GPU).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use apex::launch::{Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig, Module};
+use apex::rm::{GpuCore, Memory, MemoryDesc};
+
+const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
+
+fn fds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+fn maps() -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .map(|m| m.lines().count())
+        .unwrap_or(0)
+}
+
+fn chain(q: &mut ComputeQueue, m: &Arc<Module>, v: &Memory, n: u64, seed: u64) -> u64 {
+    let k = m.kernel("chain_step").unwrap();
+    v.write(0, &seed.to_le_bytes()).unwrap();
+    let mut expect = seed;
+    let mut last = None;
+    for i in 0..n {
+        let (mul, add) = (i.wrapping_mul(0x9e37_79b9) | 1, i ^ seed);
+        expect = expect.wrapping_mul(mul).wrapping_add(add);
+        // SAFETY: `v` is the 8 bytes the kernel touches.
+        last = Some(
+            unsafe {
+                q.launch(
+                    &k,
+                    &LaunchConfig::linear(1, 1),
+                    &[Arg::Ptr(v.va()), Arg::U64(mul), Arg::U64(add)],
+                )
+            }
+            .unwrap(),
+        );
+    }
+    last.unwrap().wait(Duration::from_secs(30)).unwrap();
+    let mut b = [0u8; 8];
+    v.read(0, &mut b).unwrap();
+    assert_eq!(u64::from_le_bytes(b), expect);
+    expect
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_million_launches_build_a_checked_chain() {
+    let gpu = GpuCore::open(0).unwrap();
+    let mut q = ComputeQueue::new(&gpu, ComputeQueueConfig::default()).unwrap();
+    let m = Module::load(&gpu, CUBIN).unwrap();
+    let v = Memory::alloc(&gpu, MemoryDesc::video(8).with_cpu()).unwrap();
+    let t = Instant::now();
+    chain(&mut q, &m, &v, 1_000_000, 0x1234_5678);
+    let wraps = q.queue().last_submitted() / u64::from(q.queue().channel().ring_state().entries());
+    eprintln!(
+        "10^6 dependent launches in {:?}, {wraps} ring wraps",
+        t.elapsed()
+    );
+    assert!(wraps > 100);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gpu_queue_module_cycles_return_to_baseline() {
+    let cycles: usize = std::env::var("APEX_CYCLES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
+    drop(GpuCore::open(0).unwrap());
+    let (f0, m0) = (fds(), maps());
+    let t = Instant::now();
+    for i in 0..cycles {
+        let gpu = GpuCore::open(0).unwrap();
+        let mut q = ComputeQueue::new(&gpu, ComputeQueueConfig::default()).unwrap();
+        let m = Module::load(&gpu, CUBIN).unwrap();
+        let v = Memory::alloc(&gpu, MemoryDesc::video(8).with_cpu()).unwrap();
+        chain(&mut q, &m, &v, 3, i as u64);
+    }
+    eprintln!(
+        "{cycles} GPU+queue+module cycles in {:?}; fds {f0} -> {}, mappings {m0} -> {}",
+        t.elapsed(),
+        fds(),
+        maps()
+    );
+    assert_eq!((fds(), maps()), (f0, m0));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn eight_threads_each_with_its_own_queue() {
+    let secs: u64 = std::env::var("APEX_THREAD_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10);
+    let gpu = GpuCore::open(0).unwrap();
+    let m = Module::load(&gpu, CUBIN).unwrap();
+    let handles: Vec<_> = (0..8u64)
+        .map(|t| {
+            let (gpu, m) = (gpu.clone(), m.clone());
+            std::thread::spawn(move || {
+                let mut q = ComputeQueue::new(&gpu, ComputeQueueConfig::default()).unwrap();
+                let v = Memory::alloc(&gpu, MemoryDesc::video(8).with_cpu()).unwrap();
+                let end = Instant::now() + Duration::from_secs(secs);
+                let mut rounds = 0u64;
+                while Instant::now() < end {
+                    chain(&mut q, &m, &v, 1000, t * 1_000_003 + rounds);
+                    rounds += 1;
+                }
+                rounds * 1000
+            })
+        })
+        .collect();
+    let total: u64 = handles.into_iter().map(|h| h.join().unwrap()).sum();
+    eprintln!("8 threads, {secs} s: {total} checked launches");
+    assert!(total > 0);
+}
