@@ -103,6 +103,28 @@ fn benches(c: &mut Criterion) {
             total
         })
     });
+    // The same launches recorded without ringing the doorbell (one doorbell per 256, outside the timed part):
+    // what building and writing a launch costs, apart from the store fence and the doorbell write.
+    g.bench_function("apex_direct_record_only", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            let mut left = iters;
+            while left > 0 {
+                let n = left.min(256);
+                let t = Instant::now();
+                let mut last = None;
+                for _ in 0..n {
+                    // SAFETY: the empty kernel touches no memory.
+                    last = Some(unsafe { p.q.record_launch(&p.k, &ONE, &[]) }.expect("record"));
+                }
+                total += t.elapsed();
+                p.q.flush();
+                last.expect("launched").wait(T).expect("drain");
+                left -= n;
+            }
+            total
+        })
+    });
     g.bench_function("cuLaunchKernel", |b| {
         b.iter_custom(|iters| {
             let mut total = Duration::ZERO;

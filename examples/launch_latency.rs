@@ -251,7 +251,7 @@ fn plot(series: &[Series], path: &std::path::Path) -> Result<(), Box<dyn std::er
     let root = SVGBackend::new(path, (1200, 1200)).into_drawing_area();
     root.fill(&WHITE)?;
     let panels = root.split_evenly((measures.len(), 1));
-    let colors = [RED, BLUE, GREEN, MAGENTA];
+    let colors = [RED, BLUE, GREEN, MAGENTA, CYAN];
     for (panel, m) in panels.iter().zip(measures) {
         let group: Vec<&Series> = series.iter().filter(|s| s.measure == m).collect();
         let max = group.iter().map(|s| stats(&s.ns).2).fold(0.0, f64::max) * 1.2;

@@ -126,6 +126,8 @@ pub struct Channel {
     doorbell: NonNull<u32>,
     token: u32,
     state: RingState,
+    /// Doorbells rung so far: lets layers above tell whether recorded work may already be visible to the GPU.
+    kicks: u64,
     classes: ChannelClasses,
     core: Arc<GpuCore>,
 }
@@ -310,6 +312,7 @@ impl Channel {
             doorbell,
             token: tok.workSubmitToken,
             state,
+            kicks: 0,
             classes,
             core: core.clone(),
         })
@@ -414,6 +417,7 @@ impl Channel {
     /// Publishes every pushed entry: GPPut to USERD, store fence, the token to the doorbell.
     #[inline]
     pub fn kick(&mut self) {
+        self.kicks = self.kicks.wrapping_add(1);
         let put = self.state.put();
         // SAFETY: GPPut lies inside USERD, mapped for the channel's lifetime.
         unsafe {
@@ -423,6 +427,11 @@ impl Channel {
         store_fence();
         // SAFETY: the doorbell word lies inside the usermode page, which the GpuCore we hold keeps mapped.
         unsafe { self.doorbell.as_ptr().write_volatile(self.token) };
+    }
+
+    /// Doorbells rung so far (by [`kick`](Self::kick), also when [`push`](Self::push) waits on a full ring).
+    pub fn kicks(&self) -> u64 {
+        self.kicks
     }
 
     /// `push` then `kick`.

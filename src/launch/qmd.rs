@@ -358,6 +358,35 @@ pub fn build(
     Ok(())
 }
 
+/// Points the per-launch fields of a QMD built by [`build`] at another launch: constant bank 0's address
+/// and the release payload (the rest of a template stays as built). V04 only; other layouts are rebuilt.
+pub fn patch_launch(
+    version: QmdVersion,
+    words: &mut [u32; QMD_WORDS],
+    cb0_va: u64,
+    payload: Option<u64>,
+) -> Result<bool, QmdError> {
+    if version != QmdVersion::V04 {
+        return Ok(false);
+    }
+    let w = &mut Writer { words };
+    set!(
+        w,
+        v04::CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(0),
+        (cb0_va >> 6) & 0xffff_ffff
+    );
+    set!(w, v04::CONSTANT_BUFFER_ADDR_UPPER_SHIFTED6(0), cb0_va >> 38);
+    if let Some(payload) = payload {
+        set!(
+            w,
+            v04::RELEASE_SEMAPHORE0_PAYLOAD_LOWER,
+            payload & 0xffff_ffff
+        );
+        set!(w, v04::RELEASE_SEMAPHORE0_PAYLOAD_UPPER, payload >> 32);
+    }
+    Ok(true)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -413,6 +442,27 @@ mod tests {
         let mut q = [0u32; QMD_WORDS];
         let e = build(QmdVersion::V04, &p, &mut q).unwrap_err();
         assert_eq!(e.field, "CTA_THREAD_DIMENSION2");
+    }
+
+    #[test]
+    fn templates_patch_like_a_fresh_build() {
+        let mut p = add_kernel();
+        let mut fresh = [0u32; QMD_WORDS];
+        build(QmdVersion::V04, &p, &mut fresh).unwrap();
+        let mut t = [0u32; QMD_WORDS];
+        let mut other = p;
+        other.const_buffers[0] = Some(ConstBuffer {
+            va: 0x1_0000_0040,
+            size: 0x300,
+        });
+        other.release = Some((0x2_0463_7f24, 99));
+        build(QmdVersion::V04, &other, &mut t).unwrap();
+        assert!(patch_launch(QmdVersion::V04, &mut t, 0x7fee_ae2b_0000, Some(6)).unwrap());
+        assert_eq!(t, fresh);
+        p.release = Some((0x2_0463_7f24, 1 << 40));
+        build(QmdVersion::V04, &p, &mut fresh).unwrap();
+        assert!(patch_launch(QmdVersion::V04, &mut t, 0x7fee_ae2b_0000, Some(1 << 40)).unwrap());
+        assert_eq!(t, fresh);
     }
 
     #[test]

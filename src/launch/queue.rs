@@ -96,6 +96,38 @@ const INITIAL_STACK: u32 = 1024;
 /// window (Hopper), so the whole range stays empty.
 const WINDOWS_BYTES: u64 = 12 << 30;
 const WINDOW_ALIGN: u64 = 4 << 30;
+/// Driver words of constant bank 0 that launches write (blockDim .. initial stack pointer).
+const CBANK_DRIVER_WORDS: usize = 11;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct TemplateKey {
+    program_va: u64,
+    grid: [u32; 3],
+    block: [u32; 3],
+    shared: u32,
+    local: u32,
+    cbank_size: u32,
+    ordered: bool,
+}
+
+/// Writes the words of `new` that differ from `shadow` (runs of them at once) and updates the shadow.
+fn write_changed(mem: &Memory, offset: u64, shadow: &mut [u32], new: &[u32]) -> Result<()> {
+    let mut i = 0;
+    while i < new.len() {
+        if shadow[i] == new[i] {
+            i += 1;
+            continue;
+        }
+        let start = i;
+        while i < new.len() && shadow[i] != new[i] {
+            i += 1;
+        }
+        mem.write_words(offset + start as u64 * 4, &new[start..i])?;
+        shadow[start..i].copy_from_slice(&new[start..i]);
+    }
+    Ok(())
+}
+
 /// Semaphore slot of the channel's page that the copy engine releases.
 const COPY_SEMAPHORE_SLOT: usize = 1;
 
@@ -119,6 +151,11 @@ pub struct ComputeQueue {
     /// How a launch waits for the previous one: the acquire comparison and whether the scheduler may switch
     /// channel groups while it waits.
     ordering: (Acquire, bool),
+    /// The QMD of the last launch shape, patched per launch instead of rebuilt.
+    template: Option<(TemplateKey, [u32; QMD_WORDS])>,
+    /// What each slot's QMD and driver words hold now (the slots are write-only device memory).
+    qmd_shadow: Vec<[u32; QMD_WORDS]>,
+    cb_shadow: Vec<[u32; CBANK_DRIVER_WORDS]>,
     timeout: Duration,
 }
 
@@ -181,6 +218,9 @@ impl ComputeQueue {
             seen_generation: 0,
             unordered_pending: false,
             ordering: (Acquire::CircularGeq, false),
+            template: None,
+            qmd_shadow: vec![[0; QMD_WORDS]; config.slots],
+            cb_shadow: vec![[0; CBANK_DRIVER_WORDS]; config.slots],
             timeout: config.timeout,
         };
         let (shared, local) = (cq.shared_window(), cq.local_window());
@@ -397,39 +437,60 @@ impl ComputeQueue {
         let cb_va = qmd_va + QMD_BYTES;
         let value = self.queue.last_submitted() + 1 + u64::from(ordered && self.unordered_pending);
 
-        let mut cbs = [None; 8];
-        cbs[0] = Some(ConstBuffer {
-            va: cb_va,
-            size: (DRIVER_BYTES as u32 + k.param_cbank_size).next_multiple_of(16),
-        });
-        for bank in k.const_banks.iter().filter(|b| b.bank != 0 && b.bank < 8) {
-            if let Some(off) = bank.image_offset {
-                let size = u32::try_from(bank.size).map_err(|_| Error::InvalidLaunch {
-                    kernel: k.name.clone(),
-                    why: format!("constant bank {} of {} bytes", bank.bank, bank.size),
-                })?;
-                cbs[bank.bank as usize] = Some(ConstBuffer {
-                    va: kernel.module().base_va() + off,
-                    size,
-                });
-            }
-        }
-        let params = QmdParams {
-            sm_version: self.gpu.info().sm_version,
+        let key = TemplateKey {
             program_va: kernel.program_va(),
-            registers: k.registers,
-            barriers: k.barrier_count.max(1),
             grid: cfg.grid,
             block: cfg.block,
-            shared_bytes: shared.next_multiple_of(256),
-            local_bytes_per_thread: self.local_per_thread,
-            const_buffers: cbs,
-            release: ordered.then(|| (self.queue.timeline().va(), value)),
+            shared,
+            local: self.local_per_thread,
+            cbank_size: k.param_cbank_size,
+            ordered,
         };
+        let release_va = self.queue.timeline().va();
         let mut q = [0u32; QMD_WORDS];
-        qmd::build(self.version, &params, &mut q)?;
+        let reused = match &self.template {
+            Some((t, words)) if *t == key => {
+                q = *words;
+                qmd::patch_launch(self.version, &mut q, cb_va, ordered.then_some(value))?
+            }
+            _ => false,
+        };
+        if !reused {
+            let mut cbs = [None; 8];
+            cbs[0] = Some(ConstBuffer {
+                va: cb_va,
+                size: (DRIVER_BYTES as u32 + k.param_cbank_size).next_multiple_of(16),
+            });
+            for bank in k.const_banks.iter().filter(|b| b.bank != 0 && b.bank < 8) {
+                if let Some(off) = bank.image_offset {
+                    let size = u32::try_from(bank.size).map_err(|_| Error::InvalidLaunch {
+                        kernel: k.name.clone(),
+                        why: format!("constant bank {} of {} bytes", bank.bank, bank.size),
+                    })?;
+                    cbs[bank.bank as usize] = Some(ConstBuffer {
+                        va: kernel.module().base_va() + off,
+                        size,
+                    });
+                }
+            }
+            let params = QmdParams {
+                sm_version: self.gpu.info().sm_version,
+                program_va: kernel.program_va(),
+                registers: k.registers,
+                barriers: k.barrier_count.max(1),
+                grid: cfg.grid,
+                block: cfg.block,
+                shared_bytes: shared.next_multiple_of(256),
+                local_bytes_per_thread: self.local_per_thread,
+                const_buffers: cbs,
+                release: ordered.then_some((release_va, value)),
+            };
+            qmd::build(self.version, &params, &mut q)?;
+            self.template = Some((key, q));
+        }
 
-        let mut driver = [0u32; 11];
+        // Only the words that differ from what the slot already holds go over the bus (write-combined BAR1).
+        let mut driver = [0u32; CBANK_DRIVER_WORDS];
         write_driver_words(
             &mut driver,
             cfg.block,
@@ -437,13 +498,23 @@ impl ComputeQueue {
             self.shared_window(),
             self.local_window(),
         );
-        self.slots.write_words(slot_off + QMD_BYTES, &driver)?;
+        write_changed(
+            &self.slots,
+            slot_off + QMD_BYTES,
+            &mut self.cb_shadow[slot],
+            &driver,
+        )?;
         self.slots.write(
             slot_off + QMD_BYTES + DRIVER_BYTES as u64,
             &self.params[..n],
         )?;
-        self.slots
-            .write_words(slot_off, &q[..self.version.size_bytes() / 4])?;
+        let qmd_words = self.version.size_bytes() / 4;
+        write_changed(
+            &self.slots,
+            slot_off,
+            &mut self.qmd_shadow[slot][..qmd_words],
+            &q[..qmd_words],
+        )?;
 
         if ordered && self.unordered_pending {
             // Join the unordered launches first (recorded; the doorbell below sends both).
@@ -454,19 +525,9 @@ impl ComputeQueue {
         let prev = self.queue.last_submitted();
         let prev_done = !ordered || self.queue.timeline().is_reached(prev);
         let invalidate = self.seen_generation < kernel.module().generation();
-        let timeline_va = self.queue.timeline().va();
-        let order = self.ordering;
-        let fence = self.queue.record(16, Signal::Recorded, |p, v| {
-            debug_assert_eq!(v, value);
-            if invalidate {
-                p.invalidate_shader_caches_no_wfi();
-            }
-            if !prev_done {
-                // Stream order: this grid starts only after the previous one released its value.
-                p.sem_acquire(timeline_va, prev, order.0, true, order.1);
-            }
-            p.send_pcas(qmd_va);
-        })?;
+
+        let fence = self.send(qmd_va, invalidate, prev_done, prev)?;
+        debug_assert_eq!(fence.value(), value);
         if invalidate {
             self.seen_generation = newest_generation();
         }
@@ -476,6 +537,22 @@ impl ComputeQueue {
         self.slot_values[slot] = value;
         self.next_slot = (slot + 1) % self.slot_values.len();
         Ok(fence)
+    }
+
+    /// Records the methods that launch the QMD at `qmd_va`.
+    fn send(&mut self, qmd_va: u64, invalidate: bool, prev_done: bool, prev: u64) -> Result<Fence> {
+        let timeline_va = self.queue.timeline().va();
+        let order = self.ordering;
+        Ok(self.queue.record(16, Signal::Recorded, |p, _| {
+            if invalidate {
+                p.invalidate_shader_caches_no_wfi();
+            }
+            if !prev_done {
+                // Stream order: this grid starts only after the previous one released its value.
+                p.sem_acquire(timeline_va, prev, order.0, true, order.1);
+            }
+            p.send_pcas(qmd_va);
+        })?)
     }
 
     /// Rings the doorbell for everything recorded.
