@@ -734,11 +734,15 @@ impl Queue {
     ) -> Result<Fence> {
         check_range(src.size, src_offset, bytes)?;
         check_range(dst.size, dst_offset, bytes)?;
-        let f = self.copy_raw(
-            src.device_ptr() + src_offset,
-            dst.device_ptr() + dst_offset,
-            bytes,
-        )?;
+        let (s, d) = (src.device_ptr() + src_offset, dst.device_ptr() + dst_offset);
+        let f = match &mut self.inner {
+            QueueInner::Direct(q) if bytes > 0 => {
+                self.keep.retain(|(f, _)| !f.is_done());
+                // SAFETY: both ranges were checked against their buffers, which the queue keeps alive until done.
+                Fence::Direct(unsafe { q.copy_device(s, d, bytes)? })
+            }
+            _ => self.copy_raw(s, d, bytes)?,
+        };
         self.keep.push((f.clone(), KeepAlive::Device(src.clone())));
         self.keep.push((f.clone(), KeepAlive::Device(dst.clone())));
         Ok(f)
