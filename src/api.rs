@@ -392,7 +392,7 @@ impl Gpu {
             )?)),
             GpuInner::Driver(ctx) => QueueInner::Driver {
                 stream: driver::Stream::new(ctx)?,
-                ptrs: Vec::with_capacity(driver::MAX_PARAMS),
+                ptrs: driver::ParamPtrs::with_capacity(driver::MAX_PARAMS),
             },
         };
         Ok(Queue {
@@ -529,7 +529,7 @@ enum QueueInner {
     Direct(Box<ComputeQueue>),
     Driver {
         stream: driver::Stream,
-        ptrs: Vec<*mut std::ffi::c_void>,
+        ptrs: driver::ParamPtrs,
     },
 }
 
@@ -657,7 +657,15 @@ impl Queue {
                 }
                 // SAFETY: each pointer refers into `args`, alive for the call, with the size the kernel declares
                 // (checked above); the rest is the caller's contract.
-                unsafe { stream.launch(func, cfg.grid, cfg.block, cfg.shared_bytes, ptrs)? };
+                unsafe {
+                    stream.launch(
+                        func,
+                        cfg.grid,
+                        cfg.block,
+                        cfg.shared_bytes,
+                        ptrs.as_mut_slice(),
+                    )?
+                };
                 Ok(Fence::Driver(Arc::new(StreamWatch {
                     ctx: stream.context().clone(),
                     stream: stream.handle(),
@@ -924,6 +932,25 @@ mod tests {
 
     fn rm_err(e: rm::Error) -> launch::Error {
         launch::Error::from(e)
+    }
+
+    #[test]
+    fn types_that_cross_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        fn send<T: Send>() {}
+        send_sync::<Gpu>();
+        send_sync::<Buffer>();
+        send_sync::<HostBuffer>();
+        send_sync::<Module>();
+        send_sync::<Kernel>();
+        send_sync::<Fence>();
+        send::<Queue>();
+        send_sync::<crate::rm::GpuCore>();
+        send_sync::<crate::rm::Memory>();
+        send_sync::<crate::launch::Module>();
+        send_sync::<crate::launch::Kernel>();
+        send::<crate::launch::ComputeQueue>();
+        send::<crate::gpfifo::Channel>();
     }
 
     #[test]

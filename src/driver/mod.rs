@@ -394,6 +394,32 @@ unsafe impl Send for Stream {}
 /// Most parameters a launch passes through the driver (cuLaunchKernel takes an array of pointers).
 pub const MAX_PARAMS: usize = 512;
 
+/// The reusable array of parameter pointers a launch hands to cuLaunchKernel (allocated once per queue).
+#[derive(Debug, Default)]
+pub struct ParamPtrs(Vec<*mut c_void>);
+
+// SAFETY: the pointers are only meaningful during one launch call on the thread making it; between calls the
+// array holds stale addresses that are never dereferenced.
+unsafe impl Send for ParamPtrs {}
+
+impl ParamPtrs {
+    pub fn with_capacity(n: usize) -> ParamPtrs {
+        ParamPtrs(Vec::with_capacity(n))
+    }
+
+    pub fn clear(&mut self) {
+        self.0.clear();
+    }
+
+    pub fn push(&mut self, p: *mut c_void) {
+        self.0.push(p);
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [*mut c_void] {
+        &mut self.0
+    }
+}
+
 impl Stream {
     pub fn new(ctx: &Arc<Context>) -> Result<Stream> {
         ctx.bind()?;

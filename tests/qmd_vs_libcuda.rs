@@ -1,0 +1,124 @@
+//! The QMD APEX builds for a known launch against the one libcuda built for the same launch on the H200
+//! (`add<<<2,32>>>`, research/hopper-launch.md §5), field by field wherever the fields mean the same thing.
+
+use apex::launch::qmd::{ConstBuffer, QMD_WORDS, QmdParams, QmdVersion, build};
+use apex::pushbuf::decode::decode_qmd;
+
+/// QMD B as libcuda uploaded it (the rest of the 384 bytes is zero).
+const LIBCUDA_QMD: &str = "
+113f0000 00000000 00000000 00000000 00000000 00000000 00000000 00000000
+00000000 00000000 00000003 00190000 00000000 10300011 0204e118 00000000
+90000000 03000640 bc040040 00009e89 04637f24 00000002 00000006 00000000
+00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000
+00000002 00000001 00000001 80010000 00010020 08100001 af7a2400 00007fee
+00000000 00000000 eeaf7a24 0016007f 00000000 00000000 0000000b 00000000
+bab8ac00 018001ff bab80400 048001ff 00000000 00000000 00000000 00000000
+00000000 00000000 bab8ac00 018001ff 00000000 00000000 bab80000 800001ff";
+
+/// Fields where APEX differs on purpose, and why.
+const DIFFERENT_BY_DESIGN: &[(&str, &str)] = &[
+    (
+        "RELEASE_STRUCTURE_SIZE(0)",
+        "libcuda releases a 32-bit flag; APEX a 64-bit timeline value plus timestamp",
+    ),
+    ("RELEASE_PAYLOAD64B(0)", "the 64-bit timeline payload"),
+    (
+        "MIN_SM_CONFIG_SHARED_MEM_SIZE",
+        "APEX asks for the smallest carveout that holds the block",
+    ),
+    (
+        "ARRIVE_AT_LATCH_VALID",
+        "libcuda's latch chain (graph support), not needed for a launch",
+    ),
+    ("ARRIVE_AT_LATCH_ID", "as above"),
+    (
+        "DEPENDENT_QMD_ENABLE(0)",
+        "libcuda's null-QMD dependency chain",
+    ),
+    ("DEPENDENT_QMD_ACTION(0)", "as above"),
+    ("DEPENDENT_QMD_PREFETCH(0)", "as above"),
+    ("DEPENDENT_QMD0_POINTER", "as above"),
+    (
+        "ENABLE_PROGRAM_PRE_EXIT",
+        "not needed: kernels run the same without it",
+    ),
+    (
+        "PROGRAM_PREFETCH_ADDR_LOWER_SHIFTED",
+        "APEX does not ask the SM to prefetch code; it maps padding after it",
+    ),
+    ("PROGRAM_PREFETCH_ADDR_UPPER_SHIFTED", "as above"),
+    ("PROGRAM_PREFETCH_SIZE", "as above"),
+];
+
+/// libcuda also binds its driver banks 1, 5 and 7; APEX binds bank 0 (and the module's own banks).
+fn libcuda_only_bank(name: &str) -> bool {
+    ["(1)", "(5)", "(7)"]
+        .iter()
+        .any(|b| name.starts_with("CONSTANT_BUFFER_") && name.ends_with(b))
+}
+
+#[test]
+fn apex_qmd_matches_libcudas_field_by_field() {
+    let mut words: Vec<u32> = LIBCUDA_QMD
+        .split_whitespace()
+        .map(|w| u32::from_str_radix(w, 16).unwrap())
+        .collect();
+    words.resize(QMD_WORDS, 0);
+    let theirs: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+
+    let mut cbs = [None; 8];
+    cbs[0] = Some(ConstBuffer {
+        va: 0x7fee_ae2b_0000,
+        size: 0x300,
+    });
+    let params = QmdParams {
+        sm_version: 90,
+        program_va: 0x7fee_af7a_2400,
+        registers: 0x10,
+        barriers: 1,
+        grid: [2, 1, 1],
+        block: [32, 1, 1],
+        shared_bytes: 0x400,
+        local_bytes_per_thread: 0x640,
+        const_buffers: cbs,
+        release: Some((0x2_0463_7f24, 6)),
+    };
+    let mut ours = [0u32; QMD_WORDS];
+    build(QmdVersion::V04, &params, &mut ours).unwrap();
+    let ours: Vec<u8> = ours.iter().flat_map(|w| w.to_le_bytes()).collect();
+
+    let a = decode_qmd(4, &theirs).unwrap();
+    let b = decode_qmd(4, &ours).unwrap();
+    let get = |f: &[(&'static str, u64)], n: &str| f.iter().find(|x| x.0 == n).map(|x| x.1);
+    let mut names: Vec<&str> = a.iter().chain(b.iter()).map(|f| f.0).collect();
+    names.sort_unstable();
+    names.dedup();
+    let mut compared = 0;
+    for n in names {
+        if DIFFERENT_BY_DESIGN.iter().any(|d| d.0 == n) || libcuda_only_bank(n) {
+            continue;
+        }
+        assert_eq!(get(&b, n), get(&a, n), "field {n}: APEX vs libcuda");
+        compared += 1;
+    }
+    // The launch-defining fields are all among them.
+    for n in [
+        "QMD_TYPE",
+        "QMD_MAJOR_VERSION",
+        "GRID_WIDTH",
+        "CTA_THREAD_DIMENSION0",
+        "REGISTER_COUNT",
+        "SHARED_MEMORY_SIZE",
+        "PROGRAM_ADDRESS_LOWER",
+        "CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(0)",
+        "CONSTANT_BUFFER_SIZE_SHIFTED4(0)",
+        "SHADER_LOCAL_MEMORY_HIGH_SIZE",
+        "RELEASE_SEMAPHORE0_ADDR_LOWER",
+        "RELEASE_SEMAPHORE0_PAYLOAD_LOWER",
+        "MAX_SM_CONFIG_SHARED_MEM_SIZE",
+        "TARGET_SM_CONFIG_SHARED_MEM_SIZE",
+    ] {
+        assert!(get(&a, n).is_some(), "{n} is set by libcuda");
+    }
+    assert!(compared >= 25, "compared {compared} fields");
+}
