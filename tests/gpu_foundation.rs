@@ -120,7 +120,7 @@ fn two_channels_ordered_by_acquire_and_release() {
 fn create_destroy_cycles_return_to_baseline() {
     // Warm up once so lazily created process state (libc, tracing) is not counted as a leak.
     drop(Queue::new(&GpuCore::open(0).unwrap(), QueueConfig::default()).unwrap());
-    let (fds, maps) = (open_fds(), mappings());
+    let (fds, maps, objects) = (open_fds(), mappings(), apex::rm::live_objects());
     let start = Instant::now();
     for i in 0..1000 {
         let gpu = GpuCore::open(0).unwrap();
@@ -142,4 +142,5 @@ fn create_destroy_cycles_return_to_baseline() {
     eprintln!("1000 GPU+queue cycles in {:?}", start.elapsed());
     assert_eq!(open_fds(), fds, "file descriptors leaked");
     assert_eq!(mappings(), maps, "mappings leaked");
+    assert_eq!(apex::rm::live_objects(), objects, "RM objects leaked");
 }

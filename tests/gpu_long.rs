@@ -72,7 +72,7 @@ fn gpu_queue_module_cycles_return_to_baseline() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(1000);
     drop(GpuCore::open(0).unwrap());
-    let (f0, m0) = (fds(), maps());
+    let (f0, m0, r0) = (fds(), maps(), apex::rm::live_objects());
     let t = Instant::now();
     for i in 0..cycles {
         let gpu = GpuCore::open(0).unwrap();
@@ -82,12 +82,13 @@ fn gpu_queue_module_cycles_return_to_baseline() {
         chain(&mut q, &m, &v, 3, i as u64);
     }
     eprintln!(
-        "{cycles} GPU+queue+module cycles in {:?}; fds {f0} -> {}, mappings {m0} -> {}",
+        "{cycles} GPU+queue+module cycles in {:?}; fds {f0} -> {}, mappings {m0} -> {}, RM objects {r0} -> {}",
         t.elapsed(),
         fds(),
-        maps()
+        maps(),
+        apex::rm::live_objects()
     );
-    assert_eq!((fds(), maps()), (f0, m0));
+    assert_eq!((fds(), maps(), apex::rm::live_objects()), (f0, m0, r0));
 }
 
 #[test]

@@ -3,6 +3,7 @@
 use std::ffi::c_void;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 
 use tracing::{debug, warn};
 
@@ -42,6 +43,8 @@ impl Client {
         // SAFETY: NVOS21_PARAMETERS is the NV_ESC_RM_ALLOC argument; pAllocParms is null.
         unsafe { nv_escape(&ctl, sys::NV_ESC_RM_ALLOC, &mut p, "NV01_ROOT_CLIENT")? };
         check("RM_ALLOC", "NV01_ROOT_CLIENT", p.status)?;
+        // Counted from here: on any error below, dropping `client` frees it again.
+        LIVE_OBJECTS.fetch_add(1, Ordering::Relaxed);
         let uvm_raw = uvm.as_raw_fd();
         let mut client = Client {
             handle: p.hObjectNew,
@@ -89,6 +92,7 @@ impl Client {
     /// A client of the simulated RM: no file descriptors, RM calls answered in process.
     pub(crate) fn simulated(sim: Arc<SimShared>) -> Client {
         let handle = sim.alloc_root();
+        LIVE_OBJECTS.fetch_add(1, Ordering::Relaxed);
         Client {
             handle,
             backend: Backend::Simulated(sim),
@@ -238,10 +242,21 @@ impl Client {
 impl Drop for Client {
     fn drop(&mut self) {
         // Freeing the root client frees every object allocated under it; closing the fds follows.
-        if let Err(e) = self.free(0, self.handle) {
-            warn!(error = %e, "freeing the RM root client failed");
+        match self.free(0, self.handle) {
+            Ok(()) => {
+                LIVE_OBJECTS.fetch_sub(1, Ordering::Relaxed);
+            }
+            Err(e) => warn!(error = %e, "freeing the RM root client failed"),
         }
     }
+}
+
+/// RM objects (root clients included) this process allocated through APEX and has not freed.
+static LIVE_OBJECTS: AtomicI64 = AtomicI64::new(0);
+
+/// How many RM objects (root clients included) APEX holds now, for leak checks.
+pub fn live_objects() -> i64 {
+    LIVE_OBJECTS.load(Ordering::Relaxed)
 }
 
 pub(crate) fn check(call: &'static str, what: &'static str, status: u32) -> Result<()> {
@@ -277,6 +292,7 @@ impl Object {
     ) -> Result<Object> {
         let parent_handle = parent.map_or(client.handle(), |p| p.handle);
         let handle = client.alloc(parent_handle, class, params, what)?;
+        LIVE_OBJECTS.fetch_add(1, Ordering::Relaxed);
         Ok(Object {
             client: client.clone(),
             parent: parent.cloned(),
@@ -310,8 +326,13 @@ impl Drop for Object {
             .parent
             .as_ref()
             .map_or(self.client.handle(), |p| p.handle);
-        if let Err(e) = self.client.free(parent, self.handle) {
-            warn!(error = %e, what = self.what, handle = format_args!("{:#x}", self.handle), "RM_FREE failed");
+        match self.client.free(parent, self.handle) {
+            Ok(()) => {
+                LIVE_OBJECTS.fetch_sub(1, Ordering::Relaxed);
+            }
+            Err(e) => {
+                warn!(error = %e, what = self.what, handle = format_args!("{:#x}", self.handle), "RM_FREE failed");
+            }
         }
     }
 }

@@ -12,7 +12,7 @@ mod status;
 pub mod sys;
 mod va;
 
-pub use client::{Client, Handle, Object};
+pub use client::{Client, Handle, Object, live_objects};
 pub use error::{Error, Result};
 pub use gpu::{GpuCore, GpuInfo, HEADERS_BRANCH, USERMODE_CLASSES, USERMODE_SIZE, format_uuid};
 pub use memory::{CpuMapping, Memory, MemoryDesc, Placement};
