@@ -105,36 +105,7 @@ impl GpuCore {
             "NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2",
         )?;
 
-        let mut dp = sys::NV0080_ALLOC_PARAMETERS {
-            deviceId: id.deviceInstance,
-            hClientShare: client.handle(),
-            vaMode: sys::NV_DEVICE_ALLOCATION_VAMODE_OPTIONAL_MULTIPLE_VASPACES,
-            ..Default::default()
-        };
-        let device = Arc::new(Object::alloc(
-            &client,
-            None,
-            sys::NV01_DEVICE_0,
-            Some(&mut dp),
-            "NV01_DEVICE_0",
-        )?);
-        let mut sp = sys::NV2080_ALLOC_PARAMETERS { subDeviceId: 0 };
-        let subdevice = Arc::new(Object::alloc(
-            &client,
-            Some(&device),
-            sys::NV20_SUBDEVICE_0,
-            Some(&mut sp),
-            "NV20_SUBDEVICE_0",
-        )?);
-
-        let mut cl = sys::NV0080_CTRL_GPU_GET_CLASSLIST_V2_PARAMS::default();
-        device.control(
-            sys::NV0080_CTRL_CMD_GPU_GET_CLASSLIST_V2,
-            &mut cl,
-            "NV0080_CTRL_CMD_GPU_GET_CLASSLIST_V2",
-        )?;
-        let n = (cl.numClasses as usize).min(cl.classList.len());
-        let classes = cl.classList[..n].to_vec();
+        let (device, subdevice, classes) = device_objects(&client, id.deviceInstance)?;
 
         let info = gpu_info(&subdevice, index, &card, driver_version)?;
         info!(gpu = %info.name, uuid = %info.uuid, sm = info.sm_version, sms = info.sm_count, "opened GPU");
@@ -180,12 +151,7 @@ impl GpuCore {
         )?;
 
         // Candidates every 64 GiB from 64 GiB up, so two GPUs in one process each find a low region.
-        let low = VaRegion::reserve(
-            LOW_REGION_SIZE,
-            (1..15u64).map(|i| i * LOW_REGION_SIZE),
-            LOW_REGION_LIMIT,
-        )?;
-        let high = VaRegion::reserve(HIGH_REGION_SIZE, [], u64::MAX)?;
+        let (low, high) = reserve_regions()?;
 
         let mut core = GpuCore {
             info,
@@ -345,6 +311,54 @@ pub const USERMODE_CLASSES: &[u32] = &[
     sys::TURING_USERMODE_A,
     sys::VOLTA_USERMODE_A,
 ];
+
+/// The device and subdevice objects of GPU `device_instance` and the classes it lists.
+pub(crate) fn device_objects(
+    client: &Arc<Client>,
+    device_instance: u32,
+) -> Result<(Arc<Object>, Arc<Object>, Vec<u32>)> {
+    let mut dp = sys::NV0080_ALLOC_PARAMETERS {
+        deviceId: device_instance,
+        hClientShare: client.handle(),
+        vaMode: sys::NV_DEVICE_ALLOCATION_VAMODE_OPTIONAL_MULTIPLE_VASPACES,
+        ..Default::default()
+    };
+    let device = Arc::new(Object::alloc(
+        client,
+        None,
+        sys::NV01_DEVICE_0,
+        Some(&mut dp),
+        "NV01_DEVICE_0",
+    )?);
+    let mut sp = sys::NV2080_ALLOC_PARAMETERS { subDeviceId: 0 };
+    let subdevice = Arc::new(Object::alloc(
+        client,
+        Some(&device),
+        sys::NV20_SUBDEVICE_0,
+        Some(&mut sp),
+        "NV20_SUBDEVICE_0",
+    )?);
+    let mut cl = sys::NV0080_CTRL_GPU_GET_CLASSLIST_V2_PARAMS::default();
+    device.control(
+        sys::NV0080_CTRL_CMD_GPU_GET_CLASSLIST_V2,
+        &mut cl,
+        "NV0080_CTRL_CMD_GPU_GET_CLASSLIST_V2",
+    )?;
+    let n = (cl.numClasses as usize).min(cl.classList.len());
+    Ok((device, subdevice, cl.classList[..n].to_vec()))
+}
+
+/// The low region (below 1 TiB; candidates every 64 GiB so several GPUs in one process each find one) and the
+/// high region.
+pub(crate) fn reserve_regions() -> Result<(VaRegion, VaRegion)> {
+    let low = VaRegion::reserve(
+        LOW_REGION_SIZE,
+        (1..15u64).map(|i| i * LOW_REGION_SIZE),
+        LOW_REGION_LIMIT,
+    )?;
+    let high = VaRegion::reserve(HIGH_REGION_SIZE, [], u64::MAX)?;
+    Ok((low, high))
+}
 
 /// The loaded module's version string, through NV_ESC_CHECK_VERSION_STR's query command.
 fn query_driver_version(ctl: &OwnedFd) -> Result<String> {

@@ -24,11 +24,7 @@ use rustix::mm::{MapFlags, ProtFlags, mmap_anonymous, munmap};
 use tracing::{debug, info, warn};
 
 use super::client::{Client, Handle, Object};
-use super::gpu::{
-    GpuCore, HEADERS_BRANCH, HIGH_REGION_SIZE, LOW_REGION_LIMIT, LOW_REGION_SIZE, USERMODE_CLASSES,
-    USERMODE_SIZE, gpu_info,
-};
-use super::va::VaRegion;
+use super::gpu::{GpuCore, HEADERS_BRANCH, USERMODE_CLASSES, USERMODE_SIZE, gpu_info};
 use super::{Error, NvStatus, Result, sys};
 use crate::hw::{compute, copy, host};
 
@@ -506,34 +502,7 @@ impl GpuCore {
     pub fn open_simulated(config: SimConfig) -> Result<(std::sync::Arc<GpuCore>, SimBus)> {
         let shared = Arc::new(SimShared::new(config)?);
         let client = Arc::new(Client::simulated(shared.clone()));
-        let mut dp = sys::NV0080_ALLOC_PARAMETERS {
-            hClientShare: client.handle(),
-            vaMode: sys::NV_DEVICE_ALLOCATION_VAMODE_OPTIONAL_MULTIPLE_VASPACES,
-            ..Default::default()
-        };
-        let device = Arc::new(Object::alloc(
-            &client,
-            None,
-            sys::NV01_DEVICE_0,
-            Some(&mut dp),
-            "NV01_DEVICE_0",
-        )?);
-        let mut sp = sys::NV2080_ALLOC_PARAMETERS { subDeviceId: 0 };
-        let subdevice = Arc::new(Object::alloc(
-            &client,
-            Some(&device),
-            sys::NV20_SUBDEVICE_0,
-            Some(&mut sp),
-            "NV20_SUBDEVICE_0",
-        )?);
-        let mut cl = sys::NV0080_CTRL_GPU_GET_CLASSLIST_V2_PARAMS::default();
-        device.control(
-            sys::NV0080_CTRL_CMD_GPU_GET_CLASSLIST_V2,
-            &mut cl,
-            "NV0080_CTRL_CMD_GPU_GET_CLASSLIST_V2",
-        )?;
-        let n = (cl.numClasses as usize).min(cl.classList.len());
-        let classes = cl.classList[..n].to_vec();
+        let (device, subdevice, classes) = super::gpu::device_objects(&client, 0)?;
         let card = sys::nv_ioctl_card_info_t {
             valid: 1,
             ..Default::default()
@@ -548,12 +517,7 @@ impl GpuCore {
             Some(&mut vp),
             "FERMI_VASPACE_A",
         )?);
-        let low = VaRegion::reserve(
-            LOW_REGION_SIZE,
-            (1..15u64).map(|i| i * LOW_REGION_SIZE),
-            LOW_REGION_LIMIT,
-        )?;
-        let high = VaRegion::reserve(HIGH_REGION_SIZE, [], u64::MAX)?;
+        let (low, high) = super::gpu::reserve_regions()?;
         let core = GpuCore {
             info,
             classes,
