@@ -54,6 +54,21 @@ fn unmapped_store_is_reported_and_recovered() {
     let took = t.elapsed();
     eprintln!("unmapped store: reported after {took:?}: {e}");
     assert!(e.to_string().contains("error code 31"), "{e}");
+    assert!(
+        e.to_string().contains("faulting address 0xdead0000"),
+        "the fault names the address: {e}"
+    );
+    match q.queue().channel().mmu_fault() {
+        Ok(Some(f)) => {
+            eprintln!(
+                "MMU fault info: address {:#x}, type {} ({}), compute program {:#x}",
+                f.address, f.fault_type, f.kind, f.shader_program_va[6]
+            );
+            assert_eq!(f.address & !0xfff, 0xdead_0000, "the faulting address");
+        }
+        Ok(None) => eprintln!("MMU fault info: RM recorded none for the channel"),
+        Err(e) => eprintln!("MMU fault info: not available: {e}"),
+    }
     drop(q);
     check_recovery(&gpu, &m);
 }

@@ -51,6 +51,8 @@ pub struct ChannelFault {
     pub info32: u32,
     pub info16: u16,
     pub timestamp_ns: u64,
+    /// For an MMU fault, the faulting GPU address and RM's fault type, when RM reported them.
+    pub mmu: Option<(u64, u32)>,
 }
 
 impl fmt::Display for ChannelFault {
@@ -68,7 +70,11 @@ impl fmt::Display for ChannelFault {
             f,
             "{kind}: error code {} (info16 {:#x}, notifier status {:#x})",
             self.info32, self.info16, self.status
-        )
+        )?;
+        if let Some((address, ty)) = self.mmu {
+            write!(f, ", faulting address {address:#x} (MMU fault type {ty})")?;
+        }
+        Ok(())
     }
 }
 
@@ -373,9 +379,40 @@ impl Channel {
         read_fault(&self.notifier)
     }
 
+    /// The MMU fault RM recorded for this channel (address, fault type and RM's name for it), if any. RM clears
+    /// it once read. An RM call: for after a fault, not for the launch path.
+    pub fn mmu_fault(&self) -> Result<Option<MmuFault>> {
+        let mut p = sys::NV906F_CTRL_GET_MMU_FAULT_INFO_PARAMS::default();
+        self.channel.control(
+            sys::NV906F_CTRL_CMD_GET_MMU_FAULT_INFO,
+            &mut p,
+            "NV906F_CTRL_CMD_GET_MMU_FAULT_INFO",
+        )?;
+        let address = (u64::from(p.addrHi) << 32) | u64::from(p.addrLo);
+        let kind: String = p
+            .faultString
+            .iter()
+            .take_while(|&&c| c != 0)
+            .map(|&c| c as u8 as char)
+            .collect();
+        if address == 0 && p.faultType == 0 && kind.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(MmuFault {
+            address,
+            fault_type: p.faultType,
+            kind,
+            shader_program_va: p.shaderProgramVA,
+        }))
+    }
+
     /// A handle that reads the channel's error notifier, for waiters that do not hold the channel.
     pub fn fault_watch(&self) -> FaultWatch {
-        FaultWatch(self.notifier.clone())
+        FaultWatch(Arc::new(FaultState {
+            notifier: self.notifier.clone(),
+            channel: self.channel.clone(),
+            mmu: std::sync::OnceLock::new(),
+        }))
     }
 
     /// Writes an entry for `[va, va + 4*dwords)` without ringing the doorbell. Waits up to `timeout` for a free
@@ -482,15 +519,60 @@ impl Drop for Channel {
     }
 }
 
+/// An MMU fault as RM reports it for a channel (NV906F_CTRL_CMD_GET_MMU_FAULT_INFO).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MmuFault {
+    /// The faulting GPU virtual address.
+    pub address: u64,
+    pub fault_type: u32,
+    /// RM's name for the fault type (e.g. "FAULT_PDE").
+    pub kind: String,
+    /// Program addresses of the faulting shaders, by pipeline stage (compute is index 6).
+    pub shader_program_va: [u64; 7],
+}
+
 /// Reads a channel's error notifier (cheap: four volatile loads from cached system memory).
 #[derive(Clone, Debug)]
-pub struct FaultWatch(Arc<Memory>);
+pub struct FaultWatch(Arc<FaultState>);
+
+#[derive(Debug)]
+struct FaultState {
+    notifier: Arc<Memory>,
+    channel: Arc<Object>,
+    /// RM hands out a channel's MMU fault information once; keep it for every waiter.
+    mmu: std::sync::OnceLock<Option<(u64, u32)>>,
+}
 
 impl FaultWatch {
+    /// The channel's fault, if RM has posted one. For an MMU fault, the faulting address is asked of RM once
+    /// (an RM call, only on this error path).
     pub fn check(&self) -> Option<ChannelFault> {
-        read_fault(&self.0)
+        let mut f = read_fault(&self.0.notifier)?;
+        if f.info32 == XID_MMU_FAULT {
+            f.mmu = *self.0.mmu.get_or_init(|| {
+                let mut p = sys::NV906F_CTRL_GET_MMU_FAULT_INFO_PARAMS::default();
+                self.0
+                    .channel
+                    .control(
+                        sys::NV906F_CTRL_CMD_GET_MMU_FAULT_INFO,
+                        &mut p,
+                        "NV906F_CTRL_CMD_GET_MMU_FAULT_INFO",
+                    )
+                    .ok()
+                    .map(|()| {
+                        (
+                            (u64::from(p.addrHi) << 32) | u64::from(p.addrLo),
+                            p.faultType,
+                        )
+                    })
+            });
+        }
+        Some(f)
     }
 }
+
+/// The error code RM posts for an MMU fault (Xid 31).
+const XID_MMU_FAULT: u32 = 31;
 
 fn read_fault(notifier: &Memory) -> Option<ChannelFault> {
     let off_info = std::mem::offset_of!(sys::NvNotificationRec, info32) as u64;
@@ -500,6 +582,7 @@ fn read_fault(notifier: &Memory) -> Option<ChannelFault> {
     let last = notifier.read_u32_volatile(off_info + 4).ok()?;
     let (info16, status) = (last as u16, (last >> 16) as u16);
     (status != 0).then_some(ChannelFault {
+        mmu: None,
         status,
         info32,
         info16,

@@ -11,7 +11,7 @@ mod pushspace;
 mod ring;
 mod timeline;
 
-pub use channel::{Channel, ChannelClasses, ChannelConfig, ChannelFault, FaultWatch};
+pub use channel::{Channel, ChannelClasses, ChannelConfig, ChannelFault, FaultWatch, MmuFault};
 pub use entry::GpEntry;
 pub use error::{Error, Result};
 pub use pushspace::PushSpace;

@@ -169,6 +169,7 @@ mod tests {
             info32: 31,
             info16: 0,
             timestamp_ns: 1,
+            mmu: None,
         };
         let e = wait_until("x", Duration::from_secs(5), || false, || Some(f)).unwrap_err();
         assert!(matches!(e, Error::Fault(ChannelFault { info32: 31, .. })));
