@@ -53,6 +53,19 @@ pub struct ChannelFault {
     pub timestamp_ns: u64,
     /// For an MMU fault, the faulting GPU address and RM's fault type, when RM reported them.
     pub mmu: Option<(u64, u32)>,
+    /// For a graphics exception, the first SM that reported an error, as the debugger object reads it.
+    pub sm: Option<SmError>,
+}
+
+/// One SM's error state (NV83DE_CTRL_CMD_DEBUG_READ_ALL_SM_ERROR_STATES).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SmError {
+    pub sm: u32,
+    /// The SM's global and warp error status registers.
+    pub global_esr: u32,
+    pub warp_esr: u32,
+    /// Program counter of the faulting warp.
+    pub warp_pc: u64,
 }
 
 impl fmt::Display for ChannelFault {
@@ -73,6 +86,13 @@ impl fmt::Display for ChannelFault {
         )?;
         if let Some((address, ty)) = self.mmu {
             write!(f, ", faulting address {address:#x} (MMU fault type {ty})")?;
+        }
+        if let Some(e) = self.sm {
+            write!(
+                f,
+                ", SM {}: global ESR {:#x}, warp ESR {:#x} at pc {:#x}",
+                e.sm, e.global_esr, e.warp_esr, e.warp_pc
+            )?;
         }
         Ok(())
     }
@@ -119,6 +139,8 @@ impl Drop for UvmChannel {
 #[derive(Debug)]
 pub struct Channel {
     uvm: Option<UvmChannel>,
+    /// GT200_DEBUGGER on the compute object: lets a fault report name the SM and its error state.
+    debugger: Option<Arc<Object>>,
     compute: Option<Object>,
     copy: Option<Object>,
     channel: Arc<Object>,
@@ -234,6 +256,24 @@ impl Channel {
         let copy = copy_class
             .map(|c| Object::alloc::<()>(client, Some(&channel), c, None, "copy class"))
             .transpose()?;
+        // Optional: without it, faults are still reported, only without the SM state.
+        let debugger = compute.as_ref().and_then(|c| {
+            let mut dp = sys::NV83DE_ALLOC_PARAMETERS {
+                hDebuggerClient_Obsolete: 0,
+                hAppClient: client.handle(),
+                hClass3dObject: c.handle(),
+            };
+            Object::alloc(
+                client,
+                Some(core.device()),
+                sys::GT200_DEBUGGER,
+                Some(&mut dp),
+                "GT200_DEBUGGER",
+            )
+            .map_err(|e| debug!(error = %e, "no debugger object; faults will not carry SM state"))
+            .ok()
+            .map(Arc::new)
+        });
 
         let mut tok = sys::NVC36F_CTRL_CMD_GPFIFO_GET_WORK_SUBMIT_TOKEN_PARAMS {
             workSubmitToken: u32::MAX,
@@ -305,6 +345,7 @@ impl Channel {
         );
         Ok(Channel {
             uvm: Some(uvm),
+            debugger,
             compute,
             copy,
             channel,
@@ -411,7 +452,10 @@ impl Channel {
         FaultWatch(Arc::new(FaultState {
             notifier: self.notifier.clone(),
             channel: self.channel.clone(),
+            debugger: self.debugger.clone(),
+            sm_count: self.core.info.sm_count,
             mmu: std::sync::OnceLock::new(),
+            sm: std::sync::OnceLock::new(),
         }))
     }
 
@@ -514,6 +558,7 @@ impl Drop for Channel {
     fn drop(&mut self) {
         // Objects go before the memory they reference; fields below handle the rest in declaration order.
         self.uvm = None;
+        self.debugger = None;
         self.compute = None;
         self.copy = None;
     }
@@ -539,8 +584,11 @@ pub struct FaultWatch(Arc<FaultState>);
 struct FaultState {
     notifier: Arc<Memory>,
     channel: Arc<Object>,
-    /// RM hands out a channel's MMU fault information once; keep it for every waiter.
+    debugger: Option<Arc<Object>>,
+    sm_count: u32,
+    /// Asked of RM once on the fault path, then kept for every waiter.
     mmu: std::sync::OnceLock<Option<(u64, u32)>>,
+    sm: std::sync::OnceLock<Option<SmError>>,
 }
 
 impl FaultWatch {
@@ -567,12 +615,52 @@ impl FaultWatch {
                     })
             });
         }
+        if f.info32 == XID_GRAPHICS_EXCEPTION {
+            f.sm = *self.0.sm.get_or_init(|| self.first_sm_error());
+        }
         Some(f)
+    }
+
+    fn first_sm_error(&self) -> Option<SmError> {
+        let debugger = self.0.debugger.as_ref()?;
+        let per_call = sys::NV83DE_CTRL_DEBUG_MAX_SMS_PER_CALL;
+        let mut start = 0;
+        while start < self.0.sm_count {
+            let mut p = Box::new(sys::NV83DE_CTRL_DEBUG_READ_ALL_SM_ERROR_STATES_PARAMS {
+                hTargetChannel: self.0.channel.handle(),
+                numSMsToRead: per_call.min(self.0.sm_count - start),
+                startingSM: start,
+                ..Default::default()
+            });
+            debugger
+                .control(
+                    sys::NV83DE_CTRL_CMD_DEBUG_READ_ALL_SM_ERROR_STATES,
+                    &mut *p,
+                    "NV83DE_CTRL_CMD_DEBUG_READ_ALL_SM_ERROR_STATES",
+                )
+                .ok()?;
+            let n = p.numSMsToRead.min(per_call) as usize;
+            if let Some((i, r)) = p.smErrorStateArray[..n]
+                .iter()
+                .enumerate()
+                .find(|(_, r)| r.hwwGlobalEsr != 0 || r.hwwWarpEsr != 0)
+            {
+                return Some(SmError {
+                    sm: start + i as u32,
+                    global_esr: r.hwwGlobalEsr,
+                    warp_esr: r.hwwWarpEsr,
+                    warp_pc: r.hwwWarpEsrPc64,
+                });
+            }
+            start += per_call;
+        }
+        None
     }
 }
 
-/// The error code RM posts for an MMU fault (Xid 31).
+/// The error codes RM posts for an MMU fault (Xid 31) and a graphics exception (Xid 13).
 const XID_MMU_FAULT: u32 = 31;
+const XID_GRAPHICS_EXCEPTION: u32 = 13;
 
 fn read_fault(notifier: &Memory) -> Option<ChannelFault> {
     let off_info = std::mem::offset_of!(sys::NvNotificationRec, info32) as u64;
@@ -583,6 +671,7 @@ fn read_fault(notifier: &Memory) -> Option<ChannelFault> {
     let (info16, status) = (last as u16, (last >> 16) as u16);
     (status != 0).then_some(ChannelFault {
         mmu: None,
+        sm: None,
         status,
         info32,
         info16,

@@ -11,7 +11,9 @@ mod pushspace;
 mod ring;
 mod timeline;
 
-pub use channel::{Channel, ChannelClasses, ChannelConfig, ChannelFault, FaultWatch, MmuFault};
+pub use channel::{
+    Channel, ChannelClasses, ChannelConfig, ChannelFault, FaultWatch, MmuFault, SmError,
+};
 pub use entry::GpEntry;
 pub use error::{Error, Result};
 pub use pushspace::PushSpace;

@@ -170,6 +170,7 @@ mod tests {
             info16: 0,
             timestamp_ns: 1,
             mmu: None,
+            sm: None,
         };
         let e = wait_until("x", Duration::from_secs(5), || false, || Some(f)).unwrap_err();
         assert!(matches!(e, Error::Fault(ChannelFault { info32: 31, .. })));
