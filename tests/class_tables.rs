@@ -495,20 +495,14 @@ fn decode_libcuda_qmds() {
 }
 
 /// QMD B of research/hopper-launch.md section 5 (`add<<<2,32>>>`), as uploaded.
-const QMD_B: &str = "
-113f0000 00000000 00000000 00000000 00000000 00000000 00000000 00000000
-00000000 00000000 00000003 00190000 00000000 10300011 0204e118 00000000
-90000000 03000640 bc040040 00009e89 04637f24 00000002 00000006 00000000
-00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000
-00000002 00000001 00000001 80010000 00010020 08100001 af7a2400 00007fee
-00000000 00000000 eeaf7a24 0016007f 00000000 00000000 0000000b 00000000
-bab8ac00 018001ff bab80400 048001ff 00000000 00000000 00000000 00000000
-00000000 00000000 bab8ac00 018001ff 00000000 00000000 bab80000 800001ff";
+const QMD_B: &str = include_str!("fixtures/qmd_b_add.txt");
 
 #[test]
 fn decode_qmd_b_from_research_notes() {
     let mut words: Vec<u32> = QMD_B
-        .split_whitespace()
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .flat_map(str::split_whitespace)
         .map(|w| u32::from_str_radix(w, 16).unwrap())
         .collect();
     words.resize(96, 0); // +100..+17f: 0

@@ -4,16 +4,8 @@
 use apex::launch::qmd::{ConstBuffer, QMD_WORDS, QmdParams, QmdVersion, build};
 use apex::pushbuf::decode::decode_qmd;
 
-/// QMD B as libcuda uploaded it (the rest of the 384 bytes is zero).
-const LIBCUDA_QMD: &str = "
-113f0000 00000000 00000000 00000000 00000000 00000000 00000000 00000000
-00000000 00000000 00000003 00190000 00000000 10300011 0204e118 00000000
-90000000 03000640 bc040040 00009e89 04637f24 00000002 00000006 00000000
-00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000
-00000002 00000001 00000001 80010000 00010020 08100001 af7a2400 00007fee
-00000000 00000000 eeaf7a24 0016007f 00000000 00000000 0000000b 00000000
-bab8ac00 018001ff bab80400 048001ff 00000000 00000000 00000000 00000000
-00000000 00000000 bab8ac00 018001ff 00000000 00000000 bab80000 800001ff";
+/// QMD B as libcuda uploaded it (comment lines start with #).
+const LIBCUDA_QMD: &str = include_str!("fixtures/qmd_b_add.txt");
 
 /// Fields where APEX differs on purpose, and why.
 const DIFFERENT_BY_DESIGN: &[(&str, &str)] = &[
@@ -60,7 +52,9 @@ fn libcuda_only_bank(name: &str) -> bool {
 #[test]
 fn apex_qmd_matches_libcudas_field_by_field() {
     let mut words: Vec<u32> = LIBCUDA_QMD
-        .split_whitespace()
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .flat_map(str::split_whitespace)
         .map(|w| u32::from_str_radix(w, 16).unwrap())
         .collect();
     words.resize(QMD_WORDS, 0);
