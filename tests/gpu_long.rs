@@ -64,26 +64,92 @@ fn a_million_launches_build_a_checked_chain() {
     assert!(wraps > 100);
 }
 
+/// Create/destroy cycles of GPU, compute queue, module and buffer, each running a checked chain.
+/// `APEX_CYCLES` sets the count (default 1000). `APEX_CYCLES_ANCHOR=1` keeps one more GPU open throughout, so
+/// the kernel driver's per-GPU state (UVM's GPU registration) stays up, as in a runtime that holds a device
+/// while it recreates contexts. `APEX_CYCLES_TRACE=1` logs every ioctl of the first cycle with its duration.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn gpu_queue_module_cycles_return_to_baseline() {
-    let cycles: usize = std::env::var("APEX_CYCLES")
-        .ok()
+    let env = |k: &str| std::env::var(k).ok();
+    let cycles: usize = env("APEX_CYCLES")
         .and_then(|v| v.parse().ok())
         .unwrap_or(1000);
+    let anchor = env("APEX_CYCLES_ANCHOR").is_some_and(|v| v == "1");
+    let traced = env("APEX_CYCLES_TRACE").is_some_and(|v| v == "1");
+    let _anchor = anchor.then(|| GpuCore::open(0).unwrap());
     drop(GpuCore::open(0).unwrap());
     let (f0, m0, r0) = (fds(), maps(), apex::rm::live_objects());
+    eprintln!("baseline: fds {f0}, mappings {m0}, RM objects {r0}; anchor {anchor}");
+    const PHASES: [&str; 8] = [
+        "open",
+        "queue",
+        "module",
+        "buffer",
+        "chain",
+        "drop module+buffer",
+        "drop queue",
+        "drop gpu",
+    ];
+    let mut total = [Duration::ZERO; PHASES.len()];
+    let mut slowest = Duration::ZERO;
     let t = Instant::now();
     for i in 0..cycles {
-        let gpu = GpuCore::open(0).unwrap();
-        let mut q = ComputeQueue::new(&gpu, ComputeQueueConfig::default()).unwrap();
-        let m = Module::load(&gpu, CUBIN).unwrap();
-        let v = Memory::alloc(&gpu, MemoryDesc::video(8).with_cpu()).unwrap();
-        chain(&mut q, &m, &v, 3, i as u64);
+        let run = || {
+            let mut at = [Instant::now(); PHASES.len() + 1];
+            let gpu = GpuCore::open(0).unwrap();
+            at[1] = Instant::now();
+            let mut q = ComputeQueue::new(&gpu, ComputeQueueConfig::default()).unwrap();
+            at[2] = Instant::now();
+            let m = Module::load(&gpu, CUBIN).unwrap();
+            at[3] = Instant::now();
+            let v = Memory::alloc(&gpu, MemoryDesc::video(8).with_cpu()).unwrap();
+            at[4] = Instant::now();
+            chain(&mut q, &m, &v, 3, i as u64);
+            at[5] = Instant::now();
+            drop((v, m));
+            at[6] = Instant::now();
+            drop(q);
+            at[7] = Instant::now();
+            drop(gpu);
+            at[8] = Instant::now();
+            at
+        };
+        let at = if traced && i == 0 {
+            let sub = tracing_subscriber::fmt()
+                .with_max_level(tracing::Level::TRACE)
+                .with_writer(std::io::stderr)
+                .finish();
+            tracing::subscriber::with_default(sub, run)
+        } else {
+            run()
+        };
+        for p in 0..PHASES.len() {
+            total[p] += at[p + 1] - at[p];
+        }
+        slowest = slowest.max(at[PHASES.len()] - at[0]);
+        if (i + 1) % 1000 == 0 {
+            eprintln!(
+                "{} cycles, {:?}: fds {}, mappings {}, RM objects {}",
+                i + 1,
+                t.elapsed(),
+                fds(),
+                maps(),
+                apex::rm::live_objects()
+            );
+        }
     }
+    let per = |d: Duration| d / cycles.max(1) as u32;
+    let phases: Vec<String> = PHASES
+        .iter()
+        .zip(total)
+        .map(|(n, d)| format!("{n} {:?}", per(d)))
+        .collect();
     eprintln!(
-        "{cycles} GPU+queue+module cycles in {:?}; fds {f0} -> {}, mappings {m0} -> {}, RM objects {r0} -> {}",
+        "{cycles} GPU+queue+module cycles in {:?} (per cycle: {}; slowest cycle {slowest:?}); \
+         fds {f0} -> {}, mappings {m0} -> {}, RM objects {r0} -> {}",
         t.elapsed(),
+        phases.join(", "),
         fds(),
         maps(),
         apex::rm::live_objects()

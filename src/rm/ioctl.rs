@@ -1,9 +1,12 @@
-//! The unsafe core of the RM layer: ioctls on the NVIDIA device nodes.
+//! The unsafe core of the RM layer: ioctls on the NVIDIA device nodes. Each one is logged at trace level
+//! with its duration (setup paths only: launches make no ioctl).
 
 use std::ffi::c_void;
 use std::os::fd::AsFd;
+use std::time::Instant;
 
 use rustix::ioctl::{Ioctl, IoctlOutput, Opcode, opcode};
+use tracing::trace;
 
 use super::sys;
 use super::{Error, Result};
@@ -47,8 +50,16 @@ pub(crate) unsafe fn nv_escape<T>(
     what: &'static str,
 ) -> Result<()> {
     let code = opcode::read_write::<T>(sys::NV_IOCTL_MAGIC, nr as u8);
+    let start = Instant::now();
     // SAFETY: forwarded to the caller's contract above.
-    unsafe { rustix::ioctl::ioctl(fd, ReadWrite { opcode: code, arg }) }.map_err(|e| Error::Ioctl {
+    let r = unsafe { rustix::ioctl::ioctl(fd, ReadWrite { opcode: code, arg }) };
+    trace!(
+        call = escape_name(nr),
+        what,
+        us = start.elapsed().as_micros() as u64,
+        "ioctl"
+    );
+    r.map_err(|e| Error::Ioctl {
         call: escape_name(nr),
         what,
         source: e.into(),
@@ -65,8 +76,9 @@ pub(crate) unsafe fn uvm_ioctl<T>(
     arg: &mut T,
     what: &'static str,
 ) -> Result<()> {
+    let start = Instant::now();
     // SAFETY: forwarded to the caller's contract above.
-    unsafe {
+    let r = unsafe {
         rustix::ioctl::ioctl(
             fd,
             ReadWrite {
@@ -74,8 +86,14 @@ pub(crate) unsafe fn uvm_ioctl<T>(
                 arg,
             },
         )
-    }
-    .map_err(|e| Error::Ioctl {
+    };
+    trace!(
+        call = "UVM",
+        what,
+        us = start.elapsed().as_micros() as u64,
+        "ioctl"
+    );
+    r.map_err(|e| Error::Ioctl {
         call: "UVM",
         what,
         source: e.into(),
