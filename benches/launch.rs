@@ -6,7 +6,8 @@
 //! - `submit`: CPU cost of one launch call (the queue is drained outside the timed part every 256 launches);
 //! - `launch_to_completion`: one launch, then wait until the CPU sees it complete;
 //! - `dependent_1000`: 1000 launches in stream order and one wait, per launch;
-//! - `batched_1000`: the same 1000 launches under one doorbell (direct) vs. a CUDA graph replay (cuGraphLaunch);
+//! - `batched_1000`: the same 1000 launches under one doorbell (direct), as one chain of QMDs (direct) and as a
+//!   CUDA graph replay (cuGraphLaunch);
 //! - `independent_1000`: 1000 launches that may run concurrently (direct) vs. one stream, per launch.
 
 use std::hint::black_box;
@@ -202,6 +203,30 @@ fn benches(c: &mut Criterion) {
             })
         })
     });
+    g.bench_function("apex_direct_chained", |b| {
+        b.iter_custom(|iters| {
+            per_launch(iters, || {
+                for _ in 0..1000 {
+                    // SAFETY: the empty kernel touches no memory.
+                    unsafe { p.q.record_launch_chained(&p.k, &ONE, &[]) }.expect("record");
+                }
+                p.q.end_chain().expect("end chain").wait(T).expect("wait");
+            })
+        })
+    });
+    p.q.set_chain_action(apex::launch::qmd::ChainAction::Schedule);
+    g.bench_function("apex_direct_chained_schedule", |b| {
+        b.iter_custom(|iters| {
+            per_launch(iters, || {
+                for _ in 0..1000 {
+                    // SAFETY: the empty kernel touches no memory.
+                    unsafe { p.q.record_launch_chained(&p.k, &ONE, &[]) }.expect("record");
+                }
+                p.q.end_chain().expect("end chain").wait(T).expect("wait");
+            })
+        })
+    });
+    p.q.set_chain_action(apex::launch::qmd::ChainAction::InvalidateCopySchedule);
     g.bench_function("cuGraphLaunch", |b| {
         b.iter_custom(|iters| {
             per_launch(iters, || {

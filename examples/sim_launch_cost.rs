@@ -14,8 +14,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut q = ComputeQueue::new(&gpu, ComputeQueueConfig::default())?;
     let k = Module::load(&gpu, CUBIN)?.kernel("empty")?;
     let cfg = LaunchConfig::linear(1, 1);
+    // APEX_ROUNDS: more rounds of 200 launches, for profiling.
+    let rounds: usize = std::env::var("APEX_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200);
     let mut samples = Vec::new();
-    for _ in 0..200 {
+    for _ in 0..rounds {
         let t = Instant::now();
         let mut last = None;
         for _ in 0..200 {

@@ -397,6 +397,7 @@ impl Gpu {
         };
         Ok(Queue {
             inner,
+            driver_chain: 0,
             limits: self.limits,
             keep: Vec::new(),
             staging: None,
@@ -590,6 +591,8 @@ impl StreamWatch {
 /// Launches and copies in order on one GPU.
 pub struct Queue {
     inner: QueueInner,
+    /// Chained launches made on the driver backend since the chain last ended.
+    driver_chain: usize,
     limits: Limits,
     /// Buffers used by copies in flight, released when their fences complete.
     keep: Vec<(Fence, KeepAlive)>,
@@ -641,31 +644,15 @@ impl Queue {
         cfg: &LaunchConfig,
         args: &[Arg<'_>],
     ) -> Result<Fence> {
+        self.driver_chain = 0;
         match (&mut self.inner, kernel) {
             // SAFETY: forwarded to the caller.
             (QueueInner::Direct(q), Kernel::Direct(k)) => {
                 Ok(Fence::Direct(unsafe { q.launch(k, cfg, args)? }))
             }
             (QueueInner::Driver { stream, ptrs }, Kernel::Driver { func, info }) => {
-                if let Some(info) = info {
-                    launch::queue_validate(info, cfg, &self.limits)?;
-                }
-                check_driver_args(func, info.as_deref(), args)?;
-                ptrs.clear();
-                for a in args {
-                    ptrs.push(arg_ptr(a));
-                }
-                // SAFETY: each pointer refers into `args`, alive for the call, with the size the kernel declares
-                // (checked above); the rest is the caller's contract.
-                unsafe {
-                    stream.launch(
-                        func,
-                        cfg.grid,
-                        cfg.block,
-                        cfg.shared_bytes,
-                        ptrs.as_mut_slice(),
-                    )?
-                };
+                // SAFETY: forwarded to the caller.
+                unsafe { driver_launch(stream, ptrs, &self.limits, func, info, cfg, args)? };
                 Ok(Fence::Driver(Arc::new(StreamWatch {
                     ctx: stream.context().clone(),
                     stream: stream.handle(),
@@ -675,8 +662,55 @@ impl Queue {
         }
     }
 
+    /// Records `kernel` as the next link of a chain of dependent launches, ended by [`end_chain`](Self::end_chain).
+    /// On the direct path each link is scheduled by the GPU when the one before completes, with no round trip
+    /// through the channel's front end (as a CUDA graph runs), and long chains are sent part by part while they are
+    /// recorded. On the driver backend links are launched on the stream at once, which orders them the same way.
+    /// Any other launch or copy on the queue ends the chain first.
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch).
+    pub unsafe fn launch_chained(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+    ) -> Result<()> {
+        match (&mut self.inner, kernel) {
+            // SAFETY: forwarded to the caller.
+            (QueueInner::Direct(q), Kernel::Direct(k)) => unsafe {
+                q.record_launch_chained(k, cfg, args)?
+            },
+            (QueueInner::Driver { stream, ptrs }, Kernel::Driver { func, info }) => {
+                // SAFETY: forwarded to the caller.
+                unsafe { driver_launch(stream, ptrs, &self.limits, func, info, cfg, args)? };
+                self.driver_chain += 1;
+            }
+            _ => return Err(Error::Mismatch),
+        }
+        Ok(())
+    }
+
+    /// Ends the chain recorded by [`launch_chained`](Self::launch_chained) and submits it; the fence completes when
+    /// its last launch has. An error if no chained launch was recorded since the chain last ended.
+    pub fn end_chain(&mut self) -> Result<Fence> {
+        match &mut self.inner {
+            QueueInner::Direct(q) => Ok(Fence::Direct(q.end_chain()?)),
+            QueueInner::Driver { stream, .. } => {
+                if std::mem::take(&mut self.driver_chain) == 0 {
+                    return Err(launch::Error::NoChain.into());
+                }
+                Ok(Fence::Driver(Arc::new(StreamWatch {
+                    ctx: stream.context().clone(),
+                    stream: stream.handle(),
+                })))
+            }
+        }
+    }
+
     /// Waits until everything submitted so far is complete.
     pub fn synchronize(&mut self) -> Result<()> {
+        self.driver_chain = 0;
         match &mut self.inner {
             QueueInner::Direct(q) => q.synchronize()?,
             QueueInner::Driver { stream, .. } => stream.synchronize()?,
@@ -779,6 +813,8 @@ impl Queue {
         bytes: u64,
         device_to_device: bool,
     ) -> Result<Fence> {
+        // Other work ends a chain, on both backends.
+        self.driver_chain = 0;
         check_range(src_size, src_offset, bytes)?;
         check_range(dst_size, dst_offset, bytes)?;
         let (s, d) = (src + src_offset, dst + dst_offset);
@@ -911,6 +947,41 @@ fn check_range(size: u64, offset: u64, len: u64) -> Result<()> {
             "range {offset:#x}+{len:#x} outside a {size:#x}-byte buffer"
         )));
     }
+    Ok(())
+}
+
+/// Checks and launches one kernel on the driver backend's stream.
+///
+/// # Safety
+/// As for [`Queue::launch`].
+unsafe fn driver_launch(
+    stream: &mut driver::Stream,
+    ptrs: &mut driver::ParamPtrs,
+    limits: &Limits,
+    func: &driver::Function,
+    info: &Option<Arc<KernelInfo>>,
+    cfg: &LaunchConfig,
+    args: &[Arg<'_>],
+) -> Result<()> {
+    if let Some(info) = info {
+        launch::queue_validate(info, cfg, limits)?;
+    }
+    check_driver_args(func, info.as_deref(), args)?;
+    ptrs.clear();
+    for a in args {
+        ptrs.push(arg_ptr(a));
+    }
+    // SAFETY: each pointer refers into `args`, alive for the call, with the size the kernel declares (checked
+    // above); the rest is the caller's contract.
+    unsafe {
+        stream.launch(
+            func,
+            cfg.grid,
+            cfg.block,
+            cfg.shared_bytes,
+            ptrs.as_mut_slice(),
+        )?
+    };
     Ok(())
 }
 

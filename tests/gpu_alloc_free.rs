@@ -65,4 +65,23 @@ fn prepared_launches_allocate_nothing() {
     let after = ALLOCS.load(Ordering::Relaxed);
     last.unwrap().wait(Duration::from_secs(10)).unwrap();
     assert_eq!(after - before, 0, "heap allocations during 10^4 launches");
+
+    // Chained launches, sent part by part, and their ends.
+    let before = ALLOCS.load(Ordering::Relaxed);
+    let mut last = None;
+    for round in 0..10u64 {
+        for i in 0..1000u64 {
+            let args = [Arg::Ptr(v.va()), Arg::U64(3), Arg::U64(i ^ round)];
+            // SAFETY: as above.
+            unsafe { q.record_launch_chained(&chain, &cfg, &args) }.unwrap();
+        }
+        last = Some(q.end_chain().unwrap());
+    }
+    let after = ALLOCS.load(Ordering::Relaxed);
+    last.unwrap().wait(Duration::from_secs(10)).unwrap();
+    assert_eq!(
+        after - before,
+        0,
+        "heap allocations during 10^4 chained launches"
+    );
 }

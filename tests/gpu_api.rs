@@ -86,6 +86,40 @@ fn chain(b: Backend) {
     assert_eq!(u64::from_le_bytes(out), expect, "{b:?}");
 }
 
+/// The same chain as `chain`, as chained launches: ended by `end_chain`, by a launch, and by a copy.
+fn chained(b: Backend) {
+    let g = gpu(b);
+    let mut q = g.queue().unwrap();
+    let k = g.load_module(CUBIN).unwrap().kernel("chain_step").unwrap();
+    let v = g.alloc(8).unwrap();
+    q.upload(&g, &v, 0, &5u64.to_le_bytes()).unwrap();
+    assert!(q.end_chain().is_err(), "{b:?}: nothing chained yet");
+    let mut expect = 5u64;
+    let cfg = LaunchConfig::linear(1, 1);
+    for i in 0..10_000u64 {
+        let (mul, add) = (i * 2 + 3, i ^ 0x5555);
+        expect = expect.wrapping_mul(mul).wrapping_add(add);
+        let args = [v.arg(), Arg::U64(mul), Arg::U64(add)];
+        // SAFETY: an 8-byte buffer, all the kernel touches.
+        match i % 1000 {
+            999 => unsafe { q.launch(&k, &cfg, &args) }.map(drop).unwrap(),
+            500 => {
+                unsafe { q.launch_chained(&k, &cfg, &args) }.unwrap();
+                q.end_chain().unwrap();
+            }
+            _ => unsafe { q.launch_chained(&k, &cfg, &args) }.unwrap(),
+        }
+    }
+    // A download is a copy: it ends nothing left open here, and it sees the last launch's result.
+    let mut out = [0u8; 8];
+    q.download(&g, &v, 0, &mut out).unwrap();
+    assert_eq!(u64::from_le_bytes(out), expect, "{b:?}");
+    assert!(
+        q.end_chain().is_err(),
+        "{b:?}: the chain ended with the last launch"
+    );
+}
+
 fn transfers(b: Backend) {
     let g = gpu(b);
     let mut q = g.queue().unwrap();
@@ -186,7 +220,7 @@ macro_rules! both {
         mod driver { $( #[test] #[ignore = "needs an NVIDIA GPU"] fn $name() { super::$name(apex::Backend::Driver) } )* }
     };
 }
-both!(vector_add, chain, transfers, bad_input);
+both!(vector_add, chain, chained, transfers, bad_input);
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]

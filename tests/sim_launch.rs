@@ -263,3 +263,192 @@ fn bad_launches_never_reach_the_model() {
     assert_eq!(sim.launches().len(), launches);
     assert!(sim.errors().is_empty());
 }
+
+/// The parameters the model recorded for a `chain_step(value, mul, add)` launch.
+fn chain_step_args(params: &[u8]) -> (u64, u64, u64) {
+    let w = |i: usize| u64::from_le_bytes(params[i * 8..i * 8 + 8].try_into().unwrap());
+    (w(0), w(1), w(2))
+}
+
+#[test]
+fn a_chain_runs_every_link_in_order_and_releases_once_at_its_end() {
+    let (gpu, sim, mut q, module) = setup();
+    let k = module.kernel("chain_step").unwrap();
+    let v = page(&gpu);
+    let before = sim.launches().len();
+    let cfg = LaunchConfig::linear(1, 1);
+    for i in 0..5u64 {
+        // SAFETY: the model does not execute kernels.
+        unsafe {
+            q.record_launch_chained(
+                &k,
+                &cfg,
+                &[Arg::Ptr(v.va()), Arg::U64(i), Arg::U64(100 + i)],
+            )
+        }
+        .unwrap();
+        assert_eq!(q.chain_len(), i as usize + 1);
+    }
+    // Nothing reaches the GPU before the chain ends.
+    sim.wait_for(Duration::from_millis(50), |s| s.launches().len() > before);
+    assert_eq!(sim.launches().len(), before);
+    let fence = q.end_chain().unwrap();
+    assert_eq!(q.chain_len(), 0);
+    fence.wait(Duration::from_secs(2)).unwrap_or_else(|e| {
+        panic!(
+            "{e}: {:?} {} {:?} value {}",
+            sim.errors(),
+            sim.launches().len() - before,
+            sim.channel_stats(),
+            fence.value()
+        )
+    });
+    let launches = sim.launches();
+    assert_eq!(launches.len() - before, 5);
+    let timeline = q.queue().timeline().va();
+    for (i, l) in launches[before..].iter().enumerate() {
+        assert_eq!(
+            chain_step_args(&l.params),
+            (v.va(), i as u64, 100 + i as u64)
+        );
+        let releases = if i == 4 {
+            vec![(timeline, fence.value())]
+        } else {
+            vec![]
+        };
+        assert_eq!(l.releases, releases, "link {i}");
+    }
+    // The links sit in consecutive slots, so the next chain reuses none of them while they may run.
+    let slots: Vec<u64> = launches[before..].iter().map(|l| l.qmd_va).collect();
+    assert!(slots.windows(2).all(|w| w[1] > w[0]));
+    assert!(matches!(q.end_chain(), Err(Error::NoChain)));
+}
+
+#[test]
+fn a_chain_longer_than_the_slots_is_sent_in_parts_in_order() {
+    let (gpu, sim) = Simulator::open(SimConfig::default()).unwrap();
+    let config = ComputeQueueConfig {
+        slots: 8,
+        ..ComputeQueueConfig::default()
+    };
+    let mut q = ComputeQueue::new(&gpu, config).unwrap();
+    let module = Module::load(&gpu, CUBIN).unwrap();
+    let k = module.kernel("chain_step").unwrap();
+    let v = page(&gpu);
+    let before = sim.launches().len();
+    let cfg = LaunchConfig::linear(1, 1);
+    for round in 0..3u64 {
+        for i in 0..21u64 {
+            let args = [Arg::Ptr(v.va()), Arg::U64(round), Arg::U64(i)];
+            // SAFETY: the model does not execute kernels.
+            unsafe { q.record_launch_chained(&k, &cfg, &args) }.unwrap();
+            assert!(q.chain_len() <= 8);
+        }
+        q.end_chain().unwrap().wait(T).unwrap();
+    }
+    let launches = sim.launches();
+    assert_eq!(launches.len() - before, 63);
+    for (n, l) in launches[before..].iter().enumerate() {
+        let (round, i) = (n as u64 / 21, n as u64 % 21);
+        assert_eq!(chain_step_args(&l.params), (v.va(), round, i), "launch {n}");
+    }
+    assert!(sim.errors().is_empty());
+}
+
+#[test]
+fn other_work_and_dropping_the_queue_end_an_open_chain_first() {
+    let (gpu, sim, mut q, module) = setup();
+    let k = module.kernel("chain_step").unwrap();
+    let v = page(&gpu);
+    let cfg = LaunchConfig::linear(1, 1);
+    let before = sim.launches().len();
+    let step = |q: &mut ComputeQueue, tag: u64| {
+        // SAFETY: the model does not execute kernels.
+        unsafe {
+            q.record_launch_chained(&k, &cfg, &[Arg::Ptr(v.va()), Arg::U64(tag), Arg::U64(0)])
+        }
+        .unwrap()
+    };
+    step(&mut q, 1);
+    step(&mut q, 2);
+    // An ordered launch after an open chain: the chain is sent first and the launch waits for it.
+    // SAFETY: as above.
+    let f = unsafe { q.launch(&k, &cfg, &[Arg::Ptr(v.va()), Arg::U64(3), Arg::U64(0)]) }.unwrap();
+    f.wait(T).unwrap();
+    step(&mut q, 4);
+    q.synchronize().unwrap();
+    step(&mut q, 5);
+    step(&mut q, 6);
+    drop(q);
+    let tags: Vec<u64> = sim.launches()[before..]
+        .iter()
+        .map(|l| chain_step_args(&l.params).1)
+        .collect();
+    assert_eq!(tags, [1, 2, 3, 4, 5, 6]);
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+}
+
+#[test]
+fn a_launch_that_grows_local_memory_releases_the_value_its_fence_waits_for() {
+    let (gpu, sim, mut q, module) = setup();
+    let spill = module.kernel("spill").unwrap();
+    let step = module.kernel("chain_step").unwrap();
+    assert!(spill.info().min_stack_size + 0x240 > q.local_bytes_per_thread());
+    let out = page(&gpu);
+    let spill_args = [Arg::Ptr(out.va()), Arg::U32(1), Arg::U32(64)];
+    let before = q.local_bytes_per_thread();
+    // SAFETY: the model does not execute kernels.
+    let f = unsafe { q.launch(&spill, &LaunchConfig::linear(1, 32), &spill_args) }.unwrap();
+    f.wait(T).unwrap();
+    assert!(q.local_bytes_per_thread() > before);
+
+    // Inside a chain: the links recorded so far are sent before local memory changes, then the chain goes on.
+    let mut q = ComputeQueue::new(&gpu, ComputeQueueConfig::default()).unwrap();
+    let first = sim.launches().len();
+    for tag in 1..=2 {
+        let args = [Arg::Ptr(out.va()), Arg::U64(tag), Arg::U64(0)];
+        // SAFETY: as above.
+        unsafe { q.record_launch_chained(&step, &LaunchConfig::linear(1, 1), &args) }.unwrap();
+    }
+    // SAFETY: as above.
+    unsafe { q.record_launch_chained(&spill, &LaunchConfig::linear(1, 32), &spill_args) }.unwrap();
+    assert_eq!(q.chain_len(), 1);
+    q.end_chain().unwrap().wait(T).unwrap();
+    let programs: Vec<u64> = sim.launches()[first..]
+        .iter()
+        .map(|l| l.program_va)
+        .collect();
+    assert_eq!(
+        programs,
+        [step.program_va(), step.program_va(), spill.program_va()]
+    );
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+}
+
+#[test]
+fn a_long_chain_is_sent_part_by_part_while_it_is_recorded() {
+    let (gpu, sim) = Simulator::open(SimConfig::default()).unwrap();
+    let config = ComputeQueueConfig {
+        chain_part: 4,
+        ..ComputeQueueConfig::default()
+    };
+    let mut q = ComputeQueue::new(&gpu, config).unwrap();
+    let module = Module::load(&gpu, CUBIN).unwrap();
+    let k = module.kernel("chain_step").unwrap();
+    let v = page(&gpu);
+    let before = sim.launches().len();
+    for i in 0..10u64 {
+        let args = [Arg::Ptr(v.va()), Arg::U64(i), Arg::U64(0)];
+        // SAFETY: the model does not execute kernels.
+        unsafe { q.record_launch_chained(&k, &LaunchConfig::linear(1, 1), &args) }.unwrap();
+    }
+    // Two parts of four are on their way; the last two links wait for end_chain.
+    assert_eq!(q.chain_len(), 2);
+    assert!(sim.wait_for(T, |s| s.launches().len() == before + 8));
+    q.end_chain().unwrap().wait(T).unwrap();
+    let tags: Vec<u64> = sim.launches()[before..]
+        .iter()
+        .map(|l| chain_step_args(&l.params).1)
+        .collect();
+    assert_eq!(tags, (0..10).collect::<Vec<_>>());
+}

@@ -1,6 +1,6 @@
 use std::fmt;
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use tracing::{debug, warn};
@@ -451,8 +451,8 @@ impl Channel {
     pub fn fault_watch(&self) -> FaultWatch {
         FaultWatch(Arc::new(FaultState {
             notifier: self.notifier.clone(),
-            channel: self.channel.clone(),
-            debugger: self.debugger.clone(),
+            channel: Arc::downgrade(&self.channel),
+            debugger: self.debugger.as_ref().map(Arc::downgrade),
             sm_count: self.core.info.sm_count,
             mmu: std::sync::OnceLock::new(),
             sm: std::sync::OnceLock::new(),
@@ -583,8 +583,10 @@ pub struct FaultWatch(Arc<FaultState>);
 #[derive(Debug)]
 struct FaultState {
     notifier: Arc<Memory>,
-    channel: Arc<Object>,
-    debugger: Option<Arc<Object>>,
+    // Weak: a fence that outlives its queue must not keep the channel allocated (and scheduled) after the ring and
+    // USERD it points at are gone. RM is asked about faults only while the channel exists.
+    channel: Weak<Object>,
+    debugger: Option<Weak<Object>>,
     sm_count: u32,
     /// Asked of RM once on the fault path, then kept for every waiter.
     mmu: std::sync::OnceLock<Option<(u64, u32)>>,
@@ -601,6 +603,7 @@ impl FaultWatch {
                 let mut p = sys::NV906F_CTRL_GET_MMU_FAULT_INFO_PARAMS::default();
                 self.0
                     .channel
+                    .upgrade()?
                     .control(
                         sys::NV906F_CTRL_CMD_GET_MMU_FAULT_INFO,
                         &mut p,
@@ -622,12 +625,13 @@ impl FaultWatch {
     }
 
     fn first_sm_error(&self) -> Option<SmError> {
-        let debugger = self.0.debugger.as_ref()?;
+        let debugger = self.0.debugger.as_ref()?.upgrade()?;
+        let channel = self.0.channel.upgrade()?;
         let per_call = sys::NV83DE_CTRL_DEBUG_MAX_SMS_PER_CALL;
         let mut start = 0;
         while start < self.0.sm_count {
             let mut p = Box::new(sys::NV83DE_CTRL_DEBUG_READ_ALL_SM_ERROR_STATES_PARAMS {
-                hTargetChannel: self.0.channel.handle(),
+                hTargetChannel: channel.handle(),
                 numSMsToRead: per_call.min(self.0.sm_count - start),
                 startingSM: start,
                 ..Default::default()

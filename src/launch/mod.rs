@@ -38,6 +38,8 @@ pub enum Error {
     InvalidLaunch { kernel: String, why: String },
     #[error("the direct launch path does not support this GPU: {0}")]
     Unsupported(String),
+    #[error("end_chain without a chained launch recorded")]
+    NoChain,
 }
 
 impl From<crate::rm::Error> for Error {

@@ -387,6 +387,58 @@ pub fn patch_launch(
     Ok(true)
 }
 
+/// How a chained QMD schedules the next one (DEPENDENT_QMD0_ACTION, with prefetch).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChainAction {
+    /// QMD_SCHEDULE: what libcuda's graphs use on Hopper (their QMDs never change between replays).
+    Schedule,
+    /// QMD_INVALIDATE_COPY_SCHEDULE: the next QMD is fetched afresh, for slots whose QMDs are rewritten.
+    InvalidateCopySchedule,
+}
+
+/// Makes a QMD built by [`build`] (with a release) a link of a chain. With `next`, the compute work distributor
+/// schedules the QMD at `next` once this grid has completed and its writes are visible GPU-wide (an L1 membar with
+/// task chasing); this QMD releases nothing. Without, it is the chain's end: no dependent, its release enabled, and a sysmembar so
+/// the CPU sees the grid's writes once it sees the release. The recipe is the one libcuda's graphs use on Hopper.
+/// V04 only (returns false for other layouts).
+pub fn set_chain_link(
+    version: QmdVersion,
+    words: &mut [u32; QMD_WORDS],
+    next: Option<(u64, ChainAction)>,
+) -> Result<bool, QmdError> {
+    if version != QmdVersion::V04 {
+        return Ok(false);
+    }
+    let w = &mut Writer { words };
+    match next {
+        Some((va, action)) => {
+            let action = match action {
+                ChainAction::Schedule => v04::DEPENDENT_QMD_ACTION_QMD_SCHEDULE,
+                ChainAction::InvalidateCopySchedule => {
+                    v04::DEPENDENT_QMD_ACTION_QMD_INVALIDATE_COPY_SCHEDULE
+                }
+            };
+            set!(w, v04::DEPENDENT_QMD_ENABLE(0), 1);
+            set!(w, v04::DEPENDENT_QMD_ACTION(0), action);
+            set!(w, v04::DEPENDENT_QMD_PREFETCH(0), 1);
+            set!(w, v04::DEPENDENT_QMD0_POINTER, va >> 8);
+            set!(w, v04::RELEASE_ENABLE(0), 0);
+            set!(w, v04::CWD_MEMBAR_TYPE, v04::CWD_MEMBAR_TYPE_L1_MEMBAR);
+            set!(w, v04::CWD_MEMBAR_TASK_CHASING_ENABLE, 1);
+        }
+        None => {
+            set!(w, v04::DEPENDENT_QMD_ENABLE(0), 0);
+            set!(w, v04::DEPENDENT_QMD_ACTION(0), 0);
+            set!(w, v04::DEPENDENT_QMD_PREFETCH(0), 0);
+            set!(w, v04::DEPENDENT_QMD0_POINTER, 0);
+            set!(w, v04::RELEASE_ENABLE(0), 1);
+            set!(w, v04::CWD_MEMBAR_TYPE, v04::CWD_MEMBAR_TYPE_L1_SYSMEMBAR);
+            set!(w, v04::CWD_MEMBAR_TASK_CHASING_ENABLE, 0);
+        }
+    }
+    Ok(true)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -410,6 +462,31 @@ mod tests {
             const_buffers: cbs,
             release: Some((0x2_0463_7f24, 6)),
         }
+    }
+
+    #[test]
+    fn chain_links_carry_the_fields_libcuda_graphs_set() {
+        let mut q = [0u32; QMD_WORDS];
+        build(QmdVersion::V04, &add_kernel(), &mut q).unwrap();
+        let built = q;
+        let get = |q: &[u32; QMD_WORDS], f: Field| f.get(q);
+        // A graph node of a 4-kernel chain captured with apex-trace on the H100 (driver 580.159.04).
+        let next = (0x2_04c0_0600, ChainAction::Schedule);
+        assert!(set_chain_link(QmdVersion::V04, &mut q, Some(next)).unwrap());
+        assert_eq!(get(&q, v04::DEPENDENT_QMD_ENABLE(0)), Some(1));
+        assert_eq!(get(&q, v04::DEPENDENT_QMD_ACTION(0)), Some(1));
+        assert_eq!(get(&q, v04::DEPENDENT_QMD_PREFETCH(0)), Some(1));
+        assert_eq!(get(&q, v04::DEPENDENT_QMD0_POINTER), Some(0x204_c006));
+        assert_eq!(get(&q, v04::CWD_MEMBAR_TYPE), Some(3));
+        assert_eq!(get(&q, v04::CWD_MEMBAR_TASK_CHASING_ENABLE), Some(1));
+        assert_eq!(get(&q, v04::RELEASE_ENABLE(0)), Some(0));
+        let next = (0x2_04c0_0600, ChainAction::InvalidateCopySchedule);
+        set_chain_link(QmdVersion::V04, &mut q, Some(next)).unwrap();
+        assert_eq!(get(&q, v04::DEPENDENT_QMD_ACTION(0)), Some(3));
+        // The chain's end is the QMD as built: release on, sysmembar, no dependent.
+        set_chain_link(QmdVersion::V04, &mut q, None).unwrap();
+        assert_eq!(q, built);
+        assert!(!set_chain_link(QmdVersion::V03, &mut q, None).unwrap());
     }
 
     #[test]

@@ -14,7 +14,7 @@ use super::cbank::{DRIVER_BYTES, write_driver_words};
 use super::cubin::KernelInfo;
 use super::module::{Kernel, newest_generation};
 use super::params::{Arg, pack};
-use super::qmd::{self, ConstBuffer, QMD_WORDS, QmdParams, QmdVersion};
+use super::qmd::{self, ChainAction, ConstBuffer, QMD_WORDS, QmdParams, QmdVersion};
 use super::{Error, Result};
 
 /// Grid and block shape and dynamic shared memory of one launch.
@@ -67,6 +67,9 @@ pub struct ComputeQueueConfig {
     /// Launch slots (QMD + constant bank 0 each): how many launches can be in flight.
     pub slots: usize,
     pub timeout: Duration,
+    /// Chained launches sent together: a longer chain is sent in parts of this many as it is recorded, so the GPU
+    /// runs one part while the CPU records the next (each part waits for the one before, one front-end round trip).
+    pub chain_part: usize,
 }
 
 impl Default for ComputeQueueConfig {
@@ -79,6 +82,7 @@ impl Default for ComputeQueueConfig {
             queue,
             slots: 256,
             timeout: Duration::from_secs(10),
+            chain_part: 128,
         }
     }
 }
@@ -162,6 +166,42 @@ pub struct ComputeQueue {
     qmd_shadow: Vec<[u32; QMD_WORDS]>,
     cb_shadow: Vec<[u32; CBANK_DRIVER_WORDS]>,
     timeout: Duration,
+    /// The chain being recorded by `record_launch_chained`, sent by `end_chain`.
+    chain: Option<OpenChain>,
+    chain_action: ChainAction,
+    chain_part: usize,
+}
+
+/// The timeline release a launch's QMD carries.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Release {
+    /// None: an unordered launch.
+    None,
+    /// The value the launch's own submission will have (after a join of unordered launches, if one is pending).
+    Next,
+    /// Set when the chain it belongs to ends.
+    Later,
+}
+
+impl Release {
+    fn next_if(ordered: bool) -> Release {
+        if ordered {
+            Release::Next
+        } else {
+            Release::None
+        }
+    }
+}
+
+/// Chained launches recorded but not sent. The last one's QMD is held back until the next launch (or the chain's
+/// end) says what follows it, so every QMD is written once and completely before the chain's head is sent.
+#[derive(Clone, Copy)]
+struct OpenChain {
+    first_slot: usize,
+    len: usize,
+    invalidate: bool,
+    last_slot: usize,
+    last_qmd: [u32; QMD_WORDS],
 }
 
 impl std::fmt::Debug for ComputeQueue {
@@ -228,6 +268,9 @@ impl ComputeQueue {
             qmd_shadow: vec![[0; QMD_WORDS]; config.slots],
             cb_shadow: vec![[0; CBANK_DRIVER_WORDS]; config.slots],
             timeout: config.timeout,
+            chain: None,
+            chain_action: ChainAction::InvalidateCopySchedule,
+            chain_part: config.chain_part.clamp(1, config.slots),
         };
         let (shared, local) = (cq.shared_window(), cq.local_window());
         cq.queue.submit(16, Signal::Host, |p, _| {
@@ -361,6 +404,7 @@ impl ComputeQueue {
     /// Records a signal that completes once every launch so far has completed (waiting for the compute engine to
     /// go idle), rings the doorbell, and returns its fence.
     pub fn join(&mut self) -> Result<Fence> {
+        self.end_open_chain()?;
         let fence = self.queue.submit(0, Signal::Host, |_, _| {})?;
         self.unordered_pending = false;
         Ok(fence)
@@ -405,6 +449,7 @@ impl ComputeQueue {
                 why: "a copy of 0 bytes".into(),
             });
         }
+        self.end_open_chain()?;
         if self.unordered_pending {
             self.join()?;
         }
@@ -448,6 +493,41 @@ impl ComputeQueue {
         args: &[Arg<'_>],
         ordered: bool,
     ) -> Result<Fence> {
+        self.end_open_chain()?;
+        let (slot, q) = self.prepare(kernel, cfg, args, Release::next_if(ordered))?;
+        self.write_qmd(slot, &q)?;
+
+        if ordered && self.unordered_pending {
+            // Join the unordered launches first (recorded; the doorbell below sends both).
+            self.queue.record(0, Signal::Host, |_, _| {})?;
+            self.unordered_pending = false;
+        }
+        let value = self.queue.last_submitted() + 1;
+        let prev = self.queue.last_submitted();
+        let prev_done = !ordered || self.queue.timeline().is_reached(prev);
+        let invalidate = self.seen_generation < kernel.module().generation();
+
+        let fence = self.send(self.slot_qmd_va(slot), invalidate, prev_done, prev)?;
+        debug_assert_eq!(fence.value(), value);
+        if invalidate {
+            self.seen_generation = newest_generation();
+        }
+        if !ordered {
+            self.unordered_pending = true;
+        }
+        self.slot_values[slot] = value;
+        Ok(fence)
+    }
+
+    /// Checks a launch, packs its parameters, takes the next free slot and writes the slot's constant bank 0; returns
+    /// the slot and the launch's QMD (not yet written).
+    fn prepare(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+        release: Release,
+    ) -> Result<(usize, [u32; QMD_WORDS])> {
         let k = kernel.info();
         let shared = self.check(kernel, cfg)?;
         let n = pack(k, args, &mut self.params)?;
@@ -469,9 +549,15 @@ impl ComputeQueue {
             self.queue.fence_for(busy_until).wait(self.timeout)?;
         }
         let slot_off = slot as u64 * SLOT_BYTES;
-        let qmd_va = self.slots.va() + slot_off;
-        let cb_va = qmd_va + QMD_BYTES;
-        let value = self.queue.last_submitted() + 1 + u64::from(ordered && self.unordered_pending);
+        let cb_va = self.slot_qmd_va(slot) + QMD_BYTES;
+        // After anything above that submitted (local memory, a join): the value this launch will be sent with.
+        let release = match release {
+            Release::None => None,
+            Release::Next => {
+                Some(self.queue.last_submitted() + 1 + u64::from(self.unordered_pending))
+            }
+            Release::Later => Some(0),
+        };
 
         let key = TemplateKey {
             program_va: kernel.program_va(),
@@ -480,14 +566,14 @@ impl ComputeQueue {
             shared,
             local: self.local_per_thread,
             cbank_size: k.param_cbank_size,
-            ordered,
+            ordered: release.is_some(),
         };
         let release_va = self.queue.timeline().va();
         let mut q = [0u32; QMD_WORDS];
         let reused = match &self.template {
             Some((t, words)) if *t == key => {
                 q = *words;
-                qmd::patch_launch(self.version, &mut q, cb_va, ordered.then_some(value))?
+                qmd::patch_launch(self.version, &mut q, cb_va, release)?
             }
             _ => false,
         };
@@ -520,7 +606,7 @@ impl ComputeQueue {
                 shared_bytes: shared.max(1024).next_multiple_of(256),
                 local_bytes_per_thread: self.local_per_thread,
                 const_buffers: cbs,
-                release: ordered.then_some((release_va, value)),
+                release: release.map(|v| (release_va, v)),
             };
             qmd::build(self.version, &params, &mut q)?;
             self.template = Some((key, q));
@@ -545,35 +631,124 @@ impl ComputeQueue {
             slot_off + QMD_BYTES + DRIVER_BYTES as u64,
             &self.params[..n],
         )?;
+        self.next_slot = (slot + 1) % self.slot_values.len();
+        Ok((slot, q))
+    }
+
+    fn slot_qmd_va(&self, slot: usize) -> u64 {
+        self.slots.va() + slot as u64 * SLOT_BYTES
+    }
+
+    /// Writes the words of a slot's QMD that differ from what it holds.
+    fn write_qmd(&mut self, slot: usize, q: &[u32; QMD_WORDS]) -> Result<()> {
         let qmd_words = self.version.size_bytes() / 4;
         write_changed(
             &self.slots,
-            slot_off,
+            slot as u64 * SLOT_BYTES,
             &mut self.qmd_shadow[slot][..qmd_words],
             &q[..qmd_words],
-        )?;
+        )
+    }
 
-        if ordered && self.unordered_pending {
-            // Join the unordered launches first (recorded; the doorbell below sends both).
+    /// Records a launch as the next link of a chain: it starts when the launch before it in the chain has
+    /// completed, scheduled by the GPU's compute work distributor itself (the QMD dependency libcuda's graphs use on
+    /// Hopper), with no round trip through the channel's front end in between. Nothing is sent until
+    /// [`end_chain`](Self::end_chain); any other launch, copy, join or synchronize ends the chain first, and so does
+    /// dropping the queue. A long chain is sent in parts as it is recorded (`ComputeQueueConfig::chain_part`), each
+    /// part after the one before.
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch).
+    pub unsafe fn record_launch_chained(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+    ) -> Result<()> {
+        if let Some(c) = &self.chain {
+            // Local memory may not change under recorded links, and a slot may not be reused inside its own chain
+            // (chain_part <= slots).
+            let grows = kernel.info().min_stack_size + LOCAL_RESERVE > self.local_per_thread;
+            if c.len >= self.chain_part || grows {
+                self.end_open_chain()?;
+                self.queue.kick();
+            }
+        }
+        let (slot, q) = self.prepare(kernel, cfg, args, Release::Later)?;
+        let invalidate = self.seen_generation < kernel.module().generation();
+        match self.chain {
+            None => {
+                self.chain = Some(OpenChain {
+                    first_slot: slot,
+                    len: 1,
+                    invalidate,
+                    last_slot: slot,
+                    last_qmd: q,
+                })
+            }
+            Some(mut c) => {
+                let next = (self.slot_qmd_va(slot), self.chain_action);
+                qmd::set_chain_link(self.version, &mut c.last_qmd, Some(next))?;
+                self.write_qmd(c.last_slot, &c.last_qmd)?;
+                c.len += 1;
+                c.invalidate |= invalidate;
+                c.last_slot = slot;
+                c.last_qmd = q;
+                self.chain = Some(c);
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends the chain recorded by [`record_launch_chained`](Self::record_launch_chained) and rings the doorbell: its
+    /// first launch waits for the queue's earlier work, and the fence completes when its last launch has completed.
+    pub fn end_chain(&mut self) -> Result<Fence> {
+        let fence = self.end_open_chain()?.ok_or(Error::NoChain)?;
+        self.queue.kick();
+        Ok(fence)
+    }
+
+    /// Launches recorded in the open chain, not yet sent.
+    pub fn chain_len(&self) -> usize {
+        self.chain.map_or(0, |c| c.len)
+    }
+
+    /// How a chain's QMDs schedule the next one: `InvalidateCopySchedule` (the default) fetches each QMD afresh, as
+    /// rewritten slots need; `Schedule` is what libcuda's graphs use for QMDs that never change.
+    pub fn set_chain_action(&mut self, action: ChainAction) {
+        self.chain_action = action;
+    }
+
+    fn end_open_chain(&mut self) -> Result<Option<Fence>> {
+        let Some(mut c) = self.chain.take() else {
+            return Ok(None);
+        };
+        if self.unordered_pending {
             self.queue.record(0, Signal::Host, |_, _| {})?;
             self.unordered_pending = false;
         }
-        let value = self.queue.last_submitted() + 1;
         let prev = self.queue.last_submitted();
-        let prev_done = !ordered || self.queue.timeline().is_reached(prev);
-        let invalidate = self.seen_generation < kernel.module().generation();
-
-        let fence = self.send(qmd_va, invalidate, prev_done, prev)?;
+        let value = prev + 1;
+        let prev_done = self.queue.timeline().is_reached(prev);
+        let cb_va = self.slot_qmd_va(c.last_slot) + QMD_BYTES;
+        qmd::patch_launch(self.version, &mut c.last_qmd, cb_va, Some(value))?;
+        qmd::set_chain_link(self.version, &mut c.last_qmd, None)?;
+        self.write_qmd(c.last_slot, &c.last_qmd)?;
+        let fence = self.send(
+            self.slot_qmd_va(c.first_slot),
+            c.invalidate,
+            prev_done,
+            prev,
+        )?;
         debug_assert_eq!(fence.value(), value);
-        if invalidate {
+        if c.invalidate {
             self.seen_generation = newest_generation();
         }
-        if !ordered {
-            self.unordered_pending = true;
+        let n = self.slot_values.len();
+        for i in 0..c.len {
+            self.slot_values[(c.first_slot + i) % n] = value;
         }
-        self.slot_values[slot] = value;
-        self.next_slot = (slot + 1) % self.slot_values.len();
-        Ok(fence)
+        Ok(Some(fence))
     }
 
     /// Records the methods that launch the QMD at `qmd_va`.
@@ -597,8 +772,11 @@ impl ComputeQueue {
         self.queue.kick();
     }
 
-    /// Waits until every launch so far has completed.
-    pub fn synchronize(&self) -> Result<()> {
+    /// Waits until every launch so far (an open chain included) has completed.
+    pub fn synchronize(&mut self) -> Result<()> {
+        self.end_open_chain()?;
+        // What is only recorded so far is sent first.
+        self.queue.kick();
         Ok(self.queue.wait_idle(self.timeout)?)
     }
 
@@ -614,7 +792,11 @@ impl ComputeQueue {
 impl Drop for ComputeQueue {
     fn drop(&mut self) {
         // Let in-flight launches finish before their memory goes (a short wait: a hung queue is torn down
-        // with its channel anyway).
+        // with its channel anyway). A chain still open is sent first: recorded work is never dropped silently.
+        if let Err(e) = self.end_open_chain() {
+            tracing::warn!(error = %e, "sending the open chain on drop failed");
+        }
+        self.queue.kick();
         let _ = self.queue.wait_idle(Duration::from_secs(2));
     }
 }

@@ -498,7 +498,8 @@ impl ChannelModel {
         Ok(Flow::Continue)
     }
 
-    /// Validates the QMD at `qmd_va` like Hopper and, if it would run, records it and performs its releases.
+    /// Launches the QMD at `qmd_va` and then, in order, every QMD it chains to (DEPENDENT_QMD0 with a schedule action):
+    /// the compute work distributor schedules each once the one before has completed.
     fn launch(
         &mut self,
         qmd_va: u64,
@@ -506,6 +507,30 @@ impl ChannelModel {
         now: &dyn Fn() -> u64,
         rec: &mut Records,
     ) -> Result<(), SimErrorKind> {
+        // A chain longer than any queue could hold is a cycle: the hardware would run it forever.
+        const MAX_CHAIN: usize = 1 << 20;
+        let mut next = Some(qmd_va);
+        for _ in 0..MAX_CHAIN {
+            match next {
+                Some(va) => next = self.launch_one(va, view, now, rec)?,
+                None => return Ok(()),
+            }
+        }
+        Err(SimErrorKind::BadQmd {
+            qmd_va,
+            violation: qmd::QmdViolation::State("the chain of dependent QMDs does not end"),
+        })
+    }
+
+    /// Validates the QMD at `qmd_va` like Hopper and, if it would run, records it and performs its releases; returns
+    /// the QMD it schedules next.
+    fn launch_one(
+        &mut self,
+        qmd_va: u64,
+        view: &SimView<'_>,
+        now: &dyn Fn() -> u64,
+        rec: &mut Records,
+    ) -> Result<Option<u64>, SimErrorKind> {
         let bad = |violation| SimErrorKind::BadQmd { qmd_va, violation };
         qmd::check_address(qmd_va).map_err(bad)?;
         let words = view.read_words(qmd_va, QMD_WORDS_V04).map_err(mmu("QMD"))?;
@@ -518,7 +543,7 @@ impl ChannelModel {
                 qmd_va,
                 major_version: major as u8,
             });
-            return Ok(());
+            return Ok(None);
         }
         let d = qmd::check_fields(&words, self.sm_version).map_err(bad)?;
         qmd::check_environment(&d, &self.compute.launch, view).map_err(|e| match e {
@@ -564,7 +589,7 @@ impl ChannelModel {
             params,
             releases: d.releases.iter().map(|r| (r.va, r.payload)).collect(),
         });
-        Ok(())
+        Ok(d.dependent)
     }
 
     /// Posts the error to the channel's notifier the way RM does and stops the channel.

@@ -112,6 +112,8 @@ pub struct QmdDesc {
     /// (address, size) of each valid constant bank.
     pub const_banks: [Option<(u64, u64)>; 8],
     pub releases: Vec<ReleaseDesc>,
+    /// The QMD the compute work distributor schedules once this grid has completed (DEPENDENT_QMD0).
+    pub dependent: Option<u64>,
 }
 
 fn get(words: &[u32], f: crate::hw::Field) -> u64 {
@@ -235,7 +237,26 @@ pub fn check_fields(words: &[u32], sm_version: u32) -> Result<QmdDesc, QmdViolat
         }
         releases.push(check_release(words, i)?);
     }
+    if get(words, v04::DEPENDENT_QMD_ENABLE(1)) != 0 {
+        return Err(QmdViolation::State(
+            "a second dependent QMD (not modelled by the simulator)",
+        ));
+    }
+    let dependent = if get(words, v04::DEPENDENT_QMD_ENABLE(0)) != 0 {
+        let action = get(words, v04::DEPENDENT_QMD_ACTION(0)) as u32;
+        if action != v04::DEPENDENT_QMD_ACTION_QMD_SCHEDULE
+            && action != v04::DEPENDENT_QMD_ACTION_QMD_INVALIDATE_COPY_SCHEDULE
+        {
+            return Err(QmdViolation::State(
+                "a dependent QMD action other than SCHEDULE or INVALIDATE_COPY_SCHEDULE (not modelled)",
+            ));
+        }
+        Some(get(words, v04::DEPENDENT_QMD0_POINTER) << 8)
+    } else {
+        None
+    };
     Ok(QmdDesc {
+        dependent,
         grid: grid.map(|g| g as u32),
         block: block.map(|b| b as u32),
         shared_bytes: shared as u32,
