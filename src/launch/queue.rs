@@ -652,10 +652,10 @@ impl ComputeQueue {
 
     /// Records a launch as the next link of a chain: it starts when the launch before it in the chain has
     /// completed, scheduled by the GPU's compute work distributor itself (the QMD dependency libcuda's graphs use on
-    /// Hopper), with no round trip through the channel's front end in between. Nothing is sent until
-    /// [`end_chain`](Self::end_chain); any other launch, copy, join or synchronize ends the chain first, and so does
-    /// dropping the queue. A long chain is sent in parts as it is recorded (`ComputeQueueConfig::chain_part`), each
-    /// part after the one before.
+    /// Hopper), with no round trip through the channel's front end in between. The links are sent when the chain
+    /// ends: by [`end_chain`](Self::end_chain), or first thing in any other launch, copy, join or synchronize, or when
+    /// the queue is dropped. A long chain is also sent part by part while it is recorded
+    /// (`ComputeQueueConfig::chain_part`), each part after the one before.
     ///
     /// # Safety
     /// As for [`launch`](Self::launch).
