@@ -606,6 +606,31 @@ enum KeepAlive {
     Host(HostBuffer),
 }
 
+/// One side of a copy: device address, buffer size, offset, and the buffer, kept alive while the copy runs.
+type Endpoint = (u64, u64, u64, KeepAlive);
+
+impl Buffer {
+    fn endpoint(&self, offset: u64) -> Endpoint {
+        (
+            self.device_ptr(),
+            self.size,
+            offset,
+            KeepAlive::Device(self.clone()),
+        )
+    }
+}
+
+impl HostBuffer {
+    fn endpoint(&self, offset: u64) -> Endpoint {
+        (
+            self.device_ptr(),
+            self.size,
+            offset,
+            KeepAlive::Host(self.clone()),
+        )
+    }
+}
+
 const STAGING_BYTES: u64 = 32 << 20;
 
 impl fmt::Debug for Queue {
@@ -733,18 +758,8 @@ impl Queue {
         bytes: u64,
     ) -> Result<Fence> {
         self.copy_kept(
-            (
-                src.device_ptr(),
-                src.size,
-                src_offset,
-                KeepAlive::Host(src.clone()),
-            ),
-            (
-                dst.device_ptr(),
-                dst.size,
-                dst_offset,
-                KeepAlive::Device(dst.clone()),
-            ),
+            src.endpoint(src_offset),
+            dst.endpoint(dst_offset),
             bytes,
             false,
         )
@@ -760,18 +775,8 @@ impl Queue {
         bytes: u64,
     ) -> Result<Fence> {
         self.copy_kept(
-            (
-                src.device_ptr(),
-                src.size,
-                src_offset,
-                KeepAlive::Device(src.clone()),
-            ),
-            (
-                dst.device_ptr(),
-                dst.size,
-                dst_offset,
-                KeepAlive::Host(dst.clone()),
-            ),
+            src.endpoint(src_offset),
+            dst.endpoint(dst_offset),
             bytes,
             false,
         )
@@ -788,18 +793,8 @@ impl Queue {
         bytes: u64,
     ) -> Result<Fence> {
         self.copy_kept(
-            (
-                src.device_ptr(),
-                src.size,
-                src_offset,
-                KeepAlive::Device(src.clone()),
-            ),
-            (
-                dst.device_ptr(),
-                dst.size,
-                dst_offset,
-                KeepAlive::Device(dst.clone()),
-            ),
+            src.endpoint(src_offset),
+            dst.endpoint(dst_offset),
             bytes,
             true,
         )
@@ -808,8 +803,8 @@ impl Queue {
     /// Checks both ranges, copies, and keeps both buffers alive until the copy's fence completes.
     fn copy_kept(
         &mut self,
-        (src, src_size, src_offset, src_keep): (u64, u64, u64, KeepAlive),
-        (dst, dst_size, dst_offset, dst_keep): (u64, u64, u64, KeepAlive),
+        (src, src_size, src_offset, src_keep): Endpoint,
+        (dst, dst_size, dst_offset, dst_keep): Endpoint,
         bytes: u64,
         device_to_device: bool,
     ) -> Result<Fence> {

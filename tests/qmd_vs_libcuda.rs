@@ -60,23 +60,7 @@ fn apex_qmd_matches_libcudas_field_by_field() {
     words.resize(QMD_WORDS, 0);
     let theirs: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
 
-    let mut cbs = [None; 8];
-    cbs[0] = Some(ConstBuffer {
-        va: 0x7fee_ae2b_0000,
-        size: 0x300,
-    });
-    let params = QmdParams {
-        sm_version: 90,
-        program_va: 0x7fee_af7a_2400,
-        registers: 0x10,
-        barriers: 1,
-        grid: [2, 1, 1],
-        block: [32, 1, 1],
-        shared_bytes: 0x400,
-        local_bytes_per_thread: 0x640,
-        const_buffers: cbs,
-        release: Some((0x2_0463_7f24, 6)),
-    };
+    let params: QmdParams = include!("fixtures/qmd_b_add_params.rs");
     let mut ours = [0u32; QMD_WORDS];
     build(QmdVersion::V04, &params, &mut ours).unwrap();
     let ours: Vec<u8> = ours.iter().flat_map(|w| w.to_le_bytes()).collect();

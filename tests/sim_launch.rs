@@ -15,8 +15,12 @@ const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
 const T: Duration = Duration::from_secs(30);
 
 fn setup() -> (Arc<GpuCore>, Simulator, ComputeQueue, Arc<Module>) {
+    setup_with(ComputeQueueConfig::default())
+}
+
+fn setup_with(config: ComputeQueueConfig) -> (Arc<GpuCore>, Simulator, ComputeQueue, Arc<Module>) {
     let (gpu, sim) = Simulator::open(SimConfig::default()).unwrap();
-    let q = ComputeQueue::new(&gpu, ComputeQueueConfig::default()).expect("compute queue");
+    let q = ComputeQueue::new(&gpu, config).expect("compute queue");
     let module = Module::load(&gpu, CUBIN).expect("module");
     (gpu, sim, q, module)
 }
@@ -326,13 +330,10 @@ fn a_chain_runs_every_link_in_order_and_releases_once_at_its_end() {
 
 #[test]
 fn a_chain_longer_than_the_slots_is_sent_in_parts_in_order() {
-    let (gpu, sim) = Simulator::open(SimConfig::default()).unwrap();
-    let config = ComputeQueueConfig {
+    let (gpu, sim, mut q, module) = setup_with(ComputeQueueConfig {
         slots: 8,
         ..ComputeQueueConfig::default()
-    };
-    let mut q = ComputeQueue::new(&gpu, config).unwrap();
-    let module = Module::load(&gpu, CUBIN).unwrap();
+    });
     let k = module.kernel("chain_step").unwrap();
     let v = page(&gpu);
     let before = sim.launches().len();
@@ -427,13 +428,10 @@ fn a_launch_that_grows_local_memory_releases_the_value_its_fence_waits_for() {
 
 #[test]
 fn a_long_chain_is_sent_part_by_part_while_it_is_recorded() {
-    let (gpu, sim) = Simulator::open(SimConfig::default()).unwrap();
-    let config = ComputeQueueConfig {
+    let (gpu, sim, mut q, module) = setup_with(ComputeQueueConfig {
         chain_part: 4,
         ..ComputeQueueConfig::default()
-    };
-    let mut q = ComputeQueue::new(&gpu, config).unwrap();
-    let module = Module::load(&gpu, CUBIN).unwrap();
+    });
     let k = module.kernel("chain_step").unwrap();
     let v = page(&gpu);
     let before = sim.launches().len();

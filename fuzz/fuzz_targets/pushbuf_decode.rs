@@ -59,23 +59,7 @@ mod seeds {
     }
 
     fn qmd_params() -> QmdParams {
-        let mut cbs = [None; 8];
-        cbs[0] = Some(ConstBuffer {
-            va: 0x7fee_ae2b_0000,
-            size: 0x300,
-        });
-        QmdParams {
-            sm_version: 90,
-            program_va: 0x7fee_af7a_2400,
-            registers: 16,
-            barriers: 1,
-            grid: [2, 1, 1],
-            block: [32, 1, 1],
-            shared_bytes: 0x400,
-            local_bytes_per_thread: 0x640,
-            const_buffers: cbs,
-            release: Some((0x2_0463_7f24, 6)),
-        }
+        include!("../../tests/fixtures/qmd_b_add_params.rs")
     }
 
     pub fn write(dir: &Path) -> io::Result<()> {

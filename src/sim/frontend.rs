@@ -377,16 +377,14 @@ impl ChannelModel {
     ) -> Result<Flow, SimErrorKind> {
         let v = m.value;
         let c = &mut self.compute;
-        let hi = |v: u32| u64::from(v) << 32;
         match m.offset {
             compute::NO_OPERATION | compute::WAIT_FOR_IDLE => {}
             compute::LINE_LENGTH_IN => c.line_length = v,
             compute::LINE_COUNT => c.line_count = v,
             compute::OFFSET_OUT_UPPER => {
-                c.offset_out =
-                    (c.offset_out & 0xffff_ffff) | hi(compute::OFFSET_OUT_UPPER_VALUE.unpack(v))
+                set_upper(&mut c.offset_out, compute::OFFSET_OUT_UPPER_VALUE.unpack(v))
             }
-            compute::OFFSET_OUT => c.offset_out = (c.offset_out & !0xffff_ffff) | u64::from(v),
+            compute::OFFSET_OUT => set_lower(&mut c.offset_out, v),
             compute::LAUNCH_DMA => {
                 let bad = |why| Err(SimErrorKind::BadInlineUpload { why });
                 if compute::LAUNCH_DMA_DST_MEMORY_LAYOUT.unpack(v)
@@ -429,34 +427,27 @@ impl ChannelModel {
                     self.stats.inline_uploads += 1;
                 }
             }
-            compute::SET_SHADER_SHARED_MEMORY_WINDOW_A => {
-                c.launch.shared_window = (c.launch.shared_window & 0xffff_ffff)
-                    | hi(compute::SET_SHADER_SHARED_MEMORY_WINDOW_A_BASE_ADDRESS_UPPER.unpack(v))
-            }
-            compute::SET_SHADER_SHARED_MEMORY_WINDOW_B => {
-                c.launch.shared_window = (c.launch.shared_window & !0xffff_ffff) | u64::from(v)
-            }
-            compute::SET_SHADER_LOCAL_MEMORY_WINDOW_A => {
-                c.launch.local_window = (c.launch.local_window & 0xffff_ffff)
-                    | hi(compute::SET_SHADER_LOCAL_MEMORY_WINDOW_A_BASE_ADDRESS_UPPER.unpack(v))
-            }
-            compute::SET_SHADER_LOCAL_MEMORY_WINDOW_B => {
-                c.launch.local_window = (c.launch.local_window & !0xffff_ffff) | u64::from(v)
-            }
-            compute::SET_SHADER_LOCAL_MEMORY_A => {
-                c.launch.local_memory_va = (c.launch.local_memory_va & 0xffff_ffff)
-                    | hi(compute::SET_SHADER_LOCAL_MEMORY_A_ADDRESS_UPPER.unpack(v))
-            }
-            compute::SET_SHADER_LOCAL_MEMORY_B => {
-                c.launch.local_memory_va = (c.launch.local_memory_va & !0xffff_ffff) | u64::from(v)
-            }
-            compute::SET_SHADER_LOCAL_MEMORY_NON_THROTTLED_A => {
-                c.launch.local_bytes_per_tpc = (c.launch.local_bytes_per_tpc & 0xffff_ffff)
-                    | hi(compute::SET_SHADER_LOCAL_MEMORY_NON_THROTTLED_A_SIZE_UPPER.unpack(v))
-            }
+            compute::SET_SHADER_SHARED_MEMORY_WINDOW_A => set_upper(
+                &mut c.launch.shared_window,
+                compute::SET_SHADER_SHARED_MEMORY_WINDOW_A_BASE_ADDRESS_UPPER.unpack(v),
+            ),
+            compute::SET_SHADER_SHARED_MEMORY_WINDOW_B => set_lower(&mut c.launch.shared_window, v),
+            compute::SET_SHADER_LOCAL_MEMORY_WINDOW_A => set_upper(
+                &mut c.launch.local_window,
+                compute::SET_SHADER_LOCAL_MEMORY_WINDOW_A_BASE_ADDRESS_UPPER.unpack(v),
+            ),
+            compute::SET_SHADER_LOCAL_MEMORY_WINDOW_B => set_lower(&mut c.launch.local_window, v),
+            compute::SET_SHADER_LOCAL_MEMORY_A => set_upper(
+                &mut c.launch.local_memory_va,
+                compute::SET_SHADER_LOCAL_MEMORY_A_ADDRESS_UPPER.unpack(v),
+            ),
+            compute::SET_SHADER_LOCAL_MEMORY_B => set_lower(&mut c.launch.local_memory_va, v),
+            compute::SET_SHADER_LOCAL_MEMORY_NON_THROTTLED_A => set_upper(
+                &mut c.launch.local_bytes_per_tpc,
+                compute::SET_SHADER_LOCAL_MEMORY_NON_THROTTLED_A_SIZE_UPPER.unpack(v),
+            ),
             compute::SET_SHADER_LOCAL_MEMORY_NON_THROTTLED_B => {
-                c.launch.local_bytes_per_tpc =
-                    (c.launch.local_bytes_per_tpc & !0xffff_ffff) | u64::from(v)
+                set_lower(&mut c.launch.local_bytes_per_tpc, v)
             }
             compute::SET_SHADER_LOCAL_MEMORY_NON_THROTTLED_C => {
                 c.launch.local_max_sm_count =
@@ -611,4 +602,13 @@ impl ChannelModel {
             kind,
         });
     }
+}
+
+/// Methods that carry a 64-bit value in two halves: the upper half (A) and the lower half (B).
+fn set_upper(x: &mut u64, upper: u32) {
+    *x = (*x & 0xffff_ffff) | (u64::from(upper) << 32);
+}
+
+fn set_lower(x: &mut u64, lower: u32) {
+    *x = (*x & !0xffff_ffff) | u64::from(lower);
 }
