@@ -65,6 +65,7 @@ const ONE: LaunchConfig = LaunchConfig {
     grid: [1, 1, 1],
     block: [1, 1, 1],
     shared_bytes: 0,
+    cluster: None,
 };
 
 impl Paths {

@@ -14,6 +14,7 @@ const ONE: LaunchConfig = LaunchConfig {
     grid: [1, 1, 1],
     block: [1, 1, 1],
     shared_bytes: 0,
+    cluster: None,
 };
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

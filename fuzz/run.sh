@@ -17,7 +17,7 @@ fuzz_dir=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$fuzz_dir")
 cd "$fuzz_dir"
 
-targets=(cubin_parse fatbin pushbuf_decode gpfifo_entry)
+targets=(cubin_parse fatbin module_image printf_record pushbuf_decode gpfifo_entry)
 sanitizer=${APEX_FUZZ_SANITIZER:-address}
 target_dir=${CARGO_TARGET_DIR:-$fuzz_dir/target}
 triple=$(rustc -vV | sed -n 's/^host: //p')
@@ -55,8 +55,16 @@ for t in "${targets[@]}"; do
   env_args=()
   case $t in
     cubin_parse | fatbin) cp "$root"/kernels/*.cubin "$root"/kernels/*.fatbin "$corpus"/ ;;
+    # nvcc's fatbins in every compression mode, PTX, and the fatbin sections of host programs (the programs
+    # themselves are 1 MB of host code the parser skips).
+    module_image)
+      cp "$root"/tests/fixtures/modules/*.fatbin "$root"/tests/fixtures/modules/module_data.ptx \
+        "$fuzz_dir"/seeds/module_image/* "$corpus"/
+      extra=(-max_len=65536) ;;
     # The target writes pushbuffers and QMDs from apex's own encoders into the corpus before fuzzing.
     pushbuf_decode) env_args=(APEX_FUZZ_SEED_DIR="$corpus") extra=(-max_len=8192) ;;
+    # Records as APEX's device runtime writes them, and the runtime object itself.
+    printf_record) cp "$fuzz_dir"/seeds/printf_record/* "$corpus"/ && extra=(-max_len=16384) ;;
     gpfifo_entry) ;;
   esac
   log=$work/$t.log

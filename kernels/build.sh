@@ -20,3 +20,11 @@ nvcc -ptx -arch=sm_90 -o "$out/apex_test_kernels.ptx" "$src"
 cuobjdump -res-usage "$out/apex_test_kernels.sm_90.cubin" > "$out/apex_test_kernels.sm_90.res-usage.txt"
 cuobjdump -sass "$out/apex_test_kernels.sm_90.cubin" > "$out/apex_test_kernels.sm_90.sass.txt"
 ls -l "$out"
+# APEX's device runtime for printf/assert: relocatable (its code is appended to modules that call vprintf or
+# __assertfail). At most 32 registers so it raises few kernels' register counts; it must not use constant banks
+# other than bank 0's driver words (it runs with the calling kernel's banks), which the check below enforces.
+nvcc -cubin -rdc=true -O3 -arch=sm_90 -Xptxas -maxrregcount=32 -o "$out/apex_printf.sm_90.cubin" "$here/apex_printf.cu"
+if cuobjdump -sass "$out/apex_printf.sm_90.cubin" | grep -E 'c\[0x[1-9a-f]\]'; then
+  echo "apex_printf uses a constant bank other than 0: it cannot run inside other modules" >&2; exit 1
+fi
+cuobjdump -elf "$out/apex_printf.sm_90.cubin" > "$out/apex_printf.sm_90.elf.txt"

@@ -10,6 +10,7 @@ use std::time::Duration;
 use tracing::info;
 
 use crate::driver;
+use crate::launch::printf::{PrintfFifo, PrintfFifoCell};
 use crate::launch::{
     self, Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig, Limits, cubin::KernelInfo,
 };
@@ -199,6 +200,15 @@ pub enum Error {
     InvalidArgument(String),
     #[error("the objects belong to different backends or GPUs")]
     Mismatch,
+    /// A module file could not be read.
+    #[error("cannot read the module file {}: {source}", path.display())]
+    ReadModule {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl From<rm::Error> for Error {
@@ -237,6 +247,8 @@ pub struct Gpu {
     selection: Selection,
     info: DeviceInfo,
     limits: Limits,
+    /// The direct path's device printf FIFO, shared by this GPU's modules.
+    printf: PrintfFifoCell,
 }
 
 impl Gpu {
@@ -303,6 +315,7 @@ impl Gpu {
             selection,
             info,
             limits,
+            printf: PrintfFifoCell::new(),
         })
     }
 
@@ -360,26 +373,74 @@ impl Gpu {
         })
     }
 
-    /// Loads a cubin, a fatbin (the cubin for this GPU is picked), or PTX (driver backend only: the driver
-    /// compiles it).
+    /// Loads a cubin, a fatbin, a host executable or shared library built by nvcc (its embedded fatbins), or
+    /// PTX. The best code for this GPU is picked (see [`launch::select`]); PTX, and relocatable code
+    /// (`nvcc -rdc=true`) that nothing else replaces, are compiled for it by nvJitLink on the direct path (see
+    /// [`launch::jit`]) and by the driver on the driver backend.
     pub fn load_module(&self, image: &[u8]) -> Result<Module> {
         match &self.inner {
-            GpuInner::Direct(c) => Ok(Module::Direct(launch::Module::load(c, image)?)),
+            GpuInner::Direct(c) => Ok(Module::Direct(launch::Module::load_with(
+                c,
+                image,
+                &self.printf,
+            )?)),
             GpuInner::Driver(ctx) => {
-                let m = driver::Module::load(ctx, image)?;
-                // Keep the cubin's attributes, when it is one, so launches are checked as on the direct path.
-                let cubin = if launch::fatbin::is_fatbin(image) {
-                    launch::fatbin::select_cubin(image, self.info.sm_version)
-                        .ok()
-                        .and_then(|b| launch::cubin::Cubin::parse(&b).ok())
-                } else {
-                    launch::cubin::Cubin::parse(image).ok()
+                use launch::image::{self, Code, PtxHandling};
+                // The driver reads cubins, fatbins and PTX itself; code in host binaries is taken out, and
+                // relocatable cubins linked, here first. The code picked also gives the cubin's attributes, so
+                // launches are checked as on the direct path.
+                let resolved = image::resolve(
+                    image,
+                    self.info.sm_version,
+                    launch::jit::Jit::system(),
+                    PtxHandling::Keep,
+                );
+                let prepare = match launch::select::cubin_arch(image) {
+                    Some(arch) => arch.relocatable,
+                    None => image.starts_with(b"\x7fELF"),
+                };
+                let m = match (&resolved, prepare) {
+                    (Ok(r), true) => driver::Module::load(ctx, r.code.bytes())?,
+                    (Err(e), true) => return Err(launch::Error::from(e.clone()).into()),
+                    (_, false) => driver::Module::load(ctx, image)?,
+                };
+                let cubin = match &resolved {
+                    Ok(r) => match &r.code {
+                        Code::Cubin(b) => launch::cubin::Cubin::parse(b).ok(),
+                        Code::Ptx(_) => None,
+                    },
+                    Err(_) => None,
                 };
                 Ok(Module::Driver {
                     module: m,
                     cubin: cubin.map(Arc::new),
                 })
             }
+        }
+    }
+
+    /// Loads a module from a file: anything [`Gpu::load_module`] takes, such as a program or shared library
+    /// built by nvcc.
+    pub fn load_module_file(&self, path: impl AsRef<std::path::Path>) -> Result<Module> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|source| Error::ReadModule {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        self.load_module(&bytes)
+    }
+
+    /// Sets the size of the buffer kernels' `printf` output goes through before it is printed (what
+    /// `cudaDeviceSetLimit(cudaLimitPrintfFifoSize)` sets; 1 MiB by default). Output that does not fit between
+    /// two synchronizations is dropped, as in CUDA. Must come before a module that uses `printf` or `assert` is
+    /// loaded.
+    pub fn set_printf_fifo_size(&self, bytes: u64) -> Result<()> {
+        match &self.inner {
+            GpuInner::Direct(_) => self
+                .printf
+                .set_size(bytes)
+                .map_err(|current| launch::Error::PrintfFifoFixed { current }.into()),
+            GpuInner::Driver(ctx) => Ok(ctx.set_printf_fifo_size(bytes)?),
         }
     }
 
@@ -497,12 +558,111 @@ impl Module {
                     Some(c) => Some(c.kernel(name).map_err(launch::Error::from)?.clone()),
                     None => None,
                 };
+                // The driver looks kernels up by symbol: a demangled name is resolved through the cubin.
+                let symbol = info.as_ref().map_or(name, |i| i.name.as_str());
                 Ok(Kernel::Driver {
-                    func: module.function(name)?,
+                    func: module.function(symbol)?,
                     info: info.map(Arc::new),
                 })
             }
         }
+    }
+}
+
+impl Module {
+    /// The module variable (`__device__` or `__constant__`) called `name`: its device address and size, what
+    /// `cuModuleGetGlobal` gives. On the direct path a C++ variable in a namespace also answers to its demangled
+    /// name. Read and write it with [`Queue::copy_to_global`] and [`Queue::copy_from_global`] (or their
+    /// pinned-memory forms), in stream order with the queue's launches.
+    pub fn global(&self, name: &str) -> Result<Global> {
+        let (symbol, device_ptr, size) = match self {
+            Module::Direct(m) => {
+                let g = m.global(name)?;
+                (g.name, g.va, g.size)
+            }
+            Module::Driver { module, cubin } => {
+                // The driver looks variables up by symbol: a demangled name is resolved through the cubin.
+                let symbol = cubin
+                    .as_ref()
+                    .and_then(|c| c.global(name))
+                    .map_or(name, |g| g.name.as_str());
+                match module.global(symbol)? {
+                    Some((ptr, size)) => (symbol.to_string(), ptr, size),
+                    None => {
+                        let available = cubin.as_ref().map_or_else(Vec::new, |c| {
+                            c.globals().iter().map(|g| g.name.clone()).collect()
+                        });
+                        return Err(launch::Error::NoSuchGlobal {
+                            name: name.to_string(),
+                            available,
+                        }
+                        .into());
+                    }
+                }
+            }
+        };
+        Ok(Global {
+            module: self.clone(),
+            name: symbol,
+            device_ptr,
+            size,
+        })
+    }
+}
+
+/// A module variable (`__device__` or `__constant__`): see [`Module::global`]. Keeps its module loaded.
+#[derive(Clone, Debug)]
+pub struct Global {
+    module: Module,
+    name: String,
+    device_ptr: u64,
+    size: u64,
+}
+
+impl Global {
+    /// The variable's symbol.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its device address (a `__constant__` variable's too: kernels read it through a constant bank bound there).
+    pub fn device_ptr(&self) -> u64 {
+        self.device_ptr
+    }
+
+    /// Bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn backend(&self) -> Backend {
+        match self.module {
+            Module::Direct(_) => Backend::Direct,
+            Module::Driver { .. } => Backend::Driver,
+        }
+    }
+
+    /// The device address of `bytes` at `offset`, checked against the variable.
+    fn range(&self, offset: u64, bytes: u64) -> Result<u64> {
+        if offset.checked_add(bytes).is_none_or(|end| end > self.size) {
+            return Err(launch::Error::GlobalRange {
+                name: self.name.clone(),
+                size: self.size,
+                offset,
+                bytes,
+            }
+            .into());
+        }
+        Ok(self.device_ptr + offset)
+    }
+
+    fn endpoint(&self, offset: u64) -> Endpoint {
+        (
+            self.device_ptr,
+            self.size,
+            offset,
+            KeepAlive::Module(self.module.clone()),
+        )
     }
 }
 
@@ -534,10 +694,17 @@ enum QueueInner {
     },
 }
 
-/// A completion point on a queue.
+/// A completion point on a queue. Waiting on it also prints what the queue's kernels `printf`ed so far, and
+/// reports a failed device `assert` as [`launch::Error::Assert`].
 #[derive(Clone, Debug)]
-pub enum Fence {
-    Direct(pushbuf::Fence),
+pub struct Fence(FenceInner);
+
+#[derive(Clone, Debug)]
+enum FenceInner {
+    Direct {
+        fence: pushbuf::Fence,
+        printf: Option<Arc<PrintfFifo>>,
+    },
     /// The driver backend's fences complete with their stream (a conservative wait).
     Driver(Arc<StreamWatch>),
 }
@@ -550,17 +717,35 @@ pub struct StreamWatch {
 }
 
 impl Fence {
+    fn direct(fence: pushbuf::Fence, q: &ComputeQueue) -> Fence {
+        Fence(FenceInner::Direct {
+            fence,
+            printf: q.printf_fifo().cloned(),
+        })
+    }
+
+    fn driver(stream: &driver::Stream) -> Fence {
+        Fence(FenceInner::Driver(Arc::new(StreamWatch {
+            ctx: stream.context().clone(),
+            stream: stream.handle(),
+        })))
+    }
+
+    /// Waits until the work before the fence is complete (at most `timeout`), then prints kernel `printf` output.
     pub fn wait(&self, timeout: Duration) -> Result<()> {
-        match self {
-            Fence::Direct(f) => Ok(f.wait(timeout).map_err(launch::Error::from)?),
-            Fence::Driver(w) => w.wait(timeout),
+        match &self.0 {
+            FenceInner::Direct { fence, printf } => {
+                Ok(launch::settle(printf.as_ref(), fence.wait(timeout))?)
+            }
+            FenceInner::Driver(w) => w.wait(timeout),
         }
     }
 
+    /// Whether the work before the fence is complete (no waiting, no printing).
     pub fn is_done(&self) -> bool {
-        match self {
-            Fence::Direct(f) => f.is_done(),
-            Fence::Driver(w) => w.is_idle(),
+        match &self.0 {
+            FenceInner::Direct { fence, .. } => fence.is_done(),
+            FenceInner::Driver(w) => w.is_idle(),
         }
     }
 }
@@ -604,6 +789,7 @@ pub struct Queue {
 enum KeepAlive {
     Device(Buffer),
     Host(HostBuffer),
+    Module(Module),
 }
 
 /// One side of a copy: device address, buffer size, offset, and the buffer, kept alive while the copy runs.
@@ -673,15 +859,64 @@ impl Queue {
         match (&mut self.inner, kernel) {
             // SAFETY: forwarded to the caller.
             (QueueInner::Direct(q), Kernel::Direct(k)) => {
-                Ok(Fence::Direct(unsafe { q.launch(k, cfg, args)? }))
+                let f = unsafe { q.launch(k, cfg, args)? };
+                Ok(Fence::direct(f, q))
             }
             (QueueInner::Driver { stream, ptrs }, Kernel::Driver { func, info }) => {
                 // SAFETY: forwarded to the caller.
                 unsafe { driver_launch(stream, ptrs, &self.limits, func, info, cfg, args)? };
-                Ok(Fence::Driver(Arc::new(StreamWatch {
-                    ctx: stream.context().clone(),
-                    stream: stream.handle(),
-                })))
+                Ok(Fence::driver(stream))
+            }
+            _ => Err(Error::Mismatch),
+        }
+    }
+
+    /// Launches a kernel that synchronizes its whole grid (cooperative groups `this_grid().sync()`), as
+    /// `cuLaunchCooperativeKernel` does: refused unless every block can be resident at once.
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch).
+    pub unsafe fn launch_cooperative(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+    ) -> Result<Fence> {
+        self.driver_chain = 0;
+        match (&mut self.inner, kernel) {
+            (QueueInner::Direct(q), Kernel::Direct(k)) => {
+                // SAFETY: forwarded to the caller.
+                let f = unsafe { q.launch_cooperative(k, cfg, args)? };
+                Ok(Fence::direct(f, q))
+            }
+            (QueueInner::Driver { stream, ptrs }, Kernel::Driver { func, info }) => {
+                if cfg.cluster.is_some() {
+                    return Err(Error::InvalidArgument(
+                        "a run-time cluster shape on a cooperative launch (the driver backend launches \
+                         cooperative kernels with cuLaunchCooperativeKernel, which takes none)"
+                            .into(),
+                    ));
+                }
+                if let Some(info) = info {
+                    launch::queue_validate(info, cfg, &self.limits)?;
+                }
+                check_driver_args(func, info.as_deref(), args)?;
+                ptrs.clear();
+                for a in args {
+                    ptrs.push(arg_ptr(a));
+                }
+                // SAFETY: each pointer refers into `args`, alive for the call, with the size the kernel declares
+                // (checked above); the rest is the caller's contract.
+                unsafe {
+                    stream.launch_cooperative(
+                        func,
+                        cfg.grid,
+                        cfg.block,
+                        cfg.shared_bytes,
+                        ptrs.as_mut_slice(),
+                    )?
+                };
+                Ok(Fence::driver(stream))
             }
             _ => Err(Error::Mismatch),
         }
@@ -720,15 +955,15 @@ impl Queue {
     /// its last launch has. An error if no chained launch was recorded since the chain last ended.
     pub fn end_chain(&mut self) -> Result<Fence> {
         match &mut self.inner {
-            QueueInner::Direct(q) => Ok(Fence::Direct(q.end_chain()?)),
+            QueueInner::Direct(q) => {
+                let f = q.end_chain()?;
+                Ok(Fence::direct(f, q))
+            }
             QueueInner::Driver { stream, .. } => {
                 if std::mem::take(&mut self.driver_chain) == 0 {
                     return Err(launch::Error::NoChain.into());
                 }
-                Ok(Fence::Driver(Arc::new(StreamWatch {
-                    ctx: stream.context().clone(),
-                    stream: stream.handle(),
-                })))
+                Ok(Fence::driver(stream))
             }
         }
     }
@@ -816,7 +1051,8 @@ impl Queue {
         let f = match &mut self.inner {
             QueueInner::Direct(q) if device_to_device && bytes > 0 => {
                 // SAFETY: both ranges were checked against their device buffers, which stay alive until done.
-                let f = Fence::Direct(unsafe { q.copy_device(s, d, bytes)? });
+                let f = unsafe { q.copy_device(s, d, bytes)? };
+                let f = Fence::direct(f, q);
                 self.prune();
                 f
             }
@@ -833,26 +1069,108 @@ impl Queue {
         }
         self.prune();
         match &mut self.inner {
-            QueueInner::Direct(q) => Ok(Fence::Direct(q.copy(src, dst, bytes)?)),
+            QueueInner::Direct(q) => {
+                let f = q.copy(src, dst, bytes)?;
+                Ok(Fence::direct(f, q))
+            }
             QueueInner::Driver { stream, .. } => {
                 // SAFETY: the queue keeps both buffers alive until the copy's fence completes.
                 unsafe { stream.copy(dst, src, bytes)? };
-                Ok(Fence::Driver(Arc::new(StreamWatch {
-                    ctx: stream.context().clone(),
-                    stream: stream.handle(),
-                })))
+                Ok(Fence::driver(stream))
             }
+        }
+    }
+
+    /// Writes `data` into the module variable `dst` at byte `offset` (cudaMemcpyToSymbol), after the work
+    /// submitted to this queue so far; returns when the copy is complete, so every later launch, on this queue or
+    /// another, sees it. A `__constant__` variable included: every launch invalidates the SMs' constant caches.
+    pub fn copy_to_global(
+        &mut self,
+        gpu: &Gpu,
+        dst: &Global,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<()> {
+        self.same_backend(dst)?;
+        let at = dst.range(offset, data.len() as u64)?;
+        self.upload_to(gpu, at, data)
+    }
+
+    /// Reads `out.len()` bytes of the module variable `src` from byte `offset` (cudaMemcpyFromSymbol), after the
+    /// work submitted to this queue so far; returns when the copy is complete.
+    pub fn copy_from_global(
+        &mut self,
+        gpu: &Gpu,
+        src: &Global,
+        offset: u64,
+        out: &mut [u8],
+    ) -> Result<()> {
+        self.same_backend(src)?;
+        let at = src.range(offset, out.len() as u64)?;
+        self.download_from(gpu, at, out)
+    }
+
+    /// Copies pinned host memory into a module variable (asynchronous, in stream order; cudaMemcpyToSymbolAsync).
+    /// Launches on other queues see it once the fence has completed.
+    pub fn copy_host_to_global(
+        &mut self,
+        src: &HostBuffer,
+        src_offset: u64,
+        dst: &Global,
+        dst_offset: u64,
+        bytes: u64,
+    ) -> Result<Fence> {
+        self.same_backend(dst)?;
+        dst.range(dst_offset, bytes)?;
+        self.copy_kept(
+            src.endpoint(src_offset),
+            dst.endpoint(dst_offset),
+            bytes,
+            false,
+        )
+    }
+
+    /// Copies a module variable into pinned host memory (asynchronous, in stream order;
+    /// cudaMemcpyFromSymbolAsync).
+    pub fn copy_global_to_host(
+        &mut self,
+        src: &Global,
+        src_offset: u64,
+        dst: &HostBuffer,
+        dst_offset: u64,
+        bytes: u64,
+    ) -> Result<Fence> {
+        self.same_backend(src)?;
+        src.range(src_offset, bytes)?;
+        self.copy_kept(
+            src.endpoint(src_offset),
+            dst.endpoint(dst_offset),
+            bytes,
+            false,
+        )
+    }
+
+    fn same_backend(&self, g: &Global) -> Result<()> {
+        if g.backend() == self.backend() {
+            Ok(())
+        } else {
+            Err(Error::Mismatch)
         }
     }
 
     /// Copies pageable host memory to the device; returns when the copy is complete.
     pub fn upload(&mut self, gpu: &Gpu, dst: &Buffer, dst_offset: u64, data: &[u8]) -> Result<()> {
         check_range(dst.size, dst_offset, data.len() as u64)?;
+        self.upload_to(gpu, dst.device_ptr() + dst_offset, data)
+    }
+
+    /// Copies `data` to the device address `dst` (checked by the caller) in stream order; returns when complete.
+    fn upload_to(&mut self, gpu: &Gpu, dst: u64, data: &[u8]) -> Result<()> {
         if data.is_empty() {
             return Ok(());
         }
         if let QueueInner::Driver { stream, .. } = &mut self.inner {
-            return Ok(stream.upload(dst.device_ptr() + dst_offset, data)?);
+            return Ok(stream.upload(dst, data)?);
         }
         let staging = self.staging(gpu)?;
         let half = STAGING_BYTES / 2;
@@ -866,7 +1184,7 @@ impl Queue {
             let off = (i as u64) * half;
             fences[slot] = Some(self.copy_raw(
                 staging.device_ptr() + slot as u64 * half,
-                dst.device_ptr() + dst_offset + off,
+                dst + off,
                 chunk.len() as u64,
             )?);
         }
@@ -885,11 +1203,17 @@ impl Queue {
         out: &mut [u8],
     ) -> Result<()> {
         check_range(src.size, src_offset, out.len() as u64)?;
+        self.download_from(gpu, src.device_ptr() + src_offset, out)
+    }
+
+    /// Copies from the device address `src` (checked by the caller) into `out` in stream order; returns when
+    /// complete.
+    fn download_from(&mut self, gpu: &Gpu, src: u64, out: &mut [u8]) -> Result<()> {
         if out.is_empty() {
             return Ok(());
         }
         if let QueueInner::Driver { stream, .. } = &mut self.inner {
-            return Ok(stream.download(src.device_ptr() + src_offset, out)?);
+            return Ok(stream.download(src, out)?);
         }
         let staging = self.staging(gpu)?;
         let half = STAGING_BYTES / 2;
@@ -903,11 +1227,7 @@ impl Queue {
                 let len = (out.len() as u64 - off).min(half);
                 Some((
                     i,
-                    self.copy_raw(
-                        src.device_ptr() + src_offset + off,
-                        staging.device_ptr() + slot * half,
-                        len,
-                    )?,
+                    self.copy_raw(src + off, staging.device_ptr() + slot * half, len)?,
                 ))
             } else {
                 None
@@ -966,16 +1286,30 @@ unsafe fn driver_launch(
     for a in args {
         ptrs.push(arg_ptr(a));
     }
-    // SAFETY: each pointer refers into `args`, alive for the call, with the size the kernel declares (checked
-    // above); the rest is the caller's contract.
-    unsafe {
-        stream.launch(
-            func,
-            cfg.grid,
-            cfg.block,
-            cfg.shared_bytes,
-            ptrs.as_mut_slice(),
-        )?
+    match cfg.cluster {
+        // A run-time cluster shape goes through cuLaunchKernelEx; a compile-time one needs nothing.
+        // SAFETY: each pointer refers into `args`, alive for the call, with the size the kernel declares (checked
+        // above); the rest is the caller's contract.
+        Some(cluster) => unsafe {
+            stream.launch_cluster(
+                func,
+                cfg.grid,
+                cfg.block,
+                cfg.shared_bytes,
+                cluster,
+                ptrs.as_mut_slice(),
+            )?
+        },
+        // SAFETY: as above.
+        None => unsafe {
+            stream.launch(
+                func,
+                cfg.grid,
+                cfg.block,
+                cfg.shared_bytes,
+                ptrs.as_mut_slice(),
+            )?
+        },
     };
     Ok(())
 }
@@ -985,11 +1319,12 @@ fn check_driver_args(
     info: Option<&KernelInfo>,
     args: &[Arg<'_>],
 ) -> Result<()> {
-    let name = info.map_or_else(|| "kernel".to_string(), |i| i.name.clone());
+    // Named only when an error needs it: nothing is allocated on the launch path.
+    let name = || info.map_or_else(|| func.name().to_string(), |i| i.name.clone());
     let params = func.params();
     if args.len() != params.len() {
         return Err(launch::Error::Params(launch::ParamError::Count {
-            kernel: name,
+            kernel: name(),
             expected: params.len(),
             given: args.len(),
         })
@@ -1005,7 +1340,7 @@ fn check_driver_args(
     for (index, (a, &(_, size))) in args.iter().zip(params).enumerate() {
         if a.size() != size as usize {
             return Err(launch::Error::Params(launch::ParamError::Size {
-                kernel: name,
+                kernel: name(),
                 index,
                 expected: size,
                 given: a.size(),

@@ -14,7 +14,7 @@ pub mod rm;
 pub mod sim;
 
 pub use api::{
-    Backend, BackendRequest, Buffer, DeviceInfo, Error, FallbackReason, Fence, Gpu, HostBuffer,
-    Kernel, Module, Queue, Result, Selection, StreamWatch, choose,
+    Backend, BackendRequest, Buffer, DeviceInfo, Error, FallbackReason, Fence, Global, Gpu,
+    HostBuffer, Kernel, Module, Queue, Result, Selection, StreamWatch, choose,
 };
 pub use launch::{Arg, LaunchConfig};

@@ -173,16 +173,19 @@ fn bad_input(b: Backend) {
             grid: [0, 1, 1],
             block: [1, 1, 1],
             shared_bytes: 0,
+            cluster: None,
         },
         LaunchConfig {
             grid: [1, 1, 1],
             block: [2048, 1, 1],
             shared_bytes: 0,
+            cluster: None,
         },
         LaunchConfig {
             grid: [1, 1, 1],
             block: [1, 1, 1],
             shared_bytes: 1 << 20,
+            cluster: None,
         },
     ] {
         // SAFETY: refused before launch.

@@ -229,6 +229,7 @@ fn block_and_grid_dimensions_read_back() {
                 grid,
                 block,
                 shared_bytes: 0,
+                cluster: None,
             },
             &[Arg::Ptr(out.va()), Arg::U64(probe)],
         );
@@ -266,6 +267,7 @@ fn block_and_grid_dimensions_read_back() {
                 grid,
                 block,
                 shared_bytes: 0,
+                cluster: None,
             },
             &[Arg::Ptr(counter.va())],
         );
@@ -291,6 +293,7 @@ fn dynamic_shared_memory_up_to_the_device_maximum() {
                 grid: [blocks, 1, 1],
                 block: [256, 1, 1],
                 shared_bytes: dynamic,
+                cluster: None,
             },
             &[Arg::Ptr(out.va()), Arg::U32(words)],
         );
@@ -306,6 +309,7 @@ fn dynamic_shared_memory_up_to_the_device_maximum() {
         grid: [1, 1, 1],
         block: [32, 1, 1],
         shared_bytes: max_dynamic + 1,
+        cluster: None,
     };
     // SAFETY: rejected before launch.
     assert!(
@@ -423,31 +427,37 @@ fn bad_launches_are_refused_before_the_ring() {
             grid: [0, 1, 1],
             block: [1, 1, 1],
             shared_bytes: 0,
+            cluster: None,
         },
         LaunchConfig {
             grid: [1, 65536, 1],
             block: [1, 1, 1],
             shared_bytes: 0,
+            cluster: None,
         },
         LaunchConfig {
             grid: [1, 1, 1],
             block: [1025, 1, 1],
             shared_bytes: 0,
+            cluster: None,
         },
         LaunchConfig {
             grid: [1, 1, 1],
             block: [32, 32, 2],
             shared_bytes: 0,
+            cluster: None,
         },
         LaunchConfig {
             grid: [1, 1, 1],
             block: [1, 1, 65],
             shared_bytes: 0,
+            cluster: None,
         },
         LaunchConfig {
             grid: [1, 1, 1],
             block: [1, 1, 1],
             shared_bytes: 1 << 20,
+            cluster: None,
         },
     ];
     for cfg in bad {

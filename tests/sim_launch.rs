@@ -145,6 +145,7 @@ fn raw_qmd(
         local_bytes_per_thread: q.local_bytes_per_thread(),
         const_buffers: cbs,
         release: Some(release),
+        cluster: None,
     };
     let mut words = [0u32; QMD_WORDS];
     qmd::build(version, &p, &mut words).unwrap();

@@ -1,5 +1,6 @@
-//! `fatbin::entries` on arbitrary bytes (a fatbin, or a host ELF with a `.nv_fatbin` section), every entry's
-//! payload (LZ4 decompression included), `select_cubin` for several SMs, and `Cubin::parse` on what it selects.
+//! `fatbin::entries` on arbitrary bytes (a fatbin, or a host ELF with `.nv_fatbin`/`__nv_relfatbin` sections),
+//! every entry's payload (zstd and LZ4 decompression included), `select_cubin` for several SMs, and
+//! `Cubin::parse` on what it selects. `module_image` fuzzes the whole loader.
 #![no_main]
 
 use apex::launch::cubin::Cubin;

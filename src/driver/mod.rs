@@ -6,6 +6,7 @@
 
 use std::ffi::{CStr, c_void};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use cudarc::driver::sys as cu;
 
@@ -24,9 +25,71 @@ pub enum Error {
     },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A sticky error: a kernel faulted, trapped or timed out, and the CUDA context is dead. Every later call on
+    /// it fails the same way; the objects made from it must be dropped and the GPU opened again.
+    #[error(
+        "{call} failed: {name} ({code}); the CUDA context is unusable after this error (a kernel faulted, trapped \
+         or ran too long): drop this Gpu and everything made from it (queues, buffers, modules, fences), then open \
+         the GPU again (on the direct path, or in a new process if libcuda refuses this one a new context)"
+    )]
+    ContextLost {
+        /// The call that reported it.
+        call: &'static str,
+        /// The CUresult.
+        code: u32,
+        /// Its name.
+        name: String,
+    },
+    /// libcuda refuses this process any new context after a sticky error: measured on driver 580.159.04 after
+    /// CUDA_ERROR_LAUNCH_FAILED, where `cuDevicePrimaryCtxReset` succeeds but the next retain and `cuCtxCreate`
+    /// fail with the same error (the CUDA documentation: "the process must be terminated and relaunched").
+    #[error(
+        "{call} failed: {name} ({code}): libcuda refuses this process a new CUDA context after an earlier kernel \
+         fault, even after resetting the device's primary context; the CUDA driver backend can be used again only \
+         in a new process (the direct path, APEX_BACKEND=direct, does not depend on libcuda and still works)"
+    )]
+    ProcessLost {
+        /// The call that reported it.
+        call: &'static str,
+        /// The CUresult.
+        code: u32,
+        /// Its name.
+        name: String,
+    },
+}
+
+impl Error {
+    /// Whether the CUDA context is dead ([`Error::ContextLost`]): the GPU must be opened again.
+    pub fn is_context_lost(&self) -> bool {
+        matches!(self, Error::ContextLost { .. })
+    }
+
+    /// Whether libcuda refuses this process any new context ([`Error::ProcessLost`]).
+    pub fn is_process_lost(&self) -> bool {
+        matches!(self, Error::ProcessLost { .. })
+    }
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Errors after which the context is unusable (the CUDA documentation: "the process is left in an inconsistent
+/// state and any further CUDA work will return the same error").
+fn is_sticky(r: cu::CUresult) -> bool {
+    use cu::CUresult as R;
+    matches!(
+        r,
+        R::CUDA_ERROR_ECC_UNCORRECTABLE
+            | R::CUDA_ERROR_ILLEGAL_ADDRESS
+            | R::CUDA_ERROR_LAUNCH_TIMEOUT
+            | R::CUDA_ERROR_ASSERT
+            | R::CUDA_ERROR_HARDWARE_STACK_ERROR
+            | R::CUDA_ERROR_ILLEGAL_INSTRUCTION
+            | R::CUDA_ERROR_MISALIGNED_ADDRESS
+            | R::CUDA_ERROR_INVALID_ADDRESS_SPACE
+            | R::CUDA_ERROR_INVALID_PC
+            | R::CUDA_ERROR_LAUNCH_FAILED
+    )
+}
 
 fn check(call: &'static str, r: cu::CUresult) -> Result<()> {
     if r == cu::CUresult::CUDA_SUCCESS {
@@ -42,11 +105,35 @@ fn check(call: &'static str, r: cu::CUresult) -> Result<()> {
             CStr::from_ptr(p).to_string_lossy().into_owned()
         }
     };
+    if is_sticky(r) {
+        tracing::warn!(call, error = %name, "CUDA context lost");
+        return Err(Error::ContextLost {
+            call,
+            code: r as u32,
+            name,
+        });
+    }
     Err(Error::Call {
         call,
         code: r as u32,
         name,
     })
+}
+
+/// Live [`Context`]s per device ordinal: a dead primary context is reset only when APEX holds none of it.
+static LIVE: std::sync::Mutex<Vec<(cu::CUdevice, usize)>> = std::sync::Mutex::new(Vec::new());
+
+fn live_count(device: cu::CUdevice, delta: isize) -> usize {
+    let mut live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
+    let i = match live.iter().position(|(d, _)| *d == device) {
+        Some(i) => i,
+        None => {
+            live.push((device, 0));
+            live.len() - 1
+        }
+    };
+    live[i].1 = live[i].1.saturating_add_signed(delta);
+    live[i].1
 }
 
 /// Whether libcuda can be loaded, without panicking when it cannot.
@@ -60,6 +147,8 @@ pub fn is_available() -> bool {
 pub struct Context {
     ctx: cu::CUcontext,
     device: cu::CUdevice,
+    /// Which retain this is (see [`Context::bind`]).
+    generation: usize,
 }
 
 // SAFETY: a CUDA context handle may be used from any thread once made current there (which `bind` does).
@@ -75,30 +164,81 @@ impl Context {
         let ordinal = i32::try_from(ordinal)
             .map_err(|_| Error::InvalidArgument(format!("device {ordinal}")))?;
         let mut device = 0;
-        let mut ctx = std::ptr::null_mut();
         // SAFETY: plain driver calls with out-pointers to locals.
         unsafe {
             check("cuInit", cu::cuInit(0))?;
             check("cuDeviceGet", cu::cuDeviceGet(&mut device, ordinal))?;
-            check(
-                "cuDevicePrimaryCtxRetain",
-                cu::cuDevicePrimaryCtxRetain(&mut ctx, device),
-            )?;
         }
-        let c = Arc::new(Context { ctx, device });
+        // A primary context that died under an earlier Gpu (a kernel fault) stays dead: CUDA refuses to retain it
+        // (or hands it back dead) until it is reset.
+        match Context::retain(device) {
+            Ok(c) => match c.probe() {
+                Ok(()) => return Ok(c),
+                // Other APEX objects still use it: resetting would free memory under them.
+                Err(e) if e.is_context_lost() && live_count(device, 0) > 1 => return Err(e),
+                Err(e) if e.is_context_lost() => drop(c),
+                Err(e) => return Err(e),
+            },
+            Err(e) if e.is_context_lost() && live_count(device, 0) > 0 => return Err(e),
+            Err(e) if e.is_context_lost() => {}
+            Err(e) => return Err(e),
+        }
+        tracing::warn!(device, "resetting the dead primary context");
+        // SAFETY: no APEX object uses the context any more; the reset destroys its (dead) resources.
+        check("cuDevicePrimaryCtxReset", unsafe {
+            cu::cuDevicePrimaryCtxReset_v2(device)
+        })?;
+        let lost = |e: Error| match e {
+            Error::ContextLost { call, code, name } => Error::ProcessLost { call, code, name },
+            e => e,
+        };
+        let c = Context::retain(device).map_err(lost)?;
+        c.probe().map_err(lost)?;
+        Ok(c)
+    }
+
+    /// Retains the device's primary context and makes it current on this thread.
+    fn retain(device: cu::CUdevice) -> Result<Arc<Context>> {
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local.
+        check("cuDevicePrimaryCtxRetain", unsafe {
+            cu::cuDevicePrimaryCtxRetain(&mut ctx, device)
+        })?;
+        live_count(device, 1);
+        static GENERATION: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+        let generation = GENERATION.fetch_add(1, Ordering::Relaxed);
+        let c = Arc::new(Context {
+            ctx,
+            device,
+            generation,
+        });
         c.bind()?;
         Ok(c)
     }
 
+    /// [`Error::ContextLost`] if the context is dead; does not wait for work in flight (a busy context is alive).
+    fn probe(&self) -> Result<()> {
+        self.bind()?;
+        // SAFETY: queries the NULL stream of the current context.
+        let r = unsafe { cu::cuStreamQuery(std::ptr::null_mut()) };
+        if r == cu::CUresult::CUDA_ERROR_NOT_READY {
+            return Ok(());
+        }
+        check("cuStreamQuery", r)
+    }
+
     /// Makes the context current on this thread (a no-op when it already is).
     pub fn bind(&self) -> Result<()> {
-        thread_local!(static CURRENT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) });
-        if CURRENT.with(|c| c.get()) == self.ctx as usize {
+        // (context, generation) made current on this thread. A primary context keeps its handle when it is
+        // destroyed and created again, so the generation (bumped by every retain) tells a new one apart.
+        thread_local!(static CURRENT: std::cell::Cell<(usize, usize)> = const { std::cell::Cell::new((0, 0)) });
+        let key = (self.ctx as usize, self.generation);
+        if CURRENT.with(|c| c.get()) == key {
             return Ok(());
         }
         // SAFETY: the context is retained for our lifetime.
         check("cuCtxSetCurrent", unsafe { cu::cuCtxSetCurrent(self.ctx) })?;
-        CURRENT.with(|c| c.set(self.ctx as usize));
+        CURRENT.with(|c| c.set(key));
         Ok(())
     }
 
@@ -140,12 +280,24 @@ impl Context {
         })?;
         Ok(v)
     }
+
+    /// Sets the device printf FIFO's size (`cuCtxSetLimit(CU_LIMIT_PRINTF_FIFO_SIZE)`), which CUDA allows only
+    /// before a module that uses printf is loaded.
+    pub fn set_printf_fifo_size(&self, bytes: u64) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the context is current on this thread (bind); plain value argument.
+        check("cuCtxSetLimit", unsafe {
+            cu::cuCtxSetLimit(cu::CUlimit::CU_LIMIT_PRINTF_FIFO_SIZE, bytes as usize)
+        })
+    }
 }
 
 impl Drop for Context {
     fn drop(&mut self) {
-        // SAFETY: releases the retain taken in `new`.
+        // SAFETY: releases the retain taken in `retain`. The last release destroys the primary context, a dead one
+        // included; `Context::new` resets one that something else kept alive.
         unsafe { cu::cuDevicePrimaryCtxRelease_v2(self.device) };
+        live_count(self.device, -1);
     }
 }
 
@@ -327,11 +479,39 @@ impl Module {
             }
             params.push((off as u32, size as u32));
         }
+        let mut max_dynamic = 0;
+        // SAFETY: out-pointer to a local; a live function.
+        check("cuFuncGetAttribute", unsafe {
+            cu::cuFuncGetAttribute(
+                &mut max_dynamic,
+                cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                f,
+            )
+        })?;
         Ok(Function {
             module: self.clone(),
             func: f,
             params,
+            name: name.into(),
+            max_dynamic: Arc::new(AtomicU32::new(max_dynamic.max(0) as u32)),
         })
+    }
+
+    /// The device address and size of the module variable `name` (`cuModuleGetGlobal`); `None` when the module
+    /// has none of that name.
+    pub fn global(&self, name: &str) -> Result<Option<(u64, u64)>> {
+        self.ctx.bind()?;
+        let cname = std::ffi::CString::new(name)
+            .map_err(|_| Error::InvalidArgument(format!("variable name {name:?}")))?;
+        let (mut ptr, mut size) = (0, 0usize);
+        // SAFETY: the name is NUL-terminated; out-pointers to locals; the module is loaded.
+        let r =
+            unsafe { cu::cuModuleGetGlobal_v2(&mut ptr, &mut size, self.module, cname.as_ptr()) };
+        if r == cu::CUresult::CUDA_ERROR_NOT_FOUND {
+            return Ok(None);
+        }
+        check("cuModuleGetGlobal", r)?;
+        Ok(Some((ptr, size as u64)))
     }
 }
 
@@ -349,6 +529,11 @@ pub struct Function {
     module: Arc<Module>,
     func: cu::CUfunction,
     params: Vec<(u32, u32)>,
+    /// The name it was looked up by.
+    name: Arc<str>,
+    /// `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES` as last set or read (shared by clones), so a launch sets
+    /// it only when it asks for more.
+    max_dynamic: Arc<AtomicU32>,
 }
 
 // SAFETY: function handles are usable from any thread with the context current.
@@ -365,15 +550,37 @@ impl Function {
         self.func
     }
 
+    /// The kernel's name (as it was looked up).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Sets how much dynamic shared memory launches may ask for (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`;
+    /// 48 KiB until set).
     pub fn set_max_dynamic_shared(&self, bytes: u32) -> Result<()> {
+        let value = i32::try_from(bytes).map_err(|_| {
+            Error::InvalidArgument(format!("{bytes} bytes of dynamic shared memory"))
+        })?;
+        self.module.ctx.bind()?;
         // SAFETY: a plain attribute set on a live function.
         check("cuFuncSetAttribute", unsafe {
             cu::cuFuncSetAttribute(
                 self.func,
                 cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes as i32,
+                value,
             )
-        })
+        })?;
+        self.max_dynamic.store(bytes, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Raises the dynamic shared memory limit to `bytes` if it is lower (once per new maximum, not per launch): the
+    /// driver refuses launches above 48 KiB with CUDA_ERROR_INVALID_VALUE otherwise.
+    fn ensure_dynamic_shared(&self, bytes: u32) -> Result<()> {
+        if bytes > self.max_dynamic.load(Ordering::Relaxed) {
+            self.set_max_dynamic_shared(bytes)?;
+        }
+        Ok(())
     }
 
     pub fn module(&self) -> &Arc<Module> {
@@ -458,6 +665,7 @@ impl Stream {
         params: &mut [*mut c_void],
     ) -> Result<()> {
         self.ctx.bind()?;
+        f.ensure_dynamic_shared(shared)?;
         // SAFETY: the caller guarantees the parameter pointers.
         check("cuLaunchKernel", unsafe {
             cu::cuLaunchKernel(
@@ -473,6 +681,84 @@ impl Stream {
                 params.as_mut_ptr(),
                 std::ptr::null_mut(),
             )
+        })
+    }
+
+    /// cuLaunchCooperativeKernel: every block resident at once, and the grid barrier `grid.sync()` needs.
+    ///
+    /// # Safety
+    /// As for [`Stream::launch`].
+    pub unsafe fn launch_cooperative(
+        &mut self,
+        f: &Function,
+        grid: [u32; 3],
+        block: [u32; 3],
+        shared: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        self.ctx.bind()?;
+        f.ensure_dynamic_shared(shared)?;
+        // SAFETY: the caller guarantees the parameter pointers.
+        check("cuLaunchCooperativeKernel", unsafe {
+            cu::cuLaunchCooperativeKernel(
+                f.func,
+                grid[0],
+                grid[1],
+                grid[2],
+                block[0],
+                block[1],
+                block[2],
+                shared,
+                self.stream,
+                params.as_mut_ptr(),
+            )
+        })
+    }
+
+    /// cuLaunchKernelEx with a run-time thread block cluster shape (`CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION`);
+    /// `grid` is in blocks. A kernel's compile-time `__cluster_dims__` needs no attribute: [`Stream::launch`] runs
+    /// it in clusters.
+    ///
+    /// # Safety
+    /// As for [`Stream::launch`].
+    pub unsafe fn launch_cluster(
+        &mut self,
+        f: &Function,
+        grid: [u32; 3],
+        block: [u32; 3],
+        shared: u32,
+        cluster: [u32; 3],
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        self.ctx.bind()?;
+        f.ensure_dynamic_shared(shared)?;
+        let mut value = cu::CUlaunchAttributeValue { pad: [0; 64] };
+        value.clusterDim = cu::CUlaunchAttributeValue_union__bindgen_ty_1 {
+            x: cluster[0],
+            y: cluster[1],
+            z: cluster[2],
+        };
+        let mut attr = cu::CUlaunchAttribute {
+            id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+            pad: [0; 4],
+            value,
+        };
+        let config = cu::CUlaunchConfig {
+            gridDimX: grid[0],
+            gridDimY: grid[1],
+            gridDimZ: grid[2],
+            blockDimX: block[0],
+            blockDimY: block[1],
+            blockDimZ: block[2],
+            sharedMemBytes: shared,
+            hStream: self.stream,
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: `config` and the attribute it points to live for the call; the caller guarantees the parameter
+        // pointers.
+        check("cuLaunchKernelEx", unsafe {
+            cu::cuLaunchKernelEx(&config, f.func, params.as_mut_ptr(), std::ptr::null_mut())
         })
     }
 
@@ -627,5 +913,39 @@ impl Drop for Graph {
             cu::cuGraphExecDestroy(self.exec);
             cu::cuGraphDestroy(self.graph);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sticky_errors_are_the_ones_that_kill_the_context() {
+        use cu::CUresult as R;
+        for r in [
+            R::CUDA_ERROR_ILLEGAL_ADDRESS,
+            R::CUDA_ERROR_LAUNCH_FAILED,
+            R::CUDA_ERROR_ILLEGAL_INSTRUCTION,
+            R::CUDA_ERROR_ASSERT,
+            R::CUDA_ERROR_LAUNCH_TIMEOUT,
+        ] {
+            assert!(is_sticky(r), "{r:?}");
+        }
+        for r in [
+            R::CUDA_ERROR_INVALID_VALUE,
+            R::CUDA_ERROR_OUT_OF_MEMORY,
+            R::CUDA_ERROR_NOT_FOUND,
+            R::CUDA_ERROR_NOT_READY,
+        ] {
+            assert!(!is_sticky(r), "{r:?}");
+        }
+        let e = Error::ContextLost {
+            call: "cuStreamQuery",
+            code: 719,
+            name: "CUDA_ERROR_LAUNCH_FAILED".into(),
+        };
+        assert!(e.is_context_lost());
+        assert!(e.to_string().contains("open the GPU again"), "{e}");
     }
 }

@@ -12,6 +12,13 @@ const GRID_DIM: usize = 0xc;
 const SHARED_WINDOW: usize = 0x18;
 const LOCAL_WINDOW: usize = 0x20;
 const STACK: usize = 0x28;
+/// The grid barrier of a cooperative launch: high word at 0x44, low word at 0x48. Code that synchronizes the grid
+/// (cooperative groups `grid.sync()`) reads the pair, traps when it is zero, and counts blocks in the word at
+/// the address + 4 (read from the SASS nvcc 13 emits for `this_grid().sync()`).
+const GRID_BARRIER_HI: usize = 0x44;
+const GRID_BARRIER_LO: usize = 0x48;
+/// Driver words a launch may write: up to the grid barrier's.
+pub const LAUNCH_WORDS: usize = GRID_BARRIER_LO / 4 + 1;
 
 /// Writes the driver words of cbank0 for one launch into `out` (at least [`DRIVER_BYTES`] long, words
 /// not listed here must already be zero).
@@ -30,6 +37,45 @@ pub fn write_driver_words(
     out[w(LOCAL_WINDOW)] = local_window as u32;
     out[w(LOCAL_WINDOW) + 1] = (local_window >> 32) as u32;
     out[w(STACK)] = INITIAL_STACK;
+}
+
+/// First byte of the cluster words: `c[0x0][0x140]` to `c[0x0][0x188]`.
+pub const CLUSTER_WORDS_START: usize = 0x140;
+/// Words from [`CLUSTER_WORDS_START`] through the cluster size at 0x188.
+pub const CLUSTER_WORDS: usize = (0x18c - CLUSTER_WORDS_START) / 4;
+/// 1 when the grid runs as thread block clusters. ptxas lowers `barrier.cluster` in a kernel without
+/// `__cluster_dims__` to `c[0x0][0x140] == 1 ? cluster barrier : bar.sync` (cluster_runtime in
+/// kernels/conformance/cluster.sm_90.cubin), so a run-time cluster launch must set it.
+const CLUSTER_FLAG: usize = 0x140;
+/// `%cluster_nctaid`: the cluster shape (1, 1, 1 without clusters: libcuda's words for every plain launch).
+const CLUSTER_DIM: usize = 0x144;
+/// `%nclusterid`: the grid in clusters (the grid without clusters, as libcuda writes it for plain launches).
+const CLUSTER_GRID: usize = 0x15c;
+/// `%cluster_nctarank`: blocks per cluster (cluster_body reads its peer count here; 1 for plain launches).
+const CLUSTER_SIZE: usize = 0x188;
+
+/// Writes the cluster words (`out` starts at [`CLUSTER_WORDS_START`], at least [`CLUSTER_WORDS`] long): the
+/// cluster flag, shape, grid in clusters and blocks per cluster, or the words of a launch without clusters. `grid`
+/// is in blocks and a multiple of `cluster` (checked before). The flag and the size are what compiled code reads
+/// (cluster.sm_90.cubin's SASS); the shape and grid-in-clusters words match libcuda's values for plain launches
+/// (research/hopper-launch-raw/cbank0_table.txt: 1, 1, 1 at 0x144 and the grid at 0x15c), their meaning for
+/// cluster launches is inferred from the PTX special registers, not read from a libcuda cluster launch.
+pub fn write_cluster_words(out: &mut [u32], grid: [u32; 3], cluster: Option<[u32; 3]>) {
+    let w = |byte: usize| (byte - CLUSTER_WORDS_START) / 4;
+    let c = cluster.unwrap_or([1, 1, 1]);
+    out[w(CLUSTER_FLAG)] = u32::from(cluster.is_some());
+    for i in 0..3 {
+        out[w(CLUSTER_DIM) + i] = c[i];
+        out[w(CLUSTER_GRID) + i] = grid[i] / c[i].max(1);
+    }
+    out[w(CLUSTER_SIZE)] = c[0].saturating_mul(c[1]).saturating_mul(c[2]);
+}
+
+/// Writes the grid barrier's address for a cooperative launch (`None`: zero, as for every other launch).
+pub fn write_grid_barrier(out: &mut [u32], barrier: Option<u64>) {
+    let va = barrier.unwrap_or(0);
+    out[GRID_BARRIER_HI / 4] = (va >> 32) as u32;
+    out[GRID_BARRIER_LO / 4] = va as u32;
 }
 
 #[cfg(test)]
@@ -56,5 +102,29 @@ mod tests {
             0,
             "c[0x0][0x208] is read as a 64-bit zero before every global access"
         );
+    }
+
+    #[test]
+    fn cluster_words() {
+        let mut cb = [0u32; DRIVER_BYTES / 4];
+        let at = |byte: usize| byte / 4;
+        let window = &mut cb[CLUSTER_WORDS_START / 4..][..CLUSTER_WORDS];
+        // libcuda's words for add3d, grid (4, 3, 2), no cluster (cbank0_table.txt).
+        write_cluster_words(window, [4, 3, 2], None);
+        assert_eq!(cb[at(0x140)], 0);
+        assert_eq!(&cb[at(0x144)..at(0x150)], &[1, 1, 1]);
+        assert_eq!(&cb[at(0x15c)..at(0x168)], &[4, 3, 2]);
+        assert_eq!(cb[at(0x188)], 1);
+        // cluster_runtime with clusters of 4 over 12 blocks: cluster.sync() takes the cluster barrier, and the
+        // kernel counts 4 peers.
+        let window = &mut cb[CLUSTER_WORDS_START / 4..][..CLUSTER_WORDS];
+        write_cluster_words(window, [12, 1, 1], Some([4, 1, 1]));
+        assert_eq!(cb[at(0x140)], 1);
+        assert_eq!(&cb[at(0x144)..at(0x150)], &[4, 1, 1]);
+        assert_eq!(&cb[at(0x15c)..at(0x168)], &[3, 1, 1]);
+        assert_eq!(cb[at(0x188)], 4);
+        // Nothing between them is touched (libcuda's other words there are not written by APEX).
+        assert_eq!(&cb[at(0x150)..at(0x15c)], &[0, 0, 0]);
+        assert!(cb[at(0x168)..at(0x188)].iter().all(|&w| w == 0));
     }
 }

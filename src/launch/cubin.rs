@@ -70,10 +70,16 @@ pub mod eiattr {
     pub const MAX_STACK_SIZE: u8 = 0x23;
     /// Module-wide `u32 symbol, u32 count`: registers per thread.
     pub const REGCOUNT: u8 = 0x2f;
-    /// `u32 x, y, z`: `__cluster_dims__` (not in the fixtures; read only when 12 bytes long).
+    /// `u32 x, y, z`: `__cluster_dims__` / `.reqnctapercluster` (kernels/conformance/cluster.sm_90.cubin: an SVAL
+    /// of 12 bytes, `02 00 00 00 01 00 00 00 01 00 00 00` for `__cluster_dims__(2, 1, 1)`).
     pub const CTA_PER_CLUSTER: u8 = 0x3d;
+    /// No value: `.explicitcluster`, the kernel must be launched with a cluster shape (set with
+    /// `__cluster_dims__` too).
+    pub const EXPLICIT_CLUSTER: u8 = 0x3e;
     /// `u8`: named barriers the kernel uses (`bar.sync` ids).
     pub const NUM_BARRIERS: u8 = 0x4c;
+    /// `u32` list: symbol indices of the external functions the kernel calls (`vprintf`, `__assertfail`, `malloc`).
+    pub const EXTERNS: u8 = 0x0f;
 }
 
 /// Relocation types (`R_CUDA_*`) that [`Cubin::link`] applies.
@@ -96,6 +102,10 @@ pub mod reloc {
     pub const R_CUDA_UNUSED_CLEAR32: u32 = 72;
     /// `u64` at the offset becomes zero.
     pub const R_CUDA_UNUSED_CLEAR64: u32 = 73;
+    /// An absolute code address in a 128-bit instruction (`CALL.ABS` in `nvcc -G` code): address bits 2..10 in
+    /// instruction bits 16..24, bits 10..57 in instruction bits 34..81; the address must be 4-byte aligned.
+    /// Encoding found by flipping each bit of such an instruction under `nvdisasm` (CUDA 13.0).
+    pub const R_CUDA_ABS55_16_34: u32 = 75;
 }
 
 /// Why a cubin could not be read or linked.
@@ -125,6 +135,15 @@ pub enum CubinError {
     NoSuchKernel(String),
     #[error("image buffer holds {got} bytes, the image needs {need}")]
     ImageTooSmall { need: u64, got: u64 },
+    #[error(
+        "the module calls the external device function `{symbol}`, which the direct path does not provide ({why}); load it on the CUDA driver backend (APEX_BACKEND=driver)"
+    )]
+    UnsupportedExtern { symbol: String, why: String },
+    #[error("kernel name {name:?} fits several kernels ({}); give the mangled name", candidates.join(", "))]
+    AmbiguousKernel {
+        name: String,
+        candidates: Vec<String>,
+    },
 }
 
 fn corrupt(what: impl Into<String>) -> CubinError {
@@ -179,6 +198,8 @@ pub struct KernelInfo {
     pub required_block: Option<[u32; 3]>,
     /// `EIATTR_CTA_PER_CLUSTER`: compile-time cluster shape.
     pub cluster_dims: Option<[u32; 3]>,
+    /// `EIATTR_EXPLICIT_CLUSTER`: the kernel must be launched as a cluster (compile-time or run-time shape).
+    pub explicit_cluster: bool,
     /// `EIATTR_MIN_STACK_SIZE`: per-thread stack (local memory) bytes.
     pub min_stack_size: u32,
     /// `EIATTR_FRAME_SIZE`, 0 if absent.
@@ -198,12 +219,37 @@ pub struct KernelInfo {
     pub exit_offsets: Vec<u32>,
     /// `EIATTR_S2RCTAID_INSTR_OFFSETS`.
     pub ctaid_offsets: Vec<u32>,
+    /// `EIATTR_EXTERNS`: external device functions the kernel calls (the driver's `vprintf`, `__assertfail`, ...).
+    pub externs: Vec<String>,
 }
 
 impl KernelInfo {
     /// The constant bank numbered `bank`, if the kernel has one.
     pub fn const_bank(&self, bank: u32) -> Option<&ConstBank> {
         self.const_banks.iter().find(|b| b.bank == bank)
+    }
+}
+
+/// A module-scope variable (`__device__`, `__constant__`): an `STT_OBJECT` symbol in a section of the loadable
+/// image (`.nv.global`, `.nv.global.init`, `.nv.constant3`, ...). Its GPU address is the image's base address plus
+/// [`image_offset`](Self::image_offset), what `cuModuleGetGlobal` returns for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GlobalSymbol {
+    /// The symbol's name (mangled for a C++ variable in a namespace).
+    pub name: String,
+    /// Offset of the variable inside the image.
+    pub image_offset: u64,
+    /// Bytes (`st_size`).
+    pub size: u64,
+    /// The image section holding it.
+    pub section: String,
+}
+
+impl GlobalSymbol {
+    /// Whether the variable is `__constant__` data: it lives in a constant bank's section, which launches bind
+    /// (bank 3 for `__constant__` variables) and read through the SM's constant caches.
+    pub fn is_constant(&self) -> bool {
+        self.section.starts_with(".nv.constant")
     }
 }
 
@@ -227,15 +273,17 @@ struct LoadedSection {
 }
 
 /// Where a relocation's symbol is.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 enum SymbolValue {
     /// This offset inside the image: the address is `base_va + offset`.
     Image(u64),
     /// An absolute value (`SHN_ABS`, or no symbol).
     Absolute(u64),
+    /// An undefined symbol the loader provides (the driver's device runtime: `vprintf`, `__assertfail`).
+    External(String),
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Relocation {
     kind: u32,
     /// Image offset of the patched bytes (the instruction's start for instruction relocations).
@@ -252,6 +300,10 @@ pub struct Cubin {
     sections: Vec<LoadedSection>,
     relocations: Vec<Relocation>,
     image_size: u64,
+    /// Undefined symbols that relocations refer to, sorted, each once.
+    externals: Vec<String>,
+    /// Module-scope variables in the image, in symbol table order.
+    globals: Vec<GlobalSymbol>,
 }
 
 /// The fields of a section header this module uses, read once.
@@ -275,6 +327,8 @@ struct SymbolMeta {
     section: Option<usize>,
     absolute: bool,
     value: u64,
+    /// `st_size`.
+    size: u64,
 }
 
 /// Module-wide `.nv.info` values, per function symbol index.
@@ -375,6 +429,7 @@ impl Cubin {
                 section,
                 absolute: sym.st_shndx(endian) == elf::SHN_ABS,
                 value: sym.st_value(endian),
+                size: sym.st_size(endian),
             });
         }
         let symtab_index = symtab.section().0;
@@ -382,9 +437,20 @@ impl Cubin {
         let module = module_info(&metas)?;
         let mut kernels = Vec::new();
         for (sym_index, sym) in symbols.iter().enumerate() {
-            if let Some(kernel) =
+            if let Some(mut kernel) =
                 kernel_info(sym_index, sym, &metas, &sections, &image_index, &module)?
             {
+                // EIATTR_EXTERNS gives symbol indices; keep the names.
+                for name in kernel.externs.iter_mut() {
+                    let index: usize = name.parse().unwrap_or(usize::MAX);
+                    let sym = symbols.get(index).ok_or_else(|| {
+                        corrupt(format!(
+                            "kernel {}: EXTERNS symbol {index} out of range",
+                            kernel.name
+                        ))
+                    })?;
+                    *name = sym.name.clone();
+                }
                 kernels.push(kernel);
             }
         }
@@ -400,12 +466,25 @@ impl Cubin {
             &image_index,
         )?;
 
+        let mut externals: Vec<String> = relocations
+            .iter()
+            .filter_map(|r| match &r.symbol {
+                SymbolValue::External(name) => Some(name.clone()),
+                _ => None,
+            })
+            .collect();
+        externals.sort();
+        externals.dedup();
+        let globals = global_symbols(&symbols, &sections, &image_index)?;
+
         Ok(Cubin {
             sm,
             kernels,
             sections,
             relocations,
             image_size,
+            externals,
+            globals,
         })
     }
 
@@ -431,12 +510,60 @@ impl Cubin {
         &self.kernels
     }
 
-    /// The kernel named `name` (the mangled name for C++ kernels).
+    /// The kernels, for the loader to adjust what linking changes (registers and stack of functions it adds).
+    pub(crate) fn kernels_mut(&mut self) -> &mut [KernelInfo] {
+        &mut self.kernels
+    }
+
+    /// The kernel named `name`: its symbol (the mangled name of a C++ kernel), or its demangled name with or
+    /// without the parameter list (`scale_n<float, 256>(float*, float)`, `scale_n<float, 256>`,
+    /// `ns::kernel`; spaces do not matter). A demangled name that fits several overloads is
+    /// [`CubinError::AmbiguousKernel`].
     pub fn kernel(&self, name: &str) -> Result<&KernelInfo, CubinError> {
-        self.kernels
+        if let Some(k) = self.kernels.iter().find(|k| k.name == name) {
+            return Ok(k);
+        }
+        let want = without_spaces(name);
+        let matches: Vec<&KernelInfo> = self
+            .kernels
             .iter()
-            .find(|k| k.name == name)
-            .ok_or_else(|| CubinError::NoSuchKernel(name.to_owned()))
+            .filter(|k| {
+                demangled_forms(&k.name)
+                    .iter()
+                    .any(|f| without_spaces(f) == want)
+            })
+            .collect();
+        match matches[..] {
+            [k] => Ok(k),
+            [] => Err(CubinError::NoSuchKernel(name.to_owned())),
+            _ => Err(CubinError::AmbiguousKernel {
+                name: name.to_owned(),
+                candidates: matches.iter().map(|k| k.name.clone()).collect(),
+            }),
+        }
+    }
+
+    /// Module-scope variables (`__device__`, `__constant__`) in the image, in symbol table order.
+    pub fn globals(&self) -> &[GlobalSymbol] {
+        &self.globals
+    }
+
+    /// The module-scope variable named `name`: its symbol, or, for a C++ variable in a namespace, its demangled
+    /// name (`ns::table`; spaces do not matter) when exactly one variable has it.
+    pub fn global(&self, name: &str) -> Option<&GlobalSymbol> {
+        if let Some(g) = self.globals.iter().find(|g| g.name == name) {
+            return Some(g);
+        }
+        let want = without_spaces(name);
+        let mut matches = self.globals.iter().filter(|g| {
+            demangled_forms(&g.name)
+                .iter()
+                .any(|f| without_spaces(f) == want)
+        });
+        match (matches.next(), matches.next()) {
+            (Some(g), None) => Some(g),
+            _ => None,
+        }
     }
 
     /// Bytes of the loadable image.
@@ -457,9 +584,27 @@ impl Cubin {
             .map(|s| s.info.image_offset)
     }
 
+    /// External device functions the image refers to (undefined symbols of its relocations), sorted: what the
+    /// CUDA driver links from its own device runtime (`vprintf`, `__assertfail`, `malloc`, ...).
+    pub fn externals(&self) -> &[String] {
+        &self.externals
+    }
+
     /// Writes the image for loading at GPU virtual address `base_va` into `image[..image_size]`: section bytes,
-    /// zeros for NOBITS sections and padding, then the relocations.
+    /// zeros for NOBITS sections and padding, then the relocations. Fails on a reference to an external symbol
+    /// (see [`Cubin::link_with`]).
     pub fn link(&self, base_va: u64, image: &mut [u8]) -> Result<(), CubinError> {
+        self.link_with(base_va, image, &|_| None)
+    }
+
+    /// As [`Cubin::link`], with `resolve` giving the GPU address of each external symbol
+    /// ([`CubinError::UnresolvedSymbol`] where it gives none).
+    pub fn link_with(
+        &self,
+        base_va: u64,
+        image: &mut [u8],
+        resolve: &dyn Fn(&str) -> Option<u64>,
+    ) -> Result<(), CubinError> {
         let need = self.image_size;
         let got = u64::try_from(image.len()).unwrap_or(u64::MAX);
         let too_small = CubinError::ImageTooSmall { need, got };
@@ -473,10 +618,48 @@ impl Cubin {
             }
         }
         for r in &self.relocations {
-            apply(r, base_va, image)?;
+            apply(r, base_va, image, resolve)?;
         }
         Ok(())
     }
+}
+
+/// Alignment of constant-bank sections in the image. The hardware takes bank addresses in 64-byte units
+/// (`CONSTANT_BUFFER_ADDR_*_SHIFTED6`); 256 is what CUDA guarantees for constant banks.
+pub const CONST_BANK_ALIGN: u64 = 256;
+
+fn without_spaces(s: &str) -> String {
+    s.chars().filter(|c| !c.is_whitespace()).collect()
+}
+
+/// The names a C++ kernel symbol answers to besides itself: the full demangled signature and the qualified name
+/// without parameters (and without the return type templates carry). Empty for names that are not mangled.
+pub fn demangled_forms(symbol: &str) -> Vec<String> {
+    let Ok(sym) = cpp_demangle::Symbol::new(symbol) else {
+        return Vec::new();
+    };
+    let Ok(full) = sym.demangle() else {
+        return Vec::new();
+    };
+    // The parameter list starts at the first '(' outside template arguments.
+    let mut depth = 0i32;
+    let mut name_end = full.len();
+    let mut name_start = 0;
+    for (i, c) in full.char_indices() {
+        match c {
+            '<' => depth += 1,
+            '>' => depth -= 1,
+            '(' if depth == 0 => {
+                name_end = i;
+                break;
+            }
+            // A return type before the name (function templates): the name starts after it.
+            ' ' if depth == 0 => name_start = i + 1,
+            _ => {}
+        }
+    }
+    let name = full[name_start..name_end].to_owned();
+    vec![full, name]
 }
 
 /// Whether a section belongs to the global-memory image.
@@ -510,6 +693,13 @@ fn layout(metas: &[SectionMeta]) -> Result<Layout, CubinError> {
                 meta.name
             )));
         }
+        // A constant bank is bound by an address the QMD stores shifted right by 6: a bank placed at the
+        // section's own (4- or 8-byte) alignment would be read from the 64-byte boundary below it.
+        let align = if meta.name.starts_with(".nv.constant") {
+            align.max(CONST_BANK_ALIGN)
+        } else {
+            align
+        };
         let offset = cursor
             .checked_next_multiple_of(align)
             .ok_or_else(|| corrupt(format!("section {}: image offset overflows", meta.name)))?;
@@ -702,7 +892,25 @@ fn kernel_info(
                 && usize::try_from(m.info).ok() == Some(text_index)
         })
     });
-    if sym.other & STO_CUDA_ENTRY == 0 && info_section.is_none() {
+    // Cubins mark kernels with STO_CUDA_ENTRY. Without the mark, a function is taken for a kernel only if its
+    // `.nv.info.<name>` describes a launch (parameters, exits, block shape): nvlink and nvJitLink also write
+    // `.nv.info.<name>` for `__device__` functions (libdevice slow paths, functions whose address is taken).
+    let describes_launch = |meta: &SectionMeta| {
+        records(meta.data, &meta.name).is_ok_and(|rs| {
+            rs.iter().any(|r| {
+                matches!(
+                    r.attr,
+                    eiattr::PARAM_CBANK
+                        | eiattr::CBANK_PARAM_SIZE
+                        | eiattr::KPARAM_INFO
+                        | eiattr::EXIT_INSTR_OFFSETS
+                        | eiattr::MAX_THREADS
+                        | eiattr::REQNTID
+                )
+            })
+        })
+    };
+    if sym.other & STO_CUDA_ENTRY == 0 && !info_section.is_some_and(describes_launch) {
         return Ok(None); // a __device__ function
     }
     let name = sym.name.clone();
@@ -727,6 +935,7 @@ fn kernel_info(
         max_threads_dims: None,
         required_block: None,
         cluster_dims: None,
+        explicit_cluster: false,
         min_stack_size: lookup(&module.min_stack, sym_key).unwrap_or(0),
         frame_size: lookup(&module.frame_size, sym_key).unwrap_or(0),
         max_stack_size: lookup(&module.max_stack, sym_key).unwrap_or(0),
@@ -736,6 +945,7 @@ fn kernel_info(
         const_banks: Vec::new(),
         exit_offsets: Vec::new(),
         ctaid_offsets: Vec::new(),
+        externs: Vec::new(),
     };
     let mut registers = lookup(&module.regcount, sym_key);
     let mut barriers = None;
@@ -783,11 +993,12 @@ fn kernel_info(
                     );
                 }
                 eiattr::CTA_PER_CLUSTER => {
-                    // Layout not confirmed by a fixture: take it only in the expected shape.
-                    if let Value::Bytes(b) = record.value {
-                        k.cluster_dims = triple(b).filter(|_| b.len() == 12);
-                    }
+                    let dims = triple(bytes_of(&record, section, Some(12))?)
+                        .filter(|d| d.iter().all(|&v| v > 0))
+                        .ok_or_else(|| corrupt(format!("{section}: CTA_PER_CLUSTER")))?;
+                    k.cluster_dims = Some(dims);
                 }
+                eiattr::EXPLICIT_CLUSTER => k.explicit_cluster = true,
                 eiattr::NUM_BARRIERS => match record.value {
                     Value::Byte(v) => barriers = Some(u32::from(v)),
                     Value::Half(v) => barriers = Some(u32::from(v)),
@@ -799,6 +1010,13 @@ fn kernel_info(
                 },
                 eiattr::EXIT_INSTR_OFFSETS => k.exit_offsets = u32_list(&record, section)?,
                 eiattr::S2RCTAID_INSTR_OFFSETS => k.ctaid_offsets = u32_list(&record, section)?,
+                // Symbol indices for now; `Cubin::parse` turns them into names.
+                eiattr::EXTERNS => {
+                    k.externs = u32_list(&record, section)?
+                        .iter()
+                        .map(|i| i.to_string())
+                        .collect();
+                }
                 eiattr::CRS_STACK_SIZE => {
                     k.crs_stack_size = u32_at(bytes_of(&record, section, Some(4))?, 0).unwrap_or(0);
                 }
@@ -880,6 +1098,42 @@ fn kernel_info(
     Ok(Some(k))
 }
 
+/// The `STT_OBJECT` symbols that lie in image sections: the module's variables. A symbol reaching past its
+/// section's end is a corrupt cubin.
+fn global_symbols(
+    symbols: &[SymbolMeta],
+    sections: &[LoadedSection],
+    image_index: &[Option<usize>],
+) -> Result<Vec<GlobalSymbol>, CubinError> {
+    let mut out = Vec::new();
+    for sym in symbols {
+        if sym.st_type != elf::STT_OBJECT.0 || sym.name.is_empty() || sym.absolute {
+            continue;
+        }
+        let Some(section) = sym
+            .section
+            .and_then(|i| image_index.get(i).copied().flatten())
+            .and_then(|i| sections.get(i))
+        else {
+            continue; // shared or local memory, or undefined: not a global in the image
+        };
+        let end = sym.value.checked_add(sym.size);
+        if end.is_none_or(|e| e > section.info.size) {
+            return Err(corrupt(format!(
+                "variable {}: {:#x}+{:#x} runs past the end of {} ({:#x} bytes)",
+                sym.name, sym.value, sym.size, section.info.name, section.info.size
+            )));
+        }
+        out.push(GlobalSymbol {
+            name: sym.name.clone(),
+            image_offset: section.info.image_offset + sym.value,
+            size: sym.size,
+            section: section.info.name.clone(),
+        });
+    }
+    Ok(out)
+}
+
 /// Bytes a relocation patches, counted from its offset.
 fn reloc_width(kind: u32) -> Option<u64> {
     match kind {
@@ -888,6 +1142,7 @@ fn reloc_width(kind: u32) -> Option<u64> {
         reloc::R_CUDA_64 | reloc::R_CUDA_G64 | reloc::R_CUDA_UNUSED_CLEAR64 => Some(8),
         // The 32-bit immediate sits in bytes 4..8 of the 16-byte instruction.
         reloc::R_CUDA_ABS32_32 | reloc::R_CUDA_ABS32_LO_32 | reloc::R_CUDA_ABS32_HI_32 => Some(8),
+        reloc::R_CUDA_ABS55_16_34 => Some(16),
         _ => None,
     }
 }
@@ -898,6 +1153,10 @@ fn implicit_addend(kind: u32, field: &[u8]) -> i64 {
         reloc::R_CUDA_32 => u32_at(field, 0).map(u64::from),
         reloc::R_CUDA_64 | reloc::R_CUDA_G64 => u64_at(field, 0),
         reloc::R_CUDA_ABS32_32 | reloc::R_CUDA_ABS32_LO_32 => u32_at(field, 4).map(u64::from),
+        reloc::R_CUDA_ABS55_16_34 => field
+            .get(..16)
+            .and_then(|b| <[u8; 16]>::try_from(b).ok())
+            .map(|b| abs55_decode(u128::from_le_bytes(b))),
         _ => None,
     };
     value.map_or(0, |v| v as i64)
@@ -1025,6 +1284,9 @@ fn symbol_value(
     if s.absolute {
         return Ok(SymbolValue::Absolute(s.value));
     }
+    if s.section.is_none() && !s.name.is_empty() {
+        return Ok(SymbolValue::External(s.name.clone()));
+    }
     let base = s
         .section
         .and_then(|i| image_index.get(i).copied().flatten())
@@ -1041,6 +1303,22 @@ fn symbol_value(
         .ok_or_else(|| corrupt(format!("{section}: symbol {} value overflows", s.name)))
 }
 
+const ABS55_LO_MASK: u128 = 0xff << 16;
+const ABS55_HI_MASK: u128 = ((1u128 << 47) - 1) << 34;
+
+/// Puts `address` into the R_CUDA_ABS55_16_34 fields of a 128-bit instruction.
+fn abs55_encode(insn: u128, address: u64) -> u128 {
+    let a = u128::from(address);
+    (insn & !(ABS55_LO_MASK | ABS55_HI_MASK))
+        | (((a >> 2) & 0xff) << 16)
+        | (((a >> 10) & ((1 << 47) - 1)) << 34)
+}
+
+/// The address in the R_CUDA_ABS55_16_34 fields of a 128-bit instruction.
+fn abs55_decode(insn: u128) -> u64 {
+    ((((insn & ABS55_LO_MASK) >> 16) << 2) | (((insn & ABS55_HI_MASK) >> 34) << 10)) as u64
+}
+
 fn range_mut(image: &mut [u8], offset: u64, len: usize) -> Result<&mut [u8], CubinError> {
     let start = usize::try_from(offset).map_err(|_| corrupt("image offset overflows"))?;
     let end = start
@@ -1051,21 +1329,53 @@ fn range_mut(image: &mut [u8], offset: u64, len: usize) -> Result<&mut [u8], Cub
         .ok_or_else(|| corrupt("patch outside the image"))
 }
 
-fn apply(r: &Relocation, base_va: u64, image: &mut [u8]) -> Result<(), CubinError> {
+fn apply(
+    r: &Relocation,
+    base_va: u64,
+    image: &mut [u8],
+    resolve: &dyn Fn(&str) -> Option<u64>,
+) -> Result<(), CubinError> {
     let overflow = |value: u64| CubinError::RelocationOverflow {
         kind: r.kind,
         offset: r.offset,
         value,
     };
-    let symbol = match r.symbol {
+    let symbol = match &r.symbol {
         SymbolValue::Image(offset) => base_va
-            .checked_add(offset)
-            .ok_or_else(|| overflow(offset))?,
-        SymbolValue::Absolute(v) => v,
+            .checked_add(*offset)
+            .ok_or_else(|| overflow(*offset))?,
+        SymbolValue::Absolute(v) => *v,
+        SymbolValue::External(name) => {
+            resolve(name).ok_or_else(|| CubinError::UnresolvedSymbol {
+                symbol: name.clone(),
+                section: "(image)".into(),
+            })?
+        }
     };
     let value = symbol
         .checked_add_signed(r.addend)
         .ok_or_else(|| overflow(symbol))?;
+    apply_value(r.kind, r.offset, value, image)
+}
+
+/// Writes `value` (symbol address plus addend) into `image` as relocation type `kind` at `offset` prescribes.
+pub(crate) fn apply_value(
+    kind: u32,
+    offset: u64,
+    value: u64,
+    image: &mut [u8],
+) -> Result<(), CubinError> {
+    let overflow = |value: u64| CubinError::RelocationOverflow {
+        kind,
+        offset,
+        value,
+    };
+    let r = Relocation {
+        kind,
+        offset,
+        symbol: SymbolValue::Absolute(value),
+        addend: 0,
+    };
     let fit32 = |v: u64| u32::try_from(v).map_err(|_| overflow(v));
     match r.kind {
         reloc::R_CUDA_32 => {
@@ -1083,6 +1393,15 @@ fn apply(r: &Relocation, base_va: u64, image: &mut [u8]) -> Result<(), CubinErro
             let at = r.offset.checked_add(4).ok_or_else(|| overflow(value))?;
             range_mut(image, at, 4)?.copy_from_slice(&imm.to_le_bytes());
         }
+        reloc::R_CUDA_ABS55_16_34 => {
+            if !value.is_multiple_of(4) || value >> 57 != 0 {
+                return Err(overflow(value));
+            }
+            let insn = range_mut(image, r.offset, 16)?;
+            let mut bits = u128::from_le_bytes(insn.try_into().map_err(|_| overflow(value))?);
+            bits = abs55_encode(bits, value);
+            insn.copy_from_slice(&bits.to_le_bytes());
+        }
         reloc::R_CUDA_UNUSED_CLEAR32 => range_mut(image, r.offset, 4)?.fill(0),
         reloc::R_CUDA_UNUSED_CLEAR64 => range_mut(image, r.offset, 8)?.fill(0),
         kind => {
@@ -1098,6 +1417,31 @@ fn apply(r: &Relocation, base_va: u64, image: &mut [u8]) -> Result<(), CubinErro
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn abs55_matches_nvdisasm() {
+        // `CALL.ABS.NOINC 0x0` from nvcc -G; nvdisasm reads bit 16 as 0x4, bit 23 as 0x200, bit 34 as 0x400 and
+        // bit 80 as 0x100000000000000.
+        let call = u128::from_le_bytes(
+            *b"\x43\x79\x00\x00\x00\x00\x00\x00\x00\x00\xc0\x03\x00\xde\x3f\x00",
+        );
+        for (bit, address) in [
+            (16, 0x4u64),
+            (23, 0x200),
+            (34, 0x400),
+            (80, 0x100_0000_0000_0000),
+        ] {
+            assert_eq!(abs55_encode(call, address), call | 1 << bit, "bit {bit}");
+            assert_eq!(abs55_decode(call | 1 << bit), address);
+        }
+        let a = 0x7f12_3456_7890u64;
+        assert_eq!(abs55_decode(abs55_encode(call, a)), a);
+        // The rest of the instruction is untouched.
+        assert_eq!(
+            abs55_encode(call, a) & !(ABS55_LO_MASK | ABS55_HI_MASK),
+            call
+        );
+    }
 
     #[test]
     fn sm_from_flags_both_encodings() {

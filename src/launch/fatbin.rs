@@ -1,18 +1,27 @@
-//! Fatbins: the containers nvcc (`-fatbin`, and the `.nv_fatbin` section of host objects) and NVRTC write around
-//! cubins and PTX for several architectures.
+//! Fatbins: the containers nvcc (`-fatbin`, and the `.nv_fatbin`/`__nv_relfatbin` sections of host executables,
+//! shared libraries and objects) and NVRTC write around cubins and PTX for several architectures.
 //!
 //! Layout (little-endian), as read from CUDA 13 output and public descriptions of the format:
 //!
 //! - container header, 16 bytes: `u32 magic 0xBA55ED50, u16 version (1), u16 header size (16), u64 bytes of
-//!   entries that follow`; containers may follow each other (host objects hold one per translation unit);
+//!   entries that follow`; containers may follow each other (host binaries hold one per translation unit, and one
+//!   more for the device-link step);
 //! - entry header (64 bytes or more, its own size in it): `u16 kind (1 PTX, 2 ELF), u16 version, u32 header size,
 //!   u64 padded payload size, u32 compressed size, u32 -, u16 code minor, u16 code major, u32 sm, u32 -, u32 -,
-//!   u64 flags, u64 -, u64 uncompressed size`, then the payload, padded to 8 bytes.
+//!   u64 flags, u64 -, u64 uncompressed size`, then the payload, padded to 8 bytes. Longer headers (PTX entries,
+//!   sm_100 cubins) carry options or a copy of the cubin's `.nv.compat` after the first 64 bytes.
 //!
-//! Flags: bit 0 64-bit, bit 4 Linux host, 0x2000 LZ4-compressed payload (CUDA 11.x `-Xfatbin=-compress-all`),
-//! 0x8000 zstd-compressed payload (CUDA 12.8+ compresses PTX by default; the fixture's compute_90 PTX is zstd).
-//! LZ4 block payloads are decompressed here; zstd needs a decoder this crate does not carry, so those entries give
-//! [`FatbinError::Compressed`].
+//! Flags: bit 0 64-bit, bit 4 Linux host, 0x2000 LZ4-compressed payload (a raw LZ4 block: CUDA 11.x
+//! `-Xfatbin=-compress-all`, and CUDA 13 `--compress-mode=speed`), 0x8000 zstd-compressed payload (CUDA 12.8+
+//! compresses PTX by default, `--compress-mode=size` and `-Xfatbin -compress-all` cubins too), 0x10_0000
+//! architecture-specific code (`sm_90a`: nvcc 13.0 writes the same `sm` and the same cubin `e_flags` as for
+//! `sm_90`; only this flag and the cubin's `.nv.compat` attribute 9 tell them apart, see
+//! [`select`]). Payloads are decompressed here, never past [`MAX_PAYLOAD`] bytes whatever the
+//! entry claims.
+//!
+//! Host binaries: `.nv_fatbin` holds linked (executable) code; `__nv_relfatbin` (`nvcc -rdc=true`) holds the
+//! relocatable cubins and PTX the device-link step started from. [`entries`] reads both and says which each
+//! entry came from ([`Origin`]).
 
 use std::fmt;
 
@@ -20,22 +29,58 @@ use object::LittleEndian;
 use object::elf;
 use object::read::elf::{FileHeader, SectionHeader};
 
-use super::cubin::sass_compatible;
+use super::select::{self, Candidate};
 
 /// First four bytes of a fatbin container.
 pub const FATBIN_MAGIC: u32 = 0xBA55_ED50;
 const CONTAINER_HEADER: usize = 16;
 const ENTRY_HEADER_MIN: usize = 64;
-/// Largest payload decompressed when the entry does not state its size.
-const MAX_UNSTATED_SIZE: usize = 256 << 20;
+/// Most bytes a payload may decompress to: a corrupt size field must not make the loader allocate gigabytes.
+/// The largest cubins real programs ship are tens of MiB.
+pub const MAX_PAYLOAD: usize = 256 << 20;
+/// Most bytes one LZ4 input byte can decode to (a length byte of 255 adds 255 bytes of match).
+const LZ4_MAX_RATIO: usize = 255;
+/// Smallest zstd window accepted whatever the stated size: frames written without a content size may declare
+/// a window larger than their output.
+const ZSTD_MIN_WINDOW: u64 = 1 << 20;
 
 /// Entry flag bits.
 pub mod flags {
+    /// 64-bit code.
     pub const ADDRESS_64: u64 = 0x1;
+    /// Debug code (`-G`).
     pub const DEBUG: u64 = 0x2;
+    /// Linux host.
     pub const LINUX: u64 = 0x10;
+    /// The payload is one raw LZ4 block.
     pub const COMPRESSED_LZ4: u64 = 0x2000;
+    /// The payload is a zstd frame.
     pub const COMPRESSED_ZSTD: u64 = 0x8000;
+    /// Architecture-specific code (`sm_90a`, `compute_90a`): runs only on exactly that SM.
+    pub const ARCH_SPECIFIC: u64 = 0x10_0000;
+}
+
+/// Where in the input an entry was found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// The input is a fatbin.
+    Fatbin,
+    /// The `.nv_fatbin` section of a host ELF: code as the program runs it.
+    NvFatbin,
+    /// The `__nv_relfatbin` section of a host ELF (`nvcc -rdc=true`): relocatable cubins and PTX that must be
+    /// linked before they run.
+    NvRelFatbin,
+}
+
+impl Origin {
+    /// The section name, for host ELFs.
+    pub fn section(self) -> Option<&'static str> {
+        match self {
+            Origin::Fatbin => None,
+            Origin::NvFatbin => Some(".nv_fatbin"),
+            Origin::NvRelFatbin => Some("__nv_relfatbin"),
+        }
+    }
 }
 
 /// What an entry holds.
@@ -50,7 +95,9 @@ pub enum FatbinEntryKind {
 /// How an entry's payload is compressed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Compression {
+    /// One raw LZ4 block.
     Lz4,
+    /// One zstd frame.
     Zstd,
 }
 
@@ -66,10 +113,20 @@ impl fmt::Display for Compression {
 /// One entry of a fatbin.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FatbinEntry {
+    /// Cubin or PTX.
     pub kind: FatbinEntryKind,
     /// Architecture: `sm_<sm>` for cubins, `compute_<sm>` for PTX.
     pub sm: u32,
+    /// Architecture-specific code (`sm_<sm>a`, flag [`flags::ARCH_SPECIFIC`]): runs only on exactly `sm`.
+    pub arch_specific: bool,
+    /// Which section of a host ELF the entry is in (or that the input is a fatbin).
+    pub origin: Origin,
+    /// Index of the entry's container, counted across the input in file order. Each container is a module of
+    /// its own (one per translation unit in a host binary).
+    pub container: usize,
+    /// Whether the payload is compressed.
     pub compressed: bool,
+    /// How the payload is compressed.
     pub compression: Option<Compression>,
     /// The entry's raw flags.
     pub flags: u64,
@@ -81,14 +138,29 @@ pub struct FatbinEntry {
     pub uncompressed_size: u64,
 }
 
+impl FatbinEntry {
+    /// The architecture as nvcc names it: `sm_90`, `sm_90a` (cubins), `compute_90` (PTX).
+    pub fn arch_name(&self) -> String {
+        let prefix = match self.kind {
+            FatbinEntryKind::Cubin => "sm",
+            FatbinEntryKind::Ptx => "compute",
+        };
+        let suffix = if self.arch_specific { "a" } else { "" };
+        format!("{prefix}_{}{suffix}", self.sm)
+    }
+}
+
 impl fmt::Display for FatbinEntry {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.kind {
-            FatbinEntryKind::Cubin => write!(f, "sm_{} cubin", self.sm)?,
-            FatbinEntryKind::Ptx => write!(f, "compute_{} PTX", self.sm)?,
+            FatbinEntryKind::Cubin => write!(f, "{} cubin", self.arch_name())?,
+            FatbinEntryKind::Ptx => write!(f, "{} PTX", self.arch_name())?,
         }
         if let Some(c) = self.compression {
             write!(f, " ({c})")?;
+        }
+        if self.origin == Origin::NvRelFatbin {
+            f.write_str(" in __nv_relfatbin")?;
         }
         Ok(())
     }
@@ -97,24 +169,47 @@ impl fmt::Display for FatbinEntry {
 /// Why a fatbin could not be read, or holds nothing for the device.
 #[derive(thiserror::Error, Debug, Clone, PartialEq, Eq)]
 pub enum FatbinError {
-    #[error("not a fatbin (no magic {FATBIN_MAGIC:#x}, and not an ELF with a .nv_fatbin section)")]
+    /// Neither a fatbin nor an ELF with fatbin sections.
+    #[error(
+        "not a fatbin (no magic {FATBIN_MAGIC:#x}, and not an ELF with a .nv_fatbin or __nv_relfatbin section)"
+    )]
     NotFatbin,
+    /// The containers or entries are malformed.
     #[error("corrupt fatbin: {what}")]
-    Corrupt { what: String },
+    Corrupt {
+        /// What is wrong, and where.
+        what: String,
+    },
+    /// [`select_cubin`] found no SASS the device runs.
     #[error(
         "no cubin for sm_{device_sm} in the fatbin; it holds: {}",
         list(available)
     )]
     NoCubinForSm {
+        /// The device's SM version.
         device_sm: u32,
+        /// Every entry, described.
         available: Vec<String>,
     },
-    #[error("the sm_{sm} cubin is {algorithm}-compressed, which this crate cannot decompress")]
-    Compressed { sm: u32, algorithm: Compression },
-    #[error("bad {algorithm} payload: {what}")]
+    /// A compressed payload does not decode, or decodes to another size than the entry states.
+    #[error("bad {algorithm} payload in the {entry}: {what}")]
     Decompress {
+        /// The entry, described.
+        entry: String,
+        /// How it is compressed.
         algorithm: Compression,
+        /// What went wrong.
         what: String,
+    },
+    /// The entry states a decompressed size above [`MAX_PAYLOAD`].
+    #[error(
+        "the {entry} claims to decompress to {size} bytes, more than the {MAX_PAYLOAD}-byte limit: the fatbin is corrupt"
+    )]
+    TooLarge {
+        /// The entry, described.
+        entry: String,
+        /// The stated size.
+        size: u64,
     },
 }
 
@@ -153,35 +248,63 @@ pub fn is_fatbin(bytes: &[u8]) -> bool {
     u32_at(bytes, 0) == Some(FATBIN_MAGIC)
 }
 
-/// The entries of a fatbin, or of the `.nv_fatbin` section of a host ELF object, in file order.
-/// Entries of kinds other than PTX and ELF are skipped.
+/// The entries of a fatbin, or of the `.nv_fatbin` and `__nv_relfatbin` sections of a host ELF (executable,
+/// shared library or object), in file order. Entries of kinds other than PTX and ELF are skipped.
 pub fn entries(bytes: &[u8]) -> Result<Vec<FatbinEntry>, FatbinError> {
+    let mut out = Vec::new();
+    // Containers are numbered across sections, so an index names one container of the whole input.
+    let mut next_container = 0;
     if is_fatbin(bytes) {
-        return containers(bytes, 0);
+        containers(bytes, 0, (Origin::Fatbin, &mut next_container), &mut out)?;
+        return Ok(out);
     }
-    let (offset, section) = nv_fatbin_section(bytes).ok_or(FatbinError::NotFatbin)?;
-    if !is_fatbin(section) {
-        return Err(corrupt(
-            ".nv_fatbin section does not start with a fatbin container",
-        ));
+    let sections = fatbin_sections(bytes).ok_or(FatbinError::NotFatbin)?;
+    if sections.is_empty() {
+        return Err(FatbinError::NotFatbin);
     }
-    containers(section, offset)
+    for (origin, offset, section) in sections {
+        if !is_fatbin(section) {
+            return Err(corrupt(format!(
+                "the {} section does not start with a fatbin container",
+                origin.section().unwrap_or_default()
+            )));
+        }
+        containers(section, offset, (origin, &mut next_container), &mut out)?;
+    }
+    Ok(out)
 }
 
-/// The `.nv_fatbin` section of a 64-bit little-endian ELF, with its file offset.
-fn nv_fatbin_section(bytes: &[u8]) -> Option<(usize, &[u8])> {
+/// The `.nv_fatbin` and `__nv_relfatbin` sections of a 64-bit little-endian ELF that is not itself a cubin,
+/// with their file offsets, in section order; `None` if `bytes` is not such an ELF.
+fn fatbin_sections(bytes: &[u8]) -> Option<Vec<(Origin, usize, &[u8])>> {
     let header = elf::FileHeader64::<LittleEndian>::parse(bytes).ok()?;
     let endian = header.endian().ok()?;
+    if header.e_machine(endian) == elf::EM_CUDA {
+        return None;
+    }
     let sections = header.sections(endian, bytes).ok()?;
-    let (_, section) = sections.section_by_name(endian, b".nv_fatbin")?;
-    let data = section.data(endian, bytes).ok()?;
-    let offset = usize::try_from(section.sh_offset(endian)).ok()?;
-    Some((offset, data))
+    let mut out = Vec::new();
+    for section in sections.iter() {
+        let origin = match sections.section_name(endian, section).ok()? {
+            b".nv_fatbin" => Origin::NvFatbin,
+            b"__nv_relfatbin" => Origin::NvRelFatbin,
+            _ => continue,
+        };
+        let data = section.data(endian, bytes).ok()?;
+        let offset = usize::try_from(section.sh_offset(endian)).ok()?;
+        out.push((origin, offset, data));
+    }
+    Some(out)
 }
 
-/// Walks back-to-back containers in `data`; `base` is `data`'s offset in the caller's bytes.
-fn containers(data: &[u8], base: usize) -> Result<Vec<FatbinEntry>, FatbinError> {
-    let mut out = Vec::new();
+/// Walks back-to-back containers in `data`, appending their entries to `out`; `base` is `data`'s offset in the
+/// caller's bytes.
+fn containers(
+    data: &[u8],
+    base: usize,
+    (origin, next_container): (Origin, &mut usize),
+    out: &mut Vec<FatbinEntry>,
+) -> Result<(), FatbinError> {
     let mut pos = 0usize;
     loop {
         let rest = data.get(pos..).unwrap_or_default();
@@ -191,7 +314,7 @@ fn containers(data: &[u8], base: usize) -> Result<Vec<FatbinEntry>, FatbinError>
             .checked_add(skip)
             .ok_or_else(|| corrupt("offset overflows"))?;
         if pos >= data.len() {
-            return Ok(out);
+            return Ok(());
         }
         if u32_at(data, pos) != Some(FATBIN_MAGIC) {
             return Err(corrupt(format!(
@@ -199,7 +322,8 @@ fn containers(data: &[u8], base: usize) -> Result<Vec<FatbinEntry>, FatbinError>
                 base.saturating_add(pos)
             )));
         }
-        pos = container(data, pos, base, &mut out)?;
+        pos = container(data, pos, base, (origin, *next_container), out)?;
+        *next_container += 1;
     }
 }
 
@@ -208,6 +332,7 @@ fn container(
     data: &[u8],
     start: usize,
     base: usize,
+    (origin, index): (Origin, usize),
     out: &mut Vec<FatbinEntry>,
 ) -> Result<usize, FatbinError> {
     let truncated = || corrupt("container header is truncated");
@@ -300,6 +425,9 @@ fn container(
             out.push(FatbinEntry {
                 kind,
                 sm,
+                arch_specific: entry_flags & flags::ARCH_SPECIFIC != 0,
+                origin,
+                container: index,
                 compressed: compression.is_some(),
                 compression,
                 flags: entry_flags,
@@ -315,39 +443,101 @@ fn container(
     Ok(end)
 }
 
-/// The payload of `entry` (from [`entries`] on the same `bytes`), decompressed.
+/// The payload of `entry` (from [`entries`] on the same `bytes`), decompressed. Uncompressed payloads come with
+/// their zero padding (harmless to ELF and PTX readers); compressed ones must decode to exactly the size the
+/// entry states, and never to more than [`MAX_PAYLOAD`] bytes.
 pub fn payload(bytes: &[u8], entry: &FatbinEntry) -> Result<Vec<u8>, FatbinError> {
     let end = entry.payload_offset.checked_add(entry.payload_size);
     let stored = end
         .and_then(|end| bytes.get(entry.payload_offset..end))
         .ok_or_else(|| corrupt("entry payload is outside the input"))?;
-    match entry.compression {
-        None => Ok(stored.to_vec()),
-        Some(Compression::Lz4) => {
-            let size = match usize::try_from(entry.uncompressed_size) {
-                Ok(0) => None,
-                Ok(size) => Some(size),
-                Err(_) => return Err(corrupt("uncompressed size overflows")),
-            };
-            lz4_block(stored, size)
-        }
-        Some(Compression::Zstd) => Err(FatbinError::Compressed {
-            sm: entry.sm,
-            algorithm: Compression::Zstd,
-        }),
+    let Some(algorithm) = entry.compression else {
+        return Ok(stored.to_vec());
+    };
+    let too_large = || FatbinError::TooLarge {
+        entry: entry.to_string(),
+        size: entry.uncompressed_size,
+    };
+    // 0: the entry does not say (older nvcc); the output is then bounded by what the input can decode to.
+    let stated = match usize::try_from(entry.uncompressed_size) {
+        Ok(0) => None,
+        Ok(size) if size <= MAX_PAYLOAD => Some(size),
+        _ => return Err(too_large()),
+    };
+    let bad = |what: String| FatbinError::Decompress {
+        entry: entry.to_string(),
+        algorithm,
+        what,
+    };
+    let out = match algorithm {
+        Compression::Lz4 => lz4_block(stored, stated),
+        Compression::Zstd => zstd_frame(stored, stated),
     }
+    .map_err(bad)?;
+    if let Some(size) = stated.filter(|s| *s != out.len()) {
+        return Err(bad(format!(
+            "it decodes to {} bytes, the entry states {size}",
+            out.len()
+        )));
+    }
+    Ok(out)
 }
 
-/// The cubin to run on an `sm_<device_sm>` GPU: the entry for exactly that SM if there is one, else the newest
-/// binary-compatible one (same major version, lower minor), decompressed.
+/// Decodes one raw LZ4 block (no frame) of at most `stated` bytes.
+fn lz4_block(src: &[u8], stated: Option<usize>) -> Result<Vec<u8>, String> {
+    let bound = src
+        .len()
+        .saturating_mul(LZ4_MAX_RATIO)
+        .saturating_add(16)
+        .min(MAX_PAYLOAD);
+    let size = match stated {
+        Some(size) if size > bound => {
+            return Err(format!(
+                "the entry states {size} bytes, more than {} bytes of LZ4 can decode to",
+                src.len()
+            ));
+        }
+        Some(size) => size,
+        None => bound,
+    };
+    let mut out = vec![0u8; size];
+    let written = lz4_flex::block::decompress_into(src, &mut out).map_err(|e| e.to_string())?;
+    out.truncate(written);
+    Ok(out)
+}
+
+/// Decodes one zstd frame (checksum verified when present) to at most `stated` bytes, growing the output as it
+/// decodes rather than trusting the size up front.
+fn zstd_frame(src: &[u8], stated: Option<usize>) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    let limit = stated.unwrap_or(MAX_PAYLOAD);
+    // The decoder allocates the frame's window before decoding: bound it by what the entry may decode to.
+    let window = u64::try_from(limit)
+        .unwrap_or(u64::MAX)
+        .clamp(ZSTD_MIN_WINDOW, MAX_PAYLOAD as u64);
+    let decoder = ruzstd::decoding::StreamingDecoder::new_with_max_window_size(src, window)
+        .map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    decoder
+        .take(limit as u64 + 1)
+        .read_to_end(&mut out)
+        .map_err(|e| e.to_string())?;
+    if out.len() > limit {
+        return Err(format!("it decodes to more than {limit} bytes"));
+    }
+    Ok(out)
+}
+
+/// The SASS to run on an `sm_<device_sm>` GPU, decompressed: the best executable cubin by [`select::select`]
+/// (arch-specific SASS for exactly that SM, then SASS for exactly that SM, then the newest older minor version of
+/// the same major). PTX and `__nv_relfatbin` entries are left out; [`super::image::resolve`] takes them too.
 pub fn select_cubin(bytes: &[u8], device_sm: u32) -> Result<Vec<u8>, FatbinError> {
     let all = entries(bytes)?;
-    let cubins = || all.iter().filter(|e| e.kind == FatbinEntryKind::Cubin);
-    let chosen = cubins().find(|e| e.sm == device_sm).or_else(|| {
-        cubins()
-            .filter(|e| sass_compatible(e.sm, device_sm))
-            .max_by_key(|e| e.sm)
-    });
+    let chosen = select::select(&all, device_sm)
+        .candidates
+        .iter()
+        .map(|c: &Candidate| &all[c.index])
+        .find(|e| e.kind == FatbinEntryKind::Cubin && e.origin != Origin::NvRelFatbin);
     match chosen {
         Some(entry) => payload(bytes, entry),
         None => Err(FatbinError::NoCubinForSm {
@@ -355,86 +545,6 @@ pub fn select_cubin(bytes: &[u8], device_sm: u32) -> Result<Vec<u8>, FatbinError
             available: all.iter().map(|e| e.to_string()).collect(),
         }),
     }
-}
-
-/// Decodes one LZ4 block (the raw block format, no frame): sequences of literals and back-references.
-/// `size` is the decoded size the entry states; without it output is capped at [`MAX_UNSTATED_SIZE`].
-fn lz4_block(src: &[u8], size: Option<usize>) -> Result<Vec<u8>, FatbinError> {
-    let bad = |what: &str| FatbinError::Decompress {
-        algorithm: Compression::Lz4,
-        what: what.to_owned(),
-    };
-    let limit = size.unwrap_or(MAX_UNSTATED_SIZE);
-    let mut out: Vec<u8> = Vec::with_capacity(limit.min(src.len().saturating_mul(4)));
-    let mut i = 0usize;
-    // Lengths of 15 continue in following bytes, each adding up to 255.
-    let long_len = |i: &mut usize, mut len: usize| -> Result<usize, FatbinError> {
-        loop {
-            let b = *src
-                .get(*i)
-                .ok_or_else(|| bad("length runs past the input"))?;
-            *i += 1;
-            len = len
-                .checked_add(usize::from(b))
-                .ok_or_else(|| bad("length overflows"))?;
-            if b != 255 {
-                return Ok(len);
-            }
-        }
-    };
-    loop {
-        let token = *src
-            .get(i)
-            .ok_or_else(|| bad("input ends before a sequence"))?;
-        i += 1;
-        let mut literals = usize::from(token >> 4);
-        if literals == 15 {
-            literals = long_len(&mut i, literals)?;
-        }
-        let lit_end = i
-            .checked_add(literals)
-            .ok_or_else(|| bad("literal length overflows"))?;
-        let lit = src
-            .get(i..lit_end)
-            .ok_or_else(|| bad("literals run past the input"))?;
-        if out.len().checked_add(lit.len()).is_none_or(|n| n > limit) {
-            return Err(bad("output exceeds the stated size"));
-        }
-        out.extend_from_slice(lit);
-        i = lit_end;
-        if i == src.len() {
-            break; // the last sequence has literals only
-        }
-        let offset =
-            usize::from(u16_at(src, i).ok_or_else(|| bad("match offset runs past the input"))?);
-        i += 2;
-        if offset == 0 || offset > out.len() {
-            return Err(bad("match offset points before the output"));
-        }
-        let mut length = usize::from(token & 0x0f);
-        if length == 15 {
-            length = long_len(&mut i, length)?;
-        }
-        let length = length
-            .checked_add(4)
-            .ok_or_else(|| bad("match length overflows"))?;
-        if out.len().checked_add(length).is_none_or(|n| n > limit) {
-            return Err(bad("output exceeds the stated size"));
-        }
-        // Byte by byte: a match may overlap the bytes it produces (offset < length repeats a pattern).
-        let from = out.len() - offset;
-        for k in 0..length {
-            let byte = out
-                .get(from + k)
-                .copied()
-                .ok_or_else(|| bad("match offset points before the output"))?;
-            out.push(byte);
-        }
-    }
-    if size.is_some_and(|s| s != out.len()) {
-        return Err(bad("decoded size differs from the stated size"));
-    }
-    Ok(out)
 }
 
 #[cfg(test)]
@@ -446,10 +556,18 @@ mod tests {
         // "abc" then a match of offset 3, length 9 ("abcabcabc"), then literal "!" as the final sequence.
         let block = [0x35, b'a', b'b', b'c', 3, 0, 0x10, b'!'];
         assert_eq!(lz4_block(&block, Some(13)).unwrap(), b"abcabcabcabc!");
-        assert!(lz4_block(&block, Some(12)).is_err());
+        assert_eq!(lz4_block(&block, None).unwrap(), b"abcabcabcabc!");
+        assert!(
+            lz4_block(&block, Some(12)).is_err(),
+            "output past the stated size"
+        );
         assert!(lz4_block(&[0x35, b'a', b'b', b'c', 4, 0, 0x10, b'!'], None).is_err());
         assert!(lz4_block(&[0xf0], None).is_err());
         assert!(lz4_block(&[], None).is_err());
+        assert!(
+            lz4_block(&block, Some(1 << 20)).is_err(),
+            "8 bytes cannot decode to 1 MiB: refused before allocating"
+        );
     }
 
     #[test]
@@ -461,5 +579,21 @@ mod tests {
         let out = lz4_block(&block, None).unwrap();
         assert_eq!(out.len(), 20 + 20 + 1);
         assert!(out[20..40].iter().all(|b| *b == b'j'));
+    }
+
+    #[test]
+    fn zstd_bounds() {
+        // A raw-block frame of "hello" with its content size (5) in the header, no checksum.
+        let frame = [
+            0x28, 0xb5, 0x2f, 0xfd, 0x20, 0x05, 0x29, 0x00, 0x00, b'h', b'e', b'l', b'l', b'o',
+        ];
+        assert_eq!(zstd_frame(&frame, Some(5)).unwrap(), b"hello");
+        assert_eq!(zstd_frame(&frame, None).unwrap(), b"hello");
+        assert!(zstd_frame(&frame, Some(4)).is_err(), "more than stated");
+        assert!(zstd_frame(&frame[..10], Some(5)).is_err(), "truncated");
+        assert!(zstd_frame(b"not zstd", Some(5)).is_err());
+        // A frame declaring a 2^41-byte window is refused before anything that size is allocated.
+        let huge_window = [0x28, 0xb5, 0x2f, 0xfd, 0x00, 0xf8, 0x01, 0x00, 0x00];
+        assert!(zstd_frame(&huge_window, Some(5)).is_err());
     }
 }

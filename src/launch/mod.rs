@@ -3,16 +3,21 @@
 pub mod cbank;
 pub mod cubin;
 pub mod fatbin;
+pub mod image;
+pub mod jit;
 mod module;
 pub mod occupancy;
 pub mod params;
+pub mod printf;
 pub mod qmd;
 mod queue;
+pub mod select;
 
-pub use module::{Kernel, Module};
+pub use module::{Global, Kernel, Module};
 pub use params::{Arg, ParamError};
 pub use queue::{
-    ComputeQueue, ComputeQueueConfig, LaunchConfig, Limits, validate as queue_validate,
+    ComputeQueue, ComputeQueueConfig, LaunchConfig, Limits, MAX_CLUSTER_BLOCKS, cluster_shape,
+    settle, validate as queue_validate,
 };
 
 /// Errors of the launch layer. Everything about a launch is checked before anything reaches the ring.
@@ -25,14 +30,50 @@ pub enum Error {
     Cubin(#[from] cubin::CubinError),
     #[error(transparent)]
     Fatbin(#[from] fatbin::FatbinError),
+    /// No cubin for the device could be had from a module's bytes (nothing fits, PTX did not compile, ...).
+    /// Boxed: compiler logs make it the largest error, and launches return this type.
+    #[error(transparent)]
+    Image(Box<image::ImageError>),
     #[error(transparent)]
     Params(#[from] ParamError),
     #[error(transparent)]
     Qmd(#[from] qmd::QmdError),
+    /// The kernel calls an external device function the direct path does not provide (`malloc`, dynamic
+    /// parallelism); the module's other kernels run.
+    #[error("kernel `{kernel}` cannot run on the direct path: {reason}")]
+    KernelRefused {
+        kernel: String,
+        reason: cubin::CubinError,
+    },
     #[error("no kernel `{name}` in the module (it has: {})", available.join(", "))]
     NoSuchKernel {
         name: String,
         available: Vec<String>,
+    },
+    /// [`Module::global`] found no variable of that name.
+    #[error(
+        "no global variable `{name}` in the module ({})",
+        globals_list(available)
+    )]
+    NoSuchGlobal {
+        /// The name asked for.
+        name: String,
+        /// The module's `__device__` and `__constant__` variables.
+        available: Vec<String>,
+    },
+    /// A copy to or from a module variable outside it.
+    #[error(
+        "{bytes} bytes at offset {offset} of the global `{name}`, which has {size} bytes: the copy would leave the variable"
+    )]
+    GlobalRange {
+        /// The variable.
+        name: String,
+        /// Its size.
+        size: u64,
+        /// Where the copy starts inside it.
+        offset: u64,
+        /// Bytes copied.
+        bytes: u64,
     },
     #[error("invalid launch of `{kernel}`: {why}")]
     InvalidLaunch { kernel: String, why: String },
@@ -40,6 +81,28 @@ pub enum Error {
     Unsupported(String),
     #[error("end_chain without a chained launch recorded")]
     NoChain,
+    /// A kernel's `assert` failed: the GPU trapped, and the queue's channel is faulted (make a new queue).
+    #[error(transparent)]
+    Assert(Box<printf::AssertError>),
+    #[error(
+        "the printf FIFO is already {current} bytes: its size must be set before a module that uses printf or assert is loaded"
+    )]
+    PrintfFifoFixed { current: u64 },
+}
+
+/// The variable list of [`Error::NoSuchGlobal`].
+fn globals_list(available: &[String]) -> String {
+    if available.is_empty() {
+        "it has no `__device__` or `__constant__` variables".into()
+    } else {
+        format!("it has: {}", available.join(", "))
+    }
+}
+
+impl From<image::ImageError> for Error {
+    fn from(e: image::ImageError) -> Error {
+        Error::Image(Box::new(e))
+    }
 }
 
 impl From<crate::rm::Error> for Error {

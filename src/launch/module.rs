@@ -8,7 +8,8 @@ use tracing::debug;
 use crate::rm::{GpuCore, Memory, MemoryDesc};
 
 use super::cubin::{Cubin, KernelInfo};
-use super::{Error, Result, fatbin};
+use super::printf::{PrintfFifo, PrintfFifoCell, RuntimeLink};
+use super::{Error, Result, image, jit};
 
 /// Bytes of zeroed, mapped memory after the code: the SM prefetches instructions past a kernel's end.
 const PREFETCH_PADDING: u64 = 0x1000;
@@ -23,25 +24,94 @@ pub struct Module {
     cubin: Cubin,
     image: Memory,
     generation: u64,
+    /// The ring `printf`/`assert` records go to, when the module calls them.
+    printf: Option<Arc<PrintfFifo>>,
+    /// Kernels that call an external APEX does not provide, with the reason: refused when looked up.
+    refused: Vec<(String, super::cubin::CubinError)>,
 }
 
 impl Module {
-    /// Loads a cubin, or the cubin for this GPU's SM version out of a fatbin.
+    /// Loads a cubin; the best code for this GPU out of a fatbin, or out of a host executable or library built by
+    /// nvcc; or PTX, compiled for this GPU by nvJitLink (see [`image`](super::image)). A module that calls `printf` or
+    /// `assert` gets a printf FIFO of its own ([`Module::load_with`] shares one).
     pub fn load(gpu: &Arc<GpuCore>, bytes: &[u8]) -> Result<Arc<Module>> {
+        Module::load_with(gpu, bytes, &PrintfFifoCell::new())
+    }
+
+    /// As [`Module::load`], with `printf` the FIFO (created on first need) that the module's `printf` and
+    /// `assert` write to: one per GPU, as CUDA has one per context.
+    pub fn load_with(
+        gpu: &Arc<GpuCore>,
+        bytes: &[u8],
+        printf: &PrintfFifoCell,
+    ) -> Result<Arc<Module>> {
         let sm = gpu.info().sm_version;
-        let owned;
-        let cubin_bytes = if fatbin::is_fatbin(bytes) {
-            owned = fatbin::select_cubin(bytes, sm)?;
-            &owned[..]
-        } else {
-            bytes
-        };
-        let cubin = Cubin::parse(cubin_bytes)?;
+        // A cubin as it is; the best code of a fatbin or host binary; PTX compiled for this GPU.
+        let cubin_bytes = image::cubin_for_device(bytes, sm, jit::Jit::system())?;
+        let cubin = Cubin::parse(&cubin_bytes)?;
         cubin.check_arch(sm)?;
-        let size = cubin.image_size().max(4) + PREFETCH_PADDING;
+        Module::from_cubin(gpu, cubin, printf)
+    }
+
+    /// Links and uploads a parsed cubin, with APEX's device runtime appended if the module calls it.
+    fn from_cubin(
+        gpu: &Arc<GpuCore>,
+        mut cubin: Cubin,
+        printf: &PrintfFifoCell,
+    ) -> Result<Arc<Module>> {
+        let plan = RuntimeLink::plan(cubin.sm_version(), cubin.externals(), cubin.image_size());
+        // Cubins list each kernel's externals; where none does, every kernel is taken to call all of them.
+        let listed = cubin.kernels().iter().any(|k| !k.externs.is_empty());
+        // Externals APEX does not provide: the kernels that call them are refused when looked up, the others run.
+        // Where the cubin does not say which kernel calls what, the whole module is refused before anything is
+        // allocated.
+        let mut refused = Vec::new();
+        if let Some(e) = plan.unsupported.first() {
+            if !listed {
+                return Err(e.clone().into());
+            }
+            for k in cubin.kernels() {
+                if let Some(e) = plan.refusal_for(&k.externs) {
+                    refused.push((k.name.clone(), e.clone()));
+                }
+            }
+        }
+        let runtime = plan.link;
+        let fifo = match &runtime {
+            Some(_) => Some(printf.get_or_create(gpu)?),
+            None => None,
+        };
+        if let Some(rt) = &runtime {
+            // Kernels that call the runtime need its registers and stack too.
+            for k in cubin.kernels_mut() {
+                let externs = listed.then_some(&k.externs[..]);
+                let (registers, stack) = rt.kernel_needs(externs, k.registers, k.min_stack_size);
+                k.registers = registers;
+                k.min_stack_size = stack;
+            }
+        }
+        let image_size = runtime
+            .as_ref()
+            .map_or(cubin.image_size(), |r| r.image_size);
+        let size = image_size.max(4) + PREFETCH_PADDING;
         let image = Memory::alloc(gpu, MemoryDesc::video(size).with_cpu().low())?;
         let mut linked = vec![0u8; image.size() as usize];
-        cubin.link(image.va(), &mut linked)?;
+        let base = image.va();
+        let unsupported = |name: &str| {
+            plan.unsupported.iter().any(
+                |e| matches!(e, super::cubin::CubinError::UnsupportedExtern { symbol, .. } if symbol == name),
+            )
+        };
+        cubin.link_with(base, &mut linked, &|name| {
+            // Calls to an unsupported external stay 0: only kernels refused at lookup make them.
+            runtime
+                .as_ref()
+                .and_then(|r| r.address(base, name))
+                .or_else(|| unsupported(name).then_some(0))
+        })?;
+        if let (Some(rt), Some(fifo)) = (&runtime, &fifo) {
+            rt.link(&mut linked, fifo.va())?;
+        }
         image.write(0, &linked)?;
         let generation = GENERATION.fetch_add(1, Ordering::Relaxed) + 1;
         debug!(
@@ -54,7 +124,21 @@ impl Module {
             cubin,
             image,
             generation,
+            printf: fifo,
+            refused,
         }))
+    }
+
+    /// The linked image as it is in GPU memory (for inspection: what the loader laid out and relocated).
+    pub fn image_bytes(&self) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; self.image.size() as usize];
+        self.image.read(0, &mut out)?;
+        Ok(out)
+    }
+
+    /// The printf FIFO the module's kernels write to, if they call `printf` or `assert`.
+    pub fn printf_fifo(&self) -> Option<&Arc<PrintfFifo>> {
+        self.printf.as_ref()
     }
 
     pub fn cubin(&self) -> &Cubin {
@@ -72,11 +156,27 @@ impl Module {
 
     /// The kernel called `name`.
     pub fn kernel(self: &Arc<Self>, name: &str) -> Result<Kernel> {
+        let found = match self.cubin.kernel(name) {
+            Ok(k) => k.name.clone(),
+            Err(super::cubin::CubinError::NoSuchKernel(_)) => {
+                return Err(Error::NoSuchKernel {
+                    name: name.to_string(),
+                    available: self.kernel_names(),
+                });
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if let Some((_, e)) = self.refused.iter().find(|(k, _)| *k == found) {
+            return Err(Error::KernelRefused {
+                kernel: found,
+                reason: e.clone(),
+            });
+        }
         let index = self
             .cubin
             .kernels()
             .iter()
-            .position(|k| k.name == name)
+            .position(|k| k.name == found)
             .ok_or_else(|| Error::NoSuchKernel {
                 name: name.to_string(),
                 available: self.kernel_names(),
@@ -93,6 +193,61 @@ impl Module {
             .iter()
             .map(|k| k.name.clone())
             .collect()
+    }
+
+    /// The module-scope variable (`__device__` or `__constant__`) called `name` (its symbol, or the demangled
+    /// name of a C++ variable in a namespace): its GPU address and size, what `cuModuleGetGlobal` gives. Copies
+    /// through a queue ([`ComputeQueue::copy`](super::ComputeQueue::copy)) are ordered with its launches; a
+    /// `__constant__` variable lives in the constant bank launches bind, and every launch's QMD invalidates the
+    /// SMs' constant caches, so launches after the copy read the new value.
+    pub fn global(&self, name: &str) -> Result<Global> {
+        let g = self.cubin.global(name).ok_or_else(|| Error::NoSuchGlobal {
+            name: name.to_string(),
+            available: self.global_names(),
+        })?;
+        Ok(Global {
+            name: g.name.clone(),
+            va: self.base_va() + g.image_offset,
+            size: g.size,
+            constant: g.is_constant(),
+        })
+    }
+
+    /// The names of the module's `__device__` and `__constant__` variables.
+    pub fn global_names(&self) -> Vec<String> {
+        self.cubin
+            .globals()
+            .iter()
+            .map(|g| g.name.clone())
+            .collect()
+    }
+}
+
+/// A module-scope variable of a loaded module (see [`Module::global`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Global {
+    /// The variable's symbol.
+    pub name: String,
+    /// GPU address.
+    pub va: u64,
+    /// Bytes.
+    pub size: u64,
+    /// `__constant__` data, which kernels read through a constant bank.
+    pub constant: bool,
+}
+
+impl Global {
+    /// [`Error::GlobalRange`] unless `bytes` at `offset` lie inside the variable.
+    pub fn check_range(&self, offset: u64, bytes: u64) -> Result<()> {
+        if offset.checked_add(bytes).is_none_or(|end| end > self.size) {
+            return Err(Error::GlobalRange {
+                name: self.name.clone(),
+                size: self.size,
+                offset,
+                bytes,
+            });
+        }
+        Ok(())
     }
 }
 

@@ -70,6 +70,28 @@ pub struct QmdParams {
     pub const_buffers: [Option<ConstBuffer>; 8],
     /// Semaphore written when the grid completes: four words (64-bit payload, then a timestamp).
     pub release: Option<(u64, u64)>,
+    /// Thread block cluster shape (sm_90+): the grid runs as clusters of this many blocks per axis, each cluster's
+    /// blocks co-scheduled on one GPC. `grid` stays in blocks and must be a multiple of it.
+    pub cluster: Option<[u32; 3]>,
+}
+
+/// The QMD's grid: in clusters for a cluster launch (libcuda's GRID_WIDTH is 4 for 8 blocks in clusters of 2), in
+/// blocks otherwise.
+fn qmd_grid(p: &QmdParams) -> Result<[u32; 3], QmdError> {
+    let Some(c) = p.cluster else {
+        return Ok(p.grid);
+    };
+    let mut g = p.grid;
+    for (i, (g, c)) in g.iter_mut().zip(c).enumerate() {
+        if c == 0 || !g.is_multiple_of(c) {
+            return Err(QmdError {
+                field: ["GPC_CGA_WIDTH", "GPC_CGA_HEIGHT", "GPC_CGA_DEPTH"][i],
+                value: u64::from(c),
+            });
+        }
+        *g /= c;
+    }
+    Ok(g)
 }
 
 /// A value did not fit its QMD field.
@@ -138,13 +160,35 @@ pub fn build(
     out: &mut [u32; QMD_WORDS],
 ) -> Result<(), QmdError> {
     out.fill(0);
+    // V04 and V05 keep bank addresses in 64-byte units: a misaligned bank would silently be read from the
+    // boundary below it.
+    if let Some(cb) = p.const_buffers.iter().flatten().find(|cb| cb.va % 64 != 0) {
+        return Err(QmdError {
+            field: "CONSTANT_BUFFER_ADDR (must be 64-byte aligned)",
+            value: cb.va,
+        });
+    }
     let (min_cfg, target_cfg, max_cfg) = sm_configs(p.sm_version, p.shared_bytes);
     let sass = ((p.sm_version / 10) << 4) | (p.sm_version % 10);
+    let grid = qmd_grid(p)?;
     let w = &mut Writer { words: out };
     match version {
         QmdVersion::V04 => {
             set!(w, v04::QMD_GROUP_ID, 0x3f);
             set!(w, v04::QMD_TYPE, v04::QMD_TYPE_GRID_CTA);
+            if let Some(c) = p.cluster {
+                // What libcuda sets for cluster launches on Hopper (apex-trace of probes/cluster_launch.cu): a GPC
+                // CGA grid, the cluster shape, multicast distribution, the grid counted in clusters.
+                set!(w, v04::QMD_TYPE, v04::QMD_TYPE_GRID_GPC_CGA);
+                set!(w, v04::GPC_CGA_WIDTH, c[0]);
+                set!(w, v04::GPC_CGA_HEIGHT, c[1]);
+                set!(w, v04::GPC_CGA_DEPTH, c[2]);
+                set!(
+                    w,
+                    v04::CGA_CTA_DISTRIBUTION_MODE,
+                    v04::CGA_CTA_DISTRIBUTION_MODE_MULTI_CAST
+                );
+            }
             set!(w, v04::QMD_MAJOR_VERSION, 4);
             set!(w, v04::QMD_MINOR_VERSION, 0);
             set!(w, v04::SASS_VERSION, sass);
@@ -169,9 +213,9 @@ pub fn build(
                 v04::SHADER_LOCAL_MEMORY_HIGH_SIZE,
                 p.local_bytes_per_thread
             );
-            set!(w, v04::GRID_WIDTH, p.grid[0]);
-            set!(w, v04::GRID_HEIGHT, p.grid[1]);
-            set!(w, v04::GRID_DEPTH, p.grid[2]);
+            set!(w, v04::GRID_WIDTH, grid[0]);
+            set!(w, v04::GRID_HEIGHT, grid[1]);
+            set!(w, v04::GRID_DEPTH, grid[2]);
             set!(w, v04::CTA_THREAD_DIMENSION0, p.block[0]);
             set!(w, v04::CTA_THREAD_DIMENSION1, p.block[1]);
             set!(w, v04::CTA_THREAD_DIMENSION2, p.block[2]);
@@ -216,6 +260,18 @@ pub fn build(
         QmdVersion::V05 => {
             set!(w, v05::QMD_GROUP_ID, 0x3f);
             set!(w, v05::QMD_TYPE, v05::QMD_TYPE_GRID_CTA);
+            if let Some(c) = p.cluster {
+                // The V04 recipe: the fields have the same names and meaning in V05 (unverified on Blackwell).
+                set!(w, v05::QMD_TYPE, v05::QMD_TYPE_GRID_GPC_CGA);
+                set!(w, v05::GPC_CGA_WIDTH, c[0]);
+                set!(w, v05::GPC_CGA_HEIGHT, c[1]);
+                set!(w, v05::GPC_CGA_DEPTH, c[2]);
+                set!(
+                    w,
+                    v05::CGA_CTA_DISTRIBUTION_MODE,
+                    v05::CGA_CTA_DISTRIBUTION_MODE_MULTI_CAST
+                );
+            }
             set!(w, v05::QMD_MAJOR_VERSION, 5);
             set!(w, v05::QMD_MINOR_VERSION, 0);
             set!(w, v05::SASS_VERSION, sass);
@@ -244,9 +300,9 @@ pub fn build(
                 v05::SHADER_LOCAL_MEMORY_HIGH_SIZE_SHIFTED4,
                 p.local_bytes_per_thread.div_ceil(16)
             );
-            set!(w, v05::GRID_WIDTH, p.grid[0]);
-            set!(w, v05::GRID_HEIGHT, p.grid[1]);
-            set!(w, v05::GRID_DEPTH, p.grid[2]);
+            set!(w, v05::GRID_WIDTH, grid[0]);
+            set!(w, v05::GRID_HEIGHT, grid[1]);
+            set!(w, v05::GRID_DEPTH, grid[2]);
             set!(w, v05::CTA_THREAD_DIMENSION0, p.block[0]);
             set!(w, v05::CTA_THREAD_DIMENSION1, p.block[1]);
             set!(w, v05::CTA_THREAD_DIMENSION2, p.block[2]);
@@ -293,6 +349,13 @@ pub fn build(
             }
         }
         QmdVersion::V03 => {
+            if let Some(c) = p.cluster {
+                // Ampere and Ada have no thread block clusters.
+                return Err(QmdError {
+                    field: "cluster (V03 QMDs, for GPUs before sm_90, have none)",
+                    value: u64::from(c[0]) * u64::from(c[1]) * u64::from(c[2]),
+                });
+            }
             set!(w, v03::QMD_GROUP_ID, 0x3f);
             set!(w, v03::QMD_MAJOR_VERSION, 3);
             set!(w, v03::SASS_VERSION, sass);
@@ -523,6 +586,90 @@ mod tests {
         build(QmdVersion::V04, &p, &mut fresh).unwrap();
         assert!(patch_launch(QmdVersion::V04, &mut t, 0x7fee_ae2b_0000, Some(1 << 40)).unwrap());
         assert_eq!(t, fresh);
+    }
+
+    #[test]
+    fn cluster_fields_match_libcuda() {
+        // apex-trace of probes/cluster_launch.cu on an H100 (driver 580): cluster_fixed<<<8, 32>>> with
+        // __cluster_dims__(2, 1, 1), cluster_runtime<<<12, 64>>> with a run-time cluster of 4.
+        let get = |q: &[u32; QMD_WORDS], f: Field| f.get(q).unwrap();
+        for (grid, cluster, width) in [(8, 2, 4), (12, 4, 3)] {
+            let mut p = add_kernel();
+            p.grid = [grid, 1, 1];
+            p.cluster = Some([cluster, 1, 1]);
+            let mut q = [0u32; QMD_WORDS];
+            build(QmdVersion::V04, &p, &mut q).unwrap();
+            assert_eq!(get(&q, v04::QMD_TYPE), 3, "GRID_GPC_CGA");
+            assert_eq!(get(&q, v04::GRID_WIDTH), width, "the grid in clusters");
+            assert_eq!(get(&q, v04::GRID_HEIGHT), 1);
+            assert_eq!(get(&q, v04::GRID_DEPTH), 1);
+            assert_eq!(get(&q, v04::GPC_CGA_WIDTH), u64::from(cluster));
+            assert_eq!(get(&q, v04::GPC_CGA_HEIGHT), 1);
+            assert_eq!(get(&q, v04::GPC_CGA_DEPTH), 1);
+            assert_eq!(get(&q, v04::CGA_CTA_DISTRIBUTION_MODE), 1, "MULTI_CAST");
+            assert_eq!(get(&q, v04::GPU_CGA_WIDTH), 0);
+            // The rest is the plain launch's QMD.
+            let mut plain = [0u32; QMD_WORDS];
+            p.cluster = None;
+            build(QmdVersion::V04, &p, &mut plain).unwrap();
+            for f in [
+                v04::QMD_TYPE,
+                v04::GRID_WIDTH,
+                v04::GPC_CGA_WIDTH,
+                v04::GPC_CGA_HEIGHT,
+                v04::GPC_CGA_DEPTH,
+                v04::CGA_CTA_DISTRIBUTION_MODE,
+            ] {
+                f.set(&mut q, f.get(&plain).unwrap()).unwrap();
+            }
+            assert_eq!(q, plain);
+            assert_eq!(get(&plain, v04::QMD_TYPE), 2, "GRID_CTA");
+            assert_eq!(get(&plain, v04::GRID_WIDTH), u64::from(grid));
+
+            let mut p5 = add_kernel();
+            p5.grid = [grid, 1, 1];
+            p5.cluster = Some([cluster, 1, 1]);
+            build(QmdVersion::V05, &p5, &mut q).unwrap();
+            assert_eq!(get(&q, v05::QMD_TYPE), 3);
+            assert_eq!(get(&q, v05::GRID_WIDTH), width);
+            assert_eq!(get(&q, v05::GPC_CGA_WIDTH), u64::from(cluster));
+            assert_eq!(get(&q, v05::CGA_CTA_DISTRIBUTION_MODE), 1);
+        }
+        // 3-D: grid (4, 6, 2) in clusters of (2, 3, 1).
+        let mut p = add_kernel();
+        p.grid = [4, 6, 2];
+        p.cluster = Some([2, 3, 1]);
+        let mut q = [0u32; QMD_WORDS];
+        build(QmdVersion::V04, &p, &mut q).unwrap();
+        assert_eq!(
+            [v04::GRID_WIDTH, v04::GRID_HEIGHT, v04::GRID_DEPTH].map(|f| get(&q, f)),
+            [2, 2, 2]
+        );
+        assert_eq!(
+            [v04::GPC_CGA_WIDTH, v04::GPC_CGA_HEIGHT, v04::GPC_CGA_DEPTH].map(|f| get(&q, f)),
+            [2, 3, 1]
+        );
+        // A grid that is not a multiple of the shape, a zero axis, a V03 QMD: refused.
+        p.grid = [5, 6, 2];
+        assert_eq!(
+            build(QmdVersion::V04, &p, &mut q).unwrap_err().field,
+            "GPC_CGA_WIDTH"
+        );
+        p.grid = [4, 6, 2];
+        p.cluster = Some([2, 0, 1]);
+        assert_eq!(
+            build(QmdVersion::V04, &p, &mut q).unwrap_err().field,
+            "GPC_CGA_HEIGHT"
+        );
+        p.cluster = Some([2, 3, 1]);
+        assert!(build(QmdVersion::V03, &p, &mut q).is_err());
+        // GPC_CGA_WIDTH has 6 bits.
+        p.grid = [64, 1, 1];
+        p.cluster = Some([64, 1, 1]);
+        assert_eq!(
+            build(QmdVersion::V04, &p, &mut q).unwrap_err().field,
+            "GPC_CGA_WIDTH"
+        );
     }
 
     #[test]

@@ -10,30 +10,56 @@ use tracing::debug;
 use crate::pushbuf::{Acquire, Fence, Queue, QueueConfig, Signal};
 use crate::rm::{GpuCore, Memory, MemoryDesc, Placement};
 
-use super::cbank::{DRIVER_BYTES, write_driver_words};
+use super::cbank::{
+    CLUSTER_WORDS, CLUSTER_WORDS_START, DRIVER_BYTES, write_cluster_words, write_driver_words,
+    write_grid_barrier,
+};
 use super::cubin::KernelInfo;
 use super::module::{Kernel, newest_generation};
 use super::params::{Arg, pack};
+use super::printf::{Drained, PrintfFifo};
 use super::qmd::{self, ChainAction, ConstBuffer, QMD_WORDS, QmdParams, QmdVersion};
 use super::{Error, Result};
 
-/// Grid and block shape and dynamic shared memory of one launch.
+/// Grid and block shape, dynamic shared memory and thread block cluster shape of one launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchConfig {
+    /// Blocks per axis (in blocks, also for cluster launches).
     pub grid: [u32; 3],
+    /// Threads per block per axis.
     pub block: [u32; 3],
+    /// Dynamic shared memory per block, bytes.
     pub shared_bytes: u32,
+    /// A run-time thread block cluster shape (sm_90+, as `cudaLaunchAttributeClusterDimension`): the grid runs as
+    /// clusters of this many blocks per axis, each cluster resident at once on one GPC, its blocks sharing
+    /// distributed shared memory and `cluster.sync()`. `None`: the kernel's compile-time `__cluster_dims__`, if
+    /// any. The grid must be a multiple of the shape, and a cluster at most 8 blocks.
+    pub cluster: Option<[u32; 3]>,
 }
 
 impl LaunchConfig {
+    /// `blocks` blocks of `threads` threads along x, no dynamic shared memory, no run-time cluster shape.
     pub fn linear(blocks: u32, threads: u32) -> LaunchConfig {
         LaunchConfig {
             grid: [blocks, 1, 1],
             block: [threads, 1, 1],
             shared_bytes: 0,
+            cluster: None,
+        }
+    }
+
+    /// The same launch in thread block clusters of `shape` blocks (see [`LaunchConfig::cluster`]).
+    pub fn with_cluster(self, shape: [u32; 3]) -> LaunchConfig {
+        LaunchConfig {
+            cluster: Some(shape),
+            ..self
         }
     }
 }
+
+/// Most blocks in a thread block cluster: CUDA's portable cluster size. Hopper runs up to 16 for kernels that opt
+/// in (`cudaFuncAttributeNonPortableClusterSizeAllowed`), which APEX does not offer.
+pub const MAX_CLUSTER_BLOCKS: u32 = 8;
 
 /// Device limits a launch is checked against.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,6 +71,8 @@ pub struct Limits {
     pub max_shared_per_block: u32,
     pub registers_per_sm: u32,
     pub max_param_bytes: u32,
+    /// Most blocks in a thread block cluster; 0 on GPUs without clusters (before sm_90).
+    pub max_cluster_blocks: u32,
 }
 
 impl Limits {
@@ -57,6 +85,11 @@ impl Limits {
             max_shared_per_block: carve.last().copied().unwrap_or(48) * 1024,
             registers_per_sm: 65536,
             max_param_bytes: MAX_PARAM_BYTES as u32,
+            max_cluster_blocks: if sm_version >= 90 {
+                MAX_CLUSTER_BLOCKS
+            } else {
+                0
+            },
         }
     }
 }
@@ -104,7 +137,7 @@ const WINDOW_ALIGN: u64 = 4 << 30;
 const BUILTIN_CUBIN: &[u8] = include_bytes!("../../kernels/apex_builtin.sm_90.cubin");
 
 /// Driver words of constant bank 0 that launches write (blockDim .. initial stack pointer).
-const CBANK_DRIVER_WORDS: usize = 11;
+const CBANK_DRIVER_WORDS: usize = super::cbank::LAUNCH_WORDS;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct TemplateKey {
@@ -115,6 +148,7 @@ struct TemplateKey {
     local: u32,
     cbank_size: u32,
     ordered: bool,
+    cluster: Option<[u32; 3]>,
 }
 
 /// Writes the words of `new` that differ from `shadow` (runs of them at once) and updates the shadow.
@@ -165,11 +199,19 @@ pub struct ComputeQueue {
     /// What each slot's QMD and driver words hold now (the slots are write-only device memory).
     qmd_shadow: Vec<[u32; QMD_WORDS]>,
     cb_shadow: Vec<[u32; CBANK_DRIVER_WORDS]>,
+    /// What each slot's cluster words of constant bank 0 hold now.
+    cluster_shadow: Vec<[u32; CLUSTER_WORDS]>,
     timeout: Duration,
     /// The chain being recorded by `record_launch_chained`, sent by `end_chain`.
     chain: Option<OpenChain>,
     chain_action: ChainAction,
     chain_part: usize,
+    /// The printf FIFO of the modules launched so far (one per GPU), drained when the queue synchronizes.
+    printf: Option<Arc<PrintfFifo>>,
+    /// The grid barrier cooperative launches count in (zeroed once; it resets itself at every sync).
+    grid_barrier: Option<Memory>,
+    /// Set while a cooperative launch is being recorded: its grid barrier's address.
+    cooperative: Option<u64>,
 }
 
 /// The timeline release a launch's QMD carries.
@@ -267,10 +309,14 @@ impl ComputeQueue {
             template: None,
             qmd_shadow: vec![[0; QMD_WORDS]; config.slots],
             cb_shadow: vec![[0; CBANK_DRIVER_WORDS]; config.slots],
+            cluster_shadow: vec![[0; CLUSTER_WORDS]; config.slots],
             timeout: config.timeout,
             chain: None,
             chain_action: ChainAction::InvalidateCopySchedule,
             chain_part: config.chain_part.clamp(1, config.slots),
+            printf: None,
+            grid_barrier: None,
+            cooperative: None,
         };
         let (shared, local) = (cq.shared_window(), cq.local_window());
         cq.queue.submit(16, Signal::Host, |p, _| {
@@ -350,8 +396,11 @@ impl ComputeQueue {
         Ok(())
     }
 
-    fn check(&self, kernel: &Kernel, cfg: &LaunchConfig) -> Result<u32> {
-        validate(kernel.info(), cfg, &self.limits)
+    /// Checks a launch: the block's shared memory and the cluster shape it runs with.
+    fn check(&self, kernel: &Kernel, cfg: &LaunchConfig) -> Result<(u32, Option<[u32; 3]>)> {
+        let k = kernel.info();
+        let shared = validate(k, cfg, &self.limits)?;
+        Ok((shared, cluster_shape(k, cfg, &self.limits)?))
     }
 
     /// Launches `kernel` over `cfg` with `args` (checked against the kernel's parameter table). Launches on one
@@ -370,6 +419,65 @@ impl ComputeQueue {
         let fence = unsafe { self.record_launch(kernel, cfg, args)? };
         self.queue.kick();
         Ok(fence)
+    }
+
+    /// Launches a kernel that synchronizes its whole grid (cooperative groups `this_grid().sync()`), as
+    /// `cuLaunchCooperativeKernel` does: refused unless every block of the grid can be resident at once, and the
+    /// kernel gets the grid barrier it synchronizes on. Cooperative launches on one queue run in order and share
+    /// one barrier. A kernel that syncs its grid but is launched with [`launch`](Self::launch) traps, as it does
+    /// under CUDA.
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch).
+    pub unsafe fn launch_cooperative(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+    ) -> Result<Fence> {
+        let k = kernel.info();
+        let info = self.gpu.info();
+        let blocks = u64::from(cfg.grid[0]) * u64::from(cfg.grid[1]) * u64::from(cfg.grid[2]);
+        let threads = cfg.block[0]
+            .saturating_mul(cfg.block[1])
+            .saturating_mul(cfg.block[2]);
+        let limits = super::occupancy::DeviceLimits::for_sm(info.sm_version, info.sm_count)
+            .ok_or_else(|| {
+                Error::Unsupported(format!("no occupancy table for sm_{}", info.sm_version))
+            })?;
+        let resources =
+            super::occupancy::KernelResources::from_kernel(k, kernel.module().cubin().sm_version());
+        let occ = super::occupancy::occupancy(&limits, &resources, threads, cfg.shared_bytes)
+            .map_err(|e| Error::InvalidLaunch {
+                kernel: k.name.clone(),
+                why: e.to_string(),
+            })?;
+        let resident = u64::from(occ.active_blocks) * u64::from(info.sm_count);
+        if blocks > resident {
+            return Err(Error::InvalidLaunch {
+                kernel: k.name.clone(),
+                why: format!(
+                    "a cooperative launch of {blocks} blocks, but at most {resident} can be resident at once \
+                     ({} per SM on {} SMs); a grid-wide sync would wait forever",
+                    occ.active_blocks, info.sm_count
+                ),
+            });
+        }
+        let barrier = match &self.grid_barrier {
+            Some(m) => m.va(),
+            None => {
+                let m = Memory::alloc(&self.gpu, MemoryDesc::video(256).with_cpu())?;
+                m.fill(0, 256, 0)?;
+                let va = m.va();
+                self.grid_barrier = Some(m);
+                va
+            }
+        };
+        self.cooperative = Some(barrier);
+        // SAFETY: forwarded.
+        let fence = unsafe { self.launch(kernel, cfg, args) };
+        self.cooperative = None;
+        fence
     }
 
     /// As [`launch`](Self::launch) without ringing the doorbell; [`flush`](Self::flush) sends everything
@@ -529,8 +637,16 @@ impl ComputeQueue {
         release: Release,
     ) -> Result<(usize, [u32; QMD_WORDS])> {
         let k = kernel.info();
-        let shared = self.check(kernel, cfg)?;
+        let (shared, cluster) = self.check(kernel, cfg)?;
         let n = pack(k, args, &mut self.params)?;
+        if let Some(fifo) = kernel.module().printf_fifo()
+            && !self.printf.as_ref().is_some_and(|f| Arc::ptr_eq(f, fifo))
+        {
+            // A module loaded with a FIFO of its own: drain the one held so far before switching.
+            if let Some(old) = self.printf.replace(fifo.clone()) {
+                let _ = old.drain();
+            }
+        }
         if k.min_stack_size + LOCAL_RESERVE > self.local_per_thread {
             self.ensure_local_memory(k.min_stack_size)?;
         }
@@ -567,6 +683,7 @@ impl ComputeQueue {
             local: self.local_per_thread,
             cbank_size: k.param_cbank_size,
             ordered: release.is_some(),
+            cluster,
         };
         let release_va = self.queue.timeline().va();
         let mut q = [0u32; QMD_WORDS];
@@ -607,6 +724,7 @@ impl ComputeQueue {
                 local_bytes_per_thread: self.local_per_thread,
                 const_buffers: cbs,
                 release: release.map(|v| (release_va, v)),
+                cluster,
             };
             qmd::build(self.version, &params, &mut q)?;
             self.template = Some((key, q));
@@ -621,11 +739,20 @@ impl ComputeQueue {
             self.shared_window(),
             self.local_window(),
         );
+        write_grid_barrier(&mut driver, self.cooperative);
         write_changed(
             &self.slots,
             slot_off + QMD_BYTES,
             &mut self.cb_shadow[slot],
             &driver,
+        )?;
+        let mut cluster_words = [0u32; CLUSTER_WORDS];
+        write_cluster_words(&mut cluster_words, cfg.grid, cluster);
+        write_changed(
+            &self.slots,
+            slot_off + QMD_BYTES + CLUSTER_WORDS_START as u64,
+            &mut self.cluster_shadow[slot],
+            &cluster_words,
         )?;
         self.slots.write(
             slot_off + QMD_BYTES + DRIVER_BYTES as u64,
@@ -772,12 +899,27 @@ impl ComputeQueue {
         self.queue.kick();
     }
 
-    /// Waits until every launch so far (an open chain included) has completed.
+    /// Waits until every launch so far (an open chain included) has completed, then prints what their kernels
+    /// `printf`ed. A failed device `assert` is [`Error::Assert`].
     pub fn synchronize(&mut self) -> Result<()> {
         self.end_open_chain()?;
         // What is only recorded so far is sent first.
         self.queue.kick();
-        Ok(self.queue.wait_idle(self.timeout)?)
+        let waited = self.queue.wait_idle(self.timeout);
+        settle(self.printf.as_ref(), waited)
+    }
+
+    /// The printf FIFO this queue's kernels write to, once a kernel that calls `printf` or `assert` was launched.
+    pub fn printf_fifo(&self) -> Option<&Arc<PrintfFifo>> {
+        self.printf.as_ref()
+    }
+
+    /// Prints what the kernels completed so far have `printf`ed (waiting on a [`Fence`] of this layer does not).
+    pub fn drain_printf(&self) -> Result<Drained> {
+        Ok(match &self.printf {
+            Some(f) => f.drain()?,
+            None => Drained::default(),
+        })
     }
 
     fn retire_local(&mut self) {
@@ -798,6 +940,34 @@ impl Drop for ComputeQueue {
         }
         self.queue.kick();
         let _ = self.queue.wait_idle(Duration::from_secs(2));
+        if let Some(f) = &self.printf
+            && let Err(e) = f.drain()
+        {
+            tracing::warn!(error = %e, "draining printf output on drop failed");
+        }
+    }
+}
+
+/// Finishes a wait on work that may have called `printf` or `assert`: drains the FIFO, and turns a channel fault
+/// caused by a failed assertion into [`Error::Assert`].
+pub fn settle(
+    printf: Option<&Arc<PrintfFifo>>,
+    waited: std::result::Result<(), crate::pushbuf::Error>,
+) -> Result<()> {
+    let Some(fifo) = printf else {
+        return Ok(waited?);
+    };
+    let drained = fifo.drain();
+    match (waited, drained) {
+        (Ok(()), Ok(_)) => Ok(()),
+        (Ok(()), Err(e)) => Err(e.into()),
+        (Err(fault), Ok(mut d)) if !d.asserts.is_empty() => {
+            Err(Error::Assert(Box::new(super::printf::AssertError {
+                failure: d.asserts.swap_remove(0),
+                fault,
+            })))
+        }
+        (Err(fault), _) => Err(fault.into()),
     }
 }
 
@@ -870,5 +1040,64 @@ pub fn validate(k: &KernelInfo, cfg: &LaunchConfig, l: &Limits) -> Result<u32> {
             k.param_cbank_offset
         )));
     }
+    cluster_shape(k, cfg, l)?;
     Ok(shared as u32)
+}
+
+/// The thread block cluster shape a launch runs with: the run-time shape of `cfg`, else the kernel's
+/// compile-time `__cluster_dims__`; `None` for a launch without clusters. Refused, before anything is submitted:
+/// a run-time shape other than the compile-time one, clusters on a GPU without them (before sm_90), a shape with a
+/// zero axis, a grid that is not a multiple of the shape, a cluster of more than
+/// [`Limits::max_cluster_blocks`] blocks, and a kernel compiled for cluster launches (`.explicitcluster`) launched
+/// without a shape. A cluster's blocks must be resident at once on one GPC: [`validate`] has checked that one
+/// block fits an SM (threads, registers, shared memory), so the at most 8 blocks of a cluster need at most 8 SMs,
+/// fewer than any Hopper GPC has.
+pub fn cluster_shape(k: &KernelInfo, cfg: &LaunchConfig, l: &Limits) -> Result<Option<[u32; 3]>> {
+    let bad = |why: String| Error::InvalidLaunch {
+        kernel: k.name.clone(),
+        why,
+    };
+    let shape = match (cfg.cluster, k.cluster_dims) {
+        (Some(run), Some(fixed)) if run != fixed => {
+            return Err(bad(format!(
+                "a cluster shape of {run:?} at launch, but the kernel was compiled with __cluster_dims__{fixed:?}; \
+                 give the compiled shape or none"
+            )));
+        }
+        (run, fixed) => run.or(fixed),
+    };
+    let Some(s) = shape else {
+        if k.explicit_cluster {
+            return Err(bad(
+                "the kernel was compiled for cluster launches (.explicitcluster): give a cluster shape \
+                 (LaunchConfig::with_cluster)"
+                    .into(),
+            ));
+        }
+        return Ok(None);
+    };
+    if l.max_cluster_blocks == 0 {
+        return Err(bad(format!(
+            "a cluster shape of {s:?}, but this GPU has no thread block clusters (they need sm_90 or newer)"
+        )));
+    }
+    for (i, axis) in ["x", "y", "z"].iter().enumerate() {
+        if s[i] == 0 {
+            return Err(bad(format!("cluster.{axis} = 0 (must be at least 1)")));
+        }
+        if !cfg.grid[i].is_multiple_of(s[i]) {
+            return Err(bad(format!(
+                "grid.{axis} = {} is not a multiple of the cluster's {} (cluster shape {s:?})",
+                cfg.grid[i], s[i]
+            )));
+        }
+    }
+    let blocks = s.iter().map(|&v| u64::from(v)).product::<u64>();
+    if blocks > u64::from(l.max_cluster_blocks) {
+        return Err(bad(format!(
+            "a cluster of {blocks} blocks ({s:?}); at most {} (the portable cluster size)",
+            l.max_cluster_blocks
+        )));
+    }
+    Ok(Some(s))
 }

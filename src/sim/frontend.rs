@@ -549,6 +549,9 @@ impl ChannelModel {
             vec![0u8; (cb0_size as usize).saturating_sub(crate::launch::cbank::DRIVER_BYTES)];
         view.read(cb0 + crate::launch::cbank::DRIVER_BYTES as u64, &mut params)
             .map_err(mmu("constant bank 0"))?;
+        let mut driver = vec![0u8; crate::launch::cbank::DRIVER_BYTES.min(cb0_size as usize)];
+        view.read(cb0, &mut driver)
+            .map_err(mmu("constant bank 0"))?;
         for r in &d.releases {
             let res = match r.kind {
                 ReleaseKind::FourWords { payload64 } => {
@@ -569,6 +572,7 @@ impl ChannelModel {
             token: self.ch.token,
             qmd_va,
             grid: d.grid,
+            cluster: d.cluster,
             block: d.block,
             shared_bytes: d.shared_bytes,
             registers: d.registers,
@@ -578,6 +582,10 @@ impl ChannelModel {
             cbank0_va: cb0,
             cbank0_size: cb0_size as u32,
             params,
+            driver_words: driver
+                .chunks_exact(4)
+                .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
+                .collect(),
             releases: d.releases.iter().map(|r| (r.va, r.payload)).collect(),
         });
         Ok(d.dependent)

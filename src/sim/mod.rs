@@ -95,7 +95,10 @@ pub struct SimError {
 pub struct Launch {
     pub token: u32,
     pub qmd_va: u64,
+    /// Blocks per axis (for a cluster launch, the QMD's grid in clusters times the cluster shape).
     pub grid: [u32; 3],
+    /// The thread block cluster shape of a cluster launch.
+    pub cluster: Option<[u32; 3]>,
     pub block: [u32; 3],
     pub shared_bytes: u32,
     pub registers: u32,
@@ -106,6 +109,8 @@ pub struct Launch {
     pub cbank0_size: u32,
     /// cbank0 after the 0x210 driver bytes, as the kernel would see it.
     pub params: Vec<u8>,
+    /// cbank0's driver words (the first 0x210 bytes), as the kernel would see them.
+    pub driver_words: Vec<u32>,
     /// (address, payload) of each release the QMD performed.
     pub releases: Vec<(u64, u64)>,
 }

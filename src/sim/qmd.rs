@@ -2,7 +2,7 @@
 //! own words (pure, unit-tested), [`check_environment`] at what it points to (memory, cbank0, channel state).
 
 use crate::hw::qmd::v04;
-use crate::launch::cbank::{DRIVER_BYTES, INITIAL_STACK};
+use crate::launch::cbank::{CLUSTER_WORDS, CLUSTER_WORDS_START, DRIVER_BYTES, INITIAL_STACK};
 use crate::launch::qmd::{shared_carveouts_kib, sm_config};
 
 /// Words of a V04 QMD.
@@ -25,8 +25,11 @@ const RELEASES: u32 = 3;
 pub enum QmdViolation {
     #[error("QMD_MAJOR_VERSION {0} (Hopper runs version 4)")]
     Version(u64),
-    #[error("QMD_TYPE {0} (only GRID_CTA is launched)")]
+    #[error("QMD_TYPE {0} (only GRID_CTA and GRID_GPC_CGA are launched)")]
     Type(u64),
+    /// A thread block cluster (GPC CGA) field out of what Hopper runs.
+    #[error("cluster: {0}")]
+    Cluster(String),
     #[error("QMD address {0:#x} is not 256-byte aligned below 2^40")]
     Address(u64),
     #[error("grid.{axis} = {value} (must be 1..={max})")]
@@ -102,7 +105,10 @@ pub struct ReleaseDesc {
 /// What a well-formed V04 QMD asks for.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct QmdDesc {
+    /// Blocks per axis (for a cluster launch: the QMD's grid in clusters times the cluster shape).
     pub grid: [u32; 3],
+    /// The thread block cluster shape of a GRID_GPC_CGA QMD.
+    pub cluster: Option<[u32; 3]>,
     pub block: [u32; 3],
     pub shared_bytes: u32,
     pub registers: u32,
@@ -140,9 +146,7 @@ pub fn check_fields(words: &[u32], sm_version: u32) -> Result<QmdDesc, QmdViolat
         return Err(QmdViolation::Version(major));
     }
     let ty = get(words, v04::QMD_TYPE);
-    if ty != u64::from(v04::QMD_TYPE_GRID_CTA) {
-        return Err(QmdViolation::Type(ty));
-    }
+    let cluster = check_cluster(words, ty)?;
     let expected_sass = u64::from(((sm_version / 10) << 4) | (sm_version % 10));
     let sass = get(words, v04::SASS_VERSION);
     if sass != expected_sass {
@@ -152,10 +156,12 @@ pub fn check_fields(words: &[u32], sm_version: u32) -> Result<QmdDesc, QmdViolat
         });
     }
     let axes = ["x", "y", "z"];
+    // A cluster launch counts its grid in clusters (libcuda: GRID_WIDTH 4 for 8 blocks in clusters of 2).
+    let per = cluster.map_or([1; 3], |c| c.map(u64::from));
     let grid = [
-        get(words, v04::GRID_WIDTH),
-        get(words, v04::GRID_HEIGHT),
-        get(words, v04::GRID_DEPTH),
+        get(words, v04::GRID_WIDTH) * per[0],
+        get(words, v04::GRID_HEIGHT) * per[1],
+        get(words, v04::GRID_DEPTH) * per[2],
     ];
     let block = [
         get(words, v04::CTA_THREAD_DIMENSION0),
@@ -257,6 +263,7 @@ pub fn check_fields(words: &[u32], sm_version: u32) -> Result<QmdDesc, QmdViolat
     };
     Ok(QmdDesc {
         dependent,
+        cluster,
         grid: grid.map(|g| g as u32),
         block: block.map(|b| b as u32),
         shared_bytes: shared as u32,
@@ -268,6 +275,47 @@ pub fn check_fields(words: &[u32], sm_version: u32) -> Result<QmdDesc, QmdViolat
         const_banks,
         releases,
     })
+}
+
+/// Most blocks in a cluster Hopper runs (16 with the non-portable opt-in; 8 is the portable size).
+const MAX_CLUSTER_BLOCKS: u64 = 16;
+
+/// The QMD type and its cluster fields: GRID_CTA with no cluster shape, or GRID_GPC_CGA with a shape of 1..=16
+/// blocks (GPU-wide CGAs are not modelled).
+fn check_cluster(words: &[u32], ty: u64) -> Result<Option<[u32; 3]>, QmdViolation> {
+    let shape = [
+        get(words, v04::GPC_CGA_WIDTH),
+        get(words, v04::GPC_CGA_HEIGHT),
+        get(words, v04::GPC_CGA_DEPTH),
+    ];
+    let gpu_cga = [
+        get(words, v04::GPU_CGA_WIDTH),
+        get(words, v04::GPU_CGA_HEIGHT),
+        get(words, v04::GPU_CGA_DEPTH),
+    ];
+    if gpu_cga.iter().any(|&v| v != 0) {
+        return Err(QmdViolation::Cluster(format!(
+            "GPU_CGA shape {gpu_cga:?} (GPU-wide CGAs are not modelled)"
+        )));
+    }
+    if ty == u64::from(v04::QMD_TYPE_GRID_CTA) {
+        if shape.iter().any(|&v| v != 0) {
+            return Err(QmdViolation::Cluster(format!(
+                "GPC_CGA shape {shape:?} on a GRID_CTA QMD"
+            )));
+        }
+        return Ok(None);
+    }
+    if ty != u64::from(v04::QMD_TYPE_GRID_GPC_CGA) {
+        return Err(QmdViolation::Type(ty));
+    }
+    let blocks: u64 = shape.iter().product();
+    if blocks == 0 || blocks > MAX_CLUSTER_BLOCKS {
+        return Err(QmdViolation::Cluster(format!(
+            "GPC_CGA shape {shape:?} ({blocks} blocks; 1..={MAX_CLUSTER_BLOCKS})"
+        )));
+    }
+    Ok(Some(shape.map(|v| v as u32)))
 }
 
 /// Shared memory size against the SM configuration fields: valid carveout encodings, min <= target <= max,
@@ -433,9 +481,11 @@ pub fn check_environment(
         )));
     }
     let (cb0, _) = d.const_banks[0].ok_or(EnvFault::Violation(QmdViolation::NoConstantBank0))?;
+    let n = CLUSTER_WORDS_START / 4 + CLUSTER_WORDS;
     let w = mem
-        .read_words(cb0, 11)
-        .ok_or_else(|| fault("constant bank 0", cb0, 44))?;
+        .read_words(cb0, n)
+        .ok_or_else(|| fault("constant bank 0", cb0, n as u64 * 4))?;
+    check_cluster_words(d, &w)?;
     let w64 = |i: usize| u64::from(w[i]) | (u64::from(w[i + 1]) << 32);
     let checks: [(u64, u64, u64, &'static str); 9] = [
         (0x0, w[0].into(), d.block[0].into(), "blockDim.x"),
@@ -481,6 +531,41 @@ pub fn check_environment(
     Ok(())
 }
 
+/// The cluster words of cbank0 (`w` from its start): a cluster launch has the flag that makes `barrier.cluster`
+/// a cluster barrier, its shape, the grid in clusters and the blocks per cluster; a launch without clusters must
+/// not have the flag (its words may be left zero).
+fn check_cluster_words(d: &QmdDesc, w: &[u32]) -> Result<(), EnvFault> {
+    let at = |byte: usize| u64::from(w.get(byte / 4).copied().unwrap_or(0));
+    let word = |offset: usize, expected: u64, what: &'static str| {
+        let found = at(offset);
+        if found == expected {
+            Ok(())
+        } else {
+            Err(EnvFault::Violation(QmdViolation::Cbank0Word {
+                offset: offset as u64,
+                found,
+                expected,
+                what,
+            }))
+        }
+    };
+    let Some(c) = d.cluster else {
+        return word(0x140, 0, "cluster flag of a launch without clusters");
+    };
+    word(0x140, 1, "cluster flag")?;
+    let dims = ["cluster.x", "cluster.y", "cluster.z"];
+    let grids = ["clusters along x", "clusters along y", "clusters along z"];
+    for i in 0..3 {
+        word(0x144 + 4 * i, u64::from(c[i]), dims[i])?;
+        word(0x15c + 4 * i, u64::from(d.grid[i] / c[i].max(1)), grids[i])?;
+    }
+    word(
+        0x188,
+        c.iter().map(|&v| u64::from(v)).product(),
+        "blocks per cluster",
+    )
+}
+
 /// Why [`check_environment`] refused a launch.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum EnvFault {
@@ -496,7 +581,7 @@ pub enum EnvFault {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::launch::cbank::write_driver_words;
+    use crate::launch::cbank::{write_cluster_words, write_driver_words};
     use crate::launch::qmd::{ConstBuffer, QMD_WORDS, QmdParams, QmdVersion, build};
 
     const CB: u64 = 0x10_0000;
@@ -520,6 +605,7 @@ mod tests {
             local_bytes_per_thread: 0,
             const_buffers: cbs,
             release: Some((SEM, 6)),
+            cluster: None,
         }
     }
 
@@ -623,6 +709,104 @@ mod tests {
         assert!(check_address(0x1_0000_0100).is_ok());
         assert!(check_address(0x1_0000_0180).is_err());
         assert!(check_address(1 << 40).is_err());
+    }
+
+    #[test]
+    fn cluster_qmds_are_checked() {
+        // cluster_fixed<<<8, 32>>> in clusters of 2, as libcuda sent it: GRID_WIDTH counts clusters.
+        let mut p = params();
+        p.grid = [8, 1, 1];
+        p.cluster = Some([2, 1, 1]);
+        let q = qmd(&p, QmdVersion::V04);
+        let d = check_fields(&q, 90).unwrap();
+        assert_eq!((d.grid, d.cluster), ([8, 1, 1], Some([2, 1, 1])));
+        assert_eq!(
+            check_fields(&qmd(&params(), QmdVersion::V04), 90)
+                .unwrap()
+                .cluster,
+            None
+        );
+
+        // 17 blocks is more than Hopper runs.
+        let mut bad = q;
+        v04::GPC_CGA_WIDTH.set(&mut bad, 17).unwrap();
+        assert!(matches!(
+            check_fields(&bad, 90),
+            Err(QmdViolation::Cluster(_))
+        ));
+        // A cluster shape on a plain grid, a GPU-wide CGA: not what APEX sends.
+        let mut bad = qmd(&params(), QmdVersion::V04);
+        v04::GPC_CGA_WIDTH.set(&mut bad, 2).unwrap();
+        assert!(matches!(
+            check_fields(&bad, 90),
+            Err(QmdViolation::Cluster(_))
+        ));
+        let mut bad = q;
+        v04::GPU_CGA_WIDTH.set(&mut bad, 2).unwrap();
+        assert!(matches!(
+            check_fields(&bad, 90),
+            Err(QmdViolation::Cluster(_))
+        ));
+        let mut bad = q;
+        v04::QMD_TYPE.set(&mut bad, 4).unwrap();
+        assert!(matches!(check_fields(&bad, 90), Err(QmdViolation::Type(4))));
+
+        // The cbank0 cluster words must describe the same launch.
+        let st = LaunchState {
+            shared_window: 0x7000_0000_0000,
+            local_window: 0x7100_0000_0000,
+            ..LaunchState::default()
+        };
+        let mut cb0 = vec![0u32; 132];
+        write_driver_words(
+            &mut cb0,
+            [32, 1, 1],
+            [8, 1, 1],
+            st.shared_window,
+            st.local_window,
+        );
+        let window = CLUSTER_WORDS_START / 4;
+        write_cluster_words(&mut cb0[window..], [8, 1, 1], Some([2, 1, 1]));
+        let mut mem = Fake {
+            ranges: vec![(CB, 0x1000), (PROGRAM, 0x1000), (SEM, 0x1000)],
+            cb0,
+        };
+        assert_eq!(check_environment(&d, &st, &mem), Ok(()));
+        mem.cb0[0x188 / 4] = 1;
+        assert!(matches!(
+            check_environment(&d, &st, &mem),
+            Err(EnvFault::Violation(QmdViolation::Cbank0Word {
+                offset: 0x188,
+                ..
+            }))
+        ));
+        // Without the flag, cluster.sync() in a kernel without __cluster_dims__ would be a plain bar.sync.
+        mem.cb0[0x188 / 4] = 2;
+        mem.cb0[0x140 / 4] = 0;
+        assert!(matches!(
+            check_environment(&d, &st, &mem),
+            Err(EnvFault::Violation(QmdViolation::Cbank0Word {
+                offset: 0x140,
+                ..
+            }))
+        ));
+        // A plain launch must not carry the flag.
+        let plain = check_fields(&qmd(&params(), QmdVersion::V04), 90).unwrap();
+        write_driver_words(
+            &mut mem.cb0,
+            [32, 1, 1],
+            [2, 1, 1],
+            st.shared_window,
+            st.local_window,
+        );
+        mem.cb0[0x140 / 4] = 1;
+        assert!(matches!(
+            check_environment(&plain, &st, &mem),
+            Err(EnvFault::Violation(QmdViolation::Cbank0Word {
+                offset: 0x140,
+                ..
+            }))
+        ));
     }
 
     struct Fake {

@@ -1,0 +1,292 @@
+//! From the bytes given to a module load to the cubin that runs on the device. The bytes may be:
+//!
+//! - a cubin, used as it is (relocatable ones, from `nvcc -rdc=true -cubin`, linked first);
+//! - a fatbin, or a host executable, shared library or object with fatbins in `.nv_fatbin`/`__nv_relfatbin`:
+//!   the best entry for the device by [`select`], decompressed; PTX compiled and relocatable code
+//!   linked by [`Jit`] when no SASS fits;
+//! - PTX text, compiled for the device by [`Jit`].
+//!
+//! A host binary holds one container per translation unit (plus one from the device-link step, which may define
+//! no kernel): the first candidate, best first, whose code defines a kernel is taken, so such a file loads as the
+//! module of its best-fitting translation unit.
+
+use std::borrow::Cow;
+
+use tracing::{debug, warn};
+
+use super::cubin::{Cubin, CubinError};
+use super::fatbin::{self, FatbinEntry, FatbinEntryKind, FatbinError};
+use super::jit::{InputKind, Jit, JitError};
+use super::select::{self, CubinArch};
+
+/// Why no cubin for the device could be had from the bytes.
+#[derive(thiserror::Error, Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ImageError {
+    /// The fatbin or its host ELF is malformed.
+    #[error(transparent)]
+    Fatbin(#[from] FatbinError),
+    /// The chosen cubin is malformed.
+    #[error(transparent)]
+    Cubin(#[from] CubinError),
+    /// PTX could not be compiled (or nvJitLink not loaded).
+    #[error(transparent)]
+    Jit(#[from] JitError),
+    /// Relocatable device code is all that fits, and it could not be linked.
+    #[error(
+        "the only code for this GPU is relocatable device code (nvcc -rdc=true, {arch}), which must be linked \
+         before it runs, and linking it with nvJitLink failed: {source}"
+    )]
+    Relocatable {
+        /// The code's architecture.
+        arch: String,
+        /// Why linking failed.
+        #[source]
+        source: Box<JitError>,
+    },
+    /// Nothing in the fatbin runs on the device.
+    #[error("nothing in the image runs on an sm_{device_sm} GPU: {}", entries.join("; "))]
+    NoCodeForDevice {
+        /// The device's SM version.
+        device_sm: u32,
+        /// Each entry and why it does not fit.
+        entries: Vec<String>,
+    },
+    /// Architecture-specific code for another SM.
+    #[error(
+        "the code is built for {arch}, architecture-specific code that runs only on sm_{sm} GPUs, not on this \
+         sm_{device_sm} one"
+    )]
+    ArchSpecific {
+        /// The code's architecture (`sm_90a`).
+        arch: String,
+        /// The only SM it runs on.
+        sm: u32,
+        /// The device's SM version.
+        device_sm: u32,
+    },
+    /// PTX whose target the device is below.
+    #[error("the PTX targets {target}, which cannot be compiled for an sm_{device_sm} GPU")]
+    PtxTarget {
+        /// The PTX's `.target`.
+        target: String,
+        /// The device's SM version.
+        device_sm: u32,
+    },
+    /// PTX without a usable `.target` directive.
+    #[error("the PTX has no `.target sm_XY` directive")]
+    PtxNoTarget,
+}
+
+/// What to do with PTX.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PtxHandling {
+    /// Compile it with the [`Jit`] (the direct path).
+    Compile,
+    /// Return it as it is (the CUDA driver compiles PTX itself).
+    Keep,
+}
+
+/// Code for the device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Code<'a> {
+    /// An executable cubin.
+    Cubin(Cow<'a, [u8]>),
+    /// PTX text (only with [`PtxHandling::Keep`]).
+    Ptx(Cow<'a, [u8]>),
+}
+
+impl Code<'_> {
+    /// The bytes.
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            Code::Cubin(b) | Code::Ptx(b) => b,
+        }
+    }
+
+    /// Whether the code defines at least one kernel (unreadable cubins count as defining none).
+    fn has_kernels(&self) -> bool {
+        match self {
+            Code::Cubin(b) => Cubin::parse(b).is_ok_and(|c| !c.kernels().is_empty()),
+            Code::Ptx(b) => b.windows(6).any(|w| w == b".entry"),
+        }
+    }
+}
+
+/// Code for the device and how it was had.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resolved<'a> {
+    /// The code.
+    pub code: Code<'a>,
+    /// What was taken and why, for logs (`sm_90a cubin (zstd): architecture-specific SASS for exactly this SM`).
+    pub chosen: String,
+}
+
+/// The cubin to load on an `sm_<device_sm>` GPU from `bytes`, with PTX compiled and relocatable code linked by
+/// `jit`.
+pub fn cubin_for_device<'a>(
+    bytes: &'a [u8],
+    device_sm: u32,
+    jit: &Jit,
+) -> Result<Cow<'a, [u8]>, ImageError> {
+    let resolved = resolve(bytes, device_sm, jit, PtxHandling::Compile)?;
+    debug!(device_sm, chosen = %resolved.chosen, "module code");
+    match resolved.code {
+        Code::Cubin(c) => Ok(c),
+        // Compile mode never returns PTX.
+        Code::Ptx(_) => Err(ImageError::PtxNoTarget),
+    }
+}
+
+/// The code to load on an `sm_<device_sm>` GPU from `bytes` (see the module's documentation).
+pub fn resolve<'a>(
+    bytes: &'a [u8],
+    device_sm: u32,
+    jit: &Jit,
+    ptx: PtxHandling,
+) -> Result<Resolved<'a>, ImageError> {
+    if let Some(arch) = select::cubin_arch(bytes) {
+        let code = cubin_code(Cow::Borrowed(bytes), arch, device_sm, jit)?;
+        return Ok(Resolved {
+            code,
+            chosen: format!("{} cubin", arch.name()),
+        });
+    }
+    if fatbin::is_fatbin(bytes) || bytes.starts_with(b"\x7fELF") {
+        return match fatbin::entries(bytes) {
+            Ok(entries) => from_entries(bytes, &entries, device_sm, jit, ptx),
+            // Not a fatbin and no fatbin sections: a broken cubin, which the cubin parser describes best.
+            Err(FatbinError::NotFatbin) if !fatbin::is_fatbin(bytes) => Ok(Resolved {
+                code: Code::Cubin(Cow::Borrowed(bytes)),
+                chosen: "cubin".into(),
+            }),
+            Err(e) => Err(e.into()),
+        };
+    }
+    if select::looks_like_ptx(bytes) {
+        return Ok(Resolved {
+            code: ptx_code(Cow::Borrowed(bytes), device_sm, jit, ptx)?,
+            chosen: "PTX".into(),
+        });
+    }
+    // Neither: the cubin parser says what is wrong with it.
+    Ok(Resolved {
+        code: Code::Cubin(Cow::Borrowed(bytes)),
+        chosen: "cubin".into(),
+    })
+}
+
+/// Tries the candidates best first; see the module's documentation.
+fn from_entries<'a>(
+    bytes: &[u8],
+    entries: &[FatbinEntry],
+    device_sm: u32,
+    jit: &Jit,
+    ptx: PtxHandling,
+) -> Result<Resolved<'a>, ImageError> {
+    let selection = select::select(entries, device_sm);
+    if selection.candidates.is_empty() {
+        return Err(ImageError::NoCodeForDevice {
+            device_sm,
+            entries: selection.describe(entries),
+        });
+    }
+    let mut first_error = None;
+    let mut without_kernels: Option<(usize, Resolved<'a>)> = None;
+    for candidate in &selection.candidates {
+        let entry = &entries[candidate.index];
+        // The best code of a container is its module: its other entries define the same kernels.
+        if without_kernels
+            .as_ref()
+            .is_some_and(|(container, _)| *container == entry.container)
+        {
+            continue;
+        }
+        let code = fatbin::payload(bytes, entry)
+            .map_err(ImageError::from)
+            .and_then(|payload| match entry.kind {
+                FatbinEntryKind::Ptx => ptx_code(Cow::Owned(payload), device_sm, jit, ptx),
+                FatbinEntryKind::Cubin => match select::cubin_arch(&payload) {
+                    Some(arch) => cubin_code(Cow::Owned(payload), arch, device_sm, jit),
+                    None => {
+                        Err(CubinError::NotElf(format!("the {entry} is not a CUDA ELF")).into())
+                    }
+                },
+            });
+        let code = match code {
+            Ok(code) => code,
+            Err(e) => {
+                warn!(%entry, error = %e, "fatbin entry not usable; trying the next");
+                first_error.get_or_insert(e);
+                continue;
+            }
+        };
+        let resolved = Resolved {
+            chosen: format!("{entry}: {}", candidate.fit),
+            code,
+        };
+        if resolved.code.has_kernels() {
+            return Ok(resolved);
+        }
+        debug!(%entry, container = entry.container, "no kernel in this container; trying the next");
+        without_kernels.get_or_insert((entry.container, resolved));
+    }
+    match (without_kernels, first_error) {
+        (Some((_, resolved)), _) => Ok(resolved),
+        (None, Some(e)) => Err(e),
+        (None, None) => Err(ImageError::NoCodeForDevice {
+            device_sm,
+            entries: selection.describe(entries),
+        }),
+    }
+}
+
+/// An executable cubin from a cubin: checked for architecture-specific code, linked if relocatable.
+fn cubin_code<'a>(
+    bytes: Cow<'a, [u8]>,
+    arch: CubinArch,
+    device_sm: u32,
+    jit: &Jit,
+) -> Result<Code<'a>, ImageError> {
+    if arch.arch_specific && arch.sm != device_sm {
+        return Err(ImageError::ArchSpecific {
+            arch: arch.name(),
+            sm: arch.sm,
+            device_sm,
+        });
+    }
+    if !arch.relocatable {
+        return Ok(Code::Cubin(bytes));
+    }
+    // Linked for its own architecture: the result runs wherever the relocatable SASS would.
+    jit.compile(InputKind::RelocatableCubin, &bytes, &arch.name())
+        .map(|cubin| Code::Cubin(Cow::Owned(cubin)))
+        .map_err(|source| ImageError::Relocatable {
+            arch: arch.name(),
+            source: Box::new(source),
+        })
+}
+
+/// PTX for the device, compiled or kept.
+fn ptx_code<'a>(
+    text: Cow<'a, [u8]>,
+    device_sm: u32,
+    jit: &Jit,
+    ptx: PtxHandling,
+) -> Result<Code<'a>, ImageError> {
+    let target = select::ptx_target(&text).ok_or(ImageError::PtxNoTarget)?;
+    let arch = target
+        .arch_for(device_sm)
+        .ok_or_else(|| ImageError::PtxTarget {
+            target: target.name(),
+            device_sm,
+        })?;
+    match ptx {
+        PtxHandling::Keep => Ok(Code::Ptx(text)),
+        PtxHandling::Compile => Ok(Code::Cubin(Cow::Owned(jit.compile(
+            InputKind::Ptx,
+            &text,
+            &arch,
+        )?))),
+    }
+}
