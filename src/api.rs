@@ -10,6 +10,8 @@ use std::time::Duration;
 use tracing::info;
 
 use crate::driver;
+
+mod cuda_attach;
 use crate::launch::printf::{PrintfFifo, PrintfFifoCell};
 use crate::launch::{
     self, Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig, Limits, cubin::KernelInfo,
@@ -234,6 +236,19 @@ pub struct DeviceInfo {
     pub memory_bytes: u64,
 }
 
+/// What the CUDA driver reports about a context's device.
+fn driver_info(ctx: &driver::Context) -> Result<DeviceInfo> {
+    use cudarc::driver::sys::CUdevice_attribute as A;
+    let major = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? as u32;
+    let minor = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)? as u32;
+    Ok(DeviceInfo {
+        name: ctx.name()?,
+        sm_version: major * 10 + minor,
+        sm_count: ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
+        memory_bytes: ctx.total_memory()?,
+    })
+}
+
 #[derive(Debug)]
 enum GpuInner {
     Direct(Arc<GpuCore>),
@@ -249,6 +264,8 @@ pub struct Gpu {
     limits: Limits,
     /// The direct path's device printf FIFO, shared by this GPU's modules.
     printf: PrintfFifoCell,
+    /// The CUDA context this GPU is attached to ([`Gpu::attach_cuda`]).
+    cuda: Option<Arc<driver::CudaContext>>,
 }
 
 impl Gpu {
@@ -296,17 +313,7 @@ impl Gpu {
                     memory_bytes: i.memory_bytes,
                 }
             }
-            GpuInner::Driver(ctx) => {
-                use cudarc::driver::sys::CUdevice_attribute as A;
-                let major = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? as u32;
-                let minor = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)? as u32;
-                DeviceInfo {
-                    name: ctx.name()?,
-                    sm_version: major * 10 + minor,
-                    sm_count: ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
-                    memory_bytes: ctx.total_memory()?,
-                }
-            }
+            GpuInner::Driver(ctx) => driver_info(ctx)?,
         };
         info!(gpu = index, backend = ?selection.backend, reason = %selection, "APEX backend selected");
         let limits = Limits::for_sm(info.sm_version);
@@ -316,6 +323,7 @@ impl Gpu {
             info,
             limits,
             printf: PrintfFifoCell::new(),
+            cuda: None,
         })
     }
 
@@ -462,6 +470,7 @@ impl Gpu {
             limits: self.limits,
             keep: Vec::new(),
             staging: None,
+            cuda: self.cuda.clone().map(cuda_attach::CudaOrder::new),
         })
     }
 }
@@ -782,6 +791,8 @@ pub struct Queue {
     /// Buffers used by copies in flight, released when their fences complete.
     keep: Vec<(Fence, KeepAlive)>,
     staging: Option<HostBuffer>,
+    /// Ordering with the attached CUDA context's streams.
+    cuda: Option<cuda_attach::CudaOrder>,
 }
 
 #[derive(Debug)]

@@ -133,7 +133,145 @@ impl Drop for UvmChannel {
     }
 }
 
-/// A GPFIFO channel of our own, in a channel group of its own, on our VA space.
+/// The memory a channel is built on.
+struct ChannelMemory<'a> {
+    ring: &'a Memory,
+    ring_bytes: u64,
+    entries: u32,
+    notifier: &'a Memory,
+}
+
+/// A channel's RM objects, before it is scheduled.
+struct ChannelObjects {
+    uvm: UvmChannel,
+    debugger: Option<Arc<Object>>,
+    compute: Option<Object>,
+    copy: Option<Object>,
+    channel: Arc<Object>,
+    ctxshare: Arc<Object>,
+    tsg: Arc<Object>,
+    token: u32,
+}
+
+impl ChannelObjects {
+    /// A subcontext on `vaspace` in `tsg`, the channel with its engine objects, its work-submit token and its UVM
+    /// registration. `debugger`: also a GT200_DEBUGGER for fault reports (not in a group shared with CUDA, whose
+    /// own debugger session must not be disturbed).
+    fn build(
+        core: &Arc<GpuCore>,
+        tsg: &Arc<Object>,
+        vaspace: &Arc<Object>,
+        classes: ChannelClasses,
+        mem: &ChannelMemory<'_>,
+        debugger: bool,
+    ) -> Result<ChannelObjects> {
+        let client = core.client();
+        let mut cs = sys::NV_CTXSHARE_ALLOCATION_PARAMETERS {
+            hVASpace: vaspace.handle(),
+            flags: sys::NV_CTXSHARE_ALLOCATION_FLAGS_SUBCONTEXT_ASYNC,
+            subctxId: 0,
+        };
+        let ctxshare = Arc::new(Object::alloc(
+            client,
+            Some(tsg),
+            sys::FERMI_CONTEXT_SHARE_A,
+            Some(&mut cs),
+            "FERMI_CONTEXT_SHARE_A",
+        )?);
+        let mut cp = sys::NV_CHANNEL_ALLOC_PARAMS {
+            hObjectError: mem.notifier.handle(),
+            hObjectBuffer: mem.ring.handle(),
+            gpFifoOffset: mem.ring.va(),
+            gpFifoEntries: mem.entries,
+            hContextShare: ctxshare.handle(),
+            ..Default::default()
+        };
+        cp.hUserdMemory[0] = mem.ring.handle();
+        cp.userdOffset[0] = mem.ring_bytes;
+        let channel = Arc::new(Object::alloc(
+            client,
+            Some(tsg),
+            classes.gpfifo,
+            Some(&mut cp),
+            "GPFIFO channel",
+        )?);
+        let compute = classes
+            .compute
+            .map(|c| Object::alloc::<()>(client, Some(&channel), c, None, "compute class"))
+            .transpose()?;
+        let copy = classes
+            .copy
+            .map(|c| Object::alloc::<()>(client, Some(&channel), c, None, "copy class"))
+            .transpose()?;
+        // Optional: without it, faults are still reported, only without the SM state.
+        let debugger = compute.as_ref().filter(|_| debugger).and_then(|c| {
+            let mut dp = sys::NV83DE_ALLOC_PARAMETERS {
+                hDebuggerClient_Obsolete: 0,
+                hAppClient: client.handle(),
+                hClass3dObject: c.handle(),
+            };
+            Object::alloc(
+                client,
+                Some(core.device()),
+                sys::GT200_DEBUGGER,
+                Some(&mut dp),
+                "GT200_DEBUGGER",
+            )
+            .map_err(|e| debug!(error = %e, "no debugger object; faults will not carry SM state"))
+            .ok()
+            .map(Arc::new)
+        });
+
+        let mut tok = sys::NVC36F_CTRL_CMD_GPFIFO_GET_WORK_SUBMIT_TOKEN_PARAMS {
+            workSubmitToken: u32::MAX,
+        };
+        channel.control(
+            sys::NVC36F_CTRL_CMD_GPFIFO_GET_WORK_SUBMIT_TOKEN,
+            &mut tok,
+            "NVC36F_CTRL_CMD_GPFIFO_GET_WORK_SUBMIT_TOKEN",
+        )?;
+
+        let uvm_va = core.low.alloc(CHANNEL_VA_SIZE, 2 << 20)?;
+        let mut rc = sys::UVM_REGISTER_CHANNEL_PARAMS {
+            gpuUuid: sys::NvProcessorUuid {
+                uuid: core.info.uuid_bytes,
+            },
+            rmCtrlFd: client.ctl_raw_fd(),
+            hClient: client.handle(),
+            hChannel: channel.handle(),
+            base: uvm_va,
+            length: CHANNEL_VA_SIZE,
+            rmStatus: 0,
+        };
+        if let Err(e) = client.uvm_call(
+            sys::UVM_REGISTER_CHANNEL,
+            &mut rc,
+            "UVM_REGISTER_CHANNEL",
+            |p| p.rmStatus,
+        ) {
+            core.low.free(uvm_va, CHANNEL_VA_SIZE);
+            return Err(e.into());
+        }
+        let uvm = UvmChannel {
+            core: core.clone(),
+            channel: channel.handle(),
+            va: uvm_va,
+        };
+        Ok(ChannelObjects {
+            uvm,
+            debugger,
+            compute,
+            copy,
+            channel,
+            ctxshare,
+            tsg: tsg.clone(),
+            token: tok.workSubmitToken,
+        })
+    }
+}
+
+/// A GPFIFO channel of our own: in a channel group of its own on our VA space, or, on a GPU attached to a CUDA
+/// context, a subcontext of its own in CUDA's channel group and address space.
 ///
 /// Fields drop in order: UVM registration, engine objects, channel, group; then the memory they used.
 #[derive(Debug)]
@@ -187,30 +325,6 @@ impl Channel {
         };
         let client = core.client();
 
-        let mut gp = sys::NV_CHANNEL_GROUP_ALLOCATION_PARAMETERS {
-            engineType: sys::NV2080_ENGINE_TYPE_GRAPHICS,
-            ..Default::default()
-        };
-        let tsg = Arc::new(Object::alloc(
-            client,
-            Some(core.device()),
-            sys::KEPLER_CHANNEL_GROUP_A,
-            Some(&mut gp),
-            "KEPLER_CHANNEL_GROUP_A",
-        )?);
-        let mut cs = sys::NV_CTXSHARE_ALLOCATION_PARAMETERS {
-            hVASpace: core.vaspace().handle(),
-            flags: sys::NV_CTXSHARE_ALLOCATION_FLAGS_SUBCONTEXT_ASYNC,
-            subctxId: 0,
-        };
-        let ctxshare = Arc::new(Object::alloc(
-            client,
-            Some(&tsg),
-            sys::FERMI_CONTEXT_SHARE_A,
-            Some(&mut cs),
-            "FERMI_CONTEXT_SHARE_A",
-        )?);
-
         // Ring, then USERD in the same allocation right after it (as libcuda and tinygrad place them).
         // USERD follows the ring, 512-byte aligned as RM requires.
         let ring_bytes = (u64::from(config.entries) * 8).next_multiple_of(512);
@@ -232,94 +346,94 @@ impl Channel {
         )?);
         notifier.fill(0, NOTIFIER_SIZE, 0)?;
         let sems = Semaphores::new(core)?;
-
-        let mut cp = sys::NV_CHANNEL_ALLOC_PARAMS {
-            hObjectError: notifier.handle(),
-            hObjectBuffer: ring_mem.handle(),
-            gpFifoOffset: ring_mem.va(),
-            gpFifoEntries: config.entries,
-            hContextShare: ctxshare.handle(),
-            ..Default::default()
-        };
-        cp.hUserdMemory[0] = ring_mem.handle();
-        cp.userdOffset[0] = ring_bytes;
-        let channel = Arc::new(Object::alloc(
-            client,
-            Some(&tsg),
+        let classes = ChannelClasses {
             gpfifo,
-            Some(&mut cp),
-            "GPFIFO channel",
-        )?);
-        let compute = compute_class
-            .map(|c| Object::alloc::<()>(client, Some(&channel), c, None, "compute class"))
-            .transpose()?;
-        let copy = copy_class
-            .map(|c| Object::alloc::<()>(client, Some(&channel), c, None, "copy class"))
-            .transpose()?;
-        // Optional: without it, faults are still reported, only without the SM state.
-        let debugger = compute.as_ref().and_then(|c| {
-            let mut dp = sys::NV83DE_ALLOC_PARAMETERS {
-                hDebuggerClient_Obsolete: 0,
-                hAppClient: client.handle(),
-                hClass3dObject: c.handle(),
-            };
-            Object::alloc(
-                client,
-                Some(core.device()),
-                sys::GT200_DEBUGGER,
-                Some(&mut dp),
-                "GT200_DEBUGGER",
-            )
-            .map_err(|e| debug!(error = %e, "no debugger object; faults will not carry SM state"))
-            .ok()
-            .map(Arc::new)
-        });
-
-        let mut tok = sys::NVC36F_CTRL_CMD_GPFIFO_GET_WORK_SUBMIT_TOKEN_PARAMS {
-            workSubmitToken: u32::MAX,
+            compute: compute_class,
+            copy: copy_class,
         };
-        channel.control(
-            sys::NVC36F_CTRL_CMD_GPFIFO_GET_WORK_SUBMIT_TOKEN,
-            &mut tok,
-            "NVC36F_CTRL_CMD_GPFIFO_GET_WORK_SUBMIT_TOKEN",
-        )?;
-
-        let uvm_va = core.low.alloc(CHANNEL_VA_SIZE, 2 << 20)?;
-        let mut rc = sys::UVM_REGISTER_CHANNEL_PARAMS {
-            gpuUuid: sys::NvProcessorUuid {
-                uuid: core.info.uuid_bytes,
-            },
-            rmCtrlFd: client.ctl_raw_fd(),
-            hClient: client.handle(),
-            hChannel: channel.handle(),
-            base: uvm_va,
-            length: CHANNEL_VA_SIZE,
-            rmStatus: 0,
-        };
-        if let Err(e) = client.uvm_call(
-            sys::UVM_REGISTER_CHANNEL,
-            &mut rc,
-            "UVM_REGISTER_CHANNEL",
-            |p| p.rmStatus,
-        ) {
-            core.low.free(uvm_va, CHANNEL_VA_SIZE);
-            return Err(e.into());
-        }
-        let uvm = UvmChannel {
-            core: core.clone(),
-            channel: channel.handle(),
-            va: uvm_va,
+        let mem = ChannelMemory {
+            ring: &ring_mem,
+            ring_bytes,
+            entries: config.entries,
+            notifier: &notifier,
         };
 
-        let mut sched = sys::NVA06C_CTRL_GPFIFO_SCHEDULE_PARAMS {
-            bEnable: 1,
-            ..Default::default()
+        let objects = match core.attachment() {
+            None => {
+                let mut gp = sys::NV_CHANNEL_GROUP_ALLOCATION_PARAMETERS {
+                    engineType: sys::NV2080_ENGINE_TYPE_GRAPHICS,
+                    ..Default::default()
+                };
+                let tsg = Arc::new(Object::alloc(
+                    client,
+                    Some(core.device()),
+                    sys::KEPLER_CHANNEL_GROUP_A,
+                    Some(&mut gp),
+                    "KEPLER_CHANNEL_GROUP_A",
+                )?);
+                let o = ChannelObjects::build(core, &tsg, core.vaspace(), classes, &mem, true)?;
+                let mut sched = sys::NVA06C_CTRL_GPFIFO_SCHEDULE_PARAMS {
+                    bEnable: 1,
+                    ..Default::default()
+                };
+                tsg.control(
+                    sys::NVA06C_CTRL_CMD_GPFIFO_SCHEDULE,
+                    &mut sched,
+                    "NVA06C_CTRL_CMD_GPFIFO_SCHEDULE",
+                )?;
+                o
+            }
+            Some(att) => {
+                // A subcontext of our own in CUDA's running group: the channel is scheduled alone. UVM accepts
+                // the channel only on the VA space its descriptor owns, which is the context's: try each.
+                let mut last = None;
+                let mut built = None;
+                for vas in &att.vaspaces {
+                    match ChannelObjects::build(core, &att.group, vas, classes, &mem, false) {
+                        Ok(o) => {
+                            built = Some(o);
+                            break;
+                        }
+                        Err(e) => {
+                            debug!(error = %e, vaspace = format_args!("{:#x}", vas.handle()), "not this VA space");
+                            last = Some(e);
+                        }
+                    }
+                }
+                let o = match (built, last) {
+                    (Some(o), _) => o,
+                    (None, Some(e)) => return Err(e),
+                    (None, None) => {
+                        return Err(Error::InvalidConfig(
+                            "the attached context has no VA space".into(),
+                        ));
+                    }
+                };
+                let mut sched = sys::NVA06F_CTRL_GPFIFO_SCHEDULE_PARAMS {
+                    bEnable: 1,
+                    ..Default::default()
+                };
+                o.channel.control(
+                    sys::NVA06F_CTRL_CMD_GPFIFO_SCHEDULE,
+                    &mut sched,
+                    "NVA06F_CTRL_CMD_GPFIFO_SCHEDULE",
+                )?;
+                o
+            }
         };
-        tsg.control(
-            sys::NVA06C_CTRL_CMD_GPFIFO_SCHEDULE,
-            &mut sched,
-            "NVA06C_CTRL_CMD_GPFIFO_SCHEDULE",
-        )?;
+        let ChannelObjects {
+            uvm,
+            debugger,
+            compute,
+            copy,
+            channel,
+            ctxshare,
+            tsg,
+            token,
+        } = objects;
+        let tok = sys::NVC36F_CTRL_CMD_GPFIFO_GET_WORK_SUBMIT_TOKEN_PARAMS {
+            workSubmitToken: token,
+        };
 
         let base = ring_mem.cpu_ptr().ok_or(crate::rm::Error::NotCpuMapped {
             size: ring_mem.size(),
@@ -332,11 +446,6 @@ impl Channel {
         ))?;
         // SAFETY: the usermode mapping is USERMODE_SIZE (64 KiB) long; the doorbell offset is inside it.
         let doorbell = unsafe { doorbell.add(c361::NOTIFY_CHANNEL_PENDING as usize) }.cast::<u32>();
-        let classes = ChannelClasses {
-            gpfifo,
-            compute: compute_class,
-            copy: copy_class,
-        };
         debug!(
             token = format_args!("{:#x}", tok.workSubmitToken),
             ?classes,

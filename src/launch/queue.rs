@@ -518,6 +518,32 @@ impl ComputeQueue {
         Ok(fence)
     }
 
+    /// Makes this queue's later launches and copies wait, on the GPU, until the 64-bit word at `va` reaches
+    /// `value` (compared circularly, as 64-bit timelines are): how a queue waits for another agent, such as a
+    /// CUDA stream's `cuStreamWriteValue64`. The word must be mapped in this GPU's address space.
+    pub fn wait_value(&mut self, va: u64, value: u64) -> Result<Fence> {
+        self.end_open_chain()?;
+        Ok(self.queue.submit(8, Signal::Host, |p, _| {
+            p.sem_acquire(va, value, Acquire::CircularGeq, true, false);
+        })?)
+    }
+
+    /// Writes the 64-bit `value` at `va` once every earlier launch and copy of this queue has completed (their
+    /// memory writes visible): how another agent, such as a CUDA stream's `cuStreamWaitValue64`, waits for this
+    /// queue.
+    pub fn release_value(&mut self, va: u64, value: u64) -> Result<Fence> {
+        self.end_open_chain()?;
+        if self.unordered_pending {
+            self.join()?;
+        }
+        let prev = self.queue.last_submitted();
+        let timeline_va = self.queue.timeline().va();
+        Ok(self.queue.submit(16, Signal::Host, |p, _| {
+            p.sem_acquire(timeline_va, prev, Acquire::CircularGeq, true, false);
+            p.sem_release(va, value, crate::pushbuf::Release::AFTER_IDLE_64);
+        })?)
+    }
+
     /// Copies `bytes` of device memory from `src` to `dst` with a copy kernel on the SMs, ordered like a launch:
     /// the copy engine moves device-to-device data at about 90 GB/s on the H200, the SMs at the HBM's bandwidth.
     ///

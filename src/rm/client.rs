@@ -29,6 +29,8 @@ enum Backend {
         uvm: OwnedFd,
         // A second UVM fd, bound to this process's mm by UVM_MM_INITIALIZE; held open for the va space's life.
         _uvm_mm: Option<OwnedFd>,
+        /// Whether `uvm` is a VA space this client initialised (not one it shares, as an attached GPU does).
+        own_uvm: bool,
     },
     Simulated(Arc<SimShared>),
 }
@@ -46,12 +48,14 @@ impl Client {
         // Counted from here: on any error below, dropping `client` frees it again.
         LIVE_OBJECTS.fetch_add(1, Ordering::Relaxed);
         let uvm_raw = uvm.as_raw_fd();
+        own_uvm_fds(|fds| fds.push(uvm_raw));
         let mut client = Client {
             handle: p.hObjectNew,
             backend: Backend::Device {
                 ctl,
                 uvm,
                 _uvm_mm: None,
+                own_uvm: true,
             },
         };
         debug!(
@@ -87,6 +91,28 @@ impl Client {
             Err(e) => debug!(error = %e, "UVM_MM_INITIALIZE declined"),
         }
         Ok(client)
+    }
+
+    /// A root client on `ctl` whose UVM calls go to `uvm`, a UVM VA space someone else initialised (CUDA's, for
+    /// an attached GPU): nothing is initialised or registered with UVM here.
+    pub(crate) fn with_foreign_uvm(ctl: OwnedFd, uvm: OwnedFd) -> Result<Client> {
+        let mut p = sys::NVOS21_PARAMETERS {
+            hClass: sys::NV01_ROOT_CLIENT,
+            ..Default::default()
+        };
+        // SAFETY: NVOS21_PARAMETERS is the NV_ESC_RM_ALLOC argument; pAllocParms is null.
+        unsafe { nv_escape(&ctl, sys::NV_ESC_RM_ALLOC, &mut p, "NV01_ROOT_CLIENT")? };
+        check("RM_ALLOC", "NV01_ROOT_CLIENT", p.status)?;
+        LIVE_OBJECTS.fetch_add(1, Ordering::Relaxed);
+        Ok(Client {
+            handle: p.hObjectNew,
+            backend: Backend::Device {
+                ctl,
+                uvm,
+                _uvm_mm: None,
+                own_uvm: false,
+            },
+        })
     }
 
     /// A client of the simulated RM: no file descriptors, RM calls answered in process.
@@ -239,8 +265,22 @@ impl Client {
     }
 }
 
+/// UVM descriptors APEX opened and initialised itself: attaching to CUDA looks for the process's other ones.
+static OWN_UVM_FDS: std::sync::Mutex<Vec<i32>> = std::sync::Mutex::new(Vec::new());
+
+pub(crate) fn own_uvm_fds<T>(f: impl FnOnce(&mut Vec<i32>) -> T) -> T {
+    f(&mut OWN_UVM_FDS.lock().unwrap_or_else(|p| p.into_inner()))
+}
+
 impl Drop for Client {
     fn drop(&mut self) {
+        if let Backend::Device {
+            uvm, own_uvm: true, ..
+        } = &self.backend
+        {
+            let raw = uvm.as_raw_fd();
+            own_uvm_fds(|fds| fds.retain(|&fd| fd != raw));
+        }
         // Freeing the root client frees every object allocated under it; closing the fds follows.
         match self.free(0, self.handle) {
             Ok(()) => {
@@ -296,6 +336,27 @@ impl Object {
         Ok(Object {
             client: client.clone(),
             parent: parent.cloned(),
+            handle,
+            class,
+            what,
+        })
+    }
+
+    /// A handle in `client` (under `parent`) for object `src` of another client of this process
+    /// (`NV_ESC_RM_DUP_OBJECT`); freeing it drops this client's reference only.
+    pub fn dup(
+        client: &Arc<Client>,
+        parent: &Arc<Object>,
+        src_client: Handle,
+        src: Handle,
+        class: u32,
+        what: &'static str,
+    ) -> Result<Object> {
+        let handle = super::attach::dup_object(client, parent.handle, src_client, src, what)?;
+        LIVE_OBJECTS.fetch_add(1, Ordering::Relaxed);
+        Ok(Object {
+            client: client.clone(),
+            parent: Some(parent.clone()),
             handle,
             class,
             what,

@@ -56,6 +56,9 @@ pub enum Error {
     NoVaReservation,
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// Attaching to a CUDA context was not possible; the text says what was missing.
+    #[error("cannot attach to the CUDA context: {0}")]
+    Attach(String),
     #[error("offset {offset:#x} + length {len:#x} is outside the {size:#x}-byte allocation")]
     OutOfBounds { offset: u64, len: u64, size: u64 },
     #[error("memory of {size:#x} bytes has no CPU mapping")]

@@ -67,6 +67,22 @@ pub struct GpuCore {
     /// An empty address range shared by every queue of this GPU for its shader windows (see
     /// [`GpuCore::window_range`]).
     pub(crate) windows: std::sync::OnceLock<u64>,
+    /// For a GPU attached to a CUDA context: CUDA's channel group and VA spaces, duplicated into our client.
+    pub(crate) attachment: Option<Attachment>,
+}
+
+/// A CUDA context's channel group and VA spaces, duplicated into APEX's client: channels built on an attached
+/// [`GpuCore`] join that group as subcontexts of their own and share CUDA's address space, so CUDA's device
+/// pointers are valid in APEX's kernels and no channel-group switch separates APEX's work from CUDA's.
+#[derive(Debug)]
+pub struct Attachment {
+    /// CUDA's compute channel group (our duplicate of it).
+    pub group: Arc<Object>,
+    /// CUDA's VA spaces (duplicates), in the order channels try them: the one UVM accepts a channel on is the
+    /// context's.
+    pub vaspaces: Vec<Arc<Object>>,
+    /// CUDA's RM client handle.
+    pub cuda_client: super::Handle,
 }
 
 impl GpuCore {
@@ -165,6 +181,7 @@ impl GpuCore {
             high,
             usermode: None,
             windows: std::sync::OnceLock::new(),
+            attachment: None,
         };
         let usermode_class = core.pick_class("usermode", USERMODE_CLASSES)?;
         let usermode = Object::alloc::<()>(
@@ -178,6 +195,163 @@ impl GpuCore {
         core.usermode = Some((map, usermode));
         debug!(classes = core.classes.len(), "GPU core ready");
         Ok(Arc::new(core))
+    }
+
+    /// Opens the GPU whose UUID is `uuid` inside the CUDA context of this process that runs on it: APEX's own
+    /// client, device and memory, with channels that join CUDA's compute channel group and address space (see
+    /// [`Attachment`]). The CUDA context must exist (with its first kernel launch or allocation done) and must
+    /// outlive the returned core and everything built on it.
+    pub fn attach_cuda(uuid: [u8; 16]) -> Result<Arc<GpuCore>> {
+        let ctl = open_node("/dev/nvidiactl")?;
+        let driver_version = query_driver_version(&ctl)?;
+        let branch = driver_version
+            .split('.')
+            .next()
+            .and_then(|b| b.parse::<u32>().ok());
+        if branch != Some(HEADERS_BRANCH) {
+            return Err(Error::DriverBranch {
+                found: driver_version,
+                expected: HEADERS_BRANCH,
+            });
+        }
+        let cards = card_info(&ctl)?;
+        // A probe client on our own descriptor: it finds CUDA's client, then the real one is built with CUDA's
+        // UVM descriptor.
+        let probe_uvm = open_node("/dev/nvidia-uvm")?;
+        let own_uvm: Vec<i32> = super::client::own_uvm_fds(|f| f.clone());
+        let mut uvm = super::attach::foreign_uvm_fds(&own_uvm);
+        if uvm.len() != 1 {
+            return Err(Error::Attach(format!(
+                "found {} initialised UVM descriptors that APEX did not open (CUDA's is one); {}",
+                uvm.len(),
+                if uvm.is_empty() {
+                    "is a CUDA context created in this process (cuInit, a context, and one allocation)?"
+                } else {
+                    "cannot tell which one is CUDA's"
+                }
+            )));
+        }
+        let uvm = uvm.remove(0);
+        let client = Arc::new(Client::with_foreign_uvm(ctl, probe_uvm)?);
+        let mut found = None;
+        for c in super::attach::foreign_clients(&client)? {
+            let Ok((device, objects)) = c.objects() else {
+                continue;
+            };
+            let Some(objs) = super::attach::pick_context_objects(
+                &objects,
+                device,
+                super::attach::COMPUTE_OBJECT_CLASSES,
+            ) else {
+                continue;
+            };
+            let Ok(gpu_id) = c.gpu_id(objs.subdevice) else {
+                continue;
+            };
+            let Some((index, card)) = cards.iter().enumerate().find(|(_, k)| k.gpu_id == gpu_id)
+            else {
+                continue;
+            };
+            // Another context of this process may run on another GPU: only the one asked for counts.
+            if gpu_uuid(&client, gpu_id).is_ok_and(|u| u != uuid) {
+                continue;
+            }
+            found = Some((c, objs, index, *card));
+            break;
+        }
+        let Some((cuda, objs, index, card)) = found else {
+            return Err(Error::Attach(
+                "no CUDA context with a compute channel group was found in this process (create the context and \
+                 launch or allocate once before attaching)"
+                    .into(),
+            ));
+        };
+        drop(client);
+        // The client that is kept: UVM calls go to CUDA's VA space.
+        let ctl = open_node("/dev/nvidiactl")?;
+        let dev_fd = open_gpu_node(&ctl, card.minor_number)?;
+        let client = Arc::new(Client::with_foreign_uvm(ctl, uvm)?);
+        let mut id = sys::NV0000_CTRL_GPU_GET_ID_INFO_V2_PARAMS {
+            gpuId: card.gpu_id,
+            ..Default::default()
+        };
+        client.control(
+            client.handle(),
+            sys::NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2,
+            &mut id,
+            "NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2",
+        )?;
+        let (device, subdevice, classes) = device_objects(&client, id.deviceInstance)?;
+        let info = gpu_info(&subdevice, index, &card, driver_version)?;
+        if info.uuid_bytes != uuid {
+            return Err(Error::Attach(format!(
+                "the CUDA context found runs on {}, not on the GPU asked for ({})",
+                info.uuid,
+                format_uuid(&uuid)
+            )));
+        }
+        let group = Arc::new(Object::dup(
+            &client,
+            &device,
+            cuda.handle,
+            objs.compute_group,
+            sys::KEPLER_CHANNEL_GROUP_A,
+            "CUDA's channel group",
+        )?);
+        let vaspaces = objs
+            .vaspaces
+            .iter()
+            .map(|&h| {
+                Object::dup(
+                    &client,
+                    &device,
+                    cuda.handle,
+                    h,
+                    sys::FERMI_VASPACE_A,
+                    "CUDA's VA space",
+                )
+                .map(Arc::new)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // CUDA keeps its allocations inside CPU ranges it reserved (measured: probes/attach E7), so ranges APEX
+        // reserves are never handed out by CUDA.
+        let (low, high) = reserve_regions()?;
+        info!(gpu = %info.name, uuid = %info.uuid, cuda_client = format_args!("{:#x}", cuda.handle),
+            group = format_args!("{:#x}", objs.compute_group), "attached to the CUDA context");
+        let mut core = GpuCore {
+            info,
+            classes,
+            client,
+            _dev_fd: Some(dev_fd),
+            device,
+            subdevice,
+            vaspace: vaspaces[0].clone(),
+            low,
+            high,
+            usermode: None,
+            windows: std::sync::OnceLock::new(),
+            attachment: Some(Attachment {
+                group,
+                vaspaces,
+                cuda_client: cuda.handle,
+            }),
+        };
+        let usermode_class = core.pick_class("usermode", USERMODE_CLASSES)?;
+        let usermode = Object::alloc::<()>(
+            &core.client,
+            Some(&core.subdevice),
+            usermode_class,
+            None,
+            "USERMODE",
+        )?;
+        let map = CpuMapping::map_object(&core, &usermode, USERMODE_SIZE, 0, None)?;
+        core.usermode = Some((map, usermode));
+        Ok(Arc::new(core))
+    }
+
+    /// CUDA's channel group and VA spaces, for a GPU opened with [`GpuCore::attach_cuda`].
+    pub fn attachment(&self) -> Option<&Attachment> {
+        self.attachment.as_ref()
     }
 
     pub fn info(&self) -> &GpuInfo {
@@ -281,6 +455,10 @@ impl Drop for GpuCore {
         // The usermode page is unmapped before its object is freed; the rest is freed by field order and
         // by the root client, which takes every remaining object with it.
         self.usermode = None;
+        if self.attachment.is_some() {
+            // The UVM VA space and its GPU registration are CUDA's.
+            return;
+        }
         let mut p = sys::UVM_UNREGISTER_GPU_VASPACE_PARAMS {
             gpuUuid: self.uuid(),
             ..Default::default()
@@ -358,6 +536,24 @@ pub(crate) fn reserve_regions() -> Result<(VaRegion, VaRegion)> {
     )?;
     let high = VaRegion::reserve(HIGH_REGION_SIZE, [], u64::MAX)?;
     Ok((low, high))
+}
+
+/// The UUID of the GPU RM calls `gpu_id`, in binary.
+fn gpu_uuid(client: &Client, gpu_id: u32) -> Result<[u8; 16]> {
+    let mut p = sys::NV0000_CTRL_GPU_GET_UUID_FROM_GPU_ID_PARAMS {
+        gpuId: gpu_id,
+        flags: sys::NV0000_CTRL_CMD_GPU_GET_UUID_FROM_GPU_ID_FLAGS_FORMAT_BINARY,
+        ..Default::default()
+    };
+    client.control(
+        client.handle(),
+        sys::NV0000_CTRL_CMD_GPU_GET_UUID_FROM_GPU_ID,
+        &mut p,
+        "NV0000_CTRL_CMD_GPU_GET_UUID_FROM_GPU_ID",
+    )?;
+    let mut u = [0u8; 16];
+    u.copy_from_slice(&p.gpuUuid[..16]);
+    Ok(u)
 }
 
 /// The loaded module's version string, through NV_ESC_CHECK_VERSION_STR's query command.

@@ -2,6 +2,7 @@
 //! branch 580). Root client, device, subdevice, class list, GPU info, memory, CPU and GPU mappings. Every RM
 //! object is an RAII handle freed on drop, children before parents.
 
+pub mod attach;
 mod client;
 mod error;
 mod gpu;

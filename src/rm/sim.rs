@@ -531,6 +531,7 @@ impl GpuCore {
             // The doorbell page belongs to the simulated RM (see `usermode_ptr`).
             usermode: None,
             windows: std::sync::OnceLock::new(),
+            attachment: None,
         };
         core.pick_class("usermode", USERMODE_CLASSES)?;
         info!(gpu = %core.info.name, sms = core.info.sm_count, "opened simulated GPU");

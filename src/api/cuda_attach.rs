@@ -1,0 +1,220 @@
+//! APEX inside a CUDA context: [`Gpu::attach_cuda`] builds the direct path's queues in the context's own channel
+//! group and address space (docs/attach-cuda.md), so CUDA's device pointers are valid in APEX's kernels and work
+//! alternates between CUDA streams and APEX queues without a channel-group switch; the queues order themselves
+//! with CUDA streams on the GPU.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUstream;
+use tracing::{info, warn};
+
+use super::{
+    Backend, BackendRequest, DeviceInfo, Error, FallbackReason, Gpu, GpuInner, Limits, Queue,
+    QueueInner, Result, Selection,
+};
+use crate::driver;
+use crate::launch::printf::PrintfFifoCell;
+use crate::rm::GpuCore;
+
+/// A queue's counters for ordering with CUDA streams: word 0 counts CUDA → queue signals, word 1 queue → CUDA.
+#[derive(Debug)]
+pub(super) struct CudaOrder {
+    ctx: Arc<driver::CudaContext>,
+    words: Option<driver::SyncWords>,
+    to_queue: u64,
+    to_cuda: u64,
+}
+
+impl CudaOrder {
+    pub(super) fn new(ctx: Arc<driver::CudaContext>) -> CudaOrder {
+        CudaOrder {
+            ctx,
+            words: None,
+            to_queue: 0,
+            to_cuda: 0,
+        }
+    }
+
+    fn words(&mut self) -> Result<&driver::SyncWords> {
+        if self.words.is_none() {
+            self.words = Some(self.ctx.sync_words(64)?);
+        }
+        self.words
+            .as_ref()
+            .ok_or_else(|| Error::InvalidArgument("sync words".into()))
+    }
+}
+
+impl Gpu {
+    /// Attaches APEX to the CUDA context current on this thread (from the CUDA runtime, the driver API, PyTorch or
+    /// cudarc): queues of the returned GPU are channels of APEX's own inside that context's channel group and
+    /// address space, so kernels launched through them take `CUdeviceptr`s (`cuMemAlloc`, PyTorch tensors,
+    /// cuBLAS workspaces) as [`Arg::Ptr`](crate::Arg::Ptr), and [`Queue::wait_for_cuda_stream`] /
+    /// [`Queue::make_cuda_stream_wait`] order them with CUDA streams on the GPU.
+    ///
+    /// Where the direct path cannot join the context (another driver branch, an unsupported GPU, RM or UVM
+    /// refusing), and the context is the device's primary context, the returned GPU runs on the CUDA driver
+    /// backend in that same context instead, with the reason in [`Gpu::selection`]; otherwise the error says why.
+    ///
+    /// The context must outlive the returned GPU and everything made from it; a primary context is kept alive
+    /// by a retain. APEX's own buffers ([`Gpu::alloc`]) live in the shared address space too.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// // A CUDA context is current here (cudarc, the runtime, PyTorch...).
+    /// let gpu = apex::Gpu::attach_cuda()?;
+    /// println!("{}", gpu.selection());
+    /// # Ok(()) }
+    /// ```
+    pub fn attach_cuda() -> Result<Gpu> {
+        let ctx = driver::CudaContext::current()?;
+        let direct = (|| -> std::result::Result<Arc<GpuCore>, crate::launch::Error> {
+            let core = GpuCore::attach_cuda(ctx.uuid())?;
+            // A queue proves the attached channel runs (as `Gpu::open` proves the direct path).
+            drop(Box::new(crate::launch::ComputeQueue::new(
+                &core,
+                crate::launch::ComputeQueueConfig::default(),
+            )?));
+            Ok(core)
+        })();
+        let (inner, selection) = match direct {
+            Ok(core) => (
+                GpuInner::Direct(core),
+                Selection {
+                    backend: Backend::Direct,
+                    requested: BackendRequest::Auto,
+                    fallback: None,
+                },
+            ),
+            Err(e) => {
+                let reason = FallbackReason::from_direct_error(&e);
+                warn!(reason = %reason, "cannot attach the direct path to the CUDA context");
+                let Some(ordinal) = ctx.primary_ordinal() else {
+                    return Err(Error::DirectUnavailable(reason));
+                };
+                (
+                    GpuInner::Driver(driver::Context::new(ordinal)?),
+                    Selection {
+                        backend: Backend::Driver,
+                        requested: BackendRequest::Auto,
+                        fallback: Some(reason),
+                    },
+                )
+            }
+        };
+        let info = match &inner {
+            GpuInner::Direct(c) => {
+                let i = c.info();
+                DeviceInfo {
+                    name: i.name.clone(),
+                    sm_version: i.sm_version,
+                    sm_count: i.sm_count,
+                    memory_bytes: i.memory_bytes,
+                }
+            }
+            GpuInner::Driver(c) => super::driver_info(c)?,
+        };
+        info!(backend = ?selection.backend, reason = %selection, "APEX attached to the CUDA context");
+        let limits = Limits::for_sm(info.sm_version);
+        Ok(Gpu {
+            inner,
+            selection,
+            info,
+            limits,
+            printf: PrintfFifoCell::new(),
+            cuda: Some(ctx),
+        })
+    }
+
+    /// Whether this GPU was attached to a CUDA context ([`Gpu::attach_cuda`]).
+    pub fn is_attached(&self) -> bool {
+        self.cuda.is_some()
+    }
+}
+
+impl Queue {
+    fn cuda_order(&mut self) -> Result<&mut CudaOrder> {
+        self.cuda.as_mut().ok_or_else(|| {
+            Error::InvalidArgument(
+                "this queue's GPU is not attached to a CUDA context (use Gpu::attach_cuda)".into(),
+            )
+        })
+    }
+
+    /// Makes this queue's later launches and copies wait, on the GPU, for everything submitted to the CUDA
+    /// `stream` so far; the CPU does not wait. `stream` must belong to the attached context (null: its legacy
+    /// default stream).
+    ///
+    /// # Safety
+    /// `stream` must be a valid CUDA stream of the attached context, or null.
+    pub unsafe fn wait_for_cuda_stream(&mut self, stream: CUstream) -> Result<()> {
+        if let QueueInner::Driver { stream: own, .. } = &self.inner {
+            let ctx = own.context().clone();
+            // SAFETY: our own stream, and the caller's promise for `stream`.
+            return Ok(unsafe { driver::order_streams(&ctx, own.raw(), stream) }?);
+        }
+        let order = self.cuda_order()?;
+        order.to_queue += 1;
+        let value = order.to_queue;
+        let words = order.words()?;
+        let va = words.ptr();
+        // SAFETY: the caller's promise for `stream`.
+        unsafe { words.write_after(stream, 0, value) }?;
+        match &mut self.inner {
+            QueueInner::Direct(q) => {
+                q.wait_value(va, value)?;
+            }
+            QueueInner::Driver { .. } => {}
+        }
+        Ok(())
+    }
+
+    /// Makes the CUDA `stream` wait, on the GPU, for everything submitted to this queue so far (its memory
+    /// writes visible) before the stream's later work; the CPU does not wait.
+    ///
+    /// # Safety
+    /// `stream` must be a valid CUDA stream of the attached context, or null.
+    pub unsafe fn make_cuda_stream_wait(&mut self, stream: CUstream) -> Result<()> {
+        if let QueueInner::Driver { stream: own, .. } = &self.inner {
+            let ctx = own.context().clone();
+            // SAFETY: our own stream, and the caller's promise for `stream`.
+            return Ok(unsafe { driver::order_streams(&ctx, stream, own.raw()) }?);
+        }
+        let order = self.cuda_order()?;
+        order.to_cuda += 1;
+        let value = order.to_cuda;
+        let va = order.words()?.ptr() + 8;
+        match &mut self.inner {
+            QueueInner::Direct(q) => {
+                q.release_value(va, value)?;
+            }
+            QueueInner::Driver { .. } => {}
+        }
+        let order = self.cuda_order()?;
+        // SAFETY: the caller's promise for `stream`.
+        unsafe { order.words()?.wait_on(stream, 8, value) }?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without libcuda, or without a current context, attaching is a typed error that says what is missing.
+    #[test]
+    fn attaching_without_a_cuda_context_is_a_typed_error() {
+        let e = Gpu::attach_cuda().expect_err("no CUDA context is current on a test thread");
+        assert!(
+            matches!(
+                e,
+                Error::Driver(driver::Error::NoLibrary | driver::Error::NoCurrentContext)
+            ),
+            "{e}"
+        );
+        assert!(
+            e.to_string().contains("CUDA") || e.to_string().contains("libcuda"),
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,399 @@
+//! Finding the RM objects of a CUDA context in this process, so APEX can build its channels inside CUDA's
+//! channel group and address space (docs/attach-cuda.md, measured on driver 580.159.04).
+//!
+//! RM binds a client to the open file it was created on, so CUDA's object table is read through CUDA's own
+//! `/dev/nvidiactl` descriptor (found in `/proc/self/fd`, duplicated for the duration of the search). The objects
+//! APEX uses are then duplicated into APEX's own client (`NV_ESC_RM_DUP_OBJECT`, allowed within one process by
+//! RM's default share policy), and channel registration and mappings go through CUDA's UVM descriptor, the one
+//! that owns the address space.
+
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::path::PathBuf;
+
+use tracing::debug;
+
+use super::client::{Client, Handle};
+use super::ioctl::{nv_escape, uvm_ioctl};
+use super::{Error, NvStatus, Result, sys};
+
+/// `NV0000_CTRL_CMD_CLIENT_GET_HANDLE_INFO` (ctrl0000client.h, not among the vendored headers).
+const CLIENT_GET_HANDLE_INFO: u32 = 0xd02;
+/// `NV0000_CTRL_CMD_CLIENT_GET_ACCESS_RIGHTS`.
+const CLIENT_GET_ACCESS_RIGHTS: u32 = 0xd03;
+/// `NV0000_CTRL_CMD_CLIENT_GET_CHILD_HANDLE`.
+const CLIENT_GET_CHILD_HANDLE: u32 = 0xd05;
+/// `NV0000_CTRL_CMD_CLIENT_GET_HANDLE_INFO_INDEX_PARENT` and `..._CLASSID`.
+const HANDLE_INFO_PARENT: u32 = 1;
+const HANDLE_INFO_CLASSID: u32 = 2;
+/// RM's internal (NVOC) class id of `Device`, which GET_CHILD_HANDLE takes instead of the class number
+/// (generated/g_device_nvoc.h; the same in branches 535 to 595).
+const NVOC_ID_DEVICE: u32 = 0x00e0_ac20;
+/// Root client handles: RM hands out `0xc1d00000 | index` from one counter (resserv/rs_server.c).
+const CLIENT_BASE: u32 = 0xc1d0_0000;
+const CLIENT_INDEX_MASK: u32 = 0x000f_ffff;
+/// Client indices below APEX's own that are searched for CUDA's client.
+const CLIENT_WINDOW: u32 = 4096;
+/// `RS_ACCESS_DUP_OBJECT`: bit 0 of the access mask.
+const ACCESS_DUP: u32 = 1;
+/// Handles scanned from the base of CUDA's device handle, and how many misses in a row end the scan.
+const HANDLE_SCAN: u32 = 0x1_0000;
+const HANDLE_SCAN_GAP: u32 = 0x1000;
+
+#[repr(C)]
+#[derive(Default)]
+struct GetHandleInfo {
+    h_object: Handle,
+    index: u32,
+    /// `hResult` (parent) or `iResult` (class), a union aligned to 8.
+    result: u64,
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct GetAccessRights {
+    h_object: Handle,
+    h_client: Handle,
+    mask: u32,
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct GetChildHandle {
+    h_parent: Handle,
+    class_id: u32,
+    h_object: Handle,
+}
+
+/// Compute engine classes (Ampere to Blackwell): a channel with one of these under it runs kernels.
+pub const COMPUTE_OBJECT_CLASSES: &[u32] = &[0xcec0, 0xcdc0, 0xcbc0, 0xc9c0, 0xc7c0, 0xc6c0];
+
+/// One object of a client: its handle, its parent and its class number.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RmObject {
+    pub handle: Handle,
+    pub parent: Handle,
+    pub class: u32,
+}
+
+/// The objects of a CUDA context that an attached APEX channel uses, as handles in CUDA's client.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ContextObjects {
+    pub device: Handle,
+    pub subdevice: Handle,
+    /// The channel group whose channels carry a compute object: the one CUDA's kernels run in.
+    pub compute_group: Handle,
+    /// VA spaces under the device, in handle order (the context's own comes first in libcuda's table).
+    pub vaspaces: Vec<Handle>,
+}
+
+/// Picks the compute channel group, the subdevice and the VA spaces of `device` out of a client's objects.
+/// `None` when the table has no channel group with a compute channel (CUDA creates it with the context).
+pub fn pick_context_objects(
+    objects: &[RmObject],
+    device: Handle,
+    compute_classes: &[u32],
+) -> Option<ContextObjects> {
+    let children = |parent: Handle| objects.iter().filter(move |o| o.parent == parent);
+    let compute_group = objects
+        .iter()
+        .filter(|o| o.parent == device && o.class == sys::KEPLER_CHANNEL_GROUP_A)
+        .find(|g| {
+            children(g.handle)
+                .any(|ch| children(ch.handle).any(|e| compute_classes.contains(&e.class)))
+        })?
+        .handle;
+    let subdevice = children(device)
+        .find(|o| o.class == sys::NV20_SUBDEVICE_0)?
+        .handle;
+    let mut vaspaces: Vec<Handle> = children(device)
+        .filter(|o| o.class == sys::FERMI_VASPACE_A)
+        .map(|o| o.handle)
+        .collect();
+    vaspaces.sort_unstable();
+    (!vaspaces.is_empty()).then_some(ContextObjects {
+        device,
+        subdevice,
+        compute_group,
+        vaspaces,
+    })
+}
+
+/// CUDA's RM client in this process, reachable through a duplicate of the descriptor it is bound to.
+#[derive(Debug)]
+pub struct ForeignClient {
+    pub handle: Handle,
+    ctl: OwnedFd,
+}
+
+impl ForeignClient {
+    /// RM control on one of the client's objects, through the client's own open file.
+    fn control<P>(
+        &self,
+        object: Handle,
+        cmd: u32,
+        params: &mut P,
+        what: &'static str,
+    ) -> Result<()> {
+        let mut p = sys::NVOS54_PARAMETERS {
+            hClient: self.handle,
+            hObject: object,
+            cmd,
+            params: (params as *mut P).cast(),
+            paramsSize: size_of::<P>() as u32,
+            ..Default::default()
+        };
+        // SAFETY: NVOS54_PARAMETERS is the RM_CONTROL argument; params points to a live `P` of paramsSize bytes,
+        // the parameter struct of `cmd`.
+        unsafe { nv_escape(&self.ctl, sys::NV_ESC_RM_CONTROL, &mut p, what)? };
+        super::client::check("RM_CONTROL", what, p.status)
+    }
+
+    fn handle_info(&self, h: Handle) -> Result<RmObject> {
+        let mut c = GetHandleInfo {
+            h_object: h,
+            index: HANDLE_INFO_CLASSID,
+            result: 0,
+        };
+        self.control(
+            self.handle,
+            CLIENT_GET_HANDLE_INFO,
+            &mut c,
+            "GET_HANDLE_INFO",
+        )?;
+        let mut p = GetHandleInfo {
+            h_object: h,
+            index: HANDLE_INFO_PARENT,
+            result: 0,
+        };
+        self.control(
+            self.handle,
+            CLIENT_GET_HANDLE_INFO,
+            &mut p,
+            "GET_HANDLE_INFO",
+        )?;
+        Ok(RmObject {
+            handle: h,
+            parent: p.result as u32,
+            class: c.result as u32,
+        })
+    }
+
+    /// The client's objects: a scan of handles from its device handle's base, ended by a long run of misses.
+    pub fn objects(&self) -> Result<(Handle, Vec<RmObject>)> {
+        let mut q = GetChildHandle {
+            h_parent: self.handle,
+            class_id: NVOC_ID_DEVICE,
+            h_object: 0,
+        };
+        self.control(
+            self.handle,
+            CLIENT_GET_CHILD_HANDLE,
+            &mut q,
+            "GET_CHILD_HANDLE",
+        )?;
+        let device = q.h_object;
+        let base = device & 0xffff_0000;
+        let mut out = Vec::new();
+        let mut last_hit = 0;
+        for i in 0..HANDLE_SCAN {
+            if i - last_hit > HANDLE_SCAN_GAP {
+                break;
+            }
+            if let Ok(o) = self.handle_info(base + i) {
+                out.push(o);
+                last_hit = i;
+            }
+        }
+        debug!(
+            client = format_args!("{:#x}", self.handle),
+            device = format_args!("{device:#x}"),
+            objects = out.len(),
+            "read the CUDA client's object table"
+        );
+        Ok((device, out))
+    }
+
+    /// The RM GPU id of a subdevice of this client (to match it with APEX's own view of the GPU).
+    pub fn gpu_id(&self, subdevice: Handle) -> Result<u32> {
+        let mut p = sys::NV2080_CTRL_GPU_GET_ID_PARAMS::default();
+        self.control(
+            subdevice,
+            sys::NV2080_CTRL_CMD_GPU_GET_ID,
+            &mut p,
+            "NV2080_CTRL_CMD_GPU_GET_ID",
+        )?;
+        Ok(p.gpuId)
+    }
+}
+
+/// The process's open descriptors whose target is `path`.
+fn fds_of(path: &str) -> Vec<i32> {
+    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {
+        return Vec::new();
+    };
+    let mut fds: Vec<i32> = dir
+        .flatten()
+        .filter(|e| std::fs::read_link(e.path()).ok() == Some(PathBuf::from(path)))
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect();
+    fds.sort_unstable();
+    fds
+}
+
+/// A close-on-exec duplicate of descriptor `fd` of this process.
+fn dup_fd(fd: i32) -> Result<OwnedFd> {
+    // SAFETY: `fd` was just listed in /proc/self/fd; it is only borrowed for the fcntl that duplicates it. If
+    // another thread closed it in between, the fcntl fails (or duplicates what now has that number, which the
+    // RM and UVM checks below then reject).
+    let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
+    rustix::io::fcntl_dupfd_cloexec(borrowed, 0).map_err(|e| Error::Open {
+        path: format!("/proc/self/fd/{fd}"),
+        source: e.into(),
+    })
+}
+
+/// Same-process RM clients created before `own` (CUDA's among them), each with the descriptor it is bound to.
+pub fn foreign_clients(own: &Client) -> Result<Vec<ForeignClient>> {
+    let own_fd = own.ctl()?.as_raw_fd();
+    let ctl_fds: Vec<i32> = fds_of("/dev/nvidiactl")
+        .into_iter()
+        .filter(|&fd| fd != own_fd)
+        .collect();
+    let mut out = Vec::new();
+    let index = own.handle() & CLIENT_INDEX_MASK;
+    for k in 1..=CLIENT_WINDOW.min(index) {
+        let h = CLIENT_BASE | ((index - k) & CLIENT_INDEX_MASK);
+        let mut p = GetAccessRights {
+            h_object: h,
+            h_client: h,
+            mask: 0,
+        };
+        // Asked of our own client: it looks the other client up without checking our descriptor against it.
+        if own
+            .control(
+                own.handle(),
+                CLIENT_GET_ACCESS_RIGHTS,
+                &mut p,
+                "GET_ACCESS_RIGHTS",
+            )
+            .is_err()
+            || p.mask & ACCESS_DUP == 0
+        {
+            continue;
+        }
+        // Only the descriptor the client was created on answers for it (strict client validation).
+        for &fd in &ctl_fds {
+            let Ok(ctl) = dup_fd(fd) else { continue };
+            let c = ForeignClient { handle: h, ctl };
+            if c.handle_info(h).is_ok() {
+                debug!(
+                    client = format_args!("{h:#x}"),
+                    fd, "found a same-process RM client"
+                );
+                out.push(c);
+                break;
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Duplicates of the process's initialised UVM descriptors other than `exclude` (the ones APEX opened):
+/// CUDA's VA-space descriptor among them. UVM_PAGEABLE_MEM_ACCESS succeeds only on an initialised VA space.
+pub fn foreign_uvm_fds(exclude: &[i32]) -> Vec<OwnedFd> {
+    fds_of("/dev/nvidia-uvm")
+        .into_iter()
+        .filter(|fd| !exclude.contains(fd))
+        .filter_map(|fd| dup_fd(fd).ok())
+        .filter(|fd| {
+            let mut p = sys::UVM_PAGEABLE_MEM_ACCESS_PARAMS::default();
+            // SAFETY: UVM_PAGEABLE_MEM_ACCESS_PARAMS is the argument of UVM_PAGEABLE_MEM_ACCESS.
+            let r = unsafe {
+                uvm_ioctl(
+                    fd,
+                    sys::UVM_PAGEABLE_MEM_ACCESS,
+                    &mut p,
+                    "UVM_PAGEABLE_MEM_ACCESS",
+                )
+            };
+            r.is_ok() && p.rmStatus == 0
+        })
+        .collect()
+}
+
+/// `NV_ESC_RM_DUP_OBJECT`: a handle in `own` (under `parent`) for object `src` of client `src_client`.
+pub(crate) fn dup_object(
+    own: &Client,
+    parent: Handle,
+    src_client: Handle,
+    src: Handle,
+    what: &'static str,
+) -> Result<Handle> {
+    let mut p = sys::NVOS55_PARAMETERS {
+        hClient: own.handle(),
+        hParent: parent,
+        hObject: 0,
+        hClientSrc: src_client,
+        hObjectSrc: src,
+        flags: 0,
+        status: 0,
+    };
+    // SAFETY: NVOS55_PARAMETERS is the NV_ESC_RM_DUP_OBJECT argument and holds no pointers.
+    unsafe { nv_escape(own.ctl()?, sys::NV_ESC_RM_DUP_OBJECT, &mut p, what)? };
+    if p.status != 0 {
+        return Err(Error::Rm {
+            call: "RM_DUP_OBJECT",
+            what,
+            status: NvStatus(p.status),
+        });
+    }
+    Ok(p.hObject)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn o(handle: Handle, parent: Handle, class: u32) -> RmObject {
+        RmObject {
+            handle,
+            parent,
+            class,
+        }
+    }
+
+    /// The shape of libcuda's table on an H100 (probes/attach, driver 580.159.04): a GR group with compute
+    /// channels, copy-only groups, two VA spaces.
+    #[test]
+    fn the_compute_group_is_the_one_with_compute_channels() {
+        let dev = 0x5c00_0002;
+        let table = [
+            o(dev, 0xc1d0_0037, sys::NV01_DEVICE_0),
+            o(0x5c00_0003, dev, sys::NV20_SUBDEVICE_0),
+            o(0x5c00_000a, dev, sys::FERMI_VASPACE_A),
+            o(0x5c00_0009, dev, sys::FERMI_VASPACE_A),
+            // A copy-only group first: it must not be picked.
+            o(0x5c00_0010, dev, sys::KEPLER_CHANNEL_GROUP_A),
+            o(0x5c00_0011, 0x5c00_0010, sys::HOPPER_CHANNEL_GPFIFO_A),
+            o(0x5c00_0012, 0x5c00_0011, sys::HOPPER_DMA_COPY_A),
+            o(0x5c00_0015, dev, sys::KEPLER_CHANNEL_GROUP_A),
+            o(0x5c00_001c, 0x5c00_0015, sys::HOPPER_CHANNEL_GPFIFO_A),
+            o(0x5c00_001d, 0x5c00_001c, sys::HOPPER_COMPUTE_A),
+        ];
+        let got = pick_context_objects(&table, dev, &[sys::HOPPER_COMPUTE_A]).unwrap();
+        assert_eq!(got.compute_group, 0x5c00_0015);
+        assert_eq!(got.subdevice, 0x5c00_0003);
+        assert_eq!(got.vaspaces, [0x5c00_0009, 0x5c00_000a]);
+        // Without a compute channel there is nothing to attach to.
+        assert!(pick_context_objects(&table[..7], dev, &[sys::HOPPER_COMPUTE_A]).is_none());
+        // Objects of another device do not count.
+        assert!(pick_context_objects(&table, 0x5c00_0099, &[sys::HOPPER_COMPUTE_A]).is_none());
+    }
+
+    #[test]
+    fn parameter_structs_have_rm_sizes() {
+        assert_eq!(size_of::<GetHandleInfo>(), 16);
+        assert_eq!(size_of::<GetAccessRights>(), 12);
+        assert_eq!(size_of::<GetChildHandle>(), 12);
+    }
+}

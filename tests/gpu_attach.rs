@@ -1,0 +1,325 @@
+//! APEX attached to a CUDA context (issue 12; run with `--include-ignored` on an NVIDIA GPU with libcuda, and
+//! libcublas on the loader's path for the cuBLAS test): APEX kernels on `cuMemAlloc` memory, CUDA still working
+//! beside APEX's channel, and ordering with CUDA streams both ways without the CPU.
+
+use std::ffi::c_void;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use apex::{Arg, Backend, Gpu, LaunchConfig};
+use cudarc::cublas::sys as cublas;
+use cudarc::driver::sys as cu;
+
+const TEST_CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
+const T: Duration = Duration::from_secs(20);
+
+fn ck(what: &str, r: cu::CUresult) {
+    assert_eq!(r, cu::CUresult::CUDA_SUCCESS, "{what}");
+}
+
+/// Makes device 0's primary context current on this thread, as a CUDA program would have it.
+fn cuda_context() -> cu::CUcontext {
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: plain driver calls with out-pointers to locals.
+    unsafe {
+        ck("cuInit", cu::cuInit(0));
+        ck(
+            "cuDevicePrimaryCtxRetain",
+            cu::cuDevicePrimaryCtxRetain(&mut ctx, 0),
+        );
+        ck("cuCtxSetCurrent", cu::cuCtxSetCurrent(ctx));
+    }
+    ctx
+}
+
+fn cuda_alloc(bytes: usize) -> u64 {
+    let mut p = 0;
+    // SAFETY: out-pointer to a local; a context is current.
+    ck("cuMemAlloc", unsafe { cu::cuMemAlloc_v2(&mut p, bytes) });
+    p
+}
+
+fn htod<T: Copy>(dst: u64, src: &[T]) {
+    // SAFETY: `dst` was allocated with at least this many bytes.
+    ck("cuMemcpyHtoD", unsafe {
+        cu::cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), std::mem::size_of_val(src))
+    });
+}
+
+fn dtoh<T: Copy + Default>(src: u64, n: usize) -> Vec<T> {
+    let mut v = vec![T::default(); n];
+    // SAFETY: `src` holds at least n elements.
+    ck("cuMemcpyDtoH", unsafe {
+        cu::cuMemcpyDtoH_v2(v.as_mut_ptr().cast(), src, n * std::mem::size_of::<T>())
+    });
+    v
+}
+
+fn stream() -> cu::CUstream {
+    let mut s = std::ptr::null_mut();
+    // SAFETY: out-pointer to a local.
+    ck("cuStreamCreate", unsafe {
+        cu::cuStreamCreate(&mut s, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+    });
+    s
+}
+
+/// A CUDA module of its own: CUDA's launches must keep working beside APEX's channel.
+fn cuda_saxpy() -> cu::CUfunction {
+    let mut m = std::ptr::null_mut();
+    let mut f = std::ptr::null_mut();
+    // SAFETY: a valid cubin; out-pointers to locals.
+    unsafe {
+        ck(
+            "cuModuleLoadData",
+            cu::cuModuleLoadData(&mut m, TEST_CUBIN.as_ptr().cast()),
+        );
+        ck(
+            "cuModuleGetFunction",
+            cu::cuModuleGetFunction(&mut f, m, c"saxpy".as_ptr()),
+        );
+    }
+    f
+}
+
+fn cuda_launch_saxpy(f: cu::CUfunction, s: cu::CUstream, a: f32, x: u64, y: u64, n: u32) {
+    let (mut a, mut x, mut y, mut n) = (a, x, y, n);
+    let mut args: [*mut c_void; 4] = [
+        (&mut a as *mut f32).cast(),
+        (&mut x as *mut u64).cast(),
+        (&mut y as *mut u64).cast(),
+        (&mut n as *mut u32).cast(),
+    ];
+    // SAFETY: saxpy(float, const float*, float*, uint32_t) with buffers of n floats.
+    ck("cuLaunchKernel", unsafe {
+        cu::cuLaunchKernel(
+            f,
+            n.div_ceil(256),
+            1,
+            1,
+            256,
+            1,
+            1,
+            0,
+            s,
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    });
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn apex_kernels_run_on_cuda_memory_in_cudas_context() {
+    let _ctx = cuda_context();
+    let n = 1u32 << 20;
+    let x = cuda_alloc(n as usize * 4);
+    let y = cuda_alloc(n as usize * 4);
+    let xs: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let ys: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
+    htod(x, &xs);
+    htod(y, &ys);
+    let t = Instant::now();
+    let gpu = Gpu::attach_cuda().expect("attach to the CUDA context");
+    eprintln!("attached in {:?}: {}", t.elapsed(), gpu.selection());
+    assert_eq!(gpu.backend(), Backend::Direct, "{}", gpu.selection());
+    assert!(gpu.is_attached());
+    let saxpy = gpu
+        .load_module(TEST_CUBIN)
+        .unwrap()
+        .kernel("saxpy")
+        .unwrap();
+    let mut q = gpu.queue().unwrap();
+    // SAFETY: x and y hold n floats (CUDA allocated them in the context APEX joined).
+    unsafe {
+        q.launch(
+            &saxpy,
+            &LaunchConfig::linear(n / 256, 256),
+            &[Arg::F32(2.0), Arg::Ptr(x), Arg::Ptr(y), Arg::U32(n)],
+        )
+    }
+    .unwrap()
+    .wait(T)
+    .unwrap();
+    let got: Vec<f32> = dtoh(y, n as usize);
+    for i in 0..n as usize {
+        assert_eq!(got[i], 2.0 * xs[i] + ys[i], "element {i}");
+    }
+    // APEX's own buffer is in the same address space: a CUDA kernel reads it.
+    let own = gpu.alloc(u64::from(n) * 4).unwrap();
+    q.upload(&gpu, &own, 0, &vec![1u8; n as usize * 4]).unwrap();
+    let f = cuda_saxpy();
+    let s = stream();
+    // SAFETY: a stream of the attached context.
+    unsafe { q.make_cuda_stream_wait(s) }.unwrap();
+    cuda_launch_saxpy(f, s, 1.0, own.device_ptr(), y, n);
+    // SAFETY: a stream of the current context.
+    ck("cuStreamSynchronize", unsafe { cu::cuStreamSynchronize(s) });
+    let after: Vec<f32> = dtoh(y, n as usize);
+    let one = f32::from_le_bytes([1; 4]);
+    for i in (0..n as usize).step_by(4099) {
+        assert_eq!(
+            after[i],
+            got[i] + one,
+            "CUDA reading APEX's buffer, element {i}"
+        );
+    }
+    drop(q);
+    drop(gpu);
+    // CUDA keeps working after APEX's channel is gone.
+    cuda_launch_saxpy(f, s, 0.0, x, y, n);
+    // SAFETY: as above.
+    ck("cuCtxSynchronize", unsafe { cu::cuCtxSynchronize() });
+}
+
+/// Builds the APEX side of the ping-pong: out = (c + 1) mod 1024, and hist[k] = out[0].
+fn step_kernel() -> Vec<u8> {
+    let dir = std::env::temp_dir().join(format!("apex-attach-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("step.cu");
+    std::fs::write(
+        &src,
+        r#"extern "C" __global__ void step(const float *c, float *x, float *hist, int k, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float v = c[i] + 1.0f;
+        if (v >= 1024.0f) v -= 1024.0f;
+        x[i] = v;
+        if (i == 0) hist[k] = v;
+    }
+}"#,
+    )
+    .unwrap();
+    let out = dir.join("step.cubin");
+    let st = Command::new("nvcc")
+        .args(["-cubin", "-arch=sm_90", "-o"])
+        .arg(&out)
+        .arg(&src)
+        .status()
+        .expect("nvcc");
+    assert!(st.success());
+    std::fs::read(&out).unwrap()
+}
+
+/// 10^4 rounds of: a cuBLAS GEMM on a CUDA stream (C = X·P, P a permutation, exact in fp32), then an APEX launch
+/// reading C and writing the next X, each side waiting for the other on the GPU only. Every round's value is
+/// checked against the CPU.
+#[test]
+#[ignore = "needs an NVIDIA GPU, nvcc and libcublas"]
+fn cublas_and_apex_alternate_ten_thousand_times() {
+    let _ctx = cuda_context();
+    let n = 32usize;
+    let rounds = 10_000usize;
+    let perm: Vec<usize> = (0..n).map(|j| (j * 7 + 3) % n).collect();
+    let mut p = vec![0f32; n * n];
+    for j in 0..n {
+        p[perm[j] + j * n] = 1.0; // column-major: P[perm[j], j] = 1, so (X·P)[i, j] = X[i, perm[j]]
+    }
+    let x0: Vec<f32> = (0..n * n).map(|i| (i % 1000) as f32).collect();
+    let (x, pm, c, hist) = (
+        cuda_alloc(n * n * 4),
+        cuda_alloc(n * n * 4),
+        cuda_alloc(n * n * 4),
+        cuda_alloc(rounds * 4),
+    );
+    htod(x, &x0);
+    htod(pm, &p);
+    let s = stream();
+    let mut handle = std::ptr::null_mut();
+    // SAFETY: cuBLAS calls with out-pointers to locals and a stream of the current context.
+    unsafe {
+        assert_eq!(
+            cublas::cublasCreate_v2(&mut handle),
+            cublas::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+        );
+        assert_eq!(
+            cublas::cublasSetStream_v2(handle, s.cast()),
+            cublas::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+        );
+    }
+    let gpu = Gpu::attach_cuda().expect("attach");
+    assert_eq!(gpu.backend(), Backend::Direct, "{}", gpu.selection());
+    let step = gpu
+        .load_module(&step_kernel())
+        .unwrap()
+        .kernel("step")
+        .unwrap();
+    let mut q = gpu.queue().unwrap();
+    let t = Instant::now();
+    for k in 0..rounds {
+        let (one, zero) = (1f32, 0f32);
+        // SAFETY: n×n column-major matrices in CUDA memory.
+        let r = unsafe {
+            cublas::cublasSgemm_v2(
+                handle,
+                cublas::cublasOperation_t::CUBLAS_OP_N,
+                cublas::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                n as i32,
+                n as i32,
+                &one,
+                x as *const f32,
+                n as i32,
+                pm as *const f32,
+                n as i32,
+                &zero,
+                c as *mut f32,
+                n as i32,
+            )
+        };
+        assert_eq!(
+            r,
+            cublas::cublasStatus_t::CUBLAS_STATUS_SUCCESS,
+            "round {k}"
+        );
+        // SAFETY: a stream of the attached context.
+        unsafe { q.wait_for_cuda_stream(s) }.unwrap();
+        // SAFETY: c, x hold n×n floats, hist `rounds`.
+        unsafe {
+            q.launch(
+                &step,
+                &LaunchConfig::linear(((n * n) as u32).div_ceil(256), 256),
+                &[
+                    Arg::Ptr(c),
+                    Arg::Ptr(x),
+                    Arg::Ptr(hist),
+                    Arg::I32(k as i32),
+                    Arg::I32((n * n) as i32),
+                ],
+            )
+        }
+        .unwrap();
+        // SAFETY: a stream of the attached context.
+        unsafe { q.make_cuda_stream_wait(s) }.unwrap();
+    }
+    // SAFETY: a stream of the current context.
+    ck("cuStreamSynchronize", unsafe { cu::cuStreamSynchronize(s) });
+    q.synchronize().unwrap();
+    let took = t.elapsed();
+    // CPU reference, every round.
+    let mut xr = x0.clone();
+    let mut want_hist = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let mut next = vec![0f32; n * n];
+        for j in 0..n {
+            for i in 0..n {
+                let v = xr[i + perm[j] * n] + 1.0;
+                next[i + j * n] = if v >= 1024.0 { v - 1024.0 } else { v };
+            }
+        }
+        want_hist.push(next[0]);
+        xr = next;
+    }
+    let got_hist: Vec<f32> = dtoh(hist, rounds);
+    for k in 0..rounds {
+        assert_eq!(got_hist[k], want_hist[k], "round {k}");
+    }
+    assert_eq!(dtoh::<f32>(x, n * n), xr, "final matrix");
+    eprintln!(
+        "{rounds} cuBLAS GEMM + APEX launch rounds, ordered both ways on the GPU: {:?} ({:.1} us per round)",
+        took,
+        took.as_secs_f64() * 1e6 / rounds as f64
+    );
+    // SAFETY: the handle made above.
+    unsafe { cublas::cublasDestroy_v2(handle) };
+}
