@@ -2,6 +2,8 @@
 //! a plain table (min, median, p99, ratio to cuLaunchKernel), a CSV of every sample and an SVG plot of the
 //! distributions, written to the directory given as the first argument (default: the current directory).
 
+mod support;
+
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -32,7 +34,11 @@ fn stats(v: &[f64]) -> (f64, f64, f64) {
     (s[0], s[s.len() / 2], s[s.len() * 99 / 100])
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
+    support::report(run())
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let out = PathBuf::from(std::env::args().nth(1).unwrap_or_else(|| ".".into()));
     std::fs::create_dir_all(&out)?;
     // Which path opens first (the other one then finds the address space as the first left it).

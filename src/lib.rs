@@ -10,6 +10,7 @@ pub mod gpfifo;
 pub mod hw;
 pub mod launch;
 pub mod pushbuf;
+mod report;
 pub mod rm;
 pub mod sim;
 
@@ -18,3 +19,4 @@ pub use api::{
     HostBuffer, Kernel, Module, Queue, Result, Selection, StreamWatch, choose,
 };
 pub use launch::{Arg, LaunchConfig};
+pub use report::error_report;
