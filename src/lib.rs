@@ -5,6 +5,7 @@
 //! [`hw`] holds the class tables generated from NVIDIA's headers; it is data, not a layer.
 
 mod api;
+pub mod bench;
 pub mod driver;
 pub mod gpfifo;
 pub mod hw;
