@@ -4,6 +4,8 @@
 //! and checks every element against the CPU, prints the launch-to-completion latency distribution of an empty
 //! kernel, and runs 10^4 dependent launches one doorbell each and as one GPU-scheduled chain (result checked).
 
+mod support;
+
 use std::time::{Duration, Instant};
 
 use apex::launch::{Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig, Module};
@@ -24,7 +26,11 @@ fn percentiles(mut v: Vec<Duration>) -> String {
     )
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
+    support::report(run())
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let t = Instant::now();
     let gpu = GpuCore::open(0)?;
     let opened = t.elapsed();

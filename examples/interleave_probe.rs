@@ -2,6 +2,8 @@
 //! launch can wait for the previous one. Prints, per variant, whether every launch completed and, if not,
 //! where the channel stopped.
 
+mod support;
+
 use std::time::{Duration, Instant};
 
 use apex::driver;
@@ -17,7 +19,11 @@ const ONE: LaunchConfig = LaunchConfig {
     cluster: None,
 };
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
+    support::report(run())
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let ctx = driver::Context::new(0)?;
     let gpu = GpuCore::open(0)?;
     let k = Module::load(&gpu, CUBIN)?.kernel("empty")?;

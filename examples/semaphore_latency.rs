@@ -1,12 +1,18 @@
 //! Semaphore round trips through our own channel: a host semaphore release submitted by doorbell, polled
 //! by the CPU. Prints the latency distribution.
 
+mod support;
+
 use std::time::{Duration, Instant};
 
 use apex::pushbuf::{Queue, QueueConfig, Signal};
 use apex::rm::GpuCore;
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
+    support::report(run())
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let gpu = GpuCore::open(0)?;
     let info = gpu.info();
     println!(

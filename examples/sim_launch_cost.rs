@@ -1,6 +1,8 @@
 //! CPU cost of recording a launch, measured against the simulated GPU (no accelerator needed): what APEX's
 //! own code costs per launch, apart from write-combining and the doorbell on real hardware.
 
+mod support;
+
 use std::time::{Duration, Instant};
 
 use apex::launch::{ComputeQueue, ComputeQueueConfig, LaunchConfig, Module};
@@ -9,7 +11,11 @@ use apex::sim::Simulator;
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
+    support::report(run())
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let (gpu, _sim) = Simulator::open(SimConfig::default())?;
     let mut q = ComputeQueue::new(&gpu, ComputeQueueConfig::default())?;
     let k = Module::load(&gpu, CUBIN)?.kernel("empty")?;

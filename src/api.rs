@@ -108,14 +108,16 @@ impl fmt::Display for FallbackReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             FallbackReason::Requested => write!(f, "the CUDA driver backend was requested"),
-            FallbackReason::NoDeviceNodes(p) => {
-                write!(f, "{p} does not exist (no NVIDIA open kernel module?)")
+            // The RM layer's sentences say what to do; one wording for both.
+            FallbackReason::NoDeviceNodes(p) => rm::Error::NoDeviceNode { path: p.clone() }.fmt(f),
+            FallbackReason::PermissionDenied(p) => {
+                rm::Error::PermissionDenied { path: p.clone() }.fmt(f)
             }
-            FallbackReason::PermissionDenied(p) => write!(f, "permission denied on {p}"),
             FallbackReason::DriverBranch { found, expected } => {
                 write!(
                     f,
-                    "driver {found} is not of branch {expected}, which APEX's RM structures come from"
+                    "the loaded NVIDIA driver is {found}, not of branch {expected}, which APEX's RM structures \
+                     come from; install a {expected}.x open kernel module to use the direct path"
                 )
             }
             FallbackReason::UnsupportedGpu(why) => {
@@ -184,23 +186,43 @@ pub fn choose<T>(
 #[derive(thiserror::Error, Debug)]
 #[non_exhaustive]
 pub enum Error {
+    /// The direct path failed.
     #[error(transparent)]
     Direct(#[from] launch::Error),
+    /// The CUDA driver backend failed.
     #[error(transparent)]
     Driver(#[from] driver::Error),
-    #[error("APEX_BACKEND={0:?}: expected direct, driver or auto")]
+    /// `APEX_BACKEND` holds something else than `direct`, `driver` or `auto`.
+    #[error(
+        "APEX_BACKEND={0:?} is not a backend APEX knows; set it to direct, driver or auto (or unset it)"
+    )]
     BadBackendVar(String),
-    #[error("the direct path was requested but cannot run: {0}")]
+    /// The direct path was asked for (`APEX_BACKEND=direct`) and cannot run.
+    #[error(
+        "the direct path was requested (APEX_BACKEND=direct) but cannot run: {0}; or unset APEX_BACKEND to fall \
+         back to the CUDA driver"
+    )]
     DirectUnavailable(FallbackReason),
-    #[error("no backend can open GPU {index}: direct path: {direct}; CUDA driver: {driver}")]
+    /// Neither backend could open the GPU.
+    #[error(
+        "cannot open GPU {index} with either backend. The direct path cannot run: {direct}. The CUDA driver \
+         backend cannot run either: {driver}."
+    )]
     NoBackend {
+        /// The GPU index asked for.
         index: usize,
+        /// Why the direct path cannot run.
         direct: FallbackReason,
+        /// Why the CUDA driver backend cannot run.
         driver: driver::Error,
     },
+    /// An argument the caller passed is not valid; the text says which and why.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
-    #[error("the objects belong to different backends or GPUs")]
+    /// Objects of different GPUs or backends were used together.
+    #[error(
+        "the objects belong to different backends or GPUs; use buffers, modules and queues of the same Gpu together"
+    )]
     Mismatch,
     /// A module file could not be read.
     #[error("cannot read the module file {}: {source}", path.display())]
@@ -1442,17 +1464,47 @@ mod tests {
     #[test]
     fn each_reason_is_classified() {
         let cases: Vec<(launch::Error, FallbackReason)> = vec![
-            (rm_err(rm::Error::NoDeviceNode { path: "/dev/nvidiactl".into() }), FallbackReason::NoDeviceNodes("/dev/nvidiactl".into())),
-            (rm_err(rm::Error::PermissionDenied { path: "/dev/nvidia0".into() }), FallbackReason::PermissionDenied("/dev/nvidia0".into())),
             (
-                rm_err(rm::Error::DriverBranch { found: "570.86.15".into(), expected: 580 }),
-                FallbackReason::DriverBranch { found: "570.86.15".into(), expected: 580 },
+                rm_err(rm::Error::NoDeviceNode {
+                    path: "/dev/nvidiactl".into(),
+                }),
+                FallbackReason::NoDeviceNodes("/dev/nvidiactl".into()),
             ),
             (
-                rm_err(rm::Error::UnsupportedClass { what: "GPFIFO channel", count: 2, listed: "0x0080 0x2080".into() }),
-                FallbackReason::UnsupportedGpu("no GPFIFO channel class known to APEX among the 2 classes this GPU lists (0x0080 0x2080)".into()),
+                rm_err(rm::Error::PermissionDenied {
+                    path: "/dev/nvidia0".into(),
+                }),
+                FallbackReason::PermissionDenied("/dev/nvidia0".into()),
             ),
-            (launch::Error::Unsupported("sm_80".into()), FallbackReason::UnsupportedGpu("sm_80".into())),
+            (
+                rm_err(rm::Error::DriverBranch {
+                    found: "570.86.15".into(),
+                    expected: 580,
+                }),
+                FallbackReason::DriverBranch {
+                    found: "570.86.15".into(),
+                    expected: 580,
+                },
+            ),
+            (
+                rm_err(rm::Error::UnsupportedClass {
+                    what: "GPFIFO channel",
+                    count: 2,
+                    listed: "0x0080 0x2080".into(),
+                }),
+                FallbackReason::UnsupportedGpu(
+                    rm::Error::UnsupportedClass {
+                        what: "GPFIFO channel",
+                        count: 2,
+                        listed: "0x0080 0x2080".into(),
+                    }
+                    .to_string(),
+                ),
+            ),
+            (
+                launch::Error::Unsupported("sm_80".into()),
+                FallbackReason::UnsupportedGpu("sm_80".into()),
+            ),
         ];
         for (err, want) in cases {
             let (t, s) = choose::<()>(BackendRequest::Auto, || Err(err));

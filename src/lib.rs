@@ -5,11 +5,13 @@
 //! [`hw`] holds the class tables generated from NVIDIA's headers; it is data, not a layer.
 
 mod api;
+pub mod bench;
 pub mod driver;
 pub mod gpfifo;
 pub mod hw;
 pub mod launch;
 pub mod pushbuf;
+mod report;
 pub mod rm;
 pub mod sim;
 
@@ -18,3 +20,4 @@ pub use api::{
     HostBuffer, Kernel, Module, Queue, Result, Selection, StreamWatch, choose,
 };
 pub use launch::{Arg, LaunchConfig};
+pub use report::error_report;

@@ -13,16 +13,24 @@ use cudarc::driver::sys as cu;
 /// A failed CUDA driver call.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Error {
+    /// libcuda could not be loaded.
     #[error(
-        "libcuda is not installed or cannot be loaded (the CUDA driver backend needs libcuda.so.1)"
+        "libcuda.so.1 (the CUDA driver library) could not be loaded, so the CUDA driver backend cannot run; install \
+         the NVIDIA driver's user-space libraries (e.g. `libnvidia-compute-580`) or add their directory to \
+         LD_LIBRARY_PATH"
     )]
     NoLibrary,
-    #[error("{call} failed: {name} ({code})")]
+    /// A CUDA driver call returned an error.
+    #[error("{call} failed with {name} ({code}){}", call_hint(*code))]
     Call {
+        /// The driver function.
         call: &'static str,
+        /// The CUresult.
         code: u32,
+        /// Its name.
         name: String,
     },
+    /// An argument the caller passed is not valid; the text says which and why.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     /// Attaching needs a CUDA context current on the calling thread.
@@ -62,6 +70,21 @@ pub enum Error {
         /// Its name.
         name: String,
     },
+}
+
+/// What to do about the CUresults a user meets first on a machine that is not set up.
+fn call_hint(code: u32) -> &'static str {
+    match code {
+        100 => "; no CUDA-capable GPU is visible: check `nvidia-smi` and CUDA_VISIBLE_DEVICES",
+        101 => "; the GPU index is out of range: `nvidia-smi -L` lists the GPUs",
+        2 => "; the GPU is out of memory: free memory or use a smaller allocation",
+        35 | 803 | 804 => {
+            "; the CUDA driver library does not match the loaded kernel module: reinstall the NVIDIA driver \
+             (user-space and kernel parts of one version)"
+        }
+        999 => "; the CUDA driver failed to initialise: check `dmesg` and `nvidia-smi`",
+        _ => "",
+    }
 }
 
 impl Error {

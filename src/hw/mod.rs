@@ -111,10 +111,22 @@ impl Field {
 /// Why [`Field::set`] refused a write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum FieldError {
+    /// The field's bits lie past the end of the structure.
     #[error("field {field:?} lies outside a structure of {words} words")]
-    OutOfRange { field: Field, words: usize },
+    OutOfRange {
+        /// The field.
+        field: Field,
+        /// The structure's length in 32-bit words.
+        words: usize,
+    },
+    /// The value has bits above the field's width.
     #[error("value {value:#x} does not fit field {field:?}")]
-    TooWide { field: Field, value: u64 },
+    TooWide {
+        /// The field.
+        field: Field,
+        /// The value.
+        value: u64,
+    },
 }
 
 /// One method of a class, for decoders.

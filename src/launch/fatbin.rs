@@ -175,14 +175,14 @@ pub enum FatbinError {
     )]
     NotFatbin,
     /// The containers or entries are malformed.
-    #[error("corrupt fatbin: {what}")]
+    #[error("corrupt fatbin: {what}; rebuild it with nvcc")]
     Corrupt {
         /// What is wrong, and where.
         what: String,
     },
     /// [`select_cubin`] found no SASS the device runs.
     #[error(
-        "no cubin for sm_{device_sm} in the fatbin; it holds: {}",
+        "no cubin for sm_{device_sm} in the fatbin; it holds: {}; rebuild with -gencode for sm_{device_sm} or include PTX",
         list(available)
     )]
     NoCubinForSm {

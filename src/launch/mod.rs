@@ -24,30 +24,43 @@ pub use queue::{
 #[derive(thiserror::Error, Debug)]
 #[non_exhaustive]
 pub enum Error {
+    /// The queue (channel, pushbuffer, RM) under the launch failed.
     #[error(transparent)]
     Queue(#[from] crate::pushbuf::Error),
+    /// The cubin could not be parsed or loaded.
     #[error(transparent)]
     Cubin(#[from] cubin::CubinError),
+    /// The fatbin could not be parsed.
     #[error(transparent)]
     Fatbin(#[from] fatbin::FatbinError),
     /// No cubin for the device could be had from a module's bytes (nothing fits, PTX did not compile, ...).
     /// Boxed: compiler logs make it the largest error, and launches return this type.
     #[error(transparent)]
     Image(Box<image::ImageError>),
+    /// The arguments do not match the kernel's parameter table.
     #[error(transparent)]
     Params(#[from] ParamError),
+    /// A launch value does not fit its QMD field.
     #[error(transparent)]
     Qmd(#[from] qmd::QmdError),
     /// The kernel calls an external device function the direct path does not provide (`malloc`, dynamic
     /// parallelism); the module's other kernels run.
     #[error("kernel `{kernel}` cannot run on the direct path: {reason}")]
     KernelRefused {
+        /// The kernel.
         kernel: String,
+        /// What it calls.
         reason: cubin::CubinError,
     },
-    #[error("no kernel `{name}` in the module (it has: {})", available.join(", "))]
+    /// [`Module::kernel`] found no kernel of that name.
+    #[error(
+        "no kernel `{name}` in the module (it has: {}); use one of those names (mangled or demangled)",
+        available.join(", ")
+    )]
     NoSuchKernel {
+        /// The name asked for.
         name: String,
+        /// The module's kernels.
         available: Vec<String>,
     },
     /// [`Module::global`] found no variable of that name.
@@ -75,19 +88,35 @@ pub enum Error {
         /// Bytes copied.
         bytes: u64,
     },
+    /// A launch the kernel or the device cannot run (grid, block, shared memory, cluster, ...).
     #[error("invalid launch of `{kernel}`: {why}")]
-    InvalidLaunch { kernel: String, why: String },
-    #[error("the direct launch path does not support this GPU: {0}")]
+    InvalidLaunch {
+        /// The kernel.
+        kernel: String,
+        /// Which limit, and how to stay inside it.
+        why: String,
+    },
+    /// The direct path cannot launch on this GPU.
+    #[error(
+        "the direct launch path does not support this GPU: {0}; use the CUDA driver backend (APEX_BACKEND=driver)"
+    )]
     Unsupported(String),
-    #[error("end_chain without a chained launch recorded")]
+    /// `end_chain` was called with no chained launch recorded since the last one.
+    #[error(
+        "end_chain was called without a chained launch recorded; record one with record_launch_chained first"
+    )]
     NoChain,
     /// A kernel's `assert` failed: the GPU trapped, and the queue's channel is faulted (make a new queue).
     #[error(transparent)]
     Assert(Box<printf::AssertError>),
+    /// The printf FIFO's size was set after it had been allocated.
     #[error(
-        "the printf FIFO is already {current} bytes: its size must be set before a module that uses printf or assert is loaded"
+        "the printf FIFO is already {current} bytes: set its size before loading a module that uses printf or assert"
     )]
-    PrintfFifoFixed { current: u64 },
+    PrintfFifoFixed {
+        /// The size in use.
+        current: u64,
+    },
 }
 
 /// The variable list of [`Error::NoSuchGlobal`].

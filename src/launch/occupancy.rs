@@ -146,26 +146,55 @@ impl KernelResources {
 #[derive(thiserror::Error, Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum OccupancyError {
-    #[error("a block of 0 threads")]
+    /// A block of zero threads.
+    #[error("a block of 0 threads cannot run; give the block at least one thread")]
     EmptyBlock,
-    #[error("{threads} threads per block exceed the device's {max}")]
-    BlockTooLarge { threads: u32, max: u32 },
-    #[error("{registers} registers per thread exceed the device's {max}")]
-    TooManyRegisters { registers: u32, max: u32 },
+    /// More threads per block than the device allows.
     #[error(
-        "a block needs {needed} registers ({per_warp} per warp × {warps} warps, rounded to {sub_partitions} sub-partitions), the device allows {max} per block"
+        "{threads} threads per block exceed the device's {max}; use a block of at most {max} threads"
     )]
-    RegistersPerBlock {
-        needed: u32,
-        per_warp: u32,
-        warps: u32,
-        sub_partitions: u32,
+    BlockTooLarge {
+        /// Threads asked for.
+        threads: u32,
+        /// The device's maximum.
         max: u32,
     },
+    /// More registers per thread than the device allows.
     #[error(
-        "a block needs {needed} bytes of shared memory (with the driver's reserve), the device allows {max}"
+        "{registers} registers per thread exceed the device's {max}; compile with -maxrregcount={max} or less"
     )]
-    SharedPerBlock { needed: u64, max: u64 },
+    TooManyRegisters {
+        /// The kernel's registers per thread.
+        registers: u32,
+        /// The device's maximum.
+        max: u32,
+    },
+    /// The block's registers do not fit one SM.
+    #[error(
+        "a block needs {needed} registers ({per_warp} per warp × {warps} warps, rounded to {sub_partitions} sub-partitions), the device allows {max} per block; use a smaller block or fewer registers (-maxrregcount)"
+    )]
+    RegistersPerBlock {
+        /// Registers the block needs.
+        needed: u32,
+        /// Registers per warp, after allocation granularity.
+        per_warp: u32,
+        /// Warps in the block.
+        warps: u32,
+        /// Register-file sub-partitions per SM.
+        sub_partitions: u32,
+        /// The device's maximum per block.
+        max: u32,
+    },
+    /// The block's shared memory does not fit one SM.
+    #[error(
+        "a block needs {needed} bytes of shared memory (with the driver's reserve), the device allows {max}; use less dynamic shared memory"
+    )]
+    SharedPerBlock {
+        /// Bytes the block needs.
+        needed: u64,
+        /// The device's maximum per block.
+        max: u64,
+    },
 }
 
 /// A resource that caps the blocks per SM.

@@ -52,27 +52,47 @@ impl Arg<'_> {
 /// Arguments that do not match what the kernel declares.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ParamError {
-    #[error("kernel `{kernel}` takes {expected} parameters, {given} given")]
-    Count {
-        kernel: String,
-        expected: usize,
-        given: usize,
-    },
-    #[error("kernel `{kernel}` parameter {index} is {expected} bytes, the argument is {given}")]
-    Size {
-        kernel: String,
-        index: usize,
-        expected: u32,
-        given: usize,
-    },
+    /// The number of arguments differs from the kernel's parameters.
     #[error(
-        "kernel `{kernel}` parameter {index} at {offset:#x}+{size} lies outside its {block}-byte parameter block"
+        "kernel `{kernel}` takes {expected} parameters, {given} given; pass one Arg per parameter"
+    )]
+    Count {
+        /// The kernel.
+        kernel: String,
+        /// Parameters it declares.
+        expected: usize,
+        /// Arguments passed.
+        given: usize,
+    },
+    /// An argument's size differs from its parameter's.
+    #[error(
+        "kernel `{kernel}` parameter {index} is {expected} bytes, the argument is {given}; pass an Arg of the \
+         parameter's type"
+    )]
+    Size {
+        /// The kernel.
+        kernel: String,
+        /// The parameter's position.
+        index: usize,
+        /// Its size in bytes.
+        expected: u32,
+        /// The argument's size in bytes.
+        given: usize,
+    },
+    /// The cubin's parameter table places a parameter outside the parameter block (a corrupt cubin).
+    #[error(
+        "kernel `{kernel}` parameter {index} at {offset:#x}+{size} lies outside its {block}-byte parameter block; the cubin is corrupt: rebuild it"
     )]
     Layout {
+        /// The kernel.
         kernel: String,
+        /// The parameter's position.
         index: usize,
+        /// Its offset in the block.
         offset: u32,
+        /// Its size.
         size: u32,
+        /// The block's size.
         block: u32,
     },
 }

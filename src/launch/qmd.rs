@@ -96,9 +96,13 @@ fn qmd_grid(p: &QmdParams) -> Result<[u32; 3], QmdError> {
 
 /// A value did not fit its QMD field.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: {value:#x} does not fit the QMD field")]
+#[error(
+    "{field}: {value:#x} does not fit the QMD field; the launch asks for more than the GPU's hardware can encode"
+)]
 pub struct QmdError {
+    /// The QMD field.
     pub field: &'static str,
+    /// The value that does not fit.
     pub value: u64,
 }
 

@@ -126,17 +126,28 @@ impl SubchannelClasses {
 /// Why a pushbuffer could not be decoded.
 #[derive(thiserror::Error, Debug, Clone, PartialEq, Eq)]
 pub enum DecodeError {
+    /// A header announces more data words than the segment holds.
     #[error(
         "method header {header:#010x} at word {at_word} needs {needed} data words, only {available} left"
     )]
     Truncated {
+        /// Where the header is.
         at_word: usize,
+        /// The header.
         header: u32,
+        /// Data words it announces.
         needed: usize,
+        /// Words left in the segment.
         available: usize,
     },
+    /// A word that is no method header the host front end knows.
     #[error("unknown method header {header:#010x} at word {at_word}")]
-    UnknownHeader { at_word: usize, header: u32 },
+    UnknownHeader {
+        /// Where the header is.
+        at_word: usize,
+        /// The word.
+        header: u32,
+    },
 }
 
 /// Decodes `words` with the subchannel bindings `classes` (a SET_OBJECT in the stream rebinds its
@@ -302,10 +313,17 @@ fn decode_method(
 /// Why a QMD could not be decoded.
 #[derive(thiserror::Error, Debug, Clone, PartialEq, Eq)]
 pub enum QmdDecodeError {
+    /// A QMD major version with no layout in the class tables.
     #[error("no QMD layout for major version {0} (known: 3, 4, 5)")]
     UnknownVersion(u8),
+    /// Fewer bytes than a QMD of that version.
     #[error("QMD needs {needed} bytes, got {available}")]
-    TooShort { needed: usize, available: usize },
+    TooShort {
+        /// Bytes a QMD of that version has.
+        needed: usize,
+        /// Bytes given.
+        available: usize,
+    },
 }
 
 /// Every non-zero field of a QMD (little-endian bytes, as uploaded), named as in the generated

@@ -53,9 +53,13 @@ pub const MAX_IMMEDIATE: u32 = c56f::DMA_IMMD_DATA.mask() as u32;
 
 /// The pushbuffer did not have room for what was written; nothing past its end was touched.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("pushbuffer overflow: {needed} words needed, {capacity} available")]
+#[error(
+    "pushbuffer overflow: {needed} words needed, {capacity} available; flush more often or make the pushbuffer larger"
+)]
 pub struct Overflow {
+    /// Words the writes needed.
     pub needed: usize,
+    /// Words the buffer holds.
     pub capacity: usize,
 }
 

@@ -13,8 +13,10 @@ use super::encode::{Overflow, Push, Release, Subchannel};
 #[derive(thiserror::Error, Debug)]
 #[non_exhaustive]
 pub enum Error {
+    /// The channel (or RM below it) failed.
     #[error(transparent)]
     Channel(#[from] crate::gpfifo::Error),
+    /// What was recorded did not fit the pushbuffer.
     #[error(transparent)]
     Overflow(#[from] Overflow),
 }

@@ -1,0 +1,723 @@
+//! `apex`: what a launch library needs to know about the GPUs here, the launch-latency benchmark, the CUDA
+//! tracer and the occupancy advisor, from the command line.
+
+use std::error::Error;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::time::Instant;
+
+use apex::launch::cubin::Cubin;
+use apex::launch::occupancy::{DeviceLimits, KernelResources, advise, occupancy};
+use apex::{Backend, Gpu, driver, launch, rm};
+use clap::{Parser, Subcommand};
+use serde_json::{Value, json};
+
+/// The test kernels' sm_90 cubin, whose `empty` kernel the benchmark launches.
+const BENCH_CUBIN: &[u8] = include_bytes!("../../kernels/apex_test_kernels.sm_90.cubin");
+
+const EXIT_CODES: &str = "\
+Exit codes:
+  0  success
+  1  the command failed (the message says what was tried, what failed and what to do)
+  2  usage error (unknown option, missing argument)
+  3  no usable NVIDIA GPU or driver here (no device nodes, no libcuda, unsupported driver branch, no such GPU)
+  `apex trace` exits with the traced program's status.";
+
+/// Launch work on NVIDIA GPUs through the kernel driver: facts, benchmark, tracer and occupancy advisor.
+#[derive(Parser, Debug)]
+#[command(name = "apex", version, after_help = EXIT_CODES)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// The GPUs, driver, classes, backend choice and why, and the limits a launch must respect.
+    #[command(after_help = EXIT_CODES)]
+    Info {
+        /// Only this GPU (default: every GPU).
+        #[arg(long)]
+        gpu: Option<usize>,
+        /// Print JSON on stdout instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Launch latency of the direct path beside cuLaunchKernel and CUDA graphs; writes
+    /// launch_latency.{txt,csv,svg}. Needs the direct path and libcuda.
+    #[command(after_help = EXIT_CODES)]
+    Bench {
+        /// The GPU.
+        #[arg(long, default_value_t = 0)]
+        gpu: usize,
+        /// Directory for launch_latency.txt, .csv and .svg.
+        #[arg(long, default_value = ".")]
+        out: PathBuf,
+        /// Samples per path for the submit and launch-to-completion measures.
+        #[arg(long, default_value_t = 20_000)]
+        samples: usize,
+        /// Rounds of 1000 dependent launches per path.
+        #[arg(long, default_value_t = 200)]
+        rounds: usize,
+        /// Open the direct path before libcuda.
+        #[arg(long)]
+        direct_first: bool,
+        /// Print the summary (min, median, p99, speedup per series) as JSON on stdout.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run a program under the apex-trace LD_PRELOAD tracer: every RM/UVM ioctl, pushbuffer, QMD and
+    /// cuLaunchKernel as JSON lines, and a per-kernel summary with occupancy advice.
+    #[command(after_help = EXIT_CODES)]
+    Trace {
+        /// libapex_trace.so (default: $APEX_TRACE_LIB, else beside the apex binary or one directory up;
+        /// build it with `cargo build --release -p apex-trace`).
+        #[arg(long)]
+        lib: Option<PathBuf>,
+        /// Where the records go (JSON lines; the last line is the summary).
+        #[arg(long, short, default_value = "apex-trace.jsonl")]
+        out: PathBuf,
+        /// SMs of the GPU, for the occupancy advice in the summary (default: the tracer's, 132).
+        #[arg(long)]
+        sm_count: Option<u32>,
+        /// Print the summary record as JSON on stdout after the program exits.
+        #[arg(long)]
+        json: bool,
+        /// The program and its arguments (after `--`).
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        command: Vec<String>,
+    },
+    /// Occupancy and launch advice for a kernel of a cubin or fatbin, from the GPU here or, with --sm,
+    /// without one.
+    #[command(after_help = EXIT_CODES)]
+    Occupancy {
+        /// A cubin, or a fatbin holding SASS for the device.
+        cubin: PathBuf,
+        /// The kernel (mangled, or demangled with or without parameters).
+        kernel: String,
+        /// Threads per block.
+        #[arg(long)]
+        block: u32,
+        /// Blocks in the grid (for the "too few blocks" advice; default: enough to fill the GPU).
+        #[arg(long)]
+        grid: Option<u64>,
+        /// Dynamic shared memory per block, bytes.
+        #[arg(long, default_value_t = 0)]
+        dynamic_smem: u32,
+        /// Compute capability as major*10+minor (80, 86, 87, 89, 90), for use without a GPU.
+        #[arg(long)]
+        sm: Option<u32>,
+        /// SMs on the device, with --sm (default 132, an H100 SXM / H200).
+        #[arg(long, default_value_t = 132)]
+        sm_count: u32,
+        /// The GPU to take the facts from, without --sm.
+        #[arg(long, default_value_t = 0)]
+        gpu: usize,
+        /// Print JSON on stdout instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+type Res<T> = Result<T, Box<dyn Error>>;
+
+/// An error of the command line itself (a file, an argument), as a sentence.
+#[derive(Debug)]
+struct Msg(String);
+
+impl std::fmt::Display for Msg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Error for Msg {}
+
+fn msg(s: impl Into<String>) -> Box<dyn Error> {
+    Box::new(Msg(s.into()))
+}
+
+/// A program `apex trace` ran, which exited with this status.
+#[derive(Debug)]
+struct ChildExit(u8);
+
+impl std::fmt::Display for ChildExit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the traced program exited with status {}", self.0)
+    }
+}
+
+impl Error for ChildExit {}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let r = match cli.command {
+        Cmd::Info { gpu, json } => info(gpu, json),
+        Cmd::Bench {
+            gpu,
+            out,
+            samples,
+            rounds,
+            direct_first,
+            json,
+        } => bench(gpu, &out, samples, rounds, direct_first, json),
+        Cmd::Trace {
+            lib,
+            out,
+            sm_count,
+            json,
+            command,
+        } => trace(lib, &out, sm_count, json, &command),
+        Cmd::Occupancy {
+            cubin,
+            kernel,
+            block,
+            grid,
+            dynamic_smem,
+            sm,
+            sm_count,
+            gpu,
+            json,
+        } => occupancy_cmd(
+            &cubin,
+            &kernel,
+            block,
+            grid,
+            dynamic_smem,
+            sm.map(|s| (s, sm_count)),
+            gpu,
+            json,
+        ),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            if let Some(c) = e.downcast_ref::<ChildExit>() {
+                return ExitCode::from(c.0);
+            }
+            eprintln!("error: {}", apex::error_report(e.as_ref()));
+            ExitCode::from(exit_code(e.as_ref()))
+        }
+    }
+}
+
+/// 3 when the machine has no usable GPU or driver, else 1.
+fn exit_code(e: &(dyn Error + 'static)) -> u8 {
+    let no_gpu = if let Some(e) = e.downcast_ref::<apex::Error>() {
+        api_no_gpu(e)
+    } else if let Some(e) = e.downcast_ref::<launch::Error>() {
+        launch_no_gpu(e)
+    } else if let Some(e) = e.downcast_ref::<rm::Error>() {
+        rm_no_gpu(e)
+    } else if let Some(e) = e.downcast_ref::<driver::Error>() {
+        driver_no_gpu(e)
+    } else {
+        false
+    };
+    if no_gpu { 3 } else { 1 }
+}
+
+fn api_no_gpu(e: &apex::Error) -> bool {
+    match e {
+        apex::Error::NoBackend { .. } | apex::Error::DirectUnavailable(_) => true,
+        apex::Error::Direct(l) => launch_no_gpu(l),
+        apex::Error::Driver(d) => driver_no_gpu(d),
+        _ => false,
+    }
+}
+
+fn launch_no_gpu(e: &launch::Error) -> bool {
+    use apex::gpfifo::Error as G;
+    use apex::pushbuf::Error as P;
+    match e {
+        launch::Error::Queue(P::Channel(G::Rm(r))) => rm_no_gpu(r),
+        launch::Error::Unsupported(_) => true,
+        _ => false,
+    }
+}
+
+fn rm_no_gpu(e: &rm::Error) -> bool {
+    matches!(
+        e,
+        rm::Error::NoDeviceNode { .. }
+            | rm::Error::PermissionDenied { .. }
+            | rm::Error::DriverBranch { .. }
+            | rm::Error::NoSuchGpu { .. }
+            | rm::Error::UnsupportedClass { .. }
+    )
+}
+
+fn driver_no_gpu(e: &driver::Error) -> bool {
+    // CUDA_ERROR_NO_DEVICE, CUDA_ERROR_INVALID_DEVICE, CUDA_ERROR_INSUFFICIENT_DRIVER.
+    matches!(e, driver::Error::NoLibrary)
+        || matches!(
+            e,
+            driver::Error::Call {
+                code: 100 | 101 | 35,
+                ..
+            }
+        )
+}
+
+/// Progress of a long run, on stderr, with the time since the start.
+fn progress(start: Instant) -> impl FnMut(&str) {
+    move |what| eprintln!("[{:>6.1} s] {what}", start.elapsed().as_secs_f64())
+}
+
+// ---------------------------------------------------------------------------------------------- info
+
+fn info(only: Option<usize>, json: bool) -> Res<()> {
+    let mut gpus = Vec::new();
+    let indices: Box<dyn Iterator<Item = usize>> = match only {
+        Some(i) => Box::new(std::iter::once(i)),
+        None => Box::new(0..),
+    };
+    for index in indices {
+        let gpu = match Gpu::open(index) {
+            Ok(g) => g,
+            // Past the last GPU: both backends say the index does not exist.
+            Err(e) if only.is_none() && index > 0 && is_past_last(&e) => break,
+            Err(e) => return Err(e.into()),
+        };
+        gpus.push(gpu_facts(index, &gpu)?);
+    }
+    let kernel_module = std::fs::read_to_string("/proc/driver/nvidia/version")
+        .ok()
+        .and_then(|v| v.lines().next().map(str::to_owned));
+    let cuda = cuda_facts();
+    let doc = json!({
+        "kernel_module": kernel_module,
+        "cuda_driver": cuda,
+        "gpus": gpus,
+    });
+    if json {
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+        return Ok(());
+    }
+    if let Some(m) = &kernel_module {
+        println!("kernel module: {m}");
+    }
+    match &cuda {
+        Value::Object(o) if o.get("version").is_some_and(|v| !v.is_null()) => {
+            println!("CUDA driver (libcuda): API version {}", o["version"])
+        }
+        _ => println!("CUDA driver (libcuda): not loadable"),
+    }
+    for g in &gpus {
+        print_gpu(g);
+    }
+    Ok(())
+}
+
+fn is_past_last(e: &apex::Error) -> bool {
+    match e {
+        apex::Error::NoBackend { driver, direct, .. } => {
+            matches!(driver, driver::Error::Call { code: 101, .. })
+                || direct.to_string().contains("out of range")
+        }
+        apex::Error::Driver(driver::Error::Call { code: 101, .. }) => true,
+        _ => e.to_string().contains("out of range"),
+    }
+}
+
+fn cuda_facts() -> Value {
+    if !driver::is_available() {
+        return json!({ "available": false, "version": null });
+    }
+    // The API version needs a context of some GPU; any failure just leaves it unknown.
+    let version = driver::Context::new(0)
+        .ok()
+        .and_then(|c| c.driver_version().ok());
+    json!({ "available": true, "version": version })
+}
+
+fn gpu_facts(index: usize, gpu: &Gpu) -> Res<Value> {
+    let i = gpu.info();
+    let sel = gpu.selection();
+    let l = gpu.limits();
+    let mut v = json!({
+        "index": index,
+        "name": i.name,
+        "sm": i.sm_version,
+        "sm_count": i.sm_count,
+        "memory_bytes": i.memory_bytes,
+        "backend": match sel.backend { Backend::Direct => "direct", Backend::Driver => "driver" },
+        "backend_reason": sel.to_string(),
+        "fallback": sel.fallback.as_ref().map(ToString::to_string),
+        "limits": {
+            "max_grid": l.max_grid,
+            "max_block": l.max_block,
+            "max_threads_per_block": l.max_threads_per_block,
+            "max_shared_per_block": l.max_shared_per_block,
+            "registers_per_sm": l.registers_per_sm,
+            "max_param_bytes": l.max_param_bytes,
+            "max_cluster_blocks": l.max_cluster_blocks,
+        },
+    });
+    if let Some(d) = DeviceLimits::for_sm(i.sm_version, i.sm_count) {
+        v["sm_limits"] = json!({
+            "max_warps_per_sm": d.max_warps_per_sm,
+            "max_blocks_per_sm": d.max_blocks_per_sm,
+            "regs_per_sm": d.regs_per_sm,
+            "max_regs_per_thread": d.max_regs_per_thread,
+            "smem_per_sm": d.smem_per_sm,
+            "smem_per_block": d.smem_per_block,
+            "smem_per_block_optin": d.smem_per_block_optin,
+            "reserved_smem_per_block": d.reserved_smem_per_block,
+            "carveouts_kib": d.carveouts_kib,
+        });
+    }
+    if let Some(core) = gpu.direct() {
+        let c = core.info();
+        v["uuid"] = json!(c.uuid);
+        v["pci_bus_id"] = json!(c.pci_bus_id);
+        v["driver_version"] = json!(c.driver_version);
+        v["gpc_count"] = json!(c.gpc_count);
+        v["tpc_count"] = json!(c.tpc_count);
+        v["sms_per_tpc"] = json!(c.sms_per_tpc);
+        v["max_warps_per_sm"] = json!(c.max_warps_per_sm);
+        v["classes"] = json!(
+            core.classes()
+                .iter()
+                .map(|c| format!("{c:#06x}"))
+                .collect::<Vec<_>>()
+        );
+        // The classes APEX's channel binds: the ones a launch goes through.
+        let mut q = gpu.queue()?;
+        if let Some(cq) = q.direct() {
+            let cl = cq.queue().channel().classes();
+            v["channel_classes"] = json!({
+                "gpfifo": format!("{:#06x}", cl.gpfifo),
+                "compute": cl.compute.map(|c| format!("{c:#06x}")),
+                "copy": cl.copy.map(|c| format!("{c:#06x}")),
+            });
+        }
+    }
+    Ok(v)
+}
+
+fn print_gpu(g: &Value) {
+    let s = |k: &str| g.get(k).cloned().unwrap_or(Value::Null);
+    println!(
+        "GPU {}: {} (sm_{}, {} SMs, {} GiB)",
+        s("index"),
+        s("name").as_str().unwrap_or("?"),
+        s("sm"),
+        s("sm_count"),
+        s("memory_bytes").as_u64().unwrap_or(0) >> 30
+    );
+    if let Some(u) = g.get("uuid") {
+        println!(
+            "  {} at PCI {}, driver {}",
+            u.as_str().unwrap_or("?"),
+            s("pci_bus_id").as_str().unwrap_or("?"),
+            s("driver_version").as_str().unwrap_or("?")
+        );
+        println!(
+            "  {} GPCs, {} TPCs, {} SMs/TPC, {} warps/SM",
+            s("gpc_count"),
+            s("tpc_count"),
+            s("sms_per_tpc"),
+            s("max_warps_per_sm")
+        );
+    }
+    println!("  backend: {}", s("backend_reason").as_str().unwrap_or("?"));
+    if let Some(c) = g.get("channel_classes") {
+        println!(
+            "  channel classes: gpfifo {}, compute {}, copy {}",
+            c["gpfifo"], c["compute"], c["copy"]
+        );
+    }
+    if let Some(Value::Array(cl)) = g.get("classes") {
+        let names: Vec<&str> = cl.iter().filter_map(Value::as_str).collect();
+        println!("  {} classes: {}", names.len(), names.join(" "));
+    }
+    let l = &g["limits"];
+    println!(
+        "  limits: grid {}, block {}, {} threads/block, {} B shared/block, {} registers/SM, {} B of parameters, clusters up to {} blocks",
+        l["max_grid"],
+        l["max_block"],
+        l["max_threads_per_block"],
+        l["max_shared_per_block"],
+        l["registers_per_sm"],
+        l["max_param_bytes"],
+        l["max_cluster_blocks"]
+    );
+    if let Some(d) = g.get("sm_limits") {
+        println!(
+            "  per SM: {} warps, {} blocks, {} registers (≤ {}/thread), {} B shared (carveouts {} KiB); {} B shared/block by default, {} opted in",
+            d["max_warps_per_sm"],
+            d["max_blocks_per_sm"],
+            d["regs_per_sm"],
+            d["max_regs_per_thread"],
+            d["smem_per_sm"],
+            d["carveouts_kib"],
+            d["smem_per_block"],
+            d["smem_per_block_optin"]
+        );
+    }
+}
+
+// --------------------------------------------------------------------------------------------- bench
+
+fn bench(
+    gpu: usize,
+    out: &Path,
+    samples: usize,
+    rounds: usize,
+    direct_first: bool,
+    json: bool,
+) -> Res<()> {
+    std::fs::create_dir_all(out).map_err(|e| {
+        msg(format!(
+            "cannot create the output directory {}: {e}",
+            out.display()
+        ))
+    })?;
+    let opts = apex::bench::LatencyOptions {
+        gpu,
+        samples,
+        rounds,
+        direct_first,
+        ..Default::default()
+    };
+    let report =
+        apex::bench::launch_latency(BENCH_CUBIN, "empty", &opts, &mut progress(Instant::now()))?;
+    let table = report.table();
+    let write = |name: &str, text: &str| -> Res<()> {
+        let p = out.join(name);
+        std::fs::write(&p, text).map_err(|e| msg(format!("cannot write {}: {e}", p.display())))
+    };
+    write("launch_latency.txt", &table)?;
+    write("launch_latency.csv", &report.csv())?;
+    write("launch_latency.svg", &report.svg())?;
+    if json {
+        let series: Vec<Value> = report
+            .series
+            .iter()
+            .map(|s| {
+                let (min, median, p99) = s.stats();
+                json!({
+                    "measure": s.measure, "path": s.path, "samples": s.ns.len(),
+                    "min_ns": min, "median_ns": median, "p99_ns": p99,
+                    "speedup_vs_cuLaunchKernel": report.speedup(s),
+                })
+            })
+            .collect();
+        let doc = json!({ "device": report.device, "series": series, "out": out });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        println!("{}", report.device);
+        print!("{table}");
+        println!("wrote {}/launch_latency.{{txt,csv,svg}}", out.display());
+    }
+    Ok(())
+}
+
+// --------------------------------------------------------------------------------------------- trace
+
+/// The tracer library: `--lib`, `$APEX_TRACE_LIB`, beside this binary, or one directory up (cargo's
+/// `target/release/` when this binary is under `deps/`).
+fn find_tracer(lib: Option<PathBuf>) -> Res<PathBuf> {
+    const NAME: &str = "libapex_trace.so";
+    if let Some(p) = lib.or_else(|| std::env::var_os("APEX_TRACE_LIB").map(PathBuf::from)) {
+        return if p.is_file() {
+            Ok(std::fs::canonicalize(&p).unwrap_or(p))
+        } else {
+            Err(msg(format!(
+                "the tracer library {} does not exist; build it with `cargo build --release -p apex-trace` and pass its path with --lib",
+                p.display()
+            )))
+        };
+    }
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().unwrap_or(Path::new("."));
+    let candidates = [dir.join(NAME), dir.join("..").join(NAME)];
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .map(|p| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone()))
+        .ok_or_else(|| {
+            msg(format!(
+                "{NAME} was not found beside the apex binary ({}); build it with `cargo build --release -p apex-trace` \
+                 (it lands in target/release/) or pass its path with --lib",
+                candidates
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+        })
+}
+
+fn trace(
+    lib: Option<PathBuf>,
+    out: &Path,
+    sm_count: Option<u32>,
+    json: bool,
+    command: &[String],
+) -> Res<()> {
+    let lib = find_tracer(lib)?;
+    let (program, args) = command
+        .split_first()
+        .ok_or_else(|| msg("no program to trace; give one after `--`"))?;
+    let preload = match std::env::var("LD_PRELOAD") {
+        Ok(p) if !p.is_empty() => format!("{}:{p}", lib.display()),
+        _ => lib.display().to_string(),
+    };
+    // The tracer writes the file only once the program touches the GPU: a stale one must not pass for this run's.
+    match std::fs::remove_file(out) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(msg(format!(
+                "cannot replace {}: {e}; choose another file with --out",
+                out.display()
+            )));
+        }
+        _ => {}
+    }
+    let mut cmd = Command::new(program);
+    cmd.args(args)
+        .env("LD_PRELOAD", preload)
+        .env("APEX_TRACE_FILE", out);
+    if let Some(n) = sm_count {
+        cmd.env("APEX_TRACE_SM_COUNT", n.to_string());
+    }
+    eprintln!(
+        "apex trace: running {program} under {} (records to {})",
+        lib.display(),
+        out.display()
+    );
+    let status = cmd.status().map_err(|e| {
+        msg(format!(
+            "cannot run {program}: {e}; check the program's path and that it is executable"
+        ))
+    })?;
+    let summary = std::fs::read_to_string(out)
+        .ok()
+        .and_then(|t| t.lines().last().map(str::to_owned))
+        .and_then(|l| serde_json::from_str::<Value>(&l).ok())
+        .filter(|v| v["type"] == "summary");
+    match (&summary, json) {
+        (Some(s), true) => println!("{}", serde_json::to_string_pretty(s)?),
+        (None, _) => eprintln!(
+            "apex trace: the program made no NVIDIA GPU call the tracer saw, so {} holds no summary",
+            out.display()
+        ),
+        (Some(_), false) => eprintln!(
+            "apex trace: records and summary (last line) in {}",
+            out.display()
+        ),
+    }
+    match status.code() {
+        Some(0) => Ok(()),
+        Some(c) => Err(Box::new(ChildExit(u8::try_from(c).unwrap_or(1)))),
+        // Killed by a signal: the shell's convention, 128 + signal.
+        None => {
+            use std::os::unix::process::ExitStatusExt;
+            let sig = status.signal().unwrap_or(0);
+            eprintln!("apex trace: {program} was killed by signal {sig}");
+            Err(Box::new(ChildExit(u8::try_from(128 + sig).unwrap_or(1))))
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------------------- occupancy
+
+#[allow(clippy::too_many_arguments)]
+fn occupancy_cmd(
+    path: &Path,
+    kernel: &str,
+    block: u32,
+    grid: Option<u64>,
+    dynamic_smem: u32,
+    offline: Option<(u32, u32)>,
+    gpu: usize,
+    json: bool,
+) -> Res<()> {
+    let bytes = std::fs::read(path).map_err(|e| {
+        msg(format!(
+            "cannot read {}: {e}; give the path of a cubin or fatbin",
+            path.display()
+        ))
+    })?;
+    let (sm, sm_count, source) = match offline {
+        Some((sm, n)) => (sm, n, format!("--sm {sm}, {n} SMs")),
+        None => {
+            let g = Gpu::open(gpu)?;
+            let i = g.info();
+            (i.sm_version, i.sm_count, format!("GPU {gpu}: {}", i.name))
+        }
+    };
+    let limits = DeviceLimits::for_sm(sm, sm_count).ok_or_else(|| {
+        msg(format!(
+            "the occupancy tables do not know sm_{sm}; give --sm 80, 86, 87, 89 or 90"
+        ))
+    })?;
+    let cubin_bytes = if apex::launch::fatbin::is_fatbin(&bytes) {
+        apex::launch::fatbin::select_cubin(&bytes, sm)?
+    } else {
+        bytes
+    };
+    let cubin = Cubin::parse(&cubin_bytes)?;
+    let k = cubin.kernel(kernel).map_err(|e| {
+        let names: Vec<&str> = cubin.kernels().iter().map(|k| k.name.as_str()).collect();
+        msg(format!("{e}; it holds: {}", names.join(", ")))
+    })?;
+    let res = KernelResources::from_kernel(k, cubin.sm_version());
+    let occ = occupancy(&limits, &res, block, dynamic_smem);
+    let grid_blocks = grid.unwrap_or_else(|| {
+        let per_sm = occ.as_ref().map_or(1, |o| o.active_blocks.max(1));
+        u64::from(sm_count) * u64::from(per_sm)
+    });
+    let advice = advise(&limits, &res, grid_blocks, block, dynamic_smem);
+    if json {
+        let doc = json!({
+            "device": source,
+            "kernel": k.name,
+            "cubin_sm": cubin.sm_version(),
+            "registers": k.registers,
+            "static_shared": k.static_shared,
+            "block": block,
+            "grid": grid_blocks,
+            "dynamic_smem": dynamic_smem,
+            "occupancy": match &occ {
+                Ok(o) => json!({
+                    "active_blocks_per_sm": o.active_blocks,
+                    "active_warps_per_sm": o.active_warps,
+                    "fraction": o.fraction,
+                    "limited_by": o.limiters.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                    "blocks_by_warps": o.by_warps,
+                    "blocks_by_blocks": o.by_blocks,
+                    "blocks_by_registers": o.by_registers,
+                    "blocks_by_shared": o.by_shared,
+                    "shared_per_block": o.shared_per_block,
+                    "carveout_kib": o.carveout_kib,
+                }),
+                Err(e) => json!({ "error": e.to_string() }),
+            },
+            "advice": advice.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        println!(
+            "{} (sm_{} cubin, {} registers/thread, {} B static shared) on {source}",
+            k.name,
+            cubin.sm_version(),
+            k.registers,
+            k.static_shared
+        );
+        println!("block {block}, grid {grid_blocks}, {dynamic_smem} B dynamic shared memory");
+        match &occ {
+            Ok(o) => println!("occupancy: {o}"),
+            Err(e) => println!("cannot launch: {e}"),
+        }
+        if advice.is_empty() {
+            println!("advice: none, the shape is fine");
+        }
+        for a in &advice {
+            println!("advice: {a}");
+        }
+    }
+    // A shape that cannot launch at all is the command's failure.
+    occ.map(|_| ()).map_err(Into::into)
+}
