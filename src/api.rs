@@ -31,8 +31,11 @@ pub enum Backend {
 /// What the caller (or `APEX_BACKEND`) asked for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendRequest {
+    /// Use the direct path when it can run here, else the CUDA driver.
     Auto,
+    /// Only the direct path: opening fails with the reason when it cannot run.
     Direct,
+    /// Only the CUDA driver (libcuda), even where the direct path could run.
     Driver,
 }
 
@@ -45,6 +48,7 @@ impl BackendRequest {
         }
     }
 
+    /// Parses a request as `APEX_BACKEND` spells it (`direct`, `driver` or `cuda`, `auto` or empty), ignoring case.
     pub fn parse(v: &str) -> Result<BackendRequest> {
         match v.trim().to_ascii_lowercase().as_str() {
             "" | "auto" => Ok(BackendRequest::Auto),
@@ -65,7 +69,12 @@ pub enum FallbackReason {
     /// The device nodes exist but this user may not open them.
     PermissionDenied(String),
     /// The loaded driver is not of the branch whose RM structures APEX was built with.
-    DriverBranch { found: String, expected: u32 },
+    DriverBranch {
+        /// The loaded driver's version.
+        found: String,
+        /// The branch APEX supports.
+        expected: u32,
+    },
     /// The GPU lists no channel/compute/usermode class in APEX's tables, or the launch recipe is not verified on it.
     UnsupportedGpu(String),
     /// The direct path failed for another reason (the error is kept).
@@ -131,7 +140,9 @@ impl fmt::Display for FallbackReason {
 /// The backend chosen for a GPU and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Selection {
+    /// The backend that runs this GPU's work.
     pub backend: Backend,
+    /// What was asked for (`APEX_BACKEND` or [`Gpu::open_with`]).
     pub requested: BackendRequest,
     /// Set when the driver backend runs instead of the direct path.
     pub fallback: Option<FallbackReason>,
@@ -247,14 +258,19 @@ impl From<pushbuf::Error> for Error {
     }
 }
 
+/// The public API's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// What both backends report about the device.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceInfo {
+    /// The device's marketing name (`NVIDIA H200`).
     pub name: String,
+    /// Compute capability as major × 10 + minor (90 for Hopper).
     pub sm_version: u32,
+    /// Streaming multiprocessors on the device.
     pub sm_count: u32,
+    /// Video memory, bytes.
     pub memory_bytes: u64,
 }
 
@@ -277,7 +293,20 @@ enum GpuInner {
     Driver(Arc<driver::Context>),
 }
 
-/// An opened GPU.
+/// An opened GPU, on the backend chosen for it: the handle every buffer, module and queue is made from.
+///
+/// Dropping it closes the GPU once the objects made from it are dropped too (they hold it alive).
+///
+/// ```no_run
+/// # fn main() -> apex::Result<()> {
+/// let gpu = apex::Gpu::open(0)?;
+/// let info = gpu.info();
+/// println!("{} (sm_{}, {} SMs): {}", info.name, info.sm_version, info.sm_count, gpu.selection());
+/// let buffer = gpu.alloc(1 << 20)?;
+/// assert_eq!(buffer.size(), 1 << 20);
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug)]
 pub struct Gpu {
     inner: GpuInner,
@@ -296,6 +325,7 @@ impl Gpu {
         Gpu::open_with(index, BackendRequest::from_env()?)
     }
 
+    /// Opens GPU `index` with the backend `request` asks for, regardless of `APEX_BACKEND`.
     pub fn open_with(index: usize, request: BackendRequest) -> Result<Gpu> {
         let (core, selection) = choose(request, || {
             let core = GpuCore::open(index)?;
@@ -349,6 +379,7 @@ impl Gpu {
         })
     }
 
+    /// The backend this GPU's work runs on.
     pub fn backend(&self) -> Backend {
         self.selection.backend
     }
@@ -358,10 +389,12 @@ impl Gpu {
         &self.selection
     }
 
+    /// Name, compute capability, SM count and memory, as both backends report them.
     pub fn info(&self) -> &DeviceInfo {
         &self.info
     }
 
+    /// The limits every launch is checked against before it is submitted (grid, block, shared memory, ...).
     pub fn limits(&self) -> &Limits {
         &self.limits
     }
@@ -519,6 +552,7 @@ impl Buffer {
         }
     }
 
+    /// Bytes allocated.
     pub fn size(&self) -> u64 {
         self.size
     }
@@ -551,10 +585,12 @@ impl HostBuffer {
         }
     }
 
+    /// Bytes allocated.
     pub fn size(&self) -> u64 {
         self.size
     }
 
+    /// Copies `data` into the buffer at `offset` by the CPU (the memory is mapped); range-checked.
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
         match &*self.inner {
             HostInner::Direct(m) => Ok(m.write(offset, data)?),
@@ -562,6 +598,7 @@ impl HostBuffer {
         }
     }
 
+    /// Copies from the buffer at `offset` into `out` by the CPU; range-checked.
     pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<()> {
         match &*self.inner {
             HostInner::Direct(m) => Ok(m.read(offset, out)?),
@@ -570,17 +607,34 @@ impl HostBuffer {
     }
 }
 
-/// A loaded module.
+/// A loaded module: a cubin, fatbin, PTX or nvcc-built program, ready to hand out its kernels and globals.
+///
+/// Cloning is cheap (shared); the module's code stays loaded while a clone or a kernel of it lives.
+///
+/// ```no_run
+/// # fn main() -> apex::Result<()> {
+/// let gpu = apex::Gpu::open(0)?;
+/// let module = gpu.load_module_file("kernels/apex_test_kernels.sm_90.cubin")?;
+/// let kernel = module.kernel("vector_add")?; // mangled or demangled names
+/// println!("{:?} registers per thread", kernel.info().map(|k| k.registers));
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Clone, Debug)]
 pub enum Module {
+    /// Loaded by APEX onto the direct path.
     Direct(Arc<launch::Module>),
+    /// Loaded by libcuda; the parsed cubin, when APEX could read it, checks arguments before launching.
     Driver {
+        /// libcuda's module.
         module: Arc<driver::Module>,
+        /// The cubin APEX parsed from the same bytes, if it could.
         cubin: Option<Arc<launch::cubin::Cubin>>,
     },
 }
 
 impl Module {
+    /// The kernel `name` (the mangled symbol, or the demangled name with or without its parameter list).
     pub fn kernel(&self, name: &str) -> Result<Kernel> {
         match self {
             Module::Direct(m) => Ok(Kernel::Direct(m.kernel(name)?)),
@@ -700,9 +754,13 @@ impl Global {
 /// A kernel of a loaded module.
 #[derive(Clone, Debug)]
 pub enum Kernel {
+    /// A kernel of a direct-path module.
     Direct(launch::Kernel),
+    /// A kernel of a libcuda module, with its parameter table when the cubin could be read.
     Driver {
+        /// libcuda's function handle.
         func: driver::Function,
+        /// The kernel's parameters and resources from the cubin, when APEX could read it.
         info: Option<Arc<KernelInfo>>,
     },
 }
@@ -804,7 +862,24 @@ impl StreamWatch {
     }
 }
 
-/// Launches and copies in order on one GPU.
+/// Launches and copies in order on one GPU, like a CUDA stream; each returns a [`Fence`] or waits.
+///
+/// `Send` but not `Sync`: one thread at a time submits (one queue per thread).
+///
+/// ```no_run
+/// use apex::{Gpu, LaunchConfig};
+/// # fn main() -> apex::Result<()> {
+/// let gpu = Gpu::open(0)?;
+/// let empty = gpu.load_module_file("kernels/apex_test_kernels.sm_90.cubin")?.kernel("empty")?;
+/// let mut q = gpu.queue()?;
+/// for _ in 0..1000 {
+///     // SAFETY: the empty kernel touches no memory.
+///     unsafe { q.launch(&empty, &LaunchConfig::linear(1, 32), &[])? };
+/// }
+/// q.synchronize()?; // every launch above has completed
+/// # Ok(())
+/// # }
+/// ```
 pub struct Queue {
     inner: QueueInner,
     /// Chained launches made on the driver backend since the chain last ended.
@@ -861,6 +936,7 @@ impl fmt::Debug for Queue {
 }
 
 impl Queue {
+    /// The backend this queue submits to.
     pub fn backend(&self) -> Backend {
         match self.inner {
             QueueInner::Direct(_) => Backend::Direct,

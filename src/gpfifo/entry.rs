@@ -49,6 +49,7 @@ impl GpEntry {
         Ok(GpEntry(u64::from(e0) | (u64::from(e1) << 32)))
     }
 
+    /// The GPU address of the pushbuffer segment this entry points at.
     pub fn va(self) -> u64 {
         let e0 = self.0 as u32;
         let e1 = (self.0 >> 32) as u32;
@@ -56,6 +57,7 @@ impl GpEntry {
             | (u64::from(host::GP_ENTRY0_GET.unpack(e0)) << 2)
     }
 
+    /// The segment's length in 32-bit words.
     pub fn dwords(self) -> u64 {
         u64::from(host::GP_ENTRY1_LENGTH.unpack((self.0 >> 32) as u32))
     }

@@ -41,4 +41,5 @@ pub enum Error {
     InvalidConfig(String),
 }
 
+/// The channel layer's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -64,10 +64,12 @@ impl PushSpace {
         })
     }
 
+    /// The GPU address of the pushbuffer memory.
     pub fn va(&self) -> u64 {
         self.mem.va()
     }
 
+    /// How many 32-bit words the pushbuffer holds.
     pub fn capacity_words(&self) -> usize {
         self.len
     }

@@ -1,3 +1,6 @@
+// Issue 14: public items here still lack docs; document them and drop this allow.
+#![allow(missing_docs)]
+
 /// GPFIFO ring bookkeeping: `put` is the next entry the CPU writes, `get` the next the GPU fetches (last read
 /// from USERD). One slot stays empty so that `put == get` always means empty.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -16,6 +16,9 @@
 //! `HOPPER_COMPUTE_A`) and `METHODS`, a [`MethodDesc`] table for decoders. Each QMD module has
 //! `SIZE_BYTES` and `FIELDS`.
 
+// Issue 14: public items here still lack docs; document them and drop this allow.
+#![allow(missing_docs)]
+
 include!(concat!(env!("OUT_DIR"), "/classes.rs"));
 
 /// Inclusive bit range. For method fields: bits within the 32-bit data word. For QMD fields: absolute

@@ -245,6 +245,7 @@ pub struct ConstBank {
 /// What a launcher needs to know about one kernel.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KernelInfo {
+    /// The kernel's symbol: the mangled name for C++ kernels.
     pub name: String,
     /// Offset of `.text.<name>` inside the image: the program entry is `base_va + code_offset`.
     pub code_offset: u64,
@@ -326,6 +327,7 @@ impl GlobalSymbol {
 /// One section of the loadable image.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ImageSection {
+    /// The ELF section's name (`.text.<kernel>`, `.nv.constant0.<kernel>`, ...).
     pub name: String,
     /// Offset inside the image.
     pub image_offset: u64,

@@ -146,4 +146,5 @@ impl From<crate::gpfifo::Error> for Error {
     }
 }
 
+/// The launch layer's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

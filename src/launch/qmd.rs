@@ -4,6 +4,9 @@
 //! V03 is the Ampere/Ada layout, V04 Hopper's, V05 Blackwell's. Hopper silently drops a V03 QMD (see
 //! research/hopper-launch.md), so the version must follow the compute class.
 
+// Issue 14: public items here still lack docs; document them and drop this allow.
+#![allow(missing_docs)]
+
 use crate::hw::qmd::{v03, v04, v05};
 use crate::hw::{Field, FieldError};
 

@@ -27,11 +27,13 @@ pub enum HeaderKind {
 /// One method write recovered from a pushbuffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DecodedMethod {
+    /// The subchannel the header addresses (which bound class executes the method).
     pub subchannel: u8,
     /// Method byte offset.
     pub offset: u32,
     /// Data word (the header word itself for [`HeaderKind::EndSegment`]).
     pub value: u32,
+    /// The header form the write came from (incrementing, non-incrementing, immediate, ...).
     pub kind: HeaderKind,
     /// Header name without class prefix, e.g. `SEM_EXECUTE`, or `LOAD_INLINE_QMD_DATA(3)` for an
     /// element of an array method; `None` for an offset the subchannel's class does not define.

@@ -1,6 +1,9 @@
 //! Method encoding: headers per subchannel (incrementing, non-incrementing, immediate, increment-once) and
 //! typed methods of the host, compute and copy classes. Every offset and field comes from [`crate::hw`].
 
+// Issue 14: public items here still lack docs; document them and drop this allow.
+#![allow(missing_docs)]
+
 use crate::hw::compute::cbc0 as compute;
 use crate::hw::copy::c8b5 as copy;
 use crate::hw::host::{c56f, c86f as host};

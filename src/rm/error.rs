@@ -178,6 +178,7 @@ fn no_node_message(path: &str) -> String {
     }
 }
 
+/// The RM layer's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {

@@ -7,6 +7,7 @@ use super::sys::defs::STATUS_CODES;
 pub struct NvStatus(pub u32);
 
 impl NvStatus {
+    /// `NV_OK`: the call succeeded.
     pub const OK: NvStatus = NvStatus(0);
 
     /// The symbolic name, e.g. `NV_ERR_INVALID_ARGUMENT`.
@@ -25,6 +26,7 @@ impl NvStatus {
             .map(|(_, _, msg)| *msg)
     }
 
+    /// Whether this is `NV_OK`.
     pub fn is_ok(self) -> bool {
         self.0 == 0
     }

@@ -87,14 +87,17 @@ impl VaRegion {
         }
     }
 
+    /// The region's lowest address.
     pub fn base(&self) -> u64 {
         self.base
     }
 
+    /// The region's size in bytes.
     pub fn size(&self) -> u64 {
         self.size
     }
 
+    /// Whether `[va, va + len)` lies inside the region.
     pub fn contains(&self, va: u64, len: u64) -> bool {
         va >= self.base
             && va

@@ -1,6 +1,9 @@
 //! QMD checks as Hopper's compute front end applies them. Split in two: [`check_fields`] looks only at the QMD's
 //! own words (pure, unit-tested), [`check_environment`] at what it points to (memory, cbank0, channel state).
 
+// Issue 14: public items here still lack docs; document them and drop this allow.
+#![allow(missing_docs)]
+
 use crate::hw::qmd::v04;
 use crate::launch::cbank::{CLUSTER_WORDS, CLUSTER_WORDS_START, DRIVER_BYTES, INITIAL_STACK};
 use crate::launch::qmd::{shared_carveouts_kib, sm_config};
