@@ -4,7 +4,7 @@
 
 /// Driver words before the parameters on sm_90.
 pub const DRIVER_BYTES: usize = 0x210;
-/// The initial stack pointer every sm_90 kernel loads from c[0x0][0x28].
+/// The initial stack pointer every sm_90 kernel loads from `c[0x0][0x28]`.
 pub const INITIAL_STACK: u32 = 0x00ff_fdc0;
 
 const BLOCK_DIM: usize = 0x0;

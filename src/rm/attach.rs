@@ -70,15 +70,20 @@ pub const COMPUTE_OBJECT_CLASSES: &[u32] = &[0xcec0, 0xcdc0, 0xcbc0, 0xc9c0, 0xc
 /// One object of a client: its handle, its parent and its class number.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RmObject {
+    /// The object's handle in its client.
     pub handle: Handle,
+    /// Its parent's handle (the client's for top-level objects).
     pub parent: Handle,
+    /// Its class number (`NV01_DEVICE_0`, `KEPLER_CHANNEL_GROUP_A`, ...).
     pub class: u32,
 }
 
 /// The objects of a CUDA context that an attached APEX channel uses, as handles in CUDA's client.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ContextObjects {
+    /// CUDA's device object.
     pub device: Handle,
+    /// CUDA's subdevice object under it.
     pub subdevice: Handle,
     /// The channel group whose channels carry a compute object: the one CUDA's kernels run in.
     pub compute_group: Handle,
@@ -121,6 +126,7 @@ pub fn pick_context_objects(
 /// CUDA's RM client in this process, reachable through a duplicate of the descriptor it is bound to.
 #[derive(Debug)]
 pub struct ForeignClient {
+    /// The client's root handle.
     pub handle: Handle,
     ctl: OwnedFd,
 }

@@ -17,7 +17,9 @@ mod va;
 
 pub use client::{Client, Handle, Object, live_objects};
 pub use error::{Error, Result};
-pub use gpu::{GpuCore, GpuInfo, HEADERS_BRANCH, USERMODE_CLASSES, USERMODE_SIZE, format_uuid};
+pub use gpu::{
+    Attachment, GpuCore, GpuInfo, HEADERS_BRANCH, USERMODE_CLASSES, USERMODE_SIZE, format_uuid,
+};
 pub use memory::{CpuMapping, Memory, MemoryDesc, Placement};
 pub use status::NvStatus;
 pub use va::VaRegion;
