@@ -24,6 +24,9 @@ pub struct ChannelConfig {
     /// Bind the compute class (subchannel 1) and the copy class (subchannel 4) to the channel.
     pub compute: bool,
     pub copy: bool,
+    /// Build a copy-only channel on this logical copy engine (LCE index) instead of one on the graphics engine,
+    /// whose copy engine (the GRCE) is shared with compute and slower. Needs `compute: false, copy: true`.
+    pub copy_engine: Option<u32>,
 }
 
 impl Default for ChannelConfig {
@@ -33,6 +36,19 @@ impl Default for ChannelConfig {
             ring_placement: Placement::Video,
             compute: true,
             copy: true,
+            copy_engine: None,
+        }
+    }
+}
+
+impl ChannelConfig {
+    /// A copy-only channel on logical copy engine `lce`.
+    pub fn copy_engine(lce: u32) -> ChannelConfig {
+        ChannelConfig {
+            compute: false,
+            copy: true,
+            copy_engine: Some(lce),
+            ..ChannelConfig::default()
         }
     }
 }
@@ -167,6 +183,7 @@ impl ChannelObjects {
         classes: ChannelClasses,
         mem: &ChannelMemory<'_>,
         debugger: bool,
+        engine_type: u32,
     ) -> Result<ChannelObjects> {
         let client = core.client();
         let mut cs = sys::NV_CTXSHARE_ALLOCATION_PARAMETERS {
@@ -187,6 +204,12 @@ impl ChannelObjects {
             gpFifoOffset: mem.ring.va(),
             gpFifoEntries: mem.entries,
             hContextShare: ctxshare.handle(),
+            // Left 0 on graphics channels, as before; a copy channel names its engine as its group does.
+            engineType: if engine_type == sys::NV2080_ENGINE_TYPE_GRAPHICS {
+                0
+            } else {
+                engine_type
+            },
             ..Default::default()
         };
         cp.hUserdMemory[0] = mem.ring.handle();
@@ -315,6 +338,28 @@ impl Channel {
                     config.entries
                 ))
             })?;
+        let engine_type = match config.copy_engine {
+            None => sys::NV2080_ENGINE_TYPE_GRAPHICS,
+            Some(lce)
+                if lce < sys::NV2080_ENGINE_TYPE_COPY_SIZE && !config.compute && config.copy =>
+            {
+                sys::NV2080_ENGINE_TYPE_COPY0 + lce
+            }
+            Some(lce) => {
+                return Err(Error::InvalidConfig(format!(
+                    "a channel on copy engine {lce}: needs an LCE index below {} and a copy-only channel \
+                     (compute: false, copy: true)",
+                    sys::NV2080_ENGINE_TYPE_COPY_SIZE
+                )));
+            }
+        };
+        if engine_type != sys::NV2080_ENGINE_TYPE_GRAPHICS && core.attachment().is_some() {
+            return Err(Error::InvalidConfig(
+                "copy-engine channels are not built on a GPU attached to a CUDA context (its channel group runs \
+                 on the graphics engine); use the queue's own copies"
+                    .into(),
+            ));
+        }
         let gpfifo = core.pick_class("GPFIFO channel", GPFIFO_CLASSES)?;
         let compute_class = if config.compute {
             Some(core.pick_class("compute", COMPUTE_CLASSES)?)
@@ -364,7 +409,7 @@ impl Channel {
         let objects = match core.attachment() {
             None => {
                 let mut gp = sys::NV_CHANNEL_GROUP_ALLOCATION_PARAMETERS {
-                    engineType: sys::NV2080_ENGINE_TYPE_GRAPHICS,
+                    engineType: engine_type,
                     ..Default::default()
                 };
                 let tsg = Arc::new(Object::alloc(
@@ -374,7 +419,15 @@ impl Channel {
                     Some(&mut gp),
                     "KEPLER_CHANNEL_GROUP_A",
                 )?);
-                let o = ChannelObjects::build(core, &tsg, core.vaspace(), classes, &mem, true)?;
+                let o = ChannelObjects::build(
+                    core,
+                    &tsg,
+                    core.vaspace(),
+                    classes,
+                    &mem,
+                    true,
+                    engine_type,
+                )?;
                 let mut sched = sys::NVA06C_CTRL_GPFIFO_SCHEDULE_PARAMS {
                     bEnable: 1,
                     ..Default::default()
@@ -392,7 +445,15 @@ impl Channel {
                 let mut last = None;
                 let mut built = None;
                 for vas in &att.vaspaces {
-                    match ChannelObjects::build(core, &att.group, vas, classes, &mem, false) {
+                    match ChannelObjects::build(
+                        core,
+                        &att.group,
+                        vas,
+                        classes,
+                        &mem,
+                        false,
+                        engine_type,
+                    ) {
                         Ok(o) => {
                             built = Some(o);
                             break;

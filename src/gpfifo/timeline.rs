@@ -29,6 +29,11 @@ impl Semaphores {
         Ok(Arc::new(Semaphores { mem }))
     }
 
+    /// The memory behind the semaphores (to map it on another GPU that waits on them).
+    pub fn memory(&self) -> &Memory {
+        &self.mem
+    }
+
     pub fn slots(&self) -> usize {
         (Self::SIZE / Self::STRIDE) as usize
     }

@@ -1,6 +1,7 @@
 //! Cubins, modules, QMDs and kernel launches on our own channel, rung by doorbell.
 
 pub mod cbank;
+mod copies;
 pub mod cubin;
 pub mod fatbin;
 pub mod image;
@@ -13,6 +14,7 @@ pub mod qmd;
 mod queue;
 pub mod select;
 
+pub use copies::{CopyEngines, MAX_COPY_ENGINES};
 pub use module::{Global, Kernel, Module};
 pub use params::{Arg, ParamError};
 pub use queue::{

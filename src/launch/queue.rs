@@ -547,6 +547,48 @@ impl ComputeQueue {
         })?)
     }
 
+    /// Makes this queue's later work wait, on the GPU, for `fence` of another queue, on this GPU or another one
+    /// of its peer domain (whose semaphore page is then mapped on this GPU, once): no CPU in between.
+    pub fn wait_fence(&mut self, fence: &Fence) -> Result<Fence> {
+        let sems = fence.timeline().semaphores();
+        if !sems.memory().is_mapped_on(&self.gpu) {
+            sems.memory().map_on(&self.gpu)?;
+        }
+        self.wait_value(fence.timeline().va(), fence.value())
+    }
+
+    /// Copies `bytes` from `src` to `dst` on the copy engines of `engines` (split across them), after every
+    /// earlier launch and copy of this queue; later ones run after it. Both ranges must be mapped on this GPU
+    /// (a peer's memory included): the way to fill an NVLink with one copy.
+    pub fn copy_on(
+        &mut self,
+        engines: &mut super::CopyEngines,
+        src: u64,
+        dst: u64,
+        bytes: u64,
+    ) -> Result<Fence> {
+        if !Arc::ptr_eq(engines.gpu(), &self.gpu) {
+            return Err(Error::Unsupported(
+                "copy engines of another GPU than the queue's".into(),
+            ));
+        }
+        self.end_open_chain()?;
+        if self.unordered_pending {
+            self.join()?;
+        }
+        let prev = self.queue.last_submitted();
+        let after =
+            (!self.queue.timeline().is_reached(prev)).then(|| (self.queue.timeline().va(), prev));
+        let parts = engines.copy(src, dst, bytes, after)?;
+        Ok(self
+            .queue
+            .submit(8 * parts.len() + 8, Signal::Host, |p, _| {
+                for &(va, value) in parts {
+                    p.sem_acquire(va, value, Acquire::CircularGeq, true, false);
+                }
+            })?)
+    }
+
     /// Copies `bytes` of device memory from `src` to `dst` with a copy kernel on the SMs, ordered like a launch:
     /// the copy engine moves device-to-device data at about 90 GB/s on the H200, the SMs at the HBM's bandwidth.
     ///

@@ -79,6 +79,12 @@ impl Fence {
         self.timeline.is_reached(self.value)
     }
 
+    /// The timeline this fence is a value of: another channel waits for the fence by acquiring
+    /// `timeline().va()` at [`value`](Self::value).
+    pub fn timeline(&self) -> &Timeline {
+        &self.timeline
+    }
+
     /// Waits until done, failing with a timeout or the channel's fault.
     pub fn wait(&self, timeout: Duration) -> Result<()> {
         let (t, v) = (&self.timeline, self.value);

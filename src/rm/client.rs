@@ -118,6 +118,26 @@ impl Client {
         })
     }
 
+    /// A root client on `ctl` that shares the UVM VA space behind `uvm` (a duplicate of another APEX client's
+    /// descriptor): GPUs of one peer domain register in one VA space, so they can map each other's memory.
+    pub(crate) fn sharing_uvm(ctl: OwnedFd, uvm: OwnedFd) -> Result<Client> {
+        let raw = uvm.as_raw_fd();
+        let mut client = Client::with_foreign_uvm(ctl, uvm)?;
+        if let Backend::Device { own_uvm, .. } = &mut client.backend {
+            *own_uvm = true;
+        }
+        own_uvm_fds(|fds| fds.push(raw));
+        Ok(client)
+    }
+
+    /// The UVM descriptor RM-level UVM calls go to (none for a simulated client).
+    pub(crate) fn uvm_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        match &self.backend {
+            Backend::Device { uvm, .. } => Some(uvm.as_fd()),
+            Backend::Simulated(_) => None,
+        }
+    }
+
     /// A client of the simulated RM: no file descriptors, RM calls answered in process.
     pub(crate) fn simulated(sim: Arc<SimShared>) -> Client {
         let handle = sim.alloc_root();

@@ -150,6 +150,29 @@ pub enum Error {
         /// The allocation's size.
         size: u64,
     },
+    /// Two GPUs have no peer path (no NVLink, no PCIe peer-to-peer).
+    #[error(
+        "{from} cannot reach the memory of {to}: {why}; copy through host memory instead (or check the GPUs' \
+         topology with `nvidia-smi topo -m`)"
+    )]
+    NoPeerPath {
+        /// The GPU that would access.
+        from: String,
+        /// The GPU whose memory it would access.
+        to: String,
+        /// Why, from RM's peer capability status.
+        why: String,
+    },
+    /// Two GPUs do not share an address space, so neither can map the other's memory.
+    #[error("{a} and {b} cannot map each other's memory: {why}")]
+    NotPeers {
+        /// One GPU.
+        a: String,
+        /// The other.
+        b: String,
+        /// Why they do not share an address space.
+        why: &'static str,
+    },
     /// The simulator was asked for something only real hardware has.
     #[error("{what} does not exist on a simulated GPU; this needs a real NVIDIA GPU")]
     Simulated {

@@ -72,6 +72,10 @@ pub struct GpuCore {
     pub(crate) windows: std::sync::OnceLock<u64>,
     /// For a GPU attached to a CUDA context: CUDA's channel group and VA spaces, duplicated into our client.
     pub(crate) attachment: Option<Attachment>,
+    /// RM's id of this GPU (what NV0000 controls name it by).
+    pub(crate) gpu_id: u32,
+    /// The peer domain (UVM VA space shared with other GPUs) this GPU is in; 0 for none.
+    pub(crate) domain: u64,
 }
 
 /// A CUDA context's channel group and VA spaces, duplicated into APEX's client: channels built on an attached
@@ -109,9 +113,18 @@ impl GpuCore {
             count: cards.len(),
         })?;
         let dev_fd = open_gpu_node(&ctl, card.minor_number)?;
-        let uvm = open_node("/dev/nvidia-uvm")?;
-        let uvm_mm = open_node("/dev/nvidia-uvm")?;
-        let client = Arc::new(Client::new(ctl, uvm, uvm_mm)?);
+        // Held for the whole open: two threads must not both register this GPU in the shared domain.
+        let mut domains = super::peer::domains();
+        let choice = domains.choose(card.gpu_id)?;
+        let domain = choice.id();
+        let client = Arc::new(match choice {
+            super::peer::DomainChoice::Join(_, uvm) => Client::sharing_uvm(ctl, uvm)?,
+            _ => {
+                let uvm = open_node("/dev/nvidia-uvm")?;
+                let uvm_mm = open_node("/dev/nvidia-uvm")?;
+                Client::new(ctl, uvm, uvm_mm)?
+            }
+        });
 
         let mut id = sys::NV0000_CTRL_GPU_GET_ID_INFO_V2_PARAMS {
             gpuId: card.gpu_id,
@@ -185,6 +198,8 @@ impl GpuCore {
             usermode: None,
             windows: std::sync::OnceLock::new(),
             attachment: None,
+            gpu_id: card.gpu_id,
+            domain,
         };
         let usermode_class = core.pick_class("usermode", USERMODE_CLASSES)?;
         let usermode = Object::alloc::<()>(
@@ -196,7 +211,8 @@ impl GpuCore {
         )?;
         let map = CpuMapping::map_object(&core, &usermode, USERMODE_SIZE, 0, None)?;
         core.usermode = Some((map, usermode));
-        debug!(classes = core.classes.len(), "GPU core ready");
+        debug!(classes = core.classes.len(), domain, "GPU core ready");
+        domains.admit(domain, card.gpu_id, &core.client);
         Ok(Arc::new(core))
     }
 
@@ -338,6 +354,8 @@ impl GpuCore {
                 vaspaces,
                 cuda_client: cuda.handle,
             }),
+            gpu_id: card.gpu_id,
+            domain: 0,
         };
         let usermode_class = core.pick_class("usermode", USERMODE_CLASSES)?;
         let usermode = Object::alloc::<()>(

@@ -188,6 +188,8 @@ pub struct Memory {
     cpu: Option<NonNull<u8>>,
     /// Backed by anonymous memory registered with the simulated RM (simulated GPUs only).
     sim_mapped: bool,
+    /// Other GPUs this memory is mapped on ([`Memory::map_on`]), by RM GPU id.
+    peers: std::sync::Mutex<Vec<(u32, std::sync::Weak<GpuCore>)>>,
 }
 
 // SAFETY: the CPU pointer is only dereferenced through bounds-checked methods copying plain bytes; the RM
@@ -239,6 +241,7 @@ impl Memory {
             desc,
             cpu: None,
             sim_mapped: false,
+            peers: std::sync::Mutex::new(Vec::new()),
         };
 
         if let Some(sim) = core.client.sim() {
@@ -302,6 +305,68 @@ impl Memory {
         }
         debug!(va = format_args!("{va:#x}"), size = format_args!("{size:#x}"), ?desc.placement, cpu = desc.cpu_mapped, "allocated");
         Ok(mem)
+    }
+
+    /// Maps this memory into `gpu`'s address space at the same address, so that `gpu`'s kernels and copy
+    /// engines reach it (video memory over the peer link, system memory over the GPU's own bus). Both GPUs
+    /// must be in one peer domain (see [`GpuCore::enable_peer`]); mapping twice is a no-op; the mapping lasts
+    /// as long as the memory.
+    pub fn map_on(&self, gpu: &Arc<GpuCore>) -> Result<()> {
+        if Arc::ptr_eq(&self.core, gpu) {
+            return Ok(());
+        }
+        gpu.check_same_domain(&self.core)?;
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        if peers.iter().any(|(id, _)| *id == gpu.gpu_id) {
+            return Ok(());
+        }
+        if self.desc.placement == Placement::Video {
+            gpu.enable_peer(&self.core)?;
+        }
+        if let Some(sim) = gpu.client.sim() {
+            // The peer's simulated front end reaches the range through its own registry.
+            sim.map_peer_range(self.va, self.size);
+        } else {
+            let mut mp = Box::new(sys::UVM_MAP_EXTERNAL_ALLOCATION_PARAMS {
+                base: self.va,
+                length: self.size,
+                gpuAttributesCount: 1,
+                rmCtrlFd: self.core.client.ctl_raw_fd(),
+                hClient: self.core.client.handle(),
+                hMemory: self.handle(),
+                ..Default::default()
+            });
+            mp.perGpuAttributes[0].gpuUuid = gpu.uuid();
+            mp.perGpuAttributes[0].gpuMappingType = UVM_MAPPING_DEFAULT;
+            if self.desc.placement != Placement::Video {
+                // The peer polls semaphores here that the owner's front end releases: read memory, not a line the
+                // peer's L2 kept.
+                mp.perGpuAttributes[0].gpuCachingType = UVM_CACHING_FORCE_UNCACHED;
+            }
+            self.core.client.uvm_call(
+                sys::UVM_MAP_EXTERNAL_ALLOCATION,
+                &mut *mp,
+                "UVM_MAP_EXTERNAL_ALLOCATION (peer)",
+                |p| p.rmStatus,
+            )?;
+        }
+        debug!(va = format_args!("{:#x}", self.va), size = format_args!("{:#x}", self.size),
+            owner = %self.core.info.uuid, peer = %gpu.info.uuid, "mapped on a peer GPU");
+        peers.push((gpu.gpu_id, Arc::downgrade(gpu)));
+        Ok(())
+    }
+
+    /// Whether `gpu` can address this memory: it is the owner's, or the memory is mapped on it.
+    pub fn is_mapped_on(&self, gpu: &GpuCore) -> bool {
+        std::ptr::eq(&*self.core, gpu)
+            || (gpu.domain != 0
+                && gpu.domain == self.core.domain
+                && self
+                    .peers
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .iter()
+                    .any(|(id, _)| *id == gpu.gpu_id))
     }
 
     /// GPU virtual address (and CPU address, when CPU-mapped).
@@ -452,6 +517,12 @@ impl Memory {
     }
 
     fn free_range(&mut self) {
+        let peers = std::mem::take(self.peers.get_mut().unwrap_or_else(|p| p.into_inner()));
+        for (_, peer) in peers {
+            if let Some(sim) = peer.upgrade().as_ref().and_then(|g| g.client.sim()) {
+                sim.unmap_memory(self.va);
+            }
+        }
         if let Some(sim) = self.core.client.sim() {
             // Unregistered first: once this returns the simulated front end can no longer touch the range.
             sim.unmap_memory(self.va);
@@ -494,8 +565,12 @@ impl Drop for Memory {
     }
 }
 
-/// UvmGpuMappingTypeReadWriteAtomic (uvm_types.h).
+/// UvmGpuMappingTypeReadWriteAtomic (nv_uvm_user_types.h).
 const UVM_MAPPING_READ_WRITE_ATOMIC: u32 = 1;
+/// UvmGpuMappingTypeDefault: read-write, atomic where the link allows.
+const UVM_MAPPING_DEFAULT: u32 = 0;
+/// UvmGpuCachingTypeForceUncached.
+const UVM_CACHING_FORCE_UNCACHED: u32 = 1;
 
 fn alloc_params(
     desc: &MemoryDesc,

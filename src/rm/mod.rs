@@ -8,6 +8,7 @@ mod error;
 mod gpu;
 mod ioctl;
 mod memory;
+mod peer;
 pub mod sim;
 mod status;
 // Generated bindings (bindgen, build/rmdefs.rs): NVIDIA's names, documented by NVIDIA's headers.
@@ -21,5 +22,6 @@ pub use gpu::{
     Attachment, GpuCore, GpuInfo, HEADERS_BRANCH, USERMODE_CLASSES, USERMODE_SIZE, format_uuid,
 };
 pub use memory::{CpuMapping, Memory, MemoryDesc, Placement};
+pub use peer::{PeerCaps, PeerLink};
 pub use status::NvStatus;
 pub use va::VaRegion;

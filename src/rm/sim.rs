@@ -137,6 +137,8 @@ pub(crate) struct SimShared {
     classes: Vec<u32>,
     usermode: NonNull<u8>,
     start: Instant,
+    /// Distinguishes the simulated GPUs of one process.
+    id: u64,
 }
 
 // SAFETY: `usermode` is an anonymous mapping owned by this struct; it is only accessed through atomics.
@@ -173,8 +175,10 @@ unsafe fn params<'a, T>(ptr: *mut u8, size: usize) -> std::result::Result<&'a mu
     Ok(unsafe { &mut *ptr.cast::<T>() })
 }
 
+static NEXT_SIM_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 impl SimShared {
-    fn new(config: SimConfig) -> Result<SimShared> {
+    pub(crate) fn new(config: SimConfig) -> Result<SimShared> {
         // SAFETY: a fresh anonymous mapping at a kernel-chosen address.
         let page = unsafe {
             mmap_anonymous(
@@ -216,7 +220,13 @@ impl SimShared {
             classes,
             usermode,
             start: Instant::now(),
+            id: NEXT_SIM_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
+    }
+
+    /// Which simulated GPU of the process this is.
+    pub(crate) fn id(&self) -> u64 {
+        self.id
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -437,6 +447,13 @@ impl SimShared {
         Ok(())
     }
 
+    /// Lets this simulated GPU's front end reach `[va, va + size)`, memory another simulated GPU of the process
+    /// allocated (a peer mapping: the bytes stay the owner's).
+    pub(crate) fn map_peer_range(&self, va: u64, size: u64) {
+        // Handle 0 is never an object of this RM: the range is not this GPU's to free.
+        self.lock().allocations.insert(va, (size, 0));
+    }
+
     /// Forgets the allocation at `va`; after this returns the front end cannot reach it.
     pub(crate) fn unmap_memory(&self, va: u64) {
         let mut st = self.lock();
@@ -535,6 +552,9 @@ impl GpuCore {
             usermode: None,
             windows: std::sync::OnceLock::new(),
             attachment: None,
+            // Distinct per simulated GPU (RM's ids are small numbers; these cannot collide with them).
+            gpu_id: 0x5100_0000 | (shared.id() as u32 & 0xff_ffff),
+            domain: super::peer::SIMULATED_DOMAIN,
         };
         core.pick_class("usermode", USERMODE_CLASSES)?;
         info!(gpu = %core.info.name, sms = core.info.sm_count, "opened simulated GPU");

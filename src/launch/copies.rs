@@ -1,0 +1,201 @@
+//! Copy-only channels on the GPU's logical copy engines (LCEs), for bulk copies: peer copies over NVLink
+//! above all, where one engine does not fill the link. A copy is split across the engines; each engine's
+//! channel first waits (on the GPU) for the work its caller ordered before the copy, and the caller's queue
+//! then waits for every engine's release, so copies keep queue order without the CPU in between.
+
+use std::sync::Arc;
+
+use tracing::debug;
+
+use crate::gpfifo::ChannelConfig;
+use crate::pushbuf::{Acquire, Queue, QueueConfig, Release, Signal};
+use crate::rm::GpuCore;
+
+use super::{Error, Result};
+
+/// Where, in each copy channel's semaphore page, the copy engine releases its 32-bit completion value.
+const COPY_SEMAPHORE_SLOT: usize = 1;
+
+/// Below this, a copy goes to one engine: splitting costs a submission per engine and gains nothing.
+const SPLIT_MIN_BYTES: u64 = 8 << 20;
+
+/// Parts of a split copy start on this alignment (the engines read and write whole 64 KiB big pages).
+const PART_ALIGN: u64 = 64 << 10;
+
+/// The most engines one copy is split across (a Hopper has at most 10 LCEs usable for copies).
+pub const MAX_COPY_ENGINES: usize = 16;
+
+/// A set of copy-only channels, one per logical copy engine.
+#[derive(Debug)]
+pub struct CopyEngines {
+    gpu: Arc<GpuCore>,
+    engines: Vec<(u32, Queue)>,
+    /// The (semaphore address, value) each engine releases for the last copy, for the caller to wait on.
+    pending: [(u64, u64); MAX_COPY_ENGINES],
+    pending_len: usize,
+    /// Round-robin start for copies that go to one engine.
+    next: usize,
+}
+
+impl CopyEngines {
+    /// One copy channel on each LCE of `lces` (bit `n` set: LCE `n`). Engines RM refuses (absent, or
+    /// reserved) are left out; an error only when none of them can be used.
+    pub fn new(gpu: &Arc<GpuCore>, lces: u64) -> Result<CopyEngines> {
+        let mut engines = Vec::new();
+        let mut last = None;
+        for lce in (0..64u32).filter(|n| lces & (1 << n) != 0) {
+            if engines.len() == MAX_COPY_ENGINES {
+                break;
+            }
+            let config = QueueConfig {
+                channel: ChannelConfig {
+                    entries: 256,
+                    ..ChannelConfig::copy_engine(lce)
+                },
+                push_bytes: 256 << 10,
+                ..QueueConfig::default()
+            };
+            match Queue::new(gpu, config) {
+                Ok(q) => engines.push((lce, q)),
+                Err(e) => {
+                    debug!(lce, error = %e, "copy engine not usable");
+                    last = Some(e);
+                }
+            }
+        }
+        if engines.is_empty() {
+            return Err(match last {
+                Some(e) => e.into(),
+                None => {
+                    Error::Unsupported(format!("copy engines from an empty LCE mask ({lces:#x})"))
+                }
+            });
+        }
+        debug!(lces = ?engines.iter().map(|(l, _)| *l).collect::<Vec<_>>(), "copy engines ready");
+        Ok(CopyEngines {
+            gpu: gpu.clone(),
+            engines,
+            pending: [(0, 0); MAX_COPY_ENGINES],
+            pending_len: 0,
+            next: 0,
+        })
+    }
+
+    /// The GPU the engines belong to.
+    pub fn gpu(&self) -> &Arc<GpuCore> {
+        &self.gpu
+    }
+
+    /// The LCE indices in use.
+    pub fn lces(&self) -> impl Iterator<Item = u32> + '_ {
+        self.engines.iter().map(|(l, _)| *l)
+    }
+
+    /// How the copy of `bytes` is split: `(engine, offset, length)` for each part, in engine order.
+    pub(crate) fn split(
+        bytes: u64,
+        engines: usize,
+        first: usize,
+    ) -> impl Iterator<Item = (usize, u64, u64)> {
+        let n = if bytes < SPLIT_MIN_BYTES {
+            1
+        } else {
+            engines.max(1) as u64
+        };
+        let part = bytes.div_ceil(n).next_multiple_of(PART_ALIGN);
+        (0..n).filter_map(move |i| {
+            let off = i * part;
+            (off < bytes).then(|| {
+                let engine = (first + i as usize) % engines.max(1);
+                (engine, off, part.min(bytes - off))
+            })
+        })
+    }
+
+    /// Copies `bytes` from `src` to `dst` (GPU addresses mapped on this GPU), split across the engines, each
+    /// starting once the 64-bit semaphore `after.0` has reached `after.1` (when given). Returns the
+    /// `(address, value)` pairs the engines release when their parts are done, for the caller to wait on.
+    pub fn copy(
+        &mut self,
+        src: u64,
+        dst: u64,
+        bytes: u64,
+        after: Option<(u64, u64)>,
+    ) -> Result<&[(u64, u64)]> {
+        if bytes == 0 {
+            return Err(Error::InvalidLaunch {
+                kernel: "copy".into(),
+                why: "a copy of 0 bytes".into(),
+            });
+        }
+        let first = self.next;
+        self.next = (self.next + 1) % self.engines.len();
+        self.pending_len = 0;
+        for (engine, off, len) in Self::split(bytes, self.engines.len(), first) {
+            let q = &mut self.engines[engine].1;
+            let copy_sem = q.channel().semaphores().va(COPY_SEMAPHORE_SLOT);
+            let timeline = q.timeline().va();
+            let chunks = len.div_ceil(crate::pushbuf::Push::MAX_COPY_CHUNK) as usize;
+            let fence = q.submit(chunks * 12 + 40, Signal::Recorded, |p, v| {
+                if let Some((va, value)) = after {
+                    p.sem_acquire(va, value, Acquire::CircularGeq, true, false);
+                }
+                p.copy_linear(src + off, dst + off, len, Some((copy_sem, v as u32)));
+                // The engine signals 32 bits; the channel's host turns that into its 64-bit timeline value.
+                p.sem_acquire(
+                    copy_sem,
+                    u64::from(v as u32),
+                    Acquire::CircularGeq,
+                    false,
+                    false,
+                );
+                p.sem_release(
+                    timeline,
+                    v,
+                    Release {
+                        wfi: false,
+                        wide: true,
+                        timestamp: false,
+                    },
+                );
+            })?;
+            self.pending[self.pending_len] = (timeline, fence.value());
+            self.pending_len += 1;
+        }
+        Ok(&self.pending[..self.pending_len])
+    }
+
+    /// Waits (on the CPU) until every engine is idle.
+    pub fn synchronize(&self) -> Result<()> {
+        for (_, q) in &self.engines {
+            q.wait_idle(q.timeout())?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CopyEngines;
+
+    #[test]
+    fn small_copies_take_one_engine_in_turn_and_large_ones_split_aligned() {
+        let one: Vec<_> = CopyEngines::split(4096, 4, 2).collect();
+        assert_eq!(one, vec![(2, 0, 4096)]);
+        let parts: Vec<_> = CopyEngines::split(256 << 20, 4, 1).collect();
+        assert_eq!(parts.len(), 4);
+        assert_eq!(parts[0], (1, 0, 64 << 20));
+        assert_eq!(parts[3], (0, 192 << 20, 64 << 20));
+        // Uneven: parts are 64 KiB aligned and cover the copy exactly once.
+        let bytes = (100 << 20) + 12345;
+        let parts: Vec<_> = CopyEngines::split(bytes, 3, 0).collect();
+        let mut at = 0;
+        for (i, &(e, off, len)) in parts.iter().enumerate() {
+            assert_eq!(e, i % 3);
+            assert_eq!(off, at);
+            assert_eq!(off % (64 << 10), 0);
+            at += len;
+        }
+        assert_eq!(at, bytes);
+    }
+}

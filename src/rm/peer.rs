@@ -1,0 +1,402 @@
+//! Several GPUs in one process: peer domains, peer links and peer mappings.
+//!
+//! A buffer of one GPU can be reached by another only at an address both agree on. APEX gives every buffer a
+//! GPU address equal to its CPU address inside a UVM VA space, so the GPUs that share one UVM VA space can
+//! map each other's buffers at the same address. The first open of each GPU in the process joins one shared
+//! UVM VA space, the process's *peer domain*; a second open of a GPU that is already in the domain gets a VA
+//! space of its own (UVM registers a GPU once per VA space), so it works alone and cannot map peers.
+//!
+//! NVLink peers are enabled by UVM as soon as both GPUs are registered in the VA space; PCIe peers need
+//! `UVM_ENABLE_PEER_ACCESS`, done here on first use. Peer mappings are UVM external mappings of the owner's
+//! RM memory on the peer GPU, at the same address (`UVM_MAP_EXTERNAL_ALLOCATION`); they go away with the
+//! allocation.
+
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use tracing::debug;
+
+use super::client::Client;
+use super::gpu::GpuCore;
+use super::{Error, Result, sys};
+
+/// Which UVM VA space a GPU opened by [`GpuCore::open`] joins.
+#[derive(Debug)]
+pub(crate) enum DomainChoice {
+    /// The first GPU of a new shared domain: a new UVM VA space.
+    NewShared(u64),
+    /// The shared domain `0`, through a duplicate of a member's UVM descriptor.
+    Join(u64, OwnedFd),
+    /// The GPU is already in the shared domain: a private UVM VA space.
+    Private(u64),
+}
+
+impl DomainChoice {
+    /// The domain id.
+    pub(crate) fn id(&self) -> u64 {
+        match self {
+            DomainChoice::NewShared(d) | DomainChoice::Join(d, _) | DomainChoice::Private(d) => *d,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Domains {
+    next: u64,
+    shared: Option<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    id: u64,
+    /// RM GPU id of each member, with the client whose UVM descriptor it uses.
+    members: Vec<(u32, Weak<Client>)>,
+    /// PCIe peer pairs enabled with UVM_ENABLE_PEER_ACCESS (RM GPU ids, smaller first).
+    pcie_enabled: Vec<(u32, u32)>,
+}
+
+static DOMAINS: Mutex<Domains> = Mutex::new(Domains {
+    next: 0,
+    shared: None,
+});
+
+/// The registry, locked for a whole open so that two threads never register one GPU in the domain twice.
+pub(crate) fn domains() -> MutexGuard<'static, Domains> {
+    DOMAINS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Domains {
+    fn new_id(&mut self) -> u64 {
+        // Domain 0 means "none" (simulated and attached GPUs).
+        self.next += 1;
+        self.next
+    }
+
+    fn prune(&mut self) {
+        if let Some(s) = &mut self.shared {
+            s.members.retain(|(_, c)| c.strong_count() > 0);
+            if s.members.is_empty() {
+                self.shared = None;
+            }
+        }
+    }
+
+    /// Where the GPU RM calls `gpu_id` goes: see [`DomainChoice`].
+    pub(crate) fn choose(&mut self, gpu_id: u32) -> Result<DomainChoice> {
+        self.prune();
+        let Some(s) = &self.shared else {
+            return Ok(DomainChoice::NewShared(self.new_id()));
+        };
+        if s.members.iter().any(|(g, _)| *g == gpu_id) {
+            return Ok(DomainChoice::Private(self.new_id()));
+        }
+        let id = s.id;
+        let fd = s
+            .members
+            .iter()
+            .filter_map(|(_, c)| c.upgrade())
+            .find_map(|c| c.uvm_fd().and_then(|fd| fd.try_clone_to_owned().ok()));
+        match fd {
+            Some(fd) => Ok(DomainChoice::Join(id, fd)),
+            // No member's descriptor could be duplicated (out of descriptors?): work alone.
+            None => Ok(DomainChoice::Private(self.new_id())),
+        }
+    }
+
+    /// Records a GPU opened in domain `id`: the first of a new shared domain, or one joining it (a private
+    /// domain is not recorded).
+    pub(crate) fn admit(&mut self, id: u64, gpu_id: u32, client: &Arc<Client>) {
+        match &mut self.shared {
+            None => {
+                self.shared = Some(Shared {
+                    id,
+                    members: vec![(gpu_id, Arc::downgrade(client))],
+                    pcie_enabled: Vec::new(),
+                });
+            }
+            Some(s) if s.id == id => s.members.push((gpu_id, Arc::downgrade(client))),
+            Some(_) => {}
+        }
+    }
+
+    /// Whether `a` and `b` were enabled as PCIe peers in domain `id`; marks them so when `mark`.
+    fn pcie_enabled(&mut self, id: u64, a: u32, b: u32, mark: bool) -> bool {
+        let pair = (a.min(b), a.max(b));
+        let Some(s) = self.shared.as_mut().filter(|s| s.id == id) else {
+            return false;
+        };
+        let known = s.pcie_enabled.contains(&pair);
+        if mark && !known {
+            s.pcie_enabled.push(pair);
+        }
+        known
+    }
+}
+
+/// How two GPUs reach each other's memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeerLink {
+    /// NVLink (directly or through NVSwitch).
+    NvLink,
+    /// PCIe peer-to-peer.
+    Pcie,
+    /// Chip-to-chip (Grace Hopper C2C).
+    C2c,
+    /// The same GPU.
+    Same,
+}
+
+impl std::fmt::Display for PeerLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PeerLink::NvLink => "NVLink",
+            PeerLink::Pcie => "PCIe",
+            PeerLink::C2c => "C2C",
+            PeerLink::Same => "the same GPU",
+        })
+    }
+}
+
+/// What RM reports about the path between two GPUs (`NV0000_CTRL_CMD_SYSTEM_GET_P2P_CAPS_V2`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerCaps {
+    /// The link peer accesses take.
+    pub link: PeerLink,
+    /// Peer reads are supported.
+    pub reads: bool,
+    /// Peer writes are supported.
+    pub writes: bool,
+    /// Peer atomics are supported.
+    pub atomics: bool,
+    /// Copy engines (LCE indices, as a bit mask) RM names optimal for reading the peer's memory.
+    pub optimal_read_ces: u32,
+    /// Copy engines (LCE indices, as a bit mask) RM names optimal for writing the peer's memory.
+    pub optimal_write_ces: u32,
+}
+
+// Bits of `p2pCaps` (ctrl0000system.h, NV0000_CTRL_SYSTEM_GET_P2P_CAPS_*).
+const CAP_WRITES: u32 = 1 << sys::NV0000_CTRL_SYSTEM_GET_P2P_CAPS_WRITES_SUPPORTED;
+const CAP_READS: u32 = 1 << sys::NV0000_CTRL_SYSTEM_GET_P2P_CAPS_READS_SUPPORTED;
+const CAP_NVLINK: u32 = 1 << sys::NV0000_CTRL_SYSTEM_GET_P2P_CAPS_NVLINK_SUPPORTED;
+const CAP_ATOMICS: u32 = 1 << sys::NV0000_CTRL_SYSTEM_GET_P2P_CAPS_ATOMICS_SUPPORTED;
+const CAP_PCI: u32 = 1 << sys::NV0000_CTRL_SYSTEM_GET_P2P_CAPS_PCI_SUPPORTED;
+/// NV0000_CTRL_SYSTEM_GET_P2P_CAPS_C2C_SUPPORTED (bit 12).
+const CAP_C2C: u32 = 1 << 12;
+
+/// The peer domain of every simulated GPU of the process (they share the process's memory, as UVM's peers do).
+pub(crate) const SIMULATED_DOMAIN: u64 = u64::MAX;
+
+/// What a `p2pCapsStatus` byte means (NV0000_P2P_CAPS_STATUS_*).
+fn caps_status_text(s: u8) -> &'static str {
+    match s {
+        0 => "supported",
+        1 => "not supported by the chipset",
+        2 => "not supported by the GPU",
+        3 => "not supported by the PCIe topology (IOH)",
+        4 => "disabled by a registry key",
+        5 => "not supported",
+        _ => "not supported (unknown reason)",
+    }
+}
+
+/// Decodes RM's answer for a pair of GPUs; `Err` holds why they have no peer path.
+pub(crate) fn decode_caps(
+    caps: u32,
+    status: &[u8],
+    read_ces: u32,
+    write_ces: u32,
+) -> std::result::Result<PeerCaps, String> {
+    let at = |i: u32| status.get(i as usize).copied().unwrap_or(5);
+    let link = if caps & CAP_NVLINK != 0 {
+        PeerLink::NvLink
+    } else if caps & CAP_C2C != 0 {
+        PeerLink::C2c
+    } else if caps & CAP_PCI != 0 {
+        PeerLink::Pcie
+    } else {
+        return Err(format!(
+            "no NVLink ({}) and no PCIe peer-to-peer ({})",
+            caps_status_text(at(sys::NV0000_CTRL_P2P_CAPS_INDEX_NVLINK)),
+            caps_status_text(at(sys::NV0000_CTRL_P2P_CAPS_INDEX_PCI))
+        ));
+    };
+    let (reads, writes) = (caps & CAP_READS != 0, caps & CAP_WRITES != 0);
+    if !reads && !writes {
+        return Err(format!(
+            "{link} is present but peer reads are {} and peer writes {}",
+            caps_status_text(at(sys::NV0000_CTRL_P2P_CAPS_INDEX_READ)),
+            caps_status_text(at(sys::NV0000_CTRL_P2P_CAPS_INDEX_WRITE))
+        ));
+    }
+    Ok(PeerCaps {
+        link,
+        reads,
+        writes,
+        atomics: caps & CAP_ATOMICS != 0,
+        optimal_read_ces: read_ces,
+        optimal_write_ces: write_ces,
+    })
+}
+
+impl GpuCore {
+    /// The peer domain this GPU is in (0: none, as for simulated and attached GPUs).
+    pub fn peer_domain(&self) -> u64 {
+        self.domain
+    }
+
+    /// How this GPU reaches `other`'s memory, as RM reports it; an error saying why when it cannot.
+    pub fn peer_caps(&self, other: &GpuCore) -> Result<PeerCaps> {
+        if self.gpu_id == other.gpu_id {
+            return Ok(PeerCaps {
+                link: PeerLink::Same,
+                reads: true,
+                writes: true,
+                atomics: true,
+                optimal_read_ces: 0,
+                optimal_write_ces: 0,
+            });
+        }
+        match (self.client.is_simulated(), other.client.is_simulated()) {
+            // Simulated GPUs of one process are NVLink peers of each other.
+            (true, true) => {
+                return Ok(PeerCaps {
+                    link: PeerLink::NvLink,
+                    reads: true,
+                    writes: true,
+                    atomics: true,
+                    optimal_read_ces: 0x1,
+                    optimal_write_ces: 0x1,
+                });
+            }
+            (false, false) => {}
+            _ => {
+                return Err(Error::NoPeerPath {
+                    from: self.info.uuid.clone(),
+                    to: other.info.uuid.clone(),
+                    why: "one GPU is simulated and the other is not".into(),
+                });
+            }
+        }
+        let mut p = Box::<sys::NV0000_CTRL_SYSTEM_GET_P2P_CAPS_V2_PARAMS>::default();
+        p.gpuIds[0] = self.gpu_id;
+        p.gpuIds[1] = other.gpu_id;
+        p.gpuCount = 2;
+        self.client.control(
+            self.client.handle(),
+            sys::NV0000_CTRL_CMD_SYSTEM_GET_P2P_CAPS_V2,
+            &mut *p,
+            "NV0000_CTRL_CMD_SYSTEM_GET_P2P_CAPS_V2",
+        )?;
+        decode_caps(
+            p.p2pCaps,
+            &p.p2pCapsStatus,
+            p.p2pOptimalReadCEs,
+            p.p2pOptimalWriteCEs,
+        )
+        .map_err(|why| Error::NoPeerPath {
+            from: self.info.uuid.clone(),
+            to: other.info.uuid.clone(),
+            why,
+        })
+    }
+
+    /// Lets this GPU and `other` map each other's memory: both must be in the same peer domain and have a peer
+    /// link. NVLink peers are enabled by UVM already; PCIe peers are enabled here, once per pair.
+    pub fn enable_peer(&self, other: &GpuCore) -> Result<PeerCaps> {
+        let caps = self.peer_caps(other)?;
+        if caps.link == PeerLink::Same {
+            return Ok(caps);
+        }
+        self.check_same_domain(other)?;
+        if caps.link == PeerLink::Pcie {
+            let mut reg = domains();
+            if !reg.pcie_enabled(self.domain, self.gpu_id, other.gpu_id, false) {
+                let mut p = sys::UVM_ENABLE_PEER_ACCESS_PARAMS {
+                    gpuUuidA: self.uuid(),
+                    gpuUuidB: other.uuid(),
+                    rmStatus: 0,
+                };
+                self.client.uvm_call(
+                    sys::UVM_ENABLE_PEER_ACCESS,
+                    &mut p,
+                    "UVM_ENABLE_PEER_ACCESS",
+                    |p| p.rmStatus,
+                )?;
+                reg.pcie_enabled(self.domain, self.gpu_id, other.gpu_id, true);
+                debug!(a = %self.info.uuid, b = %other.info.uuid, "PCIe peer access enabled");
+            }
+        }
+        Ok(caps)
+    }
+
+    /// [`Error::NotPeers`] unless both GPUs share a UVM VA space.
+    pub(crate) fn check_same_domain(&self, other: &GpuCore) -> Result<()> {
+        if self.domain != 0 && self.domain == other.domain {
+            return Ok(());
+        }
+        let why = if self.domain == 0 || other.domain == 0 {
+            "one of them is simulated or attached to a CUDA context, whose address space APEX does not share"
+        } else {
+            "they were opened in different address spaces: a GPU opened a second time in this process gets an \
+             address space of its own; map peers between the first opens of each GPU"
+        };
+        Err(Error::NotPeers {
+            a: self.info.uuid.clone(),
+            b: other.info.uuid.clone(),
+            why,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn caps_decode_links_and_reasons() {
+        let nv = decode_caps(
+            CAP_NVLINK | CAP_READS | CAP_WRITES | CAP_ATOMICS,
+            &[0; 9],
+            0x3,
+            0xc,
+        )
+        .expect("nvlink");
+        assert_eq!(nv.link, PeerLink::NvLink);
+        assert!(nv.reads && nv.writes && nv.atomics);
+        assert_eq!((nv.optimal_read_ces, nv.optimal_write_ces), (0x3, 0xc));
+        let pci = decode_caps(CAP_PCI | CAP_WRITES, &[0; 9], 0, 0).expect("pcie");
+        assert_eq!(pci.link, PeerLink::Pcie);
+        assert!(!pci.reads && pci.writes && !pci.atomics);
+        let mut st = [0u8; 9];
+        st[sys::NV0000_CTRL_P2P_CAPS_INDEX_NVLINK as usize] = 5;
+        st[sys::NV0000_CTRL_P2P_CAPS_INDEX_PCI as usize] = 3;
+        let none = decode_caps(0, &st, 0, 0).expect_err("no path");
+        assert!(none.contains("PCIe topology"), "{none}");
+        let no_rw = decode_caps(CAP_NVLINK, &[4; 9], 0, 0).expect_err("no reads or writes");
+        assert!(no_rw.contains("registry key"), "{no_rw}");
+    }
+
+    #[test]
+    fn first_open_of_each_gpu_shares_a_domain_and_repeats_are_private() {
+        let mut d = Domains::default();
+        let a = d.choose(1).expect("choose");
+        let DomainChoice::NewShared(id) = a else {
+            panic!("{a:?}")
+        };
+        // Simulated clients have no UVM descriptor to share: use a live client stand-in only for membership.
+        let sim = super::super::sim::SimShared::new(super::super::sim::SimConfig::default())
+            .expect("simulated RM");
+        let client = Arc::new(Client::simulated(Arc::new(sim)));
+        d.admit(id, 1, &client);
+        // GPU 1 again: private. GPU 2: would join, but the stand-in has no descriptor, so it works alone.
+        assert!(matches!(d.choose(1).expect("choose"), DomainChoice::Private(p) if p != id));
+        assert!(matches!(
+            d.choose(2).expect("choose"),
+            DomainChoice::Private(_)
+        ));
+        // Once every member is gone the next open starts a new shared domain.
+        drop(client);
+        assert!(matches!(d.choose(1).expect("choose"), DomainChoice::NewShared(n) if n != id));
+        assert!(!d.pcie_enabled(id, 1, 2, true));
+    }
+}
