@@ -8,11 +8,13 @@ use std::sync::Arc;
 use cudarc::driver::sys::CUstream;
 use tracing::{info, warn};
 
+use super::gpu::GpuInner;
+use super::queue::QueueInner;
 use super::{
-    Backend, BackendRequest, DeviceInfo, Error, FallbackReason, Gpu, GpuInner, Limits, Queue,
-    QueueInner, Result, Selection,
+    Backend, BackendRequest, DeviceInfo, Error, FallbackReason, Gpu, Queue, Result, Selection,
 };
 use crate::driver;
+use crate::launch::Limits;
 use crate::launch::printf::PrintfFifoCell;
 use crate::rm::GpuCore;
 
@@ -112,7 +114,7 @@ impl Gpu {
                     memory_bytes: i.memory_bytes,
                 }
             }
-            GpuInner::Driver(c) => super::driver_info(c)?,
+            GpuInner::Driver(c) => super::gpu::driver_info(c)?,
         };
         info!(backend = ?selection.backend, reason = %selection, "APEX attached to the CUDA context");
         let limits = Limits::for_sm(info.sm_version);

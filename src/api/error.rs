@@ -1,0 +1,75 @@
+//! The public API's error and result types.
+
+use super::FallbackReason;
+use crate::driver;
+use crate::launch;
+use crate::pushbuf;
+use crate::rm;
+
+/// Errors of the public API.
+#[derive(thiserror::Error, Debug)]
+#[non_exhaustive]
+pub enum Error {
+    /// The direct path failed.
+    #[error(transparent)]
+    Direct(#[from] launch::Error),
+    /// The CUDA driver backend failed.
+    #[error(transparent)]
+    Driver(#[from] driver::Error),
+    /// `APEX_BACKEND` holds something else than `direct`, `driver` or `auto`.
+    #[error(
+        "APEX_BACKEND={0:?} is not a backend APEX knows; set it to direct, driver or auto (or unset it)"
+    )]
+    BadBackendVar(String),
+    /// The direct path was asked for (`APEX_BACKEND=direct`) and cannot run.
+    #[error(
+        "the direct path was requested (APEX_BACKEND=direct) but cannot run: {0}; or unset APEX_BACKEND to fall \
+         back to the CUDA driver"
+    )]
+    DirectUnavailable(FallbackReason),
+    /// Neither backend could open the GPU.
+    #[error(
+        "cannot open GPU {index} with either backend. The direct path cannot run: {direct}. The CUDA driver \
+         backend cannot run either: {driver}."
+    )]
+    NoBackend {
+        /// The GPU index asked for.
+        index: usize,
+        /// Why the direct path cannot run.
+        direct: FallbackReason,
+        /// Why the CUDA driver backend cannot run.
+        driver: driver::Error,
+    },
+    /// An argument the caller passed is not valid; the text says which and why.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// Objects of different GPUs or backends were used together.
+    #[error(
+        "the objects belong to different backends or GPUs; use buffers, modules and queues of the same Gpu together"
+    )]
+    Mismatch,
+    /// A module file could not be read.
+    #[error("cannot read the module file {}: {source}", path.display())]
+    ReadModule {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl From<rm::Error> for Error {
+    fn from(e: rm::Error) -> Error {
+        Error::Direct(e.into())
+    }
+}
+
+impl From<pushbuf::Error> for Error {
+    fn from(e: pushbuf::Error) -> Error {
+        Error::Direct(e.into())
+    }
+}
+
+/// The public API's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

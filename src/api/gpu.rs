@@ -1,0 +1,286 @@
+//! An opened GPU: the backend choice, device facts, and the factory for buffers, modules and queues.
+
+use std::sync::Arc;
+
+use tracing::info;
+
+use super::cuda_attach;
+use super::memory::{BufferInner, HostInner};
+use super::queue::QueueInner;
+use super::{
+    Backend, BackendRequest, Buffer, Error, FallbackReason, HostBuffer, Module, Queue, Result,
+    Selection, choose,
+};
+use crate::driver;
+use crate::launch::printf::PrintfFifoCell;
+use crate::launch::{self, ComputeQueue, ComputeQueueConfig, Limits};
+use crate::rm::{GpuCore, Memory, MemoryDesc, Placement};
+
+/// What both backends report about the device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// The device's marketing name (`NVIDIA H200`).
+    pub name: String,
+    /// Compute capability as major × 10 + minor (90 for Hopper).
+    pub sm_version: u32,
+    /// Streaming multiprocessors on the device.
+    pub sm_count: u32,
+    /// Video memory, bytes.
+    pub memory_bytes: u64,
+}
+
+/// What the CUDA driver reports about a context's device.
+pub(super) fn driver_info(ctx: &driver::Context) -> Result<DeviceInfo> {
+    use cudarc::driver::sys::CUdevice_attribute as A;
+    let major = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? as u32;
+    let minor = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)? as u32;
+    Ok(DeviceInfo {
+        name: ctx.name()?,
+        sm_version: major * 10 + minor,
+        sm_count: ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
+        memory_bytes: ctx.total_memory()?,
+    })
+}
+
+#[derive(Debug)]
+pub(super) enum GpuInner {
+    Direct(Arc<GpuCore>),
+    Driver(Arc<driver::Context>),
+}
+
+/// An opened GPU, on the backend chosen for it: the handle every buffer, module and queue is made from.
+///
+/// Dropping it closes the GPU once the objects made from it are dropped too (they hold it alive).
+///
+/// ```no_run
+/// # fn main() -> apex::Result<()> {
+/// let gpu = apex::Gpu::open(0)?;
+/// let info = gpu.info();
+/// println!("{} (sm_{}, {} SMs): {}", info.name, info.sm_version, info.sm_count, gpu.selection());
+/// let buffer = gpu.alloc(1 << 20)?;
+/// assert_eq!(buffer.size(), 1 << 20);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct Gpu {
+    pub(super) inner: GpuInner,
+    pub(super) selection: Selection,
+    pub(super) info: DeviceInfo,
+    pub(super) limits: Limits,
+    /// The direct path's device printf FIFO, shared by this GPU's modules.
+    pub(super) printf: PrintfFifoCell,
+    /// The CUDA context this GPU is attached to ([`Gpu::attach_cuda`]).
+    pub(super) cuda: Option<Arc<driver::CudaContext>>,
+}
+
+impl Gpu {
+    /// Opens GPU `index` with the backend `APEX_BACKEND` asks for (auto by default).
+    pub fn open(index: usize) -> Result<Gpu> {
+        Gpu::open_with(index, BackendRequest::from_env()?)
+    }
+
+    /// Opens GPU `index` with the backend `request` asks for, regardless of `APEX_BACKEND`.
+    pub fn open_with(index: usize, request: BackendRequest) -> Result<Gpu> {
+        let (core, selection) = choose(request, || {
+            let core = GpuCore::open(index)?;
+            // Building a compute queue proves the launch path (QMD layout, windows, local memory) on this GPU.
+            ComputeQueue::new(&core, ComputeQueueConfig::default())?;
+            Ok(core)
+        });
+        let inner = match core {
+            Some(core) => GpuInner::Direct(core),
+            None => {
+                let reason = selection
+                    .fallback
+                    .clone()
+                    .unwrap_or(FallbackReason::Requested);
+                if request == BackendRequest::Direct {
+                    return Err(Error::DirectUnavailable(reason));
+                }
+                match driver::Context::new(index) {
+                    Ok(ctx) => GpuInner::Driver(ctx),
+                    Err(e) => {
+                        return Err(Error::NoBackend {
+                            index,
+                            direct: reason,
+                            driver: e,
+                        });
+                    }
+                }
+            }
+        };
+        let info = match &inner {
+            GpuInner::Direct(c) => {
+                let i = c.info();
+                DeviceInfo {
+                    name: i.name.clone(),
+                    sm_version: i.sm_version,
+                    sm_count: i.sm_count,
+                    memory_bytes: i.memory_bytes,
+                }
+            }
+            GpuInner::Driver(ctx) => driver_info(ctx)?,
+        };
+        info!(gpu = index, backend = ?selection.backend, reason = %selection, "APEX backend selected");
+        let limits = Limits::for_sm(info.sm_version);
+        Ok(Gpu {
+            inner,
+            selection,
+            info,
+            limits,
+            printf: PrintfFifoCell::new(),
+            cuda: None,
+        })
+    }
+
+    /// The backend this GPU's work runs on.
+    pub fn backend(&self) -> Backend {
+        self.selection.backend
+    }
+
+    /// The backend and, for the driver backend, why the direct path is not used.
+    pub fn selection(&self) -> &Selection {
+        &self.selection
+    }
+
+    /// Name, compute capability, SM count and memory, as both backends report them.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// The limits every launch is checked against before it is submitted (grid, block, shared memory, ...).
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// The direct path's RM objects, when that is the backend.
+    pub fn direct(&self) -> Option<&Arc<GpuCore>> {
+        match &self.inner {
+            GpuInner::Direct(c) => Some(c),
+            GpuInner::Driver(_) => None,
+        }
+    }
+
+    /// Device memory.
+    pub fn alloc(&self, bytes: u64) -> Result<Buffer> {
+        let inner = match &self.inner {
+            GpuInner::Direct(c) => BufferInner::Direct(Memory::alloc(c, MemoryDesc::video(bytes))?),
+            GpuInner::Driver(ctx) => BufferInner::Driver(driver::DeviceMemory::alloc(ctx, bytes)?),
+        };
+        Ok(Buffer {
+            inner: Arc::new(inner),
+            size: bytes,
+        })
+    }
+
+    /// Pinned host memory the GPU can read and write.
+    pub fn alloc_host(&self, bytes: u64) -> Result<HostBuffer> {
+        let inner = match &self.inner {
+            GpuInner::Direct(c) => HostInner::Direct(Memory::alloc(
+                c,
+                MemoryDesc::video(bytes)
+                    .placement(Placement::SystemCached)
+                    .with_cpu(),
+            )?),
+            GpuInner::Driver(ctx) => HostInner::Driver(driver::HostMemory::alloc(ctx, bytes)?),
+        };
+        Ok(HostBuffer {
+            inner: Arc::new(inner),
+            size: bytes,
+        })
+    }
+
+    /// Loads a cubin, a fatbin, a host executable or shared library built by nvcc (its embedded fatbins), or
+    /// PTX. The best code for this GPU is picked (see [`launch::select`]); PTX, and relocatable code
+    /// (`nvcc -rdc=true`) that nothing else replaces, are compiled for it by nvJitLink on the direct path (see
+    /// [`launch::jit`]) and by the driver on the driver backend.
+    pub fn load_module(&self, image: &[u8]) -> Result<Module> {
+        match &self.inner {
+            GpuInner::Direct(c) => Ok(Module::Direct(launch::Module::load_with(
+                c,
+                image,
+                &self.printf,
+            )?)),
+            GpuInner::Driver(ctx) => {
+                use launch::image::{self, Code, PtxHandling};
+                // The driver reads cubins, fatbins and PTX itself; code in host binaries is taken out, and
+                // relocatable cubins linked, here first. The code picked also gives the cubin's attributes, so
+                // launches are checked as on the direct path.
+                let resolved = image::resolve(
+                    image,
+                    self.info.sm_version,
+                    launch::jit::Jit::system(),
+                    PtxHandling::Keep,
+                );
+                let prepare = match launch::select::cubin_arch(image) {
+                    Some(arch) => arch.relocatable,
+                    None => image.starts_with(b"\x7fELF"),
+                };
+                let m = match (&resolved, prepare) {
+                    (Ok(r), true) => driver::Module::load(ctx, r.code.bytes())?,
+                    (Err(e), true) => return Err(launch::Error::from(e.clone()).into()),
+                    (_, false) => driver::Module::load(ctx, image)?,
+                };
+                let cubin = match &resolved {
+                    Ok(r) => match &r.code {
+                        Code::Cubin(b) => launch::cubin::Cubin::parse(b).ok(),
+                        Code::Ptx(_) => None,
+                    },
+                    Err(_) => None,
+                };
+                Ok(Module::Driver {
+                    module: m,
+                    cubin: cubin.map(Arc::new),
+                })
+            }
+        }
+    }
+
+    /// Loads a module from a file: anything [`Gpu::load_module`] takes, such as a program or shared library
+    /// built by nvcc.
+    pub fn load_module_file(&self, path: impl AsRef<std::path::Path>) -> Result<Module> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|source| Error::ReadModule {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        self.load_module(&bytes)
+    }
+
+    /// Sets the size of the buffer kernels' `printf` output goes through before it is printed (what
+    /// `cudaDeviceSetLimit(cudaLimitPrintfFifoSize)` sets; 1 MiB by default). Output that does not fit between
+    /// two synchronizations is dropped, as in CUDA. Must come before a module that uses `printf` or `assert` is
+    /// loaded.
+    pub fn set_printf_fifo_size(&self, bytes: u64) -> Result<()> {
+        match &self.inner {
+            GpuInner::Direct(_) => self
+                .printf
+                .set_size(bytes)
+                .map_err(|current| launch::Error::PrintfFifoFixed { current }.into()),
+            GpuInner::Driver(ctx) => Ok(ctx.set_printf_fifo_size(bytes)?),
+        }
+    }
+
+    /// A queue: launches and copies on it run in order, like a CUDA stream.
+    pub fn queue(&self) -> Result<Queue> {
+        let inner = match &self.inner {
+            GpuInner::Direct(c) => QueueInner::Direct(Box::new(ComputeQueue::new(
+                c,
+                ComputeQueueConfig::default(),
+            )?)),
+            GpuInner::Driver(ctx) => QueueInner::Driver {
+                stream: driver::Stream::new(ctx)?,
+                ptrs: driver::ParamPtrs::with_capacity(driver::MAX_PARAMS),
+            },
+        };
+        Ok(Queue {
+            inner,
+            driver_chain: 0,
+            limits: self.limits,
+            keep: Vec::new(),
+            staging: None,
+            cuda: self.cuda.clone().map(cuda_attach::CudaOrder::new),
+        })
+    }
+}

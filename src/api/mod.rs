@@ -1,0 +1,45 @@
+//! The public API: one set of types over two backends. The direct path (our own channel, launches by
+//! doorbell) is chosen when it can run; otherwise the CUDA driver API, with the reason available and logged.
+//!
+//! `APEX_BACKEND=direct|driver|auto` forces a choice (auto is the default).
+
+mod cuda_attach;
+mod error;
+mod fence;
+mod gpu;
+mod memory;
+mod module;
+mod queue;
+mod selection;
+
+pub use error::{Error, Result};
+pub use fence::{Fence, StreamWatch};
+pub use gpu::{DeviceInfo, Gpu};
+pub use memory::{Buffer, HostBuffer};
+pub use module::{Global, Kernel, Module};
+pub use queue::Queue;
+pub use selection::{Backend, BackendRequest, FallbackReason, Selection, choose};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn types_that_cross_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        fn send<T: Send>() {}
+        send_sync::<Gpu>();
+        send_sync::<Buffer>();
+        send_sync::<HostBuffer>();
+        send_sync::<Module>();
+        send_sync::<Kernel>();
+        send_sync::<Fence>();
+        send::<Queue>();
+        send_sync::<crate::rm::GpuCore>();
+        send_sync::<crate::rm::Memory>();
+        send_sync::<crate::launch::Module>();
+        send_sync::<crate::launch::Kernel>();
+        send::<crate::launch::ComputeQueue>();
+        send::<crate::gpfifo::Channel>();
+    }
+}

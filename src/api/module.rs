@@ -1,0 +1,177 @@
+//! Loaded modules, their kernels and their variables.
+
+use std::sync::Arc;
+
+use super::queue::{Endpoint, KeepAlive};
+use super::{Backend, Result};
+use crate::driver;
+use crate::launch::{self, cubin::KernelInfo};
+
+/// A loaded module: a cubin, fatbin, PTX or nvcc-built program, ready to hand out its kernels and globals.
+///
+/// Cloning is cheap (shared); the module's code stays loaded while a clone or a kernel of it lives.
+///
+/// ```no_run
+/// # fn main() -> apex::Result<()> {
+/// let gpu = apex::Gpu::open(0)?;
+/// let module = gpu.load_module_file("kernels/apex_test_kernels.sm_90.cubin")?;
+/// let kernel = module.kernel("vector_add")?; // mangled or demangled names
+/// println!("{:?} registers per thread", kernel.info().map(|k| k.registers));
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub enum Module {
+    /// Loaded by APEX onto the direct path.
+    Direct(Arc<launch::Module>),
+    /// Loaded by libcuda; the parsed cubin, when APEX could read it, checks arguments before launching.
+    Driver {
+        /// libcuda's module.
+        module: Arc<driver::Module>,
+        /// The cubin APEX parsed from the same bytes, if it could.
+        cubin: Option<Arc<launch::cubin::Cubin>>,
+    },
+}
+
+impl Module {
+    /// The kernel `name` (the mangled symbol, or the demangled name with or without its parameter list).
+    pub fn kernel(&self, name: &str) -> Result<Kernel> {
+        match self {
+            Module::Direct(m) => Ok(Kernel::Direct(m.kernel(name)?)),
+            Module::Driver { module, cubin } => {
+                let info = match cubin {
+                    Some(c) => Some(c.kernel(name).map_err(launch::Error::from)?.clone()),
+                    None => None,
+                };
+                // The driver looks kernels up by symbol: a demangled name is resolved through the cubin.
+                let symbol = info.as_ref().map_or(name, |i| i.name.as_str());
+                Ok(Kernel::Driver {
+                    func: module.function(symbol)?,
+                    info: info.map(Arc::new),
+                })
+            }
+        }
+    }
+}
+
+impl Module {
+    /// The module variable (`__device__` or `__constant__`) called `name`: its device address and size, what
+    /// `cuModuleGetGlobal` gives. On the direct path a C++ variable in a namespace also answers to its demangled
+    /// name. Read and write it with [`Queue::copy_to_global`](super::Queue::copy_to_global) and
+    /// [`Queue::copy_from_global`](super::Queue::copy_from_global) (or their pinned-memory forms), in stream
+    /// order with the queue's launches.
+    pub fn global(&self, name: &str) -> Result<Global> {
+        let (symbol, device_ptr, size) = match self {
+            Module::Direct(m) => {
+                let g = m.global(name)?;
+                (g.name, g.va, g.size)
+            }
+            Module::Driver { module, cubin } => {
+                // The driver looks variables up by symbol: a demangled name is resolved through the cubin.
+                let symbol = cubin
+                    .as_ref()
+                    .and_then(|c| c.global(name))
+                    .map_or(name, |g| g.name.as_str());
+                match module.global(symbol)? {
+                    Some((ptr, size)) => (symbol.to_string(), ptr, size),
+                    None => {
+                        let available = cubin.as_ref().map_or_else(Vec::new, |c| {
+                            c.globals().iter().map(|g| g.name.clone()).collect()
+                        });
+                        return Err(launch::Error::NoSuchGlobal {
+                            name: name.to_string(),
+                            available,
+                        }
+                        .into());
+                    }
+                }
+            }
+        };
+        Ok(Global {
+            module: self.clone(),
+            name: symbol,
+            device_ptr,
+            size,
+        })
+    }
+}
+
+/// A module variable (`__device__` or `__constant__`): see [`Module::global`]. Keeps its module loaded.
+#[derive(Clone, Debug)]
+pub struct Global {
+    module: Module,
+    name: String,
+    device_ptr: u64,
+    size: u64,
+}
+
+impl Global {
+    /// The variable's symbol.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its device address (a `__constant__` variable's too: kernels read it through a constant bank bound there).
+    pub fn device_ptr(&self) -> u64 {
+        self.device_ptr
+    }
+
+    /// Bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    pub(super) fn backend(&self) -> Backend {
+        match self.module {
+            Module::Direct(_) => Backend::Direct,
+            Module::Driver { .. } => Backend::Driver,
+        }
+    }
+
+    /// The device address of `bytes` at `offset`, checked against the variable.
+    pub(super) fn range(&self, offset: u64, bytes: u64) -> Result<u64> {
+        if offset.checked_add(bytes).is_none_or(|end| end > self.size) {
+            return Err(launch::Error::GlobalRange {
+                name: self.name.clone(),
+                size: self.size,
+                offset,
+                bytes,
+            }
+            .into());
+        }
+        Ok(self.device_ptr + offset)
+    }
+
+    pub(super) fn endpoint(&self, offset: u64) -> Endpoint {
+        (
+            self.device_ptr,
+            self.size,
+            offset,
+            KeepAlive::Module(self.module.clone()),
+        )
+    }
+}
+
+/// A kernel of a loaded module.
+#[derive(Clone, Debug)]
+pub enum Kernel {
+    /// A kernel of a direct-path module.
+    Direct(launch::Kernel),
+    /// A kernel of a libcuda module, with its parameter table when the cubin could be read.
+    Driver {
+        /// libcuda's function handle.
+        func: driver::Function,
+        /// The kernel's parameters and resources from the cubin, when APEX could read it.
+        info: Option<Arc<KernelInfo>>,
+    },
+}
+
+impl Kernel {
+    /// The cubin's attributes (absent for PTX loaded by the driver).
+    pub fn info(&self) -> Option<&KernelInfo> {
+        match self {
+            Kernel::Direct(k) => Some(k.info()),
+            Kernel::Driver { info, .. } => info.as_deref(),
+        }
+    }
+}

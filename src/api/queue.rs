@@ -1,0 +1,632 @@
+//! Queues: launches and copies in order on one GPU, like a CUDA stream.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::cuda_attach;
+use super::{Backend, Buffer, Error, Fence, Global, Gpu, HostBuffer, Kernel, Module, Result};
+use crate::driver;
+use crate::launch::{self, Arg, ComputeQueue, LaunchConfig, Limits, cubin::KernelInfo};
+
+pub(super) enum QueueInner {
+    Direct(Box<ComputeQueue>),
+    Driver {
+        stream: driver::Stream,
+        ptrs: driver::ParamPtrs,
+    },
+}
+
+/// Launches and copies in order on one GPU, like a CUDA stream; each returns a [`Fence`] or waits.
+///
+/// `Send` but not `Sync`: one thread at a time submits (one queue per thread).
+///
+/// ```no_run
+/// use apex::{Gpu, LaunchConfig};
+/// # fn main() -> apex::Result<()> {
+/// let gpu = Gpu::open(0)?;
+/// let empty = gpu.load_module_file("kernels/apex_test_kernels.sm_90.cubin")?.kernel("empty")?;
+/// let mut q = gpu.queue()?;
+/// for _ in 0..1000 {
+///     // SAFETY: the empty kernel touches no memory.
+///     unsafe { q.launch(&empty, &LaunchConfig::linear(1, 32), &[])? };
+/// }
+/// q.synchronize()?; // every launch above has completed
+/// # Ok(())
+/// # }
+/// ```
+pub struct Queue {
+    pub(super) inner: QueueInner,
+    /// Chained launches made on the driver backend since the chain last ended.
+    pub(super) driver_chain: usize,
+    pub(super) limits: Limits,
+    /// Buffers used by copies in flight, released when their fences complete.
+    pub(super) keep: Vec<(Fence, KeepAlive)>,
+    pub(super) staging: Option<HostBuffer>,
+    /// Ordering with the attached CUDA context's streams.
+    pub(super) cuda: Option<cuda_attach::CudaOrder>,
+}
+
+#[derive(Debug)]
+#[allow(dead_code)]
+pub(super) enum KeepAlive {
+    Device(Buffer),
+    Host(HostBuffer),
+    Module(Module),
+}
+
+/// One side of a copy: device address, buffer size, offset, and the buffer, kept alive while the copy runs.
+pub(super) type Endpoint = (u64, u64, u64, KeepAlive);
+
+impl Buffer {
+    pub(super) fn endpoint(&self, offset: u64) -> Endpoint {
+        (
+            self.device_ptr(),
+            self.size,
+            offset,
+            KeepAlive::Device(self.clone()),
+        )
+    }
+}
+
+impl HostBuffer {
+    pub(super) fn endpoint(&self, offset: u64) -> Endpoint {
+        (
+            self.device_ptr(),
+            self.size,
+            offset,
+            KeepAlive::Host(self.clone()),
+        )
+    }
+}
+
+const STAGING_BYTES: u64 = 32 << 20;
+
+impl fmt::Debug for Queue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Queue")
+            .field("backend", &self.backend())
+            .finish()
+    }
+}
+
+impl Queue {
+    /// The backend this queue submits to.
+    pub fn backend(&self) -> Backend {
+        match self.inner {
+            QueueInner::Direct(_) => Backend::Direct,
+            QueueInner::Driver { .. } => Backend::Driver,
+        }
+    }
+
+    /// The direct path's compute queue, when that is the backend.
+    pub fn direct(&mut self) -> Option<&mut ComputeQueue> {
+        match &mut self.inner {
+            QueueInner::Direct(q) => Some(q),
+            QueueInner::Driver { .. } => None,
+        }
+    }
+
+    /// Launches `kernel` with `args`, checked against the kernel's parameter table and the device limits before
+    /// anything is submitted.
+    ///
+    /// # Safety
+    /// The kernel may read and write any memory its arguments lead it to; the caller guarantees those buffers
+    /// are not in use elsewhere until the fence completes.
+    pub unsafe fn launch(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+    ) -> Result<Fence> {
+        self.driver_chain = 0;
+        match (&mut self.inner, kernel) {
+            // SAFETY: forwarded to the caller.
+            (QueueInner::Direct(q), Kernel::Direct(k)) => {
+                let f = unsafe { q.launch(k, cfg, args)? };
+                Ok(Fence::direct(f, q))
+            }
+            (QueueInner::Driver { stream, ptrs }, Kernel::Driver { func, info }) => {
+                // SAFETY: forwarded to the caller.
+                unsafe { driver_launch(stream, ptrs, &self.limits, func, info, cfg, args)? };
+                Ok(Fence::driver(stream))
+            }
+            _ => Err(Error::Mismatch),
+        }
+    }
+
+    /// Launches a kernel that synchronizes its whole grid (cooperative groups `this_grid().sync()`), as
+    /// `cuLaunchCooperativeKernel` does: refused unless every block can be resident at once.
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch).
+    pub unsafe fn launch_cooperative(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+    ) -> Result<Fence> {
+        self.driver_chain = 0;
+        match (&mut self.inner, kernel) {
+            (QueueInner::Direct(q), Kernel::Direct(k)) => {
+                // SAFETY: forwarded to the caller.
+                let f = unsafe { q.launch_cooperative(k, cfg, args)? };
+                Ok(Fence::direct(f, q))
+            }
+            (QueueInner::Driver { stream, ptrs }, Kernel::Driver { func, info }) => {
+                if cfg.cluster.is_some() {
+                    return Err(Error::InvalidArgument(
+                        "a run-time cluster shape on a cooperative launch (the driver backend launches \
+                         cooperative kernels with cuLaunchCooperativeKernel, which takes none)"
+                            .into(),
+                    ));
+                }
+                if let Some(info) = info {
+                    launch::queue_validate(info, cfg, &self.limits)?;
+                }
+                check_driver_args(func, info.as_deref(), args)?;
+                ptrs.clear();
+                for a in args {
+                    ptrs.push(arg_ptr(a));
+                }
+                // SAFETY: each pointer refers into `args`, alive for the call, with the size the kernel declares
+                // (checked above); the rest is the caller's contract.
+                unsafe {
+                    stream.launch_cooperative(
+                        func,
+                        cfg.grid,
+                        cfg.block,
+                        cfg.shared_bytes,
+                        ptrs.as_mut_slice(),
+                    )?
+                };
+                Ok(Fence::driver(stream))
+            }
+            _ => Err(Error::Mismatch),
+        }
+    }
+
+    /// Records `kernel` as the next link of a chain of dependent launches, ended by [`end_chain`](Self::end_chain).
+    /// On the direct path each link is scheduled by the GPU when the one before completes, with no round trip
+    /// through the channel's front end (as a CUDA graph runs), and long chains are sent part by part while they are
+    /// recorded. On the driver backend links are launched on the stream at once, which orders them the same way.
+    /// Any other launch or copy on the queue ends the chain first.
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch).
+    pub unsafe fn launch_chained(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+    ) -> Result<()> {
+        match (&mut self.inner, kernel) {
+            // SAFETY: forwarded to the caller.
+            (QueueInner::Direct(q), Kernel::Direct(k)) => unsafe {
+                q.record_launch_chained(k, cfg, args)?
+            },
+            (QueueInner::Driver { stream, ptrs }, Kernel::Driver { func, info }) => {
+                // SAFETY: forwarded to the caller.
+                unsafe { driver_launch(stream, ptrs, &self.limits, func, info, cfg, args)? };
+                self.driver_chain += 1;
+            }
+            _ => return Err(Error::Mismatch),
+        }
+        Ok(())
+    }
+
+    /// Ends the chain recorded by [`launch_chained`](Self::launch_chained) and submits it; the fence completes when
+    /// its last launch has. An error if no chained launch was recorded since the chain last ended.
+    pub fn end_chain(&mut self) -> Result<Fence> {
+        match &mut self.inner {
+            QueueInner::Direct(q) => {
+                let f = q.end_chain()?;
+                Ok(Fence::direct(f, q))
+            }
+            QueueInner::Driver { stream, .. } => {
+                if std::mem::take(&mut self.driver_chain) == 0 {
+                    return Err(launch::Error::NoChain.into());
+                }
+                Ok(Fence::driver(stream))
+            }
+        }
+    }
+
+    /// Waits until everything submitted so far is complete.
+    pub fn synchronize(&mut self) -> Result<()> {
+        self.driver_chain = 0;
+        match &mut self.inner {
+            QueueInner::Direct(q) => q.synchronize()?,
+            QueueInner::Driver { stream, .. } => stream.synchronize()?,
+        }
+        self.keep.clear();
+        Ok(())
+    }
+
+    fn prune(&mut self) {
+        self.keep.retain(|(f, _)| !f.is_done());
+    }
+
+    /// Copies pinned host memory to the device (asynchronous; both buffers are kept alive until done).
+    pub fn copy_host_to_device(
+        &mut self,
+        src: &HostBuffer,
+        src_offset: u64,
+        dst: &Buffer,
+        dst_offset: u64,
+        bytes: u64,
+    ) -> Result<Fence> {
+        self.copy_kept(
+            src.endpoint(src_offset),
+            dst.endpoint(dst_offset),
+            bytes,
+            false,
+        )
+    }
+
+    /// Copies device memory to pinned host memory (asynchronous).
+    pub fn copy_device_to_host(
+        &mut self,
+        src: &Buffer,
+        src_offset: u64,
+        dst: &HostBuffer,
+        dst_offset: u64,
+        bytes: u64,
+    ) -> Result<Fence> {
+        self.copy_kept(
+            src.endpoint(src_offset),
+            dst.endpoint(dst_offset),
+            bytes,
+            false,
+        )
+    }
+
+    /// Copies between device buffers (asynchronous). On the direct path the SMs copy (a built-in kernel): the
+    /// copy engine moves device memory at a twentieth of the HBM's bandwidth.
+    pub fn copy_device_to_device(
+        &mut self,
+        src: &Buffer,
+        src_offset: u64,
+        dst: &Buffer,
+        dst_offset: u64,
+        bytes: u64,
+    ) -> Result<Fence> {
+        self.copy_kept(
+            src.endpoint(src_offset),
+            dst.endpoint(dst_offset),
+            bytes,
+            true,
+        )
+    }
+
+    /// Checks both ranges, copies, and keeps both buffers alive until the copy's fence completes.
+    fn copy_kept(
+        &mut self,
+        (src, src_size, src_offset, src_keep): Endpoint,
+        (dst, dst_size, dst_offset, dst_keep): Endpoint,
+        bytes: u64,
+        device_to_device: bool,
+    ) -> Result<Fence> {
+        // Other work ends a chain, on both backends.
+        self.driver_chain = 0;
+        check_range(src_size, src_offset, bytes)?;
+        check_range(dst_size, dst_offset, bytes)?;
+        let (s, d) = (src + src_offset, dst + dst_offset);
+        let f = match &mut self.inner {
+            QueueInner::Direct(q) if device_to_device && bytes > 0 => {
+                // SAFETY: both ranges were checked against their device buffers, which stay alive until done.
+                let f = unsafe { q.copy_device(s, d, bytes)? };
+                let f = Fence::direct(f, q);
+                self.prune();
+                f
+            }
+            _ => self.copy_raw(s, d, bytes)?,
+        };
+        self.keep.push((f.clone(), src_keep));
+        self.keep.push((f.clone(), dst_keep));
+        Ok(f)
+    }
+
+    fn copy_raw(&mut self, src: u64, dst: u64, bytes: u64) -> Result<Fence> {
+        if bytes == 0 {
+            return Err(Error::InvalidArgument("a copy of 0 bytes".into()));
+        }
+        self.prune();
+        match &mut self.inner {
+            QueueInner::Direct(q) => {
+                let f = q.copy(src, dst, bytes)?;
+                Ok(Fence::direct(f, q))
+            }
+            QueueInner::Driver { stream, .. } => {
+                // SAFETY: the queue keeps both buffers alive until the copy's fence completes.
+                unsafe { stream.copy(dst, src, bytes)? };
+                Ok(Fence::driver(stream))
+            }
+        }
+    }
+
+    /// Writes `data` into the module variable `dst` at byte `offset` (cudaMemcpyToSymbol), after the work
+    /// submitted to this queue so far; returns when the copy is complete, so every later launch, on this queue or
+    /// another, sees it. A `__constant__` variable included: every launch invalidates the SMs' constant caches.
+    pub fn copy_to_global(
+        &mut self,
+        gpu: &Gpu,
+        dst: &Global,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<()> {
+        self.same_backend(dst)?;
+        let at = dst.range(offset, data.len() as u64)?;
+        self.upload_to(gpu, at, data)
+    }
+
+    /// Reads `out.len()` bytes of the module variable `src` from byte `offset` (cudaMemcpyFromSymbol), after the
+    /// work submitted to this queue so far; returns when the copy is complete.
+    pub fn copy_from_global(
+        &mut self,
+        gpu: &Gpu,
+        src: &Global,
+        offset: u64,
+        out: &mut [u8],
+    ) -> Result<()> {
+        self.same_backend(src)?;
+        let at = src.range(offset, out.len() as u64)?;
+        self.download_from(gpu, at, out)
+    }
+
+    /// Copies pinned host memory into a module variable (asynchronous, in stream order; cudaMemcpyToSymbolAsync).
+    /// Launches on other queues see it once the fence has completed.
+    pub fn copy_host_to_global(
+        &mut self,
+        src: &HostBuffer,
+        src_offset: u64,
+        dst: &Global,
+        dst_offset: u64,
+        bytes: u64,
+    ) -> Result<Fence> {
+        self.same_backend(dst)?;
+        dst.range(dst_offset, bytes)?;
+        self.copy_kept(
+            src.endpoint(src_offset),
+            dst.endpoint(dst_offset),
+            bytes,
+            false,
+        )
+    }
+
+    /// Copies a module variable into pinned host memory (asynchronous, in stream order;
+    /// cudaMemcpyFromSymbolAsync).
+    pub fn copy_global_to_host(
+        &mut self,
+        src: &Global,
+        src_offset: u64,
+        dst: &HostBuffer,
+        dst_offset: u64,
+        bytes: u64,
+    ) -> Result<Fence> {
+        self.same_backend(src)?;
+        src.range(src_offset, bytes)?;
+        self.copy_kept(
+            src.endpoint(src_offset),
+            dst.endpoint(dst_offset),
+            bytes,
+            false,
+        )
+    }
+
+    fn same_backend(&self, g: &Global) -> Result<()> {
+        if g.backend() == self.backend() {
+            Ok(())
+        } else {
+            Err(Error::Mismatch)
+        }
+    }
+
+    /// Copies pageable host memory to the device; returns when the copy is complete.
+    pub fn upload(&mut self, gpu: &Gpu, dst: &Buffer, dst_offset: u64, data: &[u8]) -> Result<()> {
+        check_range(dst.size, dst_offset, data.len() as u64)?;
+        self.upload_to(gpu, dst.device_ptr() + dst_offset, data)
+    }
+
+    /// Copies `data` to the device address `dst` (checked by the caller) in stream order; returns when complete.
+    fn upload_to(&mut self, gpu: &Gpu, dst: u64, data: &[u8]) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        if let QueueInner::Driver { stream, .. } = &mut self.inner {
+            return Ok(stream.upload(dst, data)?);
+        }
+        let staging = self.staging(gpu)?;
+        let half = STAGING_BYTES / 2;
+        let mut fences: [Option<Fence>; 2] = [None, None];
+        for (i, chunk) in data.chunks(half as usize).enumerate() {
+            let slot = i % 2;
+            if let Some(f) = fences[slot].take() {
+                f.wait(Duration::from_secs(30))?;
+            }
+            staging.write(slot as u64 * half, chunk)?;
+            let off = (i as u64) * half;
+            fences[slot] = Some(self.copy_raw(
+                staging.device_ptr() + slot as u64 * half,
+                dst + off,
+                chunk.len() as u64,
+            )?);
+        }
+        for f in fences.into_iter().flatten() {
+            f.wait(Duration::from_secs(30))?;
+        }
+        Ok(())
+    }
+
+    /// Copies device memory to pageable host memory; returns when the copy is complete.
+    pub fn download(
+        &mut self,
+        gpu: &Gpu,
+        src: &Buffer,
+        src_offset: u64,
+        out: &mut [u8],
+    ) -> Result<()> {
+        check_range(src.size, src_offset, out.len() as u64)?;
+        self.download_from(gpu, src.device_ptr() + src_offset, out)
+    }
+
+    /// Copies from the device address `src` (checked by the caller) into `out` in stream order; returns when
+    /// complete.
+    fn download_from(&mut self, gpu: &Gpu, src: u64, out: &mut [u8]) -> Result<()> {
+        if out.is_empty() {
+            return Ok(());
+        }
+        if let QueueInner::Driver { stream, .. } = &mut self.inner {
+            return Ok(stream.download(src, out)?);
+        }
+        let staging = self.staging(gpu)?;
+        let half = STAGING_BYTES / 2;
+        let n = out.len().div_ceil(half as usize);
+        let mut pending: Option<(usize, Fence)> = None;
+        for i in 0..=n {
+            // Start chunk i while the CPU drains chunk i-1.
+            let next = if i < n {
+                let slot = (i % 2) as u64;
+                let off = i as u64 * half;
+                let len = (out.len() as u64 - off).min(half);
+                Some((
+                    i,
+                    self.copy_raw(src + off, staging.device_ptr() + slot * half, len)?,
+                ))
+            } else {
+                None
+            };
+            if let Some((j, f)) = pending.take() {
+                f.wait(Duration::from_secs(30))?;
+                let off = j as u64 * half;
+                let len = (out.len() as u64 - off).min(half) as usize;
+                staging.read(
+                    (j % 2) as u64 * half,
+                    &mut out[off as usize..off as usize + len],
+                )?;
+            }
+            pending = next;
+        }
+        Ok(())
+    }
+
+    fn staging(&mut self, gpu: &Gpu) -> Result<HostBuffer> {
+        if self.staging.is_none() {
+            self.staging = Some(gpu.alloc_host(STAGING_BYTES)?);
+        }
+        self.staging
+            .clone()
+            .ok_or(Error::InvalidArgument("staging buffer".into()))
+    }
+}
+
+fn check_range(size: u64, offset: u64, len: u64) -> Result<()> {
+    if offset.checked_add(len).is_none_or(|e| e > size) {
+        return Err(Error::InvalidArgument(format!(
+            "range {offset:#x}+{len:#x} outside a {size:#x}-byte buffer"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks and launches one kernel on the driver backend's stream.
+///
+/// # Safety
+/// As for [`Queue::launch`].
+unsafe fn driver_launch(
+    stream: &mut driver::Stream,
+    ptrs: &mut driver::ParamPtrs,
+    limits: &Limits,
+    func: &driver::Function,
+    info: &Option<Arc<KernelInfo>>,
+    cfg: &LaunchConfig,
+    args: &[Arg<'_>],
+) -> Result<()> {
+    if let Some(info) = info {
+        launch::queue_validate(info, cfg, limits)?;
+    }
+    check_driver_args(func, info.as_deref(), args)?;
+    ptrs.clear();
+    for a in args {
+        ptrs.push(arg_ptr(a));
+    }
+    match cfg.cluster {
+        // A run-time cluster shape goes through cuLaunchKernelEx; a compile-time one needs nothing.
+        // SAFETY: each pointer refers into `args`, alive for the call, with the size the kernel declares (checked
+        // above); the rest is the caller's contract.
+        Some(cluster) => unsafe {
+            stream.launch_cluster(
+                func,
+                cfg.grid,
+                cfg.block,
+                cfg.shared_bytes,
+                cluster,
+                ptrs.as_mut_slice(),
+            )?
+        },
+        // SAFETY: as above.
+        None => unsafe {
+            stream.launch(
+                func,
+                cfg.grid,
+                cfg.block,
+                cfg.shared_bytes,
+                ptrs.as_mut_slice(),
+            )?
+        },
+    };
+    Ok(())
+}
+
+fn check_driver_args(
+    func: &driver::Function,
+    info: Option<&KernelInfo>,
+    args: &[Arg<'_>],
+) -> Result<()> {
+    // Named only when an error needs it: nothing is allocated on the launch path.
+    let name = || info.map_or_else(|| func.name().to_string(), |i| i.name.clone());
+    let params = func.params();
+    if args.len() != params.len() {
+        return Err(launch::Error::Params(launch::ParamError::Count {
+            kernel: name(),
+            expected: params.len(),
+            given: args.len(),
+        })
+        .into());
+    }
+    if args.len() > driver::MAX_PARAMS {
+        return Err(Error::InvalidArgument(format!(
+            "{} parameters (at most {})",
+            args.len(),
+            driver::MAX_PARAMS
+        )));
+    }
+    for (index, (a, &(_, size))) in args.iter().zip(params).enumerate() {
+        if a.size() != size as usize {
+            return Err(launch::Error::Params(launch::ParamError::Size {
+                kernel: name(),
+                index,
+                expected: size,
+                given: a.size(),
+            })
+            .into());
+        }
+    }
+    Ok(())
+}
+
+fn arg_ptr(a: &Arg<'_>) -> *mut std::ffi::c_void {
+    match a {
+        Arg::I8(v) => v as *const i8 as *mut _,
+        Arg::U8(v) => v as *const u8 as *mut _,
+        Arg::I16(v) => v as *const i16 as *mut _,
+        Arg::U16(v) => v as *const u16 as *mut _,
+        Arg::I32(v) => v as *const i32 as *mut _,
+        Arg::U32(v) => v as *const u32 as *mut _,
+        Arg::I64(v) => v as *const i64 as *mut _,
+        Arg::U64(v) | Arg::Ptr(v) => v as *const u64 as *mut _,
+        Arg::F32(v) => v as *const f32 as *mut _,
+        Arg::F64(v) => v as *const f64 as *mut _,
+        Arg::Bytes(b) => b.as_ptr() as *mut _,
+    }
+}
