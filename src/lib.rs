@@ -48,7 +48,8 @@ pub mod sim;
 
 pub use api::{
     Backend, BackendRequest, Buffer, DeviceInfo, Error, FallbackReason, Fence, Global, Gpu,
-    HostBuffer, Kernel, Module, Queue, Result, Selection, StreamWatch, choose,
+    HostBuffer, Kernel, Module, PeerAccess, PeerLink, Queue, Result, Selection, StreamWatch,
+    choose,
 };
 pub use launch::{Arg, LaunchConfig};
 pub use report::error_report;

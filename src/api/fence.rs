@@ -46,6 +46,22 @@ impl Fence {
         })))
     }
 
+    /// The direct path's fence.
+    pub(super) fn direct_part(&self) -> Option<&pushbuf::Fence> {
+        match &self.0 {
+            FenceInner::Direct { fence, .. } => Some(fence),
+            FenceInner::Driver(_) => None,
+        }
+    }
+
+    /// The driver backend's stream.
+    pub(super) fn driver_part(&self) -> Option<&StreamWatch> {
+        match &self.0 {
+            FenceInner::Driver(w) => Some(w),
+            FenceInner::Direct { .. } => None,
+        }
+    }
+
     /// Waits until the work before the fence is complete (at most `timeout`), then prints kernel `printf` output.
     pub fn wait(&self, timeout: Duration) -> Result<()> {
         match &self.0 {
@@ -66,6 +82,16 @@ impl Fence {
 }
 
 impl StreamWatch {
+    /// The stream's context.
+    pub(super) fn context(&self) -> &Arc<driver::Context> {
+        &self.ctx
+    }
+
+    /// The stream.
+    pub(super) fn stream(&self) -> driver::StreamRef {
+        self.stream
+    }
+
     fn is_idle(&self) -> bool {
         self.stream.is_idle(&self.ctx).unwrap_or(false)
     }

@@ -281,6 +281,7 @@ impl Gpu {
             keep: Vec::new(),
             staging: None,
             cuda: self.cuda.clone().map(cuda_attach::CudaOrder::new),
+            peer: Default::default(),
         })
     }
 }

@@ -9,14 +9,17 @@ mod fence;
 mod gpu;
 mod memory;
 mod module;
+mod multi_gpu;
 mod queue;
 mod selection;
 
+pub use crate::rm::PeerLink;
 pub use error::{Error, Result};
 pub use fence::{Fence, StreamWatch};
 pub use gpu::{DeviceInfo, Gpu};
 pub use memory::{Buffer, HostBuffer};
 pub use module::{Global, Kernel, Module};
+pub use multi_gpu::PeerAccess;
 pub use queue::Queue;
 pub use selection::{Backend, BackendRequest, FallbackReason, Selection, choose};
 

@@ -45,6 +45,8 @@ pub struct Queue {
     pub(super) staging: Option<HostBuffer>,
     /// Ordering with the attached CUDA context's streams.
     pub(super) cuda: Option<cuda_attach::CudaOrder>,
+    /// Copy engines for copies between GPUs.
+    pub(super) peer: super::multi_gpu::PeerCopies,
 }
 
 #[derive(Debug)]
@@ -243,7 +245,7 @@ impl Queue {
         Ok(())
     }
 
-    fn prune(&mut self) {
+    pub(super) fn prune(&mut self) {
         self.keep.retain(|(f, _)| !f.is_done());
     }
 
@@ -291,6 +293,9 @@ impl Queue {
         dst_offset: u64,
         bytes: u64,
     ) -> Result<Fence> {
+        if let Some(f) = self.copy_between_gpus(src, src_offset, dst, dst_offset, bytes)? {
+            return Ok(f);
+        }
         self.copy_kept(
             src.endpoint(src_offset),
             dst.endpoint(dst_offset),
@@ -520,7 +525,7 @@ impl Queue {
     }
 }
 
-fn check_range(size: u64, offset: u64, len: u64) -> Result<()> {
+pub(super) fn check_range(size: u64, offset: u64, len: u64) -> Result<()> {
     if offset.checked_add(len).is_none_or(|e| e > size) {
         return Err(Error::InvalidArgument(format!(
             "range {offset:#x}+{len:#x} outside a {size:#x}-byte buffer"

@@ -168,6 +168,43 @@ fn live_count(device: cu::CUdevice, delta: isize) -> usize {
     live[i].1
 }
 
+/// How many devices CUDA lists (after `CUDA_VISIBLE_DEVICES`).
+pub fn device_count() -> Result<usize> {
+    if !is_available() {
+        return Err(Error::NoLibrary);
+    }
+    let mut n = 0;
+    // SAFETY: plain driver calls with an out-pointer to a local.
+    unsafe {
+        check("cuInit", cu::cuInit(0))?;
+        check("cuDeviceGetCount", cu::cuDeviceGetCount(&mut n))?;
+    }
+    Ok(usize::try_from(n).unwrap_or(0))
+}
+
+/// The UUID of every device CUDA lists, in ordinal order.
+pub fn device_uuids() -> Result<Vec<[u8; 16]>> {
+    (0..device_count()?)
+        .map(|i| {
+            let mut device = 0;
+            // SAFETY: out-pointer to a local; `i` is below the device count.
+            check("cuDeviceGet", unsafe {
+                cu::cuDeviceGet(&mut device, i as i32)
+            })?;
+            device_uuid(device)
+        })
+        .collect()
+}
+
+fn device_uuid(device: cu::CUdevice) -> Result<[u8; 16]> {
+    let mut uuid = cu::CUuuid { bytes: [0; 16] };
+    // SAFETY: out-pointer to a local.
+    check("cuDeviceGetUuid", unsafe {
+        cu::cuDeviceGetUuid_v2(&mut uuid, device)
+    })?;
+    Ok(uuid.bytes.map(|b| b as u8))
+}
+
 /// Whether libcuda can be loaded, without panicking when it cannot.
 pub fn is_available() -> bool {
     // SAFETY: only tries to dlopen the library by its usual names.
@@ -274,6 +311,39 @@ impl Context {
         Ok(())
     }
 
+    /// The device's UUID.
+    pub fn uuid(&self) -> Result<[u8; 16]> {
+        device_uuid(self.device)
+    }
+
+    /// Whether this context's device can map `other`'s memory (`cuDeviceCanAccessPeer`).
+    pub fn can_access_peer(&self, other: &Context) -> Result<bool> {
+        if self.device == other.device {
+            return Ok(true);
+        }
+        let mut v = 0;
+        // SAFETY: out-pointer to a local; both devices are valid ordinals of retained contexts.
+        check("cuDeviceCanAccessPeer", unsafe {
+            cu::cuDeviceCanAccessPeer(&mut v, self.device, other.device)
+        })?;
+        Ok(v != 0)
+    }
+
+    /// Lets this context's kernels and copies address `other`'s memory (`cuCtxEnablePeerAccess`); enabling twice
+    /// is not an error.
+    pub fn enable_peer_access(&self, other: &Context) -> Result<()> {
+        if self.device == other.device {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: both contexts are retained for our lifetimes; flags must be 0.
+        let r = unsafe { cu::cuCtxEnablePeerAccess(other.ctx, 0) };
+        if r == cu::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+            return Ok(());
+        }
+        check("cuCtxEnablePeerAccess", r)
+    }
+
     pub fn name(&self) -> Result<String> {
         let mut buf = [0 as std::ffi::c_char; 256];
         // SAFETY: the buffer is 256 bytes and the driver NUL-terminates within the length given.
@@ -361,6 +431,11 @@ impl DeviceMemory {
 
     pub fn ptr(&self) -> u64 {
         self.ptr
+    }
+
+    /// The context the memory was allocated in.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.ctx
     }
 
     pub fn size(&self) -> u64 {
@@ -683,6 +758,18 @@ impl Stream {
         &self.ctx
     }
 
+    /// A kernel of another context (another device's) cannot run on this stream: refused before the driver sees it.
+    fn check_context(&self, f: &Function) -> Result<()> {
+        if f.module.ctx.ctx == self.ctx.ctx {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument(format!(
+            "kernel `{}` belongs to a module loaded in another context (another GPU) than the queue's stream; load \
+             the module on the queue's GPU",
+            f.name
+        )))
+    }
+
     /// cuLaunchKernel with one pointer per parameter.
     ///
     /// # Safety
@@ -696,6 +783,7 @@ impl Stream {
         shared: u32,
         params: &mut [*mut c_void],
     ) -> Result<()> {
+        self.check_context(f)?;
         self.ctx.bind()?;
         f.ensure_dynamic_shared(shared)?;
         // SAFETY: the caller guarantees the parameter pointers.
@@ -728,6 +816,7 @@ impl Stream {
         shared: u32,
         params: &mut [*mut c_void],
     ) -> Result<()> {
+        self.check_context(f)?;
         self.ctx.bind()?;
         f.ensure_dynamic_shared(shared)?;
         // SAFETY: the caller guarantees the parameter pointers.
@@ -762,6 +851,7 @@ impl Stream {
         cluster: [u32; 3],
         params: &mut [*mut c_void],
     ) -> Result<()> {
+        self.check_context(f)?;
         self.ctx.bind()?;
         f.ensure_dynamic_shared(shared)?;
         let mut value = cu::CUlaunchAttributeValue { pad: [0; 64] };
@@ -825,6 +915,33 @@ impl Stream {
         })
     }
 
+    /// Asynchronous copy from `src` in `src_ctx`'s device memory to `dst` in `dst_ctx`'s (`cuMemcpyPeerAsync`):
+    /// over the peer link where there is one, staged by the driver where not.
+    ///
+    /// # Safety
+    /// Both ranges must stay valid until the stream has executed the copy.
+    pub unsafe fn copy_peer(
+        &mut self,
+        dst: u64,
+        dst_ctx: &Context,
+        src: u64,
+        src_ctx: &Context,
+        bytes: u64,
+    ) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: forwarded to the caller; both contexts are retained.
+        check("cuMemcpyPeerAsync", unsafe {
+            cu::cuMemcpyPeerAsync(
+                dst,
+                dst_ctx.ctx,
+                src,
+                src_ctx.ctx,
+                bytes as usize,
+                self.stream,
+            )
+        })
+    }
+
     /// Synchronous copy of pageable host memory to the device.
     pub fn upload(&mut self, dst: u64, data: &[u8]) -> Result<()> {
         self.ctx.bind()?;
@@ -870,6 +987,11 @@ unsafe impl Send for StreamRef {}
 unsafe impl Sync for StreamRef {}
 
 impl StreamRef {
+    /// The raw stream handle.
+    pub fn raw(self) -> cu::CUstream {
+        self.0
+    }
+
     /// Whether everything submitted to the stream so far is complete.
     pub fn is_idle(self, ctx: &Context) -> Result<bool> {
         ctx.bind()?;
@@ -967,6 +1089,34 @@ pub unsafe fn order_streams(
             cu::cuEventCreate(&mut ev, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32),
         )?;
         let r = check("cuEventRecord", cu::cuEventRecord(ev, signaler))
+            .and_then(|()| check("cuStreamWaitEvent", cu::cuStreamWaitEvent(waiter, ev, 0)));
+        cu::cuEventDestroy_v2(ev);
+        r
+    }
+}
+
+/// Makes `waiter` (a stream of `waiter_ctx`) wait, on the GPU, for everything submitted so far to `signaler` (a
+/// stream of `signaler_ctx`, possibly another device's): an event recorded on one and waited for by the other.
+///
+/// # Safety
+/// Both must be valid streams of their contexts (null: the context's legacy default stream).
+pub unsafe fn order_streams_across(
+    waiter_ctx: &Context,
+    waiter: cu::CUstream,
+    signaler_ctx: &Context,
+    signaler: cu::CUstream,
+) -> Result<()> {
+    signaler_ctx.bind()?;
+    let mut ev = std::ptr::null_mut();
+    // SAFETY: the signaler's context is current for the event's creation and record; the waiter's for the wait
+    // (CUDA allows waiting on another device's event); CUDA keeps the event until its record completes.
+    unsafe {
+        check(
+            "cuEventCreate",
+            cu::cuEventCreate(&mut ev, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32),
+        )?;
+        let r = check("cuEventRecord", cu::cuEventRecord(ev, signaler))
+            .and_then(|()| waiter_ctx.bind())
             .and_then(|()| check("cuStreamWaitEvent", cu::cuStreamWaitEvent(waiter, ev, 0)));
         cu::cuEventDestroy_v2(ev);
         r

@@ -133,6 +133,11 @@ impl Module {
     }
 
     /// The linked image as it is in GPU memory (for inspection: what the loader laid out and relocated).
+    /// The GPU the module is loaded on.
+    pub fn gpu(&self) -> &Arc<GpuCore> {
+        self.image.gpu()
+    }
+
     pub fn image_bytes(&self) -> Result<Vec<u8>> {
         let mut out = vec![0u8; self.image.size() as usize];
         self.image.read(0, &mut out)?;

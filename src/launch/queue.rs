@@ -402,6 +402,16 @@ impl ComputeQueue {
     /// Checks a launch: the block's shared memory and the cluster shape it runs with.
     fn check(&self, kernel: &Kernel, cfg: &LaunchConfig) -> Result<(u32, Option<[u32; 3]>)> {
         let k = kernel.info();
+        if !Arc::ptr_eq(kernel.module().gpu(), &self.gpu) {
+            return Err(Error::InvalidLaunch {
+                kernel: k.name.clone(),
+                why: format!(
+                    "the module is loaded on {} and the queue runs on {}; load the module on the queue's GPU",
+                    kernel.module().gpu().info().uuid,
+                    self.gpu.info().uuid
+                ),
+            });
+        }
         let shared = validate(k, cfg, &self.limits)?;
         Ok((shared, cluster_shape(k, cfg, &self.limits)?))
     }

@@ -216,6 +216,31 @@ impl GpuCore {
         Ok(Arc::new(core))
     }
 
+    /// How many GPUs RM lists (`NV_ESC_CARD_INFO`), the indices [`GpuCore::open`] takes.
+    pub fn count() -> Result<usize> {
+        let ctl = open_node("/dev/nvidiactl")?;
+        Ok(card_info(&ctl)?.len())
+    }
+
+    /// The UUID of every GPU RM lists, in [`GpuCore::open`]'s index order, read without opening them for work.
+    pub fn uuids() -> Result<Vec<[u8; 16]>> {
+        let ctl = open_node("/dev/nvidiactl")?;
+        let cards = card_info(&ctl)?;
+        // RM answers for attached GPUs: each GPU node is held open while its UUID is read.
+        let nodes = cards
+            .iter()
+            .map(|c| open_gpu_node(&ctl, c.minor_number))
+            .collect::<Result<Vec<_>>>()?;
+        let client = Client::with_foreign_uvm(ctl, open_node("/dev/nvidia-uvm")?)?;
+        let uuids = cards
+            .iter()
+            .map(|c| gpu_uuid(&client, c.gpu_id))
+            .collect::<Result<Vec<_>>>();
+        drop(client);
+        drop(nodes);
+        uuids
+    }
+
     /// Opens the GPU whose UUID is `uuid` inside the CUDA context of this process that runs on it: APEX's own
     /// client, device and memory, with channels that join CUDA's compute channel group and address space (see
     /// [`Attachment`]). The CUDA context must exist (with its first kernel launch or allocation done) and must

@@ -62,6 +62,8 @@ pub enum SimErrorKind {
     BadSemaphore { va: u64, why: &'static str },
     #[error("inline upload: {why}")]
     BadInlineUpload { why: &'static str },
+    #[error("copy engine: {why}")]
+    BadCopy { why: &'static str },
     #[error("QMD at {qmd_va:#x} rejected: {violation}")]
     BadQmd {
         qmd_va: u64,
@@ -141,6 +143,8 @@ pub struct ChannelStats {
     pub launches: u64,
     pub dropped_qmds: u64,
     pub inline_uploads: u64,
+    /// Copy-engine LAUNCH_DMAs that moved data.
+    pub copies: u64,
     pub wfis: u64,
     pub membars: u64,
     pub non_stall_interrupts: u64,

@@ -1,0 +1,317 @@
+//! Several GPUs: counting and opening them, peer access, copies between GPUs, and queues of one GPU waiting for
+//! another's, on both backends.
+//!
+//! On the direct path the first open of each GPU in the process joins one shared address space (the peer
+//! domain): a buffer keeps its address on every GPU it is mapped on, copies between GPUs run on the copy
+//! engines RM names best for the link, split across them, and a queue waits for another GPU's fence by
+//! acquiring that queue's semaphore. On the driver backend the same calls use `cuCtxEnablePeerAccess`,
+//! `cuMemcpyPeerAsync` and events.
+
+use std::sync::Arc;
+
+use super::gpu::GpuInner;
+use super::memory::BufferInner;
+use super::queue::{KeepAlive, QueueInner};
+use super::{Backend, BackendRequest, Buffer, Error, Fence, Gpu, Queue, Result};
+use crate::driver;
+use crate::launch::CopyEngines;
+use crate::rm::{self, GpuCore, PeerLink};
+
+/// How two GPUs reach each other's memory, as [`Gpu::peer_access`] reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerAccess {
+    /// The link: NVLink, PCIe, C2C, or the same GPU. `None` on the CUDA driver backend, which does not say.
+    pub link: Option<PeerLink>,
+    /// Whether atomics on the peer's memory are supported.
+    pub atomics: bool,
+}
+
+/// Copy engines a queue keeps for copies between GPUs, by engine mask (built on first use).
+#[derive(Debug, Default)]
+pub(super) struct PeerCopies {
+    engines: Vec<(u64, CopyEngines)>,
+}
+
+impl Gpu {
+    /// How many NVIDIA GPUs this process can open: RM's list when the direct path can run (and
+    /// `APEX_BACKEND` does not ask for the driver), otherwise CUDA's (after `CUDA_VISIBLE_DEVICES`).
+    pub fn count() -> Result<usize> {
+        if BackendRequest::from_env()? != BackendRequest::Driver
+            && let Ok(n) = GpuCore::count()
+        {
+            return Ok(n);
+        }
+        Ok(driver::device_count()?)
+    }
+
+    /// Opens the GPU whose UUID is `uuid`, as `nvidia-smi -L` prints it (`GPU-8f1d...`; the `GPU-` prefix and
+    /// the dashes are optional), with the backend `APEX_BACKEND` asks for. Indices can differ between RM's
+    /// order and CUDA's; a UUID names the same GPU on both backends.
+    pub fn open_uuid(uuid: &str) -> Result<Gpu> {
+        let want = parse_uuid(uuid)?;
+        let request = BackendRequest::from_env()?;
+        if request != BackendRequest::Driver
+            && let Some(i) = GpuCore::uuids()
+                .ok()
+                .and_then(|u| u.iter().position(|u| *u == want))
+        {
+            let gpu = Gpu::open_with(i, request)?;
+            if gpu.backend() == Backend::Direct || gpu.uuid_bytes()? == want {
+                return Ok(gpu);
+            }
+            // Fell back to the driver, whose index `i` names another GPU: open it by CUDA's order below.
+        }
+        if request == BackendRequest::Direct {
+            return Err(Error::InvalidArgument(format!(
+                "no GPU with UUID {uuid} (`nvidia-smi -L` lists the GPUs)"
+            )));
+        }
+        let ordinal = driver::device_uuids()?
+            .iter()
+            .position(|u| *u == want)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "no GPU with UUID {uuid} (`nvidia-smi -L` lists the GPUs)"
+                ))
+            })?;
+        Gpu::open_with(ordinal, BackendRequest::Driver)
+    }
+
+    /// The GPU's UUID, as `nvidia-smi -L` prints it (`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`).
+    pub fn uuid(&self) -> Result<String> {
+        Ok(rm::format_uuid(&self.uuid_bytes()?))
+    }
+
+    fn uuid_bytes(&self) -> Result<[u8; 16]> {
+        match &self.inner {
+            GpuInner::Direct(c) => Ok(c.info().uuid_bytes),
+            GpuInner::Driver(ctx) => Ok(ctx.uuid()?),
+        }
+    }
+
+    /// How this GPU reaches `other`'s memory; an error saying why when it cannot (no peer link, or GPUs opened
+    /// in different address spaces, or different backends).
+    pub fn peer_access(&self, other: &Gpu) -> Result<PeerAccess> {
+        match (&self.inner, &other.inner) {
+            (GpuInner::Direct(a), GpuInner::Direct(b)) => {
+                let caps = a.peer_caps(b)?;
+                if caps.link != PeerLink::Same {
+                    a.check_same_domain(b)?;
+                }
+                Ok(PeerAccess {
+                    link: Some(caps.link),
+                    atomics: caps.atomics,
+                })
+            }
+            (GpuInner::Driver(a), GpuInner::Driver(b)) => {
+                if !a.can_access_peer(b)? {
+                    return Err(Error::InvalidArgument(format!(
+                        "{} cannot access the memory of {}: CUDA reports no peer access between them \
+                         (cuDeviceCanAccessPeer); copy through host memory instead",
+                        self.uuid()?,
+                        other.uuid()?
+                    )));
+                }
+                Ok(PeerAccess {
+                    link: None,
+                    atomics: true,
+                })
+            }
+            _ => Err(Error::Mismatch),
+        }
+    }
+
+    /// Makes `buffer`, memory of another GPU, addressable by this GPU's kernels and copies at its
+    /// [`device_ptr`](Buffer::device_ptr): a kernel on this GPU then reads and writes it over the peer link.
+    /// Mapping twice is a no-op; the mapping lasts as long as the buffer. On the driver backend this enables
+    /// peer access from this GPU's context to the buffer's (`cuCtxEnablePeerAccess`), which covers all of it.
+    pub fn map_peer(&self, buffer: &Buffer) -> Result<()> {
+        match (&self.inner, &*buffer.inner) {
+            (GpuInner::Direct(g), BufferInner::Direct(m)) => Ok(m.map_on(g)?),
+            (GpuInner::Driver(g), BufferInner::Driver(m)) => Ok(g.enable_peer_access(m.context())?),
+            _ => Err(Error::Mismatch),
+        }
+    }
+}
+
+impl Buffer {
+    /// Whether `gpu`'s kernels and copies can address this buffer: it is `gpu`'s own, or mapped on it with
+    /// [`Gpu::map_peer`] (on the driver backend: whether peer access is possible, as CUDA maps all or nothing).
+    pub fn is_accessible_from(&self, gpu: &Gpu) -> bool {
+        match (&gpu.inner, &*self.inner) {
+            (GpuInner::Direct(g), BufferInner::Direct(m)) => m.is_mapped_on(g),
+            (GpuInner::Driver(g), BufferInner::Driver(m)) => {
+                Arc::ptr_eq(g, m.context()) || g.can_access_peer(m.context()).unwrap_or(false)
+            }
+            _ => false,
+        }
+    }
+}
+
+impl Queue {
+    /// Makes this queue's later launches and copies wait, on the GPU, until `fence` completes. `fence` may come
+    /// from any queue: of this GPU, or of another GPU of the process (no CPU in between: the queue acquires the
+    /// other queue's semaphore; on the driver backend, an event). Returns once the wait is queued.
+    pub fn wait_for(&mut self, fence: &Fence) -> Result<()> {
+        self.driver_chain = 0;
+        match (&mut self.inner, fence.direct_part(), fence.driver_part()) {
+            (QueueInner::Direct(q), Some(f), _) => {
+                q.wait_fence(f)?;
+                Ok(())
+            }
+            (QueueInner::Driver { stream, .. }, _, Some(w)) => {
+                // SAFETY: both are live streams of their (retained) contexts.
+                unsafe {
+                    driver::order_streams_across(
+                        stream.context(),
+                        stream.raw(),
+                        w.context(),
+                        w.stream().raw(),
+                    )?
+                };
+                Ok(())
+            }
+            _ => Err(Error::Mismatch),
+        }
+    }
+
+    /// A copy where a buffer belongs to another GPU than the queue's: on the direct path, both buffers are mapped
+    /// on the queue's GPU (once) and the copy runs on the copy engines RM names best for the peer link, split
+    /// across them; on the driver backend, `cuMemcpyPeerAsync`. `None` when both buffers are the queue's own.
+    pub(super) fn copy_between_gpus(
+        &mut self,
+        src: &Buffer,
+        src_offset: u64,
+        dst: &Buffer,
+        dst_offset: u64,
+        bytes: u64,
+    ) -> Result<Option<Fence>> {
+        let f = match (&mut self.inner, &*src.inner, &*dst.inner) {
+            (QueueInner::Direct(q), BufferInner::Direct(s), BufferInner::Direct(d)) => {
+                let gpu = q.gpu().clone();
+                let (s_own, d_own) = (Arc::ptr_eq(s.gpu(), &gpu), Arc::ptr_eq(d.gpu(), &gpu));
+                if s_own && d_own {
+                    return Ok(None);
+                }
+                super::queue::check_range(src.size, src_offset, bytes)?;
+                super::queue::check_range(dst.size, dst_offset, bytes)?;
+                if bytes == 0 {
+                    return Err(Error::InvalidArgument("a copy of 0 bytes".into()));
+                }
+                s.map_on(&gpu)?;
+                d.map_on(&gpu)?;
+                // Writing a peer's memory: the engines RM names for peer writes; reading one: for peer reads.
+                let caps = if !d_own {
+                    gpu.peer_caps(d.gpu())?
+                } else {
+                    gpu.peer_caps(s.gpu())?
+                };
+                let mask = u64::from(if !d_own {
+                    caps.optimal_write_ces
+                } else {
+                    caps.optimal_read_ces
+                });
+                let engines = self.peer.engines_for(&gpu, mask)?;
+                let f = q.copy_on(engines, s.va() + src_offset, d.va() + dst_offset, bytes)?;
+                Fence::direct(f, q)
+            }
+            (QueueInner::Driver { stream, .. }, BufferInner::Driver(s), BufferInner::Driver(d)) => {
+                let ctx = stream.context().clone();
+                if Arc::ptr_eq(s.context(), &ctx) && Arc::ptr_eq(d.context(), &ctx) {
+                    return Ok(None);
+                }
+                super::queue::check_range(src.size, src_offset, bytes)?;
+                super::queue::check_range(dst.size, dst_offset, bytes)?;
+                if bytes == 0 {
+                    return Err(Error::InvalidArgument("a copy of 0 bytes".into()));
+                }
+                // SAFETY: both ranges were checked; the queue keeps both buffers alive until the copy completes.
+                unsafe {
+                    stream.copy_peer(
+                        d.ptr() + dst_offset,
+                        d.context(),
+                        s.ptr() + src_offset,
+                        s.context(),
+                        bytes,
+                    )?
+                };
+                Fence::driver(stream)
+            }
+            _ => return Err(Error::Mismatch),
+        };
+        self.prune();
+        self.keep.push((f.clone(), KeepAlive::Device(src.clone())));
+        self.keep.push((f.clone(), KeepAlive::Device(dst.clone())));
+        Ok(Some(f))
+    }
+}
+
+impl PeerCopies {
+    /// The copy engines of `mask` on `gpu` (all of them when RM named none), built on first use.
+    fn engines_for(&mut self, gpu: &Arc<GpuCore>, mask: u64) -> Result<&mut CopyEngines> {
+        // RM names no engines for some links: any copy engine reaches a mapped peer.
+        let mask = if mask == 0 { ALL_LCES } else { mask };
+        let i = match self.engines.iter().position(|(m, _)| *m == mask) {
+            Some(i) => i,
+            None => {
+                self.engines.push((mask, CopyEngines::new(gpu, mask)?));
+                self.engines.len() - 1
+            }
+        };
+        Ok(&mut self.engines[i].1)
+    }
+}
+
+/// Every LCE index a Hopper may have (engines RM refuses are left out when the channels are built).
+const ALL_LCES: u64 = 0x3ff;
+
+/// A UUID as `nvidia-smi -L` prints it, or the 32 hex digits alone.
+fn parse_uuid(s: &str) -> Result<[u8; 16]> {
+    let hex: String = s
+        .trim()
+        .trim_start_matches("GPU-")
+        .chars()
+        .filter(|c| *c != '-')
+        .collect();
+    let bad = || {
+        Error::InvalidArgument(format!(
+            "{s:?} is not a GPU UUID: expected GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx as `nvidia-smi -L` prints it"
+        ))
+    };
+    if hex.len() != 32 || !hex.is_ascii() {
+        return Err(bad());
+    }
+    let mut out = [0u8; 16];
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_uuid;
+
+    #[test]
+    fn uuids_parse_as_nvidia_smi_prints_them() {
+        let u = parse_uuid("GPU-8f1d3c2a-0b1e-4c5d-9e8f-0123456789ab").expect("uuid");
+        assert_eq!(u[0], 0x8f);
+        assert_eq!(u[15], 0xab);
+        assert_eq!(
+            parse_uuid("8f1d3c2a0b1e4c5d9e8f0123456789ab").expect("bare hex"),
+            u
+        );
+        assert_eq!(
+            crate::rm::format_uuid(&u),
+            "GPU-8f1d3c2a-0b1e-4c5d-9e8f-0123456789ab"
+        );
+        for bad in [
+            "",
+            "GPU-xyz",
+            "GPU-8f1d3c2a-0b1e-4c5d-9e8f-0123456789",
+            "é".repeat(32).as_str(),
+        ] {
+            assert!(parse_uuid(bad).is_err(), "{bad:?}");
+        }
+    }
+}
