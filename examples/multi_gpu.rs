@@ -15,7 +15,14 @@ mod support;
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
 const T: Duration = Duration::from_secs(60);
 const N: usize = 1 << 16;
-const COPY_BYTES: u64 = 256 << 20;
+/// Bytes per copy: `APEX_COPY_MIB` MiB (256 by default).
+fn copy_bytes() -> u64 {
+    std::env::var("APEX_COPY_MIB")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(256)
+        << 20
+}
 const COPY_REPS: usize = 10;
 const HOPS: usize = 2000;
 
@@ -99,34 +106,37 @@ fn ring(gpus: &[Gpu], rounds: usize) -> Result<Duration, Box<dyn std::error::Err
     Ok(per_hop)
 }
 
-/// GB/s of `COPY_REPS` copies of `COPY_BYTES`: 0 -> 1, 1 -> 0, and both at once (each GPU pushing).
+/// GB/s of `COPY_REPS` copies of `copy_bytes()` bytes: 0 -> 1, 1 -> 0, and both at once (each GPU pushing).
 fn bandwidth(g: &[Gpu]) -> Result<[f64; 3], Box<dyn std::error::Error>> {
     let bufs: Vec<[Buffer; 2]> = g
         .iter()
-        .map(|x| Ok::<_, apex::Error>([x.alloc(COPY_BYTES)?, x.alloc(COPY_BYTES)?]))
+        .map(|x| Ok::<_, apex::Error>([x.alloc(copy_bytes())?, x.alloc(copy_bytes())?]))
         .collect::<Result<_, _>>()?;
+    // CUDA's best: peer access enabled (without it cuMemcpyPeer stages through host memory).
+    g[0].map_peer(&bufs[1][1])?;
+    g[1].map_peer(&bufs[0][1])?;
     let mut q: Vec<Queue> = g.iter().map(Gpu::queue).collect::<Result<_, _>>()?;
     let gbps = |bytes: u64, t: Duration| bytes as f64 / t.as_secs_f64() / 1e9;
     let mut out = [0.0; 3];
     for (dir, (from, to)) in [(0usize, 1usize), (1, 0)].into_iter().enumerate() {
         // Warm: builds the copy channels and the peer mappings.
-        q[from].copy_device_to_device(&bufs[from][0], 0, &bufs[to][1], 0, COPY_BYTES)?;
+        q[from].copy_device_to_device(&bufs[from][0], 0, &bufs[to][1], 0, copy_bytes())?;
         q[from].synchronize()?;
         let t = Instant::now();
         for _ in 0..COPY_REPS {
-            q[from].copy_device_to_device(&bufs[from][0], 0, &bufs[to][1], 0, COPY_BYTES)?;
+            q[from].copy_device_to_device(&bufs[from][0], 0, &bufs[to][1], 0, copy_bytes())?;
         }
         q[from].synchronize()?;
-        out[dir] = gbps(COPY_BYTES * COPY_REPS as u64, t.elapsed());
+        out[dir] = gbps(copy_bytes() * COPY_REPS as u64, t.elapsed());
     }
     let t = Instant::now();
     for _ in 0..COPY_REPS {
-        q[0].copy_device_to_device(&bufs[0][0], 0, &bufs[1][1], 0, COPY_BYTES)?;
-        q[1].copy_device_to_device(&bufs[1][0], 0, &bufs[0][1], 0, COPY_BYTES)?;
+        q[0].copy_device_to_device(&bufs[0][0], 0, &bufs[1][1], 0, copy_bytes())?;
+        q[1].copy_device_to_device(&bufs[1][0], 0, &bufs[0][1], 0, copy_bytes())?;
     }
     q[0].synchronize()?;
     q[1].synchronize()?;
-    out[2] = gbps(2 * COPY_BYTES * COPY_REPS as u64, t.elapsed());
+    out[2] = gbps(2 * copy_bytes() * COPY_REPS as u64, t.elapsed());
     Ok(out)
 }
 
@@ -158,7 +168,39 @@ fn hop_latency(g: &[Gpu]) -> Result<Duration, Box<dyn std::error::Error>> {
     Ok(best)
 }
 
+/// GB/s of the SMs copying 0 -> 1 over the link (APEX's built-in copy kernel on GPU 0 writing GPU 1's memory), 32
+/// MiB at a time: larger peer-mapped buffers stalled in testing (issue 13).
+const SM_BYTES: u64 = 32 << 20;
+
+fn sm_bandwidth(g: &[Gpu]) -> Result<f64, Box<dyn std::error::Error>> {
+    let (src, dst) = (g[0].alloc(SM_BYTES)?, g[1].alloc(SM_BYTES)?);
+    g[0].map_peer(&dst)?;
+    let mut q = g[0].queue()?;
+    let Some(cq) = q.direct() else {
+        return Ok(0.0);
+    };
+    let run = |cq: &mut apex::launch::ComputeQueue| -> apex::Result<()> {
+        // SAFETY: both buffers are SM_BYTES long, mapped on GPU 0, and outlive the synchronize below.
+        unsafe { cq.copy_device(src.device_ptr(), dst.device_ptr(), SM_BYTES)? };
+        Ok(())
+    };
+    run(cq)?;
+    cq.synchronize()?;
+    let t = Instant::now();
+    for _ in 0..COPY_REPS {
+        run(cq)?;
+    }
+    cq.synchronize()?;
+    Ok(SM_BYTES as f64 * COPY_REPS as f64 / t.elapsed().as_secs_f64() / 1e9)
+}
+
 fn run() -> Result<(), Box<dyn std::error::Error>> {
+    if std::env::var_os("APEX_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let rounds: usize = std::env::args()
         .nth(1)
         .map(|a| a.parse())
@@ -194,8 +236,19 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     for b in [BackendRequest::Direct, BackendRequest::Driver] {
         let g = open_all(2, b)?;
         let backend = g[0].backend();
-        let bw = bandwidth(&g)?;
+        if backend == Backend::Direct {
+            println!(
+                "APEX, the SMs copying 32 MiB 0 -> 1 over the link: {:.1} GB/s",
+                sm_bandwidth(&g)?
+            );
+        }
         let hop = hop_latency(&g)?;
+        // Copies between GPUs run on the driver backend only for now (the direct path refuses them).
+        let bw = if backend == Backend::Driver {
+            bandwidth(&g)?
+        } else {
+            [f64::NAN; 3]
+        };
         rows.push((backend, bw, hop));
     }
     println!();
@@ -203,7 +256,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     println!("|---|---|---|---|---|");
     for (b, bw, hop) in &rows {
         let name = match b {
-            Backend::Direct => "APEX (copy engines, semaphore acquire)",
+            Backend::Direct => "APEX (semaphore acquire; copies: not yet)",
             Backend::Driver => "CUDA (cuMemcpyPeerAsync, cuStreamWaitEvent)",
         };
         println!(

@@ -281,7 +281,6 @@ impl Gpu {
             keep: Vec::new(),
             staging: None,
             cuda: self.cuda.clone().map(cuda_attach::CudaOrder::new),
-            peer: Default::default(),
         })
     }
 }

@@ -2,9 +2,8 @@
 //! another's, on both backends.
 //!
 //! On the direct path the first open of each GPU in the process joins one shared address space (the peer
-//! domain): a buffer keeps its address on every GPU it is mapped on, copies between GPUs run on the copy
-//! engines RM names best for the link, split across them, and a queue waits for another GPU's fence by
-//! acquiring that queue's semaphore. On the driver backend the same calls use `cuCtxEnablePeerAccess`,
+//! domain): a buffer keeps its address on every GPU it is mapped on, and a queue waits for another GPU's fence
+//! by acquiring that queue's semaphore. Copies between GPUs run on the driver backend only for now. On the driver backend the same calls use `cuCtxEnablePeerAccess`,
 //! `cuMemcpyPeerAsync` and events.
 
 use std::sync::Arc;
@@ -14,7 +13,6 @@ use super::memory::BufferInner;
 use super::queue::{KeepAlive, QueueInner};
 use super::{Backend, BackendRequest, Buffer, Error, Fence, Gpu, Queue, Result};
 use crate::driver;
-use crate::launch::CopyEngines;
 use crate::rm::{self, GpuCore, PeerLink};
 
 /// How two GPUs reach each other's memory, as [`Gpu::peer_access`] reports it.
@@ -24,12 +22,6 @@ pub struct PeerAccess {
     pub link: Option<PeerLink>,
     /// Whether atomics on the peer's memory are supported.
     pub atomics: bool,
-}
-
-/// Copy engines a queue keeps for copies between GPUs, by engine mask (built on first use).
-#[derive(Debug, Default)]
-pub(super) struct PeerCopies {
-    engines: Vec<(u64, CopyEngines)>,
 }
 
 impl Gpu {
@@ -175,9 +167,9 @@ impl Queue {
         }
     }
 
-    /// A copy where a buffer belongs to another GPU than the queue's: on the direct path, both buffers are mapped
-    /// on the queue's GPU (once) and the copy runs on the copy engines RM names best for the peer link, split
-    /// across them; on the driver backend, `cuMemcpyPeerAsync`. `None` when both buffers are the queue's own.
+    /// A copy where a buffer belongs to another GPU than the queue's: on the driver backend, `cuMemcpyPeerAsync`;
+    /// on the direct path, refused with the reason (see the note inside). `None` when both buffers are the
+    /// queue's own.
     pub(super) fn copy_between_gpus(
         &mut self,
         src: &Buffer,
@@ -188,32 +180,20 @@ impl Queue {
     ) -> Result<Option<Fence>> {
         let f = match (&mut self.inner, &*src.inner, &*dst.inner) {
             (QueueInner::Direct(q), BufferInner::Direct(s), BufferInner::Direct(d)) => {
-                let gpu = q.gpu().clone();
-                let (s_own, d_own) = (Arc::ptr_eq(s.gpu(), &gpu), Arc::ptr_eq(d.gpu(), &gpu));
-                if s_own && d_own {
+                let gpu = q.gpu();
+                if Arc::ptr_eq(s.gpu(), gpu) && Arc::ptr_eq(d.gpu(), gpu) {
                     return Ok(None);
                 }
-                super::queue::check_range(src.size, src_offset, bytes)?;
-                super::queue::check_range(dst.size, dst_offset, bytes)?;
-                if bytes == 0 {
-                    return Err(Error::InvalidArgument("a copy of 0 bytes".into()));
-                }
-                s.map_on(&gpu)?;
-                d.map_on(&gpu)?;
-                // Writing a peer's memory: the engines RM names for peer writes; reading one: for peer reads.
-                let caps = if !d_own {
-                    gpu.peer_caps(d.gpu())?
-                } else {
-                    gpu.peer_caps(s.gpu())?
-                };
-                let mask = u64::from(if !d_own {
-                    caps.optimal_write_ces
-                } else {
-                    caps.optimal_read_ces
-                });
-                let engines = self.peer.engines_for(&gpu, mask)?;
-                let f = q.copy_on(engines, s.va() + src_offset, d.va() + dst_offset, bytes)?;
-                Fence::direct(f, q)
+                // Measured on two H200s (NVLink, driver 580.159.04): copy-only channels on the LCEs complete
+                // peer copies at 0.5-6 GB/s or not at all, and the SMs copying into a peer mapping stall above
+                // 32 MiB. Until both are understood, the direct path refuses rather than risk a stuck queue.
+                return Err(Error::InvalidArgument(format!(
+                    "copies between GPUs ({} -> {}) are not available on the direct path yet; open the GPUs \
+                     with the CUDA driver backend (APEX_BACKEND=driver) for cuMemcpyPeer, or copy with a kernel \
+                     over a peer mapping (Gpu::map_peer) for buffers up to 32 MiB",
+                    s.gpu().info().uuid,
+                    d.gpu().info().uuid
+                )));
             }
             (QueueInner::Driver { stream, .. }, BufferInner::Driver(s), BufferInner::Driver(d)) => {
                 let ctx = stream.context().clone();
@@ -245,25 +225,6 @@ impl Queue {
         Ok(Some(f))
     }
 }
-
-impl PeerCopies {
-    /// The copy engines of `mask` on `gpu` (all of them when RM named none), built on first use.
-    fn engines_for(&mut self, gpu: &Arc<GpuCore>, mask: u64) -> Result<&mut CopyEngines> {
-        // RM names no engines for some links: any copy engine reaches a mapped peer.
-        let mask = if mask == 0 { ALL_LCES } else { mask };
-        let i = match self.engines.iter().position(|(m, _)| *m == mask) {
-            Some(i) => i,
-            None => {
-                self.engines.push((mask, CopyEngines::new(gpu, mask)?));
-                self.engines.len() - 1
-            }
-        };
-        Ok(&mut self.engines[i].1)
-    }
-}
-
-/// Every LCE index a Hopper may have (engines RM refuses are left out when the channels are built).
-const ALL_LCES: u64 = 0x3ff;
 
 /// A UUID as `nvidia-smi -L` prints it, or the 32 hex digits alone.
 fn parse_uuid(s: &str) -> Result<[u8; 16]> {

@@ -45,8 +45,6 @@ pub struct Queue {
     pub(super) staging: Option<HostBuffer>,
     /// Ordering with the attached CUDA context's streams.
     pub(super) cuda: Option<cuda_attach::CudaOrder>,
-    /// Copy engines for copies between GPUs.
-    pub(super) peer: super::multi_gpu::PeerCopies,
 }
 
 #[derive(Debug)]

@@ -162,7 +162,7 @@ struct ChannelMemory<'a> {
 
 /// A channel's RM objects, before it is scheduled.
 struct ChannelObjects {
-    uvm: UvmChannel,
+    uvm: Option<UvmChannel>,
     debugger: Option<Arc<Object>>,
     compute: Option<Object>,
     copy: Option<Object>,
@@ -257,31 +257,13 @@ impl ChannelObjects {
             "NVC36F_CTRL_CMD_GPFIFO_GET_WORK_SUBMIT_TOKEN",
         )?;
 
-        let uvm_va = core.low.alloc(CHANNEL_VA_SIZE, 2 << 20)?;
-        let mut rc = sys::UVM_REGISTER_CHANNEL_PARAMS {
-            gpuUuid: sys::NvProcessorUuid {
-                uuid: core.info.uuid_bytes,
-            },
-            rmCtrlFd: client.ctl_raw_fd(),
-            hClient: client.handle(),
-            hChannel: channel.handle(),
-            base: uvm_va,
-            length: CHANNEL_VA_SIZE,
-            rmStatus: 0,
-        };
-        if let Err(e) = client.uvm_call(
-            sys::UVM_REGISTER_CHANNEL,
-            &mut rc,
-            "UVM_REGISTER_CHANNEL",
-            |p| p.rmStatus,
-        ) {
-            core.low.free(uvm_va, CHANNEL_VA_SIZE);
-            return Err(e.into());
-        }
-        let uvm = UvmChannel {
-            core: core.clone(),
-            channel: channel.handle(),
-            va: uvm_va,
+        // UVM takes graphics channels (it maps their context buffers and services their faults). A copy-engine
+        // channel has no context buffers, and UVM_REGISTER_CHANNEL refuses it (measured on an H200:
+        // NV_ERR_INVALID_OBJECT); its faults reach us through the error notifier all the same.
+        let uvm = if engine_type == sys::NV2080_ENGINE_TYPE_GRAPHICS {
+            Some(register_with_uvm(core, channel.handle())?)
+        } else {
+            None
         };
         Ok(ChannelObjects {
             uvm,
@@ -294,6 +276,38 @@ impl ChannelObjects {
             token: tok.workSubmitToken,
         })
     }
+}
+
+/// Registers a graphics channel with UVM, which reserves `CHANNEL_VA_SIZE` of our low region for its context
+/// buffers.
+fn register_with_uvm(core: &Arc<GpuCore>, channel: u32) -> Result<UvmChannel> {
+    let client = core.client();
+    let uvm_va = core.low.alloc(CHANNEL_VA_SIZE, 2 << 20)?;
+    let mut rc = sys::UVM_REGISTER_CHANNEL_PARAMS {
+        gpuUuid: sys::NvProcessorUuid {
+            uuid: core.info.uuid_bytes,
+        },
+        rmCtrlFd: client.ctl_raw_fd(),
+        hClient: client.handle(),
+        hChannel: channel,
+        base: uvm_va,
+        length: CHANNEL_VA_SIZE,
+        rmStatus: 0,
+    };
+    if let Err(e) = client.uvm_call(
+        sys::UVM_REGISTER_CHANNEL,
+        &mut rc,
+        "UVM_REGISTER_CHANNEL",
+        |p| p.rmStatus,
+    ) {
+        core.low.free(uvm_va, CHANNEL_VA_SIZE);
+        return Err(e.into());
+    }
+    Ok(UvmChannel {
+        core: core.clone(),
+        channel,
+        va: uvm_va,
+    })
 }
 
 /// A GPFIFO channel of our own: in a channel group of its own on our VA space, or, on a GPU attached to a CUDA
@@ -517,7 +531,7 @@ impl Channel {
             "channel ready"
         );
         Ok(Channel {
-            uvm: Some(uvm),
+            uvm,
             debugger,
             compute,
             copy,

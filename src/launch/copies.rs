@@ -138,7 +138,9 @@ impl CopyEngines {
             let chunks = len.div_ceil(crate::pushbuf::Push::MAX_COPY_CHUNK) as usize;
             let fence = q.submit(chunks * 12 + 40, Signal::Recorded, |p, v| {
                 if let Some((va, value)) = after {
-                    p.sem_acquire(va, value, Acquire::CircularGeq, true, false);
+                    // Yield the runlist while waiting: a copy engine may share it with the graphics engine
+                    // (a GRCE), and a spinning acquire would hold it until the timeslice ends.
+                    p.sem_acquire(va, value, Acquire::CircularGeq, true, true);
                 }
                 p.copy_linear(src + off, dst + off, len, Some((copy_sem, v as u32)));
                 // The engine signals 32 bits; the channel's host turns that into its 64-bit timeline value.

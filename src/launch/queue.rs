@@ -594,7 +594,8 @@ impl ComputeQueue {
             .queue
             .submit(8 * parts.len() + 8, Signal::Host, |p, _| {
                 for &(va, value) in parts {
-                    p.sem_acquire(va, value, Acquire::CircularGeq, true, false);
+                    // Yield while the engines work (see CopyEngines::copy).
+                    p.sem_acquire(va, value, Acquire::CircularGeq, true, true);
                 }
             })?)
     }
