@@ -35,7 +35,7 @@ fn f32s(v: &[f32]) -> Vec<u8> {
 }
 
 fn open_all(n: usize, b: BackendRequest) -> apex::Result<Vec<Gpu>> {
-    (0..n).map(|i| Gpu::open_with(i, b)).collect()
+    Gpu::open_peers(&(0..n).collect::<Vec<_>>(), b)
 }
 
 /// `rounds` times around the ring of `gpus`; returns the time per hop.

@@ -27,8 +27,9 @@ fn two(b: Backend) -> Option<(Gpu, Gpu)> {
         eprintln!("only {n} GPU(s): the two-GPU test does not apply here");
         return None;
     }
-    let g0 = Gpu::open_with(0, request(b)).expect("open GPU 0");
-    let g1 = Gpu::open_with(1, request(b)).expect("open GPU 1");
+    let mut g = Gpu::open_peers(&[0, 1], request(b)).expect("open GPUs 0 and 1 as peers");
+    let g1 = g.pop().expect("GPU 1");
+    let g0 = g.pop().expect("GPU 0");
     assert_eq!((g0.backend(), g1.backend()), (b, b));
     Some((g0, g1))
 }

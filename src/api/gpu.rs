@@ -82,8 +82,16 @@ impl Gpu {
 
     /// Opens GPU `index` with the backend `request` asks for, regardless of `APEX_BACKEND`.
     pub fn open_with(index: usize, request: BackendRequest) -> Result<Gpu> {
+        Gpu::open_in(index, request, false)
+    }
+
+    pub(super) fn open_in(index: usize, request: BackendRequest, peer: bool) -> Result<Gpu> {
         let (core, selection) = choose(request, || {
-            let core = GpuCore::open(index)?;
+            let core = if peer {
+                GpuCore::open_peer(index)?
+            } else {
+                GpuCore::open(index)?
+            };
             // Building a compute queue proves the launch path (QMD layout, windows, local memory) on this GPU.
             ComputeQueue::new(&core, ComputeQueueConfig::default())?;
             Ok(core)

@@ -1,7 +1,7 @@
 //! Several GPUs: counting and opening them, peer access, copies between GPUs, and queues of one GPU waiting for
 //! another's, on both backends.
 //!
-//! On the direct path the first open of each GPU in the process joins one shared address space (the peer
+//! On the direct path GPUs opened together with [`Gpu::open_peers`] share one address space (the peer
 //! domain): a buffer keeps its address on every GPU it is mapped on, and a queue waits for another GPU's fence
 //! by acquiring that queue's semaphore. Copies between GPUs run on the driver backend only for now. On the driver backend the same calls use `cuCtxEnablePeerAccess`,
 //! `cuMemcpyPeerAsync` and events.
@@ -34,6 +34,26 @@ impl Gpu {
             return Ok(n);
         }
         Ok(driver::device_count()?)
+    }
+
+    /// Opens the GPUs `indices` so that they can map each other's memory ([`Gpu::map_peer`]) and wait for each
+    /// other's fences, with the backend `request` asks for. On the direct path they share one address space (the
+    /// process's peer domain); [`Gpu::open`] keeps each GPU in an address space of its own.
+    ///
+    /// ```no_run
+    /// # fn main() -> apex::Result<()> {
+    /// use apex::{BackendRequest, Gpu};
+    /// let gpus = Gpu::open_peers(&[0, 1], BackendRequest::Auto)?;
+    /// let buf = gpus[0].alloc(1 << 20)?;
+    /// gpus[1].map_peer(&buf)?; // GPU 1's kernels now reach buf.device_ptr() over the peer link
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn open_peers(indices: &[usize], request: BackendRequest) -> Result<Vec<Gpu>> {
+        indices
+            .iter()
+            .map(|&i| Gpu::open_in(i, request, true))
+            .collect()
     }
 
     /// Opens the GPU whose UUID is `uuid`, as `nvidia-smi -L` prints it (`GPU-8f1d...`; the `GPU-` prefix and

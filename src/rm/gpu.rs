@@ -93,8 +93,20 @@ pub struct Attachment {
 }
 
 impl GpuCore {
-    /// Opens GPU `index` (in the order NV_ESC_CARD_INFO lists them).
+    /// Opens GPU `index` (in the order NV_ESC_CARD_INFO lists them) in an address space of its own.
     pub fn open(index: usize) -> Result<Arc<GpuCore>> {
+        GpuCore::open_in(index, false)
+    }
+
+    /// Opens GPU `index` in the process's peer domain (one UVM VA space shared with the other GPUs opened this
+    /// way), so that it can map their memory and they its. Opt-in: measured on two H200s, channels created after
+    /// large (256 MiB) allocations in a shared VA space could stall (see issue 13's note); a GPU opened alone
+    /// never shares.
+    pub fn open_peer(index: usize) -> Result<Arc<GpuCore>> {
+        GpuCore::open_in(index, true)
+    }
+
+    fn open_in(index: usize, share: bool) -> Result<Arc<GpuCore>> {
         let ctl = open_node("/dev/nvidiactl")?;
         let driver_version = query_driver_version(&ctl)?;
         let branch = driver_version
@@ -115,7 +127,11 @@ impl GpuCore {
         let dev_fd = open_gpu_node(&ctl, card.minor_number)?;
         // Held for the whole open: two threads must not both register this GPU in the shared domain.
         let mut domains = super::peer::domains();
-        let choice = domains.choose(card.gpu_id)?;
+        let choice = if share {
+            domains.choose(card.gpu_id)?
+        } else {
+            domains.private()
+        };
         let domain = choice.id();
         let client = Arc::new(match choice {
             super::peer::DomainChoice::Join(_, uvm) => Client::sharing_uvm(ctl, uvm)?,

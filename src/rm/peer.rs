@@ -2,9 +2,10 @@
 //!
 //! A buffer of one GPU can be reached by another only at an address both agree on. APEX gives every buffer a
 //! GPU address equal to its CPU address inside a UVM VA space, so the GPUs that share one UVM VA space can
-//! map each other's buffers at the same address. The first open of each GPU in the process joins one shared
-//! UVM VA space, the process's *peer domain*; a second open of a GPU that is already in the domain gets a VA
-//! space of its own (UVM registers a GPU once per VA space), so it works alone and cannot map peers.
+//! map each other's buffers at the same address. GPUs opened for peer work (`GpuCore::open_peer`) join one
+//! shared UVM VA space, the process's *peer domain*, the first open of each GPU only; a second open of a GPU
+//! already in the domain, and every GPU opened alone, gets a VA space of its own (UVM registers a GPU once per
+//! VA space), so it works alone and cannot map peers.
 //!
 //! NVLink peers are enabled by UVM as soon as both GPUs are registered in the VA space; PCIe peers need
 //! `UVM_ENABLE_PEER_ACCESS`, done here on first use. Peer mappings are UVM external mappings of the owner's
@@ -79,6 +80,11 @@ impl Domains {
                 self.shared = None;
             }
         }
+    }
+
+    /// A private VA space (a GPU opened alone).
+    pub(crate) fn private(&mut self) -> DomainChoice {
+        DomainChoice::Private(self.new_id())
     }
 
     /// Where the GPU RM calls `gpu_id` goes: see [`DomainChoice`].
