@@ -8,13 +8,43 @@ use std::sync::Arc;
 use tracing::debug;
 
 use crate::gpfifo::ChannelConfig;
-use crate::pushbuf::{Acquire, Queue, QueueConfig, Release, Signal};
+use crate::pushbuf::{Acquire, Push, Queue, QueueConfig, Release, Signal};
 use crate::rm::GpuCore;
 
 use super::{Error, Result};
 
-/// Where, in each copy channel's semaphore page, the copy engine releases its 32-bit completion value.
-const COPY_SEMAPHORE_SLOT: usize = 1;
+/// Where, in a channel's semaphore page, the copy engine releases its 32-bit completion value.
+pub(super) const COPY_SEMAPHORE_SLOT: usize = 1;
+
+/// Records a linear copy that completes submission `v` of a channel: the copy engine releases the low 32 bits
+/// of `v` at `copy_sem`, and the channel's host turns that into its 64-bit timeline value at `timeline`.
+pub(super) fn record_copy(
+    p: &mut Push<'_>,
+    src: u64,
+    dst: u64,
+    bytes: u64,
+    copy_sem: u64,
+    timeline: u64,
+    v: u64,
+) {
+    p.copy_linear(src, dst, bytes, Some((copy_sem, v as u32)));
+    p.sem_acquire(
+        copy_sem,
+        u64::from(v as u32),
+        Acquire::CircularGeq,
+        false,
+        false,
+    );
+    p.sem_release(
+        timeline,
+        v,
+        Release {
+            wfi: false,
+            wide: true,
+            timestamp: false,
+        },
+    );
+}
 
 /// Below this, a copy goes to one engine: splitting costs a submission per engine and gains nothing.
 const SPLIT_MIN_BYTES: u64 = 8 << 20;
@@ -142,24 +172,7 @@ impl CopyEngines {
                     // (a GRCE), and a spinning acquire would hold it until the timeslice ends.
                     p.sem_acquire(va, value, Acquire::CircularGeq, true, true);
                 }
-                p.copy_linear(src + off, dst + off, len, Some((copy_sem, v as u32)));
-                // The engine signals 32 bits; the channel's host turns that into its 64-bit timeline value.
-                p.sem_acquire(
-                    copy_sem,
-                    u64::from(v as u32),
-                    Acquire::CircularGeq,
-                    false,
-                    false,
-                );
-                p.sem_release(
-                    timeline,
-                    v,
-                    Release {
-                        wfi: false,
-                        wide: true,
-                        timestamp: false,
-                    },
-                );
+                record_copy(p, src + off, dst + off, len, copy_sem, timeline, v);
             })?;
             self.pending[self.pending_len] = (timeline, fence.value());
             self.pending_len += 1;

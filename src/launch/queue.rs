@@ -17,6 +17,7 @@ use super::cbank::{
     CLUSTER_WORDS, CLUSTER_WORDS_START, DRIVER_BYTES, write_cluster_words, write_driver_words,
     write_grid_barrier,
 };
+use super::copies::{COPY_SEMAPHORE_SLOT, record_copy};
 use super::cubin::KernelInfo;
 use super::module::{Kernel, newest_generation};
 use super::params::{Arg, pack};
@@ -171,10 +172,6 @@ fn write_changed(mem: &Memory, offset: u64, shadow: &mut [u32], new: &[u32]) -> 
     }
     Ok(())
 }
-
-/// Semaphore slot of the channel's page that the copy engine releases.
-const COPY_SEMAPHORE_SLOT: usize = 1;
-
 /// Kernel launches in order on our own channel.
 pub struct ComputeQueue {
     queue: Queue,
@@ -560,10 +557,8 @@ impl ComputeQueue {
     /// Makes this queue's later work wait, on the GPU, for `fence` of another queue, on this GPU or another one
     /// of its peer domain (whose semaphore page is then mapped on this GPU, once): no CPU in between.
     pub fn wait_fence(&mut self, fence: &Fence) -> Result<Fence> {
-        let sems = fence.timeline().semaphores();
-        if !sems.memory().is_mapped_on(&self.gpu) {
-            sems.memory().map_on(&self.gpu)?;
-        }
+        // Idempotent: a no-op for this GPU's own fences and for pages mapped here before.
+        fence.timeline().semaphores().memory().map_on(&self.gpu)?;
         self.wait_value(fence.timeline().va(), fence.value())
     }
 
@@ -654,24 +649,7 @@ impl ComputeQueue {
                 if !prev_done {
                     p.sem_acquire(timeline_va, prev, Acquire::CircularGeq, true, false);
                 }
-                // The copy engine signals a 32-bit semaphore; the host turns that into the queue's 64-bit value.
-                p.copy_linear(src, dst, bytes, Some((copy_sem, v as u32)));
-                p.sem_acquire(
-                    copy_sem,
-                    u64::from(v as u32),
-                    Acquire::CircularGeq,
-                    false,
-                    false,
-                );
-                p.sem_release(
-                    timeline_va,
-                    v,
-                    crate::pushbuf::Release {
-                        wfi: false,
-                        wide: true,
-                        timestamp: false,
-                    },
-                );
+                record_copy(p, src, dst, bytes, copy_sem, timeline_va, v);
             })?;
         Ok(fence)
     }

@@ -108,17 +108,7 @@ impl GpuCore {
 
     fn open_in(index: usize, share: bool) -> Result<Arc<GpuCore>> {
         let ctl = open_node("/dev/nvidiactl")?;
-        let driver_version = query_driver_version(&ctl)?;
-        let branch = driver_version
-            .split('.')
-            .next()
-            .and_then(|b| b.parse::<u32>().ok());
-        if branch != Some(HEADERS_BRANCH) {
-            return Err(Error::DriverBranch {
-                found: driver_version,
-                expected: HEADERS_BRANCH,
-            });
-        }
+        let driver_version = supported_driver_version(&ctl)?;
         let cards = card_info(&ctl)?;
         let card = *cards.get(index).ok_or(Error::NoSuchGpu {
             index,
@@ -128,7 +118,7 @@ impl GpuCore {
         // Held for the whole open: two threads must not both register this GPU in the shared domain.
         let mut domains = super::peer::domains();
         let choice = if share {
-            domains.choose(card.gpu_id)?
+            domains.choose(card.gpu_id)
         } else {
             domains.private()
         };
@@ -263,17 +253,7 @@ impl GpuCore {
     /// outlive the returned core and everything built on it.
     pub fn attach_cuda(uuid: [u8; 16]) -> Result<Arc<GpuCore>> {
         let ctl = open_node("/dev/nvidiactl")?;
-        let driver_version = query_driver_version(&ctl)?;
-        let branch = driver_version
-            .split('.')
-            .next()
-            .and_then(|b| b.parse::<u32>().ok());
-        if branch != Some(HEADERS_BRANCH) {
-            return Err(Error::DriverBranch {
-                found: driver_version,
-                expected: HEADERS_BRANCH,
-            });
-        }
+        let driver_version = supported_driver_version(&ctl)?;
         let cards = card_info(&ctl)?;
         // A probe client on our own descriptor: it finds CUDA's client, then the real one is built with CUDA's
         // UVM descriptor.
@@ -616,6 +596,22 @@ fn gpu_uuid(client: &Client, gpu_id: u32) -> Result<[u8; 16]> {
     let mut u = [0u8; 16];
     u.copy_from_slice(&p.gpuUuid[..16]);
     Ok(u)
+}
+
+/// The loaded module's version, or [`Error::DriverBranch`] unless it is of the branch APEX's structures come from.
+fn supported_driver_version(ctl: &OwnedFd) -> Result<String> {
+    let driver_version = query_driver_version(ctl)?;
+    let branch = driver_version
+        .split('.')
+        .next()
+        .and_then(|b| b.parse::<u32>().ok());
+    if branch != Some(HEADERS_BRANCH) {
+        return Err(Error::DriverBranch {
+            found: driver_version,
+            expected: HEADERS_BRANCH,
+        });
+    }
+    Ok(driver_version)
 }
 
 /// The loaded module's version string, through NV_ESC_CHECK_VERSION_STR's query command.

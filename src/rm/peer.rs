@@ -88,13 +88,13 @@ impl Domains {
     }
 
     /// Where the GPU RM calls `gpu_id` goes: see [`DomainChoice`].
-    pub(crate) fn choose(&mut self, gpu_id: u32) -> Result<DomainChoice> {
+    pub(crate) fn choose(&mut self, gpu_id: u32) -> DomainChoice {
         self.prune();
         let Some(s) = &self.shared else {
-            return Ok(DomainChoice::NewShared(self.new_id()));
+            return DomainChoice::NewShared(self.new_id());
         };
         if s.members.iter().any(|(g, _)| *g == gpu_id) {
-            return Ok(DomainChoice::Private(self.new_id()));
+            return DomainChoice::Private(self.new_id());
         }
         let id = s.id;
         let fd = s
@@ -103,9 +103,9 @@ impl Domains {
             .filter_map(|(_, c)| c.upgrade())
             .find_map(|c| c.uvm_fd().and_then(|fd| fd.try_clone_to_owned().ok()));
         match fd {
-            Some(fd) => Ok(DomainChoice::Join(id, fd)),
+            Some(fd) => DomainChoice::Join(id, fd),
             // No member's descriptor could be duplicated (out of descriptors?): work alone.
-            None => Ok(DomainChoice::Private(self.new_id())),
+            None => DomainChoice::Private(self.new_id()),
         }
     }
 
@@ -385,7 +385,7 @@ mod tests {
     #[test]
     fn first_open_of_each_gpu_shares_a_domain_and_repeats_are_private() {
         let mut d = Domains::default();
-        let a = d.choose(1).expect("choose");
+        let a = d.choose(1);
         let DomainChoice::NewShared(id) = a else {
             panic!("{a:?}")
         };
@@ -395,14 +395,11 @@ mod tests {
         let client = Arc::new(Client::simulated(Arc::new(sim)));
         d.admit(id, 1, &client);
         // GPU 1 again: private. GPU 2: would join, but the stand-in has no descriptor, so it works alone.
-        assert!(matches!(d.choose(1).expect("choose"), DomainChoice::Private(p) if p != id));
-        assert!(matches!(
-            d.choose(2).expect("choose"),
-            DomainChoice::Private(_)
-        ));
+        assert!(matches!(d.choose(1), DomainChoice::Private(p) if p != id));
+        assert!(matches!(d.choose(2), DomainChoice::Private(_)));
         // Once every member is gone the next open starts a new shared domain.
         drop(client);
-        assert!(matches!(d.choose(1).expect("choose"), DomainChoice::NewShared(n) if n != id));
+        assert!(matches!(d.choose(1), DomainChoice::NewShared(n) if n != id));
         assert!(!d.pcie_enabled(id, 1, 2, true));
     }
 }
