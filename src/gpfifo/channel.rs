@@ -167,7 +167,7 @@ struct ChannelObjects {
     compute: Option<Object>,
     copy: Option<Object>,
     channel: Arc<Object>,
-    ctxshare: Arc<Object>,
+    ctxshare: Option<Arc<Object>>,
     tsg: Arc<Object>,
     token: u32,
 }
@@ -186,30 +186,33 @@ impl ChannelObjects {
         engine_type: u32,
     ) -> Result<ChannelObjects> {
         let client = core.client();
-        let mut cs = sys::NV_CTXSHARE_ALLOCATION_PARAMETERS {
-            hVASpace: vaspace.handle(),
-            flags: sys::NV_CTXSHARE_ALLOCATION_FLAGS_SUBCONTEXT_ASYNC,
-            subctxId: 0,
+        let graphics = engine_type == sys::NV2080_ENGINE_TYPE_GRAPHICS;
+        // Subcontexts are a graphics-engine feature: a copy-engine channel takes its group's VA space through
+        // RM's legacy context share (a channel in a group may not name a VA space itself).
+        let ctxshare = if graphics {
+            let mut cs = sys::NV_CTXSHARE_ALLOCATION_PARAMETERS {
+                hVASpace: vaspace.handle(),
+                flags: sys::NV_CTXSHARE_ALLOCATION_FLAGS_SUBCONTEXT_ASYNC,
+                subctxId: 0,
+            };
+            Some(Arc::new(Object::alloc(
+                client,
+                Some(tsg),
+                sys::FERMI_CONTEXT_SHARE_A,
+                Some(&mut cs),
+                "FERMI_CONTEXT_SHARE_A",
+            )?))
+        } else {
+            None
         };
-        let ctxshare = Arc::new(Object::alloc(
-            client,
-            Some(tsg),
-            sys::FERMI_CONTEXT_SHARE_A,
-            Some(&mut cs),
-            "FERMI_CONTEXT_SHARE_A",
-        )?);
         let mut cp = sys::NV_CHANNEL_ALLOC_PARAMS {
             hObjectError: mem.notifier.handle(),
             hObjectBuffer: mem.ring.handle(),
             gpFifoOffset: mem.ring.va(),
             gpFifoEntries: mem.entries,
-            hContextShare: ctxshare.handle(),
+            hContextShare: ctxshare.as_ref().map_or(0, |c| c.handle()),
             // Left 0 on graphics channels, as before; a copy channel names its engine as its group does.
-            engineType: if engine_type == sys::NV2080_ENGINE_TYPE_GRAPHICS {
-                0
-            } else {
-                engine_type
-            },
+            engineType: if graphics { 0 } else { engine_type },
             ..Default::default()
         };
         cp.hUserdMemory[0] = mem.ring.handle();
@@ -225,10 +228,31 @@ impl ChannelObjects {
             .compute
             .map(|c| Object::alloc::<()>(client, Some(&channel), c, None, "compute class"))
             .transpose()?;
-        let copy = classes
-            .copy
-            .map(|c| Object::alloc::<()>(client, Some(&channel), c, None, "copy class"))
-            .transpose()?;
+        let copy = match (classes.copy, graphics) {
+            (None, _) => None,
+            (Some(c), true) => Some(Object::alloc::<()>(
+                client,
+                Some(&channel),
+                c,
+                None,
+                "copy class",
+            )?),
+            // Without parameters RM binds the copy object to CE instance 0, whose runlist is not this
+            // channel's group's: the group then cannot be scheduled (NV_ERR_INVALID_STATE, measured).
+            (Some(c), false) => {
+                let mut cp = CopyAllocParams {
+                    version: COPY_ALLOC_VERSION_ENGINE_TYPE,
+                    engine_type,
+                };
+                Some(Object::alloc(
+                    client,
+                    Some(&channel),
+                    c,
+                    Some(&mut cp),
+                    "copy class",
+                )?)
+            }
+        };
         // Optional: without it, faults are still reported, only without the SM state.
         let debugger = compute.as_ref().filter(|_| debugger).and_then(|c| {
             let mut dp = sys::NV83DE_ALLOC_PARAMETERS {
@@ -257,10 +281,10 @@ impl ChannelObjects {
             "NVC36F_CTRL_CMD_GPFIFO_GET_WORK_SUBMIT_TOKEN",
         )?;
 
-        // UVM takes graphics channels (it maps their context buffers and services their faults). A copy-engine
-        // channel has no context buffers, and UVM_REGISTER_CHANNEL refuses it (measured on an H200:
-        // NV_ERR_INVALID_OBJECT); its faults reach us through the error notifier all the same.
-        let uvm = if engine_type == sys::NV2080_ENGINE_TYPE_GRAPHICS {
+        // RM schedules no graphics channel on a UVM-owned VA space before UVM has bound its context buffers
+        // (kchannelIsSchedulable). Copy channels, as libcuda's, stay unregistered: UVM_REGISTER_CHANNEL refuses
+        // them (NV_ERR_INVALID_OBJECT, measured on H100 and H200) and RM schedules them without it.
+        let uvm = if graphics {
             Some(register_with_uvm(core, channel.handle())?)
         } else {
             None
@@ -277,6 +301,17 @@ impl ChannelObjects {
         })
     }
 }
+
+/// `NVB0B5_ALLOCATION_PARAMETERS` (class/clb0b5sw.h, not among the vendored headers): which copy engine a copy
+/// object runs on.
+#[repr(C)]
+struct CopyAllocParams {
+    version: u32,
+    engine_type: u32,
+}
+
+/// `NVB0B5_ALLOCATION_PARAMETERS_VERSION_1`: `engine_type` is an `NV2080_ENGINE_TYPE_COPY(n)`.
+const COPY_ALLOC_VERSION_ENGINE_TYPE: u32 = 1;
 
 /// Registers a graphics channel with UVM, which reserves `CHANNEL_VA_SIZE` of our low region for its context
 /// buffers.
@@ -322,7 +357,7 @@ pub struct Channel {
     compute: Option<Object>,
     copy: Option<Object>,
     channel: Arc<Object>,
-    _ctxshare: Arc<Object>,
+    _ctxshare: Option<Arc<Object>>,
     tsg: Arc<Object>,
     ring_mem: Memory,
     notifier: Arc<Memory>,
@@ -424,6 +459,12 @@ impl Channel {
             None => {
                 let mut gp = sys::NV_CHANNEL_GROUP_ALLOCATION_PARAMETERS {
                     engineType: engine_type,
+                    // A copy-engine group has no subcontexts: its VA space is the group's.
+                    hVASpace: if engine_type == sys::NV2080_ENGINE_TYPE_GRAPHICS {
+                        0
+                    } else {
+                        core.vaspace().handle()
+                    },
                     ..Default::default()
                 };
                 let tsg = Arc::new(Object::alloc(
