@@ -15,7 +15,7 @@ mod selection;
 
 pub use crate::rm::PeerLink;
 pub use error::{Error, Result};
-pub use fence::{Fence, StreamWatch};
+pub use fence::Fence;
 pub use gpu::{DeviceInfo, Gpu};
 pub use memory::{Buffer, HostBuffer};
 pub use module::{Global, Kernel, Module};

@@ -695,6 +695,18 @@ impl Function {
     }
 }
 
+/// Which driver call launches a kernel on a [`Stream`] ([`Stream::launch_as`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LaunchKind {
+    /// `cuLaunchKernel`. A kernel's compile-time `__cluster_dims__` needs nothing more.
+    Plain,
+    /// `cuLaunchCooperativeKernel`: every block resident at once, for the grid barrier (`grid.sync()`).
+    Cooperative,
+    /// `cuLaunchKernelEx` with this run-time thread block cluster shape (`CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION`),
+    /// in blocks; the grid is in blocks too.
+    Cluster([u32; 3]),
+}
+
 /// A non-blocking stream.
 #[derive(Debug)]
 pub struct Stream {
@@ -783,33 +795,18 @@ impl Stream {
         shared: u32,
         params: &mut [*mut c_void],
     ) -> Result<()> {
-        self.check_context(f)?;
-        self.ctx.bind()?;
-        f.ensure_dynamic_shared(shared)?;
-        // SAFETY: the caller guarantees the parameter pointers.
-        check("cuLaunchKernel", unsafe {
-            cu::cuLaunchKernel(
-                f.func,
-                grid[0],
-                grid[1],
-                grid[2],
-                block[0],
-                block[1],
-                block[2],
-                shared,
-                self.stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })
+        // SAFETY: forwarded to the caller.
+        unsafe { self.launch_as(LaunchKind::Plain, f, grid, block, shared, params) }
     }
 
-    /// cuLaunchCooperativeKernel: every block resident at once, and the grid barrier `grid.sync()` needs.
+    /// Launches `f` on this stream with the driver call `kind` names: the one place the checks every launch
+    /// needs (the kernel's context, the current context, the dynamic shared memory limit) are made.
     ///
     /// # Safety
     /// As for [`Stream::launch`].
-    pub unsafe fn launch_cooperative(
+    pub unsafe fn launch_as(
         &mut self,
+        kind: LaunchKind,
         f: &Function,
         grid: [u32; 3],
         block: [u32; 3],
@@ -819,69 +816,57 @@ impl Stream {
         self.check_context(f)?;
         self.ctx.bind()?;
         f.ensure_dynamic_shared(shared)?;
-        // SAFETY: the caller guarantees the parameter pointers.
-        check("cuLaunchCooperativeKernel", unsafe {
-            cu::cuLaunchCooperativeKernel(
-                f.func,
-                grid[0],
-                grid[1],
-                grid[2],
-                block[0],
-                block[1],
-                block[2],
-                shared,
-                self.stream,
-                params.as_mut_ptr(),
-            )
-        })
-    }
-
-    /// cuLaunchKernelEx with a run-time thread block cluster shape (`CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION`);
-    /// `grid` is in blocks. A kernel's compile-time `__cluster_dims__` needs no attribute: [`Stream::launch`] runs
-    /// it in clusters.
-    ///
-    /// # Safety
-    /// As for [`Stream::launch`].
-    pub unsafe fn launch_cluster(
-        &mut self,
-        f: &Function,
-        grid: [u32; 3],
-        block: [u32; 3],
-        shared: u32,
-        cluster: [u32; 3],
-        params: &mut [*mut c_void],
-    ) -> Result<()> {
-        self.check_context(f)?;
-        self.ctx.bind()?;
-        f.ensure_dynamic_shared(shared)?;
-        let mut value = cu::CUlaunchAttributeValue { pad: [0; 64] };
-        value.clusterDim = cu::CUlaunchAttributeValue_union__bindgen_ty_1 {
-            x: cluster[0],
-            y: cluster[1],
-            z: cluster[2],
-        };
-        let mut attr = cu::CUlaunchAttribute {
-            id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-            pad: [0; 4],
-            value,
-        };
-        let config = cu::CUlaunchConfig {
-            gridDimX: grid[0],
-            gridDimY: grid[1],
-            gridDimZ: grid[2],
-            blockDimX: block[0],
-            blockDimY: block[1],
-            blockDimZ: block[2],
-            sharedMemBytes: shared,
-            hStream: self.stream,
-            attrs: &mut attr,
-            numAttrs: 1,
-        };
-        // SAFETY: `config` and the attribute it points to live for the call; the caller guarantees the parameter
-        // pointers.
-        check("cuLaunchKernelEx", unsafe {
-            cu::cuLaunchKernelEx(&config, f.func, params.as_mut_ptr(), std::ptr::null_mut())
-        })
+        let [gx, gy, gz] = grid;
+        let [bx, by, bz] = block;
+        let (stream, args) = (self.stream, params.as_mut_ptr());
+        match kind {
+            // SAFETY: the caller guarantees the parameter pointers.
+            LaunchKind::Plain => check("cuLaunchKernel", unsafe {
+                cu::cuLaunchKernel(
+                    f.func,
+                    gx,
+                    gy,
+                    gz,
+                    bx,
+                    by,
+                    bz,
+                    shared,
+                    stream,
+                    args,
+                    std::ptr::null_mut(),
+                )
+            }),
+            // SAFETY: as above.
+            LaunchKind::Cooperative => check("cuLaunchCooperativeKernel", unsafe {
+                cu::cuLaunchCooperativeKernel(f.func, gx, gy, gz, bx, by, bz, shared, stream, args)
+            }),
+            LaunchKind::Cluster([x, y, z]) => {
+                let mut value = cu::CUlaunchAttributeValue { pad: [0; 64] };
+                value.clusterDim = cu::CUlaunchAttributeValue_union__bindgen_ty_1 { x, y, z };
+                let mut attr = cu::CUlaunchAttribute {
+                    id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+                    pad: [0; 4],
+                    value,
+                };
+                let config = cu::CUlaunchConfig {
+                    gridDimX: gx,
+                    gridDimY: gy,
+                    gridDimZ: gz,
+                    blockDimX: bx,
+                    blockDimY: by,
+                    blockDimZ: bz,
+                    sharedMemBytes: shared,
+                    hStream: stream,
+                    attrs: &mut attr,
+                    numAttrs: 1,
+                };
+                // SAFETY: `config` and the attribute it points to live for the call; the caller guarantees the
+                // parameter pointers.
+                check("cuLaunchKernelEx", unsafe {
+                    cu::cuLaunchKernelEx(&config, f.func, args, std::ptr::null_mut())
+                })
+            }
+        }
     }
 
     pub fn synchronize(&self) -> Result<()> {
