@@ -4,15 +4,18 @@
 // Issue 14: public items here still lack docs; document them and drop this allow.
 #![allow(missing_docs)]
 
-use std::ffi::CStr;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use tracing::{debug, info};
 
-use super::client::{Client, Object, open_gpu_node, open_node};
-use super::ioctl::nv_escape;
-use super::memory::CpuMapping;
+use super::client::{Client, Object};
+use super::domain::{self, DomainChoice};
+use super::hardware::{
+    Hardware, c_string, card_info, open_gpu_node, open_node, own_uvm_fds, query_driver_version,
+};
+use super::mapping::CpuMapping;
+use super::transport::CpuMapRequest;
 use super::va::VaRegion;
 use super::{Error, Result, sys};
 
@@ -116,7 +119,7 @@ impl GpuCore {
         })?;
         let dev_fd = open_gpu_node(&ctl, card.minor_number)?;
         // Held for the whole open: two threads must not both register this GPU in the shared domain.
-        let mut domains = super::peer::domains();
+        let mut domains = domain::domains();
         let choice = if share {
             domains.choose(card.gpu_id)
         } else {
@@ -124,11 +127,11 @@ impl GpuCore {
         };
         let domain = choice.id();
         let client = Arc::new(match choice {
-            super::peer::DomainChoice::Join(_, uvm) => Client::sharing_uvm(ctl, uvm)?,
+            DomainChoice::Join(_, uvm) => Hardware::client_sharing_uvm(ctl, uvm)?,
             _ => {
                 let uvm = open_node("/dev/nvidia-uvm")?;
                 let uvm_mm = open_node("/dev/nvidia-uvm")?;
-                Client::new(ctl, uvm, uvm_mm)?
+                Hardware::client(ctl, uvm, uvm_mm)?
             }
         });
 
@@ -215,8 +218,7 @@ impl GpuCore {
             None,
             "USERMODE",
         )?;
-        let map = CpuMapping::map_object(&core, &usermode, USERMODE_SIZE, 0, None)?;
-        core.usermode = Some((map, usermode));
+        core.map_usermode(usermode)?;
         debug!(classes = core.classes.len(), domain, "GPU core ready");
         domains.admit(domain, card.gpu_id, &core.client);
         Ok(Arc::new(core))
@@ -237,7 +239,7 @@ impl GpuCore {
             .iter()
             .map(|c| open_gpu_node(&ctl, c.minor_number))
             .collect::<Result<Vec<_>>>()?;
-        let client = Client::with_foreign_uvm(ctl, open_node("/dev/nvidia-uvm")?)?;
+        let client = Hardware::client_with_foreign_uvm(ctl, open_node("/dev/nvidia-uvm")?)?;
         let uuids = cards
             .iter()
             .map(|c| gpu_uuid(&client, c.gpu_id))
@@ -258,7 +260,7 @@ impl GpuCore {
         // A probe client on our own descriptor: it finds CUDA's client, then the real one is built with CUDA's
         // UVM descriptor.
         let probe_uvm = open_node("/dev/nvidia-uvm")?;
-        let own_uvm: Vec<i32> = super::client::own_uvm_fds(|f| f.clone());
+        let own_uvm: Vec<i32> = own_uvm_fds(|f| f.clone());
         let mut uvm = super::attach::foreign_uvm_fds(&own_uvm);
         if uvm.len() != 1 {
             return Err(Error::Attach(format!(
@@ -272,7 +274,7 @@ impl GpuCore {
             )));
         }
         let uvm = uvm.remove(0);
-        let client = Arc::new(Client::with_foreign_uvm(ctl, probe_uvm)?);
+        let client = Arc::new(Hardware::client_with_foreign_uvm(ctl, probe_uvm)?);
         let mut found = None;
         for c in super::attach::foreign_clients(&client)? {
             let Ok((device, objects)) = c.objects() else {
@@ -310,7 +312,7 @@ impl GpuCore {
         // The client that is kept: UVM calls go to CUDA's VA space.
         let ctl = open_node("/dev/nvidiactl")?;
         let dev_fd = open_gpu_node(&ctl, card.minor_number)?;
-        let client = Arc::new(Client::with_foreign_uvm(ctl, uvm)?);
+        let client = Arc::new(Hardware::client_with_foreign_uvm(ctl, uvm)?);
         let mut id = sys::NV0000_CTRL_GPU_GET_ID_INFO_V2_PARAMS {
             gpuId: card.gpu_id,
             ..Default::default()
@@ -386,8 +388,7 @@ impl GpuCore {
             None,
             "USERMODE",
         )?;
-        let map = CpuMapping::map_object(&core, &usermode, USERMODE_SIZE, 0, None)?;
-        core.usermode = Some((map, usermode));
+        core.map_usermode(usermode)?;
         Ok(Arc::new(core))
     }
 
@@ -477,12 +478,27 @@ impl GpuCore {
     pub fn usermode_ptr(&self) -> *mut u8 {
         match &self.usermode {
             Some((m, _)) => m.as_ptr(),
-            // A simulated GPU's doorbell page belongs to the simulated RM, which outlives every channel.
+            // An in-process GPU's doorbell page belongs to its transport, which outlives every channel.
             None => self
                 .client
-                .sim()
-                .map_or(std::ptr::null_mut(), |s| s.usermode_ptr()),
+                .in_process_gpu()
+                .map_or(std::ptr::null_mut(), |g| g.usermode_page().as_ptr()),
         }
+    }
+
+    /// Maps the usermode object `usermode` (the doorbell page) for the CPU and keeps both.
+    fn map_usermode(&mut self, usermode: Object) -> Result<()> {
+        let map = self.client.map_cpu(&CpuMapRequest {
+            device: self.device.handle(),
+            object: usermode.handle(),
+            system: false,
+            minor: self.info.minor,
+            len: USERMODE_SIZE,
+            flags: 0,
+            fixed: None,
+        })?;
+        self.usermode = Some((map, usermode));
+        Ok(())
     }
 
     pub(crate) fn uuid(&self) -> sys::NvProcessorUuid {
@@ -614,32 +630,6 @@ fn supported_driver_version(ctl: &OwnedFd) -> Result<String> {
     Ok(driver_version)
 }
 
-/// The loaded module's version string, through NV_ESC_CHECK_VERSION_STR's query command.
-fn query_driver_version(ctl: &OwnedFd) -> Result<String> {
-    let mut v = sys::nv_ioctl_rm_api_version_t {
-        cmd: u32::from(sys::NV_RM_API_VERSION_CMD_QUERY),
-        ..Default::default()
-    };
-    // SAFETY: nv_ioctl_rm_api_version_t is the NV_ESC_CHECK_VERSION_STR argument; it holds no pointers.
-    unsafe {
-        nv_escape(
-            ctl,
-            sys::NV_ESC_CHECK_VERSION_STR,
-            &mut v,
-            "query driver version",
-        )?
-    };
-    Ok(c_string(&v.versionString))
-}
-
-/// GPUs attached to the driver, in minor-number order.
-fn card_info(ctl: &OwnedFd) -> Result<Vec<sys::nv_ioctl_card_info_t>> {
-    let mut cards = [sys::nv_ioctl_card_info_t::default(); sys::NV_MAX_DEVICES as usize];
-    // SAFETY: NV_ESC_CARD_INFO takes an array of nv_ioctl_card_info_t; its size is encoded in the opcode.
-    unsafe { nv_escape(ctl, sys::NV_ESC_CARD_INFO, &mut cards, "list GPUs")? };
-    Ok(cards.into_iter().filter(|c| c.valid != 0).collect())
-}
-
 pub(super) fn gpu_info(
     sub: &Object,
     index: usize,
@@ -755,16 +745,6 @@ pub fn format_uuid(b: &[u8; 16]) -> String {
     )
 }
 
-fn c_string(bytes: &[impl Copy + Into<i64>]) -> String {
-    let v: Vec<u8> = bytes
-        .iter()
-        .map(|&c| c.into() as u8)
-        .take_while(|&c| c != 0)
-        .collect();
-    CStr::from_bytes_until_nul(&[v.as_slice(), &[0]].concat())
-        .map_or_else(|_| String::new(), |s| s.to_string_lossy().into_owned())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -776,14 +756,5 @@ mod tests {
             0x0a, 0x39,
         ];
         assert_eq!(format_uuid(&b), "GPU-de918d9d-e24e-30ae-6ef5-43a3feaf0a39");
-    }
-
-    #[test]
-    fn c_strings_stop_at_nul() {
-        assert_eq!(
-            c_string(&[b'5' as i8, b'8' as i8, b'0' as i8, 0, b'x' as i8]),
-            "580"
-        );
-        assert_eq!(c_string(b"ab"), "ab");
     }
 }
