@@ -1,9 +1,6 @@
 //! The RM client: a root client handle over a [`Transport`] (the kernel driver, or an in-process RM), and
 //! RAII handles for RM objects.
 
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
 use std::ffi::c_void;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
@@ -38,6 +35,7 @@ impl Client {
         self.transport.uvm_fd()
     }
 
+    /// The root client's handle: the `hClient`/`hRoot` of every call this client makes.
     pub fn handle(&self) -> Handle {
         self.handle
     }
@@ -200,14 +198,17 @@ impl Object {
         })
     }
 
+    /// The object's handle within its client.
     pub fn handle(&self) -> Handle {
         self.handle
     }
 
+    /// The class the object was allocated as.
     pub fn class(&self) -> u32 {
         self.class
     }
 
+    /// The client the object belongs to (kept alive by the object).
     pub fn client(&self) -> &Arc<Client> {
         &self.client
     }

@@ -1,9 +1,6 @@
 //! Opening a GPU through RM: enumeration, driver check, device/subdevice, class list, GPU info, our own
 //! GPU virtual address space registered with UVM, and the usermode (doorbell) page.
 
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
@@ -35,22 +32,35 @@ pub(super) const HIGH_REGION_SIZE: u64 = 1 << 40;
 /// What RM reports about the GPU.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GpuInfo {
+    /// The index [`GpuCore::open`] was given: the GPU's place in RM's list (`NV_ESC_CARD_INFO`).
     pub index: usize,
+    /// The N of the GPU's device node /dev/nvidiaN.
     pub minor: u32,
+    /// The name RM reports (`NVIDIA H200`).
     pub name: String,
     /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as nvidia-smi prints it.
     pub uuid: String,
+    /// The UUID's 16 bytes, as UVM and RM controls take it.
     pub uuid_bytes: [u8; 16],
+    /// PCI address, `domain:bus:device.function` in hex (`00000000:1b:00.0`).
     pub pci_bus_id: String,
     /// SM version as major * 10 + minor (90 for Hopper).
     pub sm_version: u32,
+    /// Streaming multiprocessors enabled on this GPU (TPCs × SMs per TPC).
     pub sm_count: u32,
+    /// Graphics processing clusters enabled on this GPU.
     pub gpc_count: u32,
+    /// Texture processing clusters enabled, over all GPCs (floorswept ones not counted).
     pub tpc_count: u32,
+    /// The most TPCs a GPC of this chip has (the chip's design, before floorsweeping).
     pub tpcs_per_gpc_max: u32,
+    /// SMs in each TPC (2 on Hopper).
     pub sms_per_tpc: u32,
+    /// The most warps an SM holds at once (64 on Hopper), for occupancy.
     pub max_warps_per_sm: u32,
+    /// Video memory, bytes.
     pub memory_bytes: u64,
+    /// The loaded kernel module's version (`580.159.04`).
     pub driver_version: String,
 }
 
@@ -397,6 +407,7 @@ impl GpuCore {
         self.attachment.as_ref()
     }
 
+    /// What RM reported about the GPU when it was opened.
     pub fn info(&self) -> &GpuInfo {
         &self.info
     }
@@ -406,6 +417,7 @@ impl GpuCore {
         &self.classes
     }
 
+    /// Whether the GPU lists `class` (a class number such as `0xcbc0`, HOPPER_COMPUTE_A).
     pub fn has_class(&self, class: u32) -> bool {
         self.classes.contains(&class)
     }
@@ -428,18 +440,22 @@ impl GpuCore {
             })
     }
 
+    /// The RM client every object of this GPU is allocated in.
     pub fn client(&self) -> &Arc<Client> {
         &self.client
     }
 
+    /// The `NV01_DEVICE_0` object: the parent of memory, VA spaces and channel groups.
     pub fn device(&self) -> &Arc<Object> {
         &self.device
     }
 
+    /// The `NV20_SUBDEVICE_0` object: the target of per-GPU controls (GR, FB, GPU info).
     pub fn subdevice(&self) -> &Arc<Object> {
         &self.subdevice
     }
 
+    /// The GPU VA space channels are bound to (`FERMI_VASPACE_A`; CUDA's, for an attached GPU).
     pub fn vaspace(&self) -> &Arc<Object> {
         &self.vaspace
     }
@@ -470,6 +486,7 @@ impl GpuCore {
         }
     }
 
+    /// The 1 TiB region for user buffers, which need no 40-bit address.
     pub fn high_region(&self) -> &VaRegion {
         &self.high
     }

@@ -1,9 +1,6 @@
 //! GPU-visible memory: RM allocations in video or system memory, mapped for the GPU in our VA space through
 //! UVM external ranges and, when asked, for the CPU at the same address.
 
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -35,16 +32,20 @@ pub enum Placement {
 /// How a buffer is to be allocated.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemoryDesc {
+    /// Bytes asked for (rounded up to the page size at allocation).
     pub size: u64,
+    /// Where the memory lives.
     pub placement: Placement,
     /// Map for the CPU at the buffer's GPU address.
     pub cpu_mapped: bool,
     /// Allocate the GPU address below 1 TiB (what the front end addresses with 40 bits).
     pub low: bool,
+    /// Ask RM for physically contiguous video memory (off by default: RM may scatter the pages).
     pub contiguous: bool,
 }
 
 impl MemoryDesc {
+    /// `size` bytes of video memory, not CPU-mapped, anywhere in the high region.
     pub fn video(size: u64) -> MemoryDesc {
         MemoryDesc {
             size,
@@ -54,14 +55,17 @@ impl MemoryDesc {
             contiguous: false,
         }
     }
+    /// Also maps the memory for the CPU, at its GPU address.
     pub fn with_cpu(mut self) -> MemoryDesc {
         self.cpu_mapped = true;
         self
     }
+    /// Places the memory below 1 TiB, where the front end's 40-bit addresses reach (rings, pushbuffers, QMDs).
     pub fn low(mut self) -> MemoryDesc {
         self.low = true;
         self
     }
+    /// Puts the memory in `p` instead of video memory.
     pub fn placement(mut self, p: Placement) -> MemoryDesc {
         self.placement = p;
         self
@@ -93,6 +97,8 @@ unsafe impl Sync for Memory {}
 const HUGE_PAGE: u64 = 2 << 20;
 
 impl Memory {
+    /// Allocates memory as `desc` asks, maps it for the GPU at a VA of its own (and for the CPU at the same
+    /// address when asked). Video buffers of 8 MiB or more use 2 MiB pages. Freed on drop.
     pub fn alloc(core: &Arc<GpuCore>, desc: MemoryDesc) -> Result<Memory> {
         if desc.size == 0 {
             return Err(Error::InvalidArgument("a buffer of 0 bytes".into()));
@@ -278,14 +284,17 @@ impl Memory {
         self.size
     }
 
+    /// How the memory was asked for.
     pub fn desc(&self) -> &MemoryDesc {
         &self.desc
     }
 
+    /// The RM memory object's handle (0 once freed).
     pub fn handle(&self) -> u32 {
         self.object.as_ref().map_or(0, Object::handle)
     }
 
+    /// The GPU that owns the memory.
     pub fn gpu(&self) -> &Arc<GpuCore> {
         &self.core
     }

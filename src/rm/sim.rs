@@ -13,9 +13,6 @@
 //! touches memory, and a buffer is unregistered (under that lock) before it is unmapped, so the front end never
 //! touches memory that is gone: a bad address is an [`AccessError`], never a segfault.
 
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::ptr::NonNull;
@@ -38,14 +35,19 @@ use crate::hw::{compute, copy, host};
 /// The GPU a simulated RM describes. The default is an H200: sm_90, 8 GPCs, 66 TPCs, 132 SMs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SimConfig {
+    /// The name the simulated RM reports.
     pub name: String,
+    /// The UUID's 16 bytes; give each simulated GPU of one process its own, so they can be told apart.
     pub uuid: [u8; 16],
     /// SM version as major * 10 + minor.
     pub sm_version: u32,
     /// TPCs of each GPC (the GPC count is the length).
     pub tpcs_per_gpc: Vec<u32>,
+    /// SMs in each TPC.
     pub sms_per_tpc: u32,
+    /// The most warps an SM holds at once.
     pub max_warps_per_sm: u32,
+    /// Video memory the simulated RM reports, bytes (nothing is reserved for it).
     pub memory_bytes: u64,
 }
 
@@ -65,10 +67,12 @@ impl Default for SimConfig {
 }
 
 impl SimConfig {
+    /// TPCs over all GPCs.
     pub fn tpc_count(&self) -> u32 {
         self.tpcs_per_gpc.iter().sum()
     }
 
+    /// SMs over all GPCs.
     pub fn sm_count(&self) -> u32 {
         self.tpc_count() * self.sms_per_tpc
     }
@@ -79,11 +83,15 @@ impl SimConfig {
 pub struct SimChannel {
     /// The channel object's RM handle.
     pub handle: Handle,
+    /// The GPFIFO class it was allocated as (`0xc86f` on Hopper).
     pub class: u32,
     /// The work-submit token the simulated RM handed out.
     pub token: u32,
+    /// GPU address of the GPFIFO ring.
     pub ring_va: u64,
+    /// Entries in the ring (a power of two).
     pub entries: u32,
+    /// GPU address of the channel's USERD (GPPut, GPGet).
     pub userd_va: u64,
     /// The error notifier (`NvNotificationRec`) that RM writes when the channel faults.
     pub notifier_va: u64,
@@ -92,10 +100,22 @@ pub struct SimChannel {
 /// Why the front end could not access memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum AccessError {
+    /// The range is not inside one live allocation (never allocated, freed, or running past its end).
     #[error("{len:#x} bytes at {va:#x} are not inside one live allocation")]
-    Unmapped { va: u64, len: u64 },
+    Unmapped {
+        /// GPU address of the access.
+        va: u64,
+        /// Bytes accessed.
+        len: u64,
+    },
+    /// A word access at an address that is not a multiple of its size.
     #[error("{len}-byte access at {va:#x} is not naturally aligned")]
-    Misaligned { va: u64, len: u64 },
+    Misaligned {
+        /// GPU address of the access.
+        va: u64,
+        /// Bytes accessed.
+        len: u64,
+    },
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -645,6 +665,7 @@ impl SimBus {
         }
     }
 
+    /// The GPU the simulated RM describes.
     pub fn config(&self) -> &SimConfig {
         &self.0.config
     }
@@ -667,6 +688,7 @@ impl SimView<'_> {
         self.st.channels.values().copied().collect()
     }
 
+    /// The channel with RM handle `handle`, if it is live.
     pub fn channel(&self, handle: Handle) -> Option<SimChannel> {
         self.st.channels.get(&handle).copied()
     }
@@ -728,18 +750,21 @@ impl SimView<'_> {
             .collect())
     }
 
+    /// An atomic 32-bit load at `va` (4-byte aligned), as the front end reads semaphores and GPPut.
     pub fn read_u32(&self, va: u64) -> std::result::Result<u32, AccessError> {
         let p = self.ptr(va, 4, 4)?;
         // SAFETY: in a live allocation, 4-byte aligned; the CPU polls these words, so atomically.
         Ok(unsafe { AtomicU32::from_ptr(p.cast()) }.load(Ordering::Acquire))
     }
 
+    /// An atomic 64-bit load at `va` (8-byte aligned).
     pub fn read_u64(&self, va: u64) -> std::result::Result<u64, AccessError> {
         let p = self.ptr(va, 8, 8)?;
         // SAFETY: in a live allocation, 8-byte aligned.
         Ok(unsafe { AtomicU64::from_ptr(p.cast()) }.load(Ordering::Acquire))
     }
 
+    /// An atomic 32-bit store at `va` (4-byte aligned), as the front end releases semaphores and GPGet.
     pub fn write_u32(&self, va: u64, value: u32) -> std::result::Result<(), AccessError> {
         let p = self.ptr(va, 4, 4)?;
         // SAFETY: in a live allocation, 4-byte aligned; semaphores and GPGet are polled by the CPU.
@@ -747,6 +772,7 @@ impl SimView<'_> {
         Ok(())
     }
 
+    /// An atomic 64-bit store at `va` (8-byte aligned).
     pub fn write_u64(&self, va: u64, value: u64) -> std::result::Result<(), AccessError> {
         let p = self.ptr(va, 8, 8)?;
         // SAFETY: in a live allocation, 8-byte aligned.
