@@ -4,9 +4,6 @@
 //! benchmarks measure against. Like `rm/` for the direct path, it is the one place where this backend's FFI
 //! `unsafe` lives; everything it hands out is safe to use.
 
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
 use std::ffi::{CStr, c_void};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -102,6 +99,7 @@ impl Error {
     }
 }
 
+/// The driver backend's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Errors after which the context is unusable (the CUDA documentation: "the process is left in an inconsistent
@@ -226,6 +224,9 @@ unsafe impl Send for Context {}
 unsafe impl Sync for Context {}
 
 impl Context {
+    /// Retains the primary context of device `ordinal` (CUDA's order, after `CUDA_VISIBLE_DEVICES`), as the
+    /// runtime does. A primary context a kernel fault killed is reset first when nothing of APEX still uses it;
+    /// if CUDA still refuses it, the error is [`Error::ProcessLost`].
     pub fn new(ordinal: usize) -> Result<Arc<Context>> {
         if !is_available() {
             return Err(Error::NoLibrary);
@@ -344,6 +345,7 @@ impl Context {
         check("cuCtxEnablePeerAccess", r)
     }
 
+    /// The device's name (`cuDeviceGetName`: `NVIDIA H200`).
     pub fn name(&self) -> Result<String> {
         let mut buf = [0 as std::ffi::c_char; 256];
         // SAFETY: the buffer is 256 bytes and the driver NUL-terminates within the length given.
@@ -356,6 +358,7 @@ impl Context {
         }
     }
 
+    /// One device attribute (`cuDeviceGetAttribute`).
     pub fn attribute(&self, a: cu::CUdevice_attribute) -> Result<i32> {
         let mut v = 0;
         // SAFETY: out-pointer to a local.
@@ -365,6 +368,7 @@ impl Context {
         Ok(v)
     }
 
+    /// The device's memory, bytes (`cuDeviceTotalMem`).
     pub fn total_memory(&self) -> Result<u64> {
         let mut v = 0usize;
         // SAFETY: out-pointer to a local.
@@ -374,6 +378,7 @@ impl Context {
         Ok(v as u64)
     }
 
+    /// libcuda's version as CUDA numbers it (`cuDriverGetVersion`: 13000 for 13.0).
     pub fn driver_version(&self) -> Result<i32> {
         let mut v = 0;
         // SAFETY: out-pointer to a local.
@@ -412,6 +417,7 @@ pub struct DeviceMemory {
 }
 
 impl DeviceMemory {
+    /// `size` bytes of device memory in `ctx` (`cuMemAlloc`), freed on drop.
     pub fn alloc(ctx: &Arc<Context>, size: u64) -> Result<DeviceMemory> {
         if size == 0 {
             return Err(Error::InvalidArgument("a buffer of 0 bytes".into()));
@@ -429,6 +435,7 @@ impl DeviceMemory {
         })
     }
 
+    /// The device address.
     pub fn ptr(&self) -> u64 {
         self.ptr
     }
@@ -438,6 +445,7 @@ impl DeviceMemory {
         &self.ctx
     }
 
+    /// Bytes allocated.
     pub fn size(&self) -> u64 {
         self.size
     }
@@ -465,6 +473,7 @@ unsafe impl Send for HostMemory {}
 unsafe impl Sync for HostMemory {}
 
 impl HostMemory {
+    /// `size` bytes of pinned host memory in `ctx`, mapped for the device (`cuMemHostAlloc`), freed on drop.
     pub fn alloc(ctx: &Arc<Context>, size: u64) -> Result<HostMemory> {
         if size == 0 {
             return Err(Error::InvalidArgument("a buffer of 0 bytes".into()));
@@ -482,14 +491,17 @@ impl HostMemory {
         })
     }
 
+    /// The address the device uses for it.
     pub fn ptr(&self) -> u64 {
         self.ptr as u64
     }
 
+    /// Bytes allocated.
     pub fn size(&self) -> u64 {
         self.size
     }
 
+    /// Copies `data` into the memory at `offset` by the CPU; range-checked.
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
         self.bounds(offset, data.len() as u64)?;
         // SAFETY: bounds checked; the allocation lives as long as `self`.
@@ -499,6 +511,7 @@ impl HostMemory {
         Ok(())
     }
 
+    /// Copies from the memory at `offset` into `out` by the CPU; range-checked.
     pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<()> {
         self.bounds(offset, out.len() as u64)?;
         // SAFETY: as in `write`.
@@ -544,6 +557,7 @@ unsafe impl Send for Module {}
 unsafe impl Sync for Module {}
 
 impl Module {
+    /// Loads a cubin, fatbin or PTX image into `ctx` (`cuModuleLoadData`); PTX is compiled by libcuda.
     pub fn load(ctx: &Arc<Context>, image: &[u8]) -> Result<Arc<Module>> {
         ctx.bind()?;
         // PTX must be NUL-terminated text; cubins and fatbins are binary and are passed as they are.
@@ -566,6 +580,7 @@ impl Module {
         }))
     }
 
+    /// The kernel `name` (its symbol, mangled), with its parameter layout (`cuFuncGetParamInfo`).
     pub fn function(self: &Arc<Self>, name: &str) -> Result<Function> {
         self.ctx.bind()?;
         let cname = std::ffi::CString::new(name)
@@ -649,10 +664,12 @@ unsafe impl Send for Function {}
 unsafe impl Sync for Function {}
 
 impl Function {
+    /// Each parameter's offset and size in bytes, in order, as the driver reports them.
     pub fn params(&self) -> &[(u32, u32)] {
         &self.params
     }
 
+    /// libcuda's handle, for calls APEX does not wrap.
     pub fn raw(&self) -> cu::CUfunction {
         self.func
     }
@@ -690,6 +707,7 @@ impl Function {
         Ok(())
     }
 
+    /// The module the kernel belongs to (kept loaded by the function).
     pub fn module(&self) -> &Arc<Module> {
         &self.module
     }
@@ -729,24 +747,29 @@ pub struct ParamPtrs(Vec<*mut c_void>);
 unsafe impl Send for ParamPtrs {}
 
 impl ParamPtrs {
+    /// An empty array with room for `n` pointers.
     pub fn with_capacity(n: usize) -> ParamPtrs {
         ParamPtrs(Vec::with_capacity(n))
     }
 
+    /// Empties the array (keeping its allocation).
     pub fn clear(&mut self) {
         self.0.clear();
     }
 
+    /// Appends the pointer to the next parameter's value.
     pub fn push(&mut self, p: *mut c_void) {
         self.0.push(p);
     }
 
+    /// The pointers, as the launch call takes them.
     pub fn as_mut_slice(&mut self) -> &mut [*mut c_void] {
         &mut self.0
     }
 }
 
 impl Stream {
+    /// A non-blocking stream in `ctx` (`cuStreamCreate` with `CU_STREAM_NON_BLOCKING`).
     pub fn new(ctx: &Arc<Context>) -> Result<Stream> {
         ctx.bind()?;
         let mut s = std::ptr::null_mut();
@@ -758,14 +781,17 @@ impl Stream {
         })
     }
 
+    /// libcuda's handle, for calls APEX does not wrap.
     pub fn raw(&self) -> cu::CUstream {
         self.stream
     }
 
+    /// A copyable reference to the stream, for waiting on it without borrowing it.
     pub fn handle(&self) -> StreamRef {
         StreamRef(self.stream)
     }
 
+    /// The context the stream belongs to.
     pub fn context(&self) -> &Arc<Context> {
         &self.ctx
     }
@@ -869,6 +895,7 @@ impl Stream {
         }
     }
 
+    /// Waits until everything submitted to the stream is complete (`cuStreamSynchronize`).
     pub fn synchronize(&self) -> Result<()> {
         self.ctx.bind()?;
         // SAFETY: a live stream.
@@ -1035,6 +1062,7 @@ impl Graph {
         })
     }
 
+    /// Replays the graph on `stream` (`cuGraphLaunch`).
     pub fn launch(&self, stream: &mut Stream) -> Result<()> {
         self.ctx.bind()?;
         // SAFETY: launches our instantiated graph on a live stream.

@@ -1,6 +1,3 @@
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
 use std::fmt;
 use std::ptr::NonNull;
 use std::sync::{Arc, Weak};
@@ -23,6 +20,7 @@ pub struct ChannelConfig {
     pub ring_placement: Placement,
     /// Bind the compute class (subchannel 1) and the copy class (subchannel 4) to the channel.
     pub compute: bool,
+    /// See `compute`: with `copy`, the copy class is bound on subchannel 4.
     pub copy: bool,
     /// Build a copy-only channel on this logical copy engine (LCE index) instead of one on the graphics engine,
     /// whose copy engine (the GRCE) is shared with compute and slower. Needs `compute: false, copy: true`.
@@ -56,8 +54,11 @@ impl ChannelConfig {
 /// The classes a channel was built with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ChannelClasses {
+    /// The GPFIFO (host) class of the channel (`0xc86f` on Hopper).
     pub gpfifo: u32,
+    /// The compute class bound on subchannel 1, if any.
     pub compute: Option<u32>,
+    /// The copy class bound on subchannel 4, if any.
     pub copy: Option<u32>,
 }
 
@@ -68,7 +69,9 @@ pub struct ChannelFault {
     pub status: u16,
     /// The error code (the Xid RM logs, e.g. 13 graphics exception, 31 MMU fault, 43 reset channel).
     pub info32: u32,
+    /// The notifier's 16-bit detail word; what it holds depends on the error.
     pub info16: u16,
+    /// When RM posted the error, nanoseconds on the GPU's clock.
     pub timestamp_ns: u64,
     /// For an MMU fault, the faulting GPU address and RM's fault type, when RM reported them.
     pub mmu: Option<(u64, u32)>,
@@ -79,9 +82,11 @@ pub struct ChannelFault {
 /// One SM's error state (NV83DE_CTRL_CMD_DEBUG_READ_ALL_SM_ERROR_STATES).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SmError {
+    /// The SM's index.
     pub sm: u32,
     /// The SM's global and warp error status registers.
     pub global_esr: u32,
+    /// The faulting warp's error status register.
     pub warp_esr: u32,
     /// Program counter of the faulting warp.
     pub warp_pc: u64,
@@ -378,6 +383,9 @@ pub struct Channel {
 unsafe impl Send for Channel {}
 
 impl Channel {
+    /// Builds a channel on `core` as `config` asks: its group (or a subcontext in CUDA's, on an attached GPU),
+    /// the ring, USERD and error notifier in memory of ours, the engine objects, its UVM registration and its
+    /// work-submit token. Nothing is submitted yet.
     pub fn new(core: &Arc<GpuCore>, config: ChannelConfig) -> Result<Channel> {
         let state = RingState::new(config.entries)
             .filter(|_| config.entries <= 65536)
@@ -593,10 +601,12 @@ impl Channel {
         })
     }
 
+    /// The classes the channel was built with.
     pub fn classes(&self) -> ChannelClasses {
         self.classes
     }
 
+    /// The GPU the channel runs on.
     pub fn gpu(&self) -> &Arc<GpuCore> {
         &self.core
     }
@@ -606,10 +616,12 @@ impl Channel {
         self.token
     }
 
+    /// GPU address of the GPFIFO ring.
     pub fn ring_va(&self) -> u64 {
         self.ring_mem.va()
     }
 
+    /// Where the CPU's put and the GPU's last seen get stand in the ring.
     pub fn ring_state(&self) -> RingState {
         self.state
     }
@@ -619,6 +631,7 @@ impl Channel {
         &self.sems
     }
 
+    /// A timeline on semaphore slot `slot` of the channel's semaphore page.
     pub fn timeline(&self, slot: usize) -> Timeline {
         Timeline::new(self.sems.clone(), slot)
     }
@@ -773,10 +786,12 @@ impl Channel {
         (self.tsg.handle(), self.channel.handle())
     }
 
+    /// Whether a compute object is bound (subchannel 1).
     pub fn has_compute(&self) -> bool {
         self.compute.is_some()
     }
 
+    /// Whether a copy object is bound (subchannel 4).
     pub fn has_copy(&self) -> bool {
         self.copy.is_some()
     }
@@ -797,6 +812,7 @@ impl Drop for Channel {
 pub struct MmuFault {
     /// The faulting GPU virtual address.
     pub address: u64,
+    /// RM's fault type code, named in `kind`.
     pub fault_type: u32,
     /// RM's name for the fault type (e.g. "FAULT_PDE").
     pub kind: String,
