@@ -10,9 +10,9 @@
 //! Every variant first decodes from position 0 and its logits are compared with the eager direct path's
 //! (which `tests/gpu_gpt2.rs` checks against the CPU). `APEX_STEPS` tokens are timed in each window.
 
-mod support;
 #[path = "support/gpt2.rs"]
 mod gpt2;
+mod support;
 
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
@@ -82,7 +82,11 @@ fn driver_args(m: &GpuModel) -> DriverArgs {
         .collect();
     let ptrs = values
         .iter_mut()
-        .map(|v| v.iter_mut().map(|x| (x as *mut u64).cast::<c_void>()).collect())
+        .map(|v| {
+            v.iter_mut()
+                .map(|x| (x as *mut u64).cast::<c_void>())
+                .collect()
+        })
         .collect();
     DriverArgs {
         _values: values,
@@ -93,7 +97,10 @@ fn driver_args(m: &GpuModel) -> DriverArgs {
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     let s = GPT2_SMALL;
     let steps = steps();
-    eprintln!("random weights for GPT-2 small ({} parameters)...", s.floats());
+    eprintln!(
+        "random weights for GPT-2 small ({} parameters)...",
+        s.floats()
+    );
     let w = gpt2::random_weights(&s, 7);
     let toks = gpt2::tokens(&s, 11);
 
@@ -114,25 +121,46 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     );
 
     // The same logits everywhere (eager direct is the reference; the test checks it against the CPU).
-    let first = |gpu: &Gpu, q: &mut Queue, m: &GpuModel, f: &mut dyn FnMut(&mut Queue) -> apex::Result<()>| {
+    let first = |gpu: &Gpu,
+                 q: &mut Queue,
+                 m: &GpuModel,
+                 f: &mut dyn FnMut(&mut Queue) -> apex::Result<()>| {
         m.set_position(gpu, q, 0)?;
         f(q)?;
         m.logits(gpu, q)
     };
     // SAFETY (every launch_step below): the model's own kernels and buffers, used by its queue alone.
-    let reference = first(&direct, &mut qd, &md, &mut |q| unsafe { md.launch_step(q, &kd, false) })?;
+    let reference = first(&direct, &mut qd, &md, &mut |q| unsafe {
+        md.launch_step(q, &kd, false)
+    })?;
     let check = |name: &str, got: Vec<f32>| -> Result<(), Box<dyn std::error::Error>> {
         let d = max_rel_diff(&got, &reference);
         if d > 1e-4 {
-            return Err(format!("{name}: logits differ from the eager direct path by {d} (relative)").into());
+            return Err(format!(
+                "{name}: logits differ from the eager direct path by {d} (relative)"
+            )
+            .into());
         }
         Ok(())
     };
-    check("APEX chained", first(&direct, &mut qd, &md, &mut |q| unsafe { md.launch_step(q, &kd, true) })?)?;
-    check("CUDA eager", first(&cuda, &mut qc, &mc, &mut |q| unsafe { mc.launch_step(q, &kc, false) })?)?;
+    check(
+        "APEX chained",
+        first(&direct, &mut qd, &md, &mut |q| unsafe {
+            md.launch_step(q, &kd, true)
+        })?,
+    )?;
+    check(
+        "CUDA eager",
+        first(&cuda, &mut qc, &mc, &mut |q| unsafe {
+            mc.launch_step(q, &kc, false)
+        })?,
+    )?;
 
     // The CUDA graph: one step captured on a stream of the driver backend's context.
-    let ctx = cuda.driver().ok_or("the driver backend has no CUDA context")?.clone();
+    let ctx = cuda
+        .driver()
+        .ok_or("the driver backend has no CUDA context")?
+        .clone();
     let mut stream = driver::Stream::new(&ctx)?;
     let mut args = driver_args(&mc);
     let graph = driver::Graph::capture(&mut stream, |st| {
@@ -152,15 +180,23 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     stream.synchronize()?;
     check("CUDA graph", mc.logits(&cuda, &mut qc)?)?;
 
-    println!("| KV positions | APEX eager | APEX chained | CUDA eager | CUDA graph | eager ÷ graph | chained ÷ graph |");
+    println!(
+        "| KV positions | APEX eager | APEX chained | CUDA eager | CUDA graph | eager ÷ graph | chained ÷ graph |"
+    );
     println!("|---|---|---|---|---|---|---|");
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     for start in WINDOWS {
         let n = steps.min(s.ctx - start);
         // SAFETY: as above.
-        let ae = time_window(&direct, &mut qd, &md, start, n, |q| unsafe { md.launch_step(q, &kd, false) })?;
-        let ac = time_window(&direct, &mut qd, &md, start, n, |q| unsafe { md.launch_step(q, &kd, true) })?;
-        let ce = time_window(&cuda, &mut qc, &mc, start, n, |q| unsafe { mc.launch_step(q, &kc, false) })?;
+        let ae = time_window(&direct, &mut qd, &md, start, n, |q| unsafe {
+            md.launch_step(q, &kd, false)
+        })?;
+        let ac = time_window(&direct, &mut qd, &md, start, n, |q| unsafe {
+            md.launch_step(q, &kd, true)
+        })?;
+        let ce = time_window(&cuda, &mut qc, &mc, start, n, |q| unsafe {
+            mc.launch_step(q, &kc, false)
+        })?;
         let mut best = Duration::MAX;
         for _ in 0..3 {
             mc.set_position(&cuda, &mut qc, start)?;
