@@ -30,16 +30,6 @@ const DIFFERENT_BY_DESIGN: &[(&str, &str)] = &[
     ("DEPENDENT_QMD_ACTION(0)", "as above"),
     ("DEPENDENT_QMD_PREFETCH(0)", "as above"),
     ("DEPENDENT_QMD0_POINTER", "as above"),
-    (
-        "ENABLE_PROGRAM_PRE_EXIT",
-        "not needed: kernels run the same without it",
-    ),
-    (
-        "PROGRAM_PREFETCH_ADDR_LOWER_SHIFTED",
-        "APEX does not ask the SM to prefetch code; it maps padding after it",
-    ),
-    ("PROGRAM_PREFETCH_ADDR_UPPER_SHIFTED", "as above"),
-    ("PROGRAM_PREFETCH_SIZE", "as above"),
 ];
 
 /// libcuda also binds its driver banks 1, 5 and 7; APEX binds bank 0 (and the module's own banks).

@@ -137,6 +137,7 @@ fn raw_qmd(
     let p = QmdParams {
         sm_version: 90,
         program_va: k.program_va(),
+        program_bytes: k.info().code_size,
         registers: k.info().registers,
         barriers: 1,
         grid: [1, 1, 1],

@@ -67,6 +67,9 @@ pub struct QmdParams {
     pub sm_version: u32,
     /// GPU address of the kernel's first instruction.
     pub program_va: u64,
+    /// Bytes of the kernel's code from `program_va`: the front end prefetches them into the instruction cache
+    /// before the first block starts, as libcuda asks it to (0: no prefetch).
+    pub program_bytes: u64,
     /// Registers per thread.
     pub registers: u32,
     /// Named barriers the kernel uses (`bar.sync` ids).
@@ -240,6 +243,21 @@ pub fn build(
             set!(w, v04::BARRIER_COUNT, p.barriers);
             set!(w, v04::PROGRAM_ADDRESS_LOWER, p.program_va & 0xffff_ffff);
             set!(w, v04::PROGRAM_ADDRESS_UPPER, p.program_va >> 32);
+            set!(w, v04::ENABLE_PROGRAM_PRE_EXIT, 1);
+            if p.program_bytes > 0 {
+                // In 256-byte units from a 256-byte-aligned start, at most the field's 9 bits.
+                let start = p.program_va & !0xff;
+                let units = (p.program_va + p.program_bytes - start)
+                    .div_ceil(256)
+                    .min(0x1ff);
+                set!(
+                    w,
+                    v04::PROGRAM_PREFETCH_ADDR_LOWER_SHIFTED,
+                    (start >> 8) & 0xffff_ffff
+                );
+                set!(w, v04::PROGRAM_PREFETCH_ADDR_UPPER_SHIFTED, start >> 40);
+                set!(w, v04::PROGRAM_PREFETCH_SIZE, units);
+            }
             for (i, cb) in p.const_buffers.iter().enumerate() {
                 if let Some(cb) = cb {
                     set!(w, v04::CONSTANT_BUFFER_VALID(i), 1);

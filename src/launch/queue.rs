@@ -792,6 +792,7 @@ impl ComputeQueue {
             let params = QmdParams {
                 sm_version: self.gpu.info().sm_version,
                 program_va: kernel.program_va(),
+                program_bytes: k.code_size,
                 registers: k.registers,
                 barriers: k.barrier_count.max(1),
                 grid: cfg.grid,

@@ -677,6 +677,7 @@ mod tests {
         QmdParams {
             sm_version: 90,
             program_va: PROGRAM,
+            program_bytes: 0x200,
             registers: 16,
             barriers: 1,
             grid: [2, 1, 1],
