@@ -4,6 +4,7 @@ pub mod cbank;
 mod copies;
 pub mod cubin;
 pub mod fatbin;
+pub mod graph;
 pub mod image;
 pub mod jit;
 mod module;
