@@ -16,7 +16,8 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 
-use super::LaunchConfig;
+use super::params::{Arg, ParamError, pack};
+use super::{Kernel, LaunchConfig};
 
 /// A half-open range of device addresses, `[va, va + len)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -55,6 +56,11 @@ impl NodeId {
     /// The node's position in recording order (0 for the first node recorded).
     pub fn index(self) -> usize {
         self.0
+    }
+
+    /// The id of the node at `index` (within this crate, where the index comes from a graph of the same length).
+    pub(crate) fn at(index: usize) -> NodeId {
+        NodeId(index)
     }
 }
 
@@ -214,7 +220,7 @@ fn cycle_text(nodes: &[usize]) -> String {
 }
 
 /// Kernel launches and copies with the ranges they read and write, and explicit edges. `K` is the kernel type of
-/// the backend that will run it (the direct path's [`Kernel`](super::Kernel), or the public API's).
+/// the backend that will run it (the direct path's [`Kernel`], or the public API's).
 #[derive(Clone, Debug)]
 pub struct Graph<K> {
     nodes: Vec<Node<K>>,
@@ -478,6 +484,21 @@ impl<K> Graph<K> {
             edges,
             order: order.into_iter().map(NodeId).collect(),
         })
+    }
+}
+
+impl Graph<Kernel> {
+    /// Records a launch of a direct-path `kernel` with `args`, packed by the kernel's parameter table (checked as
+    /// a launch's are: count and sizes).
+    pub fn launch_args(
+        &mut self,
+        kernel: &Kernel,
+        cfg: LaunchConfig,
+        args: &[Arg<'_>],
+    ) -> Result<NodeId, ParamError> {
+        let mut params = vec![0u8; kernel.info().param_cbank_size as usize];
+        pack(kernel.info(), args, &mut params)?;
+        Ok(self.launch(kernel.clone(), cfg, params))
     }
 }
 
