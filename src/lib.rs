@@ -51,5 +51,6 @@ pub use api::{
     HostBuffer, Kernel, Module, PeerAccess, PeerLink, Queue, Result, Selection, StreamWatch,
     choose,
 };
+pub use api::{Graph, GraphExec, GraphLaunch, GraphNode};
 pub use launch::{Arg, LaunchConfig};
 pub use report::error_report;

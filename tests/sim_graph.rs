@@ -1208,3 +1208,140 @@ fn random_graphs_are_scheduled_correctly() {
         }
     }
 }
+
+// ---- the public API over the simulated GPU ------------------------------------------------------------------
+
+#[test]
+fn the_public_graph_builder_derives_and_replays_in_order() {
+    use apex::{Gpu, Graph as ApiGraph};
+    let (gpu, sim) = Gpu::open_simulated(SimConfig::default()).unwrap();
+    assert_eq!(gpu.backend(), apex::Backend::Direct);
+    let m = gpu.load_module(CUBIN).unwrap();
+    let (add, saxpy, step) = (
+        m.kernel("vector_add").unwrap(),
+        m.kernel("saxpy").unwrap(),
+        m.kernel("chain_step").unwrap(),
+    );
+    let n = 256u32;
+    let bytes = u64::from(n) * 4;
+    let [x, y, z, w] = [(); 4].map(|_| gpu.alloc(bytes).unwrap());
+    let v = gpu.alloc(8).unwrap();
+    let cfg = LaunchConfig::linear(1, 256);
+    let mut g = ApiGraph::new();
+    let sum = g
+        .launch(&add, cfg, &[x.arg(), y.arg(), z.arg(), Arg::U32(n)])
+        .unwrap()
+        .reads(&x)
+        .reads(&y)
+        .writes(&z)
+        .id();
+    let ax = g
+        .launch(&saxpy, cfg, &[Arg::F32(2.0), z.arg(), w.arg(), Arg::U32(n)])
+        .unwrap()
+        .reads(&z)
+        .reads(&w)
+        .writes(&w)
+        .id();
+    let cp = g.copy(&z, &y).unwrap();
+    // Only the first 8 bytes of v: declared as a range.
+    let st = g
+        .launch(
+            &step,
+            LaunchConfig::linear(1, 1),
+            &[v.arg(), Arg::U64(3), Arg::U64(4)],
+        )
+        .unwrap()
+        .reads_range(&v, 0, 8)
+        .unwrap()
+        .writes_range(&v, 0, 8)
+        .unwrap()
+        .id();
+    g.edge(ax, st).unwrap();
+    assert_eq!(g.len(), 4);
+    let deps = g.dependencies().unwrap();
+    let pairs: Vec<_> = deps.edges().iter().map(|e| (e.from, e.to)).collect();
+    // The sum before the saxpy (RAW on z) and before the copy (WAR on y, RAW on z); the explicit edge.
+    assert_eq!(pairs, vec![(sum, ax), (sum, cp), (ax, st)]);
+
+    let mut q = gpu.queue().unwrap();
+    let mut exec = q.instantiate(&g).unwrap();
+    assert_eq!(exec.backend(), apex::Backend::Direct);
+    assert_eq!(exec.len(), 4);
+    let stats = exec.direct().unwrap().stats();
+    assert_eq!(
+        (stats.heads, stats.links),
+        (3, 1),
+        "saxpy → step is a chain"
+    );
+    let start = sim.launches().len();
+    // SAFETY: the simulated GPU runs no kernels.
+    let f = unsafe { q.replay(&mut exec) }.unwrap();
+    f.wait(T).unwrap();
+    let ls = sim.launches()[start..].to_vec();
+    assert_eq!(ls.len(), 4);
+    let d = exec.direct().unwrap();
+    let at = |node| {
+        ls.iter()
+            .position(|l| l.qmd_va == d.qmd_va(node).unwrap())
+            .unwrap()
+    };
+    assert!(at(sum) < at(ax) && at(sum) < at(cp) && at(ax) < at(st));
+    assert_eq!(ls[at(st)].params[8..16], 3u64.to_le_bytes());
+
+    // An update between replays; a refused one is typed and changes nothing.
+    exec.update(
+        st,
+        &LaunchConfig::linear(2, 1),
+        &[v.arg(), Arg::U64(5), Arg::U64(6)],
+    )
+    .unwrap();
+    assert!(matches!(
+        exec.update(st, &LaunchConfig::linear(1, 1), &[v.arg()]),
+        Err(apex::Error::Direct(Error::Params(ParamError::Count { .. })))
+    ));
+    assert!(matches!(
+        exec.update(cp, &LaunchConfig::linear(1, 1), &[]),
+        Err(apex::Error::Direct(Error::GraphUpdate { .. }))
+    ));
+    let start = sim.launches().len();
+    // SAFETY: as above.
+    unsafe { q.replay(&mut exec) }.unwrap().wait(T).unwrap();
+    let ls = sim.launches()[start..].to_vec();
+    let l = ls.iter().find(|l| l.qmd_va == d_qmd(&exec, st)).unwrap();
+    assert_eq!(l.grid, [2, 1, 1]);
+    assert_eq!(
+        l.params[8..24],
+        [5u64.to_le_bytes(), 6u64.to_le_bytes()].concat()[..]
+    );
+
+    // Ranges outside their buffers, copies that do not fit, another queue's exec: typed refusals.
+    let mut g2 = ApiGraph::new();
+    let e = g2
+        .launch(
+            &step,
+            LaunchConfig::linear(1, 1),
+            &[v.arg(), Arg::U64(1), Arg::U64(1)],
+        )
+        .unwrap()
+        .writes_range(&v, 4, 8)
+        .unwrap_err();
+    assert!(matches!(e, apex::Error::InvalidArgument(_)), "{e}");
+    assert!(matches!(
+        g2.copy(&x, &v),
+        Err(apex::Error::InvalidArgument(_))
+    ));
+    assert!(
+        g2.launch(&step, LaunchConfig::linear(1, 1), &[Arg::U32(1)])
+            .is_err()
+    );
+    let mut q2 = gpu.queue().unwrap();
+    // SAFETY: as above.
+    let e = unsafe { q2.replay(&mut exec) }.unwrap_err();
+    assert!(matches!(e, apex::Error::GraphQueue), "{e}");
+    assert!(e.to_string().contains("instantiate"));
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+}
+
+fn d_qmd(exec: &apex::GraphExec, node: NodeId) -> u64 {
+    exec.direct().unwrap().qmd_va(node).unwrap()
+}

@@ -93,12 +93,9 @@ fn kernel_params(
 
 impl GraphExec {
     /// Builds and instantiates a graph of `nodes`, node `i` depending on the nodes `preds[i]`. `order` lists every
-    /// node after its predecessors (the driver needs a node's dependencies to exist when it is added).
-    ///
-    /// # Safety
-    /// The graph's kernels may read and write any memory their parameters lead them to, and its copies the ranges
-    /// they name, whenever the graph is launched; nothing runs here.
-    pub unsafe fn build(
+    /// node after its predecessors (the driver needs a node's dependencies to exist when it is added). Nothing
+    /// runs until [`launch`](Self::launch).
+    pub fn build(
         ctx: &Arc<Context>,
         nodes: &[GraphNode<'_>],
         preds: &[Vec<usize>],
@@ -246,7 +243,9 @@ impl GraphExec {
     /// Launches the graph on `stream` (cuGraphLaunch), after the stream's earlier work.
     ///
     /// # Safety
-    /// The graph's kernels and copies run: the contract of [`GraphExec::build`].
+    /// The graph's kernels run and may read and write any memory their parameters lead them to, and its copies
+    /// the ranges they name: the caller guarantees that memory is alive and not in use elsewhere until the stream
+    /// has run the graph.
     pub unsafe fn launch(&self, stream: &mut Stream) -> Result<()> {
         if stream.ctx.ctx != self.ctx.ctx {
             return Err(Error::InvalidArgument(
@@ -262,11 +261,8 @@ impl GraphExec {
 
     /// Gives kernel node `node` a new shape and parameters for later launches (cuGraphExecKernelNodeSetParams),
     /// through `ptrs` (no allocation when it has room for one pointer per parameter). `func` must be the node's
-    /// kernel.
-    ///
-    /// # Safety
-    /// As for [`GraphExec::build`], with the new parameters.
-    pub unsafe fn set_kernel(
+    /// kernel. Launches already made run with what they had.
+    pub fn set_kernel(
         &mut self,
         node: usize,
         func: &Function,
