@@ -48,8 +48,7 @@ pub mod sim;
 
 pub use api::{
     Backend, BackendRequest, Buffer, DeviceInfo, Error, FallbackReason, Fence, Global, Gpu,
-    HostBuffer, Kernel, Module, PeerAccess, PeerLink, Queue, Result, Selection, StreamWatch,
-    choose,
+    HostBuffer, Kernel, Module, PeerAccess, PeerLink, Queue, Result, Selection, choose,
 };
 pub use api::{Graph, GraphExec, GraphLaunch, GraphNode};
 pub use launch::{Arg, LaunchConfig};

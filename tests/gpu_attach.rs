@@ -323,3 +323,230 @@ fn cublas_and_apex_alternate_ten_thousand_times() {
     // SAFETY: the handle made above.
     unsafe { cublas::cublasDestroy_v2(handle) };
 }
+
+/// Device memory of every kind a CUDA program (PyTorch's caching allocator with and without expandable
+/// segments, `cudaMallocAsync` pools, managed memory, mapped pinned host memory) hands a kernel.
+enum CudaMemory {
+    Alloc(u64),
+    /// `cuMemCreate` + `cuMemAddressReserve` + `cuMemMap` + `cuMemSetAccess` (PyTorch's expandable segments).
+    Vmm {
+        va: u64,
+        size: usize,
+        handle: cu::CUmemGenericAllocationHandle,
+    },
+    /// `cuMemAllocAsync` from the device's default pool (the `cudaMallocAsync` allocator).
+    Pool(u64),
+    /// `cuMemAllocManaged`: pages move on demand, faults serviced by UVM in CUDA's address space.
+    Managed(u64),
+    /// `cuMemHostAlloc(DEVICEMAP)`: pinned host memory the GPU reaches over PCIe at the same address.
+    Host(*mut c_void),
+}
+
+impl CudaMemory {
+    fn new(kind: &str, bytes: usize, s: cu::CUstream) -> CudaMemory {
+        // SAFETY: driver calls with out-pointers to locals; a context is current.
+        unsafe {
+            match kind {
+                "cuMemAlloc" => CudaMemory::Alloc(cuda_alloc(bytes)),
+                "cuMemCreate" => {
+                    let prop = cu::CUmemAllocationProp {
+                        type_: cu::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+                        location: cu::CUmemLocation {
+                            type_: cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                            id: 0,
+                        },
+                        ..std::mem::zeroed()
+                    };
+                    let mut gran = 0usize;
+                    ck(
+                        "cuMemGetAllocationGranularity",
+                        cu::cuMemGetAllocationGranularity(
+                            &mut gran,
+                            &prop,
+                            cu::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+                        ),
+                    );
+                    let size = bytes.next_multiple_of(gran);
+                    let mut handle = 0;
+                    ck("cuMemCreate", cu::cuMemCreate(&mut handle, size, &prop, 0));
+                    let mut va = 0;
+                    ck(
+                        "cuMemAddressReserve",
+                        cu::cuMemAddressReserve(&mut va, size, 0, 0, 0),
+                    );
+                    ck("cuMemMap", cu::cuMemMap(va, size, 0, handle, 0));
+                    let access = cu::CUmemAccessDesc {
+                        location: prop.location,
+                        flags: cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+                    };
+                    ck("cuMemSetAccess", cu::cuMemSetAccess(va, size, &access, 1));
+                    CudaMemory::Vmm { va, size, handle }
+                }
+                "cuMemAllocAsync" => {
+                    let mut p = 0;
+                    ck("cuMemAllocAsync", cu::cuMemAllocAsync(&mut p, bytes, s));
+                    ck("cuStreamSynchronize", cu::cuStreamSynchronize(s));
+                    CudaMemory::Pool(p)
+                }
+                "cuMemAllocManaged" => {
+                    let mut p = 0;
+                    ck(
+                        "cuMemAllocManaged",
+                        cu::cuMemAllocManaged(
+                            &mut p,
+                            bytes,
+                            cu::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL as u32,
+                        ),
+                    );
+                    CudaMemory::Managed(p)
+                }
+                "cuMemHostAlloc" => {
+                    let mut p = std::ptr::null_mut();
+                    ck(
+                        "cuMemHostAlloc",
+                        cu::cuMemHostAlloc(&mut p, bytes, cu::CU_MEMHOSTALLOC_DEVICEMAP),
+                    );
+                    CudaMemory::Host(p)
+                }
+                other => panic!("unknown memory kind {other}"),
+            }
+        }
+    }
+
+    fn ptr(&self) -> u64 {
+        match *self {
+            CudaMemory::Alloc(p) | CudaMemory::Pool(p) | CudaMemory::Managed(p) => p,
+            CudaMemory::Vmm { va, .. } => va,
+            CudaMemory::Host(p) => p as u64,
+        }
+    }
+
+    fn free(self, s: cu::CUstream) {
+        // SAFETY: each was allocated above and is no longer used by any queue.
+        unsafe {
+            match self {
+                CudaMemory::Alloc(p) | CudaMemory::Managed(p) => {
+                    ck("cuMemFree", cu::cuMemFree_v2(p))
+                }
+                CudaMemory::Pool(p) => {
+                    ck("cuMemFreeAsync", cu::cuMemFreeAsync(p, s));
+                    ck("cuStreamSynchronize", cu::cuStreamSynchronize(s));
+                }
+                CudaMemory::Vmm { va, size, handle } => {
+                    ck("cuMemUnmap", cu::cuMemUnmap(va, size));
+                    ck("cuMemAddressFree", cu::cuMemAddressFree(va, size));
+                    ck("cuMemRelease", cu::cuMemRelease(handle));
+                }
+                CudaMemory::Host(p) => ck("cuMemFreeHost", cu::cuMemFreeHost(p)),
+            }
+        }
+    }
+}
+
+const MEMORY_KINDS: [&str; 5] = [
+    "cuMemAlloc",
+    "cuMemCreate",
+    "cuMemAllocAsync",
+    "cuMemAllocManaged",
+    "cuMemHostAlloc",
+];
+
+/// `y = a·x + y` by APEX's attached queue on two buffers of `kind`, filled and read back by CUDA, every element
+/// checked.
+fn saxpy_on(gpu: &Gpu, q: &mut apex::Queue, kind: &str, s: cu::CUstream, n: u32, seed: u32) {
+    let saxpy = gpu
+        .load_module(TEST_CUBIN)
+        .unwrap()
+        .kernel("saxpy")
+        .unwrap();
+    let x = CudaMemory::new(kind, n as usize * 4, s);
+    let y = CudaMemory::new(kind, n as usize * 4, s);
+    let xs: Vec<f32> = (0..n).map(|i| ((i ^ seed) % 1000) as f32).collect();
+    let ys: Vec<f32> = (0..n).map(|i| ((i + seed) % 7) as f32).collect();
+    htod(x.ptr(), &xs);
+    htod(y.ptr(), &ys);
+    // cuMemcpyHtoD from pageable memory returns before its DMA lands (CUDA's documented behaviour): the APEX
+    // queue waits, on the GPU, for the legacy default stream the copies went to.
+    // SAFETY: the null stream of the attached context.
+    unsafe { q.wait_for_cuda_stream(std::ptr::null_mut()) }
+        .unwrap_or_else(|e| panic!("waiting for the default stream: {e}"));
+    // SAFETY: x and y hold n floats in the context APEX is attached to.
+    unsafe {
+        q.launch(
+            &saxpy,
+            &LaunchConfig::linear(n.div_ceil(256), 256),
+            &[
+                Arg::F32(3.0),
+                Arg::Ptr(x.ptr()),
+                Arg::Ptr(y.ptr()),
+                Arg::U32(n),
+            ],
+        )
+    }
+    .unwrap_or_else(|e| panic!("launch on {kind} memory: {e}"))
+    .wait(T)
+    .unwrap_or_else(|e| panic!("kernel on {kind} memory: {e}"));
+    let got: Vec<f32> = dtoh(y.ptr(), n as usize);
+    for i in 0..n as usize {
+        assert_eq!(got[i], 3.0 * xs[i] + ys[i], "{kind} memory, element {i}");
+    }
+    x.free(s);
+    y.free(s);
+}
+
+/// APEX kernels on every kind of memory a CUDA program allocates, before and after APEX attached (CUDA's later
+/// allocations must not land where APEX's address ranges are).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn apex_kernels_run_on_every_kind_of_cuda_memory() {
+    let _ctx = cuda_context();
+    let s = stream();
+    // Some memory exists before attaching, as in a program that has been running.
+    let before = CudaMemory::new("cuMemAlloc", 64 << 20, s);
+    let gpu = Gpu::attach_cuda().expect("attach");
+    assert_eq!(gpu.backend(), Backend::Direct, "{}", gpu.selection());
+    let mut q = gpu.queue().unwrap();
+    for (i, kind) in MEMORY_KINDS.iter().enumerate() {
+        saxpy_on(&gpu, &mut q, kind, s, (1 << 20) + 77, i as u32);
+        eprintln!("APEX kernel on {kind} memory: checked");
+    }
+    // Many CUDA allocations after attaching, then APEX on the last one.
+    let many: Vec<u64> = (0..64).map(|_| cuda_alloc(4 << 20)).collect();
+    saxpy_on(&gpu, &mut q, "cuMemAlloc", s, 1 << 16, 99);
+    for p in many {
+        // SAFETY: allocated above, unused.
+        ck("cuMemFree", unsafe { cu::cuMemFree_v2(p) });
+    }
+    before.free(s);
+}
+
+/// A context made with `cuCtxCreate` (not the primary one), while the primary context of the same GPU also
+/// exists and holds memory: APEX joins the current context, whose memory its kernels then reach.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn attach_joins_the_current_context_among_several_on_one_gpu() {
+    let primary = cuda_context();
+    let s0 = stream();
+    let in_primary = CudaMemory::new("cuMemAlloc", 1 << 20, s0);
+    let mut created = std::ptr::null_mut();
+    // SAFETY: out-pointer to a local, no creation parameters; device 0 exists (the primary context is on it).
+    ck("cuCtxCreate", unsafe {
+        cu::cuCtxCreate_v4(&mut created, std::ptr::null_mut(), 0, 0)
+    });
+    // SAFETY: the context just made.
+    ck("cuCtxSetCurrent", unsafe { cu::cuCtxSetCurrent(created) });
+    let s1 = stream();
+    let gpu = Gpu::attach_cuda().expect("attach to a created context");
+    eprintln!("attached to a created context: {}", gpu.selection());
+    let mut q = gpu.queue().unwrap();
+    saxpy_on(&gpu, &mut q, "cuMemAlloc", s1, 1 << 18, 5);
+    drop(q);
+    drop(gpu);
+    // The primary context is untouched.
+    // SAFETY: contexts made above.
+    unsafe {
+        ck("cuCtxSetCurrent", cu::cuCtxSetCurrent(primary));
+        in_primary.free(s0);
+        ck("cuCtxDestroy", cu::cuCtxDestroy_v2(created));
+    }
+}

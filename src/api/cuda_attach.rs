@@ -10,12 +10,8 @@ use tracing::{info, warn};
 
 use super::gpu::GpuInner;
 use super::queue::QueueInner;
-use super::{
-    Backend, BackendRequest, DeviceInfo, Error, FallbackReason, Gpu, Queue, Result, Selection,
-};
+use super::{Backend, BackendRequest, Error, FallbackReason, Gpu, Queue, Result, Selection};
 use crate::driver;
-use crate::launch::Limits;
-use crate::launch::printf::PrintfFifoCell;
 use crate::rm::GpuCore;
 
 /// A queue's counters for ordering with CUDA streams: word 0 counts CUDA → queue signals, word 1 queue → CUDA.
@@ -104,28 +100,8 @@ impl Gpu {
                 )
             }
         };
-        let info = match &inner {
-            GpuInner::Direct(c) => {
-                let i = c.info();
-                DeviceInfo {
-                    name: i.name.clone(),
-                    sm_version: i.sm_version,
-                    sm_count: i.sm_count,
-                    memory_bytes: i.memory_bytes,
-                }
-            }
-            GpuInner::Driver(c) => super::gpu::driver_info(c)?,
-        };
         info!(backend = ?selection.backend, reason = %selection, "APEX attached to the CUDA context");
-        let limits = Limits::for_sm(info.sm_version);
-        Ok(Gpu {
-            inner,
-            selection,
-            info,
-            limits,
-            printf: PrintfFifoCell::new(),
-            cuda: Some(ctx),
-        })
+        Gpu::assemble(inner, selection, Some(ctx))
     }
 
     /// Whether this GPU was attached to a CUDA context ([`Gpu::attach_cuda`]).

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Error, Result};
+use super::{Backend, Error, Result};
 use crate::driver;
 use crate::launch::printf::PrintfFifo;
 use crate::launch::{self, ComputeQueue};
@@ -26,28 +26,36 @@ enum FenceInner {
 
 /// Lets a driver-backend fence wait on its stream without borrowing the queue.
 #[derive(Debug)]
-pub struct StreamWatch {
+pub(super) struct StreamWatch {
     ctx: Arc<driver::Context>,
     stream: driver::StreamRef,
 }
 
 impl Fence {
-    pub(super) fn direct(fence: pushbuf::Fence, q: &ComputeQueue) -> Fence {
+    pub(super) fn from_direct(fence: pushbuf::Fence, q: &ComputeQueue) -> Fence {
         Fence(FenceInner::Direct {
             fence,
             printf: q.printf_fifo().cloned(),
         })
     }
 
-    pub(super) fn driver(stream: &driver::Stream) -> Fence {
+    pub(super) fn from_driver(stream: &driver::Stream) -> Fence {
         Fence(FenceInner::Driver(Arc::new(StreamWatch {
             ctx: stream.context().clone(),
             stream: stream.handle(),
         })))
     }
 
-    /// The direct path's fence.
-    pub(super) fn direct_part(&self) -> Option<&pushbuf::Fence> {
+    /// The backend whose queue made this fence.
+    pub fn backend(&self) -> Backend {
+        match self.0 {
+            FenceInner::Direct { .. } => Backend::Direct,
+            FenceInner::Driver(_) => Backend::Driver,
+        }
+    }
+
+    /// The direct path's fence (a timeline semaphore value), when a direct-path queue made this one.
+    pub fn direct(&self) -> Option<&pushbuf::Fence> {
         match &self.0 {
             FenceInner::Direct { fence, .. } => Some(fence),
             FenceInner::Driver(_) => None,

@@ -30,7 +30,7 @@ pub struct DeviceInfo {
 }
 
 /// What the CUDA driver reports about a context's device.
-pub(super) fn driver_info(ctx: &driver::Context) -> Result<DeviceInfo> {
+fn driver_info(ctx: &driver::Context) -> Result<DeviceInfo> {
     use cudarc::driver::sys::CUdevice_attribute as A;
     let major = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? as u32;
     let minor = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)? as u32;
@@ -118,6 +118,16 @@ impl Gpu {
                 }
             }
         };
+        info!(gpu = index, backend = ?selection.backend, reason = %selection, "APEX backend selected");
+        Gpu::assemble(inner, selection, None)
+    }
+
+    /// A GPU over `inner`: its device facts, the limits launches are checked against, and a fresh printf FIFO.
+    pub(super) fn assemble(
+        inner: GpuInner,
+        selection: Selection,
+        cuda: Option<Arc<driver::CudaContext>>,
+    ) -> Result<Gpu> {
         let info = match &inner {
             GpuInner::Direct(c) => {
                 let i = c.info();
@@ -130,7 +140,6 @@ impl Gpu {
             }
             GpuInner::Driver(ctx) => driver_info(ctx)?,
         };
-        info!(gpu = index, backend = ?selection.backend, reason = %selection, "APEX backend selected");
         let limits = Limits::for_sm(info.sm_version);
         Ok(Gpu {
             inner,
@@ -138,7 +147,7 @@ impl Gpu {
             info,
             limits,
             printf: PrintfFifoCell::new(),
-            cuda: None,
+            cuda,
         })
     }
 
@@ -167,6 +176,14 @@ impl Gpu {
         match &self.inner {
             GpuInner::Direct(c) => Some(c),
             GpuInner::Driver(_) => None,
+        }
+    }
+
+    /// The CUDA driver backend's context, when that is the backend.
+    pub fn driver(&self) -> Option<&Arc<driver::Context>> {
+        match &self.inner {
+            GpuInner::Driver(ctx) => Some(ctx),
+            GpuInner::Direct(_) => None,
         }
     }
 
@@ -205,7 +222,7 @@ impl Gpu {
     /// [`launch::jit`]) and by the driver on the driver backend.
     pub fn load_module(&self, image: &[u8]) -> Result<Module> {
         match &self.inner {
-            GpuInner::Direct(c) => Ok(Module::Direct(launch::Module::load_with(
+            GpuInner::Direct(c) => Ok(Module::from_direct(launch::Module::load_with(
                 c,
                 image,
                 &self.printf,
@@ -237,10 +254,7 @@ impl Gpu {
                     },
                     Err(_) => None,
                 };
-                Ok(Module::Driver {
-                    module: m,
-                    cubin: cubin.map(Arc::new),
-                })
+                Ok(Module::from_driver(m, cubin.map(Arc::new)))
             }
         }
     }

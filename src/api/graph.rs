@@ -15,26 +15,10 @@ pub type GraphNode = NodeId;
 /// Most bytes a parameter block takes on either backend (sm_90 kernels take up to 32764).
 const MAX_PARAM_BYTES: usize = 32 * 1024;
 
-/// The direct path's kernel (what `Kernel::direct` gives once the public types are opaque).
-fn direct_kernel(k: &Kernel) -> Option<&launch::Kernel> {
-    match k {
-        Kernel::Direct(k) => Some(k),
-        Kernel::Driver { .. } => None,
-    }
-}
-
-/// libcuda's function (what `Kernel::driver` gives once the public types are opaque).
-fn driver_kernel(k: &Kernel) -> Option<&driver::Function> {
-    match k {
-        Kernel::Driver { func, .. } => Some(func),
-        Kernel::Direct(_) => None,
-    }
-}
-
 /// Packs `args` for `kernel` into `out`: by the cubin's parameter table when APEX read it, else by the one libcuda
 /// reports. Checked as a launch's arguments are (count, sizes).
 fn pack_args(kernel: &Kernel, args: &[Arg<'_>], out: &mut [u8]) -> Result<usize> {
-    let n = match (kernel.info(), driver_kernel(kernel)) {
+    let n = match (kernel.info(), kernel.driver()) {
         (Some(info), _) => pack(info, args, out),
         (None, Some(func)) => pack_table(func.name(), func.params(), args, out),
         (None, None) => {
@@ -371,7 +355,7 @@ impl GraphExec {
                         .into());
                     }
                 };
-                let func = driver_kernel(kernel).ok_or(Error::Mismatch)?;
+                let func = kernel.driver().ok_or(Error::Mismatch)?;
                 if let Some(info) = kernel.info() {
                     launch::queue_validate(info, cfg, &self.limits)?;
                 }
@@ -418,8 +402,11 @@ impl Queue {
             QueueInner::Direct(q) => {
                 let g = graph
                     .inner
-                    .map_kernels(|k| direct_kernel(k).cloned().ok_or(Error::Mismatch))?;
-                (ExecInner::Direct(Box::new(q.instantiate_graph(&g)?)), q.id())
+                    .map_kernels(|k| k.direct().cloned().ok_or(Error::Mismatch))?;
+                (
+                    ExecInner::Direct(Box::new(q.instantiate_graph(&g)?)),
+                    q.id(),
+                )
             }
             QueueInner::Driver { stream, .. } => {
                 let deps = graph.dependencies()?;
@@ -432,7 +419,7 @@ impl Queue {
                             cfg,
                             params,
                         } => {
-                            let func = driver_kernel(kernel).ok_or(Error::Mismatch)?;
+                            let func = kernel.driver().ok_or(Error::Mismatch)?;
                             if let Some(info) = kernel.info() {
                                 launch::queue_validate(info, cfg, &self.limits)?;
                             }
@@ -498,7 +485,7 @@ impl Queue {
                 }
                 // SAFETY: forwarded to the caller.
                 let f = unsafe { q.replay_graph(e)? };
-                Ok(Fence::direct(f, q))
+                Ok(Fence::from_direct(f, q))
             }
             (QueueInner::Driver { stream, .. }, ExecInner::Driver { exec: e, .. }) => {
                 if exec.owner != stream.raw() as u64 {
@@ -506,7 +493,7 @@ impl Queue {
                 }
                 // SAFETY: forwarded to the caller.
                 unsafe { e.launch(stream)? };
-                Ok(Fence::driver(stream))
+                Ok(Fence::from_driver(stream))
             }
             _ => Err(Error::Mismatch),
         }

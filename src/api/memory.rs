@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use super::Result;
+use super::{Backend, Result};
 use crate::driver;
 use crate::launch::Arg;
 use crate::rm::Memory;
@@ -21,6 +21,30 @@ pub struct Buffer {
 }
 
 impl Buffer {
+    /// The backend that allocated this buffer.
+    pub fn backend(&self) -> Backend {
+        match &*self.inner {
+            BufferInner::Direct(_) => Backend::Direct,
+            BufferInner::Driver(_) => Backend::Driver,
+        }
+    }
+
+    /// The direct path's RM memory, when that backend allocated the buffer.
+    pub fn direct(&self) -> Option<&Memory> {
+        match &*self.inner {
+            BufferInner::Direct(m) => Some(m),
+            BufferInner::Driver(_) => None,
+        }
+    }
+
+    /// libcuda's allocation, when the driver backend allocated the buffer.
+    pub fn driver(&self) -> Option<&driver::DeviceMemory> {
+        match &*self.inner {
+            BufferInner::Driver(m) => Some(m),
+            BufferInner::Direct(_) => None,
+        }
+    }
+
     /// The device address kernels use.
     pub fn device_ptr(&self) -> u64 {
         match &*self.inner {
@@ -54,6 +78,30 @@ pub struct HostBuffer {
 }
 
 impl HostBuffer {
+    /// The backend that allocated this buffer.
+    pub fn backend(&self) -> Backend {
+        match &*self.inner {
+            HostInner::Direct(_) => Backend::Direct,
+            HostInner::Driver(_) => Backend::Driver,
+        }
+    }
+
+    /// The direct path's RM memory (system memory mapped for the CPU), when that backend allocated the buffer.
+    pub fn direct(&self) -> Option<&Memory> {
+        match &*self.inner {
+            HostInner::Direct(m) => Some(m),
+            HostInner::Driver(_) => None,
+        }
+    }
+
+    /// libcuda's pinned allocation, when the driver backend allocated the buffer.
+    pub fn driver(&self) -> Option<&driver::HostMemory> {
+        match &*self.inner {
+            HostInner::Driver(m) => Some(m),
+            HostInner::Direct(_) => None,
+        }
+    }
+
     /// The address the GPU uses for it.
     pub fn device_ptr(&self) -> u64 {
         match &*self.inner {

@@ -17,7 +17,7 @@ mod sim_gpu;
 
 pub use crate::rm::PeerLink;
 pub use error::{Error, Result};
-pub use fence::{Fence, StreamWatch};
+pub use fence::Fence;
 pub use gpu::{DeviceInfo, Gpu};
 pub use graph::{Graph, GraphExec, GraphLaunch, GraphNode};
 pub use memory::{Buffer, HostBuffer};

@@ -21,34 +21,81 @@ use crate::launch::{self, cubin::KernelInfo};
 /// # }
 /// ```
 #[derive(Clone, Debug)]
-pub enum Module {
+pub struct Module(ModuleInner);
+
+/// Which backend loaded the module; private so that a new backend is not a breaking change.
+#[derive(Clone, Debug)]
+enum ModuleInner {
     /// Loaded by APEX onto the direct path.
     Direct(Arc<launch::Module>),
-    /// Loaded by libcuda; the parsed cubin, when APEX could read it, checks arguments before launching.
+    /// Loaded by libcuda; the cubin parsed from the same bytes, when APEX could read it, checks arguments before
+    /// launching and resolves demangled names.
     Driver {
-        /// libcuda's module.
         module: Arc<driver::Module>,
-        /// The cubin APEX parsed from the same bytes, if it could.
         cubin: Option<Arc<launch::cubin::Cubin>>,
     },
 }
 
 impl Module {
+    pub(super) fn from_direct(module: Arc<launch::Module>) -> Module {
+        Module(ModuleInner::Direct(module))
+    }
+
+    pub(super) fn from_driver(
+        module: Arc<driver::Module>,
+        cubin: Option<Arc<launch::cubin::Cubin>>,
+    ) -> Module {
+        Module(ModuleInner::Driver { module, cubin })
+    }
+
+    /// The backend that loaded this module.
+    pub fn backend(&self) -> Backend {
+        match self.0 {
+            ModuleInner::Direct(_) => Backend::Direct,
+            ModuleInner::Driver { .. } => Backend::Driver,
+        }
+    }
+
+    /// The direct path's module, when that backend loaded it.
+    pub fn direct(&self) -> Option<&Arc<launch::Module>> {
+        match &self.0 {
+            ModuleInner::Direct(m) => Some(m),
+            ModuleInner::Driver { .. } => None,
+        }
+    }
+
+    /// libcuda's module, when the driver backend loaded it.
+    pub fn driver(&self) -> Option<&Arc<driver::Module>> {
+        match &self.0 {
+            ModuleInner::Driver { module, .. } => Some(module),
+            ModuleInner::Direct(_) => None,
+        }
+    }
+
+    /// The cubin the module's code came from, as APEX parsed it: always on the direct path; on the driver
+    /// backend when the code was a cubin APEX could read (not PTX).
+    pub fn cubin(&self) -> Option<&launch::cubin::Cubin> {
+        match &self.0 {
+            ModuleInner::Direct(m) => Some(m.cubin()),
+            ModuleInner::Driver { cubin, .. } => cubin.as_deref(),
+        }
+    }
+
     /// The kernel `name` (the mangled symbol, or the demangled name with or without its parameter list).
     pub fn kernel(&self, name: &str) -> Result<Kernel> {
-        match self {
-            Module::Direct(m) => Ok(Kernel::Direct(m.kernel(name)?)),
-            Module::Driver { module, cubin } => {
+        match &self.0 {
+            ModuleInner::Direct(m) => Ok(Kernel(KernelInner::Direct(m.kernel(name)?))),
+            ModuleInner::Driver { module, cubin } => {
                 let info = match cubin {
                     Some(c) => Some(c.kernel(name).map_err(launch::Error::from)?.clone()),
                     None => None,
                 };
                 // The driver looks kernels up by symbol: a demangled name is resolved through the cubin.
                 let symbol = info.as_ref().map_or(name, |i| i.name.as_str());
-                Ok(Kernel::Driver {
+                Ok(Kernel(KernelInner::Driver {
                     func: module.function(symbol)?,
                     info: info.map(Arc::new),
-                })
+                }))
             }
         }
     }
@@ -61,12 +108,12 @@ impl Module {
     /// [`Queue::copy_from_global`](super::Queue::copy_from_global) (or their pinned-memory forms), in stream
     /// order with the queue's launches.
     pub fn global(&self, name: &str) -> Result<Global> {
-        let (symbol, device_ptr, size) = match self {
-            Module::Direct(m) => {
+        let (symbol, device_ptr, size) = match &self.0 {
+            ModuleInner::Direct(m) => {
                 let g = m.global(name)?;
                 (g.name, g.va, g.size)
             }
-            Module::Driver { module, cubin } => {
+            ModuleInner::Driver { module, cubin } => {
                 // The driver looks variables up by symbol: a demangled name is resolved through the cubin.
                 let symbol = cubin
                     .as_ref()
@@ -122,10 +169,7 @@ impl Global {
     }
 
     pub(super) fn backend(&self) -> Backend {
-        match self.module {
-            Module::Direct(_) => Backend::Direct,
-            Module::Driver { .. } => Backend::Driver,
-        }
+        self.module.backend()
     }
 
     /// The device address of `bytes` at `offset`, checked against the variable.
@@ -154,24 +198,62 @@ impl Global {
 
 /// A kernel of a loaded module.
 #[derive(Clone, Debug)]
-pub enum Kernel {
+pub struct Kernel(KernelInner);
+
+/// Which backend the kernel belongs to; private so that a new backend is not a breaking change.
+#[derive(Clone, Debug)]
+pub(super) enum KernelInner {
     /// A kernel of a direct-path module.
     Direct(launch::Kernel),
-    /// A kernel of a libcuda module, with its parameter table when the cubin could be read.
+    /// A kernel of a libcuda module, with its parameter table and resources when the cubin could be read.
     Driver {
-        /// libcuda's function handle.
         func: driver::Function,
-        /// The kernel's parameters and resources from the cubin, when APEX could read it.
         info: Option<Arc<KernelInfo>>,
     },
 }
 
 impl Kernel {
+    pub(super) fn inner(&self) -> &KernelInner {
+        &self.0
+    }
+
+    /// The backend whose module holds this kernel.
+    pub fn backend(&self) -> Backend {
+        match self.0 {
+            KernelInner::Direct(_) => Backend::Direct,
+            KernelInner::Driver { .. } => Backend::Driver,
+        }
+    }
+
+    /// The direct path's kernel, when that backend loaded its module.
+    pub fn direct(&self) -> Option<&launch::Kernel> {
+        match &self.0 {
+            KernelInner::Direct(k) => Some(k),
+            KernelInner::Driver { .. } => None,
+        }
+    }
+
+    /// libcuda's function, when the driver backend loaded its module.
+    pub fn driver(&self) -> Option<&driver::Function> {
+        match &self.0 {
+            KernelInner::Driver { func, .. } => Some(func),
+            KernelInner::Direct(_) => None,
+        }
+    }
+
+    /// The kernel's symbol (mangled, as the module names it).
+    pub fn name(&self) -> &str {
+        match &self.0 {
+            KernelInner::Direct(k) => k.name(),
+            KernelInner::Driver { func, .. } => func.name(),
+        }
+    }
+
     /// The cubin's attributes (absent for PTX loaded by the driver).
     pub fn info(&self) -> Option<&KernelInfo> {
-        match self {
-            Kernel::Direct(k) => Some(k.info()),
-            Kernel::Driver { info, .. } => info.as_deref(),
+        match &self.0 {
+            KernelInner::Direct(k) => Some(k.info()),
+            KernelInner::Driver { info, .. } => info.as_deref(),
         }
     }
 }

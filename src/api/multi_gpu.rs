@@ -166,7 +166,7 @@ impl Queue {
     /// other queue's semaphore; on the driver backend, an event). Returns once the wait is queued.
     pub fn wait_for(&mut self, fence: &Fence) -> Result<()> {
         self.driver_chain = 0;
-        match (&mut self.inner, fence.direct_part(), fence.driver_part()) {
+        match (&mut self.inner, fence.direct(), fence.driver_part()) {
             (QueueInner::Direct(q), Some(f), _) => {
                 q.wait_fence(f)?;
                 Ok(())
@@ -235,7 +235,7 @@ impl Queue {
                         bytes,
                     )?
                 };
-                Fence::driver(stream)
+                Fence::from_driver(stream)
             }
             _ => return Err(Error::Mismatch),
         };

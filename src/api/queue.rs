@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::cuda_attach;
+use super::module::KernelInner;
 use super::{Backend, Buffer, Error, Fence, Global, Gpu, HostBuffer, Kernel, Module, Result};
 use crate::driver;
 use crate::launch::{self, Arg, ComputeQueue, LaunchConfig, Limits, cubin::KernelInfo};
@@ -107,6 +108,14 @@ impl Queue {
         }
     }
 
+    /// The CUDA driver backend's stream, when that is the backend (to order it with other CUDA streams).
+    pub fn driver(&self) -> Option<&driver::Stream> {
+        match &self.inner {
+            QueueInner::Driver { stream, .. } => Some(stream),
+            QueueInner::Direct(_) => None,
+        }
+    }
+
     /// Launches `kernel` with `args`, checked against the kernel's parameter table and the device limits before
     /// anything is submitted.
     ///
@@ -119,20 +128,8 @@ impl Queue {
         cfg: &LaunchConfig,
         args: &[Arg<'_>],
     ) -> Result<Fence> {
-        self.driver_chain = 0;
-        match (&mut self.inner, kernel) {
-            // SAFETY: forwarded to the caller.
-            (QueueInner::Direct(q), Kernel::Direct(k)) => {
-                let f = unsafe { q.launch(k, cfg, args)? };
-                Ok(Fence::direct(f, q))
-            }
-            (QueueInner::Driver { stream, ptrs }, Kernel::Driver { func, info }) => {
-                // SAFETY: forwarded to the caller.
-                unsafe { driver_launch(stream, ptrs, &self.limits, func, info, cfg, args)? };
-                Ok(Fence::driver(stream))
-            }
-            _ => Err(Error::Mismatch),
-        }
+        // SAFETY: forwarded to the caller.
+        unsafe { self.submit(How::Launch, kernel, cfg, args) }.and_then(fenced)
     }
 
     /// Launches a kernel that synchronizes its whole grid (cooperative groups `this_grid().sync()`), as
@@ -146,44 +143,8 @@ impl Queue {
         cfg: &LaunchConfig,
         args: &[Arg<'_>],
     ) -> Result<Fence> {
-        self.driver_chain = 0;
-        match (&mut self.inner, kernel) {
-            (QueueInner::Direct(q), Kernel::Direct(k)) => {
-                // SAFETY: forwarded to the caller.
-                let f = unsafe { q.launch_cooperative(k, cfg, args)? };
-                Ok(Fence::direct(f, q))
-            }
-            (QueueInner::Driver { stream, ptrs }, Kernel::Driver { func, info }) => {
-                if cfg.cluster.is_some() {
-                    return Err(Error::InvalidArgument(
-                        "a run-time cluster shape on a cooperative launch (the driver backend launches \
-                         cooperative kernels with cuLaunchCooperativeKernel, which takes none)"
-                            .into(),
-                    ));
-                }
-                if let Some(info) = info {
-                    launch::queue_validate(info, cfg, &self.limits)?;
-                }
-                check_driver_args(func, info.as_deref(), args)?;
-                ptrs.clear();
-                for a in args {
-                    ptrs.push(arg_ptr(a));
-                }
-                // SAFETY: each pointer refers into `args`, alive for the call, with the size the kernel declares
-                // (checked above); the rest is the caller's contract.
-                unsafe {
-                    stream.launch_cooperative(
-                        func,
-                        cfg.grid,
-                        cfg.block,
-                        cfg.shared_bytes,
-                        ptrs.as_mut_slice(),
-                    )?
-                };
-                Ok(Fence::driver(stream))
-            }
-            _ => Err(Error::Mismatch),
-        }
+        // SAFETY: forwarded to the caller.
+        unsafe { self.submit(How::Cooperative, kernel, cfg, args) }.and_then(fenced)
     }
 
     /// Records `kernel` as the next link of a chain of dependent launches, ended by [`end_chain`](Self::end_chain).
@@ -200,19 +161,67 @@ impl Queue {
         cfg: &LaunchConfig,
         args: &[Arg<'_>],
     ) -> Result<()> {
-        match (&mut self.inner, kernel) {
-            // SAFETY: forwarded to the caller.
-            (QueueInner::Direct(q), Kernel::Direct(k)) => unsafe {
-                q.record_launch_chained(k, cfg, args)?
-            },
-            (QueueInner::Driver { stream, ptrs }, Kernel::Driver { func, info }) => {
-                // SAFETY: forwarded to the caller.
-                unsafe { driver_launch(stream, ptrs, &self.limits, func, info, cfg, args)? };
-                self.driver_chain += 1;
-            }
-            _ => return Err(Error::Mismatch),
+        // SAFETY: forwarded to the caller.
+        unsafe { self.submit(How::Chained, kernel, cfg, args) }.map(drop)
+    }
+
+    /// The one place a launch picks its backend: matches the queue's backend with the kernel's and forwards to
+    /// the direct path's compute queue or the driver's stream. A chained link returns no fence (its chain's end
+    /// does).
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch).
+    #[inline]
+    unsafe fn submit(
+        &mut self,
+        how: How,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+    ) -> Result<Option<Fence>> {
+        // Any launch but a chained link ends the driver backend's chain.
+        if how != How::Chained {
+            self.driver_chain = 0;
         }
-        Ok(())
+        match (&mut self.inner, kernel.inner()) {
+            (QueueInner::Direct(q), KernelInner::Direct(k)) => {
+                // SAFETY: forwarded to the caller.
+                let f = unsafe {
+                    match how {
+                        How::Launch => q.launch(k, cfg, args)?,
+                        How::Cooperative => q.launch_cooperative(k, cfg, args)?,
+                        How::Chained => {
+                            q.record_launch_chained(k, cfg, args)?;
+                            return Ok(None);
+                        }
+                    }
+                };
+                Ok(Some(Fence::from_direct(f, q)))
+            }
+            (QueueInner::Driver { stream, ptrs }, KernelInner::Driver { func, info }) => {
+                let kind = match (how, cfg.cluster) {
+                    (How::Cooperative, Some(_)) => {
+                        return Err(Error::InvalidArgument(
+                            "a run-time cluster shape on a cooperative launch (the driver backend launches \
+                             cooperative kernels with cuLaunchCooperativeKernel, which takes none)"
+                                .into(),
+                        ));
+                    }
+                    (How::Cooperative, None) => driver::LaunchKind::Cooperative,
+                    // A run-time cluster shape goes through cuLaunchKernelEx; a compile-time one needs nothing.
+                    (_, Some(cluster)) => driver::LaunchKind::Cluster(cluster),
+                    (_, None) => driver::LaunchKind::Plain,
+                };
+                // SAFETY: forwarded to the caller.
+                unsafe { driver_launch(stream, ptrs, &self.limits, kind, func, info, cfg, args)? };
+                if how == How::Chained {
+                    self.driver_chain += 1;
+                    return Ok(None);
+                }
+                Ok(Some(Fence::from_driver(stream)))
+            }
+            _ => Err(Error::Mismatch),
+        }
     }
 
     /// Ends the chain recorded by [`launch_chained`](Self::launch_chained) and submits it; the fence completes when
@@ -221,13 +230,13 @@ impl Queue {
         match &mut self.inner {
             QueueInner::Direct(q) => {
                 let f = q.end_chain()?;
-                Ok(Fence::direct(f, q))
+                Ok(Fence::from_direct(f, q))
             }
             QueueInner::Driver { stream, .. } => {
                 if std::mem::take(&mut self.driver_chain) == 0 {
                     return Err(launch::Error::NoChain.into());
                 }
-                Ok(Fence::driver(stream))
+                Ok(Fence::from_driver(stream))
             }
         }
     }
@@ -319,7 +328,7 @@ impl Queue {
             QueueInner::Direct(q) if device_to_device && bytes > 0 => {
                 // SAFETY: both ranges were checked against their device buffers, which stay alive until done.
                 let f = unsafe { q.copy_device(s, d, bytes)? };
-                let f = Fence::direct(f, q);
+                let f = Fence::from_direct(f, q);
                 self.prune();
                 f
             }
@@ -338,12 +347,12 @@ impl Queue {
         match &mut self.inner {
             QueueInner::Direct(q) => {
                 let f = q.copy(src, dst, bytes)?;
-                Ok(Fence::direct(f, q))
+                Ok(Fence::from_direct(f, q))
             }
             QueueInner::Driver { stream, .. } => {
                 // SAFETY: the queue keeps both buffers alive until the copy's fence completes.
                 unsafe { stream.copy(dst, src, bytes)? };
-                Ok(Fence::driver(stream))
+                Ok(Fence::from_driver(stream))
             }
         }
     }
@@ -523,6 +532,20 @@ impl Queue {
     }
 }
 
+/// What [`Queue::submit`] makes of a kernel: a launch, a cooperative launch, or the next link of a chain.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum How {
+    Launch,
+    Cooperative,
+    Chained,
+}
+
+/// The fence of a launch that is not a chained link (only a chained link returns none, so the error is never
+/// seen; it keeps the library free of panics).
+fn fenced(f: Option<Fence>) -> Result<Fence> {
+    f.ok_or_else(|| Error::InvalidArgument("a chained link has no fence of its own".into()))
+}
+
 pub(super) fn check_range(size: u64, offset: u64, len: u64) -> Result<()> {
     if offset.checked_add(len).is_none_or(|e| e > size) {
         return Err(Error::InvalidArgument(format!(
@@ -532,14 +555,16 @@ pub(super) fn check_range(size: u64, offset: u64, len: u64) -> Result<()> {
     Ok(())
 }
 
-/// Checks and launches one kernel on the driver backend's stream.
+/// Checks and launches one kernel on the driver backend's stream with the driver call `kind` names.
 ///
 /// # Safety
 /// As for [`Queue::launch`].
+#[allow(clippy::too_many_arguments)]
 unsafe fn driver_launch(
     stream: &mut driver::Stream,
     ptrs: &mut driver::ParamPtrs,
     limits: &Limits,
+    kind: driver::LaunchKind,
     func: &driver::Function,
     info: &Option<Arc<KernelInfo>>,
     cfg: &LaunchConfig,
@@ -553,30 +578,17 @@ unsafe fn driver_launch(
     for a in args {
         ptrs.push(arg_ptr(a));
     }
-    match cfg.cluster {
-        // A run-time cluster shape goes through cuLaunchKernelEx; a compile-time one needs nothing.
-        // SAFETY: each pointer refers into `args`, alive for the call, with the size the kernel declares (checked
-        // above); the rest is the caller's contract.
-        Some(cluster) => unsafe {
-            stream.launch_cluster(
-                func,
-                cfg.grid,
-                cfg.block,
-                cfg.shared_bytes,
-                cluster,
-                ptrs.as_mut_slice(),
-            )?
-        },
-        // SAFETY: as above.
-        None => unsafe {
-            stream.launch(
-                func,
-                cfg.grid,
-                cfg.block,
-                cfg.shared_bytes,
-                ptrs.as_mut_slice(),
-            )?
-        },
+    // SAFETY: each pointer refers into `args`, alive for the call, with the size the kernel declares (checked
+    // above); the rest is the caller's contract.
+    unsafe {
+        stream.launch_as(
+            kind,
+            func,
+            cfg.grid,
+            cfg.block,
+            cfg.shared_bytes,
+            ptrs.as_mut_slice(),
+        )?
     };
     Ok(())
 }

@@ -4,9 +4,6 @@
 //! benchmarks measure against. Like `rm/` for the direct path, it is the one place where this backend's FFI
 //! `unsafe` lives; everything it hands out is safe to use.
 
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
 use std::ffi::{CStr, c_void};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -105,6 +102,7 @@ impl Error {
     }
 }
 
+/// The driver backend's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Errors after which the context is unusable (the CUDA documentation: "the process is left in an inconsistent
@@ -229,6 +227,9 @@ unsafe impl Send for Context {}
 unsafe impl Sync for Context {}
 
 impl Context {
+    /// Retains the primary context of device `ordinal` (CUDA's order, after `CUDA_VISIBLE_DEVICES`), as the
+    /// runtime does. A primary context a kernel fault killed is reset first when nothing of APEX still uses it;
+    /// if CUDA still refuses it, the error is [`Error::ProcessLost`].
     pub fn new(ordinal: usize) -> Result<Arc<Context>> {
         if !is_available() {
             return Err(Error::NoLibrary);
@@ -347,6 +348,7 @@ impl Context {
         check("cuCtxEnablePeerAccess", r)
     }
 
+    /// The device's name (`cuDeviceGetName`: `NVIDIA H200`).
     pub fn name(&self) -> Result<String> {
         let mut buf = [0 as std::ffi::c_char; 256];
         // SAFETY: the buffer is 256 bytes and the driver NUL-terminates within the length given.
@@ -359,6 +361,7 @@ impl Context {
         }
     }
 
+    /// One device attribute (`cuDeviceGetAttribute`).
     pub fn attribute(&self, a: cu::CUdevice_attribute) -> Result<i32> {
         let mut v = 0;
         // SAFETY: out-pointer to a local.
@@ -368,6 +371,7 @@ impl Context {
         Ok(v)
     }
 
+    /// The device's memory, bytes (`cuDeviceTotalMem`).
     pub fn total_memory(&self) -> Result<u64> {
         let mut v = 0usize;
         // SAFETY: out-pointer to a local.
@@ -377,6 +381,7 @@ impl Context {
         Ok(v as u64)
     }
 
+    /// libcuda's version as CUDA numbers it (`cuDriverGetVersion`: 13000 for 13.0).
     pub fn driver_version(&self) -> Result<i32> {
         let mut v = 0;
         // SAFETY: out-pointer to a local.
@@ -415,6 +420,7 @@ pub struct DeviceMemory {
 }
 
 impl DeviceMemory {
+    /// `size` bytes of device memory in `ctx` (`cuMemAlloc`), freed on drop.
     pub fn alloc(ctx: &Arc<Context>, size: u64) -> Result<DeviceMemory> {
         if size == 0 {
             return Err(Error::InvalidArgument("a buffer of 0 bytes".into()));
@@ -432,6 +438,7 @@ impl DeviceMemory {
         })
     }
 
+    /// The device address.
     pub fn ptr(&self) -> u64 {
         self.ptr
     }
@@ -441,6 +448,7 @@ impl DeviceMemory {
         &self.ctx
     }
 
+    /// Bytes allocated.
     pub fn size(&self) -> u64 {
         self.size
     }
@@ -468,6 +476,7 @@ unsafe impl Send for HostMemory {}
 unsafe impl Sync for HostMemory {}
 
 impl HostMemory {
+    /// `size` bytes of pinned host memory in `ctx`, mapped for the device (`cuMemHostAlloc`), freed on drop.
     pub fn alloc(ctx: &Arc<Context>, size: u64) -> Result<HostMemory> {
         if size == 0 {
             return Err(Error::InvalidArgument("a buffer of 0 bytes".into()));
@@ -485,14 +494,17 @@ impl HostMemory {
         })
     }
 
+    /// The address the device uses for it.
     pub fn ptr(&self) -> u64 {
         self.ptr as u64
     }
 
+    /// Bytes allocated.
     pub fn size(&self) -> u64 {
         self.size
     }
 
+    /// Copies `data` into the memory at `offset` by the CPU; range-checked.
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
         self.bounds(offset, data.len() as u64)?;
         // SAFETY: bounds checked; the allocation lives as long as `self`.
@@ -502,6 +514,7 @@ impl HostMemory {
         Ok(())
     }
 
+    /// Copies from the memory at `offset` into `out` by the CPU; range-checked.
     pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<()> {
         self.bounds(offset, out.len() as u64)?;
         // SAFETY: as in `write`.
@@ -547,6 +560,7 @@ unsafe impl Send for Module {}
 unsafe impl Sync for Module {}
 
 impl Module {
+    /// Loads a cubin, fatbin or PTX image into `ctx` (`cuModuleLoadData`); PTX is compiled by libcuda.
     pub fn load(ctx: &Arc<Context>, image: &[u8]) -> Result<Arc<Module>> {
         ctx.bind()?;
         // PTX must be NUL-terminated text; cubins and fatbins are binary and are passed as they are.
@@ -569,6 +583,7 @@ impl Module {
         }))
     }
 
+    /// The kernel `name` (its symbol, mangled), with its parameter layout (`cuFuncGetParamInfo`).
     pub fn function(self: &Arc<Self>, name: &str) -> Result<Function> {
         self.ctx.bind()?;
         let cname = std::ffi::CString::new(name)
@@ -652,10 +667,12 @@ unsafe impl Send for Function {}
 unsafe impl Sync for Function {}
 
 impl Function {
+    /// Each parameter's offset and size in bytes, in order, as the driver reports them.
     pub fn params(&self) -> &[(u32, u32)] {
         &self.params
     }
 
+    /// libcuda's handle, for calls APEX does not wrap.
     pub fn raw(&self) -> cu::CUfunction {
         self.func
     }
@@ -693,9 +710,22 @@ impl Function {
         Ok(())
     }
 
+    /// The module the kernel belongs to (kept loaded by the function).
     pub fn module(&self) -> &Arc<Module> {
         &self.module
     }
+}
+
+/// Which driver call launches a kernel on a [`Stream`] ([`Stream::launch_as`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LaunchKind {
+    /// `cuLaunchKernel`. A kernel's compile-time `__cluster_dims__` needs nothing more.
+    Plain,
+    /// `cuLaunchCooperativeKernel`: every block resident at once, for the grid barrier (`grid.sync()`).
+    Cooperative,
+    /// `cuLaunchKernelEx` with this run-time thread block cluster shape (`CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION`),
+    /// in blocks; the grid is in blocks too.
+    Cluster([u32; 3]),
 }
 
 /// A non-blocking stream.
@@ -720,24 +750,29 @@ pub struct ParamPtrs(Vec<*mut c_void>);
 unsafe impl Send for ParamPtrs {}
 
 impl ParamPtrs {
+    /// An empty array with room for `n` pointers.
     pub fn with_capacity(n: usize) -> ParamPtrs {
         ParamPtrs(Vec::with_capacity(n))
     }
 
+    /// Empties the array (keeping its allocation).
     pub fn clear(&mut self) {
         self.0.clear();
     }
 
+    /// Appends the pointer to the next parameter's value.
     pub fn push(&mut self, p: *mut c_void) {
         self.0.push(p);
     }
 
+    /// The pointers, as the launch call takes them.
     pub fn as_mut_slice(&mut self) -> &mut [*mut c_void] {
         &mut self.0
     }
 }
 
 impl Stream {
+    /// A non-blocking stream in `ctx` (`cuStreamCreate` with `CU_STREAM_NON_BLOCKING`).
     pub fn new(ctx: &Arc<Context>) -> Result<Stream> {
         ctx.bind()?;
         let mut s = std::ptr::null_mut();
@@ -749,14 +784,17 @@ impl Stream {
         })
     }
 
+    /// libcuda's handle, for calls APEX does not wrap.
     pub fn raw(&self) -> cu::CUstream {
         self.stream
     }
 
+    /// A copyable reference to the stream, for waiting on it without borrowing it.
     pub fn handle(&self) -> StreamRef {
         StreamRef(self.stream)
     }
 
+    /// The context the stream belongs to.
     pub fn context(&self) -> &Arc<Context> {
         &self.ctx
     }
@@ -786,33 +824,18 @@ impl Stream {
         shared: u32,
         params: &mut [*mut c_void],
     ) -> Result<()> {
-        self.check_context(f)?;
-        self.ctx.bind()?;
-        f.ensure_dynamic_shared(shared)?;
-        // SAFETY: the caller guarantees the parameter pointers.
-        check("cuLaunchKernel", unsafe {
-            cu::cuLaunchKernel(
-                f.func,
-                grid[0],
-                grid[1],
-                grid[2],
-                block[0],
-                block[1],
-                block[2],
-                shared,
-                self.stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })
+        // SAFETY: forwarded to the caller.
+        unsafe { self.launch_as(LaunchKind::Plain, f, grid, block, shared, params) }
     }
 
-    /// cuLaunchCooperativeKernel: every block resident at once, and the grid barrier `grid.sync()` needs.
+    /// Launches `f` on this stream with the driver call `kind` names: the one place the checks every launch
+    /// needs (the kernel's context, the current context, the dynamic shared memory limit) are made.
     ///
     /// # Safety
     /// As for [`Stream::launch`].
-    pub unsafe fn launch_cooperative(
+    pub unsafe fn launch_as(
         &mut self,
+        kind: LaunchKind,
         f: &Function,
         grid: [u32; 3],
         block: [u32; 3],
@@ -822,71 +845,60 @@ impl Stream {
         self.check_context(f)?;
         self.ctx.bind()?;
         f.ensure_dynamic_shared(shared)?;
-        // SAFETY: the caller guarantees the parameter pointers.
-        check("cuLaunchCooperativeKernel", unsafe {
-            cu::cuLaunchCooperativeKernel(
-                f.func,
-                grid[0],
-                grid[1],
-                grid[2],
-                block[0],
-                block[1],
-                block[2],
-                shared,
-                self.stream,
-                params.as_mut_ptr(),
-            )
-        })
+        let [gx, gy, gz] = grid;
+        let [bx, by, bz] = block;
+        let (stream, args) = (self.stream, params.as_mut_ptr());
+        match kind {
+            // SAFETY: the caller guarantees the parameter pointers.
+            LaunchKind::Plain => check("cuLaunchKernel", unsafe {
+                cu::cuLaunchKernel(
+                    f.func,
+                    gx,
+                    gy,
+                    gz,
+                    bx,
+                    by,
+                    bz,
+                    shared,
+                    stream,
+                    args,
+                    std::ptr::null_mut(),
+                )
+            }),
+            // SAFETY: as above.
+            LaunchKind::Cooperative => check("cuLaunchCooperativeKernel", unsafe {
+                cu::cuLaunchCooperativeKernel(f.func, gx, gy, gz, bx, by, bz, shared, stream, args)
+            }),
+            LaunchKind::Cluster([x, y, z]) => {
+                let mut value = cu::CUlaunchAttributeValue { pad: [0; 64] };
+                value.clusterDim = cu::CUlaunchAttributeValue_union__bindgen_ty_1 { x, y, z };
+                let mut attr = cu::CUlaunchAttribute {
+                    id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+                    pad: [0; 4],
+                    value,
+                };
+                let config = cu::CUlaunchConfig {
+                    gridDimX: gx,
+                    gridDimY: gy,
+                    gridDimZ: gz,
+                    blockDimX: bx,
+                    blockDimY: by,
+                    blockDimZ: bz,
+                    sharedMemBytes: shared,
+                    hStream: stream,
+                    attrs: &mut attr,
+                    numAttrs: 1,
+                };
+                // SAFETY: `config` and the attribute it points to live for the call; the caller guarantees the
+                // parameter pointers.
+                check("cuLaunchKernelEx", unsafe {
+                    cu::cuLaunchKernelEx(&config, f.func, args, std::ptr::null_mut())
+                })
+            }
+        }
     }
 
-    /// cuLaunchKernelEx with a run-time thread block cluster shape (`CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION`);
-    /// `grid` is in blocks. A kernel's compile-time `__cluster_dims__` needs no attribute: [`Stream::launch`] runs
-    /// it in clusters.
-    ///
-    /// # Safety
-    /// As for [`Stream::launch`].
-    pub unsafe fn launch_cluster(
-        &mut self,
-        f: &Function,
-        grid: [u32; 3],
-        block: [u32; 3],
-        shared: u32,
-        cluster: [u32; 3],
-        params: &mut [*mut c_void],
-    ) -> Result<()> {
-        self.check_context(f)?;
-        self.ctx.bind()?;
-        f.ensure_dynamic_shared(shared)?;
-        let mut value = cu::CUlaunchAttributeValue { pad: [0; 64] };
-        value.clusterDim = cu::CUlaunchAttributeValue_union__bindgen_ty_1 {
-            x: cluster[0],
-            y: cluster[1],
-            z: cluster[2],
-        };
-        let mut attr = cu::CUlaunchAttribute {
-            id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-            pad: [0; 4],
-            value,
-        };
-        let config = cu::CUlaunchConfig {
-            gridDimX: grid[0],
-            gridDimY: grid[1],
-            gridDimZ: grid[2],
-            blockDimX: block[0],
-            blockDimY: block[1],
-            blockDimZ: block[2],
-            sharedMemBytes: shared,
-            hStream: self.stream,
-            attrs: &mut attr,
-            numAttrs: 1,
-        };
-        // SAFETY: `config` and the attribute it points to live for the call; the caller guarantees the parameter
-        // pointers.
-        check("cuLaunchKernelEx", unsafe {
-            cu::cuLaunchKernelEx(&config, f.func, params.as_mut_ptr(), std::ptr::null_mut())
-        })
-    }
-
+    /// Waits until everything submitted to the stream is complete (`cuStreamSynchronize`).
     pub fn synchronize(&self) -> Result<()> {
         self.ctx.bind()?;
         // SAFETY: a live stream.
@@ -1053,6 +1065,7 @@ impl Graph {
         })
     }
 
+    /// Replays the graph on `stream` (`cuGraphLaunch`).
     pub fn launch(&self, stream: &mut Stream) -> Result<()> {
         self.ctx.bind()?;
         // SAFETY: launches our instantiated graph on a live stream.

@@ -1,6 +1,3 @@
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
 use std::fmt;
 use std::ptr::NonNull;
 use std::sync::{Arc, Weak};
@@ -23,6 +20,7 @@ pub struct ChannelConfig {
     pub ring_placement: Placement,
     /// Bind the compute class (subchannel 1) and the copy class (subchannel 4) to the channel.
     pub compute: bool,
+    /// See `compute`: with `copy`, the copy class is bound on subchannel 4.
     pub copy: bool,
     /// Build a copy-only channel on this logical copy engine (LCE index) instead of one on the graphics engine,
     /// whose copy engine (the GRCE) is shared with compute and slower. Needs `compute: false, copy: true`.
@@ -56,8 +54,11 @@ impl ChannelConfig {
 /// The classes a channel was built with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ChannelClasses {
+    /// The GPFIFO (host) class of the channel (`0xc86f` on Hopper).
     pub gpfifo: u32,
+    /// The compute class bound on subchannel 1, if any.
     pub compute: Option<u32>,
+    /// The copy class bound on subchannel 4, if any.
     pub copy: Option<u32>,
 }
 
@@ -68,7 +69,9 @@ pub struct ChannelFault {
     pub status: u16,
     /// The error code (the Xid RM logs, e.g. 13 graphics exception, 31 MMU fault, 43 reset channel).
     pub info32: u32,
+    /// The notifier's 16-bit detail word; what it holds depends on the error.
     pub info16: u16,
+    /// When RM posted the error, nanoseconds on the GPU's clock.
     pub timestamp_ns: u64,
     /// For an MMU fault, the faulting GPU address and RM's fault type, when RM reported them.
     pub mmu: Option<(u64, u32)>,
@@ -79,9 +82,11 @@ pub struct ChannelFault {
 /// One SM's error state (NV83DE_CTRL_CMD_DEBUG_READ_ALL_SM_ERROR_STATES).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SmError {
+    /// The SM's index.
     pub sm: u32,
     /// The SM's global and warp error status registers.
     pub global_esr: u32,
+    /// The faulting warp's error status register.
     pub warp_esr: u32,
     /// Program counter of the faulting warp.
     pub warp_pc: u64,
@@ -167,7 +172,7 @@ struct ChannelObjects {
     compute: Option<Object>,
     copy: Option<Object>,
     channel: Arc<Object>,
-    ctxshare: Arc<Object>,
+    ctxshare: Option<Arc<Object>>,
     tsg: Arc<Object>,
     token: u32,
 }
@@ -186,30 +191,33 @@ impl ChannelObjects {
         engine_type: u32,
     ) -> Result<ChannelObjects> {
         let client = core.client();
-        let mut cs = sys::NV_CTXSHARE_ALLOCATION_PARAMETERS {
-            hVASpace: vaspace.handle(),
-            flags: sys::NV_CTXSHARE_ALLOCATION_FLAGS_SUBCONTEXT_ASYNC,
-            subctxId: 0,
+        let graphics = engine_type == sys::NV2080_ENGINE_TYPE_GRAPHICS;
+        // Subcontexts are a graphics-engine feature: a copy-engine channel takes its group's VA space through
+        // RM's legacy context share (a channel in a group may not name a VA space itself).
+        let ctxshare = if graphics {
+            let mut cs = sys::NV_CTXSHARE_ALLOCATION_PARAMETERS {
+                hVASpace: vaspace.handle(),
+                flags: sys::NV_CTXSHARE_ALLOCATION_FLAGS_SUBCONTEXT_ASYNC,
+                subctxId: 0,
+            };
+            Some(Arc::new(Object::alloc(
+                client,
+                Some(tsg),
+                sys::FERMI_CONTEXT_SHARE_A,
+                Some(&mut cs),
+                "FERMI_CONTEXT_SHARE_A",
+            )?))
+        } else {
+            None
         };
-        let ctxshare = Arc::new(Object::alloc(
-            client,
-            Some(tsg),
-            sys::FERMI_CONTEXT_SHARE_A,
-            Some(&mut cs),
-            "FERMI_CONTEXT_SHARE_A",
-        )?);
         let mut cp = sys::NV_CHANNEL_ALLOC_PARAMS {
             hObjectError: mem.notifier.handle(),
             hObjectBuffer: mem.ring.handle(),
             gpFifoOffset: mem.ring.va(),
             gpFifoEntries: mem.entries,
-            hContextShare: ctxshare.handle(),
+            hContextShare: ctxshare.as_ref().map_or(0, |c| c.handle()),
             // Left 0 on graphics channels, as before; a copy channel names its engine as its group does.
-            engineType: if engine_type == sys::NV2080_ENGINE_TYPE_GRAPHICS {
-                0
-            } else {
-                engine_type
-            },
+            engineType: if graphics { 0 } else { engine_type },
             ..Default::default()
         };
         cp.hUserdMemory[0] = mem.ring.handle();
@@ -225,10 +233,31 @@ impl ChannelObjects {
             .compute
             .map(|c| Object::alloc::<()>(client, Some(&channel), c, None, "compute class"))
             .transpose()?;
-        let copy = classes
-            .copy
-            .map(|c| Object::alloc::<()>(client, Some(&channel), c, None, "copy class"))
-            .transpose()?;
+        let copy = match (classes.copy, graphics) {
+            (None, _) => None,
+            (Some(c), true) => Some(Object::alloc::<()>(
+                client,
+                Some(&channel),
+                c,
+                None,
+                "copy class",
+            )?),
+            // Without parameters RM binds the copy object to CE instance 0, whose runlist is not this
+            // channel's group's: the group then cannot be scheduled (NV_ERR_INVALID_STATE, measured).
+            (Some(c), false) => {
+                let mut cp = CopyAllocParams {
+                    version: COPY_ALLOC_VERSION_ENGINE_TYPE,
+                    engine_type,
+                };
+                Some(Object::alloc(
+                    client,
+                    Some(&channel),
+                    c,
+                    Some(&mut cp),
+                    "copy class",
+                )?)
+            }
+        };
         // Optional: without it, faults are still reported, only without the SM state.
         let debugger = compute.as_ref().filter(|_| debugger).and_then(|c| {
             let mut dp = sys::NV83DE_ALLOC_PARAMETERS {
@@ -257,10 +286,10 @@ impl ChannelObjects {
             "NVC36F_CTRL_CMD_GPFIFO_GET_WORK_SUBMIT_TOKEN",
         )?;
 
-        // UVM takes graphics channels (it maps their context buffers and services their faults). A copy-engine
-        // channel has no context buffers, and UVM_REGISTER_CHANNEL refuses it (measured on an H200:
-        // NV_ERR_INVALID_OBJECT); its faults reach us through the error notifier all the same.
-        let uvm = if engine_type == sys::NV2080_ENGINE_TYPE_GRAPHICS {
+        // RM schedules no graphics channel on a UVM-owned VA space before UVM has bound its context buffers
+        // (kchannelIsSchedulable). Copy channels, as libcuda's, stay unregistered: UVM_REGISTER_CHANNEL refuses
+        // them (NV_ERR_INVALID_OBJECT, measured on H100 and H200) and RM schedules them without it.
+        let uvm = if graphics {
             Some(register_with_uvm(core, channel.handle())?)
         } else {
             None
@@ -277,6 +306,17 @@ impl ChannelObjects {
         })
     }
 }
+
+/// `NVB0B5_ALLOCATION_PARAMETERS` (class/clb0b5sw.h, not among the vendored headers): which copy engine a copy
+/// object runs on.
+#[repr(C)]
+struct CopyAllocParams {
+    version: u32,
+    engine_type: u32,
+}
+
+/// `NVB0B5_ALLOCATION_PARAMETERS_VERSION_1`: `engine_type` is an `NV2080_ENGINE_TYPE_COPY(n)`.
+const COPY_ALLOC_VERSION_ENGINE_TYPE: u32 = 1;
 
 /// Registers a graphics channel with UVM, which reserves `CHANNEL_VA_SIZE` of our low region for its context
 /// buffers.
@@ -322,7 +362,7 @@ pub struct Channel {
     compute: Option<Object>,
     copy: Option<Object>,
     channel: Arc<Object>,
-    _ctxshare: Arc<Object>,
+    _ctxshare: Option<Arc<Object>>,
     tsg: Arc<Object>,
     ring_mem: Memory,
     notifier: Arc<Memory>,
@@ -343,6 +383,9 @@ pub struct Channel {
 unsafe impl Send for Channel {}
 
 impl Channel {
+    /// Builds a channel on `core` as `config` asks: its group (or a subcontext in CUDA's, on an attached GPU),
+    /// the ring, USERD and error notifier in memory of ours, the engine objects, its UVM registration and its
+    /// work-submit token. Nothing is submitted yet.
     pub fn new(core: &Arc<GpuCore>, config: ChannelConfig) -> Result<Channel> {
         let state = RingState::new(config.entries)
             .filter(|_| config.entries <= 65536)
@@ -424,6 +467,12 @@ impl Channel {
             None => {
                 let mut gp = sys::NV_CHANNEL_GROUP_ALLOCATION_PARAMETERS {
                     engineType: engine_type,
+                    // A copy-engine group has no subcontexts: its VA space is the group's.
+                    hVASpace: if engine_type == sys::NV2080_ENGINE_TYPE_GRAPHICS {
+                        0
+                    } else {
+                        core.vaspace().handle()
+                    },
                     ..Default::default()
                 };
                 let tsg = Arc::new(Object::alloc(
@@ -552,10 +601,12 @@ impl Channel {
         })
     }
 
+    /// The classes the channel was built with.
     pub fn classes(&self) -> ChannelClasses {
         self.classes
     }
 
+    /// The GPU the channel runs on.
     pub fn gpu(&self) -> &Arc<GpuCore> {
         &self.core
     }
@@ -565,10 +616,12 @@ impl Channel {
         self.token
     }
 
+    /// GPU address of the GPFIFO ring.
     pub fn ring_va(&self) -> u64 {
         self.ring_mem.va()
     }
 
+    /// Where the CPU's put and the GPU's last seen get stand in the ring.
     pub fn ring_state(&self) -> RingState {
         self.state
     }
@@ -578,6 +631,7 @@ impl Channel {
         &self.sems
     }
 
+    /// A timeline on semaphore slot `slot` of the channel's semaphore page.
     pub fn timeline(&self, slot: usize) -> Timeline {
         Timeline::new(self.sems.clone(), slot)
     }
@@ -732,10 +786,12 @@ impl Channel {
         (self.tsg.handle(), self.channel.handle())
     }
 
+    /// Whether a compute object is bound (subchannel 1).
     pub fn has_compute(&self) -> bool {
         self.compute.is_some()
     }
 
+    /// Whether a copy object is bound (subchannel 4).
     pub fn has_copy(&self) -> bool {
         self.copy.is_some()
     }
@@ -756,6 +812,7 @@ impl Drop for Channel {
 pub struct MmuFault {
     /// The faulting GPU virtual address.
     pub address: u64,
+    /// RM's fault type code, named in `kind`.
     pub fault_type: u32,
     /// RM's name for the fault type (e.g. "FAULT_PDE").
     pub kind: String,

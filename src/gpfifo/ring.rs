@@ -1,6 +1,3 @@
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
 /// GPFIFO ring bookkeeping: `put` is the next entry the CPU writes, `get` the next the GPU fetches (last read
 /// from USERD). One slot stays empty so that `put == get` always means empty.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -20,14 +17,17 @@ impl RingState {
         })
     }
 
+    /// Entries in the ring.
     pub fn entries(&self) -> u32 {
         self.entries
     }
 
+    /// The next entry the CPU writes.
     pub fn put(&self) -> u32 {
         self.put
     }
 
+    /// The next entry the GPU fetches, as last observed.
     pub fn get(&self) -> u32 {
         self.get
     }
@@ -42,6 +42,7 @@ impl RingState {
         self.entries - 1 - self.pending()
     }
 
+    /// Whether the GPU has fetched every entry written.
     pub fn is_empty(&self) -> bool {
         self.put == self.get
     }

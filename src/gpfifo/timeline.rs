@@ -1,6 +1,3 @@
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,9 +13,11 @@ pub struct Semaphores {
 }
 
 impl Semaphores {
+    /// Bytes between slots: room for a four-word release (payload and timestamp).
     pub const STRIDE: u64 = 16;
     const SIZE: u64 = 0x1000;
 
+    /// A zeroed page of semaphores in memory the CPU polls and the GPU caches, below 1 TiB.
     pub fn new(core: &Arc<GpuCore>) -> Result<Arc<Semaphores>> {
         let desc = MemoryDesc::video(Self::SIZE)
             .placement(Placement::Semaphores)
@@ -34,6 +33,7 @@ impl Semaphores {
         &self.mem
     }
 
+    /// How many slots the page holds (256).
     pub fn slots(&self) -> usize {
         (Self::SIZE / Self::STRIDE) as usize
     }
@@ -57,6 +57,7 @@ impl Semaphores {
             .unwrap_or(0)
     }
 
+    /// Sets `slot` to `value` from the CPU (to reset a timeline, or to release a waiter by hand).
     pub fn write(&self, slot: usize, value: u64) -> Result<()> {
         Ok(self
             .mem
@@ -73,10 +74,12 @@ pub struct Timeline {
 }
 
 impl Timeline {
+    /// The timeline in slot `slot` of `sems`.
     pub fn new(sems: Arc<Semaphores>, slot: usize) -> Timeline {
         Timeline { sems, slot }
     }
 
+    /// GPU address of the timeline's semaphore: what releases write and acquires poll.
     pub fn va(&self) -> u64 {
         self.sems.va(self.slot)
     }
@@ -86,14 +89,17 @@ impl Timeline {
         self.sems.read(self.slot)
     }
 
+    /// Whether the GPU has released `value` (or a later one).
     pub fn is_reached(&self, value: u64) -> bool {
         self.completed() >= value
     }
 
+    /// The semaphore page the timeline lives in.
     pub fn semaphores(&self) -> &Arc<Semaphores> {
         &self.sems
     }
 
+    /// The timeline's slot in its page.
     pub fn slot(&self) -> usize {
         self.slot
     }

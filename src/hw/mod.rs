@@ -16,20 +16,20 @@
 //! `HOPPER_COMPUTE_A`) and `METHODS`, a [`MethodDesc`] table for decoders. Each QMD module has
 //! `SIZE_BYTES` and `FIELDS`.
 
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
 include!(concat!(env!("OUT_DIR"), "/classes.rs"));
 
 /// Inclusive bit range. For method fields: bits within the 32-bit data word. For QMD fields: absolute
 /// bit index in the QMD.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Field {
+    /// Highest bit of the range.
     pub hi: u32,
+    /// Lowest bit of the range.
     pub lo: u32,
 }
 
 impl Field {
+    /// The bits `hi` down to `lo`, both included (the `hi:lo` of NVIDIA's headers).
     pub const fn new(hi: u32, lo: u32) -> Field {
         Field { hi, lo }
     }
@@ -143,6 +143,7 @@ pub struct MethodDesc {
     pub count: u32,
     /// Byte distance between array elements (4 for plain methods; 8 for e.g. `CALL_MME_MACRO(j)`).
     pub stride: u32,
+    /// The fields of the method's data word, for decoding it (empty when the header defines none).
     pub fields: &'static [FieldDesc],
 }
 
@@ -151,6 +152,7 @@ pub struct MethodDesc {
 pub struct FieldDesc {
     /// Header name without the method prefix, e.g. `OPERATION`.
     pub name: &'static str,
+    /// Where the field lies in the data word.
     pub field: Field,
     /// Named values, e.g. `("RELEASE", 1)`.
     pub values: &'static [(&'static str, u32)],

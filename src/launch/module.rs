@@ -1,8 +1,5 @@
 //! Modules: a cubin's image linked and uploaded into GPU memory, its kernels looked up by name.
 
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -132,12 +129,12 @@ impl Module {
         }))
     }
 
-    /// The linked image as it is in GPU memory (for inspection: what the loader laid out and relocated).
     /// The GPU the module is loaded on.
     pub fn gpu(&self) -> &Arc<GpuCore> {
         self.image.gpu()
     }
 
+    /// The linked image as it is in GPU memory (for inspection: what the loader laid out and relocated).
     pub fn image_bytes(&self) -> Result<Vec<u8>> {
         let mut out = vec![0u8; self.image.size() as usize];
         self.image.read(0, &mut out)?;
@@ -149,6 +146,7 @@ impl Module {
         self.printf.as_ref()
     }
 
+    /// The cubin the module was loaded from (the code picked for the GPU, linked).
     pub fn cubin(&self) -> &Cubin {
         &self.cubin
     }
@@ -195,6 +193,7 @@ impl Module {
         })
     }
 
+    /// The symbols of the module's kernels (mangled), in the cubin's order.
     pub fn kernel_names(&self) -> Vec<String> {
         self.cubin
             .kernels()
@@ -272,14 +271,17 @@ pub struct Kernel {
 }
 
 impl Kernel {
+    /// The kernel's attributes and parameter table from the cubin.
     pub fn info(&self) -> &KernelInfo {
         &self.module.cubin.kernels()[self.index]
     }
 
+    /// The kernel's symbol (mangled).
     pub fn name(&self) -> &str {
         &self.info().name
     }
 
+    /// The module the kernel belongs to (kept loaded by the kernel).
     pub fn module(&self) -> &Arc<Module> {
         &self.module
     }

@@ -14,9 +14,6 @@
 //!   Ampere. sm_90 cubins already hold that 1 KiB in their `.nv.shared.<kernel>` section
 //!   (`__nv_reservedSMEM`), so it is counted once ([`KernelResources::reserve_in_static`]).
 
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
 use std::fmt;
 
 /// What one SM of a compute capability offers (CUDA Programming Guide, "Technical Specifications per
@@ -27,9 +24,13 @@ pub struct DeviceLimits {
     pub sm: u32,
     /// Streaming multiprocessors on the device (132 on an H100 SXM / H200).
     pub sm_count: u32,
+    /// Threads per warp (32).
     pub warp_size: u32,
+    /// The most threads one block may have (1024).
     pub max_threads_per_block: u32,
+    /// The most warps an SM holds at once (64 on Hopper).
     pub max_warps_per_sm: u32,
+    /// The most blocks an SM holds at once (32 on Hopper).
     pub max_blocks_per_sm: u32,
     /// 32-bit registers per SM.
     pub regs_per_sm: u32,
@@ -37,6 +38,7 @@ pub struct DeviceLimits {
     pub regs_per_block: u32,
     /// Registers are allocated per warp in units of this many.
     pub reg_alloc_unit: u32,
+    /// The most registers one thread may use (255).
     pub max_regs_per_thread: u32,
     /// Register file partitions per SM (one per warp scheduler).
     pub sub_partitions: u32,
@@ -203,9 +205,13 @@ pub enum OccupancyError {
 /// A resource that caps the blocks per SM.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Limiter {
+    /// Resident warps per SM.
     Warps,
+    /// Resident blocks per SM.
     Blocks,
+    /// The register file.
     Registers,
+    /// Shared memory.
     SharedMemory,
 }
 
@@ -229,14 +235,19 @@ pub struct Occupancy {
     pub active_warps: u32,
     /// `active_warps / max_warps_per_sm`.
     pub fraction: f64,
+    /// Warps in one block (its threads rounded up to whole warps).
     pub warps_per_block: u32,
-    /// Blocks per SM each resource allows; `None` where it does not limit (no registers).
+    /// Blocks per SM the warp limit allows.
     pub by_warps: u32,
+    /// Blocks per SM the block limit allows.
     pub by_blocks: u32,
+    /// Blocks per SM the register file allows; `None` where registers do not limit (a kernel using none).
     pub by_registers: Option<u32>,
+    /// Blocks per SM shared memory allows.
     pub by_shared: u32,
-    /// Registers allocated per warp and per block.
+    /// Registers allocated per warp (rounded to the allocation unit).
     pub regs_per_warp: u32,
+    /// Registers allocated per block.
     pub regs_per_block: u32,
     /// Shared memory allocated per block, bytes (with the reserve, rounded to the allocation unit).
     pub shared_per_block: u32,
@@ -380,15 +391,20 @@ pub enum Advice {
     Invalid(OccupancyError),
     /// The grid cannot fill the GPU: `grid_blocks < sm_count × active_blocks`.
     TooFewBlocks {
+        /// Blocks in the grid.
         grid_blocks: u64,
+        /// SMs on the device.
         sm_count: u32,
+        /// Blocks one SM holds at once.
         active_blocks: u32,
         /// SMs that get no block at all.
         idle_sms: u32,
     },
     /// Registers cap occupancy below what the other resources allow.
     RegisterLimited {
+        /// Registers per thread the kernel uses.
         registers: u32,
+        /// Blocks one SM holds at once.
         active_blocks: u32,
         /// Blocks per SM the other resources would allow.
         others_allow: u32,
@@ -399,9 +415,13 @@ pub enum Advice {
     },
     /// Shared memory caps occupancy below what the other resources allow.
     SharedLimited {
+        /// Shared memory allocated per block, bytes (static, dynamic and the reserve, rounded).
         shared_per_block: u32,
+        /// Dynamic shared memory per block the launch asks for, bytes.
         dynamic_smem: u32,
+        /// Blocks one SM holds at once.
         active_blocks: u32,
+        /// Blocks per SM the other resources would allow.
         others_allow: u32,
         /// Dynamic shared memory per block that would give one more block per SM, and that count.
         next_step: Option<(u32, u32)>,
@@ -410,12 +430,20 @@ pub enum Advice {
     },
     /// `threads % 32 != 0`: the last warp of every block runs with idle lanes.
     PartialWarp {
+        /// Threads per block.
         block_threads: u32,
+        /// Warps per block.
         warps: u32,
+        /// Lanes of the last warp that run no thread.
         idle_lanes: u32,
     },
     /// More than the default 48 KiB of shared memory per block: the kernel must opt in first.
-    NeedsOptIn { shared_bytes: u64, default_max: u32 },
+    NeedsOptIn {
+        /// Shared memory per block the launch needs, bytes.
+        shared_bytes: u64,
+        /// What a block may use without opting in, bytes.
+        default_max: u32,
+    },
 }
 
 impl fmt::Display for Advice {

@@ -1,26 +1,35 @@
 //! Kernel parameters, packed into constant bank 0 by the kernel's own parameter table (EIATTR_KPARAM_INFO).
 
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
 use super::cubin::KernelInfo;
 
 /// One kernel argument. Scalars and pointers are checked against the size the kernel declares; `Bytes` carries
 /// a by-value struct (or anything else) as its raw bytes.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Arg<'a> {
+    /// A `signed char` / `int8_t`.
     I8(i8),
+    /// An `unsigned char` / `uint8_t` (or a `bool`).
     U8(u8),
+    /// A `short` / `int16_t`.
     I16(i16),
+    /// An `unsigned short` / `uint16_t`.
     U16(u16),
+    /// An `int` / `int32_t`.
     I32(i32),
+    /// An `unsigned int` / `uint32_t`.
     U32(u32),
+    /// A `long long` / `int64_t`.
     I64(i64),
+    /// An `unsigned long long` / `uint64_t` / `size_t`.
     U64(u64),
+    /// A `float`.
     F32(f32),
+    /// A `double`.
     F64(f64),
     /// A device pointer.
     Ptr(u64),
+    /// A parameter passed by value as its raw bytes (a struct, a vector type), laid out as the kernel
+    /// expects; only its size is checked.
     Bytes(&'a [u8]),
 }
 
@@ -41,6 +50,7 @@ impl Arg<'_> {
         }
     }
 
+    /// Bytes the argument occupies in the parameter buffer.
     pub fn size(&self) -> usize {
         match self {
             Arg::I8(_) | Arg::U8(_) => 1,

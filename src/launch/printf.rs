@@ -27,9 +27,6 @@
 //! - assert: `u64 line`, `u64 block.x | block.y << 32`, `u64 block.z | thread.x << 32`, `u64 thread.y | thread.z
 //!   << 32`, then the message, file and function as `%s` slots.
 
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
 use std::ffi::{CString, c_char, c_int};
 use std::fmt;
 use std::io::Write;
@@ -513,7 +510,9 @@ impl RuntimeLink {
 pub struct AssertFailure {
     /// The asserted expression, as written in the source.
     pub message: String,
+    /// The source file, as the compiler recorded it.
     pub file: String,
+    /// The line of the `assert` in `file`.
     pub line: u32,
     /// The function, as the compiler names it (`void k(int *)`).
     pub function: String,
@@ -549,7 +548,9 @@ impl fmt::Display for AssertFailure {
     "device assertion failed: {failure} The queue's channel faulted on the trap ({fault}); make a new queue to go on"
 )]
 pub struct AssertError {
+    /// What the `assert` reported.
     pub failure: AssertFailure,
+    /// The fault the assert's trap raised on the queue's channel.
     #[source]
     pub fault: crate::pushbuf::Error,
 }
@@ -568,7 +569,9 @@ pub enum PrintfArg {
 pub enum DeviceRecord {
     /// A `printf` call: the format string and the arguments it consumed.
     Printf {
+        /// The format string's bytes, without the terminating NUL.
         format: Vec<u8>,
+        /// The arguments, in order.
         args: Vec<PrintfArg>,
     },
     /// A failed `assert`.

@@ -4,17 +4,17 @@
 //! V03 is the Ampere/Ada layout, V04 Hopper's, V05 Blackwell's. Hopper silently drops a V03 QMD (see
 //! research/hopper-launch.md), so the version must follow the compute class.
 
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
 use crate::hw::qmd::{v03, v04, v05};
 use crate::hw::{Field, FieldError};
 
 /// QMD layout versions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QmdVersion {
+    /// Ampere and Ada (`c6c0`, `c7c0`, `c9c0`); Hopper accepts it too.
     V03,
+    /// Hopper (`cbc0`).
     V04,
+    /// Blackwell (`cdc0`, `cec0`).
     V05,
 }
 
@@ -29,6 +29,7 @@ impl QmdVersion {
         }
     }
 
+    /// Bytes of a QMD of this layout.
     pub fn size_bytes(self) -> usize {
         match self {
             QmdVersion::V03 => v03::SIZE_BYTES,
@@ -37,6 +38,7 @@ impl QmdVersion {
         }
     }
 
+    /// The layout's major version (the `QMD_MAJOR_VERSION` field).
     pub fn major(self) -> u8 {
         match self {
             QmdVersion::V03 => 3,
@@ -52,7 +54,9 @@ pub const QMD_WORDS: usize = 96;
 /// A constant bank bound to the launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct ConstBuffer {
+    /// GPU address of the bank's data.
     pub va: u64,
+    /// Bytes of the bank (a multiple of 16).
     pub size: u32,
 }
 
@@ -61,15 +65,21 @@ pub struct ConstBuffer {
 pub struct QmdParams {
     /// SM version as major * 10 + minor (90).
     pub sm_version: u32,
+    /// GPU address of the kernel's first instruction.
     pub program_va: u64,
+    /// Registers per thread.
     pub registers: u32,
+    /// Named barriers the kernel uses (`bar.sync` ids).
     pub barriers: u32,
+    /// Grid size in blocks, x y z.
     pub grid: [u32; 3],
+    /// Block size in threads, x y z.
     pub block: [u32; 3],
     /// Shared memory per block: the kernel's static size (with the 1 KiB the compiler reserves) plus dynamic.
     pub shared_bytes: u32,
     /// Local memory (stack) per thread that the context's local-memory buffer provides.
     pub local_bytes_per_thread: u32,
+    /// Constant banks 0 to 7 bound to the launch (bank 0: parameters and driver constants).
     pub const_buffers: [Option<ConstBuffer>; 8],
     /// Semaphore written when the grid completes: four words (64-bit payload, then a timestamp).
     pub release: Option<(u64, u64)>,

@@ -2,9 +2,6 @@
 //! QMD and its constant bank 0, local memory sized from the kernels' stacks, and launches that run in order
 //! like a CUDA stream.
 
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
 mod graph_exec;
 
 use std::sync::Arc;
@@ -73,18 +70,24 @@ pub const MAX_CLUSTER_BLOCKS: u32 = 8;
 /// Device limits a launch is checked against.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
+    /// Most blocks per grid axis, x y z.
     pub max_grid: [u32; 3],
+    /// Most threads per block axis, x y z.
     pub max_block: [u32; 3],
+    /// Most threads in one block.
     pub max_threads_per_block: u32,
     /// Shared memory one block may use, the compiler's reserved 1 KiB included.
     pub max_shared_per_block: u32,
+    /// 32-bit registers per SM, which a block's registers must fit in.
     pub registers_per_sm: u32,
+    /// Most bytes of kernel parameters.
     pub max_param_bytes: u32,
     /// Most blocks in a thread block cluster; 0 on GPUs without clusters (before sm_90).
     pub max_cluster_blocks: u32,
 }
 
 impl Limits {
+    /// The limits of a GPU with SM version `sm_version` (major × 10 + minor).
     pub fn for_sm(sm_version: u32) -> Limits {
         let carve = qmd::shared_carveouts_kib(sm_version);
         Limits {
@@ -103,11 +106,15 @@ impl Limits {
     }
 }
 
+/// How a [`ComputeQueue`] is built.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ComputeQueueConfig {
+    /// The pushbuffer queue (and channel) under the compute queue.
     pub queue: QueueConfig,
     /// Launch slots (QMD + constant bank 0 each): how many launches can be in flight.
     pub slots: usize,
+    /// How long the queue's own waits (for a free launch slot, for the set-up submission, in `synchronize`) may
+    /// take before failing.
     pub timeout: Duration,
     /// Chained launches sent together: a longer chain is sent in parts of this many as it is recorded, so the GPU
     /// runs one part while the CPU records the next (each part waits for the one before, one front-end round trip).
@@ -266,6 +273,8 @@ impl std::fmt::Debug for ComputeQueue {
 }
 
 impl ComputeQueue {
+    /// Builds a compute queue on `gpu`: the channel and pushbuffer, the launch slots, the shader windows and
+    /// local memory; waits until the GPU has run the set-up, so a queue that exists is known to work.
     pub fn new(gpu: &Arc<GpuCore>, config: ComputeQueueConfig) -> Result<ComputeQueue> {
         if config.slots == 0 {
             return Err(Error::Unsupported(
@@ -350,26 +359,34 @@ impl ComputeQueue {
         self.id
     }
 
+    /// GPU address of the local-memory window: where each thread's local memory (stack) appears in the
+    /// generic address space.
     pub fn local_window(&self) -> u64 {
         self.windows_va
     }
 
+    /// GPU address of the shared-memory window: where a block's shared memory appears in the generic address
+    /// space.
     pub fn shared_window(&self) -> u64 {
         self.windows_va + WINDOW_ALIGN
     }
 
+    /// The limits every launch on this queue is checked against.
     pub fn limits(&self) -> &Limits {
         &self.limits
     }
 
+    /// The GPU the queue runs on.
     pub fn gpu(&self) -> &Arc<GpuCore> {
         &self.gpu
     }
 
+    /// The pushbuffer queue under this one.
     pub fn queue(&self) -> &Queue {
         &self.queue
     }
 
+    /// The pushbuffer queue under this one, to record methods of one's own between launches.
     pub fn queue_mut(&mut self) -> &mut Queue {
         &mut self.queue
     }

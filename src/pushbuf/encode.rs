@@ -1,9 +1,6 @@
 //! Method encoding: headers per subchannel (incrementing, non-incrementing, immediate, increment-once) and
 //! typed methods of the host, compute and copy classes. Every offset and field comes from [`crate::hw`].
 
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
 use crate::hw::compute::cbc0 as compute;
 use crate::hw::copy::c8b5 as copy;
 use crate::hw::host::{c56f, c86f as host};
@@ -13,8 +10,11 @@ use crate::hw::host::{c56f, c86f as host};
 pub struct Subchannel(pub u8);
 
 impl Subchannel {
+    /// Subchannel 0: the host (GPFIFO) class, semaphores and channel control.
     pub const HOST: Subchannel = Subchannel(0);
+    /// Subchannel 1: the compute class, QMD launches.
     pub const COMPUTE: Subchannel = Subchannel(1);
+    /// Subchannel 4: the copy class, DMA copies.
     pub const COPY: Subchannel = Subchannel(4);
 }
 
@@ -50,8 +50,9 @@ pub const fn immediate(subc: Subchannel, method: u32, value: u32) -> u32 {
         | c56f::DMA_METHOD_ADDRESS.pack(method >> 2)
 }
 
-/// Largest count a header carries, and largest immediate value.
+/// Largest method count one header carries.
 pub const MAX_COUNT: u32 = c56f::DMA_METHOD_COUNT.mask() as u32;
+/// Largest value an immediate-data header carries (13 bits).
 pub const MAX_IMMEDIATE: u32 = c56f::DMA_IMMD_DATA.mask() as u32;
 
 /// The pushbuffer did not have room for what was written; nothing past its end was touched.
@@ -87,6 +88,7 @@ pub struct Release {
 }
 
 impl Release {
+    /// A 64-bit release after the engines are idle, without a timestamp: the usual fence.
     pub const AFTER_IDLE_64: Release = Release {
         wfi: true,
         wide: true,
@@ -106,6 +108,7 @@ pub enum Acquire {
 }
 
 impl<'a> Push<'a> {
+    /// Writes into `buf` from its start.
     pub fn new(buf: &'a mut [u32]) -> Push<'a> {
         Push {
             buf,
@@ -119,10 +122,12 @@ impl<'a> Push<'a> {
         self.len
     }
 
+    /// Whether nothing was written.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
+    /// The words written so far.
     pub fn words(&self) -> &[u32] {
         &self.buf[..self.len]
     }

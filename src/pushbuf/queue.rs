@@ -1,9 +1,6 @@
 //! A queue: our channel, its pushbuffer space and a timeline. Every submission releases the next timeline
 //! value when it is done, so completion, pushbuffer reuse and fences all follow one counter.
 
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,13 +27,17 @@ impl From<crate::rm::Error> for Error {
     }
 }
 
+/// The pushbuffer layer's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// How a [`Queue`] is built.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct QueueConfig {
+    /// The channel under the queue.
     pub channel: ChannelConfig,
     /// Pushbuffer bytes, used as a ring.
     pub push_bytes: u64,
+    /// Where the pushbuffer lives (write-combined system memory by default, as libcuda places it).
     pub push_placement: Placement,
     /// How long waits inside the queue (ring or pushbuffer full) may take before failing.
     pub timeout: Duration,
@@ -71,10 +72,12 @@ pub struct Fence {
 }
 
 impl Fence {
+    /// The timeline value the fence waits for.
     pub fn value(&self) -> u64 {
         self.value
     }
 
+    /// Whether the GPU has released the value (no waiting).
     pub fn is_done(&self) -> bool {
         self.timeline.is_reached(self.value)
     }
@@ -141,18 +144,22 @@ impl Queue {
         Ok(q)
     }
 
+    /// The channel the queue submits to.
     pub fn channel(&self) -> &Channel {
         &self.channel
     }
 
+    /// The GPU the queue runs on.
     pub fn gpu(&self) -> &Arc<GpuCore> {
         self.channel.gpu()
     }
 
+    /// The queue's timeline: slot 0 of its channel's semaphore page.
     pub fn timeline(&self) -> &Timeline {
         &self.timeline
     }
 
+    /// How long waits inside the queue may take before failing.
     pub fn timeout(&self) -> Duration {
         self.timeout
     }
@@ -162,6 +169,7 @@ impl Queue {
         self.last
     }
 
+    /// A fence on this queue's timeline at `value`.
     pub fn fence_for(&self, value: u64) -> Fence {
         Fence {
             timeline: self.timeline.clone(),

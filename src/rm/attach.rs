@@ -13,8 +13,9 @@ use std::path::PathBuf;
 use tracing::debug;
 
 use super::client::{Client, Handle};
+use super::error::check;
 use super::ioctl::{nv_escape, uvm_ioctl};
-use super::{Error, NvStatus, Result, sys};
+use super::{Error, Result, sys};
 
 /// `NV0000_CTRL_CMD_CLIENT_GET_HANDLE_INFO` (ctrl0000client.h, not among the vendored headers).
 const CLIENT_GET_HANDLE_INFO: u32 = 0xd02;
@@ -151,7 +152,7 @@ impl ForeignClient {
         // SAFETY: NVOS54_PARAMETERS is the RM_CONTROL argument; params points to a live `P` of paramsSize bytes,
         // the parameter struct of `cmd`.
         unsafe { nv_escape(&self.ctl, sys::NV_ESC_RM_CONTROL, &mut p, what)? };
-        super::client::check("RM_CONTROL", what, p.status)
+        check("RM_CONTROL", what, p.status)
     }
 
     fn handle_info(&self, h: Handle) -> Result<RmObject> {
@@ -325,35 +326,6 @@ pub fn foreign_uvm_fds(exclude: &[i32]) -> Vec<OwnedFd> {
             r.is_ok() && p.rmStatus == 0
         })
         .collect()
-}
-
-/// `NV_ESC_RM_DUP_OBJECT`: a handle in `own` (under `parent`) for object `src` of client `src_client`.
-pub(crate) fn dup_object(
-    own: &Client,
-    parent: Handle,
-    src_client: Handle,
-    src: Handle,
-    what: &'static str,
-) -> Result<Handle> {
-    let mut p = sys::NVOS55_PARAMETERS {
-        hClient: own.handle(),
-        hParent: parent,
-        hObject: 0,
-        hClientSrc: src_client,
-        hObjectSrc: src,
-        flags: 0,
-        status: 0,
-    };
-    // SAFETY: NVOS55_PARAMETERS is the NV_ESC_RM_DUP_OBJECT argument and holds no pointers.
-    unsafe { nv_escape(own.ctl()?, sys::NV_ESC_RM_DUP_OBJECT, &mut p, what)? };
-    if p.status != 0 {
-        return Err(Error::Rm {
-            call: "RM_DUP_OBJECT",
-            what,
-            status: NvStatus(p.status),
-        });
-    }
-    Ok(p.hObject)
 }
 
 #[cfg(test)]

@@ -201,6 +201,19 @@ fn no_node_message(path: &str) -> String {
     }
 }
 
+/// `Ok` for `NV_OK`; otherwise [`Error::Rm`] naming the call, what it was for and the status.
+pub(crate) fn check(call: &'static str, what: &'static str, status: u32) -> Result<()> {
+    if status == 0 {
+        Ok(())
+    } else {
+        Err(Error::Rm {
+            call,
+            what,
+            status: NvStatus(status),
+        })
+    }
+}
+
 /// The RM layer's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 

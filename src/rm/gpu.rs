@@ -1,18 +1,18 @@
 //! Opening a GPU through RM: enumeration, driver check, device/subdevice, class list, GPU info, our own
 //! GPU virtual address space registered with UVM, and the usermode (doorbell) page.
 
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
-use std::ffi::CStr;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use tracing::{debug, info};
 
-use super::client::{Client, Object, open_gpu_node, open_node};
-use super::ioctl::nv_escape;
-use super::memory::CpuMapping;
+use super::client::{Client, Object};
+use super::domain::{self, DomainChoice};
+use super::hardware::{
+    Hardware, c_string, card_info, open_gpu_node, open_node, own_uvm_fds, query_driver_version,
+};
+use super::mapping::CpuMapping;
+use super::transport::CpuMapRequest;
 use super::va::VaRegion;
 use super::{Error, Result, sys};
 
@@ -32,22 +32,35 @@ pub(super) const HIGH_REGION_SIZE: u64 = 1 << 40;
 /// What RM reports about the GPU.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GpuInfo {
+    /// The index [`GpuCore::open`] was given: the GPU's place in RM's list (`NV_ESC_CARD_INFO`).
     pub index: usize,
+    /// The N of the GPU's device node /dev/nvidiaN.
     pub minor: u32,
+    /// The name RM reports (`NVIDIA H200`).
     pub name: String,
     /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as nvidia-smi prints it.
     pub uuid: String,
+    /// The UUID's 16 bytes, as UVM and RM controls take it.
     pub uuid_bytes: [u8; 16],
+    /// PCI address, `domain:bus:device.function` in hex (`00000000:1b:00.0`).
     pub pci_bus_id: String,
     /// SM version as major * 10 + minor (90 for Hopper).
     pub sm_version: u32,
+    /// Streaming multiprocessors enabled on this GPU (TPCs × SMs per TPC).
     pub sm_count: u32,
+    /// Graphics processing clusters enabled on this GPU.
     pub gpc_count: u32,
+    /// Texture processing clusters enabled, over all GPCs (floorswept ones not counted).
     pub tpc_count: u32,
+    /// The most TPCs a GPC of this chip has (the chip's design, before floorsweeping).
     pub tpcs_per_gpc_max: u32,
+    /// SMs in each TPC (2 on Hopper).
     pub sms_per_tpc: u32,
+    /// The most warps an SM holds at once (64 on Hopper), for occupancy.
     pub max_warps_per_sm: u32,
+    /// Video memory, bytes.
     pub memory_bytes: u64,
+    /// The loaded kernel module's version (`580.159.04`).
     pub driver_version: String,
 }
 
@@ -116,7 +129,7 @@ impl GpuCore {
         })?;
         let dev_fd = open_gpu_node(&ctl, card.minor_number)?;
         // Held for the whole open: two threads must not both register this GPU in the shared domain.
-        let mut domains = super::peer::domains();
+        let mut domains = domain::domains();
         let choice = if share {
             domains.choose(card.gpu_id)
         } else {
@@ -124,11 +137,11 @@ impl GpuCore {
         };
         let domain = choice.id();
         let client = Arc::new(match choice {
-            super::peer::DomainChoice::Join(_, uvm) => Client::sharing_uvm(ctl, uvm)?,
+            DomainChoice::Join(_, uvm) => Hardware::client_sharing_uvm(ctl, uvm)?,
             _ => {
                 let uvm = open_node("/dev/nvidia-uvm")?;
                 let uvm_mm = open_node("/dev/nvidia-uvm")?;
-                Client::new(ctl, uvm, uvm_mm)?
+                Hardware::client(ctl, uvm, uvm_mm)?
             }
         });
 
@@ -215,8 +228,7 @@ impl GpuCore {
             None,
             "USERMODE",
         )?;
-        let map = CpuMapping::map_object(&core, &usermode, USERMODE_SIZE, 0, None)?;
-        core.usermode = Some((map, usermode));
+        core.map_usermode(usermode)?;
         debug!(classes = core.classes.len(), domain, "GPU core ready");
         domains.admit(domain, card.gpu_id, &core.client);
         Ok(Arc::new(core))
@@ -237,7 +249,7 @@ impl GpuCore {
             .iter()
             .map(|c| open_gpu_node(&ctl, c.minor_number))
             .collect::<Result<Vec<_>>>()?;
-        let client = Client::with_foreign_uvm(ctl, open_node("/dev/nvidia-uvm")?)?;
+        let client = Hardware::client_with_foreign_uvm(ctl, open_node("/dev/nvidia-uvm")?)?;
         let uuids = cards
             .iter()
             .map(|c| gpu_uuid(&client, c.gpu_id))
@@ -258,7 +270,7 @@ impl GpuCore {
         // A probe client on our own descriptor: it finds CUDA's client, then the real one is built with CUDA's
         // UVM descriptor.
         let probe_uvm = open_node("/dev/nvidia-uvm")?;
-        let own_uvm: Vec<i32> = super::client::own_uvm_fds(|f| f.clone());
+        let own_uvm: Vec<i32> = own_uvm_fds(|f| f.clone());
         let mut uvm = super::attach::foreign_uvm_fds(&own_uvm);
         if uvm.len() != 1 {
             return Err(Error::Attach(format!(
@@ -272,7 +284,7 @@ impl GpuCore {
             )));
         }
         let uvm = uvm.remove(0);
-        let client = Arc::new(Client::with_foreign_uvm(ctl, probe_uvm)?);
+        let client = Arc::new(Hardware::client_with_foreign_uvm(ctl, probe_uvm)?);
         let mut found = None;
         for c in super::attach::foreign_clients(&client)? {
             let Ok((device, objects)) = c.objects() else {
@@ -310,7 +322,7 @@ impl GpuCore {
         // The client that is kept: UVM calls go to CUDA's VA space.
         let ctl = open_node("/dev/nvidiactl")?;
         let dev_fd = open_gpu_node(&ctl, card.minor_number)?;
-        let client = Arc::new(Client::with_foreign_uvm(ctl, uvm)?);
+        let client = Arc::new(Hardware::client_with_foreign_uvm(ctl, uvm)?);
         let mut id = sys::NV0000_CTRL_GPU_GET_ID_INFO_V2_PARAMS {
             gpuId: card.gpu_id,
             ..Default::default()
@@ -386,8 +398,7 @@ impl GpuCore {
             None,
             "USERMODE",
         )?;
-        let map = CpuMapping::map_object(&core, &usermode, USERMODE_SIZE, 0, None)?;
-        core.usermode = Some((map, usermode));
+        core.map_usermode(usermode)?;
         Ok(Arc::new(core))
     }
 
@@ -396,6 +407,7 @@ impl GpuCore {
         self.attachment.as_ref()
     }
 
+    /// What RM reported about the GPU when it was opened.
     pub fn info(&self) -> &GpuInfo {
         &self.info
     }
@@ -405,6 +417,7 @@ impl GpuCore {
         &self.classes
     }
 
+    /// Whether the GPU lists `class` (a class number such as `0xcbc0`, HOPPER_COMPUTE_A).
     pub fn has_class(&self, class: u32) -> bool {
         self.classes.contains(&class)
     }
@@ -427,18 +440,22 @@ impl GpuCore {
             })
     }
 
+    /// The RM client every object of this GPU is allocated in.
     pub fn client(&self) -> &Arc<Client> {
         &self.client
     }
 
+    /// The `NV01_DEVICE_0` object: the parent of memory, VA spaces and channel groups.
     pub fn device(&self) -> &Arc<Object> {
         &self.device
     }
 
+    /// The `NV20_SUBDEVICE_0` object: the target of per-GPU controls (GR, FB, GPU info).
     pub fn subdevice(&self) -> &Arc<Object> {
         &self.subdevice
     }
 
+    /// The GPU VA space channels are bound to (`FERMI_VASPACE_A`; CUDA's, for an attached GPU).
     pub fn vaspace(&self) -> &Arc<Object> {
         &self.vaspace
     }
@@ -469,6 +486,7 @@ impl GpuCore {
         }
     }
 
+    /// The 1 TiB region for user buffers, which need no 40-bit address.
     pub fn high_region(&self) -> &VaRegion {
         &self.high
     }
@@ -477,12 +495,27 @@ impl GpuCore {
     pub fn usermode_ptr(&self) -> *mut u8 {
         match &self.usermode {
             Some((m, _)) => m.as_ptr(),
-            // A simulated GPU's doorbell page belongs to the simulated RM, which outlives every channel.
+            // An in-process GPU's doorbell page belongs to its transport, which outlives every channel.
             None => self
                 .client
-                .sim()
-                .map_or(std::ptr::null_mut(), |s| s.usermode_ptr()),
+                .in_process_gpu()
+                .map_or(std::ptr::null_mut(), |g| g.usermode_page().as_ptr()),
         }
+    }
+
+    /// Maps the usermode object `usermode` (the doorbell page) for the CPU and keeps both.
+    fn map_usermode(&mut self, usermode: Object) -> Result<()> {
+        let map = self.client.map_cpu(&CpuMapRequest {
+            device: self.device.handle(),
+            object: usermode.handle(),
+            system: false,
+            minor: self.info.minor,
+            len: USERMODE_SIZE,
+            flags: 0,
+            fixed: None,
+        })?;
+        self.usermode = Some((map, usermode));
+        Ok(())
     }
 
     pub(crate) fn uuid(&self) -> sys::NvProcessorUuid {
@@ -614,32 +647,6 @@ fn supported_driver_version(ctl: &OwnedFd) -> Result<String> {
     Ok(driver_version)
 }
 
-/// The loaded module's version string, through NV_ESC_CHECK_VERSION_STR's query command.
-fn query_driver_version(ctl: &OwnedFd) -> Result<String> {
-    let mut v = sys::nv_ioctl_rm_api_version_t {
-        cmd: u32::from(sys::NV_RM_API_VERSION_CMD_QUERY),
-        ..Default::default()
-    };
-    // SAFETY: nv_ioctl_rm_api_version_t is the NV_ESC_CHECK_VERSION_STR argument; it holds no pointers.
-    unsafe {
-        nv_escape(
-            ctl,
-            sys::NV_ESC_CHECK_VERSION_STR,
-            &mut v,
-            "query driver version",
-        )?
-    };
-    Ok(c_string(&v.versionString))
-}
-
-/// GPUs attached to the driver, in minor-number order.
-fn card_info(ctl: &OwnedFd) -> Result<Vec<sys::nv_ioctl_card_info_t>> {
-    let mut cards = [sys::nv_ioctl_card_info_t::default(); sys::NV_MAX_DEVICES as usize];
-    // SAFETY: NV_ESC_CARD_INFO takes an array of nv_ioctl_card_info_t; its size is encoded in the opcode.
-    unsafe { nv_escape(ctl, sys::NV_ESC_CARD_INFO, &mut cards, "list GPUs")? };
-    Ok(cards.into_iter().filter(|c| c.valid != 0).collect())
-}
-
 pub(super) fn gpu_info(
     sub: &Object,
     index: usize,
@@ -755,16 +762,6 @@ pub fn format_uuid(b: &[u8; 16]) -> String {
     )
 }
 
-fn c_string(bytes: &[impl Copy + Into<i64>]) -> String {
-    let v: Vec<u8> = bytes
-        .iter()
-        .map(|&c| c.into() as u8)
-        .take_while(|&c| c != 0)
-        .collect();
-    CStr::from_bytes_until_nul(&[v.as_slice(), &[0]].concat())
-        .map_or_else(|_| String::new(), |s| s.to_string_lossy().into_owned())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -776,14 +773,5 @@ mod tests {
             0x0a, 0x39,
         ];
         assert_eq!(format_uuid(&b), "GPU-de918d9d-e24e-30ae-6ef5-43a3feaf0a39");
-    }
-
-    #[test]
-    fn c_strings_stop_at_nul() {
-        assert_eq!(
-            c_string(&[b'5' as i8, b'8' as i8, b'0' as i8, 0, b'x' as i8]),
-            "580"
-        );
-        assert_eq!(c_string(b"ab"), "ab");
     }
 }

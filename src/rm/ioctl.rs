@@ -11,16 +11,16 @@ use tracing::trace;
 use super::sys;
 use super::{Error, Result};
 
-/// One read-write ioctl whose argument is a `T` owned by the caller.
-struct ReadWrite<'a, T> {
+/// One read-write ioctl whose argument is a parameter struct lent by the caller.
+struct ReadWrite {
     opcode: Opcode,
-    arg: &'a mut T,
+    arg: *mut c_void,
 }
 
-// SAFETY: `as_ptr` returns a pointer to a live, exclusively borrowed `T` whose size is encoded in the
-// opcode (RM escapes) or expected by the driver for that command number (UVM); the kernel writes back
-// at most that many bytes.
-unsafe impl<T> Ioctl for ReadWrite<'_, T> {
+// SAFETY: `arg` points to a live, exclusively lent parameter struct whose size is encoded in the opcode (RM
+// escapes) or expected by the driver for that command number (UVM), as the constructors' callers guarantee;
+// the kernel writes back at most that many bytes.
+unsafe impl Ioctl for ReadWrite {
     type Output = ();
     const IS_MUTATING: bool = true;
 
@@ -29,7 +29,7 @@ unsafe impl<T> Ioctl for ReadWrite<'_, T> {
     }
 
     fn as_ptr(&mut self) -> *mut c_void {
-        (self.arg as *mut T).cast()
+        self.arg
     }
 
     unsafe fn output_from_ptr(_: IoctlOutput, _: *mut c_void) -> rustix::io::Result<()> {
@@ -52,7 +52,15 @@ pub(crate) unsafe fn nv_escape<T>(
     let code = opcode::read_write::<T>(sys::NV_IOCTL_MAGIC, nr as u8);
     let start = Instant::now();
     // SAFETY: forwarded to the caller's contract above.
-    let r = unsafe { rustix::ioctl::ioctl(fd, ReadWrite { opcode: code, arg }) };
+    let r = unsafe {
+        rustix::ioctl::ioctl(
+            fd,
+            ReadWrite {
+                opcode: code,
+                arg: (arg as *mut T).cast(),
+            },
+        )
+    };
     trace!(
         call = escape_name(nr),
         what,
@@ -74,6 +82,21 @@ pub(crate) unsafe fn uvm_ioctl<T>(
     fd: impl AsFd,
     cmd: u32,
     arg: &mut T,
+    what: &'static str,
+) -> Result<()> {
+    // SAFETY: forwarded to the caller's contract above.
+    unsafe { uvm_ioctl_raw(fd, cmd, (arg as *mut T).cast(), what) }
+}
+
+/// [`uvm_ioctl`] with the parameter struct as a raw pointer, for callers that get it through a transport.
+///
+/// # Safety
+/// `arg` points to the `UVM_*_PARAMS` structure of command `cmd`, exclusively lent for the call, and every
+/// pointer inside it is valid for the access UVM makes.
+pub(crate) unsafe fn uvm_ioctl_raw(
+    fd: impl AsFd,
+    cmd: u32,
+    arg: *mut c_void,
     what: &'static str,
 ) -> Result<()> {
     let start = Instant::now();

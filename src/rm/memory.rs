@@ -1,20 +1,15 @@
 //! GPU-visible memory: RM allocations in video or system memory, mapped for the GPU in our VA space through
 //! UVM external ranges and, when asked, for the CPU at the same address.
 
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
-use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use rustix::mm::{MapFlags, ProtFlags, mmap, munmap};
 use tracing::{debug, warn};
 
-use super::client::{Object, open_gpu_node, open_node};
+use super::client::Object;
 use super::gpu::GpuCore;
-use super::ioctl::nv_escape;
 use super::sys::defs;
+use super::transport::CpuMapRequest;
 use super::va::VaRegion;
 use super::{Error, Result, sys};
 
@@ -37,16 +32,20 @@ pub enum Placement {
 /// How a buffer is to be allocated.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemoryDesc {
+    /// Bytes asked for (rounded up to the page size at allocation).
     pub size: u64,
+    /// Where the memory lives.
     pub placement: Placement,
     /// Map for the CPU at the buffer's GPU address.
     pub cpu_mapped: bool,
     /// Allocate the GPU address below 1 TiB (what the front end addresses with 40 bits).
     pub low: bool,
+    /// Ask RM for physically contiguous video memory (off by default: RM may scatter the pages).
     pub contiguous: bool,
 }
 
 impl MemoryDesc {
+    /// `size` bytes of video memory, not CPU-mapped, anywhere in the high region.
     pub fn video(size: u64) -> MemoryDesc {
         MemoryDesc {
             size,
@@ -56,123 +55,20 @@ impl MemoryDesc {
             contiguous: false,
         }
     }
+    /// Also maps the memory for the CPU, at its GPU address.
     pub fn with_cpu(mut self) -> MemoryDesc {
         self.cpu_mapped = true;
         self
     }
+    /// Places the memory below 1 TiB, where the front end's 40-bit addresses reach (rings, pushbuffers, QMDs).
     pub fn low(mut self) -> MemoryDesc {
         self.low = true;
         self
     }
+    /// Puts the memory in `p` instead of video memory.
     pub fn placement(mut self, p: Placement) -> MemoryDesc {
         self.placement = p;
         self
-    }
-}
-
-/// A CPU mapping of an RM object (made by NV_ESC_RM_MAP_MEMORY and mmap), unmapped on drop.
-#[derive(Debug)]
-pub struct CpuMapping {
-    ptr: NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: the mapping is plain shared memory; APEX's users of it synchronise through the GPU protocol
-// (semaphores, GPPut) and never hand out references into it.
-unsafe impl Send for CpuMapping {}
-// SAFETY: as above.
-unsafe impl Sync for CpuMapping {}
-
-impl CpuMapping {
-    /// Maps `len` bytes of `object` for the CPU, at `fixed` if given (which must lie in a reservation of ours).
-    pub(crate) fn map_object(
-        core: &GpuCore,
-        object: &Object,
-        len: usize,
-        flags: u32,
-        fixed: Option<u64>,
-    ) -> Result<CpuMapping> {
-        let system = object.class() == sys::NV01_MEMORY_SYSTEM;
-        // RM attaches the mapping to the fd named in the request; the mmap on that fd then consumes it.
-        let fd: OwnedFd = if system {
-            open_node("/dev/nvidiactl")?
-        } else {
-            open_gpu_node(core.client.ctl()?, core.info.minor)?
-        };
-        let mut p = sys::nv_ioctl_nvos33_parameters_with_fd {
-            params: sys::NVOS33_PARAMETERS {
-                hClient: core.client.handle(),
-                hDevice: core.device.handle(),
-                hMemory: object.handle(),
-                length: len as u64,
-                flags,
-                ..Default::default()
-            },
-            fd: fd.as_raw_fd(),
-        };
-        // SAFETY: the Linux NV_ESC_RM_MAP_MEMORY argument; it holds no pointers RM dereferences.
-        unsafe {
-            nv_escape(
-                core.client.ctl()?,
-                sys::NV_ESC_RM_MAP_MEMORY,
-                &mut p,
-                "map for the CPU",
-            )?
-        };
-        super::client::check("RM_MAP_MEMORY", "map for the CPU", p.params.status)?;
-        let mut mflags = MapFlags::SHARED;
-        if fixed.is_some() {
-            mflags |= MapFlags::FIXED;
-        }
-        let addr = fixed.map_or(std::ptr::null_mut(), |a| a as *mut std::ffi::c_void);
-        // SAFETY: maps the device memory RM just prepared on `fd`; with FIXED the target lies inside one of
-        // our PROT_NONE reservations (the caller guarantees it), so nothing of anyone else is replaced.
-        let ptr = unsafe {
-            mmap(
-                addr,
-                len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                mflags,
-                &fd,
-                0,
-            )
-        }
-        .map_err(|e| Error::Mmap {
-            what: "RM memory",
-            source: e.into(),
-        })?;
-        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or(Error::Mmap {
-            what: "RM memory",
-            source: std::io::Error::other("mmap returned null"),
-        })?;
-        Ok(CpuMapping { ptr, len })
-    }
-
-    pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Forget the mapping without unmapping it (the caller puts a reservation over it instead).
-    fn into_raw(self) -> (NonNull<u8>, usize) {
-        let me = std::mem::ManuallyDrop::new(self);
-        (me.ptr, me.len)
-    }
-}
-
-impl Drop for CpuMapping {
-    fn drop(&mut self) {
-        // SAFETY: the mapping was created by `map_object` with this length and is unmapped once.
-        if let Err(e) = unsafe { munmap(self.ptr.as_ptr().cast(), self.len) } {
-            warn!(error = %e, "munmap failed");
-        }
     }
 }
 
@@ -186,8 +82,8 @@ pub struct Memory {
     size: u64,
     desc: MemoryDesc,
     cpu: Option<NonNull<u8>>,
-    /// Backed by anonymous memory registered with the simulated RM (simulated GPUs only).
-    sim_mapped: bool,
+    /// Backed by the transport itself (an in-process GPU: see [`InProcessGpu`](super::transport::InProcessGpu)).
+    in_process: bool,
     /// Other GPUs this memory is mapped on ([`Memory::map_on`]), by RM GPU id.
     peers: std::sync::Mutex<Vec<(u32, std::sync::Weak<GpuCore>)>>,
 }
@@ -201,6 +97,8 @@ unsafe impl Sync for Memory {}
 const HUGE_PAGE: u64 = 2 << 20;
 
 impl Memory {
+    /// Allocates memory as `desc` asks, maps it for the GPU at a VA of its own (and for the CPU at the same
+    /// address when asked). Video buffers of 8 MiB or more use 2 MiB pages. Freed on drop.
     pub fn alloc(core: &Arc<GpuCore>, desc: MemoryDesc) -> Result<Memory> {
         if desc.size == 0 {
             return Err(Error::InvalidArgument("a buffer of 0 bytes".into()));
@@ -240,15 +138,15 @@ impl Memory {
             size,
             desc,
             cpu: None,
-            sim_mapped: false,
+            in_process: false,
             peers: std::sync::Mutex::new(Vec::new()),
         };
 
-        if let Some(sim) = core.client.sim() {
-            // A simulated GPU reaches the buffer at its VA through the simulated RM's registry of live
-            // allocations (what UVM's GPU mapping is on hardware); the CPU sees it there only if asked to.
-            sim.map_memory(mem.handle(), va, size)?;
-            mem.sim_mapped = true;
+        if let Some(gpu) = core.client.in_process_gpu() {
+            // An in-process GPU backs the buffer at its VA itself (what UVM's GPU mapping is on hardware); the CPU
+            // sees it there only if asked to.
+            gpu.back(mem.handle(), va, size)?;
+            mem.in_process = true;
             if desc.cpu_mapped {
                 mem.cpu = NonNull::new(va as *mut u8);
             }
@@ -263,8 +161,15 @@ impl Memory {
                 _ => sys::NVOS33_FLAGS_CACHING_TYPE_WRITECOMBINED,
             };
             let flags = defs::NVOS33_FLAGS_CACHING_TYPE.val(caching);
-            let obj = mem.object.as_ref().expect("object is set until drop");
-            let map = CpuMapping::map_object(core, obj, size as usize, flags, Some(va))?;
+            let map = core.client.map_cpu(&CpuMapRequest {
+                device: core.device.handle(),
+                object: mem.handle(),
+                system: class == sys::NV01_MEMORY_SYSTEM,
+                minor: core.info.minor,
+                len: size as usize,
+                flags,
+                fixed: Some(va),
+            })?;
             mem.cpu = Some(map.into_raw().0);
         }
 
@@ -323,9 +228,9 @@ impl Memory {
         if self.desc.placement == Placement::Video {
             gpu.enable_peer(&self.core)?;
         }
-        if let Some(sim) = gpu.client.sim() {
-            // The peer's simulated front end reaches the range through its own registry.
-            sim.map_peer_range(self.va, self.size);
+        if let Some(peer) = gpu.client.in_process_gpu() {
+            // An in-process peer reaches the range through its own registry.
+            peer.reach(self.va, self.size);
         } else {
             let mut mp = Box::new(sys::UVM_MAP_EXTERNAL_ALLOCATION_PARAMS {
                 base: self.va,
@@ -379,14 +284,17 @@ impl Memory {
         self.size
     }
 
+    /// How the memory was asked for.
     pub fn desc(&self) -> &MemoryDesc {
         &self.desc
     }
 
+    /// The RM memory object's handle (0 once freed).
     pub fn handle(&self) -> u32 {
         self.object.as_ref().map_or(0, Object::handle)
     }
 
+    /// The GPU that owns the memory.
     pub fn gpu(&self) -> &Arc<GpuCore> {
         &self.core
     }
@@ -519,15 +427,17 @@ impl Memory {
     fn free_range(&mut self) {
         let peers = std::mem::take(self.peers.get_mut().unwrap_or_else(|p| p.into_inner()));
         for (_, peer) in peers {
-            if let Some(sim) = peer.upgrade().as_ref().and_then(|g| g.client.sim()) {
-                sim.unmap_memory(self.va);
+            if let Some(g) = peer.upgrade()
+                && let Some(peer) = g.client.in_process_gpu()
+            {
+                peer.forget(self.va);
             }
         }
-        if let Some(sim) = self.core.client.sim() {
-            // Unregistered first: once this returns the simulated front end can no longer touch the range.
-            sim.unmap_memory(self.va);
+        if let Some(gpu) = self.core.client.in_process_gpu() {
+            // Forgotten first: once this returns the in-process GPU can no longer touch the range.
+            gpu.forget(self.va);
         }
-        if self.cpu.take().is_some() || std::mem::take(&mut self.sim_mapped) {
+        if self.cpu.take().is_some() || std::mem::take(&mut self.in_process) {
             let region = if self.desc.low {
                 &self.core.low
             } else {

@@ -13,9 +13,6 @@
 //! touches memory, and a buffer is unregistered (under that lock) before it is unmapped, so the front end never
 //! touches memory that is gone: a bad address is an [`AccessError`], never a segfault.
 
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::ptr::NonNull;
@@ -26,22 +23,31 @@ use std::time::Instant;
 use rustix::mm::{MapFlags, ProtFlags, mmap_anonymous, munmap};
 use tracing::{debug, info, warn};
 
-use super::client::{Client, Handle, Object};
+use super::client::{Client, Object};
+use super::domain::SIMULATED_DOMAIN;
+use super::error::check;
 use super::gpu::{GpuCore, HEADERS_BRANCH, USERMODE_CLASSES, USERMODE_SIZE, gpu_info};
+use super::mapping::CpuMapping;
+use super::transport::{CpuMapRequest, Handle, InProcessGpu, Transport};
 use super::{Error, NvStatus, Result, sys};
 use crate::hw::{compute, copy, host};
 
 /// The GPU a simulated RM describes. The default is an H200: sm_90, 8 GPCs, 66 TPCs, 132 SMs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SimConfig {
+    /// The name the simulated RM reports.
     pub name: String,
+    /// The UUID's 16 bytes; give each simulated GPU of one process its own, so they can be told apart.
     pub uuid: [u8; 16],
     /// SM version as major * 10 + minor.
     pub sm_version: u32,
     /// TPCs of each GPC (the GPC count is the length).
     pub tpcs_per_gpc: Vec<u32>,
+    /// SMs in each TPC.
     pub sms_per_tpc: u32,
+    /// The most warps an SM holds at once.
     pub max_warps_per_sm: u32,
+    /// Video memory the simulated RM reports, bytes (nothing is reserved for it).
     pub memory_bytes: u64,
 }
 
@@ -61,10 +67,12 @@ impl Default for SimConfig {
 }
 
 impl SimConfig {
+    /// TPCs over all GPCs.
     pub fn tpc_count(&self) -> u32 {
         self.tpcs_per_gpc.iter().sum()
     }
 
+    /// SMs over all GPCs.
     pub fn sm_count(&self) -> u32 {
         self.tpc_count() * self.sms_per_tpc
     }
@@ -75,11 +83,15 @@ impl SimConfig {
 pub struct SimChannel {
     /// The channel object's RM handle.
     pub handle: Handle,
+    /// The GPFIFO class it was allocated as (`0xc86f` on Hopper).
     pub class: u32,
     /// The work-submit token the simulated RM handed out.
     pub token: u32,
+    /// GPU address of the GPFIFO ring.
     pub ring_va: u64,
+    /// Entries in the ring (a power of two).
     pub entries: u32,
+    /// GPU address of the channel's USERD (GPPut, GPGet).
     pub userd_va: u64,
     /// The error notifier (`NvNotificationRec`) that RM writes when the channel faults.
     pub notifier_va: u64,
@@ -88,10 +100,22 @@ pub struct SimChannel {
 /// Why the front end could not access memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum AccessError {
+    /// The range is not inside one live allocation (never allocated, freed, or running past its end).
     #[error("{len:#x} bytes at {va:#x} are not inside one live allocation")]
-    Unmapped { va: u64, len: u64 },
+    Unmapped {
+        /// GPU address of the access.
+        va: u64,
+        /// Bytes accessed.
+        len: u64,
+    },
+    /// A word access at an address that is not a multiple of its size.
     #[error("{len}-byte access at {va:#x} is not naturally aligned")]
-    Misaligned { va: u64, len: u64 },
+    Misaligned {
+        /// GPU address of the access.
+        va: u64,
+        /// Bytes accessed.
+        len: u64,
+    },
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -129,7 +153,7 @@ impl State {
     }
 }
 
-/// State shared by the simulated client and the front end.
+/// The simulated RM: the transport of a simulated GPU's client, and the state its front end reads.
 #[derive(Debug)]
 pub(crate) struct SimShared {
     state: Mutex<State>,
@@ -233,25 +257,8 @@ impl SimShared {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub(crate) fn usermode_ptr(&self) -> *mut u8 {
-        self.usermode.as_ptr()
-    }
-
-    pub(crate) fn alloc_root(&self) -> Handle {
-        let mut st = self.lock();
-        let h = st.new_handle();
-        st.objects.insert(
-            h,
-            Obj {
-                parent: 0,
-                class: sys::NV01_ROOT_CLIENT,
-            },
-        );
-        h
-    }
-
     /// RM_ALLOC of `class` under `parent`; `ptr`/`size` are the caller's allocation parameters (or null).
-    pub(crate) fn alloc(
+    fn alloc_object(
         &self,
         parent: Handle,
         class: u32,
@@ -285,14 +292,7 @@ impl SimShared {
     }
 
     /// RM_CONTROL `cmd` on `object`, answering the controls APEX issues.
-    pub(crate) fn control(&self, object: Handle, cmd: u32, ptr: *mut u8, size: usize) -> NvStatus {
-        match self.control_inner(object, cmd, ptr, size) {
-            Ok(()) => NvStatus::OK,
-            Err(s) => s,
-        }
-    }
-
-    fn control_inner(
+    fn answer_control(
         &self,
         object: Handle,
         cmd: u32,
@@ -397,7 +397,7 @@ impl SimShared {
     }
 
     /// RM_FREE of `handle` and everything under it.
-    pub(crate) fn free(&self, handle: Handle) -> NvStatus {
+    fn free_object(&self, handle: Handle) -> NvStatus {
         let mut st = self.lock();
         if !st.objects.contains_key(&handle) {
             return NV_ERR_INVALID_OBJECT_HANDLE;
@@ -423,10 +423,96 @@ impl SimShared {
         }
         NvStatus::OK
     }
+}
 
+/// Only the simulated RM's own state is touched; the parameter structs are read as RM reads them.
+impl Transport for SimShared {
+    fn alloc_root(&self) -> Result<Handle> {
+        let mut st = self.lock();
+        let h = st.new_handle();
+        st.objects.insert(
+            h,
+            Obj {
+                parent: 0,
+                class: sys::NV01_ROOT_CLIENT,
+            },
+        );
+        Ok(h)
+    }
+
+    unsafe fn alloc(
+        &self,
+        _client: Handle,
+        parent: Handle,
+        class: u32,
+        params: *mut c_void,
+        size: usize,
+        what: &'static str,
+    ) -> Result<Handle> {
+        self.alloc_object(parent, class, params.cast(), size)
+            .map_err(|status| Error::Rm {
+                call: "RM_ALLOC",
+                what,
+                status,
+            })
+    }
+
+    unsafe fn control(
+        &self,
+        _client: Handle,
+        object: Handle,
+        cmd: u32,
+        params: *mut c_void,
+        size: usize,
+        what: &'static str,
+    ) -> Result<()> {
+        let status = match self.answer_control(object, cmd, params.cast(), size) {
+            Ok(()) => NvStatus::OK,
+            Err(s) => s,
+        };
+        check("RM_CONTROL", what, status.0)
+    }
+
+    fn free(&self, _client: Handle, _parent: Handle, handle: Handle) -> Result<()> {
+        check("RM_FREE", "object", self.free_object(handle).0)
+    }
+
+    fn dup(&self, _: Handle, _: Handle, _: Handle, _: Handle, _: &'static str) -> Result<Handle> {
+        Err(Error::Simulated {
+            what: "/dev/nvidiactl",
+        })
+    }
+
+    /// UVM's job (GPU mappings at the CPU address) is done by the registry of live allocations: nothing to do.
+    unsafe fn uvm(&self, _cmd: u32, _params: *mut c_void, _what: &'static str) -> Result<()> {
+        Ok(())
+    }
+
+    fn map_cpu(&self, _client: Handle, _req: &CpuMapRequest) -> Result<CpuMapping> {
+        Err(Error::Simulated {
+            what: "/dev/nvidiactl",
+        })
+    }
+
+    fn ctl(&self) -> Result<&std::os::fd::OwnedFd> {
+        Err(Error::Simulated {
+            what: "/dev/nvidiactl",
+        })
+    }
+
+    fn uvm_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        None
+    }
+
+    fn in_process_gpu(&self) -> Option<&dyn InProcessGpu> {
+        Some(self)
+    }
+}
+
+impl InProcessGpu for SimShared {
     /// Backs `[va, va + size)` (inside one of our PROT_NONE reservations) with anonymous shared memory and
     /// registers it as memory object `handle`.
-    pub(crate) fn map_memory(&self, handle: Handle, va: u64, size: u64) -> Result<()> {
+    fn back(&self, handle: Handle, va: u64, size: u64) -> Result<()> {
         // SAFETY: the range was just handed out by a VaRegion of ours, so it lies inside our PROT_NONE
         // reservation and MAP_FIXED replaces nothing of anyone else's.
         unsafe {
@@ -449,17 +535,21 @@ impl SimShared {
 
     /// Lets this simulated GPU's front end reach `[va, va + size)`, memory another simulated GPU of the process
     /// allocated (a peer mapping: the bytes stay the owner's).
-    pub(crate) fn map_peer_range(&self, va: u64, size: u64) {
+    fn reach(&self, va: u64, size: u64) {
         // Handle 0 is never an object of this RM: the range is not this GPU's to free.
         self.lock().allocations.insert(va, (size, 0));
     }
 
     /// Forgets the allocation at `va`; after this returns the front end cannot reach it.
-    pub(crate) fn unmap_memory(&self, va: u64) {
+    fn forget(&self, va: u64) {
         let mut st = self.lock();
         if let Some((_, handle)) = st.allocations.remove(&va) {
             st.va_of.remove(&handle);
         }
+    }
+
+    fn usermode_page(&self) -> NonNull<u8> {
+        self.usermode
     }
 }
 
@@ -521,7 +611,7 @@ impl GpuCore {
     /// reads the rings through the returned [`SimBus`].
     pub fn open_simulated(config: SimConfig) -> Result<(std::sync::Arc<GpuCore>, SimBus)> {
         let shared = Arc::new(SimShared::new(config)?);
-        let client = Arc::new(Client::simulated(shared.clone()));
+        let client = Arc::new(Client::over(shared.clone())?);
         let (device, subdevice, classes) = super::gpu::device_objects(&client, 0)?;
         let card = sys::nv_ioctl_card_info_t {
             valid: 1,
@@ -548,13 +638,13 @@ impl GpuCore {
             vaspace,
             low,
             high,
-            // The doorbell page belongs to the simulated RM (see `usermode_ptr`).
+            // The doorbell page belongs to the simulated RM (see `InProcessGpu::usermode_page`).
             usermode: None,
             windows: std::sync::OnceLock::new(),
             attachment: None,
             // Distinct per simulated GPU (RM's ids are small numbers; these cannot collide with them).
             gpu_id: 0x5100_0000 | (shared.id() as u32 & 0xff_ffff),
-            domain: super::peer::SIMULATED_DOMAIN,
+            domain: SIMULATED_DOMAIN,
         };
         core.pick_class("usermode", USERMODE_CLASSES)?;
         info!(gpu = %core.info.name, sms = core.info.sm_count, "opened simulated GPU");
@@ -575,6 +665,7 @@ impl SimBus {
         }
     }
 
+    /// The GPU the simulated RM describes.
     pub fn config(&self) -> &SimConfig {
         &self.0.config
     }
@@ -597,6 +688,7 @@ impl SimView<'_> {
         self.st.channels.values().copied().collect()
     }
 
+    /// The channel with RM handle `handle`, if it is live.
     pub fn channel(&self, handle: Handle) -> Option<SimChannel> {
         self.st.channels.get(&handle).copied()
     }
@@ -658,18 +750,21 @@ impl SimView<'_> {
             .collect())
     }
 
+    /// An atomic 32-bit load at `va` (4-byte aligned), as the front end reads semaphores and GPPut.
     pub fn read_u32(&self, va: u64) -> std::result::Result<u32, AccessError> {
         let p = self.ptr(va, 4, 4)?;
         // SAFETY: in a live allocation, 4-byte aligned; the CPU polls these words, so atomically.
         Ok(unsafe { AtomicU32::from_ptr(p.cast()) }.load(Ordering::Acquire))
     }
 
+    /// An atomic 64-bit load at `va` (8-byte aligned).
     pub fn read_u64(&self, va: u64) -> std::result::Result<u64, AccessError> {
         let p = self.ptr(va, 8, 8)?;
         // SAFETY: in a live allocation, 8-byte aligned.
         Ok(unsafe { AtomicU64::from_ptr(p.cast()) }.load(Ordering::Acquire))
     }
 
+    /// An atomic 32-bit store at `va` (4-byte aligned), as the front end releases semaphores and GPGet.
     pub fn write_u32(&self, va: u64, value: u32) -> std::result::Result<(), AccessError> {
         let p = self.ptr(va, 4, 4)?;
         // SAFETY: in a live allocation, 4-byte aligned; semaphores and GPGet are polled by the CPU.
@@ -677,6 +772,7 @@ impl SimView<'_> {
         Ok(())
     }
 
+    /// An atomic 64-bit store at `va` (8-byte aligned).
     pub fn write_u64(&self, va: u64, value: u64) -> std::result::Result<(), AccessError> {
         let p = self.ptr(va, 8, 8)?;
         // SAFETY: in a live allocation, 8-byte aligned.

@@ -11,9 +11,6 @@
 //! [`pushbuf::Queue`]: crate::pushbuf::Queue
 //! [`launch::ComputeQueue`]: crate::launch::ComputeQueue
 
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
 mod frontend;
 pub mod qmd;
 
@@ -35,42 +32,89 @@ pub use qmd::QmdViolation;
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum SimErrorKind {
+    /// The front end touched memory that is not a live allocation.
     #[error("MMU fault reading or writing the {what}: {source}")]
     Mmu {
+        /// What was being read or written (the GPFIFO ring, a pushbuffer segment, a semaphore, a QMD...).
         what: &'static str,
+        /// Why the access failed.
         source: AccessError,
     },
+    /// A pushbuffer segment does not decode as methods.
     #[error("malformed pushbuffer: {0}")]
     Decode(DecodeError),
+    /// USERD's GP_PUT names an entry the ring does not have.
     #[error("GP_PUT {put} is outside the {entries}-entry ring")]
-    BadGpPut { put: u32, entries: u32 },
+    BadGpPut {
+        /// The GP_PUT read.
+        put: u32,
+        /// Entries in the ring.
+        entries: u32,
+    },
+    /// A method went to a subchannel no `SET_OBJECT` bound.
     #[error("method {method:#x} on subchannel {subchannel}, which has no class bound")]
-    UnboundSubchannel { subchannel: u8, method: u32 },
+    UnboundSubchannel {
+        /// The subchannel.
+        subchannel: u8,
+        /// The method's byte offset.
+        method: u32,
+    },
+    /// `SET_OBJECT` named a class the channel has no object of.
     #[error(
         "SET_OBJECT of class {class:#06x} on subchannel {subchannel}: no such object on this channel"
     )]
-    ClassNotOnChannel { subchannel: u8, class: u32 },
+    ClassNotOnChannel {
+        /// The subchannel.
+        subchannel: u8,
+        /// The class asked for.
+        class: u32,
+    },
+    /// A method the model does not execute for the bound class.
     #[error(
         "method {method:#x} is not one class {class:#06x} (subchannel {subchannel}) executes here"
     )]
     UnknownMethod {
+        /// The subchannel.
         subchannel: u8,
+        /// The class bound there.
         class: u32,
+        /// The method's byte offset.
         method: u32,
     },
+    /// A semaphore release or acquire the hardware would reject (misaligned, bad operation).
     #[error("semaphore at {va:#x}: {why}")]
-    BadSemaphore { va: u64, why: &'static str },
+    BadSemaphore {
+        /// The semaphore's GPU address.
+        va: u64,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// An inline-to-memory upload the hardware would reject.
     #[error("inline upload: {why}")]
-    BadInlineUpload { why: &'static str },
+    BadInlineUpload {
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// A copy-engine `LAUNCH_DMA` the hardware would reject.
     #[error("copy engine: {why}")]
-    BadCopy { why: &'static str },
+    BadCopy {
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// A QMD failed the checks Hopper makes before launching.
     #[error("QMD at {qmd_va:#x} rejected: {violation}")]
     BadQmd {
+        /// The QMD's GPU address.
         qmd_va: u64,
+        /// The first check it failed.
         violation: QmdViolation,
     },
+    /// The doorbell was rung with a token no channel was given.
     #[error("doorbell rung with token {token:#x}, which no channel holds")]
-    UnknownToken { token: u32 },
+    UnknownToken {
+        /// The token written.
+        token: u32,
+    },
 }
 
 impl SimErrorKind {
@@ -92,25 +136,36 @@ pub struct SimError {
     pub gp_get: u32,
     /// What was written to the notifier's info32.
     pub xid: u32,
+    /// What went wrong.
     pub kind: SimErrorKind,
 }
 
 /// A QMD that passed every check, as the model recorded it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Launch {
+    /// Work-submit token of the channel that launched it.
     pub token: u32,
+    /// GPU address of the QMD.
     pub qmd_va: u64,
     /// Blocks per axis (for a cluster launch, the QMD's grid in clusters times the cluster shape).
     pub grid: [u32; 3],
     /// The thread block cluster shape of a cluster launch.
     pub cluster: Option<[u32; 3]>,
+    /// Threads per block axis.
     pub block: [u32; 3],
+    /// Shared memory per block, bytes.
     pub shared_bytes: u32,
+    /// Registers per thread.
     pub registers: u32,
+    /// Named barriers the kernel uses.
     pub barriers: u32,
+    /// GPU address of the kernel's first instruction.
     pub program_va: u64,
+    /// Local memory (stack) per thread, bytes.
     pub local_bytes_per_thread: u32,
+    /// GPU address of constant bank 0 (driver words, then parameters).
     pub cbank0_va: u64,
+    /// Bytes of constant bank 0.
     pub cbank0_size: u32,
     /// cbank0 after the 0x210 driver bytes, as the kernel would see it.
     pub params: Vec<u8>,
@@ -123,34 +178,50 @@ pub struct Launch {
 /// A QMD Hopper silently drops (major version 3): nothing ran, nothing was released.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DroppedQmd {
+    /// Work-submit token of the channel that sent it.
     pub token: u32,
+    /// GPU address of the QMD.
     pub qmd_va: u64,
+    /// The major version the QMD claimed.
     pub major_version: u8,
 }
 
 /// Per-channel counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ChannelStats {
+    /// The channel's work-submit token.
     pub token: u32,
     /// GP entries fetched.
     pub entries: u64,
+    /// The next GP entry the model fetches (what it writes to USERD's GP_GET).
     pub gp_get: u32,
+    /// Methods executed.
     pub methods: u64,
+    /// Host semaphore releases performed (a QMD's releases are in its [`Launch`]).
     pub releases: u64,
+    /// Semaphore acquires satisfied.
     pub acquires: u64,
     /// Times an unsatisfied acquire was retried.
     pub acquire_retries: u64,
+    /// QMDs launched.
     pub launches: u64,
+    /// QMDs dropped as Hopper drops them (see [`DroppedQmd`]).
     pub dropped_qmds: u64,
+    /// Inline-to-memory uploads performed.
     pub inline_uploads: u64,
     /// Copy-engine LAUNCH_DMAs that moved data.
     pub copies: u64,
+    /// Wait-for-idle methods executed.
     pub wfis: u64,
+    /// Memory barriers executed.
     pub membars: u64,
+    /// Non-stall interrupts requested.
     pub non_stall_interrupts: u64,
+    /// Shader cache invalidations executed (`INVALIDATE_SHADER_CACHES`).
     pub cache_invalidations: u64,
     /// Doorbell writes seen with this channel's token (writes between two polls count once).
     pub doorbells: u64,
+    /// Whether the channel faulted (it executes nothing more).
     pub faulted: bool,
 }
 
@@ -300,10 +371,12 @@ impl Simulator {
         drop(self.inner.model());
     }
 
+    /// Lets the background thread process again after [`pause`](Self::pause).
     pub fn resume(&self) {
         self.inner.paused.store(false, Ordering::SeqCst);
     }
 
+    /// Whether the background thread is paused.
     pub fn is_paused(&self) -> bool {
         self.inner.paused.load(Ordering::SeqCst)
     }
@@ -313,10 +386,12 @@ impl Simulator {
         self.inner.model().records.launches.clone()
     }
 
+    /// Every QMD dropped so far (as Hopper drops a version-3 QMD), in execution order.
     pub fn dropped_qmds(&self) -> Vec<DroppedQmd> {
         self.inner.model().records.dropped.clone()
     }
 
+    /// Every error recorded so far, in the order they happened.
     pub fn errors(&self) -> Vec<SimError> {
         self.inner.model().records.errors.clone()
     }

@@ -1,9 +1,6 @@
 //! QMD checks as Hopper's compute front end applies them. Split in two: [`check_fields`] looks only at the QMD's
 //! own words (pure, unit-tested), [`check_environment`] at what it points to (memory, cbank0, channel state).
 
-// Issue 14: public items here still lack docs; document them and drop this allow.
-#![allow(missing_docs)]
-
 use crate::hw::qmd::v04;
 use crate::launch::cbank::{CLUSTER_WORDS, CLUSTER_WORDS_START, DRIVER_BYTES, INITIAL_STACK};
 use crate::launch::qmd::{shared_carveouts_kib, sm_config};
@@ -26,63 +23,118 @@ const RELEASES: u32 = 3;
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum QmdViolation {
+    /// A QMD layout version other than the one the GPU runs.
     #[error("QMD_MAJOR_VERSION {0} (Hopper runs version 4)")]
     Version(u64),
+    /// A QMD type that is not a grid launch.
     #[error("QMD_TYPE {0} (only GRID_CTA and GRID_GPC_CGA are launched)")]
     Type(u64),
     /// A thread block cluster (GPC CGA) field out of what Hopper runs.
     #[error("cluster: {0}")]
     Cluster(String),
+    /// The QMD's own address, which the front end reaches with 40 bits in 256-byte units.
     #[error("QMD address {0:#x} is not 256-byte aligned below 2^40")]
     Address(u64),
+    /// A grid dimension out of range.
     #[error("grid.{axis} = {value} (must be 1..={max})")]
     Grid {
+        /// `x`, `y` or `z`.
         axis: &'static str,
+        /// Blocks asked for on that axis.
         value: u64,
+        /// The most allowed.
         max: u64,
     },
+    /// A block dimension out of range.
     #[error("block.{axis} = {value} (must be 1..={max})")]
     Block {
+        /// `x`, `y` or `z`.
         axis: &'static str,
+        /// Threads asked for on that axis.
         value: u64,
+        /// The most allowed.
         max: u64,
     },
+    /// More threads per block than an SM runs.
     #[error("{0} threads per block (at most 1024)")]
     Threads(u64),
+    /// A register count no thread or no SM can hold.
     #[error("REGISTER_COUNT {registers} for {threads} threads (1..=255 per thread, 65536 per SM)")]
-    Registers { registers: u64, threads: u64 },
+    Registers {
+        /// Registers per thread.
+        registers: u64,
+        /// Threads per block.
+        threads: u64,
+    },
+    /// More named barriers than an SM has.
     #[error("BARRIER_COUNT {0} (at most 16)")]
     Barriers(u64),
+    /// More shared memory than a block may have.
     #[error("SHARED_MEMORY_SIZE {bytes} bytes (at most {max})")]
-    SharedMemory { bytes: u64, max: u64 },
+    SharedMemory {
+        /// Shared memory asked for, bytes.
+        bytes: u64,
+        /// The most allowed, bytes.
+        max: u64,
+    },
+    /// A shared-memory carveout field (`MIN_`, `MAX_` or `TARGET_SM_CONFIG_SHARED_MEM_SIZE`) the SM cannot honour.
     #[error("{field} = {value:#x}: {why}")]
     SmConfig {
+        /// The QMD field.
         field: &'static str,
+        /// Its value.
         value: u64,
+        /// What is wrong with it.
         why: &'static str,
     },
+    /// Code compiled for another SM than the GPU's.
     #[error("SASS_VERSION {found:#x}, the GPU is {expected:#x}")]
-    SassVersion { found: u64, expected: u64 },
+    SassVersion {
+        /// The version in the QMD.
+        found: u64,
+        /// The GPU's.
+        expected: u64,
+    },
+    /// Constant bank 0 is not bound.
     #[error("constant bank 0 is not valid (kernels read their parameters from it)")]
     NoConstantBank0,
+    /// A constant bank with a bad address or size.
     #[error("constant bank {bank}: {why} (address {va:#x}, {size:#x} bytes)")]
     ConstantBank {
+        /// The bank's index.
         bank: u32,
+        /// Its GPU address.
         va: u64,
+        /// Its size, bytes.
         size: u64,
+        /// What is wrong with it.
         why: &'static str,
     },
+    /// A release semaphore with a bad address, size or operation.
     #[error("release semaphore {index}: {why}")]
-    Release { index: u32, why: &'static str },
+    Release {
+        /// Which of the QMD's releases.
+        index: u32,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// A driver word of constant bank 0 that does not match the channel's state (a window, local memory).
     #[error("cbank0 word at {offset:#x} is {found:#x}, expected {expected:#x} ({what})")]
     Cbank0Word {
+        /// Byte offset of the word in the bank.
         offset: u64,
+        /// What the bank holds.
         found: u64,
+        /// What the channel's state says it must hold.
         expected: u64,
+        /// What the word is.
         what: &'static str,
     },
+    /// Launch state the model refuses: set-up the launch needs never happened (the shader windows, a QMD for
+    /// SEND_SIGNALING_PCAS2_B), or a dependent-QMD form the simulator does not model; the text says which.
     #[error("{0}")]
     State(&'static str),
+    /// The local memory the launch needs is missing or too small.
     #[error("local memory: {0}")]
     LocalMemory(String),
 }
@@ -92,16 +144,23 @@ pub enum QmdViolation {
 pub enum ReleaseKind {
     /// Payload (32 or 64 bits) then a 64-bit timestamp at +8.
     FourWords {
+        /// Whether the payload is 64 bits (else 32).
         payload64: bool,
     },
+    /// A 32-bit payload alone.
     OneWord,
+    /// A 64-bit payload alone.
     TwoWords,
 }
 
+/// One release semaphore a QMD performs when its grid completes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReleaseDesc {
+    /// GPU address of the semaphore.
     pub va: u64,
+    /// The value written.
     pub payload: u64,
+    /// How it is written.
     pub kind: ReleaseKind,
 }
 
@@ -112,14 +171,21 @@ pub struct QmdDesc {
     pub grid: [u32; 3],
     /// The thread block cluster shape of a GRID_GPC_CGA QMD.
     pub cluster: Option<[u32; 3]>,
+    /// Threads per block axis.
     pub block: [u32; 3],
+    /// Shared memory per block, bytes.
     pub shared_bytes: u32,
+    /// Registers per thread.
     pub registers: u32,
+    /// Named barriers the kernel uses.
     pub barriers: u32,
+    /// GPU address of the kernel's first instruction.
     pub program_va: u64,
+    /// Local memory (stack) per thread, bytes.
     pub local_bytes_per_thread: u32,
     /// (address, size) of each valid constant bank.
     pub const_banks: [Option<(u64, u64)>; 8],
+    /// The semaphores released when the grid completes, in the QMD's order.
     pub releases: Vec<ReleaseDesc>,
     /// The QMD the compute work distributor schedules once this grid has completed (DEPENDENT_QMD0).
     pub dependent: Option<u64>,
@@ -432,10 +498,15 @@ fn check_release(words: &[u32], i: u32) -> Result<ReleaseDesc, QmdViolation> {
 /// The compute engine state a launch depends on (set by methods before SEND_PCAS).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LaunchState {
+    /// The shared-memory window (`SET_SHADER_SHARED_MEMORY_WINDOW_A/B`).
     pub shared_window: u64,
+    /// The local-memory window (`SET_SHADER_LOCAL_MEMORY_WINDOW_A/B`).
     pub local_window: u64,
+    /// GPU address of the local-memory buffer (`SET_SHADER_LOCAL_MEMORY_A/B`).
     pub local_memory_va: u64,
+    /// Local memory per TPC, bytes (`SET_SHADER_LOCAL_MEMORY_NON_THROTTLED_A/B`).
     pub local_bytes_per_tpc: u64,
+    /// SMs the local-memory buffer is sized for (`..._NON_THROTTLED_C_MAX_SM_COUNT`).
     pub local_max_sm_count: u32,
     /// Threads one TPC holds (warps per SM × 32 × SMs per TPC): what local memory is sized for.
     pub threads_per_tpc: u64,
@@ -443,7 +514,9 @@ pub struct LaunchState {
 
 /// Memory the environment check reads.
 pub trait GpuMemory {
+    /// Whether `[va, va + len)` lies inside one live allocation.
     fn contains(&self, va: u64, len: u64) -> bool;
+    /// `n` 32-bit words at `va`, or `None` where they are not all mapped.
     fn read_words(&self, va: u64, n: usize) -> Option<Vec<u32>>;
 }
 
@@ -574,10 +647,14 @@ fn check_cluster_words(d: &QmdDesc, w: &[u32]) -> Result<(), EnvFault> {
 pub enum EnvFault {
     /// An address outside every live allocation (an MMU fault on hardware).
     Address {
+        /// What the address was for (the program, a constant bank, a release semaphore...).
         what: &'static str,
+        /// The address.
         va: u64,
+        /// Bytes that had to be mapped there.
         len: u64,
     },
+    /// The launch breaks a rule the hardware checks.
     Violation(QmdViolation),
 }
 

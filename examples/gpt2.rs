@@ -1,0 +1,225 @@
+//! A launch-bound workload (issue 11): GPT-2-small decoding one token at a time (batch 1, fp32, 124 launches per
+//! token, KV cache of up to 1024 positions) on random weights, timed per token on every way APEX and CUDA can
+//! run it, in one process:
+//!
+//! - APEX eager: the direct path, one doorbell per launch;
+//! - APEX chained: the direct path, the step's launches as one GPU-scheduled chain;
+//! - CUDA eager: APEX's driver backend, `cuLaunchKernel` per launch;
+//! - CUDA graph: the same step captured once into a CUDA graph, one `cuGraphLaunch` per token.
+//!
+//! Every variant first decodes from position 0 and its logits are compared with the eager direct path's
+//! (which `tests/gpu_gpt2.rs` checks against the CPU). `APEX_STEPS` tokens are timed in each window.
+
+#[path = "support/gpt2.rs"]
+mod gpt2;
+mod support;
+
+use std::ffi::c_void;
+use std::time::{Duration, Instant};
+
+use apex::driver;
+use apex::{Arg, BackendRequest, Gpu, Queue};
+use gpt2::{GPT2_SMALL, GpuModel, Kernels, max_rel_diff};
+
+/// First positions of the timed windows: short, middling and nearly full KV cache.
+const WINDOWS: [usize; 3] = [0, 480, 960];
+
+fn main() -> std::process::ExitCode {
+    support::report(run())
+}
+
+fn steps() -> usize {
+    std::env::var("APEX_STEPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(64)
+        .clamp(1, 64)
+}
+
+/// Per-token time of `steps` tokens from `start`, best of three.
+fn time_window(
+    gpu: &Gpu,
+    q: &mut Queue,
+    m: &GpuModel,
+    start: usize,
+    steps: usize,
+    mut step: impl FnMut(&mut Queue) -> apex::Result<()>,
+) -> apex::Result<Duration> {
+    let mut best = Duration::MAX;
+    for _ in 0..3 {
+        m.set_position(gpu, q, start)?;
+        q.synchronize()?;
+        let t = Instant::now();
+        for _ in 0..steps {
+            step(q)?;
+        }
+        q.synchronize()?;
+        best = best.min(t.elapsed() / steps as u32);
+    }
+    Ok(best)
+}
+
+/// Argument storage and pointer arrays for `cuLaunchKernel`, one per launch of the step.
+struct DriverArgs {
+    _values: Vec<Vec<u64>>,
+    ptrs: Vec<Vec<*mut c_void>>,
+}
+
+fn driver_args(m: &GpuModel) -> DriverArgs {
+    let mut values: Vec<Vec<u64>> = m
+        .step
+        .iter()
+        .map(|l| {
+            l.args
+                .iter()
+                .map(|a| match *a {
+                    Arg::Ptr(v) | Arg::U64(v) => v,
+                    Arg::I32(v) => v as u32 as u64,
+                    other => unreachable!("the decoder passes pointers and ints, not {other:?}"),
+                })
+                .collect()
+        })
+        .collect();
+    let ptrs = values
+        .iter_mut()
+        .map(|v| {
+            v.iter_mut()
+                .map(|x| (x as *mut u64).cast::<c_void>())
+                .collect()
+        })
+        .collect();
+    DriverArgs {
+        _values: values,
+        ptrs,
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
+    let s = GPT2_SMALL;
+    let steps = steps();
+    eprintln!(
+        "random weights for GPT-2 small ({} parameters)...",
+        s.floats()
+    );
+    let w = gpt2::random_weights(&s, 7);
+    let toks = gpt2::tokens(&s, 11);
+
+    let direct = Gpu::open_with(0, BackendRequest::Direct)?;
+    let cuda = Gpu::open_with(0, BackendRequest::Driver)?;
+    let mut qd = direct.queue()?;
+    let kd = Kernels::load(&direct)?;
+    let md = GpuModel::new(&direct, &mut qd, s, &w, &toks)?;
+    let mut qc = cuda.queue()?;
+    let kc = Kernels::load(&cuda)?;
+    let mc = GpuModel::new(&cuda, &mut qc, s, &w, &toks)?;
+    println!(
+        "GPT-2 small, batch 1, fp32, {} launches per token, on {} ({} SMs); per-token time, best of 3 runs of \
+         {steps} tokens from each start",
+        md.step.len(),
+        direct.info().name,
+        direct.info().sm_count
+    );
+
+    // The same logits everywhere (eager direct is the reference; the test checks it against the CPU).
+    let first = |gpu: &Gpu,
+                 q: &mut Queue,
+                 m: &GpuModel,
+                 f: &mut dyn FnMut(&mut Queue) -> apex::Result<()>| {
+        m.set_position(gpu, q, 0)?;
+        f(q)?;
+        m.logits(gpu, q)
+    };
+    // SAFETY (every launch_step below): the model's own kernels and buffers, used by its queue alone.
+    let reference = first(&direct, &mut qd, &md, &mut |q| unsafe {
+        md.launch_step(q, &kd, false)
+    })?;
+    let check = |name: &str, got: Vec<f32>| -> Result<(), Box<dyn std::error::Error>> {
+        let d = max_rel_diff(&got, &reference);
+        if d > 1e-4 {
+            return Err(format!(
+                "{name}: logits differ from the eager direct path by {d} (relative)"
+            )
+            .into());
+        }
+        Ok(())
+    };
+    check(
+        "APEX chained",
+        first(&direct, &mut qd, &md, &mut |q| unsafe {
+            md.launch_step(q, &kd, true)
+        })?,
+    )?;
+    check(
+        "CUDA eager",
+        first(&cuda, &mut qc, &mc, &mut |q| unsafe {
+            mc.launch_step(q, &kc, false)
+        })?,
+    )?;
+
+    // The CUDA graph: one step captured on a stream of the driver backend's context.
+    let ctx = cuda
+        .driver()
+        .ok_or("the driver backend has no CUDA context")?
+        .clone();
+    let mut stream = driver::Stream::new(&ctx)?;
+    let mut args = driver_args(&mc);
+    let graph = driver::Graph::capture(&mut stream, |st| {
+        for (l, p) in mc.step.iter().zip(args.ptrs.iter_mut()) {
+            let f = kc.get(l.kernel).driver().ok_or_else(|| {
+                driver::Error::InvalidArgument("a kernel without a CUDA function".into())
+            })?;
+            // SAFETY: the argument values outlive the capture and match the kernel's parameters.
+            unsafe { st.launch(f, l.cfg.grid, l.cfg.block, l.cfg.shared_bytes, p)? };
+        }
+        Ok(())
+    })?;
+    // The graph runs on its own stream: the queue that sets the position is synchronized before it starts.
+    mc.set_position(&cuda, &mut qc, 0)?;
+    qc.synchronize()?;
+    graph.launch(&mut stream)?;
+    stream.synchronize()?;
+    check("CUDA graph", mc.logits(&cuda, &mut qc)?)?;
+
+    println!(
+        "| KV positions | APEX eager | APEX chained | CUDA eager | CUDA graph | eager ÷ graph | chained ÷ graph |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    for start in WINDOWS {
+        let n = steps.min(s.ctx - start);
+        // SAFETY: as above.
+        let ae = time_window(&direct, &mut qd, &md, start, n, |q| unsafe {
+            md.launch_step(q, &kd, false)
+        })?;
+        let ac = time_window(&direct, &mut qd, &md, start, n, |q| unsafe {
+            md.launch_step(q, &kd, true)
+        })?;
+        let ce = time_window(&cuda, &mut qc, &mc, start, n, |q| unsafe {
+            mc.launch_step(q, &kc, false)
+        })?;
+        let mut best = Duration::MAX;
+        for _ in 0..3 {
+            mc.set_position(&cuda, &mut qc, start)?;
+            qc.synchronize()?;
+            let t = Instant::now();
+            for _ in 0..n {
+                graph.launch(&mut stream)?;
+            }
+            stream.synchronize()?;
+            best = best.min(t.elapsed() / n as u32);
+        }
+        let cg = best;
+        println!(
+            "| {}–{} | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.2} | {:.2} |",
+            start + 1,
+            start + n,
+            us(ae),
+            us(ac),
+            us(ce),
+            us(cg),
+            us(ae) / us(cg),
+            us(ac) / us(cg)
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,48 @@
+//! The GPT-2-small decoder of issue 11 (kernels/gpt2.cu) on both backends, checked against the CPU reference
+//! step by step: eager launches, then the same steps again as GPU-scheduled chains.
+
+#[path = "../examples/support/gpt2.rs"]
+mod gpt2;
+
+use apex::{BackendRequest, Gpu};
+use gpt2::{CpuModel, GPT2_SMALL, GpuModel, Kernels, max_rel_diff};
+
+const STEPS: usize = 4;
+
+fn decode_matches_the_cpu(request: BackendRequest) {
+    let s = GPT2_SMALL;
+    let w = gpt2::random_weights(&s, 7);
+    let toks = gpt2::tokens(&s, 11);
+    let mut cpu = CpuModel::new(s, &w);
+    let want: Vec<Vec<f32>> = (0..STEPS).map(|p| cpu.step(toks[p], p)).collect();
+    let gpu = Gpu::open_with(0, request).expect("open the GPU");
+    let mut q = gpu.queue().unwrap();
+    let k = Kernels::load(&gpu).unwrap();
+    let m = GpuModel::new(&gpu, &mut q, s, &w, &toks).unwrap();
+    for chained in [false, true] {
+        m.set_position(&gpu, &mut q, 0).unwrap();
+        for (p, want) in want.iter().enumerate() {
+            // SAFETY: the model's own kernels and buffers, used by this queue alone.
+            unsafe { m.launch_step(&mut q, &k, chained) }.unwrap();
+            let got = m.logits(&gpu, &mut q).unwrap();
+            let diff = max_rel_diff(&got, want);
+            assert!(
+                diff < 1e-3,
+                "{:?}, chained {chained}, step {p}: logits differ from the CPU by {diff} (relative)",
+                gpu.backend()
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gpt2_decode_on_the_direct_path_matches_the_cpu() {
+    decode_matches_the_cpu(BackendRequest::Direct);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gpt2_decode_on_the_driver_backend_matches_the_cpu() {
+    decode_matches_the_cpu(BackendRequest::Driver);
+}
