@@ -65,8 +65,10 @@ __global__ void gpt2_layernorm(const float *x, const float *g, const float *b, f
     for (int i = threadIdx.x; i < d; i += blockDim.x) y[i] = (x[i] - mean) * rstd * g[i] + b[i];
 }
 
-// y[r] = W[r, :] . x + bias[r] (bias may be null), W row-major [rows][cols], cols a multiple of 4; one warp a row.
-__global__ void gpt2_matvec(const float *W, const float *bias, const float *x, float *y, int cols, int rows) {
+// y[r] = W[r, :] . x + bias[r] (bias may be null), W row-major [rows][cols], cols a multiple of 4; one warp a row,
+// loads unrolled so each lane keeps several 16-byte loads in flight (the step is memory-bound).
+__global__ void gpt2_matvec(const float *__restrict__ W, const float *__restrict__ bias,
+                            const float *__restrict__ x, float *__restrict__ y, int cols, int rows) {
     int warps = blockDim.x / WARP;
     int r = blockIdx.x * warps + threadIdx.x / WARP;
     int lane = threadIdx.x % WARP;
@@ -74,57 +76,95 @@ __global__ void gpt2_matvec(const float *W, const float *bias, const float *x, f
     const float4 *w4 = (const float4 *)(W + (size_t)r * cols);
     const float4 *x4 = (const float4 *)x;
     float acc = 0.0f;
-    for (int c = lane; c < cols / 4; c += WARP) {
-        float4 a = w4[c], b = x4[c];
+    int n4 = cols / 4;
+#pragma unroll 8
+    for (int c = lane; c < n4; c += WARP) {
+        float4 a = __ldg(w4 + c), b = __ldg(x4 + c);
         acc += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
     }
     acc = warp_sum(acc);
     if (lane == 0) y[r] = acc + (bias ? bias[r] : 0.0f);
 }
 
-// Causal self-attention of the current position over the cache, one block per head. qkv = [q | k | v], each
-// heads * hd long; the current k and v go into the layer's cache at `pos` ([head][ctx][hd]); out is heads * hd.
-__global__ void gpt2_attention(const float *qkv, float *kcache, float *vcache, float *out, const int *state,
-                               int heads, int hd, int ctx) {
-    extern __shared__ float smem[];  // scores[ctx], then q[hd], then partial sums [blockDim.x / hd][hd]
+// Split attention (flash decoding) of the current position over the KV cache: block (head h, split s) covers
+// positions [s * chunk, (s + 1) * chunk) up to `pos`, and leaves its running max, sum of exponentials and
+// weighted sum of values in `part` ([heads][splits][2 + hd]); gpt2_attention_combine merges the splits. The block
+// whose range holds `pos` also stores the current key and value in the layer's cache ([head][ctx][hd]); every
+// block reads them from `qkv`, so no block waits for another. hd must be 64; 128 threads.
+__global__ void gpt2_attention(const float *__restrict__ qkv, float *kcache, float *vcache, float *part,
+                               const int *state, int heads, int ctx) {
+    const int hd = 64;
+    __shared__ float q[64], scores[64], vsum[64];
     __shared__ float scratch[32];
-    int h = blockIdx.x, pos = state[0], d = heads * hd;
-    float *scores = smem, *q = smem + ctx, *part = q + hd;
+    int h = blockIdx.x, split = blockIdx.y, splits = gridDim.y, pos = state[0], d = heads * hd;
+    int chunk = ctx / splits, t0 = split * chunk;
+    float *out = part + ((size_t)h * splits + split) * (2 + hd);
     float *kc = kcache + (size_t)h * ctx * hd, *vc = vcache + (size_t)h * ctx * hd;
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-        q[i] = qkv[h * hd + i];
-        kc[(size_t)pos * hd + i] = qkv[d + h * hd + i];
-        vc[(size_t)pos * hd + i] = qkv[2 * d + h * hd + i];
-    }
-    __syncthreads();
-    float scale = rsqrtf((float)hd), m = -INFINITY;
-    for (int t = threadIdx.x; t <= pos; t += blockDim.x) {
-        float s = 0.0f;
-        for (int i = 0; i < hd; i++) s += q[i] * kc[(size_t)t * hd + i];
-        s *= scale;
-        scores[t] = s;
-        m = fmaxf(m, s);
-    }
-    m = block_max(m, scratch);
-    float sum = 0.0f;
-    for (int t = threadIdx.x; t <= pos; t += blockDim.x) {
-        float e = __expf(scores[t] - m);
-        scores[t] = e;
-        sum += e;
-    }
-    sum = block_sum(sum, scratch);  // its barriers also publish scores[]
-    int groups = blockDim.x / hd, g = threadIdx.x / hd, i = threadIdx.x % hd;
-    if (g < groups) {
-        float acc = 0.0f;
-        for (int t = g; t <= pos; t += groups) acc += scores[t] * vc[(size_t)t * hd + i];
-        part[g * hd + i] = acc;
-    }
-    __syncthreads();
+    const float *kq = qkv + d + h * hd, *vq = qkv + 2 * d + h * hd;
     if (threadIdx.x < hd) {
-        float acc = 0.0f;
-        for (int k = 0; k < groups; k++) acc += part[k * hd + threadIdx.x];
-        out[h * hd + threadIdx.x] = acc / sum;
+        q[threadIdx.x] = qkv[h * hd + threadIdx.x];
+        if (pos >= t0 && pos < t0 + chunk) {
+            kc[(size_t)pos * hd + threadIdx.x] = kq[threadIdx.x];
+            vc[(size_t)pos * hd + threadIdx.x] = vq[threadIdx.x];
+        }
     }
+    __syncthreads();
+    int n = min(chunk, pos - t0 + 1);  // positions of this split (none when it starts after pos)
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
+    // A warp per position: lanes over the head's 64 dimensions, two each.
+    for (int j = warp; j < n; j += warps) {
+        int t = t0 + j;
+        const float *k = t == pos ? kq : kc + (size_t)t * hd;
+        float sdot = q[lane] * k[lane] + q[lane + 32] * k[lane + 32];
+        sdot = warp_sum(sdot);
+        if (lane == 0) scores[j] = sdot * 0.125f;  // 1 / sqrt(64)
+    }
+    __syncthreads();
+    float m = -INFINITY;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, scores[j]);
+    m = block_max(m, scratch);
+    float l = 0.0f;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        float e = n > 0 ? __expf(scores[j] - m) : 0.0f;
+        scores[j] = e;
+        l += e;
+    }
+    l = block_sum(l, scratch);  // its barriers also publish scores[]
+    // Two halves of the block over the positions, threads over dimensions.
+    int i = threadIdx.x % hd, half = threadIdx.x / hd;
+    float acc = 0.0f;
+    for (int j = half; j < n; j += 2) {
+        int t = t0 + j;
+        acc += scores[j] * (t == pos ? vq[i] : vc[(size_t)t * hd + i]);
+    }
+    if (half == 1) vsum[i] = acc;
+    __syncthreads();
+    if (half == 0) {
+        out[2 + i] = acc + vsum[i];
+        if (i == 0) {
+            out[0] = n > 0 ? m : -INFINITY;
+            out[1] = l;
+        }
+    }
+}
+
+// out[h * 64 + i] = sum_s e^(m_s - M) acc_s[i] / sum_s e^(m_s - M) l_s over the splits of gpt2_attention; one
+// block of 64 threads per head.
+__global__ void gpt2_attention_combine(const float *__restrict__ part, float *out, int splits) {
+    const int hd = 64;
+    int h = blockIdx.x, i = threadIdx.x;
+    const float *p = part + (size_t)h * splits * (2 + hd);
+    float M = -INFINITY;
+    for (int s = 0; s < splits; s++) M = fmaxf(M, p[s * (2 + hd)]);
+    float num = 0.0f, den = 0.0f;
+    for (int s = 0; s < splits; s++) {
+        float ms = p[s * (2 + hd)];
+        if (ms == -INFINITY) continue;
+        float w = __expf(ms - M);
+        num += w * p[s * (2 + hd) + 2 + i];
+        den += w * p[s * (2 + hd) + 1];
+    }
+    out[h * hd + i] = num / den;
 }
 
 // GPT-2's tanh approximation of GELU, in place.

@@ -32,6 +32,10 @@ impl Shape {
     fn hd(&self) -> usize {
         self.d / self.heads
     }
+    /// Splits of the KV cache the attention kernel works on at once (64 positions each, its block's size).
+    fn splits(&self) -> usize {
+        self.ctx.div_ceil(64)
+    }
     /// Floats of one layer's parameters, in the order of [`LayerOffsets`].
     fn layer_floats(&self) -> usize {
         let d = self.d;
@@ -252,6 +256,7 @@ pub struct Kernels {
     pub layernorm: Kernel,
     pub matvec: Kernel,
     pub attention: Kernel,
+    pub attention_combine: Kernel,
     pub gelu: Kernel,
     pub residual: Kernel,
     pub advance: Kernel,
@@ -266,6 +271,7 @@ impl Kernels {
             layernorm: m.kernel("gpt2_layernorm")?,
             matvec: m.kernel("gpt2_matvec")?,
             attention: m.kernel("gpt2_attention")?,
+            attention_combine: m.kernel("gpt2_attention_combine")?,
             gelu: m.kernel("gpt2_gelu")?,
             residual: m.kernel("gpt2_residual")?,
             advance: m.kernel("gpt2_advance")?,
@@ -280,6 +286,7 @@ pub enum Which {
     LayerNorm,
     MatVec,
     Attention,
+    AttentionCombine,
     Gelu,
     Residual,
     Advance,
@@ -292,6 +299,7 @@ impl Kernels {
             Which::LayerNorm => &self.layernorm,
             Which::MatVec => &self.matvec,
             Which::Attention => &self.attention,
+            Which::AttentionCombine => &self.attention_combine,
             Which::Gelu => &self.gelu,
             Which::Residual => &self.residual,
             Which::Advance => &self.advance,
@@ -333,10 +341,16 @@ impl GpuModel {
         tokens: &[i32],
     ) -> apex::Result<GpuModel> {
         let d = s.d;
+        if s.hd() != 64 || !s.ctx.is_multiple_of(64) {
+            return Err(apex::Error::InvalidArgument(format!(
+                "the decoder kernels take heads of 64 dimensions and a context in steps of 64, not {s:?}"
+            )));
+        }
         let f = |n: usize| (n * 4) as u64;
         let params = gpu.alloc(f(s.floats()))?;
-        // x, h, qkv, att, tmp, fc, logits
-        let act_floats = d + d + 3 * d + d + d + 4 * d + s.vocab;
+        // x, h, qkv, att, tmp, fc, logits, attention partials
+        let act_floats =
+            d + d + 3 * d + d + d + 4 * d + s.vocab + s.heads * s.splits() * (2 + s.hd());
         let acts = gpu.alloc(f(act_floats))?;
         let cache = gpu.alloc(f(2 * s.layers * s.ctx * d))?;
         let state = gpu.alloc(64)?;
@@ -378,6 +392,7 @@ impl GpuModel {
         };
         let (x, h, qkv, att, tmp, fc) = (act(d), act(d), act(3 * d), act(d), act(d), act(4 * d));
         let logits = act(s.vocab);
+        let part = act(s.heads * s.splits() * (2 + s.hd()));
         self.logits_at = logits - ab;
         let state = Arg::Ptr(self.state.device_ptr());
         let warps = THREADS / 32;
@@ -406,7 +421,7 @@ impl GpuModel {
             kernel: Which::Embed,
             cfg: elementwise(d),
             args: vec![
-                state.clone(),
+                state,
                 Arg::Ptr(self.tokens.device_ptr()),
                 par(l.wte),
                 par(l.wpe),
@@ -414,9 +429,7 @@ impl GpuModel {
                 Arg::I32(d as i32),
             ],
         }];
-        let hd = s.hd();
-        let groups = THREADS as usize / hd;
-        let att_smem = ((s.ctx + hd + groups * hd) * 4) as u32;
+        let splits = s.splits() as u32;
         let layer_cache = (s.ctx * d * 4) as u64;
         for (li, o) in l.layers.iter().enumerate() {
             let kc = self.cache.device_ptr() + 2 * li as u64 * layer_cache;
@@ -425,19 +438,23 @@ impl GpuModel {
             v.push(Launch {
                 kernel: Which::Attention,
                 cfg: LaunchConfig {
-                    shared_bytes: att_smem,
-                    ..LaunchConfig::linear(s.heads as u32, THREADS)
+                    grid: [s.heads as u32, splits, 1],
+                    ..LaunchConfig::linear(1, 128)
                 },
                 args: vec![
                     Arg::Ptr(qkv),
                     Arg::Ptr(kc),
                     Arg::Ptr(kc + layer_cache),
-                    Arg::Ptr(att),
-                    state.clone(),
+                    Arg::Ptr(part),
+                    state,
                     Arg::I32(s.heads as i32),
-                    Arg::I32(hd as i32),
                     Arg::I32(s.ctx as i32),
                 ],
+            });
+            v.push(Launch {
+                kernel: Which::AttentionCombine,
+                cfg: LaunchConfig::linear(s.heads as u32, s.hd() as u32),
+                args: vec![Arg::Ptr(part), Arg::Ptr(att), Arg::I32(splits as i32)],
             });
             v.push(mv(par(o.w_proj), Some(par(o.b_proj)), att, tmp, d, d));
             v.push(Launch {
