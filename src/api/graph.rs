@@ -199,7 +199,11 @@ impl Graph {
         cfg: LaunchConfig,
         args: &[Arg<'_>],
     ) -> Result<GraphLaunch<'_>> {
-        let mut params = vec![0u8; MAX_PARAM_BYTES];
+        // The cubin's block size when APEX read the cubin; the driver's table is sized as it is packed.
+        let room = kernel
+            .info()
+            .map_or(MAX_PARAM_BYTES, |i| i.param_cbank_size as usize);
+        let mut params = vec![0u8; room];
         let n = pack_args(kernel, args, &mut params)?;
         params.truncate(n);
         let node = self.inner.launch(kernel.clone(), cfg, params);

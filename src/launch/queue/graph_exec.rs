@@ -167,8 +167,9 @@ struct Planned {
 impl ComputeQueue {
     /// Builds `graph` for this queue, once: every launch checked as [`launch`](Self::launch) checks it, the
     /// dependencies derived and reduced, QMDs, constant banks and the methods that send them written to memory of
-    /// the graph's own (see the [`GraphExec`] module docs for the schedule). Local memory grows here if a kernel
-    /// needs more stack, so no replay has to. Nothing runs until [`replay_graph`](Self::replay_graph).
+    /// the graph's own (see [`GraphExec`] for the schedule). Chain links use the chain action set now
+    /// ([`set_chain_action`](Self::set_chain_action)). Local memory grows here if a kernel needs more stack, so no
+    /// replay has to. Nothing runs until [`replay_graph`](Self::replay_graph).
     pub fn instantiate_graph(&mut self, graph: &Graph<Kernel>) -> Result<GraphExec> {
         let deps = graph.dependencies()?;
         let n = graph.len();
@@ -590,6 +591,9 @@ impl GraphExec {
     /// checked as a launch is: the arguments against the kernel's parameter table, the shape against the device
     /// limits. Refused: a copy node, a different cluster shape. Waits for the previous replay to complete, then
     /// rewrites only this node's QMD words that change, its driver words and its parameters; nothing allocates.
+    /// Chain links use the queue's [`ChainAction`] of instantiation time: the default fetches each linked QMD
+    /// afresh; `ChainAction::Schedule` is meant for QMDs that never change, so instantiate a graph whose nodes will
+    /// be updated with the default.
     pub fn update_launch(
         &mut self,
         node: NodeId,
