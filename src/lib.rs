@@ -50,5 +50,6 @@ pub use api::{
     Backend, BackendRequest, Buffer, DeviceInfo, Error, FallbackReason, Fence, Global, Gpu,
     HostBuffer, Kernel, Module, PeerAccess, PeerLink, Queue, Result, Selection, choose,
 };
+pub use api::{Graph, GraphExec, GraphLaunch, GraphNode};
 pub use launch::{Arg, LaunchConfig};
 pub use report::error_report;

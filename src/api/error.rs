@@ -48,6 +48,12 @@ pub enum Error {
         "the objects belong to different backends or GPUs; use buffers, modules and queues of the same Gpu together"
     )]
     Mismatch,
+    /// A graph instantiated on one queue was replayed on another.
+    #[error(
+        "this graph was instantiated on another queue: its prebuilt work belongs to that queue; instantiate the \
+         graph again (Queue::instantiate) on the queue that replays it"
+    )]
+    GraphQueue,
     /// A module file could not be read.
     #[error("cannot read the module file {}: {source}", path.display())]
     ReadModule {

@@ -10,6 +10,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use cudarc::driver::sys as cu;
 
+mod graph;
+pub use graph::{GraphExec, GraphNode};
+
 /// A failed CUDA driver call.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Error {

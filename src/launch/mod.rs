@@ -4,6 +4,7 @@ pub mod cbank;
 mod copies;
 pub mod cubin;
 pub mod fatbin;
+pub mod graph;
 pub mod image;
 pub mod jit;
 mod module;
@@ -18,8 +19,8 @@ pub use copies::{CopyEngines, MAX_COPY_ENGINES};
 pub use module::{Global, Kernel, Module};
 pub use params::{Arg, ParamError};
 pub use queue::{
-    ComputeQueue, ComputeQueueConfig, LaunchConfig, Limits, MAX_CLUSTER_BLOCKS, cluster_shape,
-    settle, validate as queue_validate,
+    ComputeQueue, ComputeQueueConfig, GraphExec, GraphStats, LaunchConfig, Limits,
+    MAX_CLUSTER_BLOCKS, cluster_shape, settle, validate as queue_validate,
 };
 
 /// Errors of the launch layer. Everything about a launch is checked before anything reaches the ring.
@@ -103,6 +104,28 @@ pub enum Error {
         "the direct launch path does not support this GPU: {0}; use the CUDA driver backend (APEX_BACKEND=driver)"
     )]
     Unsupported(String),
+    /// A launch graph's description was refused (a cycle, a node of another graph, a range that wraps).
+    #[error(transparent)]
+    Graph(#[from] graph::GraphError),
+    /// A graph instantiated on one queue was replayed on another.
+    #[error(
+        "this graph was instantiated on compute queue {built} and cannot run on queue {used}: its QMDs, semaphores \
+         and methods belong to the queue it was built on; instantiate the graph again on this queue"
+    )]
+    GraphQueue {
+        /// The queue it was instantiated on.
+        built: u64,
+        /// The queue it was given to.
+        used: u64,
+    },
+    /// A graph node cannot take the update asked for.
+    #[error("graph node #{node} cannot be updated: {why}")]
+    GraphUpdate {
+        /// The node.
+        node: usize,
+        /// What it cannot take, and what to do instead.
+        why: String,
+    },
     /// `end_chain` was called with no chained launch recorded since the last one.
     #[error(
         "end_chain was called without a chained launch recorded; record one with record_launch_chained first"

@@ -113,41 +113,72 @@ pub enum ParamError {
 /// Packs `args` into `out` (the parameter block, at least `kernel.param_cbank_size` bytes) at the offsets the
 /// kernel declares. Padding between parameters is zeroed. Returns the block's size.
 pub fn pack(kernel: &KernelInfo, args: &[Arg<'_>], out: &mut [u8]) -> Result<usize, ParamError> {
-    if args.len() != kernel.params.len() {
+    pack_by(
+        &kernel.name,
+        kernel.param_cbank_size,
+        kernel.params.iter().map(|p| (p.offset, p.size)),
+        args,
+        out,
+    )
+}
+
+/// Packs `args` by a table of (offset, size) pairs, one per parameter, as the CUDA driver reports them
+/// (`cuFuncGetParamInfo`), for kernels whose cubin APEX did not read (PTX loaded by the driver). The block ends
+/// with the last parameter. Returns the block's size.
+pub fn pack_table(
+    kernel: &str,
+    table: &[(u32, u32)],
+    args: &[Arg<'_>],
+    out: &mut [u8],
+) -> Result<usize, ParamError> {
+    let block = table
+        .iter()
+        .map(|&(o, s)| o.saturating_add(s))
+        .max()
+        .unwrap_or(0);
+    pack_by(kernel, block, table.iter().copied(), args, out)
+}
+
+fn pack_by(
+    kernel: &str,
+    block: u32,
+    table: impl ExactSizeIterator<Item = (u32, u32)> + Clone,
+    args: &[Arg<'_>],
+    out: &mut [u8],
+) -> Result<usize, ParamError> {
+    if args.len() != table.len() {
         return Err(ParamError::Count {
-            kernel: kernel.name.clone(),
-            expected: kernel.params.len(),
+            kernel: kernel.to_string(),
+            expected: table.len(),
             given: args.len(),
         });
     }
-    let block = kernel.param_cbank_size;
-    for (index, (arg, p)) in args.iter().zip(&kernel.params).enumerate() {
-        if arg.size() != p.size as usize {
+    for (index, (arg, (offset, size))) in args.iter().zip(table.clone()).enumerate() {
+        if arg.size() != size as usize {
             return Err(ParamError::Size {
-                kernel: kernel.name.clone(),
+                kernel: kernel.to_string(),
                 index,
-                expected: p.size,
+                expected: size,
                 given: arg.size(),
             });
         }
-        let end = p
-            .offset
-            .checked_add(p.size)
+        let end = offset
+            .checked_add(size)
             .filter(|&e| e <= block && e as usize <= out.len());
         if end.is_none() {
             return Err(ParamError::Layout {
-                kernel: kernel.name.clone(),
+                kernel: kernel.to_string(),
                 index,
-                offset: p.offset,
-                size: p.size,
+                offset,
+                size,
                 block,
             });
         }
     }
     let used = (block as usize).min(out.len());
     out[..used].fill(0);
-    for (arg, p) in args.iter().zip(&kernel.params) {
-        arg.write(&mut out[p.offset as usize..(p.offset + p.size) as usize]);
+    for (arg, (offset, size)) in args.iter().zip(table) {
+        arg.write(&mut out[offset as usize..(offset + size) as usize]);
     }
     Ok(used)
 }
@@ -196,6 +227,44 @@ mod tests {
         assert_eq!(f32::from_le_bytes(block[f..f + 4].try_into().unwrap()), 1.5);
         // The byte after the i8 is padding: zeroed, not left as it was.
         assert_eq!(block[k.params[1].offset as usize + 1], 0);
+    }
+
+    #[test]
+    fn a_driver_table_packs_like_the_cubin_table() {
+        let c = kernels();
+        let k = c.kernel("saxpy").unwrap();
+        let table: Vec<(u32, u32)> = k.params.iter().map(|p| (p.offset, p.size)).collect();
+        let args = [
+            Arg::F32(2.5),
+            Arg::Ptr(0x1000),
+            Arg::Ptr(0x2000),
+            Arg::U32(77),
+        ];
+        let (mut a, mut b) = ([0xaau8; 64], [0x55u8; 64]);
+        let n = pack(k, &args, &mut a).unwrap();
+        assert_eq!(pack_table("saxpy", &table, &args, &mut b).unwrap(), n);
+        assert_eq!(a[..n], b[..n]);
+        assert!(matches!(
+            pack_table("saxpy", &table, &args[..3], &mut b),
+            Err(ParamError::Count {
+                expected: 4,
+                given: 3,
+                ..
+            })
+        ));
+        assert!(matches!(
+            pack_table(
+                "saxpy",
+                &table,
+                &[Arg::F64(1.0), args[1], args[2], args[3]],
+                &mut b
+            ),
+            Err(ParamError::Size { index: 0, .. })
+        ));
+        assert!(matches!(
+            pack_table("saxpy", &table, &args, &mut b[..8]),
+            Err(ParamError::Layout { .. })
+        ));
     }
 
     #[test]

@@ -2,10 +2,15 @@
 //! QMD and its constant bank 0, local memory sized from the kernels' stacks, and launches that run in order
 //! like a CUDA stream.
 
+mod graph_exec;
+
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tracing::debug;
+
+pub use graph_exec::{GraphExec, GraphStats};
 
 use crate::pushbuf::{Acquire, Fence, Queue, QueueConfig, Signal};
 use crate::rm::{GpuCore, Memory, MemoryDesc, Placement};
@@ -179,8 +184,13 @@ fn write_changed(mem: &Memory, offset: u64, shadow: &mut [u32], new: &[u32]) -> 
     }
     Ok(())
 }
+/// Identities of compute queues, for objects that belong to one queue (a [`GraphExec`]).
+static NEXT_QUEUE_ID: AtomicU64 = AtomicU64::new(1);
+
 /// Kernel launches in order on our own channel.
 pub struct ComputeQueue {
+    /// Unique in the process: what a [`GraphExec`] checks it is replayed on.
+    id: u64,
     queue: Queue,
     gpu: Arc<GpuCore>,
     version: QmdVersion,
@@ -299,6 +309,7 @@ impl ComputeQueue {
         slots.fill(0, slots.size(), 0)?;
         let windows_va = gpu.window_range(WINDOWS_BYTES, WINDOW_ALIGN)?;
         let mut cq = ComputeQueue {
+            id: NEXT_QUEUE_ID.fetch_add(1, Ordering::Relaxed),
             queue,
             gpu: gpu.clone(),
             version,
@@ -341,6 +352,11 @@ impl ComputeQueue {
             "compute queue ready"
         );
         Ok(cq)
+    }
+
+    /// This queue's identity, unique in the process (what a [`GraphExec`] is bound to).
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// GPU address of the local-memory window: where each thread's local memory (stack) appears in the
@@ -625,6 +641,14 @@ impl ComputeQueue {
                 why: "a copy of 0 bytes".into(),
             });
         }
+        let (k, cfg) = self.copy_launch(bytes)?;
+        // SAFETY: forwarded to the caller.
+        unsafe { self.launch(&k, &cfg, &[Arg::Ptr(src), Arg::Ptr(dst), Arg::U64(bytes)]) }
+    }
+
+    /// The built-in copy kernel (loaded on first use) and the launch shape that copies `bytes` bytes with it:
+    /// 16 bytes per thread per pass, at most 8 blocks per SM (grid-stride beyond).
+    fn copy_launch(&mut self, bytes: u64) -> Result<(Kernel, LaunchConfig)> {
         if self.copy_kernel.is_none() {
             let m = super::Module::load(&self.gpu, BUILTIN_CUBIN)?;
             self.copy_kernel = Some(m.kernel("apex_copy")?);
@@ -637,9 +661,7 @@ impl ComputeQueue {
         let blocks = bytes
             .div_ceil(16 * threads)
             .clamp(1, u64::from(self.gpu.info().sm_count) * 8) as u32;
-        let cfg = LaunchConfig::linear(blocks, threads as u32);
-        // SAFETY: forwarded to the caller.
-        unsafe { self.launch(&k, &cfg, &[Arg::Ptr(src), Arg::Ptr(dst), Arg::U64(bytes)]) }
+        Ok((k, LaunchConfig::linear(blocks, threads as u32)))
     }
 
     /// Copies `bytes` from `src` to `dst` (GPU addresses: device or host memory mapped for the GPU) with the copy
@@ -772,38 +794,14 @@ impl ComputeQueue {
             _ => false,
         };
         if !reused {
-            let mut cbs = [None; 8];
-            cbs[0] = Some(ConstBuffer {
-                va: cb_va,
-                size: (DRIVER_BYTES as u32 + k.param_cbank_size).next_multiple_of(16),
-            });
-            for bank in k.const_banks.iter().filter(|b| b.bank != 0 && b.bank < 8) {
-                if let Some(off) = bank.image_offset {
-                    let size = u32::try_from(bank.size).map_err(|_| Error::InvalidLaunch {
-                        kernel: k.name.clone(),
-                        why: format!("constant bank {} of {} bytes", bank.bank, bank.size),
-                    })?;
-                    cbs[bank.bank as usize] = Some(ConstBuffer {
-                        va: kernel.module().base_va() + off,
-                        size,
-                    });
-                }
-            }
-            let params = QmdParams {
-                sm_version: self.gpu.info().sm_version,
-                program_va: kernel.program_va(),
-                program_bytes: k.code_size,
-                registers: k.registers,
-                barriers: k.barrier_count.max(1),
-                grid: cfg.grid,
-                block: cfg.block,
-                // At least the 1 KiB the sm_90 compiler reserves at shared address 0 (libcuda never sends less).
-                shared_bytes: shared.max(1024).next_multiple_of(256),
-                local_bytes_per_thread: self.local_per_thread,
-                const_buffers: cbs,
-                release: release.map(|v| (release_va, v)),
-                cluster,
-            };
+            let params = qmd_params(
+                kernel,
+                cfg,
+                (shared, cluster),
+                cb_va,
+                self.local_per_thread,
+                release.map(|v| (release_va, v)),
+            )?;
             qmd::build(self.version, &params, &mut q)?;
             self.template = Some((key, q));
         }
@@ -1024,6 +1022,52 @@ impl Drop for ComputeQueue {
             tracing::warn!(error = %e, "draining printf output on drop failed");
         }
     }
+}
+
+/// What the QMD of a launch of `kernel` over `cfg` says, with the block's shared memory and cluster shape
+/// `checked` by [`validate`] and [`cluster_shape`], constant bank 0 at `cb_va`, `local` bytes of local memory per
+/// thread, and the semaphore release `(va, payload)` it performs on completion.
+fn qmd_params(
+    kernel: &Kernel,
+    cfg: &LaunchConfig,
+    (shared, cluster): (u32, Option<[u32; 3]>),
+    cb_va: u64,
+    local: u32,
+    release: Option<(u64, u64)>,
+) -> Result<QmdParams> {
+    let k = kernel.info();
+    let mut cbs = [None; 8];
+    cbs[0] = Some(ConstBuffer {
+        va: cb_va,
+        size: (DRIVER_BYTES as u32 + k.param_cbank_size).next_multiple_of(16),
+    });
+    for bank in k.const_banks.iter().filter(|b| b.bank != 0 && b.bank < 8) {
+        if let Some(off) = bank.image_offset {
+            let size = u32::try_from(bank.size).map_err(|_| Error::InvalidLaunch {
+                kernel: k.name.clone(),
+                why: format!("constant bank {} of {} bytes", bank.bank, bank.size),
+            })?;
+            cbs[bank.bank as usize] = Some(ConstBuffer {
+                va: kernel.module().base_va() + off,
+                size,
+            });
+        }
+    }
+    Ok(QmdParams {
+        sm_version: kernel.module().gpu().info().sm_version,
+        program_va: kernel.program_va(),
+        program_bytes: k.code_size,
+        registers: k.registers,
+        barriers: k.barrier_count.max(1),
+        grid: cfg.grid,
+        block: cfg.block,
+        // At least the 1 KiB the sm_90 compiler reserves at shared address 0 (libcuda never sends less).
+        shared_bytes: shared.max(1024).next_multiple_of(256),
+        local_bytes_per_thread: local,
+        const_buffers: cbs,
+        release,
+        cluster,
+    })
 }
 
 /// Finishes a wait on work that may have called `printf` or `assert`: drains the FIFO, and turns a channel fault

@@ -112,6 +112,9 @@ pub struct Queue {
 }
 
 impl Queue {
+    /// The longest run of prebuilt methods one [`push_prebuilt`](Self::push_prebuilt) takes (one GPFIFO entry).
+    pub const MAX_PREBUILT_DWORDS: u64 = crate::gpfifo::GpEntry::MAX_DWORDS;
+
     /// Builds the channel and binds its engine classes; waits (up to the configured timeout) until the GPU has
     /// run that first submission, so a queue that exists is known to work.
     pub fn new(core: &Arc<GpuCore>, config: QueueConfig) -> Result<Queue> {
@@ -218,6 +221,15 @@ impl Queue {
         self.space.commit(va, used, value);
         self.last = value;
         Ok(self.fence_for(value))
+    }
+
+    /// Queues `dwords` methods prebuilt at `va` (outside the queue's pushbuffer ring, written once and run many
+    /// times) without ringing the doorbell. They take no timeline value of their own: the next submission's
+    /// release follows them, so its fence covers them. The methods must leave the channel as they found it
+    /// (no open method, subchannels bound as before). At most [`MAX_PREBUILT_DWORDS`](Self::MAX_PREBUILT_DWORDS)
+    /// words, 4-byte aligned, below 2^40.
+    pub fn push_prebuilt(&mut self, va: u64, dwords: u64) -> Result<()> {
+        Ok(self.channel.push(va, dwords, self.timeout)?)
     }
 
     /// Rings the doorbell for everything recorded.
