@@ -1,5 +1,5 @@
 //! The GPT-2-small decoder of issue 11 (kernels/gpt2.cu) on both backends, checked against the CPU reference
-//! step by step: eager launches, then the same steps again as GPU-scheduled chains.
+//! step by step: eager launches, GPU-scheduled chains, and replays of the step as a launch graph.
 
 #[path = "../examples/support/gpt2.rs"]
 mod gpt2;
@@ -19,6 +19,20 @@ fn decode_matches_the_cpu(request: BackendRequest) {
     let mut q = gpu.queue().unwrap();
     let k = Kernels::load(&gpu).unwrap();
     let m = GpuModel::new(&gpu, &mut q, s, &w, &toks).unwrap();
+    // The step as a launch graph, replayed once per token.
+    let mut exec = q.instantiate(&m.graph(&k).unwrap()).unwrap();
+    m.set_position(&gpu, &mut q, 0).unwrap();
+    for (p, want) in want.iter().enumerate() {
+        // SAFETY: the graph's nodes declare the model's buffers, which nothing else uses.
+        unsafe { q.replay(&mut exec) }.unwrap();
+        let got = m.logits(&gpu, &mut q).unwrap();
+        let diff = max_rel_diff(&got, want);
+        assert!(
+            diff < 1e-3,
+            "{:?}, graph replay, step {p}: logits differ from the CPU by {diff} (relative)",
+            gpu.backend()
+        );
+    }
     for chained in [false, true] {
         m.set_position(&gpu, &mut q, 0).unwrap();
         for (p, want) in want.iter().enumerate() {

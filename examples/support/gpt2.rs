@@ -4,7 +4,7 @@
 
 #![allow(dead_code)] // each user takes the parts it needs
 
-use apex::{Arg, Buffer, Gpu, Kernel, LaunchConfig, Queue};
+use apex::{Arg, Buffer, Gpu, Graph, Kernel, LaunchConfig, Queue};
 
 /// The decoder kernels (`kernels/gpt2.cu`, nvcc -cubin -O3 -arch=sm_90).
 pub const CUBIN: &[u8] = include_bytes!("../../kernels/gpt2.sm_90.cubin");
@@ -516,6 +516,21 @@ impl GpuModel {
             q.end_chain()?;
         }
         Ok(())
+    }
+
+    /// One step as a launch graph: every launch reads the parameters and tokens and writes the activations, the
+    /// cache and the state, so the derived dependencies make it the same chain the step is.
+    pub fn graph(&self, k: &Kernels) -> apex::Result<Graph> {
+        let mut g = Graph::new();
+        for l in &self.step {
+            g.launch(k.get(l.kernel), l.cfg, &l.args)?
+                .reads(&self.params)
+                .reads(&self.tokens)
+                .writes(&self.acts)
+                .writes(&self.cache)
+                .writes(&self.state);
+        }
+        Ok(g)
     }
 
     /// The logits of the last step.
