@@ -485,6 +485,21 @@ pub fn patch_launch(
     Ok(true)
 }
 
+/// Clears the QMD's constant-cache invalidation (V04 only; `Ok(false)` for other layouts), for QMDs whose constant banks
+/// stay unchanged between runs, as libcuda's graph nodes are built: each invalidation makes the grid's first
+/// constant loads miss. Whoever rewrites such a bank must invalidate the constant cache before the next run.
+pub fn keep_constant_cache(
+    version: QmdVersion,
+    words: &mut [u32; QMD_WORDS],
+) -> Result<bool, QmdError> {
+    if version != QmdVersion::V04 {
+        return Ok(false);
+    }
+    let w = &mut Writer { words };
+    set!(w, v04::INVALIDATE_SHADER_CONSTANT_CACHE, 0);
+    Ok(true)
+}
+
 /// How a chained QMD schedules the next one (DEPENDENT_QMD0_ACTION, with prefetch).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ChainAction {

@@ -138,6 +138,9 @@ pub struct GraphExec {
     /// The newest module generation among the graph's kernels: a replay invalidates the instruction cache when the
     /// queue has not yet seen it.
     generation: u64,
+    /// The nodes' QMDs keep the constant cache (as libcuda's graph nodes do): set when their banks were written
+    /// (instantiation, an update), so that the next replay invalidates it once, before any node runs.
+    banks_written: bool,
     printf: Option<Arc<PrintfFifo>>,
     last: Option<Fence>,
     timeout: Duration,
@@ -310,6 +313,7 @@ impl ComputeQueue {
             if link.is_some() {
                 qmd::set_chain_link(self.version, &mut q, link)?;
             }
+            qmd::keep_constant_cache(self.version, &mut q)?;
             mem.write_words(offset, &q[..qmd_words])?;
             let mut driver = [0u32; DRIVER_WORDS];
             driver_words(&mut driver, &p.cfg, p.shape.1, windows);
@@ -436,6 +440,7 @@ impl ComputeQueue {
             limits: self.limits,
             windows,
             generation,
+            banks_written: true,
             printf,
             last: None,
             timeout: self.timeout,
@@ -476,7 +481,8 @@ impl ComputeQueue {
         if !exec.pieces.is_empty() {
             let prev = self.queue.last_submitted();
             let prev_done = self.queue.timeline().is_reached(prev);
-            let invalidate = self.seen_generation < exec.generation;
+            let new_code = self.seen_generation < exec.generation;
+            let invalidate = new_code || exec.banks_written;
             if !prev_done || invalidate {
                 let timeline_va = self.queue.timeline().va();
                 let order = self.ordering;
@@ -489,9 +495,10 @@ impl ComputeQueue {
                         p.sem_acquire(timeline_va, prev, order.0, true, order.1);
                     }
                 })?;
-                if invalidate {
+                if new_code {
                     self.seen_generation = newest_generation();
                 }
+                exec.banks_written = false;
             }
             for &(va, dwords) in &exec.pieces {
                 self.queue.push_prebuilt(va, dwords)?;
@@ -644,6 +651,7 @@ impl GraphExec {
         if n.next.is_some() {
             qmd::set_chain_link(self.version, &mut q, n.next)?;
         }
+        qmd::keep_constant_cache(self.version, &mut q)?;
         let qmd_words = self.version.size_bytes() / 4;
         write_changed(
             &self.mem,
@@ -665,6 +673,7 @@ impl GraphExec {
         )?;
         n.qmd = p;
         n.cfg = *cfg;
+        self.banks_written = true;
         Ok(())
     }
 
