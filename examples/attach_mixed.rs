@@ -181,20 +181,34 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     cuda.sync()?;
     q.synchronize()?;
 
-    // 0. The CPU cost of one launch call with nothing else going on (the GPU keeps up with empty kernels).
+    // 0. The CPU cost of one launch call with nothing else going on. Both sides wait for the GPU every BURST
+    //    (APEX_BURST, 32) launches, outside the timed calls: back to back, empty kernels in stream order finish one per ~1.6 µs on
+    //    the GPU, so once the queue's launch slots are full a call would time the GPU's pace, not its own cost.
+    // APEX_BURST=1 waits after every launch, as examples/launch_latency's `submit` does.
+    let burst: usize = std::env::var("APEX_BURST")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(32)
+        .max(1);
     let mut idle_cuda = Vec::with_capacity(iters * SMALL);
-    for _ in 0..iters * SMALL {
+    for i in 0..iters * SMALL {
         let s = Instant::now();
         cuda.empty(cuda.stream)?;
         idle_cuda.push(s.elapsed().as_secs_f64() * 1e9);
+        if i % burst == burst - 1 {
+            cuda.sync()?;
+        }
     }
     cuda.sync()?;
     let mut idle_apex = Vec::with_capacity(iters * SMALL);
-    for _ in 0..iters * SMALL {
+    for i in 0..iters * SMALL {
         let s = Instant::now();
         // SAFETY: a kernel without parameters.
         unsafe { q.launch(&empty, &cfg, &[])? };
         idle_apex.push(s.elapsed().as_secs_f64() * 1e9);
+        if i % burst == burst - 1 {
+            q.synchronize()?;
+        }
     }
     q.synchronize()?;
 
