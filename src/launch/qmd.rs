@@ -538,6 +538,11 @@ pub fn set_chain_link(
             set!(w, v04::RELEASE_ENABLE(0), 0);
             set!(w, v04::CWD_MEMBAR_TYPE, v04::CWD_MEMBAR_TYPE_L1_MEMBAR);
             set!(w, v04::CWD_MEMBAR_TASK_CHASING_ENABLE, 1);
+            // Pre-exit would let the next grid be scheduled once every block has exited, before this grid's writes
+            // are known to be visible: programmatic dependent launch, for consumers that wait for their producer
+            // themselves (griddepcontrol.wait). libcuda's graph nodes leave it off, and so does an ordinary link
+            // (measured on the H100: with it, a chain of empty kernels ran at 0.57 µs per link, without 0.84 µs).
+            set!(w, v04::ENABLE_PROGRAM_PRE_EXIT, 0);
         }
         None => {
             set!(w, v04::DEPENDENT_QMD_ENABLE(0), 0);
@@ -547,6 +552,8 @@ pub fn set_chain_link(
             set!(w, v04::RELEASE_ENABLE(0), 1);
             set!(w, v04::CWD_MEMBAR_TYPE, v04::CWD_MEMBAR_TYPE_L1_SYSMEMBAR);
             set!(w, v04::CWD_MEMBAR_TASK_CHASING_ENABLE, 0);
+            // As `build` leaves it (and libcuda's stream launches): with no dependent it changes nothing.
+            set!(w, v04::ENABLE_PROGRAM_PRE_EXIT, 1);
         }
     }
     Ok(true)
@@ -576,6 +583,8 @@ mod tests {
         assert_eq!(get(&q, v04::CWD_MEMBAR_TYPE), Some(3));
         assert_eq!(get(&q, v04::CWD_MEMBAR_TASK_CHASING_ENABLE), Some(1));
         assert_eq!(get(&q, v04::RELEASE_ENABLE(0)), Some(0));
+        // No pre-exit on a link: the next grid waits for this one's writes.
+        assert_eq!(get(&q, v04::ENABLE_PROGRAM_PRE_EXIT), Some(0));
         let next = (0x2_04c0_0600, ChainAction::InvalidateCopySchedule);
         set_chain_link(QmdVersion::V04, &mut q, Some(next)).unwrap();
         assert_eq!(get(&q, v04::DEPENDENT_QMD_ACTION(0)), Some(3));
