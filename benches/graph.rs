@@ -98,6 +98,7 @@ fn cuda_graph(p: &Paths, g: &Graph<Kernel>) -> driver::GraphExec {
                 block: cfg.block,
                 shared: cfg.shared_bytes,
                 cluster: cfg.cluster,
+                programmatic: n.is_programmatic(),
                 params,
             },
             &apex::launch::graph::Op::Copy { src, dst, bytes } => {

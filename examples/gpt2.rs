@@ -5,8 +5,12 @@
 //! - APEX eager: the direct path, one doorbell per launch;
 //! - APEX chained: the direct path, the step's launches as one GPU-scheduled chain;
 //! - APEX graph: the step recorded once as an `apex::Graph`, one replay (one doorbell) per token;
+//! - APEX graph, programmatic: the same with every launch after the first a programmatic dependent launch (the
+//!   kernels wait for their producer themselves);
 //! - CUDA eager: APEX's driver backend, `cuLaunchKernel` per launch;
-//! - CUDA graph: the same step captured once into a CUDA graph, one `cuGraphLaunch` per token.
+//! - CUDA graph: the same step captured once into a CUDA graph, one `cuGraphLaunch` per token;
+//! - CUDA graph, programmatic: the step as a CUDA graph with programmatic edges (APEX's driver backend builds it
+//!   node by node from the same description).
 //!
 //! Every variant first decodes from position 0 and its logits are compared with the eager direct path's
 //! (which `tests/gpu_gpt2.rs` checks against the CPU). `APEX_STEPS` tokens are timed in each window.
@@ -150,12 +154,26 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             md.launch_step(q, &kd, true)
         })?,
     )?;
-    let mut exec = qd.instantiate(&md.graph(&kd)?)?;
+    let mut exec = qd.instantiate(&md.graph(&kd, false)?)?;
+    let mut exec_p = qd.instantiate(&md.graph(&kd, true)?)?;
+    let mut cuda_p = qc.instantiate(&mc.graph(&kc, true)?)?;
     // SAFETY (every replay below): the graph's nodes declare the model's buffers, used by this queue alone.
     check(
         "APEX graph",
         first(&direct, &mut qd, &md, &mut |q| unsafe {
             q.replay(&mut exec).map(drop)
+        })?,
+    )?;
+    check(
+        "APEX graph, programmatic",
+        first(&direct, &mut qd, &md, &mut |q| unsafe {
+            q.replay(&mut exec_p).map(drop)
+        })?,
+    )?;
+    check(
+        "CUDA graph, programmatic",
+        first(&cuda, &mut qc, &mc, &mut |q| unsafe {
+            q.replay(&mut cuda_p).map(drop)
         })?,
     )?;
     check(
@@ -190,9 +208,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     check("CUDA graph", mc.logits(&cuda, &mut qc)?)?;
 
     println!(
-        "| KV positions | APEX eager | APEX chained | APEX graph | CUDA eager | CUDA graph | APEX eager ÷ CUDA graph | APEX graph ÷ CUDA graph |"
+        "| KV positions | APEX eager | APEX chained | APEX graph | APEX graph, programmatic | CUDA eager | CUDA graph | CUDA graph, programmatic | APEX graph ÷ CUDA graph | programmatic: APEX ÷ CUDA |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     for start in WINDOWS {
         let n = steps.min(s.ctx - start);
@@ -205,6 +223,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         })?;
         let ag = time_window(&direct, &mut qd, &md, start, n, |q| unsafe {
             q.replay(&mut exec).map(drop)
+        })?;
+        let agp = time_window(&direct, &mut qd, &md, start, n, |q| unsafe {
+            q.replay(&mut exec_p).map(drop)
+        })?;
+        let cgp = time_window(&cuda, &mut qc, &mc, start, n, |q| unsafe {
+            q.replay(&mut cuda_p).map(drop)
         })?;
         let ce = time_window(&cuda, &mut qc, &mc, start, n, |q| unsafe {
             mc.launch_step(q, &kc, false)
@@ -222,16 +246,18 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
         let cg = best;
         println!(
-            "| {}–{} | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.2} | {:.2} |",
+            "| {}–{} | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.2} | {:.2} |",
             start + 1,
             start + n,
             us(ae),
             us(ac),
             us(ag),
+            us(agp),
             us(ce),
             us(cg),
-            us(ae) / us(cg),
-            us(ag) / us(cg)
+            us(cgp),
+            us(ag) / us(cg),
+            us(agp) / us(cgp)
         );
     }
     Ok(())

@@ -1,7 +1,8 @@
 // GPT-2-small decoder kernels for the launch-bound workload of issue 11 (examples/gpt2.rs): batch 1, one token
 // per step, fp32, KV cache in device memory. Every kernel reads the step's position (and the token) from the
 // `state` word in device memory, so one step's launches are the same every step: a graph of them replays
-// without parameter updates, as LLM servers use CUDA graphs.
+// without parameter updates, as LLM servers use CUDA graphs. Each kernel starts with griddepcontrol.wait, so it
+// may also run as a programmatic dependent launch.
 //
 // Built by kernels/build.sh into gpt2.sm_90.cubin: nvcc -cubin -arch=sm_90 -O3.
 #include <stdint.h>
@@ -39,11 +40,20 @@ __device__ float block_max(float v, float *scratch) {
     return warp_max(t);
 }
 
+// Programmatic dependent launch: wait until the grids this one depends on have completed and their writes are
+// visible, then let the next grid be scheduled (its own wait holds it until this one completes). Both are no-ops
+// when the launch has no programmatic dependency, so the kernels run unchanged in ordinary launches.
+__device__ __forceinline__ void pdl_begin() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 extern "C" {
 
 // x = wte[token] + wpe[pos], token = tokens[pos], pos = state[0].
 __global__ void gpt2_embed(const int *state, const int *tokens, const float *wte, const float *wpe, float *x,
                            int d) {
+    pdl_begin();
     int pos = state[0];
     int tok = tokens[pos];
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < d; i += gridDim.x * blockDim.x)
@@ -52,6 +62,7 @@ __global__ void gpt2_embed(const int *state, const int *tokens, const float *wte
 
 // y = (x - mean) / sqrt(var + 1e-5) * g + b over d elements; one block.
 __global__ void gpt2_layernorm(const float *x, const float *g, const float *b, float *y, int d) {
+    pdl_begin();
     __shared__ float scratch[32];
     float s = 0.0f;
     for (int i = threadIdx.x; i < d; i += blockDim.x) s += x[i];
@@ -69,6 +80,7 @@ __global__ void gpt2_layernorm(const float *x, const float *g, const float *b, f
 // loads unrolled so each lane keeps several 16-byte loads in flight (the step is memory-bound).
 __global__ void gpt2_matvec(const float *__restrict__ W, const float *__restrict__ bias,
                             const float *__restrict__ x, float *__restrict__ y, int cols, int rows) {
+    pdl_begin();
     int warps = blockDim.x / WARP;
     int r = blockIdx.x * warps + threadIdx.x / WARP;
     int lane = threadIdx.x % WARP;
@@ -93,6 +105,7 @@ __global__ void gpt2_matvec(const float *__restrict__ W, const float *__restrict
 // block reads them from `qkv`, so no block waits for another. hd must be 64; 128 threads.
 __global__ void gpt2_attention(const float *__restrict__ qkv, float *kcache, float *vcache, float *part,
                                const int *state, int heads, int ctx) {
+    pdl_begin();
     const int hd = 64;
     __shared__ float q[64], scores[64], vsum[64];
     __shared__ float scratch[32];
@@ -151,6 +164,7 @@ __global__ void gpt2_attention(const float *__restrict__ qkv, float *kcache, flo
 // out[h * 64 + i] = sum_s e^(m_s - M) acc_s[i] / sum_s e^(m_s - M) l_s over the splits of gpt2_attention; one
 // block of 64 threads per head.
 __global__ void gpt2_attention_combine(const float *__restrict__ part, float *out, int splits) {
+    pdl_begin();
     const int hd = 64;
     int h = blockIdx.x, i = threadIdx.x;
     const float *p = part + (size_t)h * splits * (2 + hd);
@@ -169,6 +183,7 @@ __global__ void gpt2_attention_combine(const float *__restrict__ part, float *ou
 
 // GPT-2's tanh approximation of GELU, in place.
 __global__ void gpt2_gelu(float *x, int n) {
+    pdl_begin();
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
         float v = x[i];
         x[i] = 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
@@ -177,11 +192,13 @@ __global__ void gpt2_gelu(float *x, int n) {
 
 // x += y.
 __global__ void gpt2_residual(float *x, const float *y, int n) {
+    pdl_begin();
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) x[i] += y[i];
 }
 
 // The next step's position.
 __global__ void gpt2_advance(int *state) {
+    pdl_begin();
     if (threadIdx.x == 0 && blockIdx.x == 0) state[0] += 1;
 }
 

@@ -19,19 +19,23 @@ fn decode_matches_the_cpu(request: BackendRequest) {
     let mut q = gpu.queue().unwrap();
     let k = Kernels::load(&gpu).unwrap();
     let m = GpuModel::new(&gpu, &mut q, s, &w, &toks).unwrap();
-    // The step as a launch graph, replayed once per token.
-    let mut exec = q.instantiate(&m.graph(&k).unwrap()).unwrap();
-    m.set_position(&gpu, &mut q, 0).unwrap();
-    for (p, want) in want.iter().enumerate() {
-        // SAFETY: the graph's nodes declare the model's buffers, which nothing else uses.
-        unsafe { q.replay(&mut exec) }.unwrap();
-        let got = m.logits(&gpu, &mut q).unwrap();
-        let diff = max_rel_diff(&got, want);
-        assert!(
-            diff < 1e-3,
-            "{:?}, graph replay, step {p}: logits differ from the CPU by {diff} (relative)",
-            gpu.backend()
-        );
+    // The step as a launch graph, replayed once per token: plain, then with programmatic dependent launches.
+    for programmatic in [false, true] {
+        let mut exec = q.instantiate(&m.graph(&k, programmatic).unwrap()).unwrap();
+        m.set_position(&gpu, &mut q, 0).unwrap();
+        for (p, want) in want.iter().enumerate() {
+            // SAFETY: the graph's nodes declare the model's buffers, which nothing else uses; its kernels wait for
+            // their producers themselves.
+            unsafe { q.replay(&mut exec) }.unwrap();
+            let got = m.logits(&gpu, &mut q).unwrap();
+            let diff = max_rel_diff(&got, want);
+            assert!(
+                diff < 1e-3,
+                "{:?}, graph replay (programmatic {programmatic}), step {p}: logits differ from the CPU by {diff} \
+                 (relative)",
+                gpu.backend()
+            );
+        }
     }
     for chained in [false, true] {
         m.set_position(&gpu, &mut q, 0).unwrap();

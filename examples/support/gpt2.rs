@@ -519,16 +519,21 @@ impl GpuModel {
     }
 
     /// One step as a launch graph: every launch reads the parameters and tokens and writes the activations, the
-    /// cache and the state, so the derived dependencies make it the same chain the step is.
-    pub fn graph(&self, k: &Kernels) -> apex::Result<Graph> {
+    /// cache and the state, so the derived dependencies make it the same chain the step is. `programmatic`: every
+    /// launch after the first is a programmatic consumer (the kernels start with `griddepcontrol.wait`).
+    pub fn graph(&self, k: &Kernels, programmatic: bool) -> apex::Result<Graph> {
         let mut g = Graph::new();
-        for l in &self.step {
-            g.launch(k.get(l.kernel), l.cfg, &l.args)?
+        for (i, l) in self.step.iter().enumerate() {
+            let node = g
+                .launch(k.get(l.kernel), l.cfg, &l.args)?
                 .reads(&self.params)
                 .reads(&self.tokens)
                 .writes(&self.acts)
                 .writes(&self.cache)
                 .writes(&self.state);
+            if programmatic && i > 0 {
+                node.programmatic();
+            }
         }
         Ok(g)
     }

@@ -140,6 +140,19 @@ impl GraphLaunch<'_> {
         Ok(self)
     }
 
+    /// The kernel waits for the grids it depends on itself before reading what they wrote (it runs
+    /// `griddepcontrol.wait`, CUDA's `cudaGridDependencySynchronize`), so a predecessor may let it start early —
+    /// programmatic dependent launch. On the direct path, when the node is its predecessor's only successor (a
+    /// chain link), the predecessor lets it be scheduled at pre-exit and arrives at a latch its `griddepcontrol.wait`
+    /// waits on, as libcuda builds a programmatic graph edge; a node with several predecessors waits for all of them
+    /// to complete. On the driver backend its edges from kernels are programmatic edges of the CUDA graph. A kernel
+    /// that does not wait would race with its producers: mark only kernels built for it.
+    pub fn programmatic(self) -> Self {
+        // Cannot fail: the node is a launch just recorded in this graph.
+        let _ = self.graph.inner.set_programmatic(self.node);
+        self
+    }
+
     /// The node, for edges ([`Graph::edge`]) and updates ([`GraphExec::update`]).
     pub fn id(&self) -> GraphNode {
         self.node
@@ -435,6 +448,7 @@ impl Queue {
                                 shared: cfg.shared_bytes,
                                 cluster: cfg.cluster,
                                 params,
+                                programmatic: n.is_programmatic(),
                             }
                         }
                         &Op::Copy { src, dst, bytes } => {

@@ -26,6 +26,9 @@ pub enum GraphNode<'a> {
         cluster: Option<[u32; 3]>,
         /// The packed parameter block.
         params: &'a [u8],
+        /// The kernel waits for its producers itself (`griddepcontrol.wait`): its edges from kernel nodes are
+        /// programmatic (`CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC`), so it may start before they complete.
+        programmatic: bool,
     },
     /// A device-to-device copy of `bytes` bytes.
     Copy {
@@ -145,6 +148,7 @@ impl GraphExec {
                     shared,
                     cluster,
                     params,
+                    programmatic,
                 } => {
                     if func.module.ctx.ctx != ctx.ctx {
                         return Err(Error::InvalidArgument(format!(
@@ -156,17 +160,44 @@ impl GraphExec {
                     func.ensure_dynamic_shared(shared)?;
                     param_ptrs(func, params, &mut ptrs)?;
                     let p = kernel_params(func, grid, block, shared, &mut ptrs);
+                    // A programmatic node is added alone, then given its edges one by one with their types.
+                    let direct_deps: &[cu::CUgraphNode] = if programmatic { &[] } else { &deps };
                     // SAFETY: `p` and the parameter pointers (into `params`) are alive for the call, which copies
-                    // the values; `deps` holds nodes of this graph.
+                    // the values; `direct_deps` holds nodes of this graph.
                     check("cuGraphAddKernelNode", unsafe {
                         cu::cuGraphAddKernelNode_v2(
                             &mut handle,
                             g.graph,
-                            deps.as_ptr(),
-                            deps.len(),
+                            direct_deps.as_ptr(),
+                            direct_deps.len(),
                             &p,
                         )
                     })?;
+                    if programmatic {
+                        for (&from, &pi) in deps.iter().zip(&preds[i]) {
+                            let kernel_pred =
+                                matches!(nodes.get(pi), Some(GraphNode::Kernel { .. }));
+                            let edge = cu::CUgraphEdgeData {
+                                from_port: if kernel_pred {
+                                    cu::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8
+                                } else {
+                                    0
+                                },
+                                to_port: 0,
+                                type_: if kernel_pred {
+                                    cu::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+                                        as u8
+                                } else {
+                                    0
+                                },
+                                reserved: [0; 5],
+                            };
+                            // SAFETY: both nodes belong to this graph; `edge` lives for the call.
+                            check("cuGraphAddDependencies_v2", unsafe {
+                                cu::cuGraphAddDependencies_v2(g.graph, &from, &handle, &edge, 1)
+                            })?;
+                        }
+                    }
                     if let Some(c) = cluster {
                         let mut value = cu::CUlaunchAttributeValue { pad: [0; 64] };
                         value.clusterDim = cu::CUlaunchAttributeValue_union__bindgen_ty_1 {

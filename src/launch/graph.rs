@@ -99,6 +99,7 @@ pub struct Node<K> {
     op: Op<K>,
     reads: Vec<Range>,
     writes: Vec<Range>,
+    programmatic: bool,
 }
 
 impl<K> Node<K> {
@@ -115,6 +116,13 @@ impl<K> Node<K> {
     /// The ranges it writes.
     pub fn writes(&self) -> &[Range] {
         &self.writes
+    }
+
+    /// Whether the node's kernel waits for the grids it depends on itself (`griddepcontrol.wait`,
+    /// `cudaGridDependencySynchronize`) before it reads what they wrote, so that a predecessor may let it start
+    /// before the predecessor has completed (programmatic dependent launch); see [`Graph::set_programmatic`].
+    pub fn is_programmatic(&self) -> bool {
+        self.programmatic
     }
 }
 
@@ -196,6 +204,12 @@ pub enum GraphError {
         /// The nodes on the cycle, each depending on the one before (the first on the last).
         nodes: Vec<usize>,
     },
+    /// Only launches can be programmatic consumers ([`Graph::set_programmatic`]).
+    #[error(
+        "node #{0} is a copy, not a launch: only a kernel can wait for its producer itself (griddepcontrol.wait), so \
+         only launches can be marked programmatic"
+    )]
+    NotALaunch(usize),
     /// A range that wraps past the end of the 64-bit address space.
     #[error(
         "the range {va:#x}+{len:#x} wraps past the end of the address space; give the buffer's own address and size"
@@ -267,6 +281,7 @@ impl<K> Graph<K> {
             op,
             reads: Vec::new(),
             writes: Vec::new(),
+            programmatic: false,
         });
         NodeId(self.nodes.len() - 1)
     }
@@ -306,6 +321,20 @@ impl<K> Graph<K> {
             });
         }
         self.edges.push((from, to));
+        Ok(())
+    }
+
+    /// Marks launch `node` as a programmatic consumer: its kernel itself waits for the grids it depends on
+    /// (`griddepcontrol.wait`, `cudaGridDependencySynchronize`) before reading what they wrote. A predecessor that
+    /// schedules it directly may then let it start once every block of the predecessor has exited or run
+    /// `griddepcontrol.launch_dependents`, before the predecessor's writes are known to be visible — as CUDA's
+    /// programmatic dependent launch does. A kernel that does not wait would race; copies cannot be marked.
+    pub fn set_programmatic(&mut self, node: NodeId) -> Result<(), GraphError> {
+        self.check(node)?;
+        if !matches!(self.nodes[node.0].op, Op::Launch { .. }) {
+            return Err(GraphError::NotALaunch(node.0));
+        }
+        self.nodes[node.0].programmatic = true;
         Ok(())
     }
 
@@ -365,6 +394,7 @@ impl<K> Graph<K> {
                 op,
                 reads: n.reads.clone(),
                 writes: n.writes.clone(),
+                programmatic: n.programmatic,
             });
         }
         Ok(Graph {
@@ -636,6 +666,29 @@ mod tests {
         shared_bytes: 0,
         cluster: None,
     };
+
+    #[test]
+    fn programmatic_marks_launches_only_and_survives_kernel_mapping() {
+        let mut g: Graph<u32> = Graph::new();
+        let a = g.launch(1, CFG, Vec::new());
+        let b = g.launch(2, CFG, Vec::new());
+        let c = g.copy(0x1000, 0x2000, 64).unwrap();
+        g.set_programmatic(b).unwrap();
+        assert!(matches!(
+            g.set_programmatic(c),
+            Err(GraphError::NotALaunch(2))
+        ));
+        assert!(matches!(
+            g.set_programmatic(NodeId(9)),
+            Err(GraphError::NoSuchNode { node: 9, .. })
+        ));
+        let m = g
+            .map_kernels(|k| Ok::<u64, ()>(u64::from(*k) * 10))
+            .unwrap();
+        let flags: Vec<bool> = m.nodes().iter().map(Node::is_programmatic).collect();
+        assert_eq!(flags, vec![false, true, false]);
+        assert!(!g.node(a).unwrap().is_programmatic());
+    }
 
     /// A launch node of kernel `k` reading and writing the given ranges.
     fn node(g: &mut Graph<u32>, k: u32, reads: &[(u64, u64)], writes: &[(u64, u64)]) -> NodeId {

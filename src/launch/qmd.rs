@@ -500,6 +500,45 @@ pub fn keep_constant_cache(
     Ok(true)
 }
 
+/// Makes a chain link a programmatic producer (V04 only; `Ok(false)` otherwise): its dependent may be scheduled
+/// once every block has exited or run `griddepcontrol.launch_dependents` (ENABLE_PROGRAM_PRE_EXIT), and the grid
+/// arrives at latch `latch` when it completes, which the dependent's `griddepcontrol.wait` waits on. The fields
+/// libcuda sets for a programmatic edge of a graph (apex-trace of `probes/pdl.cu`, H100, 580.159.04).
+pub fn set_latch_arrive(
+    version: QmdVersion,
+    words: &mut [u32; QMD_WORDS],
+    latch: u32,
+) -> Result<bool, QmdError> {
+    if version != QmdVersion::V04 {
+        return Ok(false);
+    }
+    let w = &mut Writer { words };
+    set!(w, v04::ENABLE_PROGRAM_PRE_EXIT, 1);
+    set!(w, v04::ARRIVE_AT_LATCH_VALID, 1);
+    set!(w, v04::ARRIVE_AT_LATCH_ID, latch);
+    Ok(true)
+}
+
+/// Makes a QMD a programmatic consumer of latch `latch` (V04 only; `Ok(false)` otherwise): its
+/// `griddepcontrol.wait` returns once the producer has arrived there, with the data and texture caches
+/// invalidated, as libcuda builds the consumer of a programmatic graph edge.
+pub fn set_latch_wait(
+    version: QmdVersion,
+    words: &mut [u32; QMD_WORDS],
+    latch: u32,
+) -> Result<bool, QmdError> {
+    if version != QmdVersion::V04 {
+        return Ok(false);
+    }
+    let w = &mut Writer { words };
+    set!(w, v04::WAIT_ON_LATCH_VALID, 1);
+    set!(w, v04::WAIT_ON_LATCH_ID, latch);
+    set!(w, v04::REQUIRE_SCHEDULING_PCAS, 1);
+    set!(w, v04::LATCH_ACQUIRE_INVALIDATE_SHADER_DATA_CACHE, 1);
+    set!(w, v04::LATCH_ACQUIRE_INVALIDATE_TEXTURE_DATA_CACHE, 1);
+    Ok(true)
+}
+
 /// How a chained QMD schedules the next one (DEPENDENT_QMD0_ACTION, with prefetch).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ChainAction {
@@ -565,6 +604,29 @@ mod tests {
 
     fn add_kernel() -> QmdParams {
         include!("../../tests/fixtures/qmd_b_add_params.rs")
+    }
+
+    #[test]
+    fn programmatic_edges_carry_the_latch_fields_libcuda_sets() {
+        let mut producer = [0u32; QMD_WORDS];
+        build(QmdVersion::V04, &add_kernel(), &mut producer).unwrap();
+        let mut consumer = producer;
+        let get = |q: &[u32; QMD_WORDS], f: Field| f.get(q);
+        // The producer and consumer of a programmatic graph edge (apex-trace of probes/pdl.cu, H100).
+        assert!(set_latch_arrive(QmdVersion::V04, &mut producer, 0x40).unwrap());
+        assert_eq!(get(&producer, v04::ARRIVE_AT_LATCH_VALID), Some(1));
+        assert_eq!(get(&producer, v04::ARRIVE_AT_LATCH_ID), Some(0x40));
+        assert_eq!(get(&producer, v04::ENABLE_PROGRAM_PRE_EXIT), Some(1));
+        assert!(set_latch_wait(QmdVersion::V04, &mut consumer, 0x40).unwrap());
+        assert_eq!(get(&consumer, v04::WAIT_ON_LATCH_VALID), Some(1));
+        assert_eq!(get(&consumer, v04::WAIT_ON_LATCH_ID), Some(0x40));
+        assert_eq!(get(&consumer, v04::REQUIRE_SCHEDULING_PCAS), Some(1));
+        assert_eq!(
+            get(&consumer, v04::LATCH_ACQUIRE_INVALIDATE_SHADER_DATA_CACHE),
+            Some(1)
+        );
+        assert_eq!(get(&consumer, v04::ARRIVE_AT_LATCH_VALID), Some(0));
+        assert!(!set_latch_wait(QmdVersion::V03, &mut consumer, 1).unwrap());
     }
 
     #[test]

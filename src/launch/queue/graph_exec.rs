@@ -67,6 +67,9 @@ struct ExecNode {
     qmd: QmdParams,
     /// Its chain successor's QMD, when it has one.
     next: Option<(u64, ChainAction)>,
+    /// Programmatic edges: the latch this grid arrives at for its chain successor, and the one it waits on for its
+    /// chain predecessor.
+    latch: (Option<u32>, Option<u32>),
     /// Offset of its QMD in the exec's memory; constant bank 0 follows at [`QMD_BYTES`].
     offset: u64,
     /// Its completion semaphore (chain ends only).
@@ -261,6 +264,12 @@ impl ComputeQueue {
                 linked[v.index()] = true;
             }
         }
+        let mut prev: Vec<Option<usize>> = vec![None; n];
+        for (u, w) in next.iter().enumerate() {
+            if let Some(w) = *w {
+                prev[w] = Some(u);
+            }
+        }
         let levels = deps.levels();
         let mut position = vec![0usize; n];
         for (p, v) in deps.order().iter().enumerate() {
@@ -308,12 +317,22 @@ impl ComputeQueue {
                 semaphore[v].map(|s| (s, 1)),
             )?;
             let link = next[v].map(|w| (base + offsets[w], action));
+            // A programmatic edge (a chain link into a node whose kernel waits for its producer itself): the producer
+            // arrives at a latch of its own, numbered by node, and lets the consumer be scheduled at pre-exit.
+            let arrive = next[v]
+                .filter(|&w| graph.nodes()[w].is_programmatic())
+                .map(|_| latch_id(v));
+            let wait = prev[v]
+                .filter(|_| graph.nodes()[v].is_programmatic())
+                .map(latch_id);
+            let latch = (arrive, wait);
             let mut q = [0u32; QMD_WORDS];
             qmd::build(self.version, &params, &mut q)?;
             if link.is_some() {
                 qmd::set_chain_link(self.version, &mut q, link)?;
             }
             qmd::keep_constant_cache(self.version, &mut q)?;
+            set_latches(self.version, &mut q, latch)?;
             mem.write_words(offset, &q[..qmd_words])?;
             let mut driver = [0u32; DRIVER_WORDS];
             driver_words(&mut driver, &p.cfg, p.shape.1, windows);
@@ -331,6 +350,7 @@ impl ComputeQueue {
                 cfg: p.cfg,
                 qmd: params,
                 next: link,
+                latch,
                 offset,
                 semaphore: semaphore[v],
                 qmd_shadow: q,
@@ -652,6 +672,7 @@ impl GraphExec {
             qmd::set_chain_link(self.version, &mut q, n.next)?;
         }
         qmd::keep_constant_cache(self.version, &mut q)?;
+        set_latches(self.version, &mut q, n.latch)?;
         let qmd_words = self.version.size_bytes() / 4;
         write_changed(
             &self.mem,
@@ -693,6 +714,28 @@ impl Drop for GraphExec {
             tracing::warn!(error = %e, "a graph's last replay did not complete before the graph was dropped");
         }
     }
+}
+
+/// The latch a programmatic producer arrives at: one per producing node, so every edge of a graph has its own;
+/// replays run one after another on the queue, so reusing them across replays is safe (as libcuda's graphs do).
+fn latch_id(node: usize) -> u32 {
+    // libcuda numbers its latches from small values upwards; these stay in the 24 bits a latch id keeps.
+    (node as u32 & 0x00ff_ffff) + 1
+}
+
+/// Applies a node's programmatic edges to its QMD.
+fn set_latches(
+    version: QmdVersion,
+    q: &mut [u32; QMD_WORDS],
+    (arrive, wait): (Option<u32>, Option<u32>),
+) -> Result<()> {
+    if let Some(l) = arrive {
+        qmd::set_latch_arrive(version, q, l)?;
+    }
+    if let Some(l) = wait {
+        qmd::set_latch_wait(version, q, l)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
