@@ -6,9 +6,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use apex::gpfifo::{Channel, ChannelConfig};
 use apex::launch::{ComputeQueue, ComputeQueueConfig, CopyEngines, Error, LaunchConfig, Module};
 use apex::rm::sim::SimConfig;
-use apex::rm::{GpuCore, Memory, MemoryDesc, PeerLink, Placement};
+use apex::rm::{GpuCore, Memory, MemoryDesc, NvStatus, PeerLink, Placement, sys};
 use apex::sim::Simulator;
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
@@ -58,6 +59,46 @@ fn simulated_gpus_are_nvlink_peers_and_map_each_others_memory_once() {
     m.map_on(&g0).expect("mapping on the owner is a no-op");
 }
 
+/// The NV_STATUS behind a channel that could not be built.
+fn status(e: apex::gpfifo::Error) -> Option<NvStatus> {
+    match e {
+        apex::gpfifo::Error::Rm(e) => e.status(),
+        other => panic!("not an RM refusal: {other}"),
+    }
+}
+
+#[test]
+fn copy_channels_schedule_on_their_own_engine_and_refused_engines_are_left_out() {
+    // As on an H100: LCEs 0 and 1 share the graphics runlist, 2-4 are copy engines of their own, 5+ absent.
+    let (g, _s) = Simulator::open(SimConfig::default()).expect("simulated GPU");
+    let ch =
+        Channel::new(&g, ChannelConfig::copy_engine(2)).expect("a copy channel on LCE 2 schedules");
+    assert_eq!(ch.classes().compute, None);
+    assert!(ch.classes().copy.is_some());
+    let e = Channel::new(&g, ChannelConfig::copy_engine(0)).expect_err("LCE 0 is a graphics CE");
+    assert_eq!(status(e), Some(NvStatus(sys::NV_ERR_INVALID_STATE)));
+    let e = Channel::new(&g, ChannelConfig::copy_engine(7)).expect_err("LCE 7 is absent");
+    assert_eq!(status(e), Some(NvStatus(sys::NV_ERR_INVALID_ARGUMENT)));
+    let e = Channel::new(&g, ChannelConfig::copy_engine(20)).expect_err("no LCE 20 in RM's names");
+    assert!(matches!(e, apex::gpfifo::Error::InvalidConfig(_)), "{e}");
+
+    let engines = CopyEngines::new(&g, 0x3ff).expect("the usable engines of ten");
+    assert_eq!(engines.lces().collect::<Vec<_>>(), vec![2, 3, 4]);
+    let e = CopyEngines::new(&g, 0b11).expect_err("only graphics CEs");
+    assert!(e.to_string().contains("NV_ERR_INVALID_STATE"), "{e}");
+
+    // Another GPU's engines: whatever SimConfig says it has.
+    let (g2, _s2) = Simulator::open(SimConfig {
+        uuid: *b"APEX-simulated-9",
+        copy_engines: 0b1111_0001,
+        graphics_copy_engines: 0b1,
+        ..SimConfig::default()
+    })
+    .expect("simulated GPU with LCEs 4-7");
+    let engines = CopyEngines::new(&g2, 0x3ff).expect("engines");
+    assert_eq!(engines.lces().collect::<Vec<_>>(), vec![4, 5, 6, 7]);
+}
+
 #[test]
 fn copies_between_gpus_run_on_copy_engines_split_and_in_order() {
     let ((g0, _s0), (g1, s1)) = two_gpus();
@@ -68,8 +109,8 @@ fn copies_between_gpus_run_on_copy_engines_split_and_in_order() {
     src.map_on(&g1).expect("src on GPU 1");
 
     let mut q = ComputeQueue::new(&g1, ComputeQueueConfig::default()).expect("queue on GPU 1");
-    let mut engines = CopyEngines::new(&g1, 0b11).expect("two copy engines");
-    assert_eq!(engines.lces().collect::<Vec<_>>(), vec![0, 1]);
+    let mut engines = CopyEngines::new(&g1, 0b1100).expect("two copy engines");
+    assert_eq!(engines.lces().collect::<Vec<_>>(), vec![2, 3]);
     let f = q
         .copy_on(&mut engines, src.va(), dst.va(), bytes)
         .expect("copy");
@@ -146,7 +187,7 @@ fn objects_of_one_gpu_are_refused_by_another() {
         e.to_string().contains("load the module on the queue's GPU"),
         "{e}"
     );
-    let mut e0 = CopyEngines::new(&g0, 0b1).expect("engines of GPU 0");
+    let mut e0 = CopyEngines::new(&g0, 0b100).expect("engines of GPU 0");
     let e = q1
         .copy_on(&mut e0, 0x1000, 0x2000, 16)
         .expect_err("refused");
