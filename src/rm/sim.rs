@@ -62,6 +62,9 @@ pub struct SimConfig {
     pub peer_read_ces: u32,
     /// The LCEs RM names optimal for this GPU writing a peer's memory (`p2pOptimalWriteCEs`).
     pub peer_write_ces: u32,
+    /// Whether the GPU is in the process's simulated peer domain, an NVLink peer of the other simulated GPUs
+    /// there. `false` models a GPU opened alone: an address space of its own, no peer path.
+    pub peer: bool,
 }
 
 impl Default for SimConfig {
@@ -80,6 +83,7 @@ impl Default for SimConfig {
             graphics_copy_engines: 0b11,
             peer_read_ces: 0b1_0000,
             peer_write_ces: 0b1100,
+            peer: true,
         }
     }
 }
@@ -118,6 +122,9 @@ pub struct SimChannel {
     pub userd_va: u64,
     /// The error notifier (`NvNotificationRec`) that RM writes when the channel faults.
     pub notifier_va: u64,
+    /// The engine its channel group runs on (`NV2080_ENGINE_TYPE_GRAPHICS`, or a copy engine's
+    /// `NV2080_ENGINE_TYPE_COPY(n)`).
+    pub engine: u32,
 }
 
 /// Why the front end could not access memory.
@@ -346,7 +353,11 @@ impl SimShared {
             if in_group && p.hVASpace != 0 {
                 return Err(NV_ERR_INVALID_ARGUMENT);
             }
-            let channel = register_channel(&mut st, handle, class, p)?;
+            let engine = parent_obj
+                .engine
+                .filter(|_| in_group)
+                .unwrap_or(sys::NV2080_ENGINE_TYPE_GRAPHICS);
+            let channel = register_channel(&mut st, handle, class, engine, p)?;
             debug!(?channel, "simulated GPFIFO channel registered");
             st.channels.insert(handle, channel);
         } else if class == copy::c8b5::CLASS {
@@ -532,7 +543,7 @@ impl SimShared {
         if a != sim_gpu_id(self.id) {
             return Err(NV_ERR_INVALID_ARGUMENT);
         }
-        if is_sim_gpu_id(b) {
+        if is_sim_gpu_id(b) && self.config.peer {
             p.p2pCaps = [
                 sys::NV0000_CTRL_SYSTEM_GET_P2P_CAPS_NVLINK_SUPPORTED,
                 sys::NV0000_CTRL_SYSTEM_GET_P2P_CAPS_READS_SUPPORTED,
@@ -742,6 +753,7 @@ fn register_channel(
     st: &mut State,
     handle: Handle,
     class: u32,
+    engine: u32,
     p: &sys::NV_CHANNEL_ALLOC_PARAMS,
 ) -> std::result::Result<SimChannel, NvStatus> {
     let entries = p.gpFifoEntries;
@@ -778,6 +790,7 @@ fn register_channel(
         entries,
         userd_va,
         notifier_va,
+        engine,
     })
 }
 
@@ -820,7 +833,12 @@ impl GpuCore {
             attachment: None,
             // Distinct per simulated GPU (RM's ids are small numbers; these cannot collide with them).
             gpu_id: sim_gpu_id(shared.id()),
-            domain: SIMULATED_DOMAIN,
+            // A GPU alone gets a domain of its own (counting down from the shared one: RM's ids count up).
+            domain: if shared.config.peer {
+                SIMULATED_DOMAIN
+            } else {
+                SIMULATED_DOMAIN - shared.id()
+            },
         };
         core.pick_class("usermode", USERMODE_CLASSES)?;
         info!(gpu = %core.info.name, sms = core.info.sm_count, "opened simulated GPU");
