@@ -9,6 +9,7 @@
 
 use std::time::Duration;
 
+use apex::launch::CopyEngines;
 use apex::{Arg, Backend, BackendRequest, Buffer, Gpu, LaunchConfig};
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
@@ -280,6 +281,42 @@ fn objects_of_one_gpu_are_refused_by_the_other(b: Backend) {
         e.is_err(),
         "a kernel of GPU 0 launched on GPU 1's queue must be refused"
     );
+}
+
+/// One GPU is enough: the copy engines a GPU takes for copies into its own memory (RM names no optimal CE for a
+/// GPU with itself) are every LCE it can schedule a copy-only channel on, RM's refusals left out (on an H100:
+/// LCEs 0 and 1 share the graphics runlist, 5 and up are absent); a 256 MiB copy split across them arrives
+/// byte for byte.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn every_usable_copy_engine_of_a_gpu_copies() {
+    let gpu = Gpu::open_with(0, BackendRequest::Direct).expect("GPU 0 on the direct path");
+    let core = gpu.direct().expect("direct path").clone();
+    let mut engines = CopyEngines::for_peer(&core, &core).expect("copy engines");
+    let lces: Vec<u32> = engines.lces().collect();
+    eprintln!("{}: copy-only channels on LCEs {lces:?}", gpu.info().name);
+    assert!(!lces.is_empty());
+    let bytes: u64 = 256 << 20;
+    let p: Vec<u8> = (0..bytes / 4)
+        .flat_map(|i| ((i as u32).wrapping_mul(2_654_435_761) ^ 0x77).to_le_bytes())
+        .collect();
+    let (a, b) = (gpu.alloc(bytes).unwrap(), gpu.alloc(bytes).unwrap());
+    let mut q = gpu.queue().unwrap();
+    q.upload(&gpu, &a, 0, &p).unwrap();
+    let cq = q.direct().expect("direct queue");
+    let reps = 4;
+    let t = std::time::Instant::now();
+    for _ in 0..reps {
+        cq.copy_on(&mut engines, a.device_ptr(), b.device_ptr(), bytes)
+            .expect("copy on the engines");
+    }
+    cq.synchronize().expect("copies complete");
+    let gbps = (reps * bytes) as f64 / t.elapsed().as_secs_f64() / 1e9;
+    eprintln!(
+        "256 MiB device to device on {} engines: {gbps:.1} GB/s",
+        lces.len()
+    );
+    assert!(download(&gpu, &b) == p, "every byte arrives");
 }
 
 macro_rules! both {
