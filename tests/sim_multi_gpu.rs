@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use apex::gpfifo::{Channel, ChannelConfig};
 use apex::launch::{ComputeQueue, ComputeQueueConfig, CopyEngines, Error, LaunchConfig, Module};
-use apex::rm::sim::{SimBus, SimConfig};
+use apex::rm::sim::SimConfig;
 use apex::rm::{GpuCore, Memory, MemoryDesc, NvStatus, PeerLink, Placement, sys};
 use apex::sim::Simulator;
 use apex::{Buffer, Gpu};
@@ -288,16 +288,14 @@ fn a_copy_on_the_source_gpus_engines_is_ordered_by_a_queue_of_the_destination() 
     );
 }
 
-/// Two simulated peers through the public API, with their simulated RMs' views (channel registrations).
-fn two_api_gpus() -> [(Gpu, Simulator, SimBus); 2] {
+/// Two simulated peers through the public API.
+fn two_api_gpus() -> [(Gpu, Simulator); 2] {
     [*b"APEX-simulated-0", *b"APEX-simulated-1"].map(|uuid| {
-        let (core, bus) = GpuCore::open_simulated(SimConfig {
+        Gpu::open_simulated(SimConfig {
             uuid,
             ..SimConfig::default()
         })
-        .expect("simulated GPU");
-        let sim = Simulator::start(bus.clone(), true).expect("front end");
-        (Gpu::from_direct(core).expect("Gpu"), sim, bus)
+        .expect("simulated GPU")
     })
 }
 
@@ -315,23 +313,27 @@ fn download(g: &Gpu, buf: &Buffer) -> Vec<u8> {
 }
 
 /// LAUNCH_DMAs on each LCE's channels of a simulated GPU, over LCEs 0-9.
-fn copies_by_lce(sim: &Simulator, bus: &SimBus) -> [u64; 10] {
+fn copies_by_lce(sim: &Simulator) -> [u64; 10] {
     let mut out = [0; 10];
-    // The registry first, then the model: the front end takes them in the other order, so never both at once.
-    let channels = bus.lock().channels();
-    for ch in channels {
-        if let Some(lce) = apex::rm::lce_of_engine_type(ch.engine)
-            && let Some(stats) = sim.stats_for(ch.token)
-        {
+    for stats in sim.channel_stats() {
+        if let Some(lce) = apex::rm::lce_of_engine_type(stats.engine) {
             out[lce as usize] += stats.copies;
         }
     }
     out
 }
 
+/// Copy-engine channels a simulated GPU has seen.
+fn copy_channels(sim: &Simulator) -> usize {
+    sim.channel_stats()
+        .iter()
+        .filter(|s| apex::rm::lce_of_engine_type(s.engine).is_some())
+        .count()
+}
+
 #[test]
 fn the_public_api_copies_between_gpus_both_ways_and_both_at_once_on_copy_engines() {
-    let [(g0, s0, bus0), (g1, s1, bus1)] = two_api_gpus();
+    let [(g0, s0), (g1, s1)] = two_api_gpus();
     let bytes: u64 = 24 << 20; // split across the engines
     let (p0, p1) = (pattern(bytes, 0x1234), pattern(bytes, 0xabcd));
     let (a0, b0) = (g0.alloc(bytes).unwrap(), g0.alloc(bytes).unwrap());
@@ -344,19 +346,19 @@ fn the_public_api_copies_between_gpus_both_ways_and_both_at_once_on_copy_engines
     q0.copy_device_to_device(&a0, 0, &b1, 0, bytes).unwrap();
     q0.synchronize().unwrap();
     assert!(download(&g1, &b1) == p0, "GPU 0 -> GPU 1");
-    let by_lce = copies_by_lce(&s0, &bus0);
+    let by_lce = copies_by_lce(&s0);
     assert!(
         by_lce[2] > 0 && by_lce[3] > 0,
         "split over LCEs 2 and 3: {by_lce:?}"
     );
     assert_eq!(by_lce[4], 0, "LCE 4 is not an optimal write CE: {by_lce:?}");
-    let channels = bus0.lock().channels().len();
+    let channels = copy_channels(&s0);
 
     // 1 -> 0 on GPU 0's queue: GPU 1's engines push, GPU 0's queue orders them.
     q0.copy_device_to_device(&a1, 0, &b0, 0, bytes).unwrap();
     q0.synchronize().unwrap();
     assert!(download(&g0, &b0) == p1, "GPU 1 -> GPU 0");
-    assert!(copies_by_lce(&s1, &bus1)[2] > 0, "on GPU 1's engines");
+    assert!(copies_by_lce(&s1)[2] > 0, "on GPU 1's engines");
 
     // Both at once, each GPU pushing, at offsets that are not page aligned.
     let (off, len) = (4096 + 12, bytes - 8192);
@@ -380,11 +382,7 @@ fn the_public_api_copies_between_gpus_both_ways_and_both_at_once_on_copy_engines
     );
     assert!(r0[..o] == p1[..o], "bytes before the range untouched");
     // The engines were built once per pair and queue: GPU 0 has no new channel for the later 0 -> 1 copy.
-    assert_eq!(
-        bus0.lock().channels().len(),
-        channels,
-        "no new channel on GPU 0"
-    );
+    assert_eq!(copy_channels(&s0), channels, "no new channel on GPU 0");
 
     // Refused before anything is queued: out of range, empty.
     assert!(q0.copy_device_to_device(&a0, 0, &a1, 8, bytes).is_err());
@@ -393,9 +391,13 @@ fn the_public_api_copies_between_gpus_both_ways_and_both_at_once_on_copy_engines
 
 #[test]
 fn a_copy_to_a_gpu_that_is_not_a_peer_is_refused_with_the_reason() {
-    let [(g0, _s0, _b0), _] = two_api_gpus();
-    let (alone, _s) = gpu_alone();
-    let alone = Gpu::from_direct(alone).expect("Gpu");
+    let [(g0, _s0), _] = two_api_gpus();
+    let (alone, _s) = Gpu::open_simulated(SimConfig {
+        uuid: *b"APEX-sim-alone-1",
+        peer: false,
+        ..SimConfig::default()
+    })
+    .expect("simulated GPU alone");
     let (a0, x) = (g0.alloc(1 << 20).unwrap(), alone.alloc(1 << 20).unwrap());
     let mut q0 = g0.queue().unwrap();
     for e in [

@@ -122,31 +122,6 @@ impl Gpu {
         Gpu::assemble(inner, selection, None)
     }
 
-    /// The direct path over a GPU opened by the RM layer: a simulated GPU ([`crate::sim::Simulator::open`],
-    /// for tests without a GPU through the public API) or one opened with [`GpuCore::open_peer`] and kept for
-    /// RM-level work too. Every queue, buffer and module of the returned `Gpu` uses `core`.
-    ///
-    /// ```
-    /// # fn main() -> apex::Result<()> {
-    /// use apex::{Backend, Gpu, rm::sim::SimConfig, sim::Simulator};
-    /// let (core, _front_end) = Simulator::open(SimConfig::default())?;
-    /// let gpu = Gpu::from_direct(core)?;
-    /// assert_eq!(gpu.backend(), Backend::Direct);
-    /// let mut q = gpu.queue()?;
-    /// let buf = gpu.alloc(4096)?;
-    /// q.upload(&gpu, &buf, 0, &[7; 4096])?;
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub fn from_direct(core: Arc<GpuCore>) -> Result<Gpu> {
-        let selection = Selection {
-            backend: Backend::Direct,
-            requested: BackendRequest::Direct,
-            fallback: None,
-        };
-        Gpu::assemble(GpuInner::Direct(core), selection, None)
-    }
-
     /// A GPU over `inner`: its device facts, the limits launches are checked against, and a fresh printf FIFO.
     pub(super) fn assemble(
         inner: GpuInner,
