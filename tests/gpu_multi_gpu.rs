@@ -1,13 +1,15 @@
 //! Several GPUs on hardware, both backends, from the same test bodies (run with `--include-ignored` on a machine
 //! with two NVIDIA GPUs and libcuda; a machine with one GPU reports them as ignored or skips them with a note).
 //!
-//! A kernel on one GPU reads and writes the other's memory over the peer link; copies between GPUs in both
-//! directions and both at once, checked byte for byte (driver backend; the direct path refuses them for now); a pipeline of kernels alternating between the GPUs, each
-//! waiting on the GPU for the other's fence and reading what the other wrote, checked for every element; and
-//! objects of one GPU refused by the other.
+//! A kernel on one GPU reads and writes the other's memory over the peer link; copies between GPUs of 256 MiB
+//! in both directions and both at once, every byte checked (the direct path on the source GPU's copy engines,
+//! the driver backend with cuMemcpyPeerAsync), and refused on the direct path between GPUs not opened as peers;
+//! a pipeline of kernels alternating between the GPUs, each waiting on the GPU for the other's fence and
+//! reading what the other wrote, checked for every element; and objects of one GPU refused by the other.
 
 use std::time::Duration;
 
+use apex::launch::CopyEngines;
 use apex::{Arg, Backend, BackendRequest, Buffer, Gpu, LaunchConfig};
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
@@ -116,16 +118,6 @@ fn kernel_on_one_gpu_uses_the_others_memory(b: Backend) {
 
 fn copies_between_gpus(b: Backend) {
     let Some((g0, g1)) = two(b) else { return };
-    if b == Backend::Direct {
-        // Not yet on the direct path (see Queue::copy_device_to_device): refused with the reason, nothing queued.
-        let (x0, x1) = (g0.alloc(1 << 20).unwrap(), g1.alloc(1 << 20).unwrap());
-        let mut q0 = g0.queue().unwrap();
-        let e = q0
-            .copy_device_to_device(&x0, 0, &x1, 0, 1 << 20)
-            .expect_err("refused");
-        assert!(e.to_string().contains("driver backend"), "{e}");
-        return;
-    }
     let bytes: u64 = 256 << 20;
     let pattern = |seed: u32| -> Vec<u8> {
         (0..bytes / 4)
@@ -138,32 +130,70 @@ fn copies_between_gpus(b: Backend) {
     let (mut q0, mut q1) = (g0.queue().unwrap(), g1.queue().unwrap());
     q0.upload(&g0, &a0, 0, &p0).unwrap();
     q1.upload(&g1, &a1, 0, &p1).unwrap();
-    // One direction at a time, pushed by the source GPU's queue, then pulled by the destination's.
+    // One direction at a time on GPU 0's queue: 0 -> 1 pushed by GPU 0, then 1 -> 0 pushed by GPU 1's copy
+    // engines (direct path) and ordered by GPU 0's queue.
+    let t = std::time::Instant::now();
     q0.copy_device_to_device(&a0, 0, &b1, 0, bytes).unwrap();
     q0.synchronize().unwrap();
-    assert!(download(&g1, &b1) == p0, "GPU 0 -> GPU 1 (pushed)");
+    eprintln!(
+        "{b:?}: 256 MiB 0 -> 1 in {:?} (first copy: builds the copy channels)",
+        t.elapsed()
+    );
+    assert!(download(&g1, &b1) == p0, "GPU 0 -> GPU 1");
+    let t = std::time::Instant::now();
     q0.copy_device_to_device(&a1, 0, &b0, 0, bytes).unwrap();
     q0.synchronize().unwrap();
-    assert!(download(&g0, &b0) == p1, "GPU 1 -> GPU 0 (pulled)");
-    // Both directions at once, each GPU pushing, at offsets that are not page aligned.
-    let (off, len) = (4096 + 12, bytes - 8192);
-    let f0 = q0.copy_device_to_device(&a0, off, &a1, off, len).unwrap();
-    let f1 = q1.copy_device_to_device(&b1, off, &b0, off, len).unwrap();
+    eprintln!("{b:?}: 256 MiB 1 -> 0 in {:?}", t.elapsed());
+    assert!(download(&g0, &b0) == p1, "GPU 1 -> GPU 0");
+    // Both directions at once, each GPU pushing on its own queue: a1 becomes p0, b0 becomes p0 (from b1).
+    let f0 = q0.copy_device_to_device(&a0, 0, &a1, 0, bytes).unwrap();
+    let f1 = q1.copy_device_to_device(&b1, 0, &b0, 0, bytes).unwrap();
     f0.wait(T).unwrap();
     f1.wait(T).unwrap();
-    let (r1, r0) = (download(&g1, &a1), download(&g0, &b0));
-    let o = off as usize;
+    assert!(download(&g1, &a1) == p0, "GPU 0 -> GPU 1 (both at once)");
+    assert!(download(&g0, &b0) == p0, "GPU 1 -> GPU 0 (both at once)");
+    // At offsets that are not page aligned, pushed by GPU 1's queue.
+    q1.upload(&g1, &a1, 0, &p1).unwrap();
+    let (off, len) = (4096 + 12, bytes - 8192);
+    q1.copy_device_to_device(&a1, off, &a0, off, len).unwrap();
+    q1.synchronize().unwrap();
+    let r0 = download(&g0, &a0);
+    let (o, l) = (off as usize, len as usize);
+    assert!(r0[o..o + l] == p1[o..o + l], "GPU 1 -> GPU 0 (unaligned)");
     assert!(
-        r1[o..o + len as usize] == p0[o..o + len as usize],
-        "GPU 0 -> GPU 1 (both at once)"
-    );
-    assert!(r1[..o] == p1[..o], "bytes before the range untouched");
-    assert!(
-        r0[o..o + len as usize] == p0[o..o + len as usize],
-        "GPU 1 -> GPU 0 (both at once)"
+        r0[..o] == p0[..o] && r0[o + l..] == p0[o + l..],
+        "bytes outside the range untouched"
     );
     // Out of range is refused before anything is queued.
     assert!(q0.copy_device_to_device(&a0, 0, &a1, 8, bytes).is_err());
+}
+
+/// GPUs opened one by one (not with `open_peers`): the direct path refuses a copy between them with the reason
+/// (each has an address space of its own); CUDA copies regardless.
+fn copies_between_gpus_opened_alone(b: Backend) {
+    if Gpu::count().expect("count GPUs") < 2 {
+        eprintln!("only one GPU: the two-GPU test does not apply here");
+        return;
+    }
+    let g0 = Gpu::open_with(0, request(b)).expect("GPU 0");
+    let g1 = Gpu::open_with(1, request(b)).expect("GPU 1");
+    let (x0, x1) = (g0.alloc(1 << 20).unwrap(), g1.alloc(1 << 20).unwrap());
+    let mut q0 = g0.queue().unwrap();
+    match b {
+        Backend::Direct => {
+            let e = q0
+                .copy_device_to_device(&x0, 0, &x1, 0, 1 << 20)
+                .expect_err("refused");
+            assert!(matches!(e, apex::Error::NotPeers(_)), "{e}");
+            assert!(e.to_string().contains("Gpu::open_peers"), "{e}");
+        }
+        Backend::Driver => {
+            q0.upload(&g0, &x0, 0, &[0x5a; 1 << 20]).unwrap();
+            q0.copy_device_to_device(&x0, 0, &x1, 0, 1 << 20).unwrap();
+            q0.synchronize().unwrap();
+            assert!(download(&g1, &x1).iter().all(|&v| v == 0x5a));
+        }
+    }
 }
 
 /// The pipeline of the issue: hop k runs on GPU k % 2, waits (on the GPU) for hop k - 1 on the other GPU, and
@@ -253,6 +283,42 @@ fn objects_of_one_gpu_are_refused_by_the_other(b: Backend) {
     );
 }
 
+/// One GPU is enough: the copy engines a GPU takes for copies into its own memory (RM names no optimal CE for a
+/// GPU with itself) are every LCE it can schedule a copy-only channel on, RM's refusals left out (on an H100:
+/// LCEs 0 and 1 share the graphics runlist, 5 and up are absent); a 256 MiB copy split across them arrives
+/// byte for byte.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn every_usable_copy_engine_of_a_gpu_copies() {
+    let gpu = Gpu::open_with(0, BackendRequest::Direct).expect("GPU 0 on the direct path");
+    let core = gpu.direct().expect("direct path").clone();
+    let mut engines = CopyEngines::for_peer(&core, &core).expect("copy engines");
+    let lces: Vec<u32> = engines.lces().collect();
+    eprintln!("{}: copy-only channels on LCEs {lces:?}", gpu.info().name);
+    assert!(!lces.is_empty());
+    let bytes: u64 = 256 << 20;
+    let p: Vec<u8> = (0..bytes / 4)
+        .flat_map(|i| ((i as u32).wrapping_mul(2_654_435_761) ^ 0x77).to_le_bytes())
+        .collect();
+    let (a, b) = (gpu.alloc(bytes).unwrap(), gpu.alloc(bytes).unwrap());
+    let mut q = gpu.queue().unwrap();
+    q.upload(&gpu, &a, 0, &p).unwrap();
+    let cq = q.direct().expect("direct queue");
+    let reps = 4;
+    let t = std::time::Instant::now();
+    for _ in 0..reps {
+        cq.copy_on(&mut engines, a.device_ptr(), b.device_ptr(), bytes)
+            .expect("copy on the engines");
+    }
+    cq.synchronize().expect("copies complete");
+    let gbps = (reps * bytes) as f64 / t.elapsed().as_secs_f64() / 1e9;
+    eprintln!(
+        "256 MiB device to device on {} engines: {gbps:.1} GB/s",
+        lces.len()
+    );
+    assert!(download(&gpu, &b) == p, "every byte arrives");
+}
+
 macro_rules! both {
     ($($name:ident),* $(,)?) => {
         mod direct {
@@ -268,6 +334,7 @@ both!(
     identity_and_uuid,
     kernel_on_one_gpu_uses_the_others_memory,
     copies_between_gpus,
+    copies_between_gpus_opened_alone,
     pipeline_alternating_between_gpus,
     objects_of_one_gpu_are_refused_by_the_other,
 );

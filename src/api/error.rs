@@ -54,6 +54,13 @@ pub enum Error {
          graph again (Queue::instantiate) on the queue that replays it"
     )]
     GraphQueue,
+    /// Two GPUs that cannot reach each other's memory were used together (a copy between them, a peer mapping):
+    /// they have no peer link, or were not opened together.
+    #[error(
+        "{0}; open the GPUs together with Gpu::open_peers (GPUs opened one by one each get an address space of \
+         their own), on GPUs with a peer link (`nvidia-smi topo -m`)"
+    )]
+    NotPeers(#[source] rm::Error),
     /// A module file could not be read.
     #[error("cannot read the module file {}: {source}", path.display())]
     ReadModule {

@@ -303,6 +303,7 @@ impl Gpu {
             keep: Vec::new(),
             staging: None,
             cuda: self.cuda.clone().map(cuda_attach::CudaOrder::new),
+            peer_engines: Vec::new(),
         })
     }
 }

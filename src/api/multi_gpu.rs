@@ -3,17 +3,67 @@
 //!
 //! On the direct path GPUs opened together with [`Gpu::open_peers`] share one address space (the peer
 //! domain): a buffer keeps its address on every GPU it is mapped on, and a queue waits for another GPU's fence
-//! by acquiring that queue's semaphore. Copies between GPUs run on the driver backend only for now. On the driver backend the same calls use `cuCtxEnablePeerAccess`,
-//! `cuMemcpyPeerAsync` and events.
+//! by acquiring that queue's semaphore. A copy between GPUs runs on the source GPU's copy engines (the ones RM
+//! names optimal for writing the destination), pushing into the destination's memory mapped on the source, split
+//! across the engines and ordered with the queue's other work on the GPUs. On the driver backend the same calls
+//! use `cuCtxEnablePeerAccess`, `cuMemcpyPeerAsync` and events.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use super::gpu::GpuInner;
 use super::memory::BufferInner;
 use super::queue::{KeepAlive, QueueInner};
 use super::{Backend, BackendRequest, Buffer, Error, Fence, Gpu, Queue, Result};
 use crate::driver;
+use crate::launch::CopyEngines;
 use crate::rm::{self, GpuCore, PeerLink};
+
+/// A queue's copy engines for copies from one GPU into another's memory (direct path).
+#[derive(Debug)]
+pub(super) struct PeerEngines {
+    /// The destination GPU (the source is the engines' own); dead once that GPU is closed.
+    dst: Weak<GpuCore>,
+    engines: CopyEngines,
+}
+
+/// The engines of `cache` for copies from `src` into `dst`, built on first use.
+fn peer_engines<'a>(
+    cache: &'a mut Vec<PeerEngines>,
+    src: &Arc<GpuCore>,
+    dst: &Arc<GpuCore>,
+) -> Result<&'a mut CopyEngines> {
+    // Engines whose destination GPU is gone are not used again (a new GpuCore may reuse its address).
+    cache.retain(|p| p.dst.strong_count() > 0);
+    let found = cache.iter().position(|p| {
+        Arc::ptr_eq(p.engines.gpu(), src) && std::ptr::eq(p.dst.as_ptr(), Arc::as_ptr(dst))
+    });
+    let i = match found {
+        Some(i) => i,
+        None => {
+            let engines = CopyEngines::for_peer(src, dst).map_err(peer_error)?;
+            tracing::debug!(src = %src.info().uuid, dst = %dst.info().uuid,
+                lces = ?engines.lces().collect::<Vec<_>>(), "copy engines for copies between GPUs");
+            cache.push(PeerEngines {
+                dst: Arc::downgrade(dst),
+                engines,
+            });
+            cache.len() - 1
+        }
+    };
+    Ok(&mut cache[i].engines)
+}
+
+/// [`Error::NotPeers`] for RM's refusals of a pair of GPUs, the error as it is otherwise.
+fn peer_error(e: impl Into<Error>) -> Error {
+    match e.into() {
+        Error::Direct(crate::launch::Error::Queue(crate::pushbuf::Error::Channel(
+            crate::gpfifo::Error::Rm(
+                e @ (rm::Error::NotPeers { .. } | rm::Error::NoPeerPath { .. }),
+            ),
+        ))) => Error::NotPeers(e),
+        e => e,
+    }
+}
 
 /// How two GPUs reach each other's memory, as [`Gpu::peer_access`] reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -139,7 +189,7 @@ impl Gpu {
     /// peer access from this GPU's context to the buffer's (`cuCtxEnablePeerAccess`), which covers all of it.
     pub fn map_peer(&self, buffer: &Buffer) -> Result<()> {
         match (&self.inner, &*buffer.inner) {
-            (GpuInner::Direct(g), BufferInner::Direct(m)) => Ok(m.map_on(g)?),
+            (GpuInner::Direct(g), BufferInner::Direct(m)) => m.map_on(g).map_err(peer_error),
             (GpuInner::Driver(g), BufferInner::Driver(m)) => Ok(g.enable_peer_access(m.context())?),
             _ => Err(Error::Mismatch),
         }
@@ -188,8 +238,9 @@ impl Queue {
     }
 
     /// A copy where a buffer belongs to another GPU than the queue's: on the driver backend, `cuMemcpyPeerAsync`;
-    /// on the direct path, refused with the reason (see the note inside). `None` when both buffers are the
-    /// queue's own.
+    /// on the direct path, the source GPU's copy engines writing into the destination's memory mapped on the
+    /// source, after the queue's earlier work (the engines wait for the queue's timeline, the queue for theirs).
+    /// [`Error::NotPeers`] when the GPUs cannot reach each other. `None` when both buffers are the queue's own.
     pub(super) fn copy_between_gpus(
         &mut self,
         src: &Buffer,
@@ -204,16 +255,20 @@ impl Queue {
                 if Arc::ptr_eq(s.gpu(), gpu) && Arc::ptr_eq(d.gpu(), gpu) {
                     return Ok(None);
                 }
-                // Measured on two H200s (NVLink, driver 580.159.04): copy-only channels on the LCEs complete
-                // peer copies at 0.5-6 GB/s or not at all, and the SMs copying into a peer mapping stall above
-                // 32 MiB. Until both are understood, the direct path refuses rather than risk a stuck queue.
-                return Err(Error::InvalidArgument(format!(
-                    "copies between GPUs ({} -> {}) are not available on the direct path yet; open the GPUs \
-                     with the CUDA driver backend (APEX_BACKEND=driver) for cuMemcpyPeer, or copy with a kernel \
-                     over a peer mapping (Gpu::map_peer) for buffers up to 32 MiB",
-                    s.gpu().info().uuid,
-                    d.gpu().info().uuid
-                )));
+                super::queue::check_range(src.size, src_offset, bytes)?;
+                super::queue::check_range(dst.size, dst_offset, bytes)?;
+                if bytes == 0 {
+                    return Err(Error::InvalidArgument("a copy of 0 bytes".into()));
+                }
+                let (from, to) = (s.gpu().clone(), d.gpu().clone());
+                // The source GPU's engines write the destination's memory through its mapping there (what RM's
+                // optimal write CEs are for); a no-op after the first copy.
+                d.map_on(&from).map_err(peer_error)?;
+                let engines = peer_engines(&mut self.peer_engines, &from, &to)?;
+                let f = q
+                    .copy_on(engines, s.va() + src_offset, d.va() + dst_offset, bytes)
+                    .map_err(peer_error)?;
+                Fence::from_direct(f, q)
             }
             (QueueInner::Driver { stream, .. }, BufferInner::Driver(s), BufferInner::Driver(d)) => {
                 let ctx = stream.context().clone();

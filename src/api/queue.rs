@@ -46,6 +46,9 @@ pub struct Queue {
     pub(super) staging: Option<HostBuffer>,
     /// Ordering with the attached CUDA context's streams.
     pub(super) cuda: Option<cuda_attach::CudaOrder>,
+    /// The direct path's copy engines for copies between GPUs, one set per (source, destination) pair, built on
+    /// first use. Last: dropped after the compute queue, which waits for their copies first.
+    pub(super) peer_engines: Vec<super::multi_gpu::PeerEngines>,
 }
 
 #[derive(Debug)]
@@ -291,7 +294,11 @@ impl Queue {
     }
 
     /// Copies between device buffers (asynchronous). On the direct path the SMs copy (a built-in kernel): the
-    /// copy engine moves device memory at a twentieth of the HBM's bandwidth.
+    /// copy engine moves device memory at a twentieth of the HBM's bandwidth. Buffers of two GPUs opened with
+    /// [`Gpu::open_peers`] are copied by the source GPU's copy engines (the ones RM names optimal for writing the
+    /// destination, built on first use and kept by the queue), into the destination's memory mapped on the
+    /// source, in this queue's order; [`Error::NotPeers`](super::Error::NotPeers) when the GPUs cannot reach each
+    /// other. On the driver backend, `cuMemcpyPeerAsync`.
     pub fn copy_device_to_device(
         &mut self,
         src: &Buffer,

@@ -6,7 +6,10 @@ use std::time::Duration;
 use tracing::{debug, warn};
 
 use crate::hw::host::c361;
-use crate::rm::{GpuCore, Memory, MemoryDesc, Object, Placement, sys};
+use crate::rm::{
+    COPY_ALLOC_VERSION_ENGINE_TYPE, CopyAllocParams, GpuCore, MAX_LCES, Memory, MemoryDesc, Object,
+    Placement, copy_engine_type, sys,
+};
 
 use super::timeline::{Semaphores, Timeline, wait_until};
 use super::{COMPUTE_CLASSES, COPY_CLASSES, Error, GPFIFO_CLASSES, GpEntry, Result, RingState};
@@ -307,17 +310,6 @@ impl ChannelObjects {
     }
 }
 
-/// `NVB0B5_ALLOCATION_PARAMETERS` (class/clb0b5sw.h, not among the vendored headers): which copy engine a copy
-/// object runs on.
-#[repr(C)]
-struct CopyAllocParams {
-    version: u32,
-    engine_type: u32,
-}
-
-/// `NVB0B5_ALLOCATION_PARAMETERS_VERSION_1`: `engine_type` is an `NV2080_ENGINE_TYPE_COPY(n)`.
-const COPY_ALLOC_VERSION_ENGINE_TYPE: u32 = 1;
-
 /// Registers a graphics channel with UVM, which reserves `CHANNEL_VA_SIZE` of our low region for its context
 /// buffers.
 fn register_with_uvm(core: &Arc<GpuCore>, channel: u32) -> Result<UvmChannel> {
@@ -397,18 +389,15 @@ impl Channel {
             })?;
         let engine_type = match config.copy_engine {
             None => sys::NV2080_ENGINE_TYPE_GRAPHICS,
-            Some(lce)
-                if lce < sys::NV2080_ENGINE_TYPE_COPY_SIZE && !config.compute && config.copy =>
-            {
-                sys::NV2080_ENGINE_TYPE_COPY0 + lce
-            }
-            Some(lce) => {
-                return Err(Error::InvalidConfig(format!(
-                    "a channel on copy engine {lce}: needs an LCE index below {} and a copy-only channel \
-                     (compute: false, copy: true)",
-                    sys::NV2080_ENGINE_TYPE_COPY_SIZE
-                )));
-            }
+            Some(lce) => match copy_engine_type(lce) {
+                Some(t) if !config.compute && config.copy => t,
+                _ => {
+                    return Err(Error::InvalidConfig(format!(
+                        "a channel on copy engine {lce}: needs an LCE index below {MAX_LCES} and a copy-only \
+                         channel (compute: false, copy: true)"
+                    )));
+                }
+            },
         };
         if engine_type != sys::NV2080_ENGINE_TYPE_GRAPHICS && core.attachment().is_some() {
             return Err(Error::InvalidConfig(

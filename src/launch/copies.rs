@@ -1,7 +1,9 @@
 //! Copy-only channels on the GPU's logical copy engines (LCEs), for bulk copies: peer copies over NVLink
 //! above all, where one engine does not fill the link. A copy is split across the engines; each engine's
 //! channel first waits (on the GPU) for the work its caller ordered before the copy, and the caller's queue
-//! then waits for every engine's release, so copies keep queue order without the CPU in between.
+//! then waits for every engine's release, so copies keep queue order without the CPU in between. The caller's
+//! queue may be on another GPU of the engines' peer domain (a copy between GPUs pushed by the source GPU's
+//! engines and ordered on the destination's queue): each side's semaphores are then mapped on the other.
 
 use std::sync::Arc;
 
@@ -9,7 +11,7 @@ use tracing::debug;
 
 use crate::gpfifo::ChannelConfig;
 use crate::pushbuf::{Acquire, Push, Queue, QueueConfig, Release, Signal};
-use crate::rm::GpuCore;
+use crate::rm::{GpuCore, MAX_LCES};
 
 use super::{Error, Result};
 
@@ -54,6 +56,9 @@ const PART_ALIGN: u64 = 64 << 10;
 
 /// The most engines one copy is split across (a Hopper has at most 10 LCEs usable for copies).
 pub const MAX_COPY_ENGINES: usize = 16;
+
+/// Every LCE RM has a name for: [`CopyEngines::new`] keeps those the GPU can schedule copy-only channels on.
+pub const ALL_LCES: u64 = (1 << MAX_LCES) - 1;
 
 /// A set of copy-only channels, one per logical copy engine.
 #[derive(Debug)]
@@ -109,6 +114,35 @@ impl CopyEngines {
             pending_len: 0,
             next: 0,
         })
+    }
+
+    /// Copy engines of `src` for copies into `dst`'s memory (mapped on `src`): the LCEs RM names optimal for
+    /// `src` writing `dst` (`p2pOptimalWriteCEs`), or every LCE `src` can use when RM names none or none of them
+    /// can be used. `dst` may be `src` itself (every usable LCE). An error saying why when the GPUs have no peer
+    /// path or do not share an address space.
+    pub fn for_peer(src: &Arc<GpuCore>, dst: &Arc<GpuCore>) -> Result<CopyEngines> {
+        let caps = src.enable_peer(dst)?;
+        let optimal = u64::from(caps.optimal_write_ces);
+        if optimal != 0 {
+            match CopyEngines::new(src, optimal) {
+                Ok(e) => return Ok(e),
+                Err(e) => debug!(
+                    optimal = format_args!("{optimal:#x}"),
+                    error = %e,
+                    "no optimal write CE usable; trying every LCE"
+                ),
+            }
+        }
+        CopyEngines::new(src, ALL_LCES)
+    }
+
+    /// Maps the engines' semaphores on `gpu` (once; a no-op on their own GPU), so a queue of `gpu` can wait for
+    /// their copies.
+    pub fn map_semaphores_on(&self, gpu: &Arc<GpuCore>) -> Result<()> {
+        for (_, q) in &self.engines {
+            q.timeline().semaphores().memory().map_on(gpu)?;
+        }
+        Ok(())
     }
 
     /// The GPU the engines belong to.

@@ -15,7 +15,7 @@ pub mod qmd;
 mod queue;
 pub mod select;
 
-pub use copies::{CopyEngines, MAX_COPY_ENGINES};
+pub use copies::{ALL_LCES, CopyEngines, MAX_COPY_ENGINES};
 pub use module::{Global, Kernel, Module};
 pub use params::{Arg, ParamError};
 pub use queue::{

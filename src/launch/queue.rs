@@ -596,8 +596,11 @@ impl ComputeQueue {
     }
 
     /// Copies `bytes` from `src` to `dst` on the copy engines of `engines` (split across them), after every
-    /// earlier launch and copy of this queue; later ones run after it. Both ranges must be mapped on this GPU
-    /// (a peer's memory included): the way to fill an NVLink with one copy.
+    /// earlier launch and copy of this queue; later ones run after it. Both ranges must be mapped on the
+    /// engines' GPU (a peer's memory included): the way to fill an NVLink with one copy. The engines may belong
+    /// to another GPU of this queue's peer domain (the source GPU of a copy between GPUs, pushing into the
+    /// destination's memory): this queue's timeline is then mapped on that GPU and the engines' on this one,
+    /// once, so the GPUs order the copy between them without the CPU.
     pub fn copy_on(
         &mut self,
         engines: &mut super::CopyEngines,
@@ -606,9 +609,14 @@ impl ComputeQueue {
         bytes: u64,
     ) -> Result<Fence> {
         if !Arc::ptr_eq(engines.gpu(), &self.gpu) {
-            return Err(Error::Unsupported(
-                "copy engines of another GPU than the queue's".into(),
-            ));
+            // Refused with the reason (no shared address space) before anything is mapped.
+            self.gpu.check_same_domain(engines.gpu())?;
+            self.queue
+                .timeline()
+                .semaphores()
+                .memory()
+                .map_on(engines.gpu())?;
+            engines.map_semaphores_on(&self.gpu)?;
         }
         self.end_open_chain()?;
         if self.unordered_pending {

@@ -8,6 +8,7 @@
 pub mod attach;
 mod client;
 mod domain;
+mod engine;
 mod error;
 mod gpu;
 mod hardware;
@@ -24,6 +25,10 @@ pub mod sys;
 mod va;
 
 pub use client::{Client, Handle, Object, live_objects};
+pub use engine::{
+    COPY_ALLOC_VERSION_ENGINE_TYPE, COPY_ALLOC_VERSION_INSTANCE, CopyAllocParams, MAX_LCES,
+    copy_engine_type, lce_of_engine_type,
+};
 pub use error::{Error, Result};
 pub use gpu::{
     Attachment, GpuCore, GpuInfo, HEADERS_BRANCH, USERMODE_CLASSES, USERMODE_SIZE, format_uuid,

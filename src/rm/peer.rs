@@ -138,19 +138,9 @@ impl GpuCore {
                 optimal_write_ces: 0,
             });
         }
+        // Simulated GPUs answer for each other through their in-process RM (NVLink peers).
         match (self.client.is_in_process(), other.client.is_in_process()) {
-            // Simulated GPUs of one process are NVLink peers of each other.
-            (true, true) => {
-                return Ok(PeerCaps {
-                    link: PeerLink::NvLink,
-                    reads: true,
-                    writes: true,
-                    atomics: true,
-                    optimal_read_ces: 0x1,
-                    optimal_write_ces: 0x1,
-                });
-            }
-            (false, false) => {}
+            (true, true) | (false, false) => {}
             _ => {
                 return Err(Error::NoPeerPath {
                     from: self.info.uuid.clone(),

@@ -29,7 +29,10 @@ use super::error::check;
 use super::gpu::{GpuCore, HEADERS_BRANCH, USERMODE_CLASSES, USERMODE_SIZE, gpu_info};
 use super::mapping::CpuMapping;
 use super::transport::{CpuMapRequest, Handle, InProcessGpu, Transport};
-use super::{Error, NvStatus, Result, sys};
+use super::{
+    COPY_ALLOC_VERSION_ENGINE_TYPE, COPY_ALLOC_VERSION_INSTANCE, CopyAllocParams, Error, NvStatus,
+    Result, copy_engine_type, lce_of_engine_type, sys,
+};
 use crate::hw::{compute, copy, host};
 
 /// The GPU a simulated RM describes. The default is an H200: sm_90, 8 GPCs, 66 TPCs, 132 SMs.
@@ -49,6 +52,19 @@ pub struct SimConfig {
     pub max_warps_per_sm: u32,
     /// Video memory the simulated RM reports, bytes (nothing is reserved for it).
     pub memory_bytes: u64,
+    /// The logical copy engines the GPU has (bit `n`: LCE `n`). A copy object bound to any other is refused
+    /// (`NV_ERR_INVALID_ARGUMENT`), as RM refuses an absent engine.
+    pub copy_engines: u32,
+    /// Of `copy_engines`, those on the graphics engine's runlist (GRCEs): a copy-engine channel group on one of
+    /// them is refused at `GPFIFO_SCHEDULE` (`NV_ERR_INVALID_STATE`), as an H100 refuses LCEs 0 and 1.
+    pub graphics_copy_engines: u32,
+    /// The LCEs RM names optimal for this GPU reading a peer's memory (`p2pOptimalReadCEs`).
+    pub peer_read_ces: u32,
+    /// The LCEs RM names optimal for this GPU writing a peer's memory (`p2pOptimalWriteCEs`).
+    pub peer_write_ces: u32,
+    /// Whether the GPU is in the process's simulated peer domain, an NVLink peer of the other simulated GPUs
+    /// there. `false` models a GPU opened alone: an address space of its own, no peer path.
+    pub peer: bool,
 }
 
 impl Default for SimConfig {
@@ -62,6 +78,12 @@ impl Default for SimConfig {
             sms_per_tpc: 2,
             max_warps_per_sm: 64,
             memory_bytes: 141 << 30,
+            // LCEs 0-4: 0 and 1 on the graphics runlist (as on an H100), 2-4 usable for copy-only channels.
+            copy_engines: 0b1_1111,
+            graphics_copy_engines: 0b11,
+            peer_read_ces: 0b1_0000,
+            peer_write_ces: 0b1100,
+            peer: true,
         }
     }
 }
@@ -75,6 +97,11 @@ impl SimConfig {
     /// SMs over all GPCs.
     pub fn sm_count(&self) -> u32 {
         self.tpc_count() * self.sms_per_tpc
+    }
+
+    /// The LCEs a copy-only channel group can be scheduled on: present and not on the graphics runlist.
+    pub fn usable_copy_engines(&self) -> u32 {
+        self.copy_engines & !self.graphics_copy_engines
     }
 }
 
@@ -95,6 +122,9 @@ pub struct SimChannel {
     pub userd_va: u64,
     /// The error notifier (`NvNotificationRec`) that RM writes when the channel faults.
     pub notifier_va: u64,
+    /// The engine its channel group runs on (`NV2080_ENGINE_TYPE_GRAPHICS`, or a copy engine's
+    /// `NV2080_ENGINE_TYPE_COPY(n)`).
+    pub engine: u32,
 }
 
 /// Why the front end could not access memory.
@@ -122,6 +152,8 @@ pub enum AccessError {
 struct Obj {
     parent: Handle,
     class: u32,
+    /// The engine (`NV2080_ENGINE_TYPE_*`) a channel group runs on, or the one a copy object is bound to.
+    engine: Option<u32>,
 }
 
 #[derive(Debug, Default)]
@@ -183,6 +215,28 @@ const NV_ERR_INVALID_ARGUMENT: NvStatus = NvStatus(sys::NV_ERR_INVALID_ARGUMENT)
 const NV_ERR_INVALID_CLASS: NvStatus = NvStatus(sys::NV_ERR_INVALID_CLASS);
 const NV_ERR_INVALID_OBJECT_HANDLE: NvStatus = NvStatus(sys::NV_ERR_INVALID_OBJECT_HANDLE);
 const NV_ERR_INVALID_PARAM_STRUCT: NvStatus = NvStatus(sys::NV_ERR_INVALID_PARAM_STRUCT);
+const NV_ERR_INVALID_STATE: NvStatus = NvStatus(sys::NV_ERR_INVALID_STATE);
+
+/// The GPFIFO (host) classes RM registers channels for.
+const GPFIFO_CLASSES: [u32; 4] = [
+    host::c56f::CLASS,
+    host::c86f::CLASS,
+    host::c96f::CLASS,
+    host::ca6f::CLASS,
+];
+
+/// RM GPU ids of simulated GPUs: this prefix and the simulated GPU's number (RM's own ids are small numbers).
+const SIM_GPU_ID_BASE: u32 = 0x5100_0000;
+
+/// The RM GPU id of simulated GPU `id`.
+fn sim_gpu_id(id: u64) -> u32 {
+    SIM_GPU_ID_BASE | (id as u32 & 0xff_ffff)
+}
+
+/// Whether `gpu_id` names a simulated GPU.
+fn is_sim_gpu_id(gpu_id: u32) -> bool {
+    gpu_id & 0xff00_0000 == SIM_GPU_ID_BASE
+}
 const NV_ERR_NOT_SUPPORTED: NvStatus = NvStatus(sys::NV_ERR_NOT_SUPPORTED);
 
 /// The caller's parameter struct as a `T`, if it has `T`'s size and alignment.
@@ -266,28 +320,64 @@ impl SimShared {
         size: usize,
     ) -> std::result::Result<Handle, NvStatus> {
         let mut st = self.lock();
-        if !st.objects.contains_key(&parent) {
-            return Err(NV_ERR_INVALID_OBJECT_HANDLE);
-        }
+        let parent_obj = *st
+            .objects
+            .get(&parent)
+            .ok_or(NV_ERR_INVALID_OBJECT_HANDLE)?;
         if !self.classes.contains(&class) {
             return Err(NV_ERR_INVALID_CLASS);
         }
         let handle = st.new_handle();
-        if [
-            host::c56f::CLASS,
-            host::c86f::CLASS,
-            host::c96f::CLASS,
-            host::ca6f::CLASS,
-        ]
-        .contains(&class)
-        {
+        let in_group = parent_obj.class == sys::KEPLER_CHANNEL_GROUP_A;
+        let mut engine = None;
+        if class == sys::KEPLER_CHANNEL_GROUP_A {
+            // SAFETY: a channel group's parameters are NV_CHANNEL_GROUP_ALLOCATION_PARAMETERS (checked by size),
+            // lent by the caller.
+            let p = unsafe { params::<sys::NV_CHANNEL_GROUP_ALLOCATION_PARAMETERS>(ptr, size)? };
+            engine = Some(match p.engineType {
+                sys::NV2080_ENGINE_TYPE_NULL | sys::NV2080_ENGINE_TYPE_GRAPHICS => {
+                    sys::NV2080_ENGINE_TYPE_GRAPHICS
+                }
+                t if lce_of_engine_type(t).is_some() => t,
+                _ => return Err(NV_ERR_INVALID_ARGUMENT),
+            });
+        } else if class == sys::FERMI_CONTEXT_SHARE_A {
+            // Subcontexts are a graphics-engine feature: RM refuses one in a copy-engine group.
+            if !in_group || parent_obj.engine.and_then(lce_of_engine_type).is_some() {
+                return Err(NV_ERR_INVALID_ARGUMENT);
+            }
+        } else if GPFIFO_CLASSES.contains(&class) {
             // SAFETY: a GPFIFO class's parameters are NV_CHANNEL_ALLOC_PARAMS (checked by size), lent by the caller.
             let p = unsafe { params::<sys::NV_CHANNEL_ALLOC_PARAMS>(ptr, size)? };
-            let channel = register_channel(&mut st, handle, class, p)?;
+            // A channel in a group takes its VA space from the group or its context share, never by itself.
+            if in_group && p.hVASpace != 0 {
+                return Err(NV_ERR_INVALID_ARGUMENT);
+            }
+            let engine = parent_obj
+                .engine
+                .filter(|_| in_group)
+                .unwrap_or(sys::NV2080_ENGINE_TYPE_GRAPHICS);
+            let channel = register_channel(&mut st, handle, class, engine, p)?;
             debug!(?channel, "simulated GPFIFO channel registered");
             st.channels.insert(handle, channel);
+        } else if class == copy::c8b5::CLASS {
+            if !GPFIFO_CLASSES.contains(&parent_obj.class) {
+                return Err(NV_ERR_INVALID_OBJECT_HANDLE);
+            }
+            let lce = copy_object_lce(ptr, size)?;
+            if lce >= 32 || self.config.copy_engines & (1 << lce) == 0 {
+                return Err(NV_ERR_INVALID_ARGUMENT);
+            }
+            engine = copy_engine_type(lce);
         }
-        st.objects.insert(handle, Obj { parent, class });
+        st.objects.insert(
+            handle,
+            Obj {
+                parent,
+                class,
+                engine,
+            },
+        );
         Ok(handle)
     }
 
@@ -389,9 +479,88 @@ impl SimShared {
                 if obj.class != sys::KEPLER_CHANNEL_GROUP_A {
                     return Err(NV_ERR_INVALID_OBJECT_HANDLE);
                 }
-                unsafe { params::<sys::NVA06C_CTRL_GPFIFO_SCHEDULE_PARAMS>(ptr, size)? };
+                let p = unsafe { params::<sys::NVA06C_CTRL_GPFIFO_SCHEDULE_PARAMS>(ptr, size)? };
+                if p.bEnable != 0 {
+                    self.check_schedulable(&st, object, obj)?;
+                }
+            }
+            sys::NV0000_CTRL_CMD_SYSTEM_GET_P2P_CAPS_V2 => {
+                if obj.class != sys::NV01_ROOT_CLIENT {
+                    return Err(NV_ERR_INVALID_OBJECT_HANDLE);
+                }
+                let p =
+                    unsafe { params::<sys::NV0000_CTRL_SYSTEM_GET_P2P_CAPS_V2_PARAMS>(ptr, size)? };
+                self.answer_p2p_caps(p)?;
             }
             _ => return Err(NV_ERR_NOT_SUPPORTED),
+        }
+        Ok(())
+    }
+
+    /// What RM checks before it schedules channel group `group`: a copy-engine group runs on a copy engine's own
+    /// runlist (not one it shares with the graphics engine), and every copy object of its channels is bound to
+    /// the group's engine (otherwise RM finds the channels on two runlists: `NV_ERR_INVALID_STATE`).
+    fn check_schedulable(
+        &self,
+        st: &State,
+        group: Handle,
+        obj: Obj,
+    ) -> std::result::Result<(), NvStatus> {
+        let Some(engine) = obj.engine else {
+            return Err(NV_ERR_INVALID_STATE);
+        };
+        let Some(lce) = lce_of_engine_type(engine) else {
+            return Ok(());
+        };
+        if lce >= 32 || self.config.graphics_copy_engines & (1 << lce) != 0 {
+            return Err(NV_ERR_INVALID_STATE);
+        }
+        let channels: Vec<Handle> = st
+            .objects
+            .iter()
+            .filter(|(_, o)| o.parent == group && GPFIFO_CLASSES.contains(&o.class))
+            .map(|(&h, _)| h)
+            .collect();
+        let mismatch = st.objects.values().any(|o| {
+            channels.contains(&o.parent) && o.class == copy::c8b5::CLASS && o.engine != Some(engine)
+        });
+        if mismatch {
+            return Err(NV_ERR_INVALID_STATE);
+        }
+        Ok(())
+    }
+
+    /// NV0000_CTRL_CMD_SYSTEM_GET_P2P_CAPS_V2 for two simulated GPUs: NVLink peers with reads, writes and
+    /// atomics, and this GPU's optimal copy engines; any other pair has no peer path.
+    fn answer_p2p_caps(
+        &self,
+        p: &mut sys::NV0000_CTRL_SYSTEM_GET_P2P_CAPS_V2_PARAMS,
+    ) -> std::result::Result<(), NvStatus> {
+        if p.gpuCount != 2 {
+            return Err(NV_ERR_INVALID_ARGUMENT);
+        }
+        let (a, b) = (p.gpuIds[0], p.gpuIds[1]);
+        if a != sim_gpu_id(self.id) {
+            return Err(NV_ERR_INVALID_ARGUMENT);
+        }
+        if is_sim_gpu_id(b) && self.config.peer {
+            p.p2pCaps = [
+                sys::NV0000_CTRL_SYSTEM_GET_P2P_CAPS_NVLINK_SUPPORTED,
+                sys::NV0000_CTRL_SYSTEM_GET_P2P_CAPS_READS_SUPPORTED,
+                sys::NV0000_CTRL_SYSTEM_GET_P2P_CAPS_WRITES_SUPPORTED,
+                sys::NV0000_CTRL_SYSTEM_GET_P2P_CAPS_ATOMICS_SUPPORTED,
+            ]
+            .iter()
+            .fold(0, |caps, bit| caps | (1 << bit));
+            p.p2pCapsStatus.fill(0);
+            p.p2pOptimalReadCEs = self.config.peer_read_ces;
+            p.p2pOptimalWriteCEs = self.config.peer_write_ces;
+        } else {
+            p.p2pCaps = 0;
+            // NV0000_P2P_CAPS_STATUS_NOT_SUPPORTED
+            p.p2pCapsStatus.fill(5);
+            p.p2pOptimalReadCEs = 0;
+            p.p2pOptimalWriteCEs = 0;
         }
         Ok(())
     }
@@ -435,6 +604,7 @@ impl Transport for SimShared {
             Obj {
                 parent: 0,
                 class: sys::NV01_ROOT_CLIENT,
+                engine: None,
             },
         );
         Ok(h)
@@ -553,6 +723,23 @@ impl InProcessGpu for SimShared {
     }
 }
 
+/// The LCE a copy object's allocation parameters bind it to, as RM reads `NVB0B5_ALLOCATION_PARAMETERS`: none
+/// is CE 0; version 0 names a CE instance, version 1 an `NV2080_ENGINE_TYPE_COPY(n)`.
+fn copy_object_lce(ptr: *mut u8, size: usize) -> std::result::Result<u32, NvStatus> {
+    if ptr.is_null() {
+        return Ok(0);
+    }
+    // SAFETY: a copy class's parameters are NVB0B5_ALLOCATION_PARAMETERS (checked by size), lent by the caller.
+    let p = unsafe { params::<CopyAllocParams>(ptr, size)? };
+    match p.version {
+        COPY_ALLOC_VERSION_INSTANCE => Ok(p.engine_type),
+        COPY_ALLOC_VERSION_ENGINE_TYPE => {
+            lce_of_engine_type(p.engine_type).ok_or(NV_ERR_INVALID_ARGUMENT)
+        }
+        _ => Err(NV_ERR_INVALID_ARGUMENT),
+    }
+}
+
 fn mask(bits: u32) -> u32 {
     if bits >= 32 {
         u32::MAX
@@ -566,6 +753,7 @@ fn register_channel(
     st: &mut State,
     handle: Handle,
     class: u32,
+    engine: u32,
     p: &sys::NV_CHANNEL_ALLOC_PARAMS,
 ) -> std::result::Result<SimChannel, NvStatus> {
     let entries = p.gpFifoEntries;
@@ -602,6 +790,7 @@ fn register_channel(
         entries,
         userd_va,
         notifier_va,
+        engine,
     })
 }
 
@@ -643,8 +832,13 @@ impl GpuCore {
             windows: std::sync::OnceLock::new(),
             attachment: None,
             // Distinct per simulated GPU (RM's ids are small numbers; these cannot collide with them).
-            gpu_id: 0x5100_0000 | (shared.id() as u32 & 0xff_ffff),
-            domain: SIMULATED_DOMAIN,
+            gpu_id: sim_gpu_id(shared.id()),
+            // A GPU alone gets a domain of its own (counting down from the shared one: RM's ids count up).
+            domain: if shared.config.peer {
+                SIMULATED_DOMAIN
+            } else {
+                SIMULATED_DOMAIN - shared.id()
+            },
         };
         core.pick_class("usermode", USERMODE_CLASSES)?;
         info!(gpu = %core.info.name, sms = core.info.sm_count, "opened simulated GPU");
@@ -839,6 +1033,190 @@ mod tests {
         assert_eq!(mem.read_u32_volatile(16).unwrap(), 7);
         drop(mem);
         assert!(!bus.lock().contains(va, 4), "a freed buffer is unreachable");
+    }
+
+    /// The objects of a copy-only channel on LCE `group_lce`, built by hand; `copy` is the copy object's
+    /// allocation parameters (`None`: none, as APEX allocated it before it named the engine).
+    struct CopyChannel {
+        _copy: Object,
+        _channel: Arc<Object>,
+        group: Arc<Object>,
+        _mem: (Memory, Memory),
+    }
+
+    fn group_on(core: &Arc<GpuCore>, lce: u32) -> Arc<Object> {
+        let mut gp = sys::NV_CHANNEL_GROUP_ALLOCATION_PARAMETERS {
+            engineType: copy_engine_type(lce).expect("an LCE RM names"),
+            hVASpace: core.vaspace().handle(),
+            ..Default::default()
+        };
+        Arc::new(
+            Object::alloc(
+                core.client(),
+                Some(core.device()),
+                sys::KEPLER_CHANNEL_GROUP_A,
+                Some(&mut gp),
+                "group",
+            )
+            .expect("copy-engine group"),
+        )
+    }
+
+    fn channel_params(ring: &Memory, notifier: &Memory) -> sys::NV_CHANNEL_ALLOC_PARAMS {
+        let mut cp = sys::NV_CHANNEL_ALLOC_PARAMS {
+            hObjectError: notifier.handle(),
+            hObjectBuffer: ring.handle(),
+            gpFifoOffset: ring.va(),
+            gpFifoEntries: 64,
+            ..Default::default()
+        };
+        cp.hUserdMemory[0] = ring.handle();
+        cp.userdOffset[0] = 0x1000;
+        cp
+    }
+
+    fn copy_channel(
+        core: &Arc<GpuCore>,
+        group_lce: u32,
+        copy: Option<CopyAllocParams>,
+    ) -> Result<CopyChannel> {
+        let desc = MemoryDesc::video(0x2000).with_cpu().low();
+        let (ring, notifier) = (
+            Memory::alloc(core, desc).unwrap(),
+            Memory::alloc(core, desc).unwrap(),
+        );
+        let group = group_on(core, group_lce);
+        let mut cp = sys::NV_CHANNEL_ALLOC_PARAMS {
+            engineType: copy_engine_type(group_lce).unwrap(),
+            ..channel_params(&ring, &notifier)
+        };
+        let channel = Arc::new(Object::alloc(
+            core.client(),
+            Some(&group),
+            0xc86f,
+            Some(&mut cp),
+            "channel",
+        )?);
+        let copy = match copy {
+            None => Object::alloc::<()>(core.client(), Some(&channel), 0xc8b5, None, "copy")?,
+            Some(mut p) => {
+                Object::alloc(core.client(), Some(&channel), 0xc8b5, Some(&mut p), "copy")?
+            }
+        };
+        Ok(CopyChannel {
+            _copy: copy,
+            _channel: channel,
+            group,
+            _mem: (ring, notifier),
+        })
+    }
+
+    fn schedule(group: &Object) -> Result<()> {
+        let mut p = sys::NVA06C_CTRL_GPFIFO_SCHEDULE_PARAMS {
+            bEnable: 1,
+            ..Default::default()
+        };
+        group.control(sys::NVA06C_CTRL_CMD_GPFIFO_SCHEDULE, &mut p, "schedule")
+    }
+
+    fn by_engine(lce: u32) -> Option<CopyAllocParams> {
+        Some(CopyAllocParams {
+            version: COPY_ALLOC_VERSION_ENGINE_TYPE,
+            engine_type: copy_engine_type(lce).unwrap(),
+        })
+    }
+
+    #[test]
+    fn a_copy_group_schedules_only_when_its_copy_objects_run_on_its_engine() {
+        let (core, _bus) = GpuCore::open_simulated(SimConfig::default()).unwrap();
+        // The copy object as APEX allocated it before: no parameters, so RM binds it to CE 0 while the group
+        // is on LCE 2.
+        let old = copy_channel(&core, 2, None).expect("objects are accepted");
+        let e = schedule(&old.group).expect_err("the group spans two runlists");
+        assert_eq!(e.status(), Some(NV_ERR_INVALID_STATE));
+        // Named by engine type (version 1, what the channel code passes now) or by CE instance (version 0).
+        let v1 = copy_channel(&core, 2, by_engine(2)).unwrap();
+        schedule(&v1.group).expect("copy object on the group's engine");
+        let v0 = copy_channel(
+            &core,
+            3,
+            Some(CopyAllocParams {
+                version: COPY_ALLOC_VERSION_INSTANCE,
+                engine_type: 3,
+            }),
+        )
+        .unwrap();
+        schedule(&v0.group).expect("CE instance 3 in a group on LCE 3");
+        let other = copy_channel(&core, 2, by_engine(4)).unwrap();
+        let e = schedule(&other.group).expect_err("copy object on LCE 4, group on LCE 2");
+        assert_eq!(e.status(), Some(NV_ERR_INVALID_STATE));
+        // LCEs 0 and 1 share the graphics runlist: a copy-only group there is refused even when consistent.
+        let grce = copy_channel(&core, 0, by_engine(0)).unwrap();
+        let e = schedule(&grce.group).expect_err("a graphics-runlist CE");
+        assert_eq!(e.status(), Some(NV_ERR_INVALID_STATE));
+    }
+
+    #[test]
+    fn absent_engines_subcontexts_in_copy_groups_and_channel_va_spaces_are_refused() {
+        let (core, _bus) = GpuCore::open_simulated(SimConfig::default()).unwrap();
+        let status = |r: Result<CopyChannel>| r.map(drop).unwrap_err().status();
+        // LCE 7 is not on the simulated GPU; version 2 is not a version RM knows.
+        assert_eq!(
+            status(copy_channel(&core, 7, by_engine(7))),
+            Some(NV_ERR_INVALID_ARGUMENT)
+        );
+        let bad_version = Some(CopyAllocParams {
+            version: 2,
+            engine_type: 2,
+        });
+        assert_eq!(
+            status(copy_channel(&core, 2, bad_version)),
+            Some(NV_ERR_INVALID_ARGUMENT)
+        );
+        // Subcontexts are graphics-only.
+        let group = group_on(&core, 2);
+        let mut cs = sys::NV_CTXSHARE_ALLOCATION_PARAMETERS {
+            hVASpace: core.vaspace().handle(),
+            flags: sys::NV_CTXSHARE_ALLOCATION_FLAGS_SUBCONTEXT_ASYNC,
+            subctxId: 0,
+        };
+        let e = Object::alloc(
+            core.client(),
+            Some(&group),
+            sys::FERMI_CONTEXT_SHARE_A,
+            Some(&mut cs),
+            "ctxshare",
+        )
+        .unwrap_err();
+        assert_eq!(e.status(), Some(NV_ERR_INVALID_ARGUMENT));
+        // A channel in a group does not name a VA space of its own.
+        let desc = MemoryDesc::video(0x2000).with_cpu().low();
+        let (ring, notifier) = (
+            Memory::alloc(&core, desc).unwrap(),
+            Memory::alloc(&core, desc).unwrap(),
+        );
+        let mut cp = sys::NV_CHANNEL_ALLOC_PARAMS {
+            hVASpace: core.vaspace().handle(),
+            ..channel_params(&ring, &notifier)
+        };
+        let e = Object::alloc(
+            core.client(),
+            Some(&group),
+            0xc86f,
+            Some(&mut cp),
+            "channel",
+        )
+        .unwrap_err();
+        assert_eq!(e.status(), Some(NV_ERR_INVALID_ARGUMENT));
+        cp.hVASpace = 0;
+        Object::alloc(
+            core.client(),
+            Some(&group),
+            0xc86f,
+            Some(&mut cp),
+            "channel",
+        )
+        .expect("the same channel without its own VA space");
     }
 
     #[test]

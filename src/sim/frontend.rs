@@ -122,6 +122,7 @@ impl ChannelModel {
             faulted: false,
             stats: ChannelStats {
                 token: ch.token,
+                engine: ch.engine,
                 ..ChannelStats::default()
             },
             sm_version,

@@ -191,6 +191,9 @@ pub struct DroppedQmd {
 pub struct ChannelStats {
     /// The channel's work-submit token.
     pub token: u32,
+    /// The engine its channel group runs on (`NV2080_ENGINE_TYPE_GRAPHICS`, or a copy engine's
+    /// `NV2080_ENGINE_TYPE_COPY(n)`: see [`crate::rm::lce_of_engine_type`]).
+    pub engine: u32,
     /// GP entries fetched.
     pub entries: u64,
     /// The next GP entry the model fetches (what it writes to USERD's GP_GET).
