@@ -202,9 +202,11 @@ impl CopyEngines {
             let chunks = len.div_ceil(crate::pushbuf::Push::MAX_COPY_CHUNK) as usize;
             let fence = q.submit(chunks * 12 + 40, Signal::Recorded, |p, v| {
                 if let Some((va, value)) = after {
-                    // Yield the runlist while waiting: a copy engine may share it with the graphics engine
-                    // (a GRCE), and a spinning acquire would hold it until the timeslice ends.
-                    p.sem_acquire(va, value, Acquire::CircularGeq, true, true);
+                    // Spin, without yielding the runlist: copy channels run only on LCEs of their own runlists
+                    // (RM refuses the graphics-runlist CEs), and a copy channel that yielded on a failed acquire
+                    // was not rescheduled when the value arrived (H100: split copies ordered after earlier work
+                    // timed out).
+                    p.sem_acquire(va, value, Acquire::CircularGeq, true, false);
                 }
                 record_copy(p, src + off, dst + off, len, copy_sem, timeline, v);
             })?;
