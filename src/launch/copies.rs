@@ -65,6 +65,8 @@ pub const ALL_LCES: u64 = (1 << MAX_LCES) - 1;
 pub struct CopyEngines {
     gpu: Arc<GpuCore>,
     engines: Vec<(u32, Queue)>,
+    /// Each engine's share of a split copy: its physical copy engines (PCEs), at least 1.
+    weights: Vec<u32>,
     /// The (semaphore address, value) each engine releases for the last copy, for the caller to wait on.
     pending: [(u64, u64); MAX_COPY_ENGINES],
     pending_len: usize,
@@ -106,10 +108,20 @@ impl CopyEngines {
                 }
             });
         }
-        debug!(lces = ?engines.iter().map(|(l, _)| *l).collect::<Vec<_>>(), "copy engines ready");
+        // LCEs differ in how many PCEs back them (an H100: 45 GB/s on LCE 2, 267 GB/s on LCE 4), so a copy is split
+        // by PCE count; equal shares when RM does not say.
+        let weights: Vec<u32> = engines
+            .iter()
+            .map(|(lce, _)| {
+                gpu.copy_engine_pces(*lce)
+                    .map_or(1, |m| m.count_ones().max(1))
+            })
+            .collect();
+        debug!(lces = ?engines.iter().map(|(l, _)| *l).collect::<Vec<_>>(), ?weights, "copy engines ready");
         Ok(CopyEngines {
             gpu: gpu.clone(),
             engines,
+            weights,
             pending: [(0, 0); MAX_COPY_ENGINES],
             pending_len: 0,
             next: 0,
@@ -155,24 +167,32 @@ impl CopyEngines {
         self.engines.iter().map(|(l, _)| *l)
     }
 
-    /// How the copy of `bytes` is split: `(engine, offset, length)` for each part, in engine order.
+    /// How the copy of `bytes` is split: `(engine, offset, length)` for each part, starting with engine `first`
+    /// and going round, each engine's share in proportion to its weight, every part but the last a multiple of
+    /// 64 KiB. Below 8 MiB the whole copy goes to `first`.
     pub(crate) fn split(
         bytes: u64,
-        engines: usize,
+        weights: &[u32],
         first: usize,
-    ) -> impl Iterator<Item = (usize, u64, u64)> {
-        let n = if bytes < SPLIT_MIN_BYTES {
-            1
-        } else {
-            engines.max(1) as u64
-        };
-        let part = bytes.div_ceil(n).next_multiple_of(PART_ALIGN);
-        (0..n).filter_map(move |i| {
-            let off = i * part;
-            (off < bytes).then(|| {
-                let engine = (first + i as usize) % engines.max(1);
-                (engine, off, part.min(bytes - off))
-            })
+    ) -> impl Iterator<Item = (usize, u64, u64)> + '_ {
+        let n = weights.len().max(1);
+        let whole = bytes < SPLIT_MIN_BYTES;
+        let count = if whole { 1 } else { n };
+        let weight = move |e: usize| u64::from(weights.get(e).copied().unwrap_or(1).max(1));
+        let total: u64 = if whole { 1 } else { (0..n).map(weight).sum() };
+        let (mut start, mut acc) = (0u64, 0u64);
+        (0..count).filter_map(move |i| {
+            let engine = (first + i) % n;
+            acc += if whole { 1 } else { weight(engine) };
+            let end = if i + 1 == count {
+                bytes
+            } else {
+                let share = (u128::from(bytes) * u128::from(acc) / u128::from(total)) as u64;
+                (share / PART_ALIGN * PART_ALIGN).clamp(start, bytes)
+            };
+            let part = (start, end - start);
+            start = end;
+            (part.1 > 0).then_some((engine, part.0, part.1))
         })
     }
 
@@ -195,7 +215,7 @@ impl CopyEngines {
         let first = self.next;
         self.next = (self.next + 1) % self.engines.len();
         self.pending_len = 0;
-        for (engine, off, len) in Self::split(bytes, self.engines.len(), first) {
+        for (engine, off, len) in Self::split(bytes, &self.weights, first) {
             let q = &mut self.engines[engine].1;
             let copy_sem = q.channel().semaphores().va(COPY_SEMAPHORE_SLOT);
             let timeline = q.timeline().va();
@@ -231,15 +251,15 @@ mod tests {
 
     #[test]
     fn small_copies_take_one_engine_in_turn_and_large_ones_split_aligned() {
-        let one: Vec<_> = CopyEngines::split(4096, 4, 2).collect();
+        let one: Vec<_> = CopyEngines::split(4096, &[1; 4], 2).collect();
         assert_eq!(one, vec![(2, 0, 4096)]);
-        let parts: Vec<_> = CopyEngines::split(256 << 20, 4, 1).collect();
+        let parts: Vec<_> = CopyEngines::split(256 << 20, &[1; 4], 1).collect();
         assert_eq!(parts.len(), 4);
         assert_eq!(parts[0], (1, 0, 64 << 20));
         assert_eq!(parts[3], (0, 192 << 20, 64 << 20));
         // Uneven: parts are 64 KiB aligned and cover the copy exactly once.
         let bytes = (100 << 20) + 12345;
-        let parts: Vec<_> = CopyEngines::split(bytes, 3, 0).collect();
+        let parts: Vec<_> = CopyEngines::split(bytes, &[1; 3], 0).collect();
         let mut at = 0;
         for (i, &(e, off, len)) in parts.iter().enumerate() {
             assert_eq!(e, i % 3);
@@ -248,5 +268,30 @@ mod tests {
             at += len;
         }
         assert_eq!(at, bytes);
+    }
+
+    #[test]
+    fn split_shares_follow_the_engines_weights() {
+        // An H100's LCEs 2, 3 and 4: one PCE, one PCE, six.
+        let bytes = 256u64 << 20;
+        let parts: Vec<_> = CopyEngines::split(bytes, &[1, 1, 6], 1).collect();
+        let share = |e: usize| parts.iter().find(|p| p.0 == e).map_or(0, |p| p.2);
+        assert_eq!(parts.iter().map(|p| p.0).collect::<Vec<_>>(), vec![1, 2, 0]);
+        assert_eq!(share(2), bytes * 6 / 8);
+        assert_eq!(share(0), bytes / 8);
+        assert_eq!(share(1), bytes / 8);
+        let mut at = 0;
+        for &(_, off, len) in &parts {
+            assert_eq!(off, at);
+            at += len;
+        }
+        assert_eq!(at, bytes);
+        // A zero weight counts as one; a copy too small to split goes whole to the first engine.
+        let parts: Vec<_> = CopyEngines::split(bytes, &[0, 1], 0).collect();
+        assert_eq!(parts, vec![(0, 0, bytes / 2), (1, bytes / 2, bytes / 2)]);
+        assert_eq!(
+            CopyEngines::split(1 << 20, &[1, 6], 1).collect::<Vec<_>>(),
+            vec![(1, 0, 1 << 20)]
+        );
     }
 }

@@ -417,6 +417,14 @@ impl SimShared {
                 p.data[..16].copy_from_slice(&c.uuid);
                 p.length = 16;
             }
+            super::engine::CE_GET_CE_PCE_MASK => {
+                let p = unsafe { params::<super::engine::CePceMaskParams>(ptr, size)? };
+                // One PCE for each present LCE (the PCE of the same index): equal shares of a split copy.
+                let lce = super::engine::lce_of_engine_type(p.ce_engine_type)
+                    .filter(|l| *l < 32 && c.copy_engines & (1 << l) != 0)
+                    .ok_or(NV_ERR_INVALID_ARGUMENT)?;
+                p.pce_mask = 1 << lce;
+            }
             sys::NV2080_CTRL_CMD_GR_GET_INFO => {
                 let p = unsafe { params::<sys::NV2080_CTRL_GR_GET_INFO_PARAMS>(ptr, size)? };
                 let n = p.grInfoListSize as usize;
