@@ -78,6 +78,16 @@ impl CopyEngines {
     /// One copy channel on each LCE of `lces` (bit `n` set: LCE `n`). Engines RM refuses (absent, or
     /// reserved) are left out; an error only when none of them can be used.
     pub fn new(gpu: &Arc<GpuCore>, lces: u64) -> Result<CopyEngines> {
+        // Only engines the GPU has (when RM says which): asking RM for a copy object on an absent one works as a
+        // refusal but leaves an assertion in the kernel log.
+        let lces = match gpu.copy_engines_present() {
+            Ok(present) if lces & present != 0 => lces & present,
+            Ok(_) => lces,
+            Err(e) => {
+                debug!(error = %e, "the GPU's engine list is unavailable; trying every LCE asked for");
+                lces
+            }
+        };
         let mut engines = Vec::new();
         let mut last = None;
         for lce in (0..64u32).filter(|n| lces & (1 << n) != 0) {

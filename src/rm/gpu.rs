@@ -450,6 +450,23 @@ impl GpuCore {
         &self.device
     }
 
+    /// The logical copy engines the GPU has, a bit per LCE index (`NV2080_CTRL_CMD_GPU_GET_ENGINES_V2`), so that
+    /// channels are built only on engines that exist (RM logs an assertion for each copy object asked of an
+    /// absent one).
+    pub fn copy_engines_present(&self) -> Result<u64> {
+        let mut p = sys::NV2080_CTRL_GPU_GET_ENGINES_V2_PARAMS::default();
+        self.subdevice.control(
+            sys::NV2080_CTRL_CMD_GPU_GET_ENGINES_V2,
+            &mut p,
+            "NV2080_CTRL_CMD_GPU_GET_ENGINES_V2",
+        )?;
+        let n = (p.engineCount as usize).min(p.engineList.len());
+        Ok(p.engineList[..n]
+            .iter()
+            .filter_map(|&t| super::engine::lce_of_engine_type(t))
+            .fold(0u64, |m, lce| m | 1 << lce))
+    }
+
     /// The physical copy engines (PCEs) behind logical copy engine `lce`, a bit each
     /// (`NV2080_CTRL_CMD_CE_GET_CE_PCE_MASK`): how much copying one LCE can do, as the PCEs are the units that move
     /// data (an H100's LCE 4 copies about six times as fast as LCE 2).

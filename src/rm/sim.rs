@@ -417,6 +417,22 @@ impl SimShared {
                 p.data[..16].copy_from_slice(&c.uuid);
                 p.length = 16;
             }
+            sys::NV2080_CTRL_CMD_GPU_GET_ENGINES_V2 => {
+                let p = unsafe { params::<sys::NV2080_CTRL_GPU_GET_ENGINES_V2_PARAMS>(ptr, size)? };
+                // The graphics engine and the present LCEs.
+                let mut n = 0;
+                p.engineList[n] = sys::NV2080_ENGINE_TYPE_GRAPHICS;
+                n += 1;
+                for lce in (0..32u32).filter(|l| c.copy_engines & (1 << l) != 0) {
+                    if let Some(t) = super::engine::copy_engine_type(lce)
+                        && n < p.engineList.len()
+                    {
+                        p.engineList[n] = t;
+                        n += 1;
+                    }
+                }
+                p.engineCount = n as u32;
+            }
             super::engine::CE_GET_CE_PCE_MASK => {
                 let p = unsafe { params::<super::engine::CePceMaskParams>(ptr, size)? };
                 // One PCE for each present LCE (the PCE of the same index): equal shares of a split copy.
