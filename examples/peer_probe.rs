@@ -9,6 +9,10 @@
 //! - `sm-shared-local MIB`: SMs copying within GPU 0 while GPU 0 shares its VA space with GPU 1.
 //! - `queue-after-alloc MIB`: both GPUs in one domain allocate `MIB` MiB each, then open a queue and run an
 //!   empty kernel.
+//! - `queue-after-copies MIB ce|sm`: one GPU: two `MIB` MiB buffers, a queue that fills one and copies it to the
+//!   other (on the copy engines, or the SMs), then a second queue running an empty kernel.
+//! - `upload-then-queue MIB`: through the public API, a `MIB` MiB upload (staged through host memory), then more
+//!   queues each running an empty kernel.
 //! - `caps`: the peer capabilities RM reports, with the optimal copy engines.
 //!
 //! Each wait has a 10 s limit; a stall prints `result ... stalled` with the error.
@@ -188,6 +192,75 @@ fn queue_after_alloc(bytes: u64) -> R<()> {
     Ok(())
 }
 
+fn queue_after_copies(bytes: u64, engines: bool) -> R<()> {
+    let g = GpuCore::open(0)?;
+    let (a, b) = (video(&g, bytes, false)?, video(&g, bytes, false)?);
+    let mut q = ComputeQueue::new(&g, ComputeQueueConfig::default())?;
+    q.copy(a.va(), b.va(), 4096)?.wait(T)?;
+    let t = Instant::now();
+    if engines {
+        let mut e = CopyEngines::for_peer(&g, &g)?;
+        for _ in 0..4 {
+            q.copy_on(&mut e, a.va(), b.va(), bytes)?;
+        }
+        q.synchronize()?;
+        println!(
+            "result copies on LCEs {:?} in {:?}",
+            e.lces().collect::<Vec<_>>(),
+            t.elapsed()
+        );
+    } else {
+        for _ in 0..4 {
+            // SAFETY: both buffers are `bytes` long on this GPU.
+            unsafe { q.copy_device(a.va(), b.va(), bytes)? };
+        }
+        q.synchronize()?;
+        println!("result SM copies in {:?}", t.elapsed());
+    }
+    for i in 2..5 {
+        let t = Instant::now();
+        let r = ComputeQueue::new(&g, ComputeQueueConfig::default())
+            .map_err(|e| e.to_string())
+            .and_then(|mut q2| {
+                let k = Module::load(&g, CUBIN)
+                    .and_then(|m| m.kernel("empty"))
+                    .map_err(|e| e.to_string())?;
+                // SAFETY: the empty kernel touches no memory.
+                unsafe { q2.launch(&k, &LaunchConfig::linear(1, 32), &[]) }
+                    .map_err(|e| e.to_string())?
+                    .wait(T)
+                    .map_err(|e| e.to_string())
+            });
+        match r {
+            Ok(()) => println!("result queue {i} ok in {:?}", t.elapsed()),
+            Err(e) => println!("result queue {i} failed after {:?}: {e}", t.elapsed()),
+        }
+    }
+    Ok(())
+}
+
+fn upload_then_queue(bytes: u64) -> R<()> {
+    let gpu = apex::Gpu::open_with(0, apex::BackendRequest::Direct)?;
+    let a = gpu.alloc(bytes)?;
+    let mut q = gpu.queue()?;
+    let t = Instant::now();
+    q.upload(&gpu, &a, 0, &vec![7u8; bytes as usize])?;
+    println!("result upload of {} MiB in {:?}", bytes >> 20, t.elapsed());
+    let k = gpu.load_module(CUBIN)?.kernel("empty")?;
+    for i in 2..5 {
+        let t = Instant::now();
+        let r = gpu.queue().and_then(|mut q2| {
+            // SAFETY: the empty kernel touches no memory.
+            unsafe { q2.launch(&k, &LaunchConfig::linear(1, 32), &[]) }?.wait(T)
+        });
+        match r {
+            Ok(()) => println!("result queue {i} ok in {:?}", t.elapsed()),
+            Err(e) => println!("result queue {i} failed after {:?}: {e}", t.elapsed()),
+        }
+    }
+    Ok(())
+}
+
 fn caps() -> R<()> {
     let (g0, g1) = pair()?;
     println!("result caps 0->1 {:?}", g0.peer_caps(&g1)?);
@@ -210,6 +283,8 @@ fn main() -> std::process::ExitCode {
         Some("sm-peer-offsets") => sm_peer_offsets(mib(2, 256)),
         Some("sm-shared-local") => sm_shared_local(mib(2, 256)),
         Some("queue-after-alloc") => queue_after_alloc(mib(2, 256)),
+        Some("queue-after-copies") => queue_after_copies(mib(2, 256), arg(3).as_deref() != Some("sm")),
+        Some("upload-then-queue") => upload_then_queue(mib(2, 256)),
         Some("caps") => caps(),
         _ => Err("usage: peer_probe ce-local|ce-peer|sm-peer|sm-peer-offsets|sm-shared-local|queue-after-alloc|caps ...".into()),
     };
