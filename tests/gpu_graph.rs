@@ -2,8 +2,6 @@
 //! against the CPU; and replays (and updates) on the direct path that allocate nothing. Run with
 //! `--include-ignored --test-threads=1` on an NVIDIA GPU with libcuda.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::time::Duration;
 
 use apex::{Arg, Backend, BackendRequest, Buffer, Gpu, Graph, LaunchConfig, Queue};
@@ -11,50 +9,9 @@ use apex::{Arg, Backend, BackendRequest, Buffer, Gpu, Graph, LaunchConfig, Queue
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
 const T: Duration = Duration::from_secs(20);
 
-// ---- allocation counting on the test's own thread ----------------------------------------------------------
-
-struct Counting;
-thread_local! {
-    static COUNTING: Cell<bool> = const { Cell::new(false) };
-    static ALLOCS: Cell<u64> = const { Cell::new(0) };
-}
-
-fn count() {
-    let _ = COUNTING.try_with(|on| {
-        if on.get() {
-            let _ = ALLOCS.try_with(|n| n.set(n.get() + 1));
-        }
-    });
-}
-
-// SAFETY: forwards to the system allocator; only counts.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        count();
-        // SAFETY: forwarded.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // SAFETY: forwarded.
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        count();
-        // SAFETY: forwarded.
-        unsafe { System.realloc(p, l, n) }
-    }
-}
-
-#[global_allocator]
-static A: Counting = Counting;
-
-fn allocations<R>(f: impl FnOnce() -> R) -> (R, u64) {
-    ALLOCS.with(|n| n.set(0));
-    COUNTING.with(|c| c.set(true));
-    let r = f();
-    COUNTING.with(|c| c.set(false));
-    (r, ALLOCS.with(Cell::get))
-}
+#[path = "support/counting_alloc.rs"]
+mod counting_alloc;
+use counting_alloc::allocations;
 
 // ---- helpers ----------------------------------------------------------------------------------------------
 

@@ -5,8 +5,6 @@
 //! the schedule itself: every head sent only after each predecessor's completion was waited for, every link the
 //! only successor of its only predecessor, every semaphore waited for before it is reset.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,52 +24,9 @@ use apex::sim::{Launch, Simulator};
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
 const T: Duration = Duration::from_secs(30);
 
-// ---- allocation counting, for this thread only (the simulator's thread allocates as it records) -------------
-
-struct Counting;
-thread_local! {
-    static COUNTING: Cell<bool> = const { Cell::new(false) };
-    static ALLOCS: Cell<u64> = const { Cell::new(0) };
-}
-
-fn count() {
-    // `try_with`: thread-local storage may be gone while a thread exits.
-    let _ = COUNTING.try_with(|on| {
-        if on.get() {
-            let _ = ALLOCS.try_with(|n| n.set(n.get() + 1));
-        }
-    });
-}
-
-// SAFETY: forwards to the system allocator; only counts.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        count();
-        // SAFETY: forwarded.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // SAFETY: forwarded.
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        count();
-        // SAFETY: forwarded.
-        unsafe { System.realloc(p, l, n) }
-    }
-}
-
-#[global_allocator]
-static A: Counting = Counting;
-
-/// Heap allocations `f` makes on this thread.
-fn allocations<R>(f: impl FnOnce() -> R) -> (R, u64) {
-    ALLOCS.with(|n| n.set(0));
-    COUNTING.with(|c| c.set(true));
-    let r = f();
-    COUNTING.with(|c| c.set(false));
-    (r, ALLOCS.with(Cell::get))
-}
+#[path = "support/counting_alloc.rs"]
+mod counting_alloc;
+use counting_alloc::allocations;
 
 // ---- setup ---------------------------------------------------------------------------------------------------
 
