@@ -3,7 +3,8 @@
 //! otherwise.
 //!
 //! Groups (each measures both paths):
-//! - `submit`: CPU cost of one launch call (the queue is drained outside the timed part every 256 launches);
+//! - `submit`: CPU cost of one launch call (the queue is drained outside the timed part every 256 launches), also
+//!   for prepared launches with the launch memory in video and in host memory;
 //! - `launch_to_completion`: one launch, then wait until the CPU sees it complete;
 //! - `dependent_1000`: 1000 launches in stream order and one wait, per launch;
 //! - `batched_1000`: the same 1000 launches under one doorbell (direct), as one chain of QMDs (direct) and as a
@@ -14,7 +15,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use apex::driver;
-use apex::launch::{ComputeQueue, ComputeQueueConfig, Kernel, LaunchConfig, Module};
+use apex::launch::{ComputeQueue, ComputeQueueConfig, Kernel, LaunchConfig, LaunchMemory, Module};
 use apex::rm::GpuCore;
 use criterion::{Criterion, criterion_group, criterion_main};
 
@@ -23,6 +24,7 @@ const T: Duration = Duration::from_secs(10);
 
 struct Paths {
     q: ComputeQueue,
+    q_host: ComputeQueue,
     k: Kernel,
     stream: driver::Stream,
     f: driver::Function,
@@ -46,6 +48,11 @@ fn setup() -> Option<Paths> {
         }
     };
     let q = ComputeQueue::new(&gpu, ComputeQueueConfig::default()).ok()?;
+    let q_host = ComputeQueue::new(
+        &gpu,
+        ComputeQueueConfig::default().with_memory(LaunchMemory::Host),
+    )
+    .ok()?;
     let k = Module::load(&gpu, CUBIN).ok()?.kernel("empty").ok()?;
     let stream = driver::Stream::new(&ctx).ok()?;
     let f = driver::Module::load(&ctx, CUBIN)
@@ -54,6 +61,7 @@ fn setup() -> Option<Paths> {
         .ok()?;
     Some(Paths {
         q,
+        q_host,
         k,
         stream,
         f,
@@ -127,6 +135,33 @@ fn benches(c: &mut Criterion) {
             total
         })
     });
+    // Prepared launches (`ComputeQueue::prepare_launch`), with the launch memory in video memory (the default) and
+    // in CPU-cached host memory.
+    for (name, q) in [
+        ("apex_prepared", &mut p.q),
+        ("apex_prepared_host", &mut p.q_host),
+    ] {
+        let prepared = q.prepare_launch(&p.k, &ONE).expect("prepare");
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                let mut left = iters;
+                while left > 0 {
+                    let n = left.min(256);
+                    let t = Instant::now();
+                    let mut last = None;
+                    for _ in 0..n {
+                        // SAFETY: the empty kernel touches no memory.
+                        last = Some(unsafe { q.launch_prepared(&prepared, &[]) }.expect("launch"));
+                    }
+                    total += t.elapsed();
+                    last.expect("launched").wait(T).expect("drain");
+                    left -= n;
+                }
+                total
+            })
+        });
+    }
     g.bench_function("cuLaunchKernel", |b| {
         b.iter_custom(|iters| {
             let mut total = Duration::ZERO;

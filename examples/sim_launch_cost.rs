@@ -1,5 +1,6 @@
 //! CPU cost of recording a launch, measured against the simulated GPU (no accelerator needed): what APEX's
-//! own code costs per launch, apart from write-combining and the doorbell on real hardware.
+//! own code costs per launch, apart from write-combining and the doorbell on real hardware: an ordinary launch and a
+//! prepared one.
 
 mod support;
 
@@ -25,23 +26,36 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(200);
-    let mut samples = Vec::new();
-    for _ in 0..rounds {
-        let t = Instant::now();
-        let mut last = None;
-        for _ in 0..200 {
-            // SAFETY: the empty kernel touches no memory (and the simulator runs no kernels).
-            last = Some(unsafe { q.record_launch(&k, &cfg, &[]) }?);
+    let prepared = q.prepare_launch(&k, &cfg)?;
+    let only = std::env::var("APEX_ONLY").ok();
+    for name in ["record_launch", "record_prepared"] {
+        if only.as_deref().is_some_and(|o| o != name) {
+            continue;
         }
-        samples.push(t.elapsed() / 200);
-        q.flush();
-        last.ok_or("no launch")?.wait(Duration::from_secs(10))?;
+        let mut samples = Vec::new();
+        for _ in 0..rounds {
+            let t = Instant::now();
+            let mut last = None;
+            for _ in 0..200 {
+                // SAFETY: the empty kernel touches no memory (and the simulator runs no kernels).
+                last = Some(unsafe {
+                    if name == "record_launch" {
+                        q.record_launch(&k, &cfg, &[])
+                    } else {
+                        q.record_prepared(&prepared, &[])
+                    }
+                }?);
+            }
+            samples.push(t.elapsed() / 200);
+            q.flush();
+            last.ok_or("no launch")?.wait(Duration::from_secs(10))?;
+        }
+        samples.sort();
+        println!(
+            "{name} against the simulator: median {:?} per launch, min {:?}",
+            samples[samples.len() / 2],
+            samples[0]
+        );
     }
-    samples.sort();
-    println!(
-        "record_launch against the simulator: median {:?} per launch, min {:?}",
-        samples[samples.len() / 2],
-        samples[0]
-    );
     Ok(())
 }

@@ -48,8 +48,9 @@ pub mod sim;
 
 pub use api::{
     Backend, BackendRequest, Buffer, DeviceInfo, Error, FallbackReason, Fence, Global, Gpu,
-    HostBuffer, Kernel, Module, PeerAccess, PeerLink, Queue, Result, Selection, choose,
+    HostBuffer, Kernel, Module, PeerAccess, PeerLink, PreparedLaunch, Queue, QueueOptions, Result,
+    Selection, choose,
 };
 pub use api::{Graph, GraphExec, GraphLaunch, GraphNode};
-pub use launch::{Arg, LaunchConfig};
+pub use launch::{Arg, LaunchConfig, LaunchMemory};
 pub use report::error_report;

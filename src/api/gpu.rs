@@ -13,7 +13,7 @@ use super::{
 };
 use crate::driver;
 use crate::launch::printf::PrintfFifoCell;
-use crate::launch::{self, ComputeQueue, ComputeQueueConfig, Limits};
+use crate::launch::{self, ComputeQueue, ComputeQueueConfig, LaunchMemory, Limits};
 use crate::rm::{GpuCore, Memory, MemoryDesc, Placement};
 
 /// What both backends report about the device.
@@ -286,10 +286,25 @@ impl Gpu {
 
     /// A queue: launches and copies on it run in order, like a CUDA stream.
     pub fn queue(&self) -> Result<Queue> {
+        self.queue_with(QueueOptions::default())
+    }
+
+    /// A queue built as `options` say (the driver backend has nothing to choose and ignores them).
+    ///
+    /// ```no_run
+    /// use apex::{Gpu, LaunchMemory, QueueOptions};
+    /// # fn main() -> apex::Result<()> {
+    /// let gpu = Gpu::open(0)?;
+    /// // The lowest CPU cost per launch, for a launch-bound program that does not wait on each launch.
+    /// let q = gpu.queue_with(QueueOptions::default().launch_memory(LaunchMemory::Host))?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn queue_with(&self, options: QueueOptions) -> Result<Queue> {
         let inner = match &self.inner {
             GpuInner::Direct(c) => QueueInner::Direct(Box::new(ComputeQueue::new(
                 c,
-                ComputeQueueConfig::default(),
+                ComputeQueueConfig::default().with_memory(options.launch_memory),
             )?)),
             GpuInner::Driver(ctx) => QueueInner::Driver {
                 stream: driver::Stream::new(ctx)?,
@@ -305,5 +320,22 @@ impl Gpu {
             cuda: self.cuda.clone().map(cuda_attach::CudaOrder::new),
             peer_engines: Vec::new(),
         })
+    }
+}
+
+/// How [`Gpu::queue_with`] builds a queue.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct QueueOptions {
+    /// Where the direct path keeps the ring, pushbuffer and launch slots: [`LaunchMemory::Video`] (the default)
+    /// completes each launch soonest, [`LaunchMemory::Host`] costs the CPU least per launch.
+    pub launch_memory: LaunchMemory,
+}
+
+impl QueueOptions {
+    /// Sets [`launch_memory`](Self::launch_memory).
+    pub fn launch_memory(mut self, memory: LaunchMemory) -> QueueOptions {
+        self.launch_memory = memory;
+        self
     }
 }

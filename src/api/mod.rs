@@ -18,12 +18,12 @@ mod sim_gpu;
 pub use crate::rm::PeerLink;
 pub use error::{Error, Result};
 pub use fence::Fence;
-pub use gpu::{DeviceInfo, Gpu};
+pub use gpu::{DeviceInfo, Gpu, QueueOptions};
 pub use graph::{Graph, GraphExec, GraphLaunch, GraphNode};
 pub use memory::{Buffer, HostBuffer};
 pub use module::{Global, Kernel, Module};
 pub use multi_gpu::PeerAccess;
-pub use queue::Queue;
+pub use queue::{PreparedLaunch, Queue};
 pub use selection::{Backend, BackendRequest, FallbackReason, Selection, choose};
 
 #[cfg(test)]

@@ -51,6 +51,35 @@ pub struct Queue {
     pub(super) peer_engines: Vec<super::multi_gpu::PeerEngines>,
 }
 
+/// A launch checked once by [`Queue::prepare`], launched again and again with new arguments by
+/// [`Queue::launch_prepared`] on the queue that prepared it.
+#[derive(Clone, Debug)]
+pub struct PreparedLaunch(PreparedInner);
+
+#[derive(Clone, Debug)]
+enum PreparedInner {
+    Direct(launch::PreparedLaunch),
+    Driver { kernel: Kernel, cfg: LaunchConfig },
+}
+
+impl PreparedLaunch {
+    /// The direct path's prepared launch, when a direct-path queue prepared it.
+    pub fn direct(&self) -> Option<&launch::PreparedLaunch> {
+        match &self.0 {
+            PreparedInner::Direct(p) => Some(p),
+            PreparedInner::Driver { .. } => None,
+        }
+    }
+
+    /// The grid, block, shared memory and cluster shape it launches with.
+    pub fn config(&self) -> &LaunchConfig {
+        match &self.0 {
+            PreparedInner::Direct(p) => p.config(),
+            PreparedInner::Driver { cfg, .. } => cfg,
+        }
+    }
+}
+
 #[derive(Debug)]
 #[allow(dead_code)]
 pub(super) enum KeepAlive {
@@ -148,6 +177,72 @@ impl Queue {
     ) -> Result<Fence> {
         // SAFETY: forwarded to the caller.
         unsafe { self.submit(How::Cooperative, kernel, cfg, args) }.and_then(fenced)
+    }
+
+    /// Checks a launch of `kernel` over `cfg` once, for [`launch_prepared`](Self::launch_prepared) to repeat with
+    /// new arguments at the lowest CPU cost: on the direct path the QMD, constant-bank words and limits checks are
+    /// done here, and each launch writes only its parameters and completion value. Cooperative launches are not
+    /// prepared.
+    ///
+    /// ```no_run
+    /// use apex::{Arg, Gpu, LaunchConfig};
+    /// # fn main() -> apex::Result<()> {
+    /// let gpu = Gpu::open(0)?;
+    /// let module = gpu.load_module_file("kernels/apex_test_kernels.sm_90.cubin")?;
+    /// let count = module.kernel("count_threads")?;
+    /// let counter = gpu.alloc(4)?;
+    /// let mut q = gpu.queue()?;
+    /// let step = q.prepare(&count, &LaunchConfig::linear(1, 32))?;
+    /// for _ in 0..1000 {
+    ///     // SAFETY: count_threads adds one per thread to the u32 its argument points at, used by this queue alone.
+    ///     unsafe { q.launch_prepared(&step, &[Arg::Ptr(counter.device_ptr())])? };
+    /// }
+    /// q.synchronize()?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn prepare(&mut self, kernel: &Kernel, cfg: &LaunchConfig) -> Result<PreparedLaunch> {
+        match (&mut self.inner, kernel.inner()) {
+            (QueueInner::Direct(q), KernelInner::Direct(k)) => Ok(PreparedLaunch(
+                PreparedInner::Direct(q.prepare_launch(k, cfg)?),
+            )),
+            (QueueInner::Driver { .. }, KernelInner::Driver { info, .. }) => {
+                if let Some(info) = info {
+                    launch::queue_validate(info, cfg, &self.limits)?;
+                    launch::cluster_shape(info, cfg, &self.limits)?;
+                }
+                Ok(PreparedLaunch(PreparedInner::Driver {
+                    kernel: kernel.clone(),
+                    cfg: *cfg,
+                }))
+            }
+            _ => Err(Error::Mismatch),
+        }
+    }
+
+    /// Launches a launch [`prepare`](Self::prepare)d on this queue, with `args` checked against the kernel's
+    /// parameter table, in order with everything else on the queue.
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch).
+    pub unsafe fn launch_prepared(
+        &mut self,
+        prepared: &PreparedLaunch,
+        args: &[Arg<'_>],
+    ) -> Result<Fence> {
+        match (&mut self.inner, &prepared.0) {
+            (QueueInner::Direct(q), PreparedInner::Direct(p)) => {
+                self.driver_chain = 0;
+                // SAFETY: forwarded to the caller.
+                let f = unsafe { q.launch_prepared(p, args)? };
+                Ok(Fence::from_direct(f, q))
+            }
+            (QueueInner::Driver { .. }, PreparedInner::Driver { kernel, cfg }) => {
+                // SAFETY: forwarded to the caller.
+                unsafe { self.submit(How::Launch, kernel, cfg, args) }.and_then(fenced)
+            }
+            _ => Err(Error::Mismatch),
+        }
     }
 
     /// Records `kernel` as the next link of a chain of dependent launches, ended by [`end_chain`](Self::end_chain).

@@ -366,6 +366,9 @@ pub struct Channel {
     state: RingState,
     /// Doorbells rung so far: lets layers above tell whether recorded work may already be visible to the GPU.
     kicks: u64,
+    /// Whether anything the GPU fetches for this channel's work is written through a write-combined mapping, whose
+    /// stores only a store fence orders before the doorbell.
+    write_combined: bool,
     classes: ChannelClasses,
     core: Arc<GpuCore>,
 }
@@ -585,6 +588,7 @@ impl Channel {
             token: tok.workSubmitToken,
             state,
             kicks: 0,
+            write_combined: is_write_combined(config.ring_placement),
             classes,
             core: core.clone(),
         })
@@ -735,9 +739,26 @@ impl Channel {
             self.userd_word(std::mem::offset_of!(sys::HopperAControlGPFifo, GPPut))
                 .write_volatile(put)
         };
-        store_fence();
+        if self.write_combined {
+            store_fence();
+        } else {
+            // Cached stores are ordered before the uncached doorbell store by the CPU itself (x86: stores are not
+            // reordered with older stores); only the compiler must keep them in order.
+            cached_store_order();
+        }
         // SAFETY: the doorbell word lies inside the usermode page, which the GpuCore we hold keeps mapped.
         unsafe { self.doorbell.as_ptr().write_volatile(self.token) };
+    }
+
+    /// Says that work of this channel is also written through a write-combined mapping (a pushbuffer or launch
+    /// slots in video memory or write-combined system memory), so every doorbell needs a store fence before it.
+    pub fn note_write_combined(&mut self, placement: Placement) {
+        self.write_combined |= is_write_combined(placement);
+    }
+
+    /// Whether each doorbell is preceded by a store fence (something the GPU fetches is written write-combined).
+    pub fn needs_store_fence(&self) -> bool {
+        self.write_combined || cfg!(not(target_arch = "x86_64"))
     }
 
     /// Doorbells rung so far (by [`kick`](Self::kick), also when [`push`](Self::push) waits on a full ring).
@@ -914,6 +935,21 @@ fn read_fault(notifier: &Memory) -> Option<ChannelFault> {
         info16,
         timestamp_ns: u64::from(w0) | (u64::from(w1) << 32),
     })
+}
+
+/// Whether the CPU writes memory of `placement` through a write-combined mapping.
+pub fn is_write_combined(placement: Placement) -> bool {
+    matches!(placement, Placement::Video | Placement::SystemWriteCombined)
+}
+
+/// Orders cached stores before the doorbell store: on x86 the CPU keeps stores in program order (write-combined and
+/// non-temporal stores excepted), so only the compiler must; elsewhere a full fence.
+#[inline(always)]
+fn cached_store_order() {
+    #[cfg(target_arch = "x86_64")]
+    std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
+    #[cfg(not(target_arch = "x86_64"))]
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
 }
 
 /// Orders the write-combined ring and USERD stores before the doorbell store.

@@ -33,9 +33,10 @@ impl PushSpace {
         placement: Placement,
         max_pending: usize,
     ) -> Result<PushSpace> {
-        if matches!(placement, Placement::SystemCached | Placement::Semaphores) {
+        if placement == Placement::Semaphores {
+            // GPU-cacheable: the GPU could run stale methods from its cache after the CPU rewrote them.
             return Err(Error::InvalidConfig(
-                "pushbuffers are write-combined video or system memory".into(),
+                "a pushbuffer cannot live in GPU-cacheable semaphore memory; use video or system memory".into(),
             ));
         }
         let mem = Memory::alloc(
@@ -131,7 +132,11 @@ impl PushSpace {
                 self.len
             )));
         }
-        self.retire(timeline.completed());
+        // What earlier reads showed first: reading the semaphore costs a cache miss once the GPU has released.
+        self.retire(timeline.known());
+        if self.fit(words).is_none() {
+            self.retire(timeline.completed());
+        }
         if self.fit(words).is_none() {
             let mut start = None;
             wait_until(

@@ -1,4 +1,5 @@
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::rm::{GpuCore, Memory, MemoryDesc, Placement};
@@ -10,6 +11,9 @@ use super::{ChannelFault, Error, Result};
 #[derive(Debug)]
 pub struct Semaphores {
     mem: Memory,
+    /// Per slot, a value the CPU has already read there: a lower bound of the slot's value that costs no read of
+    /// memory the GPU writes (each such read misses the CPU's cache once the GPU has released).
+    seen: Box<[AtomicU64]>,
 }
 
 impl Semaphores {
@@ -25,7 +29,10 @@ impl Semaphores {
             .low();
         let mem = Memory::alloc(core, desc)?;
         mem.fill(0, Self::SIZE, 0)?;
-        Ok(Arc::new(Semaphores { mem }))
+        let seen = (0..Self::SIZE / Self::STRIDE)
+            .map(|_| AtomicU64::new(0))
+            .collect();
+        Ok(Arc::new(Semaphores { mem, seen }))
     }
 
     /// The memory behind the semaphores (to map it on another GPU that waits on them).
@@ -45,9 +52,24 @@ impl Semaphores {
 
     /// The value at `slot` (volatile: the GPU writes it). Out-of-range slots read as 0.
     pub fn read(&self, slot: usize) -> u64 {
-        self.mem
+        let v = self
+            .mem
             .read_u64_volatile(slot as u64 * Self::STRIDE)
-            .unwrap_or(0)
+            .unwrap_or(0);
+        if let Some(seen) = self.seen.get(slot)
+            && v > seen.load(Ordering::Relaxed)
+        {
+            // A racing reader may store an older value after ours: `seen` then lags, which costs a read, never
+            // a wrong answer (every value stored was read from the slot).
+            seen.store(v, Ordering::Relaxed);
+        }
+        v
+    }
+
+    /// A value already read at `slot` (no read of the semaphore itself): at most what [`read`](Self::read)
+    /// would return now.
+    pub fn seen(&self, slot: usize) -> u64 {
+        self.seen.get(slot).map_or(0, |s| s.load(Ordering::Relaxed))
     }
 
     /// The timestamp a four-word release wrote after the payload (nanoseconds, GPU clock).
@@ -59,9 +81,12 @@ impl Semaphores {
 
     /// Sets `slot` to `value` from the CPU (to reset a timeline, or to release a waiter by hand).
     pub fn write(&self, slot: usize, value: u64) -> Result<()> {
-        Ok(self
-            .mem
-            .write_u64_volatile(slot as u64 * Self::STRIDE, value)?)
+        self.mem
+            .write_u64_volatile(slot as u64 * Self::STRIDE, value)?;
+        if let Some(seen) = self.seen.get(slot) {
+            seen.store(value, Ordering::Relaxed);
+        }
+        Ok(())
     }
 }
 
@@ -89,9 +114,20 @@ impl Timeline {
         self.sems.read(self.slot)
     }
 
-    /// Whether the GPU has released `value` (or a later one).
+    /// Whether the GPU has released `value` (or a later one). Reads the semaphore only when no earlier read
+    /// already showed it.
     pub fn is_reached(&self, value: u64) -> bool {
-        self.completed() >= value
+        self.is_known_reached(value) || self.completed() >= value
+    }
+
+    /// Whether an earlier read already showed `value` released (never reads the semaphore: false may be stale).
+    pub fn is_known_reached(&self, value: u64) -> bool {
+        self.sems.seen(self.slot) >= value
+    }
+
+    /// The newest value an earlier read showed (never reads the semaphore).
+    pub fn known(&self) -> u64 {
+        self.sems.seen(self.slot)
     }
 
     /// The semaphore page the timeline lives in.

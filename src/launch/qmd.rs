@@ -497,6 +497,18 @@ pub fn patch_launch(
     })
 }
 
+/// The index of the QMD word holding the low half of the release payload, the high half in the word after it
+/// (V04 only): what a launch that reuses a slot's QMD rewrites, and nothing else.
+pub fn release_payload_word(version: QmdVersion) -> Option<usize> {
+    let (lo, hi) = (
+        v04::RELEASE_SEMAPHORE0_PAYLOAD_LOWER,
+        v04::RELEASE_SEMAPHORE0_PAYLOAD_UPPER,
+    );
+    let whole_word = |f: Field| f.lo.is_multiple_of(32) && f.width() == 32;
+    (version == QmdVersion::V04 && whole_word(lo) && whole_word(hi) && hi.lo == lo.lo + 32)
+        .then_some((lo.lo / 32) as usize)
+}
+
 /// Clears the QMD's constant-cache invalidation (V04 only; `Ok(false)` for other layouts), for QMDs whose constant banks
 /// stay unchanged between runs, as libcuda's graph nodes are built: each invalidation makes the grid's first
 /// constant loads miss. Whoever rewrites such a bank must invalidate the constant cache before the next run.
@@ -631,6 +643,29 @@ mod tests {
         );
         assert_eq!(get(&consumer, v04::ARRIVE_AT_LATCH_VALID), Some(0));
         assert!(!set_latch_wait(QmdVersion::V03, &mut consumer, 1).unwrap());
+    }
+
+    #[test]
+    fn release_payload_word_is_where_patch_launch_writes_the_payload() {
+        let mut q = [0u32; QMD_WORDS];
+        build(QmdVersion::V04, &add_kernel(), &mut q).unwrap();
+        let before = q;
+        let payload = 0x1234_5678_9abc_def0u64;
+        patch_launch(QmdVersion::V04, &mut q, 0, Some(payload)).unwrap();
+        let w = release_payload_word(QmdVersion::V04).unwrap();
+        assert_eq!(q[w], payload as u32);
+        assert_eq!(q[w + 1], (payload >> 32) as u32);
+        // Only those two words (and constant bank 0's address, patched to 0 here) changed.
+        let cb = [
+            v04::CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(0).lo / 32,
+            v04::CONSTANT_BUFFER_ADDR_UPPER_SHIFTED6(0).lo / 32,
+        ];
+        for i in 0..QMD_WORDS {
+            if i != w && i != w + 1 && !cb.contains(&(i as u32)) {
+                assert_eq!(q[i], before[i], "word {i}");
+            }
+        }
+        assert_eq!(release_payload_word(QmdVersion::V03), None);
     }
 
     #[test]

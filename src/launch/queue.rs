@@ -106,11 +106,39 @@ impl Limits {
     }
 }
 
+/// Where a compute queue keeps what the GPU fetches for every launch: the GPFIFO ring and USERD, the pushbuffer,
+/// and the launch slots (QMDs and parameter blocks). The choice trades the CPU's cost per launch against the time
+/// from launch to completion (figures in BENCHMARKS.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LaunchMemory {
+    /// Video memory, written by the CPU through write-combined BAR1 mappings, as libcuda keeps them: the GPU's
+    /// fetches stay on the GPU, so a launch completes soonest, but every doorbell needs a store fence that drains
+    /// the CPU's write-combining buffers across PCIe.
+    #[default]
+    Video,
+    /// CPU-cached system memory: a launch is a few cached stores and the doorbell (x86 keeps cached stores in
+    /// order, so no store fence), the lowest CPU cost; the GPU fetches ring, methods, QMD and parameters across
+    /// PCIe, which makes each launch reach the GPU later.
+    Host,
+}
+
+impl LaunchMemory {
+    /// The memory placement this choice gives the ring, pushbuffer and launch slots.
+    pub fn placement(self) -> Placement {
+        match self {
+            LaunchMemory::Video => Placement::Video,
+            LaunchMemory::Host => Placement::SystemCached,
+        }
+    }
+}
+
 /// How a [`ComputeQueue`] is built.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ComputeQueueConfig {
     /// The pushbuffer queue (and channel) under the compute queue.
     pub queue: QueueConfig,
+    /// Where the launch slots (QMD and constant bank 0 of each launch) live.
+    pub slot_placement: Placement,
     /// Launch slots (QMD + constant bank 0 each): how many launches can be in flight.
     pub slots: usize,
     /// How long the queue's own waits (for a free launch slot, for the set-up submission, in `synchronize`) may
@@ -129,10 +157,22 @@ impl Default for ComputeQueueConfig {
         };
         ComputeQueueConfig {
             queue,
+            slot_placement: Placement::Video,
             slots: 256,
             timeout: Duration::from_secs(10),
             chain_part: 128,
         }
+    }
+}
+
+impl ComputeQueueConfig {
+    /// Places the ring and USERD, the pushbuffer and the launch slots in `memory`.
+    pub fn with_memory(mut self, memory: LaunchMemory) -> ComputeQueueConfig {
+        let p = memory.placement();
+        self.queue.channel.ring_placement = p;
+        self.queue.push_placement = p;
+        self.slot_placement = p;
+        self
     }
 }
 
@@ -184,6 +224,47 @@ fn write_changed(mem: &Memory, offset: u64, shadow: &mut [u32], new: &[u32]) -> 
     }
     Ok(())
 }
+/// Identities of prepared launches (0 is no launch), for the slots that hold one's QMD.
+static NEXT_PREPARED_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A launch of one kernel over one shape, checked and built once by [`ComputeQueue::prepare_launch`] for one queue:
+/// launching it again only packs the arguments and writes what differs per launch.
+#[derive(Clone)]
+pub struct PreparedLaunch {
+    id: u64,
+    queue: u64,
+    kernel: Kernel,
+    cfg: LaunchConfig,
+    /// Local memory per thread the QMD was built for.
+    local: u32,
+    /// The QMD, constant bank 0 at address 0 and release payload 0 (both patched per slot and launch).
+    qmd: Box<[u32; QMD_WORDS]>,
+    driver: [u32; CBANK_DRIVER_WORDS],
+    cluster: [u32; CLUSTER_WORDS],
+}
+
+impl PreparedLaunch {
+    /// The kernel it launches.
+    pub fn kernel(&self) -> &Kernel {
+        &self.kernel
+    }
+
+    /// The grid, block, shared memory and cluster shape it launches with.
+    pub fn config(&self) -> &LaunchConfig {
+        &self.cfg
+    }
+}
+
+impl std::fmt::Debug for PreparedLaunch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedLaunch")
+            .field("kernel", &self.kernel.info().name)
+            .field("config", &self.cfg)
+            .field("queue", &self.queue)
+            .finish()
+    }
+}
+
 /// Identities of compute queues, for objects that belong to one queue (a [`GraphExec`]).
 static NEXT_QUEUE_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -218,6 +299,9 @@ pub struct ComputeQueue {
     cb_shadow: Vec<[u32; CBANK_DRIVER_WORDS]>,
     /// What each slot's cluster words of constant bank 0 hold now.
     cluster_shadow: Vec<[u32; CLUSTER_WORDS]>,
+    /// Per slot, the [`PreparedLaunch`] whose QMD and driver words the slot holds (0: none), so launching it there
+    /// again rewrites only the parameters and the release payload.
+    slot_owner: Vec<u64>,
     timeout: Duration,
     /// The chain being recorded by `record_launch_chained`, sent by `end_chain`.
     chain: Option<OpenChain>,
@@ -299,9 +383,17 @@ impl ComputeQueue {
                 "sm_{sm} (QMD {version:?}); the direct launch path runs on Hopper (sm_90)"
             )));
         }
+        if config.slot_placement == Placement::Semaphores {
+            return Err(Error::Unsupported(
+                "launch slots cannot live in GPU-cacheable semaphore memory (the GPU could run a stale QMD)".into(),
+            ));
+        }
+        let mut queue = queue;
+        queue.note_write_combined(config.slot_placement);
         let slots = Memory::alloc(
             gpu,
             MemoryDesc::video(SLOT_BYTES * config.slots as u64)
+                .placement(config.slot_placement)
                 .with_cpu()
                 .low(),
         )?;
@@ -330,6 +422,7 @@ impl ComputeQueue {
             qmd_shadow: vec![[0; QMD_WORDS]; config.slots],
             cb_shadow: vec![[0; CBANK_DRIVER_WORDS]; config.slots],
             cluster_shadow: vec![[0; CLUSTER_WORDS]; config.slots],
+            slot_owner: vec![0; config.slots],
             timeout: config.timeout,
             chain: None,
             chain_action: ChainAction::InvalidateCopySchedule,
@@ -552,6 +645,149 @@ impl ComputeQueue {
         self.record(kernel, cfg, args, false).map(drop)
     }
 
+    /// Checks a launch of `kernel` over `cfg` once and builds its QMD and driver words, so that
+    /// [`launch_prepared`](Self::launch_prepared) only packs the arguments and writes what changes per launch (on a
+    /// slot that held the same prepared launch before: the parameters and two words of the QMD). Grows the queue's
+    /// local memory for the kernel now. Cooperative launches are not prepared.
+    pub fn prepare_launch(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+    ) -> Result<PreparedLaunch> {
+        let checked = self.check(kernel, cfg)?;
+        let k = kernel.info();
+        if k.min_stack_size + LOCAL_RESERVE > self.local_per_thread {
+            self.ensure_local_memory(k.min_stack_size)?;
+        }
+        let release = (self.queue.timeline().va(), 0);
+        let params = qmd_params(
+            kernel,
+            cfg,
+            checked,
+            0,
+            self.local_per_thread,
+            Some(release),
+        )?;
+        let mut qmd = [0u32; QMD_WORDS];
+        qmd::build(self.version, &params, &mut qmd)?;
+        let mut driver = [0u32; CBANK_DRIVER_WORDS];
+        write_driver_words(
+            &mut driver,
+            cfg.block,
+            cfg.grid,
+            self.shared_window(),
+            self.local_window(),
+        );
+        write_grid_barrier(&mut driver, None);
+        let mut cluster = [0u32; CLUSTER_WORDS];
+        write_cluster_words(&mut cluster, cfg.grid, checked.1);
+        Ok(PreparedLaunch {
+            id: NEXT_PREPARED_ID.fetch_add(1, Ordering::Relaxed),
+            queue: self.id,
+            kernel: kernel.clone(),
+            cfg: *cfg,
+            local: self.local_per_thread,
+            qmd: Box::new(qmd),
+            driver,
+            cluster,
+        })
+    }
+
+    /// Launches a [`PreparedLaunch`] of this queue with `args` (checked against the kernel's parameter table), in
+    /// order with everything else on the queue, and rings the doorbell. Allocates nothing.
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch).
+    pub unsafe fn launch_prepared(
+        &mut self,
+        prepared: &PreparedLaunch,
+        args: &[Arg<'_>],
+    ) -> Result<Fence> {
+        // SAFETY: forwarded.
+        let fence = unsafe { self.record_prepared(prepared, args)? };
+        self.queue.kick();
+        Ok(fence)
+    }
+
+    /// As [`launch_prepared`](Self::launch_prepared) without ringing the doorbell.
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch).
+    pub unsafe fn record_prepared(
+        &mut self,
+        prepared: &PreparedLaunch,
+        args: &[Arg<'_>],
+    ) -> Result<Fence> {
+        let p = prepared;
+        let kernel = &p.kernel;
+        if p.queue != self.id {
+            return Err(Error::InvalidLaunch {
+                kernel: kernel.info().name.clone(),
+                why: format!(
+                    "it was prepared on compute queue {} and is launched on queue {}; prepare it on this queue",
+                    p.queue, self.id
+                ),
+            });
+        }
+        if p.local != self.local_per_thread {
+            // Another kernel grew local memory since: the prepared QMD names the old size, so build afresh.
+            return self.record(kernel, &p.cfg, args, true);
+        }
+        self.end_open_chain()?;
+        let n = pack(kernel.info(), args, &mut self.params)?;
+        self.adopt_printf(kernel);
+        self.retire_local();
+        let slot = self.claim_slot()?;
+        if self.unordered_pending {
+            self.queue.record(0, Signal::Host, |_, _| {})?;
+            self.unordered_pending = false;
+        }
+        let prev = self.queue.last_submitted();
+        let value = prev + 1;
+        let slot_off = slot as u64 * SLOT_BYTES;
+        match qmd::release_payload_word(self.version) {
+            Some(w) if self.slot_owner[slot] == p.id => {
+                // The slot holds this launch's QMD and driver words: only the release payload changes.
+                let payload = [value as u32, (value >> 32) as u32];
+                self.slots.write_words(slot_off + w as u64 * 4, &payload)?;
+                self.qmd_shadow[slot][w..w + 2].copy_from_slice(&payload);
+            }
+            _ => {
+                let mut q = *p.qmd;
+                let cb_va = self.slot_qmd_va(slot) + QMD_BYTES;
+                qmd::patch_launch(self.version, &mut q, cb_va, Some(value))?;
+                self.write_qmd(slot, &q)?;
+                write_changed(
+                    &self.slots,
+                    slot_off + QMD_BYTES,
+                    &mut self.cb_shadow[slot],
+                    &p.driver,
+                )?;
+                write_changed(
+                    &self.slots,
+                    slot_off + QMD_BYTES + CLUSTER_WORDS_START as u64,
+                    &mut self.cluster_shadow[slot],
+                    &p.cluster,
+                )?;
+                self.slot_owner[slot] = p.id;
+            }
+        }
+        self.slots.write(
+            slot_off + QMD_BYTES + DRIVER_BYTES as u64,
+            &self.params[..n],
+        )?;
+        self.next_slot = (slot + 1) % self.slot_values.len();
+        let prev_done = self.queue.timeline().is_known_reached(prev);
+        let invalidate = self.seen_generation < kernel.module().generation();
+        let fence = self.send(self.slot_qmd_va(slot), invalidate, prev_done, prev)?;
+        debug_assert_eq!(fence.value(), value);
+        if invalidate {
+            self.seen_generation = newest_generation();
+        }
+        self.slot_values[slot] = value;
+        Ok(fence)
+    }
+
     /// Records a signal that completes once every launch so far has completed (waiting for the compute engine to
     /// go idle), rings the doorbell, and returns its fence.
     pub fn join(&mut self) -> Result<Fence> {
@@ -719,7 +955,9 @@ impl ComputeQueue {
         }
         let value = self.queue.last_submitted() + 1;
         let prev = self.queue.last_submitted();
-        let prev_done = !ordered || self.queue.timeline().is_reached(prev);
+        // Only what an earlier read showed: reading the semaphore would cost a cache miss on every launch, and an
+        // acquire of a value already released costs the GPU little.
+        let prev_done = !ordered || self.queue.timeline().is_known_reached(prev);
         let invalidate = self.seen_generation < kernel.module().generation();
 
         let fence = self.send(self.slot_qmd_va(slot), invalidate, prev_done, prev)?;
@@ -746,31 +984,15 @@ impl ComputeQueue {
         let k = kernel.info();
         let (shared, cluster) = self.check(kernel, cfg)?;
         let n = pack(k, args, &mut self.params)?;
-        if let Some(fifo) = kernel.module().printf_fifo()
-            && !self.printf.as_ref().is_some_and(|f| Arc::ptr_eq(f, fifo))
-        {
-            // A module loaded with a FIFO of its own: drain the one held so far before switching.
-            if let Some(old) = self.printf.replace(fifo.clone()) {
-                let _ = old.drain();
-            }
-        }
+        self.adopt_printf(kernel);
         if k.min_stack_size + LOCAL_RESERVE > self.local_per_thread {
             self.ensure_local_memory(k.min_stack_size)?;
         }
         self.retire_local();
 
-        let slot = self.next_slot;
-        let busy_until = self.slot_values[slot];
-        if !self.queue.timeline().is_reached(busy_until) {
-            if self.unordered_pending {
-                // Unordered launches release nothing themselves: a join makes their slots free again.
-                self.queue.record(0, Signal::Host, |_, _| {})?;
-                self.unordered_pending = false;
-            }
-            // The launch that holds the slot may only be recorded so far: send it before waiting.
-            self.queue.kick();
-            self.queue.fence_for(busy_until).wait(self.timeout)?;
-        }
+        let slot = self.claim_slot()?;
+        // The general path rewrites whatever differs, so no prepared launch owns the slot afterwards.
+        self.slot_owner[slot] = 0;
         let slot_off = slot as u64 * SLOT_BYTES;
         let cb_va = self.slot_qmd_va(slot) + QMD_BYTES;
         // After anything above that submitted (local memory, a join): the value this launch will be sent with.
@@ -844,6 +1066,33 @@ impl ComputeQueue {
         )?;
         self.next_slot = (slot + 1) % self.slot_values.len();
         Ok((slot, q))
+    }
+
+    /// Takes the printf FIFO of `kernel`'s module when it has one of its own, draining the one held so far.
+    fn adopt_printf(&mut self, kernel: &Kernel) {
+        if let Some(fifo) = kernel.module().printf_fifo()
+            && !self.printf.as_ref().is_some_and(|f| Arc::ptr_eq(f, fifo))
+            && let Some(old) = self.printf.replace(fifo.clone())
+        {
+            let _ = old.drain();
+        }
+    }
+
+    /// The next launch slot, once the launch that used it last has completed (the caller advances `next_slot`).
+    fn claim_slot(&mut self) -> Result<usize> {
+        let slot = self.next_slot;
+        let busy_until = self.slot_values[slot];
+        if !self.queue.timeline().is_reached(busy_until) {
+            if self.unordered_pending {
+                // Unordered launches release nothing themselves: a join makes their slots free again.
+                self.queue.record(0, Signal::Host, |_, _| {})?;
+                self.unordered_pending = false;
+            }
+            // The launch that holds the slot may only be recorded so far: send it before waiting.
+            self.queue.kick();
+            self.queue.fence_for(busy_until).wait(self.timeout)?;
+        }
+        Ok(slot)
     }
 
     fn slot_qmd_va(&self, slot: usize) -> u64 {

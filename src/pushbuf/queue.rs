@@ -118,7 +118,8 @@ impl Queue {
     /// Builds the channel and binds its engine classes; waits (up to the configured timeout) until the GPU has
     /// run that first submission, so a queue that exists is known to work.
     pub fn new(core: &Arc<GpuCore>, config: QueueConfig) -> Result<Queue> {
-        let channel = Channel::new(core, config.channel)?;
+        let mut channel = Channel::new(core, config.channel)?;
+        channel.note_write_combined(config.push_placement);
         let max_pending = 4096;
         let space = PushSpace::new(core, config.push_bytes, config.push_placement, max_pending)?;
         let timeline = channel.timeline(0);
@@ -147,6 +148,12 @@ impl Queue {
     /// The channel the queue submits to.
     pub fn channel(&self) -> &Channel {
         &self.channel
+    }
+
+    /// Says that work of this queue is also written through a write-combined mapping of `placement` (see
+    /// [`Channel::note_write_combined`]).
+    pub fn note_write_combined(&mut self, placement: Placement) {
+        self.channel.note_write_combined(placement);
     }
 
     /// The GPU the queue runs on.
@@ -203,7 +210,10 @@ impl Queue {
         let extra = if signal == Signal::Host { 6 } else { 0 };
         if !self
             .space
-            .fits_now(max_words + extra, self.timeline.completed())
+            .fits_now(max_words + extra, self.timeline.known())
+            && !self
+                .space
+                .fits_now(max_words + extra, self.timeline.completed())
         {
             // Recorded work may be what frees the space: send it before waiting.
             self.channel.kick();

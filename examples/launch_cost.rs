@@ -1,0 +1,262 @@
+//! Where a launch's CPU time and its time to completion go, for each place the direct path can keep its launch
+//! memory (video memory through BAR1, or CPU-cached host memory), beside cuLaunchKernel, all in one process:
+//!
+//! - `call`: the CPU time of one launch call, doorbell included, one call at a time (the queue is drained outside
+//!   the timed calls every 64 launches, so the GPU's pace is never what is timed): ordinary `launch`,
+//!   `launch_prepared` without and with parameters;
+//! - `record` / `doorbell`: the prepared call split into recording the launch and ringing the doorbell;
+//! - `completion`: a prepared launch, then a wait until the CPU sees it complete; `completion_fe` is the same
+//!   launch signalled by the front end (a semaphore release after wait-for-idle) instead of the QMD's release;
+//! - `round_trip`: a bare semaphore release after wait-for-idle, submitted and waited for (no kernel), on the
+//!   same queue: the floor the launch → completion target is measured against.
+//!
+//! Prints min / median / p99 in nanoseconds; `APEX_SAMPLES` sets the samples per series (default 20 000).
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use apex::driver;
+use apex::launch::{Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig, LaunchMemory, Module};
+use apex::rm::{GpuCore, Memory, MemoryDesc};
+
+const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
+const WAIT: Duration = Duration::from_secs(10);
+const ONE: LaunchConfig = LaunchConfig {
+    grid: [1, 1, 1],
+    block: [1, 1, 1],
+    shared_bytes: 0,
+    cluster: None,
+};
+/// Launches between drains in the per-call series.
+const BURST: usize = 64;
+
+fn main() -> std::process::ExitCode {
+    support::report(run())
+}
+
+struct Row {
+    name: String,
+    ns: Vec<f64>,
+}
+
+fn stats(ns: &[f64]) -> (f64, f64, f64) {
+    let mut s = ns.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    (s[0], s[n / 2], s[n * 99 / 100])
+}
+
+fn ns(t: Instant) -> f64 {
+    t.elapsed().as_nanos() as f64
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
+    let samples: usize = std::env::var("APEX_SAMPLES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000);
+    // The CUDA driver first: it places its own address ranges before APEX reserves its own.
+    let ctx = driver::Context::new(0)?;
+    let gpu = GpuCore::open(0)?;
+    let i = gpu.info();
+    println!(
+        "{} ({}), driver {}, CUDA driver API {}, {samples} samples per series",
+        i.name,
+        i.uuid,
+        i.driver_version,
+        ctx.driver_version()?
+    );
+    let mut rows = Vec::new();
+
+    // The timer itself, to read the figures below against.
+    let mut t0 = Vec::with_capacity(samples);
+    for _ in 0..samples {
+        let t = Instant::now();
+        t0.push(ns(t));
+    }
+    rows.push(Row {
+        name: "timer (Instant::now pair)".into(),
+        ns: t0,
+    });
+
+    for memory in [LaunchMemory::Video, LaunchMemory::Host] {
+        let tag = match memory {
+            LaunchMemory::Video => "video",
+            LaunchMemory::Host => "host",
+        };
+        let mut q = ComputeQueue::new(&gpu, ComputeQueueConfig::default().with_memory(memory))?;
+        let module = Module::load(&gpu, CUBIN)?;
+        let empty = module.kernel("empty")?;
+        let step = module.kernel("chain_step")?;
+        let value = Memory::alloc(&gpu, MemoryDesc::video(4096).with_cpu())?;
+        value.fill(0, 4096, 0)?;
+        let pe = q.prepare_launch(&empty, &ONE)?;
+        let ps = q.prepare_launch(&step, &ONE)?;
+        let step_args = [Arg::Ptr(value.va()), Arg::U64(1), Arg::U64(1)];
+        // Warm up every slot and both shapes.
+        for _ in 0..2000 {
+            // SAFETY: the empty kernel touches no memory; chain_step writes only `value`, which nothing else uses.
+            unsafe {
+                q.launch(&empty, &ONE, &[])?;
+                q.launch_prepared(&pe, &[])?;
+                q.launch_prepared(&ps, &step_args)?;
+            }
+        }
+        q.synchronize()?;
+
+        // One launch call at a time; drained outside the timed calls.
+        let per_call = |name: &str,
+                        q: &mut ComputeQueue,
+                        call: &mut dyn FnMut(&mut ComputeQueue) -> apex::launch::Result<()>|
+         -> apex::launch::Result<Row> {
+            let mut v = Vec::with_capacity(samples);
+            for r in 0..samples {
+                let t = Instant::now();
+                call(q)?;
+                v.push(ns(t));
+                if r % BURST == BURST - 1 {
+                    q.synchronize()?;
+                }
+            }
+            q.synchronize()?;
+            Ok(Row {
+                name: format!("{tag}: {name}"),
+                ns: v,
+            })
+        };
+        // SAFETY (all calls below): as in the warm-up.
+        rows.push(per_call("call, launch (empty)", &mut q, &mut |q| {
+            unsafe { q.launch(&empty, &ONE, &[]) }.map(drop)
+        })?);
+        rows.push(per_call(
+            "call, launch_prepared (empty)",
+            &mut q,
+            &mut |q| unsafe { q.launch_prepared(&pe, &[]) }.map(drop),
+        )?);
+        rows.push(per_call(
+            "call, launch_prepared (3 parameters)",
+            &mut q,
+            &mut |q| unsafe { q.launch_prepared(&ps, &step_args) }.map(drop),
+        )?);
+
+        // The prepared call split in two.
+        let (mut rec, mut bell) = (Vec::with_capacity(samples), Vec::with_capacity(samples));
+        for r in 0..samples {
+            let t = Instant::now();
+            // SAFETY: as above.
+            unsafe { q.record_prepared(&pe, &[]) }?;
+            rec.push(ns(t));
+            let t = Instant::now();
+            q.flush();
+            bell.push(ns(t));
+            if r % BURST == BURST - 1 {
+                q.synchronize()?;
+            }
+        }
+        q.synchronize()?;
+        rows.push(Row {
+            name: format!("{tag}: record (prepared, empty)"),
+            ns: rec,
+        });
+        rows.push(Row {
+            name: format!("{tag}: doorbell (store fence if needed + doorbell)"),
+            ns: bell,
+        });
+
+        // Launch -> completion, and the bare round trip, interleaved so both see the same conditions.
+        let (mut comp, mut fe, mut rt) = (
+            Vec::with_capacity(samples),
+            Vec::with_capacity(samples),
+            Vec::with_capacity(samples),
+        );
+        for _ in 0..samples {
+            let t = Instant::now();
+            // SAFETY: as above.
+            unsafe { q.launch_prepared(&pe, &[]) }?.wait(WAIT)?;
+            comp.push(ns(t));
+            let t = Instant::now();
+            // SAFETY: as above.
+            unsafe { q.record_launch_unordered(&empty, &ONE, &[]) }?;
+            q.join()?.wait(WAIT)?;
+            fe.push(ns(t));
+            let t = Instant::now();
+            q.join()?.wait(WAIT)?;
+            rt.push(ns(t));
+        }
+        rows.push(Row {
+            name: format!("{tag}: completion (prepared launch + wait)"),
+            ns: comp,
+        });
+        rows.push(Row {
+            name: format!("{tag}: completion_fe (launch, front-end release after idle)"),
+            ns: fe,
+        });
+        rows.push(Row {
+            name: format!("{tag}: round_trip (semaphore release after idle, no kernel)"),
+            ns: rt,
+        });
+        // Every chain_step launch added one, in order.
+        let got = value.read_u64_volatile(0)?;
+        let want = 2000 + samples as u64;
+        if got != want {
+            return Err(format!(
+                "chain_step left {got}, expected {want}: a launch was lost or repeated"
+            )
+            .into());
+        }
+    }
+
+    // CUDA in the same process.
+    let mut stream = driver::Stream::new(&ctx)?;
+    let f = driver::Module::load(&ctx, CUBIN)?.function("empty")?;
+    // SAFETY: the empty kernel takes no parameters and touches no memory.
+    let cuda = |s: &mut driver::Stream| unsafe { s.launch(&f, [1, 1, 1], [1, 1, 1], 0, &mut []) };
+    for _ in 0..2000 {
+        cuda(&mut stream)?;
+    }
+    stream.synchronize()?;
+    let (mut call, mut comp) = (Vec::with_capacity(samples), Vec::with_capacity(samples));
+    for r in 0..samples {
+        let t = Instant::now();
+        cuda(&mut stream)?;
+        call.push(ns(t));
+        if r % BURST == BURST - 1 {
+            stream.synchronize()?;
+        }
+    }
+    stream.synchronize()?;
+    for _ in 0..samples {
+        let t = Instant::now();
+        cuda(&mut stream)?;
+        stream.synchronize()?;
+        comp.push(ns(t));
+    }
+    rows.push(Row {
+        name: "cuda: call, cuLaunchKernel (empty)".into(),
+        ns: call,
+    });
+    rows.push(Row {
+        name: "cuda: completion (cuLaunchKernel + cuStreamSynchronize)".into(),
+        ns: comp,
+    });
+
+    let cuda_call = stats(&rows[rows.len() - 2].ns).1;
+    println!(
+        "{:<66} {:>9} {:>9} {:>9} {:>9}",
+        "series", "min ns", "median", "p99", "cuLK/x"
+    );
+    for r in &rows {
+        let (min, med, p99) = stats(&r.ns);
+        let ratio = if r.name.contains("call") {
+            format!("{:.2}", cuda_call / med)
+        } else {
+            String::new()
+        };
+        println!(
+            "{:<66} {:>9.0} {:>9.0} {:>9.0} {:>9}",
+            r.name, min, med, p99, ratio
+        );
+    }
+    Ok(())
+}

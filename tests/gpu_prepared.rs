@@ -1,0 +1,139 @@
+//! Prepared launches on the GPU, on both backends and in both launch memories: thousands of launches with
+//! arguments that change every time, interleaved with ordinary launches of the same kernel, compute exactly what
+//! the CPU computes in the same order (run with `--include-ignored` on an NVIDIA GPU with libcuda).
+
+use std::time::Duration;
+
+use apex::{Arg, Backend, BackendRequest, Gpu, LaunchConfig, LaunchMemory, QueueOptions};
+
+const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
+const T: Duration = Duration::from_secs(20);
+
+fn gpu(b: Backend) -> Gpu {
+    let req = match b {
+        Backend::Direct => BackendRequest::Direct,
+        Backend::Driver => BackendRequest::Driver,
+    };
+    let g = Gpu::open_with(0, req).expect("open GPU");
+    assert_eq!(g.backend(), b, "{}", g.selection());
+    g
+}
+
+fn run(b: Backend, memory: LaunchMemory) {
+    let g = gpu(b);
+    let mut q = g
+        .queue_with(QueueOptions::default().launch_memory(memory))
+        .unwrap();
+    let m = g.load_module(CUBIN).unwrap();
+    let step = m.kernel("chain_step").unwrap();
+    let saxpy = m.kernel("saxpy").unwrap();
+    let n = 1000usize;
+    let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+    let mut y: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+    let (dv, dx, dy) = (
+        g.alloc(8).unwrap(),
+        g.alloc(4 * n as u64).unwrap(),
+        g.alloc(4 * n as u64).unwrap(),
+    );
+    q.upload(&g, &dv, 0, &3u64.to_le_bytes()).unwrap();
+    q.upload(
+        &g,
+        &dx,
+        0,
+        &x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>(),
+    )
+    .unwrap();
+    q.upload(
+        &g,
+        &dy,
+        0,
+        &y.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>(),
+    )
+    .unwrap();
+
+    let one = LaunchConfig::linear(1, 1);
+    let p_step = q.prepare(&step, &one).unwrap();
+    let p_saxpy = q.prepare(&saxpy, &LaunchConfig::linear(4, 256)).unwrap();
+    assert_eq!(p_saxpy.config().grid, [4, 1, 1]);
+    let mut value = 3u64;
+    let mut last = None;
+    for i in 0..6000u64 {
+        // Not commutative: a lost, repeated or reordered launch changes the result.
+        let (mul, add) = (i % 3 + 1, i.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        value = value.wrapping_mul(mul).wrapping_add(add);
+        let args = [dv.arg(), Arg::U64(mul), Arg::U64(add)];
+        // SAFETY: chain_step reads and writes the 8 bytes of dv; saxpy reads n floats of dx and updates n of dy.
+        last = Some(unsafe {
+            match i % 7 {
+                3 => q.launch(&step, &one, &args).unwrap(),
+                5 => {
+                    let a = 1.0 / (i as f32 + 1.0);
+                    for (yy, xx) in y.iter_mut().zip(&x) {
+                        *yy = a.mul_add(*xx, *yy);
+                    }
+                    q.launch_prepared(
+                        &p_saxpy,
+                        &[Arg::F32(a), dx.arg(), dy.arg(), Arg::U32(n as u32)],
+                    )
+                    .unwrap();
+                    q.launch_prepared(&p_step, &args).unwrap()
+                }
+                _ => q.launch_prepared(&p_step, &args).unwrap(),
+            }
+        });
+    }
+    last.unwrap().wait(T).unwrap();
+    let mut out = [0u8; 8];
+    q.download(&g, &dv, 0, &mut out).unwrap();
+    assert_eq!(
+        u64::from_le_bytes(out),
+        value,
+        "{b:?} {memory:?}: chain_step's value"
+    );
+    let mut out = vec![0u8; 4 * n];
+    q.download(&g, &dy, 0, &mut out).unwrap();
+    for (i, w) in out.chunks_exact(4).enumerate() {
+        assert_eq!(
+            f32::from_le_bytes(w.try_into().unwrap()).to_bits(),
+            y[i].to_bits(),
+            "{b:?} {memory:?}: y[{i}]"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn prepared_launches_compute_in_order_direct_video_memory() {
+    run(Backend::Direct, LaunchMemory::Video);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn prepared_launches_compute_in_order_direct_host_memory() {
+    run(Backend::Direct, LaunchMemory::Host);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn prepared_launches_compute_in_order_driver() {
+    run(Backend::Driver, LaunchMemory::Video);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_prepared_launch_is_refused_on_another_queue() {
+    let g = gpu(Backend::Direct);
+    let m = g.load_module(CUBIN).unwrap();
+    let empty = m.kernel("empty").unwrap();
+    let mut a = g.queue().unwrap();
+    let mut b = g.queue().unwrap();
+    let p = a.prepare(&empty, &LaunchConfig::linear(1, 1)).unwrap();
+    // SAFETY: the empty kernel touches no memory.
+    let e = unsafe { b.launch_prepared(&p, &[]) }.unwrap_err();
+    assert!(e.to_string().contains("prepare it on this queue"), "{e}");
+    // SAFETY: as above.
+    unsafe { a.launch_prepared(&p, &[]) }
+        .unwrap()
+        .wait(T)
+        .unwrap();
+}

@@ -1,0 +1,242 @@
+//! Prepared launches against the simulated GPU front end: each launch the model sees must carry its own
+//! arguments, shape, program and release, whichever launch held its slot before (prepared or not); a prepared
+//! launch is refused on another queue, follows the queue's local memory, allocates nothing, and works with the
+//! launch memory in host memory.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use apex::launch::{
+    Arg, ComputeQueue, ComputeQueueConfig, Error, LaunchConfig, LaunchMemory, Module,
+};
+use apex::rm::sim::SimConfig;
+use apex::rm::{GpuCore, Memory, MemoryDesc, Placement};
+use apex::sim::Simulator;
+
+#[path = "support/counting_alloc.rs"]
+mod counting_alloc;
+use counting_alloc::allocations;
+
+const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
+const T: Duration = Duration::from_secs(30);
+
+fn setup(config: ComputeQueueConfig) -> (Arc<GpuCore>, Simulator, ComputeQueue, Arc<Module>) {
+    let (gpu, sim) = Simulator::open(SimConfig::default()).unwrap();
+    let q = ComputeQueue::new(&gpu, config).expect("compute queue");
+    let module = Module::load(&gpu, CUBIN).expect("module");
+    (gpu, sim, q, module)
+}
+
+fn page(gpu: &Arc<GpuCore>) -> Memory {
+    let m = Memory::alloc(
+        gpu,
+        MemoryDesc::video(0x1000)
+            .placement(Placement::SystemCached)
+            .with_cpu()
+            .low(),
+    )
+    .unwrap();
+    m.fill(0, 0x1000, 0).unwrap();
+    m
+}
+
+/// Four slots, so that slots pass between prepared launches, ordinary launches and the two prepared shapes.
+fn small(memory: LaunchMemory) -> ComputeQueueConfig {
+    ComputeQueueConfig {
+        slots: 4,
+        chain_part: 4,
+        ..ComputeQueueConfig::default()
+    }
+    .with_memory(memory)
+}
+
+fn every_launch_carries_its_own_arguments(memory: LaunchMemory) {
+    let (gpu, sim, mut q, module) = setup(small(memory));
+    let saxpy = module.kernel("saxpy").unwrap();
+    let step = module.kernel("chain_step").unwrap();
+    let out = page(&gpu);
+    let a = q
+        .prepare_launch(&saxpy, &LaunchConfig::linear(3, 128))
+        .unwrap();
+    let b = q
+        .prepare_launch(&step, &LaunchConfig::linear(1, 1))
+        .unwrap();
+    let before = sim.launches().len();
+    let mut fences = Vec::new();
+    // A pattern that is not a multiple of the slot count: every slot sees every kind of launch.
+    for i in 0..45u32 {
+        let f = match i % 5 {
+            0 | 1 => {
+                let args = [
+                    Arg::F32(i as f32),
+                    Arg::Ptr(out.va()),
+                    Arg::Ptr(out.va() + 64),
+                    Arg::U32(i),
+                ];
+                // SAFETY: the model does not execute kernels.
+                unsafe { q.launch_prepared(&a, &args) }.unwrap()
+            }
+            2 | 3 => {
+                let args = [Arg::Ptr(out.va()), Arg::U64(u64::from(i)), Arg::U64(7)];
+                // SAFETY: as above.
+                unsafe { q.launch_prepared(&b, &args) }.unwrap()
+            }
+            _ => {
+                let args = [Arg::Ptr(out.va()), Arg::U64(u64::from(i)), Arg::U64(9)];
+                // SAFETY: as above; an ordinary launch of another shape takes the slot in between.
+                unsafe { q.launch(&step, &LaunchConfig::linear(2, 32), &args) }.unwrap()
+            }
+        };
+        fences.push(f);
+    }
+    fences.last().unwrap().wait(T).unwrap();
+    let launches = &sim.launches()[before..];
+    assert_eq!(launches.len(), 45);
+    let timeline = q.queue().timeline().va();
+    for (i, (l, f)) in launches.iter().zip(&fences).enumerate() {
+        let i = i as u32;
+        assert_eq!(l.releases, vec![(timeline, f.value())], "launch {i}");
+        assert_eq!(l.cbank0_va, l.qmd_va + 512, "launch {i}");
+        match i % 5 {
+            0 | 1 => {
+                assert_eq!((l.grid, l.block), ([3, 1, 1], [128, 1, 1]), "launch {i}");
+                assert_eq!(l.program_va, saxpy.program_va());
+                assert_eq!(l.params[0..4], (i as f32).to_le_bytes());
+                assert_eq!(l.params[8..16], out.va().to_le_bytes());
+                assert_eq!(l.params[16..24], (out.va() + 64).to_le_bytes());
+                assert_eq!(l.params[24..28], i.to_le_bytes());
+                assert_eq!(
+                    l.driver_words[0..3],
+                    [128, 1, 1],
+                    "blockDim in the driver words"
+                );
+            }
+            2 | 3 => {
+                assert_eq!((l.grid, l.block), ([1, 1, 1], [1, 1, 1]), "launch {i}");
+                assert_eq!(l.program_va, step.program_va());
+                assert_eq!(l.params[8..16], u64::from(i).to_le_bytes());
+                assert_eq!(l.params[16..24], 7u64.to_le_bytes());
+                assert_eq!(l.driver_words[0..3], [1, 1, 1]);
+            }
+            _ => {
+                assert_eq!((l.grid, l.block), ([2, 1, 1], [32, 1, 1]), "launch {i}");
+                assert_eq!(l.params[16..24], 9u64.to_le_bytes());
+                assert_eq!(l.driver_words[0..3], [32, 1, 1]);
+            }
+        }
+    }
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+    assert!(sim.dropped_qmds().is_empty());
+}
+
+#[test]
+fn prepared_launches_carry_their_own_arguments_in_video_memory() {
+    every_launch_carries_its_own_arguments(LaunchMemory::Video);
+}
+
+#[test]
+fn prepared_launches_carry_their_own_arguments_in_host_memory() {
+    every_launch_carries_its_own_arguments(LaunchMemory::Host);
+}
+
+#[test]
+fn host_launch_memory_skips_the_store_fence_and_video_memory_keeps_it() {
+    let (_gpu, _sim, q, _m) = setup(small(LaunchMemory::Host));
+    assert!(!q.queue().channel().needs_store_fence());
+    let (_gpu, _sim, q, _m) = setup(small(LaunchMemory::Video));
+    assert!(q.queue().channel().needs_store_fence());
+}
+
+#[test]
+fn a_prepared_launch_is_refused_on_another_queue_before_anything_is_sent() {
+    let (gpu, sim, mut q, module) = setup(small(LaunchMemory::Video));
+    let step = module.kernel("chain_step").unwrap();
+    let p = q
+        .prepare_launch(&step, &LaunchConfig::linear(1, 1))
+        .unwrap();
+    let mut other = ComputeQueue::new(&gpu, small(LaunchMemory::Video)).unwrap();
+    let before = sim.launches().len();
+    let out = page(&gpu);
+    let args = [Arg::Ptr(out.va()), Arg::U64(1), Arg::U64(1)];
+    // SAFETY: the model does not execute kernels.
+    let e = unsafe { other.launch_prepared(&p, &args) }.unwrap_err();
+    assert!(
+        matches!(&e, Error::InvalidLaunch { why, .. } if why.contains("prepare it on this queue")),
+        "{e}"
+    );
+    // Wrong arguments are refused as for an ordinary launch.
+    // SAFETY: as above.
+    let e = unsafe { q.launch_prepared(&p, &[Arg::U32(1)]) }.unwrap_err();
+    assert!(matches!(e, Error::Params(_)), "{e}");
+    other.synchronize().unwrap();
+    q.synchronize().unwrap();
+    assert_eq!(sim.launches().len(), before);
+}
+
+#[test]
+fn a_prepared_launch_follows_local_memory_grown_after_it_was_prepared() {
+    let (gpu, sim, mut q, module) = setup(small(LaunchMemory::Video));
+    let step = module.kernel("chain_step").unwrap();
+    let spill = module.kernel("spill").unwrap();
+    let p = q
+        .prepare_launch(&step, &LaunchConfig::linear(1, 1))
+        .unwrap();
+    let out = page(&gpu);
+    let args = [Arg::Ptr(out.va()), Arg::U64(1), Arg::U64(1)];
+    // SAFETY: the model does not execute kernels.
+    unsafe { q.launch_prepared(&p, &args) }.unwrap();
+    let before = q.local_bytes_per_thread();
+    // SAFETY: as above.
+    unsafe {
+        q.launch(
+            &spill,
+            &LaunchConfig::linear(1, 32),
+            &[Arg::Ptr(out.va()), Arg::U32(1), Arg::U32(64)],
+        )
+    }
+    .unwrap();
+    assert!(q.local_bytes_per_thread() > before);
+    for _ in 0..6 {
+        // SAFETY: as above.
+        unsafe { q.launch_prepared(&p, &args) }.unwrap();
+    }
+    q.synchronize().unwrap();
+    let launches = sim.launches();
+    for l in &launches[launches.len() - 6..] {
+        assert_eq!(l.program_va, step.program_va());
+        assert_eq!(l.local_bytes_per_thread, q.local_bytes_per_thread());
+    }
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+}
+
+#[test]
+fn a_prepared_launch_allocates_nothing() {
+    let (gpu, sim, mut q, module) =
+        setup(ComputeQueueConfig::default().with_memory(LaunchMemory::Host));
+    let step = module.kernel("chain_step").unwrap();
+    let p = q
+        .prepare_launch(&step, &LaunchConfig::linear(1, 1))
+        .unwrap();
+    let out = page(&gpu);
+    let before = sim.launches().len();
+    // Warm: every slot once, so the pushbuffer and slot bookkeeping are in steady state.
+    for i in 0..300u64 {
+        let args = [Arg::Ptr(out.va()), Arg::U64(i), Arg::U64(1)];
+        // SAFETY: the model does not execute kernels.
+        unsafe { q.launch_prepared(&p, &args) }.unwrap();
+    }
+    q.synchronize().unwrap();
+    let (last, allocs) = allocations(|| {
+        let mut last = None;
+        for i in 0..200u64 {
+            let args = [Arg::Ptr(out.va()), Arg::U64(i), Arg::U64(1)];
+            // SAFETY: as above.
+            last = Some(unsafe { q.launch_prepared(&p, &args) }.unwrap());
+        }
+        last
+    });
+    assert_eq!(allocs, 0, "heap allocations in 200 prepared launches");
+    last.unwrap().wait(T).unwrap();
+    assert_eq!(sim.launches().len() - before, 500);
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+}
