@@ -9,7 +9,20 @@ use apex::{Arg, Backend, BackendRequest, Gpu, LaunchConfig, LaunchMemory, QueueO
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
 const T: Duration = Duration::from_secs(20);
 
+/// `APEX_LOG=1`: the library's debug log on stderr (what RM and the queues did), for a failure's report.
+fn log() {
+    if std::env::var_os("APEX_LOG").is_some() {
+        let _ = tracing::subscriber::set_global_default(
+            tracing_subscriber::fmt()
+                .with_max_level(tracing::Level::DEBUG)
+                .with_writer(std::io::stderr)
+                .finish(),
+        );
+    }
+}
+
 fn gpu(b: Backend) -> Gpu {
+    log();
     let req = match b {
         Backend::Direct => BackendRequest::Direct,
         Backend::Driver => BackendRequest::Driver,

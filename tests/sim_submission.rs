@@ -334,3 +334,53 @@ fn a_manual_model_only_moves_when_stepped() {
     sim.run_until_idle(100);
     assert!(f.is_done());
 }
+
+/// A front end that fetches only on doorbells and misses some (as a freshly started GPU was seen to): queue
+/// creation and the owner's waits ring the doorbell again instead of timing out; a plain fence wait, which cannot
+/// ring, shows that the missed doorbell really held the work back.
+#[test]
+fn missed_doorbells_are_rung_again_by_the_queue_owner() {
+    use apex::launch::{ComputeQueue, ComputeQueueConfig, LaunchConfig, Module};
+    let (gpu, sim) = Simulator::open(SimConfig {
+        lost_doorbells: 3,
+        ..SimConfig::default()
+    })
+    .unwrap();
+    let mut q = ComputeQueue::new(&gpu, ComputeQueueConfig::default())
+        .expect("queue despite missed doorbells");
+    let token = q.queue().channel().token();
+    let stats = sim.stats_for(token).unwrap();
+    let lost = stats.lost_doorbells;
+    assert!(lost >= 1, "the model missed no doorbell: {stats:?}");
+    let k = Module::load(
+        &gpu,
+        include_bytes!("../kernels/apex_test_kernels.sm_90.cubin"),
+    )
+    .unwrap()
+    .kernel("empty")
+    .unwrap();
+    // SAFETY: the simulator runs no kernels.
+    unsafe { q.launch(&k, &LaunchConfig::linear(1, 1), &[]) }.unwrap();
+    q.synchronize().unwrap();
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+
+    // The model fetches only what a doorbell announced: published work without one stays unfetched, which is
+    // what a missed doorbell leaves behind when nobody rings again.
+    let (gpu, sim) = Simulator::open(SimConfig {
+        lost_doorbells: 1,
+        ..SimConfig::default()
+    })
+    .unwrap();
+    let mut raw = queue(&gpu, 64, Duration::from_secs(5));
+    let token = raw.channel().token();
+    assert_eq!(sim.stats_for(token).unwrap().lost_doorbells, 1);
+    let f = raw.record(0, Signal::Host, |_, _| {}).unwrap();
+    let e = f.wait(Duration::from_millis(300)).unwrap_err();
+    assert!(
+        matches!(e, Error::Channel(ChannelError::Timeout { .. })),
+        "{e}"
+    );
+    raw.kick();
+    f.wait(T).unwrap();
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+}

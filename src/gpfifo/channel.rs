@@ -642,6 +642,11 @@ impl Channel {
         unsafe { self.userd_word(off).read_volatile() }
     }
 
+    /// GP_PUT as this channel last published it (what the GPU fetches up to once the doorbell is rung).
+    pub fn published_put(&self) -> u32 {
+        self.state.put()
+    }
+
     /// Re-reads GP_GET and returns the free entries.
     pub fn refresh(&mut self) -> u32 {
         let get = self.read_gp_get();

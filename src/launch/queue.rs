@@ -438,7 +438,7 @@ impl ComputeQueue {
             p.set_shader_windows(shared, local);
         })?;
         cq.ensure_local_memory(INITIAL_STACK)?;
-        cq.queue.wait_idle(cq.timeout)?;
+        cq.queue.wait_idle_kicking(cq.timeout)?;
         debug!(
             shared = format_args!("{shared:#x}"),
             local = format_args!("{local:#x}"),
@@ -1090,7 +1090,7 @@ impl ComputeQueue {
             }
             // The launch that holds the slot may only be recorded so far: send it before waiting.
             self.queue.kick();
-            self.queue.fence_for(busy_until).wait(self.timeout)?;
+            self.queue.wait_kicking(busy_until, self.timeout)?;
         }
         Ok(slot)
     }
@@ -1238,7 +1238,7 @@ impl ComputeQueue {
         self.end_open_chain()?;
         // What is only recorded so far is sent first.
         self.queue.kick();
-        let waited = self.queue.wait_idle(self.timeout);
+        let waited = self.queue.wait_idle_kicking(self.timeout);
         settle(self.printf.as_ref(), waited)
     }
 

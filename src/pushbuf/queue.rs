@@ -2,7 +2,7 @@
 //! value when it is done, so completion, pushbuffer reuse and fences all follow one counter.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::gpfifo::{Channel, ChannelConfig, FaultWatch, PushSpace, Timeline, wait_until};
 use crate::rm::{GpuCore, Placement};
@@ -141,7 +141,7 @@ impl Queue {
                 p.set_object(Subchannel::COPY, c);
             }
         })?;
-        fence.wait(config.timeout)?;
+        q.wait_kicking(fence.value(), config.timeout)?;
         Ok(q)
     }
 
@@ -250,5 +250,64 @@ impl Queue {
     /// Waits until every submission so far is complete.
     pub fn wait_idle(&self, timeout: Duration) -> Result<()> {
         self.fence_for(self.last).wait(timeout)
+    }
+
+    /// Waits until the timeline reaches `value` (up to `timeout`), ringing the doorbell again whenever the wait
+    /// grows long: a doorbell the GPU missed (seen on freshly started machines, on a queue's first submissions)
+    /// would otherwise leave published work unfetched until the timeout. A second doorbell for the same GP_PUT is
+    /// harmless, and only the queue's owner (`&mut self`) may ring it, after its own ordered stores.
+    pub fn wait_kicking(&mut self, value: u64, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        let mut slice = Duration::from_millis(1);
+        let mut rings = 0u32;
+        loop {
+            let left = timeout.saturating_sub(start.elapsed());
+            match self.fence_for(value).wait(slice.min(left)) {
+                Ok(()) => {
+                    if rings > 0 {
+                        tracing::warn!(
+                            rings,
+                            waited = ?start.elapsed(),
+                            "work completed only after the doorbell was rung again"
+                        );
+                    }
+                    return Ok(());
+                }
+                Err(Error::Channel(crate::gpfifo::Error::Timeout { what, .. })) => {
+                    let (get, put) = (self.channel.read_gp_get(), self.channel.published_put());
+                    if left <= slice {
+                        tracing::warn!(
+                            value,
+                            completed = self.timeline.completed(),
+                            gp_get = get,
+                            gp_put = put,
+                            rings,
+                            "wait on the queue's timeline timed out"
+                        );
+                        return Err(crate::gpfifo::Error::Timeout {
+                            what,
+                            waited: start.elapsed(),
+                        }
+                        .into());
+                    }
+                    tracing::debug!(
+                        value,
+                        gp_get = get,
+                        gp_put = put,
+                        "long wait: ringing the doorbell again"
+                    );
+                    self.channel.kick();
+                    rings += 1;
+                    slice = (slice * 4).min(Duration::from_millis(250));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// As [`wait_idle`](Self::wait_idle), ringing the doorbell again during a long wait
+    /// ([`wait_kicking`](Self::wait_kicking)).
+    pub fn wait_idle_kicking(&mut self, timeout: Duration) -> Result<()> {
+        self.wait_kicking(self.last, timeout)
     }
 }

@@ -65,6 +65,10 @@ pub struct SimConfig {
     /// Whether the GPU is in the process's simulated peer domain, an NVLink peer of the other simulated GPUs
     /// there. `false` models a GPU opened alone: an address space of its own, no peer path.
     pub peer: bool,
+    /// Doorbells the GPU misses: the first this many of each channel are ignored. With any, the front end fetches
+    /// only up to the GP_PUT it read at the last doorbell it saw, as hardware does (otherwise it polls GP_PUT),
+    /// so work published under a missed doorbell waits for the next one.
+    pub lost_doorbells: u32,
 }
 
 impl Default for SimConfig {
@@ -84,6 +88,7 @@ impl Default for SimConfig {
             peer_read_ces: 0b1_0000,
             peer_write_ces: 0b1100,
             peer: true,
+            lost_doorbells: 0,
         }
     }
 }

@@ -82,6 +82,11 @@ pub(super) struct ChannelModel {
     pub faulted: bool,
     pub stats: ChannelStats,
     sm_version: u32,
+    /// Doorbells still to be missed (`SimConfig::lost_doorbells`).
+    lost_doorbells: u32,
+    /// With doorbells modelled, the GP_PUT read at the last doorbell seen: fetching stops there.
+    doorbell_put: Option<u32>,
+    fetch_on_doorbell: bool,
 }
 
 impl GpuMemory for SimView<'_> {
@@ -126,6 +131,28 @@ impl ChannelModel {
                 ..ChannelStats::default()
             },
             sm_version,
+            lost_doorbells: 0,
+            doorbell_put: None,
+            fetch_on_doorbell: false,
+        }
+    }
+
+    /// Misses the first `n` doorbells; with any, fetches only what a doorbell announced.
+    pub fn with_lost_doorbells(mut self, n: u32) -> ChannelModel {
+        self.lost_doorbells = n;
+        self.fetch_on_doorbell = n > 0;
+        self
+    }
+
+    /// The channel's doorbell was rung: GP_PUT is read now, unless this doorbell is one to miss.
+    pub fn doorbell(&mut self, view: &SimView<'_>) {
+        if self.lost_doorbells > 0 {
+            self.lost_doorbells -= 1;
+            self.stats.lost_doorbells += 1;
+            return;
+        }
+        if let Ok(put) = view.read_u32(self.ch.userd_va + GP_PUT) {
+            self.doorbell_put = Some(put);
         }
     }
 
@@ -171,9 +198,12 @@ impl ChannelModel {
             if fetched == ENTRIES_PER_STEP {
                 return Ok(progress);
             }
-            let put = view
-                .read_u32(self.ch.userd_va + GP_PUT)
-                .map_err(mmu("USERD"))?;
+            let put = if self.fetch_on_doorbell {
+                self.doorbell_put.unwrap_or(self.get)
+            } else {
+                view.read_u32(self.ch.userd_va + GP_PUT)
+                    .map_err(mmu("USERD"))?
+            };
             if put >= self.ch.entries {
                 return Err(SimErrorKind::BadGpPut {
                     put,

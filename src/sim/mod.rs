@@ -224,6 +224,8 @@ pub struct ChannelStats {
     pub cache_invalidations: u64,
     /// Doorbell writes seen with this channel's token (writes between two polls count once).
     pub doorbells: u64,
+    /// Of those, doorbells the model missed on purpose (`SimConfig::lost_doorbells`).
+    pub lost_doorbells: u64,
     /// Whether the channel faulted (it executes nothing more).
     pub faulted: bool,
 }
@@ -249,6 +251,7 @@ struct Inner {
     stop: AtomicBool,
     sm_version: u32,
     threads_per_tpc: u64,
+    lost_doorbells: u32,
 }
 
 impl Inner {
@@ -271,10 +274,10 @@ impl Inner {
             m.live = live.iter().any(|c| c.handle == m.ch.handle);
         }
         for ch in &live {
-            model
-                .channels
-                .entry(ch.handle)
-                .or_insert_with(|| ChannelModel::new(*ch, self.sm_version, self.threads_per_tpc));
+            model.channels.entry(ch.handle).or_insert_with(|| {
+                ChannelModel::new(*ch, self.sm_version, self.threads_per_tpc)
+                    .with_lost_doorbells(self.lost_doorbells)
+            });
         }
         let token = view.take_doorbell();
         if token != 0 {
@@ -283,7 +286,10 @@ impl Inner {
                 .values_mut()
                 .find(|m| m.live && m.ch.token == token)
             {
-                Some(m) => m.stats.doorbells += 1,
+                Some(m) => {
+                    m.stats.doorbells += 1;
+                    m.doorbell(&view);
+                }
                 None => model.records.errors.push(SimError {
                     token: 0,
                     gp_get: 0,
@@ -332,9 +338,10 @@ impl Simulator {
     /// Runs the model over `bus`, on a background thread when `background`.
     pub fn start(bus: SimBus, background: bool) -> std::io::Result<Simulator> {
         let c = bus.config();
-        let (sm_version, threads_per_tpc) = (
+        let (sm_version, threads_per_tpc, lost_doorbells) = (
             c.sm_version,
             u64::from(c.max_warps_per_sm) * 32 * u64::from(c.sms_per_tpc),
+            c.lost_doorbells,
         );
         let inner = Arc::new(Inner {
             bus,
@@ -343,6 +350,7 @@ impl Simulator {
             stop: AtomicBool::new(false),
             sm_version,
             threads_per_tpc,
+            lost_doorbells,
         });
         let thread = if background {
             let i = inner.clone();
