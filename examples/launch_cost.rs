@@ -4,7 +4,9 @@
 //! - `call`: the CPU time of one launch call, doorbell included, one call at a time (the queue is drained outside
 //!   the timed calls every 64 launches, so the GPU's pace is never what is timed): ordinary `launch`,
 //!   `launch_prepared` without and with parameters;
-//! - `record` / `doorbell`: the prepared call split into recording the launch and ringing the doorbell;
+//! - `record` / `doorbell`: the prepared call split into recording the launch and ringing the doorbell; the same
+//!   back to back (64 per sample), where store buffers and write-combining fill;
+//! - each of these also with inline QMDs (`ComputeQueueConfig::inline_qmd`);
 //! - `completion`: a prepared launch, then a wait until the CPU sees it complete; `completion_fe` is the same
 //!   launch signalled by the front end (a semaphore release after wait-for-idle) instead of the QMD's release;
 //! - `round_trip`: a bare semaphore release after wait-for-idle, submitted and waited for (no kernel), on the
@@ -80,12 +82,16 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         ns: t0,
     });
 
-    for memory in [LaunchMemory::Video, LaunchMemory::Host] {
-        let tag = match memory {
-            LaunchMemory::Video => "video",
-            LaunchMemory::Host => "host",
-        };
-        let mut q = ComputeQueue::new(&gpu, ComputeQueueConfig::default().with_memory(memory))?;
+    for (tag, memory, inline_qmd) in [
+        ("video", LaunchMemory::Video, false),
+        ("video+inline", LaunchMemory::Video, true),
+        ("host", LaunchMemory::Host, false),
+        ("host+inline", LaunchMemory::Host, true),
+    ] {
+        // Set after `with_memory`, which picks inline QMDs for host memory.
+        let mut config = ComputeQueueConfig::default().with_memory(memory);
+        config.inline_qmd = inline_qmd;
+        let mut q = ComputeQueue::new(&gpu, config)?;
         let module = Module::load(&gpu, CUBIN)?;
         let empty = module.kernel("empty")?;
         let step = module.kernel("chain_step")?;
@@ -162,6 +168,35 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         rows.push(Row {
             name: format!("{tag}: doorbell (store fence if needed + doorbell)"),
             ns: bell,
+        });
+
+        // Back to back, per launch: what the CPU sustains once store buffers and write-combining fill
+        // (64 per sample, drained outside the timed part).
+        let (mut burst, mut bells) = (
+            Vec::with_capacity(samples / 64),
+            Vec::with_capacity(samples / 64),
+        );
+        for _ in 0..samples / 64 {
+            let t = Instant::now();
+            for _ in 0..64 {
+                // SAFETY: as above.
+                unsafe { q.launch_prepared(&pe, &[]) }?;
+            }
+            burst.push(ns(t) / 64.0);
+            q.synchronize()?;
+            let t = Instant::now();
+            for _ in 0..64 {
+                q.flush();
+            }
+            bells.push(ns(t) / 64.0);
+        }
+        rows.push(Row {
+            name: format!("{tag}: call, launch_prepared x64 back to back, per call"),
+            ns: burst,
+        });
+        rows.push(Row {
+            name: format!("{tag}: doorbell x64 back to back (nothing new), per doorbell"),
+            ns: bells,
         });
 
         // Launch -> completion, and the bare round trip, interleaved so both see the same conditions.
@@ -243,7 +278,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
 
     let cuda_call = stats(&rows[rows.len() - 2].ns).1;
     println!(
-        "{:<66} {:>9} {:>9} {:>9} {:>9}",
+        "{:<72} {:>9} {:>9} {:>9} {:>9}",
         "series", "min ns", "median", "p99", "cuLK/x"
     );
     for r in &rows {
@@ -254,7 +289,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             String::new()
         };
         println!(
-            "{:<66} {:>9.0} {:>9.0} {:>9.0} {:>9}",
+            "{:<72} {:>9.0} {:>9.0} {:>9.0} {:>9}",
             r.name, min, med, p99, ratio
         );
     }

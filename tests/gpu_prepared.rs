@@ -150,3 +150,48 @@ fn a_prepared_launch_is_refused_on_another_queue() {
         .wait(T)
         .unwrap();
 }
+
+/// The lower layer with inline QMDs (`ComputeQueueConfig::inline_qmd`) in both launch memories: ordinary,
+/// prepared and chained launches of one non-commutative kernel, every result in order.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn inline_qmd_launches_compute_in_order() {
+    use apex::launch::{ComputeQueue, ComputeQueueConfig, Module};
+    use apex::rm::{GpuCore, Memory, MemoryDesc};
+    log();
+    let gpu = GpuCore::open(0).unwrap();
+    for memory in [LaunchMemory::Video, LaunchMemory::Host] {
+        let mut q = ComputeQueue::new(
+            &gpu,
+            ComputeQueueConfig {
+                inline_qmd: true,
+                ..ComputeQueueConfig::default().with_memory(memory)
+            },
+        )
+        .unwrap();
+        let step = Module::load(&gpu, CUBIN)
+            .unwrap()
+            .kernel("chain_step")
+            .unwrap();
+        let v = Memory::alloc(&gpu, MemoryDesc::video(4096).with_cpu()).unwrap();
+        v.write_u64_volatile(0, 5).unwrap();
+        let one = LaunchConfig::linear(1, 1);
+        let p = q.prepare_launch(&step, &one).unwrap();
+        let mut want = 5u64;
+        for i in 0..3000u64 {
+            let (mul, add) = (i % 5 + 1, i.wrapping_mul(0x2545_f491_4f6c_dd1d));
+            want = want.wrapping_mul(mul).wrapping_add(add);
+            let args = [Arg::Ptr(v.va()), Arg::U64(mul), Arg::U64(add)];
+            // SAFETY: chain_step reads and writes the first 8 bytes of v, which nothing else uses.
+            unsafe {
+                match i % 4 {
+                    0 => q.launch(&step, &one, &args).map(drop).unwrap(),
+                    1 | 2 => q.record_launch_chained(&step, &one, &args).unwrap(),
+                    _ => q.launch_prepared(&p, &args).map(drop).unwrap(),
+                }
+            }
+        }
+        q.synchronize().unwrap();
+        assert_eq!(v.read_u64_volatile(0).unwrap(), want, "{memory:?}");
+    }
+}

@@ -51,7 +51,14 @@ fn small(memory: LaunchMemory) -> ComputeQueueConfig {
 }
 
 fn every_launch_carries_its_own_arguments(memory: LaunchMemory) {
-    let (gpu, sim, mut q, module) = setup(small(memory));
+    let mut config = small(memory);
+    // The fetched-QMD path in both memories (host memory picks inline QMDs by default).
+    config.inline_qmd = false;
+    every_launch_carries_its_own_arguments_with(config);
+}
+
+fn every_launch_carries_its_own_arguments_with(config: ComputeQueueConfig) {
+    let (gpu, sim, mut q, module) = setup(config);
     let saxpy = module.kernel("saxpy").unwrap();
     let step = module.kernel("chain_step").unwrap();
     let out = page(&gpu);
@@ -127,6 +134,58 @@ fn every_launch_carries_its_own_arguments(memory: LaunchMemory) {
     }
     assert!(sim.errors().is_empty(), "{:?}", sim.errors());
     assert!(sim.dropped_qmds().is_empty());
+    let inline = sim
+        .stats_for(q.queue().channel().token())
+        .unwrap()
+        .inline_qmds;
+    assert_eq!(inline > 0, config.inline_qmd, "{inline} inline QMDs");
+}
+
+#[test]
+fn prepared_launches_carry_their_own_arguments_with_inline_qmds() {
+    for memory in [LaunchMemory::Video, LaunchMemory::Host] {
+        every_launch_carries_its_own_arguments_with(ComputeQueueConfig {
+            inline_qmd: true,
+            ..small(memory)
+        });
+    }
+}
+
+#[test]
+fn inline_qmds_mix_with_chains_on_the_same_slots() {
+    let (gpu, sim, mut q, module) = setup(ComputeQueueConfig {
+        inline_qmd: true,
+        ..small(LaunchMemory::Video)
+    });
+    let step = module.kernel("chain_step").unwrap();
+    let out = page(&gpu);
+    let p = q
+        .prepare_launch(&step, &LaunchConfig::linear(1, 1))
+        .unwrap();
+    let before = sim.launches().len();
+    let mut want = Vec::new();
+    for round in 0..6u64 {
+        for i in 0..3u64 {
+            let tag = round * 10 + i;
+            let args = [Arg::Ptr(out.va()), Arg::U64(tag), Arg::U64(0)];
+            // SAFETY: the model does not execute kernels.
+            unsafe { q.record_launch_chained(&step, &LaunchConfig::linear(1, 1), &args) }.unwrap();
+            want.push(tag);
+        }
+        q.end_chain().unwrap();
+        let tag = round * 10 + 5;
+        // SAFETY: as above.
+        unsafe { q.launch_prepared(&p, &[Arg::Ptr(out.va()), Arg::U64(tag), Arg::U64(0)]) }
+            .unwrap();
+        want.push(tag);
+    }
+    q.synchronize().unwrap();
+    let got: Vec<u64> = sim.launches()[before..]
+        .iter()
+        .map(|l| u64::from_le_bytes(l.params[8..16].try_into().unwrap()))
+        .collect();
+    assert_eq!(got, want);
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
 }
 
 #[test]

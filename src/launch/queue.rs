@@ -117,8 +117,8 @@ pub enum LaunchMemory {
     #[default]
     Video,
     /// CPU-cached system memory: a launch is a few cached stores and the doorbell (x86 keeps cached stores in
-    /// order, so no store fence), the lowest CPU cost; the GPU fetches ring, methods, QMD and parameters across
-    /// PCIe, which makes each launch reach the GPU later.
+    /// order, so no store fence), the lowest CPU cost; the GPU fetches ring, methods and parameters across PCIe,
+    /// which makes each launch reach the GPU later. QMDs go inline in the pushbuffer, which saves one such fetch.
     Host,
 }
 
@@ -139,6 +139,10 @@ pub struct ComputeQueueConfig {
     pub queue: QueueConfig,
     /// Where the launch slots (QMD and constant bank 0 of each launch) live.
     pub slot_placement: Placement,
+    /// Send each launch's QMD inline in the pushbuffer (`LOAD_INLINE_QMD_DATA`) instead of writing it to its slot
+    /// for the GPU to fetch: the compute work distributor skips the QMD fetch, and the CPU writes one sequential
+    /// run of methods instead of scattered QMD words. Chained launches are always fetched.
+    pub inline_qmd: bool,
     /// Launch slots (QMD + constant bank 0 each): how many launches can be in flight.
     pub slots: usize,
     /// How long the queue's own waits (for a free launch slot, for the set-up submission, in `synchronize`) may
@@ -158,6 +162,7 @@ impl Default for ComputeQueueConfig {
         ComputeQueueConfig {
             queue,
             slot_placement: Placement::Video,
+            inline_qmd: false,
             slots: 256,
             timeout: Duration::from_secs(10),
             chain_part: 128,
@@ -166,12 +171,15 @@ impl Default for ComputeQueueConfig {
 }
 
 impl ComputeQueueConfig {
-    /// Places the ring and USERD, the pushbuffer and the launch slots in `memory`.
+    /// Places the ring and USERD, the pushbuffer and the launch slots in `memory`. Host memory also sends QMDs
+    /// inline: the GPU then fetches one thing less across PCIe per launch (7.0 instead of 8.4 µs to completion on
+    /// an H100); in video memory inline QMDs measured the same as fetched ones and stay off.
     pub fn with_memory(mut self, memory: LaunchMemory) -> ComputeQueueConfig {
         let p = memory.placement();
         self.queue.channel.ring_placement = p;
         self.queue.push_placement = p;
         self.slot_placement = p;
+        self.inline_qmd = memory == LaunchMemory::Host;
         self
     }
 }
@@ -302,6 +310,7 @@ pub struct ComputeQueue {
     /// Per slot, the [`PreparedLaunch`] whose QMD and driver words the slot holds (0: none), so launching it there
     /// again rewrites only the parameters and the release payload.
     slot_owner: Vec<u64>,
+    inline_qmd: bool,
     timeout: Duration,
     /// The chain being recorded by `record_launch_chained`, sent by `end_chain`.
     chain: Option<OpenChain>,
@@ -423,6 +432,7 @@ impl ComputeQueue {
             cb_shadow: vec![[0; CBANK_DRIVER_WORDS]; config.slots],
             cluster_shadow: vec![[0; CLUSTER_WORDS]; config.slots],
             slot_owner: vec![0; config.slots],
+            inline_qmd: config.inline_qmd,
             timeout: config.timeout,
             chain: None,
             chain_action: ChainAction::InvalidateCopySchedule,
@@ -749,14 +759,16 @@ impl ComputeQueue {
             Some(w) if self.slot_owner[slot] == p.id => {
                 // The slot holds this launch's QMD and driver words: only the release payload changes.
                 let payload = [value as u32, (value >> 32) as u32];
-                self.slots.write_words(slot_off + w as u64 * 4, &payload)?;
+                if !self.inline_qmd {
+                    self.slots.write_words(slot_off + w as u64 * 4, &payload)?;
+                }
                 self.qmd_shadow[slot][w..w + 2].copy_from_slice(&payload);
             }
             _ => {
                 let mut q = *p.qmd;
                 let cb_va = self.slot_qmd_va(slot) + QMD_BYTES;
                 qmd::patch_launch(self.version, &mut q, cb_va, Some(value))?;
-                self.write_qmd(slot, &q)?;
+                self.stage_qmd(slot, &q)?;
                 write_changed(
                     &self.slots,
                     slot_off + QMD_BYTES,
@@ -779,7 +791,7 @@ impl ComputeQueue {
         self.next_slot = (slot + 1) % self.slot_values.len();
         let prev_done = self.queue.timeline().is_known_reached(prev);
         let invalidate = self.seen_generation < kernel.module().generation();
-        let fence = self.send(self.slot_qmd_va(slot), invalidate, prev_done, prev)?;
+        let fence = self.send_slot(slot, invalidate, prev_done, prev)?;
         debug_assert_eq!(fence.value(), value);
         if invalidate {
             self.seen_generation = newest_generation();
@@ -946,7 +958,7 @@ impl ComputeQueue {
     ) -> Result<Fence> {
         self.end_open_chain()?;
         let (slot, q) = self.prepare(kernel, cfg, args, Release::next_if(ordered))?;
-        self.write_qmd(slot, &q)?;
+        self.stage_qmd(slot, &q)?;
 
         if ordered && self.unordered_pending {
             // Join the unordered launches first (recorded; the doorbell below sends both).
@@ -960,7 +972,7 @@ impl ComputeQueue {
         let prev_done = !ordered || self.queue.timeline().is_known_reached(prev);
         let invalidate = self.seen_generation < kernel.module().generation();
 
-        let fence = self.send(self.slot_qmd_va(slot), invalidate, prev_done, prev)?;
+        let fence = self.send_slot(slot, invalidate, prev_done, prev)?;
         debug_assert_eq!(fence.value(), value);
         if invalidate {
             self.seen_generation = newest_generation();
@@ -1209,6 +1221,45 @@ impl ComputeQueue {
             self.slot_values[(c.first_slot + i) % n] = value;
         }
         Ok(Some(fence))
+    }
+
+    /// Writes a slot's QMD for the GPU to fetch, or with inline QMDs only notes it (the launch carries it).
+    fn stage_qmd(&mut self, slot: usize, q: &[u32; QMD_WORDS]) -> Result<()> {
+        if self.inline_qmd {
+            // The launch carries the QMD and the GPU stores it in the slot: the shadow is what the slot will hold.
+            self.qmd_shadow[slot] = *q;
+            Ok(())
+        } else {
+            self.write_qmd(slot, q)
+        }
+    }
+
+    /// Records the methods that launch the QMD staged for `slot`: inline, or fetched from the slot.
+    fn send_slot(
+        &mut self,
+        slot: usize,
+        invalidate: bool,
+        prev_done: bool,
+        prev: u64,
+    ) -> Result<Fence> {
+        if !self.inline_qmd {
+            return self.send(self.slot_qmd_va(slot), invalidate, prev_done, prev);
+        }
+        let qmd_va = self.slot_qmd_va(slot);
+        let timeline_va = self.queue.timeline().va();
+        let order = self.ordering;
+        let words = &self.qmd_shadow[slot];
+        Ok(self
+            .queue
+            .record(16 + 3 + QMD_WORDS, Signal::Recorded, |p, _| {
+                if invalidate {
+                    p.invalidate_shader_caches_no_wfi();
+                }
+                if !prev_done {
+                    p.sem_acquire(timeline_va, prev, order.0, true, order.1);
+                }
+                p.send_inline_qmd(qmd_va, words);
+            })?)
     }
 
     /// Records the methods that launch the QMD at `qmd_va`.

@@ -447,6 +447,32 @@ impl<'a> Push<'a> {
         }
     }
 
+    /// Launches a V04 QMD carried in the pushbuffer itself (`SET_INLINE_QMD_ADDRESS_A/B` with `INLINE_384`, then
+    /// `LOAD_INLINE_QMD_DATA` x96, in one incrementing run): the compute work distributor takes the QMD from the
+    /// methods instead of fetching it, and the GPU stores it at `qmd_va` (256-byte aligned memory that must be
+    /// valid). No `SEND_PCAS` follows (H200 and H100 probes).
+    #[inline]
+    pub fn send_inline_qmd(&mut self, qmd_va: u64, qmd: &[u32; 96]) {
+        self.put(header(
+            Header::Incrementing,
+            Subchannel::COMPUTE,
+            compute::SET_INLINE_QMD_ADDRESS_A,
+            2 + qmd.len() as u32,
+        ));
+        self.put(
+            compute::SET_INLINE_QMD_ADDRESS_A_INLINE_SIZE
+                .pack(compute::SET_INLINE_QMD_ADDRESS_A_INLINE_SIZE_INLINE_384)
+                | compute::SET_INLINE_QMD_ADDRESS_A_QMD_ADDRESS_SHIFTED8_UPPER
+                    .pack(((qmd_va >> 40) & 0x1ff) as u32),
+        );
+        self.put(
+            compute::SET_INLINE_QMD_ADDRESS_B_QMD_ADDRESS_SHIFTED8_LOWER.pack((qmd_va >> 8) as u32),
+        );
+        for &w in qmd {
+            self.put(w);
+        }
+    }
+
     /// Launches the QMD at `qmd_va` (256-byte aligned, below 2^40).
     #[inline]
     pub fn send_pcas(&mut self, qmd_va: u64) {
@@ -475,6 +501,24 @@ impl<'a> Push<'a> {
 mod tests {
     use super::*;
     use crate::pushbuf::decode::{SubchannelClasses, decode};
+
+    #[test]
+    fn an_inline_qmd_is_the_98_word_run_the_h200_probe_launched() {
+        let mut buf = [0u32; 128];
+        let mut p = Push::new(&mut buf);
+        let qmd: [u32; 96] = std::array::from_fn(|i| i as u32 * 3 + 1);
+        p.send_inline_qmd(0x12_3456_7800, &qmd);
+        let n = p.finish().unwrap();
+        assert_eq!(n, 99);
+        // nvk-compute-launch.md §2.3: one INCR header at 0x318, count 98, then A, B and the 96 QMD words.
+        assert_eq!(buf[0], 0x2062_20c6);
+        assert_eq!(
+            buf[1],
+            (1 << 30) | ((0x12_3456_7800u64 >> 40) as u32 & 0x1ff)
+        );
+        assert_eq!(buf[2], (0x12_3456_7800u64 >> 8) as u32);
+        assert_eq!(&buf[3..99], &qmd[..]);
+    }
 
     #[test]
     fn headers_match_the_words_libcuda_and_nvk_emit() {

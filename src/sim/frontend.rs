@@ -61,8 +61,18 @@ struct Compute {
     inline: Option<Inline>,
     launch: LaunchState,
     pcas_a: Option<u32>,
+    /// An inline QMD being loaded (`SET_INLINE_QMD_ADDRESS_A/B`, then `LOAD_INLINE_QMD_DATA`).
+    inline_qmd: Option<InlineQmd>,
     qmd_version: u32,
     spa_version: u32,
+}
+
+#[derive(Debug, Default)]
+struct InlineQmd {
+    /// The address's upper bits and the inline size, from `_A`.
+    upper: Option<(u64, usize)>,
+    va: Option<u64>,
+    words: Vec<u32>,
 }
 
 /// The model of one channel.
@@ -571,6 +581,53 @@ impl ChannelModel {
             compute::SET_SPA_VERSION => c.spa_version = v,
             compute::INVALIDATE_SHADER_CACHES | compute::INVALIDATE_SHADER_CACHES_NO_WFI => {
                 self.stats.cache_invalidations += 1
+            }
+            compute::SET_INLINE_QMD_ADDRESS_A => {
+                let size = match compute::SET_INLINE_QMD_ADDRESS_A_INLINE_SIZE.unpack(v) {
+                    compute::SET_INLINE_QMD_ADDRESS_A_INLINE_SIZE_INLINE_384 => 96,
+                    _ => 64,
+                };
+                let upper = u64::from(
+                    compute::SET_INLINE_QMD_ADDRESS_A_QMD_ADDRESS_SHIFTED8_UPPER.unpack(v),
+                );
+                c.inline_qmd = Some(InlineQmd {
+                    upper: Some((upper << 40, size)),
+                    ..InlineQmd::default()
+                });
+            }
+            compute::SET_INLINE_QMD_ADDRESS_B => {
+                let q = c.inline_qmd.as_mut().ok_or(SimErrorKind::BadInlineUpload {
+                    why: "SET_INLINE_QMD_ADDRESS_B without SET_INLINE_QMD_ADDRESS_A",
+                })?;
+                let upper = q.upper.map_or(0, |(u, _)| u);
+                q.va = Some(upper | (u64::from(v) << 8));
+            }
+            o if (compute::LOAD_INLINE_QMD_DATA(0)..compute::LOAD_INLINE_QMD_DATA(96))
+                .contains(&o) =>
+            {
+                let i = ((o - compute::LOAD_INLINE_QMD_DATA(0)) / 4) as usize;
+                let q = c.inline_qmd.as_mut().ok_or(SimErrorKind::BadInlineUpload {
+                    why: "LOAD_INLINE_QMD_DATA without SET_INLINE_QMD_ADDRESS_A/B",
+                })?;
+                let (Some((_, size)), Some(va)) = (q.upper, q.va) else {
+                    return Err(SimErrorKind::BadInlineUpload {
+                        why: "LOAD_INLINE_QMD_DATA before the QMD's address was set",
+                    });
+                };
+                if i != q.words.len() {
+                    return Err(SimErrorKind::BadInlineUpload {
+                        why: "LOAD_INLINE_QMD_DATA words out of order",
+                    });
+                }
+                q.words.push(v);
+                if q.words.len() == size {
+                    // The hardware stores the QMD at its address, then launches it.
+                    let bytes: Vec<u8> = q.words.iter().flat_map(|w| w.to_le_bytes()).collect();
+                    c.inline_qmd = None;
+                    view.write(va, &bytes).map_err(mmu("inline QMD address"))?;
+                    self.stats.inline_qmds += 1;
+                    self.launch(va, view, now, rec)?;
+                }
             }
             compute::SEND_PCAS_A => c.pcas_a = Some(v),
             compute::SEND_SIGNALING_PCAS2_B => {

@@ -224,7 +224,9 @@ pub struct ChannelStats {
     pub cache_invalidations: u64,
     /// Doorbell writes seen with this channel's token (writes between two polls count once).
     pub doorbells: u64,
-    /// Of those, doorbells the model missed on purpose (`SimConfig::lost_doorbells`).
+    /// QMDs launched inline from the pushbuffer (`LOAD_INLINE_QMD_DATA`).
+    pub inline_qmds: u64,
+    /// Of the doorbells, those the model missed on purpose (`SimConfig::lost_doorbells`).
     pub lost_doorbells: u64,
     /// Whether the channel faulted (it executes nothing more).
     pub faulted: bool,
