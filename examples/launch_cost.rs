@@ -12,7 +12,8 @@
 //! - `round_trip`: a bare semaphore release after wait-for-idle, submitted and waited for (no kernel), on the
 //!   same queue: the floor the launch → completion target is measured against.
 //!
-//! Prints min / median / p99 in nanoseconds; `APEX_SAMPLES` sets the samples per series (default 20 000).
+//! Prints min / median / p99 in nanoseconds; `APEX_SAMPLES` sets the samples per series (default 20 000),
+//! `APEX_CONFIGS` (comma-separated: video, video+inline, host, host+inline) the configurations measured.
 
 mod support;
 
@@ -88,6 +89,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         ("host", LaunchMemory::Host, false),
         ("host+inline", LaunchMemory::Host, true),
     ] {
+        // APEX_CONFIGS=host,video+inline: only those (for profiling one configuration).
+        if let Ok(only) = std::env::var("APEX_CONFIGS")
+            && !only.split(',').any(|c| c == tag)
+        {
+            continue;
+        }
         // Set after `with_memory`, which picks inline QMDs for host memory.
         let mut config = ComputeQueueConfig::default().with_memory(memory);
         config.inline_qmd = inline_qmd;
@@ -172,11 +179,19 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
 
         // Back to back, per launch: what the CPU sustains once store buffers and write-combining fill
         // (64 per sample, drained outside the timed part).
-        let (mut burst, mut bells) = (
+        let (mut burst, mut bells, mut records) = (
+            Vec::with_capacity(samples / 64),
             Vec::with_capacity(samples / 64),
             Vec::with_capacity(samples / 64),
         );
         for _ in 0..samples / 64 {
+            let t = Instant::now();
+            for _ in 0..64 {
+                // SAFETY: as above.
+                unsafe { q.record_prepared(&pe, &[]) }?;
+            }
+            records.push(ns(t) / 64.0);
+            q.synchronize()?;
             let t = Instant::now();
             for _ in 0..64 {
                 // SAFETY: as above.
@@ -190,6 +205,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             }
             bells.push(ns(t) / 64.0);
         }
+        rows.push(Row {
+            name: format!("{tag}: record_prepared x64 back to back (one doorbell after), per call"),
+            ns: records,
+        });
         rows.push(Row {
             name: format!("{tag}: call, launch_prepared x64 back to back, per call"),
             ns: burst,
