@@ -20,7 +20,10 @@ mod support;
 use std::time::{Duration, Instant};
 
 use apex::driver;
-use apex::launch::{Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig, LaunchMemory, Module};
+use apex::launch::{
+    Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig, LaunchMemory, Module, StreamOrder,
+};
+use apex::pushbuf::Acquire;
 use apex::rm::{GpuCore, Memory, MemoryDesc};
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
@@ -261,6 +264,51 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
 
+    // Dependent launches in stream order: the front end's acquire (libcuda's way) against a wait for idle.
+    if std::env::var("APEX_CONFIGS").is_err() {
+        let mut q = ComputeQueue::new(&gpu, ComputeQueueConfig::default())?;
+        let empty = Module::load(&gpu, CUBIN)?.kernel("empty")?;
+        let pe = q.prepare_launch(&empty, &ONE)?;
+        let rounds = (samples / 200).max(10);
+        for (name, order) in [
+            (
+                "acquire",
+                StreamOrder::Acquire {
+                    cmp: Acquire::CircularGeq,
+                    switch_tsg: false,
+                },
+            ),
+            ("wait-for-idle", StreamOrder::WaitForIdle),
+        ] {
+            q.set_stream_order(order);
+            let (mut each, mut one) = (Vec::with_capacity(rounds), Vec::with_capacity(rounds));
+            for _ in 0..rounds {
+                let t = Instant::now();
+                for _ in 0..1000 {
+                    // SAFETY: the empty kernel touches no memory.
+                    unsafe { q.launch_prepared(&pe, &[]) }?;
+                }
+                q.synchronize()?;
+                each.push(ns(t) / 1000.0);
+                let t = Instant::now();
+                for _ in 0..1000 {
+                    // SAFETY: as above.
+                    unsafe { q.record_prepared(&pe, &[]) }?;
+                }
+                q.synchronize()?;
+                one.push(ns(t) / 1000.0);
+            }
+            rows.push(Row {
+                name: format!("video: dependent x1000 ({name}), doorbell each, per launch"),
+                ns: each,
+            });
+            rows.push(Row {
+                name: format!("video: dependent x1000 ({name}), one doorbell, per launch"),
+                ns: one,
+            });
+        }
+    }
+
     // CUDA in the same process.
     let mut stream = driver::Stream::new(&ctx)?;
     let f = driver::Module::load(&ctx, CUBIN)?.function("empty")?;
@@ -294,8 +342,40 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         name: "cuda: completion (cuLaunchKernel + cuStreamSynchronize)".into(),
         ns: comp,
     });
+    if std::env::var("APEX_CONFIGS").is_err() {
+        let graph = driver::Graph::capture(&mut stream, |s| {
+            for _ in 0..1000 {
+                cuda(s)?;
+            }
+            Ok(())
+        })?;
+        let (mut each, mut g) = (Vec::new(), Vec::new());
+        for _ in 0..(samples / 200).max(10) {
+            let t = Instant::now();
+            for _ in 0..1000 {
+                cuda(&mut stream)?;
+            }
+            stream.synchronize()?;
+            each.push(ns(t) / 1000.0);
+            let t = Instant::now();
+            graph.launch(&mut stream)?;
+            stream.synchronize()?;
+            g.push(ns(t) / 1000.0);
+        }
+        rows.push(Row {
+            name: "cuda: dependent x1000, cuLaunchKernel, per launch".into(),
+            ns: each,
+        });
+        rows.push(Row {
+            name: "cuda: dependent x1000, cuGraphLaunch, per launch".into(),
+            ns: g,
+        });
+    }
 
-    let cuda_call = stats(&rows[rows.len() - 2].ns).1;
+    let cuda_call = rows
+        .iter()
+        .find(|r| r.name.starts_with("cuda: call"))
+        .map_or(f64::NAN, |r| stats(&r.ns).1);
     println!(
         "{:<72} {:>9} {:>9} {:>9} {:>9}",
         "series", "min ns", "median", "p99", "cuLK/x"

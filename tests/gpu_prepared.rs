@@ -195,3 +195,76 @@ fn inline_qmd_launches_compute_in_order() {
         assert_eq!(v.read_u64_volatile(0).unwrap(), want, "{memory:?}");
     }
 }
+
+/// Stream order by waiting for idle (`StreamOrder::WaitForIdle`) instead of the front end's acquire keeps every
+/// launch after the one before: a non-commutative read-modify-write chain, and a many-block kernel reading what
+/// the launch before wrote, both checked.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn wait_for_idle_stream_order_keeps_launches_in_order() {
+    use apex::launch::{ComputeQueue, ComputeQueueConfig, Module, StreamOrder};
+    use apex::rm::{GpuCore, Memory, MemoryDesc};
+    log();
+    let gpu = GpuCore::open(0).unwrap();
+    let mut q = ComputeQueue::new(&gpu, ComputeQueueConfig::default()).unwrap();
+    q.set_stream_order(StreamOrder::WaitForIdle);
+    let m = Module::load(&gpu, CUBIN).unwrap();
+    let step = m.kernel("chain_step").unwrap();
+    let saxpy = m.kernel("saxpy").unwrap();
+    let n = 1 << 16;
+    let v = Memory::alloc(&gpu, MemoryDesc::video(4096).with_cpu()).unwrap();
+    let x = Memory::alloc(&gpu, MemoryDesc::video(4 * n as u64).with_cpu()).unwrap();
+    let y = Memory::alloc(&gpu, MemoryDesc::video(4 * n as u64).with_cpu()).unwrap();
+    v.write_u64_volatile(0, 9).unwrap();
+    let xs: Vec<f32> = (0..n).map(|i| (i % 17) as f32 * 0.25).collect();
+    x.write(
+        0,
+        &xs.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>(),
+    )
+    .unwrap();
+    y.fill(0, 4 * n as u64, 0).unwrap();
+    let mut ys = vec![0f32; n];
+    let one = LaunchConfig::linear(1, 1);
+    let p = q.prepare_launch(&step, &one).unwrap();
+    let mut want = 9u64;
+    for i in 0..4000u64 {
+        let (mul, add) = (i % 3 + 2, i ^ 0x5bd1_e995);
+        want = want.wrapping_mul(mul).wrapping_add(add);
+        let args = [Arg::Ptr(v.va()), Arg::U64(mul), Arg::U64(add)];
+        // SAFETY: chain_step reads and writes v's first 8 bytes; saxpy reads x and updates y (n floats each).
+        unsafe {
+            if i % 2 == 0 {
+                q.launch_prepared(&p, &args).map(drop).unwrap();
+            } else {
+                q.launch(&step, &one, &args).map(drop).unwrap();
+            }
+            if i % 100 == 0 {
+                // y = a*x + y over 256 blocks: a launch that overlapped the one before would lose updates.
+                let a = (i / 100) as f32 + 1.0;
+                for (yy, xx) in ys.iter_mut().zip(&xs) {
+                    *yy = a.mul_add(*xx, *yy);
+                }
+                let args = [
+                    Arg::F32(a),
+                    Arg::Ptr(x.va()),
+                    Arg::Ptr(y.va()),
+                    Arg::U32(n as u32),
+                ];
+                q.launch(&saxpy, &LaunchConfig::linear((n / 256) as u32, 256), &args)
+                    .map(drop)
+                    .unwrap();
+            }
+        }
+    }
+    q.synchronize().unwrap();
+    assert_eq!(v.read_u64_volatile(0).unwrap(), want);
+    let mut out = vec![0u8; 4 * n];
+    y.read(0, &mut out).unwrap();
+    for (i, w) in out.chunks_exact(4).enumerate() {
+        assert_eq!(
+            f32::from_le_bytes(w.try_into().unwrap()).to_bits(),
+            ys[i].to_bits(),
+            "y[{i}]"
+        );
+    }
+}

@@ -20,7 +20,8 @@ pub use module::{Global, Kernel, Module};
 pub use params::{Arg, ParamError};
 pub use queue::{
     ComputeQueue, ComputeQueueConfig, GraphExec, GraphStats, LaunchConfig, LaunchMemory, Limits,
-    MAX_CLUSTER_BLOCKS, PreparedLaunch, cluster_shape, settle, validate as queue_validate,
+    MAX_CLUSTER_BLOCKS, PreparedLaunch, StreamOrder, cluster_shape, settle,
+    validate as queue_validate,
 };
 
 /// Errors of the launch layer. Everything about a launch is checked before anything reaches the ring.

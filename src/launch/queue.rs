@@ -297,7 +297,7 @@ pub struct ComputeQueue {
     unordered_pending: bool,
     /// How a launch waits for the previous one: the acquire comparison and whether the scheduler may switch
     /// channel groups while it waits.
-    ordering: (Acquire, bool),
+    ordering: StreamOrder,
     /// The built-in device-to-device copy kernel, loaded on first use.
     copy_kernel: Option<Kernel>,
     /// The QMD of the last launch shape, patched per launch instead of rebuilt.
@@ -322,6 +322,34 @@ pub struct ComputeQueue {
     grid_barrier: Option<Memory>,
     /// Set while a cooperative launch is being recorded: its grid barrier's address.
     cooperative: Option<u64>,
+}
+
+/// How a launch in stream order waits for the work before it on its queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamOrder {
+    /// The front end acquires the queue's timeline at the previous submission's value before sending the launch
+    /// (what libcuda does for back-to-back launches on a stream).
+    Acquire {
+        /// The acquire's comparison.
+        cmp: Acquire,
+        /// Whether the scheduler may switch channel groups while the acquire waits.
+        switch_tsg: bool,
+    },
+    /// The front end waits for the engine to go idle (host `WFI`) before sending the launch. Every grid of the
+    /// engine's context counts, also another channel's of the same channel group.
+    WaitForIdle,
+}
+
+impl StreamOrder {
+    /// Records the wait for timeline value `prev` at `timeline_va`.
+    pub(crate) fn wait(self, p: &mut crate::pushbuf::Push<'_>, timeline_va: u64, prev: u64) {
+        match self {
+            StreamOrder::Acquire { cmp, switch_tsg } => {
+                p.sem_acquire(timeline_va, prev, cmp, true, switch_tsg)
+            }
+            StreamOrder::WaitForIdle => p.wfi(),
+        }
+    }
 }
 
 /// The timeline release a launch's QMD carries.
@@ -425,7 +453,10 @@ impl ComputeQueue {
             retired_local: Vec::new(),
             seen_generation: 0,
             unordered_pending: false,
-            ordering: (Acquire::CircularGeq, false),
+            ordering: StreamOrder::Acquire {
+                cmp: Acquire::CircularGeq,
+                switch_tsg: false,
+            },
             copy_kernel: None,
             template: None,
             qmd_shadow: vec![[0; QMD_WORDS]; config.slots],
@@ -497,7 +528,17 @@ impl ComputeQueue {
     /// How launches wait for the previous one (the host acquire's comparison and ACQUIRE_SWITCH_TSG).
     /// The default is a 64-bit circular >= without switching, the form tinygrad runs on the H200.
     pub fn set_ordering(&mut self, cmp: Acquire, switch_tsg: bool) {
-        self.ordering = (cmp, switch_tsg);
+        self.ordering = StreamOrder::Acquire { cmp, switch_tsg };
+    }
+
+    /// How a launch waits for the one before it (see [`StreamOrder`]).
+    pub fn set_stream_order(&mut self, order: StreamOrder) {
+        self.ordering = order;
+    }
+
+    /// How launches wait for the one before.
+    pub fn stream_order(&self) -> StreamOrder {
+        self.ordering
     }
 
     /// Local memory per thread the queue provides now.
@@ -1256,7 +1297,7 @@ impl ComputeQueue {
                     p.invalidate_shader_caches_no_wfi();
                 }
                 if !prev_done {
-                    p.sem_acquire(timeline_va, prev, order.0, true, order.1);
+                    order.wait(p, timeline_va, prev);
                 }
                 p.send_inline_qmd(qmd_va, words);
             })?)
@@ -1271,8 +1312,8 @@ impl ComputeQueue {
                 p.invalidate_shader_caches_no_wfi();
             }
             if !prev_done {
-                // Stream order: this grid starts only after the previous one released its value.
-                p.sem_acquire(timeline_va, prev, order.0, true, order.1);
+                // Stream order: this grid starts only after the previous one has completed.
+                order.wait(p, timeline_va, prev);
             }
             p.send_pcas(qmd_va);
         })?)

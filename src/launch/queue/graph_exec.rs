@@ -512,7 +512,7 @@ impl ComputeQueue {
                         p.invalidate_shader_caches_no_wfi();
                     }
                     if !prev_done {
-                        p.sem_acquire(timeline_va, prev, order.0, true, order.1);
+                        order.wait(p, timeline_va, prev);
                     }
                 })?;
                 if new_code {
