@@ -12,7 +12,7 @@
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
-use apex::{Gpu, LaunchConfig};
+use apex::{Gpu, LaunchConfig, LaunchMemory, QueueOptions};
 use cudarc::driver::sys as cu;
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
@@ -212,6 +212,40 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     q.synchronize()?;
 
+    // 0b. The same call prepared (`Queue::prepare`), on this queue and on an attached queue in host launch memory;
+    //     and an ordinary launch on a queue of APEX's own channel group (not attached) in this process, to tell
+    //     what attaching costs per call from what the machine costs.
+    let prepared = q.prepare(&empty, &cfg)?;
+    let mut qh = gpu.queue_with(QueueOptions::default().launch_memory(LaunchMemory::Host))?;
+    let prepared_h = qh.prepare(&empty, &cfg)?;
+    let per_call = |q: &mut apex::Queue,
+                    call: &mut dyn FnMut(&mut apex::Queue) -> apex::Result<apex::Fence>|
+     -> apex::Result<Vec<f64>> {
+        for _ in 0..100 {
+            call(q)?;
+        }
+        q.synchronize()?;
+        let mut v = Vec::with_capacity(iters * SMALL);
+        for i in 0..iters * SMALL {
+            let s = Instant::now();
+            call(q)?;
+            v.push(s.elapsed().as_secs_f64() * 1e9);
+            if i % burst == burst - 1 {
+                q.synchronize()?;
+            }
+        }
+        q.synchronize()?;
+        Ok(v)
+    };
+    // SAFETY (the calls below): kernels without parameters.
+    let mut idle_prepared = per_call(&mut q, &mut |q| unsafe {
+        q.launch_prepared(&prepared, &[])
+    })?;
+    let mut idle_prepared_host = per_call(&mut qh, &mut |q| unsafe {
+        q.launch_prepared(&prepared_h, &[])
+    })?;
+    drop(qh);
+
     // 1. All CUDA: SMALL small kernels then one large one per iteration, one stream.
     let mut cuda_small = Vec::with_capacity(iters * SMALL);
     let t = Instant::now();
@@ -246,6 +280,25 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     q.synchronize()?;
     let mixed_total = t.elapsed();
 
+    // 2b. The same, the small kernels as one chain (`Queue::launch_chained` + `end_chain`): the GPU schedules each
+    //     after the one before without a front-end round trip, as a CUDA graph would.
+    let t = Instant::now();
+    for _ in 0..iters {
+        // SAFETY: a stream of the attached context.
+        unsafe { q.wait_for_cuda_stream(cuda.stream) }?;
+        for _ in 0..SMALL {
+            // SAFETY: a kernel without parameters.
+            unsafe { q.launch_chained(&empty, &cfg, &[])? };
+        }
+        q.end_chain()?;
+        // SAFETY: a stream of the attached context.
+        unsafe { q.make_cuda_stream_wait(cuda.stream) }?;
+        cuda.big()?;
+    }
+    cuda.sync()?;
+    q.synchronize()?;
+    let chained_total = t.elapsed();
+
     // 3. Ping-pong of dependent empty kernels: CUDA stream <-> APEX queue, and CUDA stream <-> CUDA stream.
     let pp = iters.max(100);
     let t = Instant::now();
@@ -271,6 +324,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     cuda.sync()?;
     let pp_cuda = t.elapsed();
 
+    // Last, so that nothing after it runs beside a second channel group: an own queue in this process.
+    let own = Gpu::open_with(0, apex::BackendRequest::Direct)?;
+    let own_empty = own.load_module(CUBIN)?.kernel("empty")?;
+    let mut qo = own.queue()?;
+    // SAFETY: a kernel without parameters.
+    let mut idle_own = per_call(&mut qo, &mut |q| unsafe { q.launch(&own_empty, &cfg, &[]) })?;
+    drop((qo, own_empty, own));
+
     let per = |d: Duration, n: usize| d.as_secs_f64() * 1e6 / n as f64;
     let (cs, as_) = (median(&mut cuda_small), median(&mut apex_small));
     println!("measure                                    CUDA        APEX attached   ratio");
@@ -281,6 +342,20 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         ai,
         ci / ai
     );
+    for (what, v) in [
+        (
+            "  the same, prepared                     ",
+            &mut idle_prepared,
+        ),
+        (
+            "  the same, prepared, host launch memory ",
+            &mut idle_prepared_host,
+        ),
+        ("  own (not attached) queue, same process ", &mut idle_own),
+    ] {
+        let m = median(v);
+        println!("{what}   {ci:>8.0}    {m:>8.0}        {:.2}x", ci / m);
+    }
     println!(
         "small launch in the mix, CPU (median ns)   {:>8.0}    {:>8.0}        {:.2}x",
         cs,
@@ -292,6 +367,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         per(cuda_total, iters),
         per(mixed_total, iters),
         per(cuda_total, iters) / per(mixed_total, iters)
+    );
+    println!(
+        "  the same, small kernels chained (us)          {:>8.2}    {:>8.2}        {:.2}x",
+        per(cuda_total, iters),
+        per(chained_total, iters),
+        per(cuda_total, iters) / per(chained_total, iters)
     );
     println!(
         "dependent ping-pong, per round trip (us)   {:>8.2}    {:>8.2}        {:.2}x   (CUDA: two streams and events; APEX: queue <-> stream)",

@@ -94,6 +94,13 @@ impl Release {
         wide: true,
         timestamp: false,
     };
+    /// A 64-bit release as soon as the front end reaches it: for releases ordered by an acquire just before them
+    /// (of a value whose own release already followed the work), where waiting for idle would only add latency.
+    pub const NOW_64: Release = Release {
+        wfi: false,
+        wide: true,
+        timestamp: false,
+    };
 }
 
 /// Acquire comparisons the host class offers.
