@@ -13,7 +13,8 @@
 //!   same queue: the floor the launch → completion target is measured against.
 //!
 //! Prints min / median / p99 in nanoseconds; `APEX_SAMPLES` sets the samples per series (default 20 000),
-//! `APEX_CONFIGS` (comma-separated: video, video+inline, host, host+inline) the configurations measured.
+//! `APEX_CONFIGS` (comma-separated: video, video+inline, host, host+inline) the configurations measured,
+//! `APEX_PUSH_BYTES` and `APEX_SLOTS` the pushbuffer size and launch slots.
 
 mod support;
 
@@ -101,6 +102,16 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         // Set after `with_memory`, which picks inline QMDs for host memory.
         let mut config = ComputeQueueConfig::default().with_memory(memory);
         config.inline_qmd = inline_qmd;
+        // APEX_PUSH_BYTES / APEX_SLOTS: pushbuffer size and launch slots (how much memory a launch's writes cycle
+        // through, and so how warm the CPU's caches stay).
+        let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<usize>().ok());
+        if let Some(b) = env("APEX_PUSH_BYTES") {
+            config.queue.push_bytes = b as u64;
+        }
+        if let Some(n) = env("APEX_SLOTS") {
+            config.slots = n;
+            config.chain_part = config.chain_part.min(n);
+        }
         let mut q = ComputeQueue::new(&gpu, config)?;
         let module = Module::load(&gpu, CUBIN)?;
         let empty = module.kernel("empty")?;

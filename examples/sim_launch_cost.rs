@@ -18,7 +18,11 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     let (gpu, _sim) = Simulator::open(SimConfig::default())?;
-    let mut q = ComputeQueue::new(&gpu, ComputeQueueConfig::default())?;
+    let mut config = ComputeQueueConfig::default();
+    if let Some(b) = std::env::var("APEX_PUSH_BYTES").ok().and_then(|v| v.parse().ok()) {
+        config.queue.push_bytes = b;
+    }
+    let mut q = ComputeQueue::new(&gpu, config)?;
     let k = Module::load(&gpu, CUBIN)?.kernel("empty")?;
     let cfg = LaunchConfig::linear(1, 1);
     // APEX_ROUNDS: more rounds of 200 launches, for profiling.

@@ -66,9 +66,15 @@ pub enum Signal {
 /// A point on a queue's timeline: done once the GPU has released `value`.
 #[derive(Clone, Debug)]
 pub struct Fence {
+    /// The queue's timeline and fault watch, shared: a fence is made per launch, so it clones one `Arc`.
+    shared: Arc<FenceShared>,
+    value: u64,
+}
+
+#[derive(Debug)]
+struct FenceShared {
     timeline: Timeline,
     watch: FaultWatch,
-    value: u64,
 }
 
 impl Fence {
@@ -79,23 +85,23 @@ impl Fence {
 
     /// Whether the GPU has released the value (no waiting).
     pub fn is_done(&self) -> bool {
-        self.timeline.is_reached(self.value)
+        self.shared.timeline.is_reached(self.value)
     }
 
     /// The timeline this fence is a value of: another channel waits for the fence by acquiring
     /// `timeline().va()` at [`value`](Self::value).
     pub fn timeline(&self) -> &Timeline {
-        &self.timeline
+        &self.shared.timeline
     }
 
     /// Waits until done, failing with a timeout or the channel's fault.
     pub fn wait(&self, timeout: Duration) -> Result<()> {
-        let (t, v) = (&self.timeline, self.value);
+        let (t, v) = (&self.shared.timeline, self.value);
         Ok(wait_until(
             "a fence on the queue's timeline",
             timeout,
             || t.is_reached(v),
-            || self.watch.check(),
+            || self.shared.watch.check(),
         )?)
     }
 }
@@ -106,7 +112,8 @@ pub struct Queue {
     channel: Channel,
     space: PushSpace,
     timeline: Timeline,
-    watch: FaultWatch,
+    /// What every fence of this queue shares.
+    fences: Arc<FenceShared>,
     last: u64,
     timeout: Duration,
 }
@@ -127,8 +134,11 @@ impl Queue {
         let mut q = Queue {
             channel,
             space,
+            fences: Arc::new(FenceShared {
+                timeline: timeline.clone(),
+                watch,
+            }),
             timeline,
-            watch,
             last: 0,
             timeout: config.timeout,
         };
@@ -179,8 +189,7 @@ impl Queue {
     /// A fence on this queue's timeline at `value`.
     pub fn fence_for(&self, value: u64) -> Fence {
         Fence {
-            timeline: self.timeline.clone(),
-            watch: self.watch.clone(),
+            shared: self.fences.clone(),
             value,
         }
     }
