@@ -104,7 +104,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         config.inline_qmd = inline_qmd;
         // APEX_PUSH_BYTES / APEX_SLOTS: pushbuffer size and launch slots (how much memory a launch's writes cycle
         // through, and so how warm the CPU's caches stay).
-        let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<usize>().ok());
+        let env = |name: &str| {
+            std::env::var(name)
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+        };
         if let Some(b) = env("APEX_PUSH_BYTES") {
             config.queue.push_bytes = b as u64;
         }

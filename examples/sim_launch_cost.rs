@@ -19,7 +19,10 @@ fn main() -> std::process::ExitCode {
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     let (gpu, _sim) = Simulator::open(SimConfig::default())?;
     let mut config = ComputeQueueConfig::default();
-    if let Some(b) = std::env::var("APEX_PUSH_BYTES").ok().and_then(|v| v.parse().ok()) {
+    if let Some(b) = std::env::var("APEX_PUSH_BYTES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
         config.queue.push_bytes = b;
     }
     let mut q = ComputeQueue::new(&gpu, config)?;
