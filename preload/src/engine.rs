@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use apex::{Arg, Backend, Gpu, Kernel, LaunchConfig, Module, PreparedLaunch, Queue};
@@ -152,8 +152,19 @@ pub(crate) struct Engine {
 
 static ENGINE: Mutex<Option<Engine>> = Mutex::new(None);
 
+/// Set in a forked child: its copy of the engine names channels and a CUDA context that are the parent's, so the
+/// child forwards everything and never touches them (CUDA itself is unusable in a fork child).
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn in_fork_child() {
+    FORKED.store(true, Ordering::Relaxed);
+}
+
 /// Runs `f` on the engine (made on first use), under its lock, with panics contained: a panic turns the takeover off.
 fn with<R>(f: impl FnOnce(&mut Engine) -> R) -> Option<R> {
+    if FORKED.load(Ordering::Relaxed) {
+        return None;
+    }
     let mut guard: MutexGuard<'_, Option<Engine>> = match ENGINE.lock() {
         Ok(g) => g,
         Err(poisoned) => {
@@ -384,8 +395,11 @@ impl Engine {
         if let Attach::NotYet = self.attach {
             if !self.exit_hook {
                 // Registered after the CUDA runtime's own exit handler, so it runs before the context goes away.
-                // SAFETY: a plain `extern "C" fn()`.
-                unsafe { libc::atexit(at_exit) };
+                // SAFETY: plain `extern "C" fn()` callbacks.
+                unsafe {
+                    libc::atexit(at_exit);
+                    libc::pthread_atfork(None, None, Some(in_fork_child));
+                }
                 self.exit_hook = true;
             }
             self.attach = match (Gpu::attach_cuda(), current_context()) {
