@@ -3,103 +3,35 @@
 //! calls, and calls made while a hook runs, pass straight through) and inside `catch_unwind` (a
 //! bug in the tracer must not unwind into C).
 
-use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::{CStr, c_char, c_int, c_uint, c_ulong, c_void};
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use apex::rm::sys;
+use apex_interpose::{
+    CUDA_ERROR_STUB_LIBRARY, GpaFn, GpaV2Fn, Guard, errno, install, next, quietly, real, set_errno,
+};
 
 use crate::names;
 use crate::record::{ChannelRecord, DriverLaunchRecord, IoctlRecord, Record};
 use crate::tracer::{self, DISABLED, Node};
-
-thread_local! {
-    static IN_HOOK: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Marks this thread as inside a hook until dropped.
-struct Guard;
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        IN_HOOK.with(|g| g.set(false));
-    }
-}
 
 /// `None` when tracing must not happen on this thread now (nested call, tracer thread, fork child).
 fn enter() -> Option<Guard> {
     if DISABLED.load(Ordering::Relaxed) {
         return None;
     }
-    // `try_with`: during thread teardown the TLS slot may be gone; then do not trace.
-    IN_HOOK
-        .try_with(|g| (!g.replace(true)).then_some(Guard))
-        .ok()
-        .flatten()
+    apex_interpose::enter()
 }
 
 /// For the tracer's own thread: never trace it.
 pub(crate) fn enter_forever() {
-    IN_HOOK.with(|g| g.set(true));
-}
-
-/// Runs tracing code, swallowing panics.
-fn quietly(f: impl FnOnce()) {
-    let _ = catch_unwind(AssertUnwindSafe(f));
+    apex_interpose::enter_forever();
 }
 
 // ---- real functions ----
-
-type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
-
-static REAL_DLSYM: AtomicUsize = AtomicUsize::new(0);
-
-/// glibc's dlsym (we export our own `dlsym`, so never call `libc::dlsym` here).
-fn real_dlsym() -> Option<DlsymFn> {
-    let mut p = REAL_DLSYM.load(Ordering::Relaxed);
-    if p == 0 {
-        for version in [c"GLIBC_2.34", c"GLIBC_2.2.5"] {
-            // SAFETY: dlvsym with NUL-terminated names; it is not interposed.
-            p = unsafe { libc::dlvsym(libc::RTLD_NEXT, c"dlsym".as_ptr(), version.as_ptr()) }
-                as usize;
-            if p != 0 {
-                break;
-            }
-        }
-        REAL_DLSYM.store(p, Ordering::Relaxed);
-    }
-    // SAFETY: a non-null result of dlvsym("dlsym") is glibc's dlsym, which has this signature.
-    (p != 0).then(|| unsafe { std::mem::transmute::<usize, DlsymFn>(p) })
-}
-
-/// The next definition of `name` after this library, cached in `slot`.
-fn next(slot: &AtomicUsize, name: &CStr) -> usize {
-    let p = slot.load(Ordering::Relaxed);
-    if p != 0 {
-        return p;
-    }
-    let Some(dlsym) = real_dlsym() else { return 0 };
-    // SAFETY: glibc's dlsym with RTLD_NEXT and a NUL-terminated name.
-    let p = unsafe { dlsym(libc::RTLD_NEXT, name.as_ptr()) } as usize;
-    slot.store(p, Ordering::Relaxed);
-    p
-}
-
-/// Declares a cache slot and a typed getter for the next `$name`.
-macro_rules! real {
-    ($getter:ident, $name:literal, $ty:ty) => {
-        fn $getter() -> Option<$ty> {
-            static SLOT: AtomicUsize = AtomicUsize::new(0);
-            let p = next(&SLOT, $name);
-            // SAFETY: the symbol the C library exports under this name has this signature.
-            (p != 0).then(|| unsafe { std::mem::transmute::<usize, $ty>(p) })
-        }
-    };
-}
 
 type OpenFn = unsafe extern "C" fn(*const c_char, c_int, c_uint) -> c_int;
 type OpenAtFn = unsafe extern "C" fn(c_int, *const c_char, c_int, c_uint) -> c_int;
@@ -117,15 +49,6 @@ real!(real_mmap, c"mmap", MmapFn);
 real!(real_mmap64, c"mmap64", MmapFn);
 real!(real_munmap, c"munmap", MunmapFn);
 real!(real_ioctl, c"ioctl", IoctlFn);
-
-fn errno() -> c_int {
-    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
-}
-
-fn set_errno(e: c_int) {
-    // SAFETY: __errno_location returns this thread's errno slot.
-    unsafe { *libc::__errno_location() = e };
-}
 
 // ---- tracer lifecycle ----
 
@@ -550,9 +473,6 @@ unsafe fn record_ioctl(
 
 // ---- dlsym and the CUDA driver API ----
 
-type GpaV2Fn =
-    unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> c_int;
-type GpaFn = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64) -> c_int;
 type LaunchFn = unsafe extern "C" fn(
     *mut c_void,
     c_uint,
@@ -610,11 +530,7 @@ fn wrap(name: &[u8], real: usize, per_thread: bool) -> Option<usize> {
         ),
         _ => return None,
     };
-    if real == ours {
-        return None;
-    }
-    store.store(real, Ordering::Relaxed);
-    Some(ours)
+    install(store, real, ours)
 }
 
 /// Interposed so that `dlsym(libcuda, "cuGetProcAddress_v2")` (how cudart finds the driver) and
@@ -624,40 +540,31 @@ fn wrap(name: &[u8], real: usize, per_thread: bool) -> Option<usize> {
 /// C `dlsym`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn dlsym(handle: *mut c_void, name: *const c_char) -> *mut c_void {
-    let Some(real) = real_dlsym() else {
-        return std::ptr::null_mut();
-    };
     // SAFETY: forwarded unchanged.
-    let r = unsafe { real(handle, name) };
-    if r.is_null() || name.is_null() || DISABLED.load(Ordering::Relaxed) {
-        return r;
-    }
-    // SAFETY: dlsym names are NUL-terminated.
-    let n = unsafe { CStr::from_ptr(name) }.to_bytes();
-    match wrap(n, r as usize, false) {
-        Some(ours) => ours as *mut c_void,
-        None => r,
+    unsafe {
+        apex_interpose::forward_dlsym(handle, name, |n, real| {
+            (!DISABLED.load(Ordering::Relaxed))
+                .then(|| wrap(n, real, false))
+                .flatten()
+        })
     }
 }
 
-fn cuda_ok_and_replace(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64) {
-    if symbol.is_null() || pfn.is_null() {
-        return;
-    }
-    // SAFETY: the driver returned success, so `pfn` holds a function pointer; `symbol` is a C string.
-    let (n, real) = unsafe { (CStr::from_ptr(symbol).to_bytes(), *pfn as usize) };
-    if real == 0 {
-        return;
-    }
-    let n = if n == b"cuGetProcAddress" && version >= 12000 {
-        &b"cuGetProcAddress_v2"[..]
-    } else {
-        n
-    };
-    // CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
-    if let Some(ours) = wrap(n, real, flags & 2 != 0) {
-        // SAFETY: `pfn` is the caller's out-parameter.
-        unsafe { *pfn = ours as *mut c_void };
+/// After a successful `cuGetProcAddress`: our wrapper instead of the driver's function, where we have one.
+///
+/// # Safety
+/// As [`apex_interpose::replace_proc_address`].
+unsafe fn cuda_ok_and_replace(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: c_int,
+    flags: u64,
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        apex_interpose::replace_proc_address(symbol, pfn, version, flags, |n, real, pt, _| {
+            wrap(n, real, pt)
+        })
     }
 }
 
@@ -673,14 +580,15 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
 ) -> c_int {
     let p = next(&REAL_GPA_V2, c"cuGetProcAddress_v2");
     if p == 0 {
-        return 34; // CUDA_ERROR_STUB_LIBRARY
+        return CUDA_ERROR_STUB_LIBRARY;
     }
     // SAFETY: the driver's cuGetProcAddress_v2.
     let real = unsafe { std::mem::transmute::<usize, GpaV2Fn>(p) };
     // SAFETY: forwarded unchanged.
     let r = unsafe { real(symbol, pfn, version, flags, status) };
     if r == 0 && !DISABLED.load(Ordering::Relaxed) {
-        quietly(|| cuda_ok_and_replace(symbol, pfn, version, flags));
+        // SAFETY: the driver returned success for these arguments.
+        unsafe { cuda_ok_and_replace(symbol, pfn, version, flags) };
     }
     r
 }
@@ -696,14 +604,15 @@ pub unsafe extern "C" fn cuGetProcAddress(
 ) -> c_int {
     let p = next(&REAL_GPA, c"cuGetProcAddress");
     if p == 0 {
-        return 34;
+        return CUDA_ERROR_STUB_LIBRARY;
     }
     // SAFETY: the driver's cuGetProcAddress.
     let real = unsafe { std::mem::transmute::<usize, GpaFn>(p) };
     // SAFETY: forwarded unchanged.
     let r = unsafe { real(symbol, pfn, version, flags) };
     if r == 0 && !DISABLED.load(Ordering::Relaxed) {
-        quietly(|| cuda_ok_and_replace(symbol, pfn, version, flags));
+        // SAFETY: the driver returned success for these arguments.
+        unsafe { cuda_ok_and_replace(symbol, pfn, version, flags) };
     }
     r
 }
@@ -719,26 +628,9 @@ fn kernel_name(f: *mut c_void) -> Option<String> {
         return n.clone();
     }
     let lookup = |sym: &CStr| -> Option<String> {
-        let dlsym = real_dlsym()?;
-        // SAFETY: dlopen with RTLD_NOLOAD only finds an already loaded libcuda.
-        let lib = unsafe {
-            libc::dlopen(
-                c"libcuda.so.1".as_ptr(),
-                libc::RTLD_NOLOAD | libc::RTLD_LAZY,
-            )
-        };
-        if lib.is_null() {
-            return None;
-        }
-        // SAFETY: glibc's dlsym on a live handle.
-        let p = unsafe { dlsym(lib, sym.as_ptr()) };
-        // SAFETY: balances the dlopen above; libcuda stays loaded (the program holds it).
-        unsafe { libc::dlclose(lib) };
-        if p.is_null() {
-            return None;
-        }
+        let p = apex_interpose::libcuda_symbol(sym)?;
         // SAFETY: cuFuncGetName and cuKernelGetName share this signature.
-        let get = unsafe { std::mem::transmute::<*mut c_void, NameFn>(p) };
+        let get = unsafe { std::mem::transmute::<usize, NameFn>(p) };
         let mut name: *const c_char = std::ptr::null();
         // SAFETY: live out-parameter; the driver validates the handle.
         (unsafe { get(&mut name, f) } == 0 && !name.is_null())
@@ -772,7 +664,7 @@ fn launch(
         next(&REAL_LAUNCH[1], c"cuLaunchKernel_ptsz")
     };
     if p == 0 {
-        return 34;
+        return CUDA_ERROR_STUB_LIBRARY;
     }
     // SAFETY: the driver's cuLaunchKernel(_ptsz).
     let real = unsafe { std::mem::transmute::<usize, LaunchFn>(p) };
@@ -868,7 +760,7 @@ fn launch_ex(
         next(&REAL_LAUNCH_EX[1], c"cuLaunchKernelEx_ptsz")
     };
     if p == 0 {
-        return 34;
+        return CUDA_ERROR_STUB_LIBRARY;
     }
     // SAFETY: the driver's cuLaunchKernelEx(_ptsz).
     let real = unsafe { std::mem::transmute::<usize, LaunchExFn>(p) };
