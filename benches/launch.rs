@@ -96,43 +96,22 @@ fn benches(c: &mut Criterion) {
 
     let mut g = c.benchmark_group("submit");
     g.bench_function("apex_direct", |b| {
-        b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            let mut left = iters;
-            while left > 0 {
-                let n = left.min(256);
-                let t = Instant::now();
-                let mut last = None;
-                for _ in 0..n {
-                    last = Some(p.direct());
-                }
-                total += t.elapsed();
-                last.expect("launched").wait(T).expect("drain");
-                left -= n;
-            }
-            total
-        })
+        b.iter_custom(|iters| in_bursts(iters, &mut p, Paths::direct, |_, f| drain(f)))
     });
     // The same launches recorded without ringing the doorbell (one doorbell per 256, outside the timed part):
     // what building and writing a launch costs, apart from the store fence and the doorbell write.
     g.bench_function("apex_direct_record_only", |b| {
         b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            let mut left = iters;
-            while left > 0 {
-                let n = left.min(256);
-                let t = Instant::now();
-                let mut last = None;
-                for _ in 0..n {
-                    // SAFETY: the empty kernel touches no memory.
-                    last = Some(unsafe { p.q.record_launch(&p.k, &ONE, &[]) }.expect("record"));
-                }
-                total += t.elapsed();
-                p.q.flush();
-                last.expect("launched").wait(T).expect("drain");
-                left -= n;
-            }
-            total
+            in_bursts(
+                iters,
+                &mut p,
+                // SAFETY: the empty kernel touches no memory.
+                |p| unsafe { p.q.record_launch(&p.k, &ONE, &[]) }.expect("record"),
+                |p, f| {
+                    p.q.flush();
+                    drain(f)
+                },
+            )
         })
     });
     // Prepared launches (`ComputeQueue::prepare_launch`), with the launch memory in video memory (the default) and
@@ -144,39 +123,21 @@ fn benches(c: &mut Criterion) {
         let prepared = q.prepare_launch(&p.k, &ONE).expect("prepare");
         g.bench_function(name, |b| {
             b.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                let mut left = iters;
-                while left > 0 {
-                    let n = left.min(256);
-                    let t = Instant::now();
-                    let mut last = None;
-                    for _ in 0..n {
-                        // SAFETY: the empty kernel touches no memory.
-                        last = Some(unsafe { q.launch_prepared(&prepared, &[]) }.expect("launch"));
-                    }
-                    total += t.elapsed();
-                    last.expect("launched").wait(T).expect("drain");
-                    left -= n;
-                }
-                total
+                in_bursts(
+                    iters,
+                    q,
+                    // SAFETY: the empty kernel touches no memory.
+                    |q| unsafe { q.launch_prepared(&prepared, &[]) }.expect("launch"),
+                    |_, f| drain(f),
+                )
             })
         });
     }
     g.bench_function("cuLaunchKernel", |b| {
         b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            let mut left = iters;
-            while left > 0 {
-                let n = left.min(256);
-                let t = Instant::now();
-                for _ in 0..n {
-                    p.cuda();
-                }
-                total += t.elapsed();
-                p.stream.synchronize().expect("drain");
-                left -= n;
-            }
-            total
+            in_bursts(iters, &mut p, Paths::cuda, |p, ()| {
+                p.stream.synchronize().expect("drain")
+            })
         })
     });
     g.finish();
@@ -297,6 +258,34 @@ fn benches(c: &mut Criterion) {
     });
     g.finish();
     black_box(&p.q);
+}
+
+/// The time of `iters` calls of `launch` on `state`, one at a time, in bursts of 256: after each burst, outside the
+/// timed part, `drain` waits for the burst (given the last call's result), so the GPU's pace is never what is timed.
+fn in_bursts<S: ?Sized, F>(
+    iters: u64,
+    state: &mut S,
+    launch: impl Fn(&mut S) -> F,
+    drain: impl Fn(&mut S, F),
+) -> Duration {
+    let mut total = Duration::ZERO;
+    let mut left = iters;
+    while left > 0 {
+        let n = left.min(256);
+        let t = Instant::now();
+        let mut last = launch(state);
+        for _ in 1..n {
+            last = launch(state);
+        }
+        total += t.elapsed();
+        drain(state, last);
+        left -= n;
+    }
+    total
+}
+
+fn drain(f: apex::pushbuf::Fence) {
+    f.wait(T).expect("drain");
 }
 
 /// Runs `batch` (1000 launches) often enough for `iters` launches and returns the total time, so criterion

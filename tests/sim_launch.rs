@@ -7,11 +7,11 @@ use std::time::Duration;
 use apex::launch::qmd::{self, ConstBuffer, QMD_WORDS, QmdParams, QmdVersion};
 use apex::launch::{Arg, ComputeQueue, ComputeQueueConfig, Error, LaunchConfig, Module};
 use apex::pushbuf::Signal;
-use apex::rm::sim::SimConfig;
-use apex::rm::{GpuCore, Memory, MemoryDesc, Placement};
+use apex::rm::{GpuCore, Memory, MemoryDesc};
 use apex::sim::{QmdViolation, SimErrorKind, Simulator, XID_GRAPHICS};
 
-const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
+#[path = "support/sim.rs"]
+mod sim;
 const T: Duration = Duration::from_secs(30);
 
 fn setup() -> (Arc<GpuCore>, Simulator, ComputeQueue, Arc<Module>) {
@@ -19,23 +19,11 @@ fn setup() -> (Arc<GpuCore>, Simulator, ComputeQueue, Arc<Module>) {
 }
 
 fn setup_with(config: ComputeQueueConfig) -> (Arc<GpuCore>, Simulator, ComputeQueue, Arc<Module>) {
-    let (gpu, sim) = Simulator::open(SimConfig::default()).unwrap();
-    let q = ComputeQueue::new(&gpu, config).expect("compute queue");
-    let module = Module::load(&gpu, CUBIN).expect("module");
-    (gpu, sim, q, module)
+    sim::setup_with(config)
 }
 
 fn page(gpu: &Arc<GpuCore>) -> Memory {
-    let m = Memory::alloc(
-        gpu,
-        MemoryDesc::video(0x1000)
-            .placement(Placement::SystemCached)
-            .with_cpu()
-            .low(),
-    )
-    .unwrap();
-    m.fill(0, 0x1000, 0).unwrap();
-    m
+    sim::host_page(gpu)
 }
 
 #[test]

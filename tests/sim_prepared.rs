@@ -9,35 +9,19 @@ use std::time::Duration;
 use apex::launch::{
     Arg, ComputeQueue, ComputeQueueConfig, Error, LaunchConfig, LaunchMemory, Module,
 };
-use apex::rm::sim::SimConfig;
-use apex::rm::{GpuCore, Memory, MemoryDesc, Placement};
+use apex::rm::GpuCore;
 use apex::sim::Simulator;
 
 #[path = "support/counting_alloc.rs"]
 mod counting_alloc;
+#[path = "support/sim.rs"]
+mod sim;
 use counting_alloc::allocations;
 
-const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
 const T: Duration = Duration::from_secs(30);
 
 fn setup(config: ComputeQueueConfig) -> (Arc<GpuCore>, Simulator, ComputeQueue, Arc<Module>) {
-    let (gpu, sim) = Simulator::open(SimConfig::default()).unwrap();
-    let q = ComputeQueue::new(&gpu, config).expect("compute queue");
-    let module = Module::load(&gpu, CUBIN).expect("module");
-    (gpu, sim, q, module)
-}
-
-fn page(gpu: &Arc<GpuCore>) -> Memory {
-    let m = Memory::alloc(
-        gpu,
-        MemoryDesc::video(0x1000)
-            .placement(Placement::SystemCached)
-            .with_cpu()
-            .low(),
-    )
-    .unwrap();
-    m.fill(0, 0x1000, 0).unwrap();
-    m
+    sim::setup_with(config)
 }
 
 /// Four slots, so that slots pass between prepared launches, ordinary launches and the two prepared shapes.
@@ -61,7 +45,7 @@ fn every_launch_carries_its_own_arguments_with(config: ComputeQueueConfig) {
     let (gpu, sim, mut q, module) = setup(config);
     let saxpy = module.kernel("saxpy").unwrap();
     let step = module.kernel("chain_step").unwrap();
-    let out = page(&gpu);
+    let out = sim::host_page(&gpu);
     let a = q
         .prepare_launch(&saxpy, &LaunchConfig::linear(3, 128))
         .unwrap();
@@ -158,7 +142,7 @@ fn inline_qmds_mix_with_chains_on_the_same_slots() {
         ..small(LaunchMemory::Video)
     });
     let step = module.kernel("chain_step").unwrap();
-    let out = page(&gpu);
+    let out = sim::host_page(&gpu);
     let p = q
         .prepare_launch(&step, &LaunchConfig::linear(1, 1))
         .unwrap();
@@ -215,7 +199,7 @@ fn a_prepared_launch_is_refused_on_another_queue_before_anything_is_sent() {
         .unwrap();
     let mut other = ComputeQueue::new(&gpu, small(LaunchMemory::Video)).unwrap();
     let before = sim.launches().len();
-    let out = page(&gpu);
+    let out = sim::host_page(&gpu);
     let args = [Arg::Ptr(out.va()), Arg::U64(1), Arg::U64(1)];
     // SAFETY: the model does not execute kernels.
     let e = unsafe { other.launch_prepared(&p, &args) }.unwrap_err();
@@ -240,7 +224,7 @@ fn a_prepared_launch_follows_local_memory_grown_after_it_was_prepared() {
     let p = q
         .prepare_launch(&step, &LaunchConfig::linear(1, 1))
         .unwrap();
-    let out = page(&gpu);
+    let out = sim::host_page(&gpu);
     let args = [Arg::Ptr(out.va()), Arg::U64(1), Arg::U64(1)];
     // SAFETY: the model does not execute kernels.
     unsafe { q.launch_prepared(&p, &args) }.unwrap();
@@ -276,7 +260,7 @@ fn a_prepared_launch_allocates_nothing() {
     let p = q
         .prepare_launch(&step, &LaunchConfig::linear(1, 1))
         .unwrap();
-    let out = page(&gpu);
+    let out = sim::host_page(&gpu);
     let before = sim.launches().len();
     // Warm: every slot once, so the pushbuffer and slot bookkeeping are in steady state.
     for i in 0..300u64 {

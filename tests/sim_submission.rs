@@ -7,8 +7,11 @@ use std::time::Duration;
 use apex::gpfifo::{ChannelConfig, Error as ChannelError};
 use apex::pushbuf::{Acquire, Error, Queue, QueueConfig, Release, Signal, Subchannel};
 use apex::rm::sim::SimConfig;
-use apex::rm::{GpuCore, Memory, MemoryDesc, Placement};
+use apex::rm::{GpuCore, Memory};
 use apex::sim::{SimErrorKind, Simulator, XID_GRAPHICS, XID_MMU};
+
+#[path = "support/sim.rs"]
+mod sim;
 
 /// Generous: CI machines are small and loaded; nothing here waits this long when it works.
 const T: Duration = Duration::from_secs(30);
@@ -29,16 +32,7 @@ fn queue(gpu: &Arc<GpuCore>, entries: u32, timeout: Duration) -> Queue {
 }
 
 fn sem_page(gpu: &Arc<GpuCore>) -> Memory {
-    let m = Memory::alloc(
-        gpu,
-        MemoryDesc::video(0x1000)
-            .placement(Placement::SystemCached)
-            .with_cpu()
-            .low(),
-    )
-    .unwrap();
-    m.fill(0, 0x1000, 0).unwrap();
-    m
+    sim::host_page(gpu)
 }
 
 const STAMPED: Release = Release {

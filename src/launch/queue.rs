@@ -730,17 +730,7 @@ impl ComputeQueue {
         )?;
         let mut qmd = [0u32; QMD_WORDS];
         qmd::build(self.version, &params, &mut qmd)?;
-        let mut driver = [0u32; CBANK_DRIVER_WORDS];
-        write_driver_words(
-            &mut driver,
-            cfg.block,
-            cfg.grid,
-            self.shared_window(),
-            self.local_window(),
-        );
-        write_grid_barrier(&mut driver, None);
-        let mut cluster = [0u32; CLUSTER_WORDS];
-        write_cluster_words(&mut cluster, cfg.grid, checked.1);
+        let (driver, cluster) = self.bank_words(cfg, checked.1, None);
         Ok(PreparedLaunch {
             id: NEXT_PREPARED_ID.fetch_add(1, Ordering::Relaxed),
             queue: self.id,
@@ -819,18 +809,7 @@ impl ComputeQueue {
                 let cb_va = self.slot_qmd_va(slot) + QMD_BYTES;
                 qmd::patch_launch(self.version, &mut q, cb_va, Some(value))?;
                 self.stage_qmd(slot, &q)?;
-                write_changed(
-                    &self.slots,
-                    slot_off + QMD_BYTES,
-                    &mut self.cb_shadow[slot],
-                    &p.driver,
-                )?;
-                write_changed(
-                    &self.slots,
-                    slot_off + QMD_BYTES + CLUSTER_WORDS_START as u64,
-                    &mut self.cluster_shadow[slot],
-                    &p.cluster,
-                )?;
+                self.write_bank_words(slot, &p.driver, &p.cluster)?;
                 self.slot_owner[slot] = p.id;
             }
         }
@@ -839,15 +818,7 @@ impl ComputeQueue {
             &self.params[..n],
         )?;
         self.next_slot = (slot + 1) % self.slot_values.len();
-        let prev_done = self.queue.timeline().is_known_reached(prev);
-        let invalidate = self.seen_generation < kernel.module().generation();
-        let fence = self.send_slot(slot, invalidate, prev_done, prev)?;
-        debug_assert_eq!(fence.value(), value);
-        if invalidate {
-            self.seen_generation = newest_generation();
-        }
-        self.slot_values[slot] = value;
-        Ok(fence)
+        self.send_launch(slot, kernel, true)
     }
 
     /// Records a signal that completes once every launch so far has completed (waiting for the compute engine to
@@ -859,15 +830,21 @@ impl ComputeQueue {
         Ok(fence)
     }
 
-    /// Makes this queue's later launches and copies wait, on the GPU, until the 64-bit word at `va` reaches
-    /// `value` (compared circularly, as 64-bit timelines are): how a queue waits for another agent, such as a
-    /// CUDA stream's `cuStreamWriteValue64`. The word must be mapped in this GPU's address space.
-    pub fn wait_value(&mut self, va: u64, value: u64) -> Result<Fence> {
+    /// Sends an open chain and joins unordered launches, so that the queue's last timeline value covers all its
+    /// work so far; returns that value (what later work waits for).
+    fn settle_earlier(&mut self) -> Result<u64> {
         self.end_open_chain()?;
         if self.unordered_pending {
             self.join()?;
         }
-        let prev = self.queue.last_submitted();
+        Ok(self.queue.last_submitted())
+    }
+
+    /// Makes this queue's later launches and copies wait, on the GPU, until the 64-bit word at `va` reaches
+    /// `value` (compared circularly, as 64-bit timelines are): how a queue waits for another agent, such as a
+    /// CUDA stream's `cuStreamWriteValue64`. The word must be mapped in this GPU's address space.
+    pub fn wait_value(&mut self, va: u64, value: u64) -> Result<Fence> {
+        let prev = self.settle_earlier()?;
         let prev_done = self.queue.timeline().is_known_reached(prev);
         let timeline_va = self.queue.timeline().va();
         // No wait for idle: the acquires order the release, and the timeline's earlier values were released after
@@ -885,11 +862,7 @@ impl ComputeQueue {
     /// memory writes visible): how another agent, such as a CUDA stream's `cuStreamWaitValue64`, waits for this
     /// queue.
     pub fn release_value(&mut self, va: u64, value: u64) -> Result<Fence> {
-        self.end_open_chain()?;
-        if self.unordered_pending {
-            self.join()?;
-        }
-        let prev = self.queue.last_submitted();
+        let prev = self.settle_earlier()?;
         let prev_done = self.queue.timeline().is_known_reached(prev);
         let timeline_va = self.queue.timeline().va();
         // Every earlier value was released after its work and its memory barrier, so once the acquire sees `prev`
@@ -934,11 +907,7 @@ impl ComputeQueue {
                 .map_on(engines.gpu())?;
             engines.map_semaphores_on(&self.gpu)?;
         }
-        self.end_open_chain()?;
-        if self.unordered_pending {
-            self.join()?;
-        }
-        let prev = self.queue.last_submitted();
+        let prev = self.settle_earlier()?;
         let after =
             (!self.queue.timeline().is_reached(prev)).then(|| (self.queue.timeline().va(), prev));
         let parts = engines.copy(src, dst, bytes, after)?;
@@ -997,11 +966,7 @@ impl ComputeQueue {
                 why: "a copy of 0 bytes".into(),
             });
         }
-        self.end_open_chain()?;
-        if self.unordered_pending {
-            self.join()?;
-        }
-        let prev = self.queue.last_submitted();
+        let prev = self.settle_earlier()?;
         let prev_done = self.queue.timeline().is_reached(prev);
         let timeline_va = self.queue.timeline().va();
         let copy_sem = self.queue.channel().semaphores().va(COPY_SEMAPHORE_SLOT);
@@ -1033,22 +998,27 @@ impl ComputeQueue {
             self.queue.record(0, Signal::Host, |_, _| {})?;
             self.unordered_pending = false;
         }
-        let value = self.queue.last_submitted() + 1;
+        let fence = self.send_launch(slot, kernel, ordered)?;
+        if !ordered {
+            self.unordered_pending = true;
+        }
+        Ok(fence)
+    }
+
+    /// Sends the launch staged in `slot` (the next value on the timeline), after the previous one when `ordered`,
+    /// invalidating the shader caches first if `kernel`'s module is newer than what the queue has run.
+    fn send_launch(&mut self, slot: usize, kernel: &Kernel, ordered: bool) -> Result<Fence> {
         let prev = self.queue.last_submitted();
         // Only what an earlier read showed: reading the semaphore would cost a cache miss on every launch, and an
         // acquire of a value already released costs the GPU little.
         let prev_done = !ordered || self.queue.timeline().is_known_reached(prev);
         let invalidate = self.seen_generation < kernel.module().generation();
-
         let fence = self.send_slot(slot, invalidate, prev_done, prev)?;
-        debug_assert_eq!(fence.value(), value);
+        debug_assert_eq!(fence.value(), prev + 1);
         if invalidate {
             self.seen_generation = newest_generation();
         }
-        if !ordered {
-            self.unordered_pending = true;
-        }
-        self.slot_values[slot] = value;
+        self.slot_values[slot] = fence.value();
         Ok(fence)
     }
 
@@ -1117,29 +1087,8 @@ impl ComputeQueue {
         }
 
         // Only the words that differ from what the slot already holds go over the bus (write-combined BAR1).
-        let mut driver = [0u32; CBANK_DRIVER_WORDS];
-        write_driver_words(
-            &mut driver,
-            cfg.block,
-            cfg.grid,
-            self.shared_window(),
-            self.local_window(),
-        );
-        write_grid_barrier(&mut driver, self.cooperative);
-        write_changed(
-            &self.slots,
-            slot_off + QMD_BYTES,
-            &mut self.cb_shadow[slot],
-            &driver,
-        )?;
-        let mut cluster_words = [0u32; CLUSTER_WORDS];
-        write_cluster_words(&mut cluster_words, cfg.grid, cluster);
-        write_changed(
-            &self.slots,
-            slot_off + QMD_BYTES + CLUSTER_WORDS_START as u64,
-            &mut self.cluster_shadow[slot],
-            &cluster_words,
-        )?;
+        let (driver, cluster_words) = self.bank_words(cfg, cluster, self.cooperative);
+        self.write_bank_words(slot, &driver, &cluster_words)?;
         self.slots.write(
             slot_off + QMD_BYTES + DRIVER_BYTES as u64,
             &self.params[..n],
@@ -1177,6 +1126,45 @@ impl ComputeQueue {
 
     fn slot_qmd_va(&self, slot: usize) -> u64 {
         self.slots.va() + slot as u64 * SLOT_BYTES
+    }
+
+    /// The driver and cluster words constant bank 0 holds for a launch over `cfg` with cluster shape `cluster`, and
+    /// the grid barrier of a cooperative launch.
+    fn bank_words(
+        &self,
+        cfg: &LaunchConfig,
+        cluster: Option<[u32; 3]>,
+        grid_barrier: Option<u64>,
+    ) -> ([u32; CBANK_DRIVER_WORDS], [u32; CLUSTER_WORDS]) {
+        let mut driver = [0u32; CBANK_DRIVER_WORDS];
+        write_driver_words(
+            &mut driver,
+            cfg.block,
+            cfg.grid,
+            self.shared_window(),
+            self.local_window(),
+        );
+        write_grid_barrier(&mut driver, grid_barrier);
+        let mut words = [0u32; CLUSTER_WORDS];
+        write_cluster_words(&mut words, cfg.grid, cluster);
+        (driver, words)
+    }
+
+    /// Writes the driver and cluster words of a slot's constant bank 0 that differ from what it holds.
+    fn write_bank_words(
+        &mut self,
+        slot: usize,
+        driver: &[u32; CBANK_DRIVER_WORDS],
+        cluster: &[u32; CLUSTER_WORDS],
+    ) -> Result<()> {
+        let bank = slot as u64 * SLOT_BYTES + QMD_BYTES;
+        write_changed(&self.slots, bank, &mut self.cb_shadow[slot], driver)?;
+        write_changed(
+            &self.slots,
+            bank + CLUSTER_WORDS_START as u64,
+            &mut self.cluster_shadow[slot],
+            cluster,
+        )
     }
 
     /// Writes the words of a slot's QMD that differ from what it holds.
@@ -1310,31 +1298,29 @@ impl ComputeQueue {
         prev_done: bool,
         prev: u64,
     ) -> Result<Fence> {
-        if !self.inline_qmd {
-            return self.send(self.slot_qmd_va(slot), invalidate, prev_done, prev);
-        }
-        let qmd_va = self.slot_qmd_va(slot);
-        let timeline_va = self.queue.timeline().va();
-        let order = self.ordering;
-        let words = &self.qmd_shadow[slot];
-        Ok(self
-            .queue
-            .record(16 + 3 + QMD_WORDS, Signal::Recorded, |p, _| {
-                if invalidate {
-                    p.invalidate_shader_caches_no_wfi();
-                }
-                if !prev_done {
-                    order.wait(p, timeline_va, prev);
-                }
-                p.send_inline_qmd(qmd_va, words);
-            })?)
+        let inline = self.inline_qmd.then_some(slot);
+        self.send_qmd(self.slot_qmd_va(slot), inline, invalidate, prev_done, prev)
     }
 
-    /// Records the methods that launch the QMD at `qmd_va`.
+    /// Records the methods that launch the QMD at `qmd_va`, fetched by the GPU (chain heads).
     fn send(&mut self, qmd_va: u64, invalidate: bool, prev_done: bool, prev: u64) -> Result<Fence> {
+        self.send_qmd(qmd_va, None, invalidate, prev_done, prev)
+    }
+
+    /// Records a launch of the QMD at `qmd_va`: sent inline from slot `inline`'s staged words, or fetched.
+    fn send_qmd(
+        &mut self,
+        qmd_va: u64,
+        inline: Option<usize>,
+        invalidate: bool,
+        prev_done: bool,
+        prev: u64,
+    ) -> Result<Fence> {
         let timeline_va = self.queue.timeline().va();
         let order = self.ordering;
-        Ok(self.queue.record(16, Signal::Recorded, |p, _| {
+        let words = inline.map(|slot| &self.qmd_shadow[slot]);
+        let max_words = 16 + words.map_or(0, |_| 3 + QMD_WORDS);
+        Ok(self.queue.record(max_words, Signal::Recorded, |p, _| {
             if invalidate {
                 p.invalidate_shader_caches_no_wfi();
             }
@@ -1342,7 +1328,10 @@ impl ComputeQueue {
                 // Stream order: this grid starts only after the previous one has completed.
                 order.wait(p, timeline_va, prev);
             }
-            p.send_pcas(qmd_va);
+            match words {
+                Some(w) => p.send_inline_qmd(qmd_va, w),
+                None => p.send_pcas(qmd_va),
+            }
         })?)
     }
 
