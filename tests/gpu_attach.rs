@@ -550,3 +550,54 @@ fn attach_joins_the_current_context_among_several_on_one_gpu() {
         ck("cuCtxDestroy", cu::cuCtxDestroy_v2(created));
     }
 }
+
+/// The older of two contexts on one GPU is current when APEX attaches (a newer one made with `cuCtxCreate` also
+/// holds memory and streams): APEX must join the current one, whose memory its kernels then reach, and leave the
+/// other working.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn attach_joins_an_older_current_context_while_a_newer_one_exists() {
+    if std::env::var_os("APEX_TEST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
+    let primary = cuda_context();
+    let s0 = stream();
+    let in_primary = CudaMemory::new("cuMemAlloc", 1 << 20, s0);
+    let mut created = std::ptr::null_mut();
+    // SAFETY: out-pointer to a local, no creation parameters; device 0 exists (the primary context is on it).
+    ck("cuCtxCreate", unsafe {
+        cu::cuCtxCreate_v4(&mut created, std::ptr::null_mut(), 0, 0)
+    });
+    let s1 = stream();
+    let in_created = CudaMemory::new("cuMemAlloc", 1 << 20, s1);
+    let ys: Vec<f32> = (0..1024).map(|i| i as f32).collect();
+    htod(in_created.ptr(), &ys);
+    // SAFETY: the primary context retained above.
+    ck("cuCtxSetCurrent", unsafe { cu::cuCtxSetCurrent(primary) });
+    let gpu = Gpu::attach_cuda().expect("attach to the older, current context");
+    eprintln!(
+        "attached to the primary context while a created one exists: {}",
+        gpu.selection()
+    );
+    let mut q = gpu.queue().unwrap();
+    saxpy_on(&gpu, &mut q, "cuMemAlloc", s0, 1 << 18, 11);
+    drop(q);
+    drop(gpu);
+    // The created context still works.
+    // SAFETY: contexts made above.
+    unsafe {
+        ck("cuCtxSetCurrent", cu::cuCtxSetCurrent(created));
+        ck("cuCtxSynchronize", cu::cuCtxSynchronize());
+    }
+    assert_eq!(dtoh::<f32>(in_created.ptr(), 1024), ys);
+    in_created.free(s1);
+    // SAFETY: as above.
+    unsafe {
+        ck("cuCtxSetCurrent", cu::cuCtxSetCurrent(primary));
+        in_primary.free(s0);
+        ck("cuCtxDestroy", cu::cuCtxDestroy_v2(created));
+    }
+}

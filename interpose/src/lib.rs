@@ -35,8 +35,10 @@ impl Drop for Guard {
 /// `Some` when this thread is not already inside a hook: the hook may do its own work (its nested calls then pass
 /// straight through). `None` for a nested call, or during thread teardown.
 pub fn enter() -> Option<Guard> {
+    // `then`, not `then_some`: an eagerly built guard would be dropped on the nested path and clear the outer
+    // hook's flag, letting the next nested call in (it deadlocked apex-preload on its own engine lock).
     IN_HOOK
-        .try_with(|g| (!g.replace(true)).then_some(Guard(())))
+        .try_with(|g| (!g.replace(true)).then(|| Guard(())))
         .ok()
         .flatten()
 }
@@ -220,6 +222,16 @@ mod tests {
     fn guard_lets_only_the_outer_call_in() {
         let outer = enter().expect("first entry");
         assert!(enter().is_none(), "a nested call passes straight through");
+        assert!(
+            enter().is_none(),
+            "a second nested call passes straight through too (the first must not clear the outer guard)"
+        );
+        let nested = enter();
+        drop(nested);
+        assert!(
+            enter().is_none(),
+            "a nested call's end keeps the outer guard"
+        );
         drop(outer);
         assert!(enter().is_some(), "the guard is released on drop");
     }

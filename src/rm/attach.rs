@@ -86,8 +86,12 @@ pub struct ContextObjects {
     pub device: Handle,
     /// CUDA's subdevice object under it.
     pub subdevice: Handle,
-    /// The channel group whose channels carry a compute object: the one CUDA's kernels run in.
+    /// The channel group whose channels carry a compute object: the one CUDA's kernels run in (the oldest, when
+    /// several contexts of the process use this GPU).
     pub compute_group: Handle,
+    /// Every such group on the device, oldest first: one per CUDA context on this GPU (measured: a context made with
+    /// `cuCtxCreate` beside the primary one adds a compute group and shares the primary's VA spaces).
+    pub compute_groups: Vec<Handle>,
     /// VA spaces under the device, in handle order (the context's own comes first in libcuda's table).
     pub vaspaces: Vec<Handle>,
 }
@@ -100,14 +104,17 @@ pub fn pick_context_objects(
     compute_classes: &[u32],
 ) -> Option<ContextObjects> {
     let children = |parent: Handle| objects.iter().filter(move |o| o.parent == parent);
-    let compute_group = objects
+    let mut compute_groups: Vec<Handle> = objects
         .iter()
         .filter(|o| o.parent == device && o.class == sys::KEPLER_CHANNEL_GROUP_A)
-        .find(|g| {
+        .filter(|g| {
             children(g.handle)
                 .any(|ch| children(ch.handle).any(|e| compute_classes.contains(&e.class)))
-        })?
-        .handle;
+        })
+        .map(|g| g.handle)
+        .collect();
+    compute_groups.sort_unstable();
+    let compute_group = *compute_groups.first()?;
     let subdevice = children(device)
         .find(|o| o.class == sys::NV20_SUBDEVICE_0)?
         .handle;
@@ -120,6 +127,7 @@ pub fn pick_context_objects(
         device,
         subdevice,
         compute_group,
+        compute_groups,
         vaspaces,
     })
 }
@@ -360,12 +368,23 @@ mod tests {
         ];
         let got = pick_context_objects(&table, dev, &[sys::HOPPER_COMPUTE_A]).unwrap();
         assert_eq!(got.compute_group, 0x5c00_0015);
+        assert_eq!(got.compute_groups, [0x5c00_0015]);
         assert_eq!(got.subdevice, 0x5c00_0003);
         assert_eq!(got.vaspaces, [0x5c00_0009, 0x5c00_000a]);
         // Without a compute channel there is nothing to attach to.
         assert!(pick_context_objects(&table[..7], dev, &[sys::HOPPER_COMPUTE_A]).is_none());
         // Objects of another device do not count.
         assert!(pick_context_objects(&table, 0x5c00_0099, &[sys::HOPPER_COMPUTE_A]).is_none());
+        // A second context's compute group (made later, listed first here): the oldest is picked, both are named.
+        let mut two = vec![
+            o(0x5c00_009f, dev, sys::KEPLER_CHANNEL_GROUP_A),
+            o(0x5c00_00a6, 0x5c00_009f, sys::HOPPER_CHANNEL_GPFIFO_A),
+            o(0x5c00_00a7, 0x5c00_00a6, sys::HOPPER_COMPUTE_A),
+        ];
+        two.extend_from_slice(&table);
+        let got = pick_context_objects(&two, dev, &[sys::HOPPER_COMPUTE_A]).unwrap();
+        assert_eq!(got.compute_group, 0x5c00_0015);
+        assert_eq!(got.compute_groups, [0x5c00_0015, 0x5c00_009f]);
     }
 
     #[test]

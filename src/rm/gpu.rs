@@ -4,7 +4,7 @@
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use super::client::{Client, Object};
 use super::domain::{self, DomainChoice};
@@ -290,6 +290,16 @@ impl GpuCore {
             let Ok((device, objects)) = c.objects() else {
                 continue;
             };
+            debug!(
+                client = format_args!("{:#x}", c.handle),
+                device = format_args!("{device:#x}"),
+                objects = %objects
+                    .iter()
+                    .map(|o| format!("{:#x}<{:#x}:{:#x}", o.handle, o.parent, o.class))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+                "a same-process client's objects (handle<parent:class)"
+            );
             let Some(objs) = super::attach::pick_context_objects(
                 &objects,
                 device,
@@ -310,6 +320,18 @@ impl GpuCore {
             }
             found = Some((c, objs, index, *card));
             break;
+        }
+        if let Some((_, objs, _, _)) = &found
+            && objs.compute_groups.len() > 1
+        {
+            // Several contexts of this process on one GPU share its VA spaces (measured), so every CUdeviceptr
+            // works whichever group APEX joins; which group belongs to the current context RM does not say.
+            warn!(
+                groups = objs.compute_groups.len(),
+                joined = format_args!("{:#x}", objs.compute_group),
+                "several CUDA contexts use this GPU: APEX joins the oldest one's channel group (memory of every \
+                 context works; APEX's work shares that context's time slices and fault fate)"
+            );
         }
         let Some((cuda, objs, index, card)) = found else {
             return Err(Error::Attach(
