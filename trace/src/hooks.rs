@@ -668,7 +668,8 @@ fn launch(
     }
     // SAFETY: the driver's cuLaunchKernel(_ptsz).
     let real = unsafe { std::mem::transmute::<usize, LaunchFn>(p) };
-    let guard = enter();
+    // Not held across the call: the ioctls and mappings libcuda makes inside it (lazy loading) are traced too.
+    let outer = enter().is_some();
     let t0 = Instant::now();
     // SAFETY: forwarded unchanged.
     let r = unsafe {
@@ -677,7 +678,7 @@ fn launch(
             extra,
         )
     };
-    if guard.is_some() {
+    if let Some(_g) = enter().filter(|_| outer) {
         let dur = t0.elapsed().as_nanos() as u64;
         quietly(|| record_launch(api, f, grid, block, shared, stream, r, dur));
     }
@@ -764,11 +765,12 @@ fn launch_ex(
     }
     // SAFETY: the driver's cuLaunchKernelEx(_ptsz).
     let real = unsafe { std::mem::transmute::<usize, LaunchExFn>(p) };
-    let guard = enter();
+    // As in the cuLaunchKernel hook: the guard is not held across the call.
+    let outer = enter().is_some();
     let t0 = Instant::now();
     // SAFETY: forwarded unchanged.
     let r = unsafe { real(config, f, params, extra) };
-    if guard.is_some() && !config.is_null() {
+    if let Some(_g) = enter().filter(|_| outer && !config.is_null()) {
         let dur = t0.elapsed().as_nanos() as u64;
         // SAFETY: the driver read the same config; it starts with these fields.
         let c = unsafe { &*config };
