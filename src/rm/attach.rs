@@ -336,6 +336,26 @@ pub fn foreign_uvm_fds(exclude: &[i32]) -> Vec<OwnedFd> {
         .collect()
 }
 
+/// Whether `uuid`'s GPU is registered in the UVM VA space behind `fd` (read-only: UVM answers
+/// `NV_ERR_INVALID_DEVICE` for a GPU the VA space does not have). CUDA's VA space has the GPU of its context; a
+/// process can hold other initialised UVM descriptors (measured: a PyTorch process holds two).
+pub fn uvm_has_gpu(fd: &OwnedFd, uuid: [u8; 16]) -> bool {
+    let mut p = sys::UVM_PAGEABLE_MEM_ACCESS_ON_GPU_PARAMS {
+        gpu_uuid: sys::NvProcessorUuid { uuid },
+        ..Default::default()
+    };
+    // SAFETY: UVM_PAGEABLE_MEM_ACCESS_ON_GPU_PARAMS is the argument of UVM_PAGEABLE_MEM_ACCESS_ON_GPU.
+    let r = unsafe {
+        uvm_ioctl(
+            fd,
+            sys::UVM_PAGEABLE_MEM_ACCESS_ON_GPU,
+            &mut p,
+            "UVM_PAGEABLE_MEM_ACCESS_ON_GPU",
+        )
+    };
+    r.is_ok() && p.rmStatus == 0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

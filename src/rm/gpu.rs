@@ -271,13 +271,20 @@ impl GpuCore {
         // UVM descriptor.
         let probe_uvm = open_node("/dev/nvidia-uvm")?;
         let own_uvm: Vec<i32> = own_uvm_fds(|f| f.clone());
-        let mut uvm = super::attach::foreign_uvm_fds(&own_uvm);
+        let initialised = super::attach::foreign_uvm_fds(&own_uvm);
+        let found = initialised.len();
+        let mut uvm: Vec<_> = initialised
+            .into_iter()
+            .filter(|fd| super::attach::uvm_has_gpu(fd, uuid))
+            .collect();
         if uvm.len() != 1 {
             return Err(Error::Attach(format!(
-                "found {} initialised UVM descriptors that APEX did not open (CUDA's is one); {}",
+                "found {found} initialised UVM descriptors that APEX did not open, {} of them with GPU {} \
+                 registered (CUDA's is one); {}",
                 uvm.len(),
+                format_uuid(&uuid),
                 if uvm.is_empty() {
-                    "is a CUDA context created in this process (cuInit, a context, and one allocation)?"
+                    "is a CUDA context created on this GPU in this process (cuInit, a context, and one allocation)?"
                 } else {
                     "cannot tell which one is CUDA's"
                 }
