@@ -52,5 +52,5 @@ pub use api::{
     Selection, choose,
 };
 pub use api::{Graph, GraphExec, GraphLaunch, GraphNode};
-pub use launch::{Arg, LaunchConfig, LaunchMemory};
+pub use launch::{Arg, LaunchConfig, LaunchMemory, VariableHome};
 pub use report::error_report;

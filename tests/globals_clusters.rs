@@ -72,6 +72,65 @@ fn module_variables_match_cuobjdump() {
     );
 }
 
+/// Variables placed elsewhere (another instance of the module owns them): every reference into them, from code or
+/// from another variable's initializer, goes to the placed address; the rest of the image is linked as before.
+#[test]
+fn placed_variables_redirect_every_reference_into_them() {
+    use apex::launch::cubin::PlacedGlobal;
+    let c = Cubin::parse(MODULE_DATA).unwrap();
+    let base = 0x1_0000_0000u64;
+    let mut own = vec![0u8; c.image_size() as usize];
+    c.link(base, &mut own).unwrap();
+    let g = |name: &str| c.global(name).unwrap().clone();
+    let (value, zero) = (g("dev_value"), g("dev_zero"));
+    let placed = [
+        PlacedGlobal {
+            image_offset: value.image_offset,
+            size: value.size,
+            address: 0x7_0000_1000,
+        },
+        PlacedGlobal {
+            image_offset: zero.image_offset,
+            size: zero.size,
+            address: 0x7_0000_2000,
+        },
+    ];
+    let mut shared = vec![0u8; c.image_size() as usize];
+    c.link_placed(base, &mut shared, &|_| None, &placed)
+        .unwrap();
+    // dev_ptr = &dev_value now holds the placed address.
+    let ptr = g("dev_ptr");
+    let at = |img: &[u8], o: u64| {
+        u64::from_le_bytes(img[o as usize..o as usize + 8].try_into().unwrap())
+    };
+    assert_eq!(at(&own, ptr.image_offset), base + value.image_offset);
+    assert_eq!(at(&shared, ptr.image_offset), 0x7_0000_1000);
+    // The references changed (in code, whose address halves are split over instruction fields; in constant bank 4,
+    // which holds the addresses code loads; in initializers), nothing else did.
+    let differing: Vec<usize> = (0..own.len()).filter(|&i| own[i] != shared[i]).collect();
+    assert!(!differing.is_empty());
+    let text: Vec<_> = c
+        .image_sections()
+        .filter(|s| {
+            s.name.starts_with(".text.")
+                || s.name.starts_with(".nv.constant4")
+                || s.name == ".nv.global.init"
+        })
+        .map(|s| s.image_offset..s.image_offset + s.size)
+        .collect();
+    for i in differing {
+        assert!(
+            text.iter().any(|r| r.contains(&(i as u64))),
+            "byte {i:#x} changed outside code, bank 4 and initialized data"
+        );
+    }
+    // A variable placed in too small a home is refused by the loader; references into unplaced variables stay.
+    let array = g("dev_array");
+    let mid = g("dev_ptr_mid");
+    assert_eq!(at(&shared, mid.image_offset), at(&own, mid.image_offset));
+    assert!(array.size > 0);
+}
+
 #[test]
 fn cluster_dims_come_from_nv_info() {
     let c = Cubin::parse(CLUSTER).unwrap();

@@ -601,3 +601,103 @@ fn attach_joins_an_older_current_context_while_a_newer_one_exists() {
         ck("cuCtxDestroy", cu::cuCtxDestroy_v2(created));
     }
 }
+
+const MODULE_DATA: &[u8] = include_bytes!("../kernels/conformance/module_data.sm_90.cubin");
+
+/// The same module loaded by CUDA and by APEX with its `__device__` variables placed at CUDA's addresses
+/// (`Gpu::load_module_sharing`): increments from both sides land in one variable, and pointers stored in
+/// variables point at CUDA's instance.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn apex_and_cuda_instances_of_a_module_share_its_variables() {
+    let _ctx = cuda_context();
+    let mut cuda_mod = std::ptr::null_mut();
+    let mut bump = std::ptr::null_mut();
+    // SAFETY: a valid cubin; out-pointers to locals.
+    unsafe {
+        ck(
+            "cuModuleLoadData",
+            cu::cuModuleLoadData(&mut cuda_mod, MODULE_DATA.as_ptr().cast()),
+        );
+        ck(
+            "cuModuleGetFunction",
+            cu::cuModuleGetFunction(&mut bump, cuda_mod, c"bump".as_ptr()),
+        );
+    }
+    let cuda_global = |name: &str| -> Option<apex::VariableHome> {
+        let c = std::ffi::CString::new(name).ok()?;
+        let (mut p, mut n) = (0u64, 0usize);
+        // SAFETY: out-pointers to locals; a live module.
+        let r = unsafe { cu::cuModuleGetGlobal_v2(&mut p, &mut n, cuda_mod, c.as_ptr()) };
+        (r == cu::CUresult::CUDA_SUCCESS).then_some(apex::VariableHome {
+            address: p,
+            size: n as u64,
+        })
+    };
+    let gpu = Gpu::attach_cuda().expect("attach");
+    assert_eq!(gpu.backend(), Backend::Direct, "{}", gpu.selection());
+    let m = gpu
+        .load_module_sharing(MODULE_DATA, &|name, _| cuda_global(name))
+        .expect("load with CUDA's variables");
+    let dev_value = cuda_global("dev_value").unwrap().address;
+    assert_eq!(m.global("dev_value").unwrap().device_ptr(), dev_value);
+    let mut q = gpu.queue().unwrap();
+    let out = gpu.alloc(64 * 4).unwrap();
+    // SAFETY: bump(int) on one thread; read_back(int*) writes 25 ints into a 64-int buffer.
+    unsafe {
+        q.launch(
+            &m.kernel("bump").unwrap(),
+            &LaunchConfig::linear(1, 1),
+            &[Arg::I32(5)],
+        )
+        .unwrap()
+        .wait(T)
+        .unwrap();
+    }
+    // CUDA's instance adds 7 to the same variable.
+    let mut by = 7i32;
+    let mut args: [*mut c_void; 1] = [(&mut by as *mut i32).cast()];
+    // SAFETY: bump(int), one thread, the legacy stream; then the context is synchronized.
+    unsafe {
+        ck(
+            "cuLaunchKernel",
+            cu::cuLaunchKernel(
+                bump,
+                1,
+                1,
+                1,
+                1,
+                1,
+                1,
+                0,
+                std::ptr::null_mut(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            ),
+        );
+        ck("cuCtxSynchronize", cu::cuCtxSynchronize());
+    }
+    assert_eq!(
+        dtoh::<i32>(dev_value, 1),
+        [1234 + 5 + 7],
+        "CUDA's variable saw both increments"
+    );
+    // APEX's kernels read the shared variables; dev_ptr (initialized by CUDA's loader) points at CUDA's dev_value.
+    // SAFETY: as above.
+    unsafe {
+        q.launch(
+            &m.kernel("read_back").unwrap(),
+            &LaunchConfig::linear(1, 1),
+            &[Arg::Ptr(out.device_ptr())],
+        )
+        .unwrap()
+        .wait(T)
+        .unwrap();
+    }
+    let got: Vec<i32> = dtoh(out.device_ptr(), 2);
+    assert_eq!(
+        got,
+        [1246, 7],
+        "dev_value and dev_zero[0] as CUDA's kernel left them"
+    );
+}

@@ -259,6 +259,35 @@ impl Gpu {
         }
     }
 
+    /// As [`Gpu::load_module`], with the module's `__device__` variables living where `place(name, size)` says
+    /// instead of in memory of the module's own (`None`: its own copy; a home smaller than `size` is refused). For a module a CUDA
+    /// program also loaded in the context this GPU is attached to ([`Gpu::attach_cuda`]), `place` gives CUDA's
+    /// addresses (`cuModuleGetGlobal`), and APEX's kernels and CUDA's then share those variables (a random
+    /// generator's state, a counter, a lookup table written at run time) instead of each updating a copy.
+    /// `__constant__` variables are never placed (they live in the constant bank launches bind).
+    ///
+    /// Direct path only: on the driver backend the module is CUDA's own instance already, and this returns
+    /// [`Error::InvalidArgument`].
+    pub fn load_module_sharing(
+        &self,
+        image: &[u8],
+        place: &dyn Fn(&str, u64) -> Option<crate::VariableHome>,
+    ) -> Result<Module> {
+        match &self.inner {
+            GpuInner::Direct(c) => Ok(Module::from_direct(launch::Module::load_placed(
+                c,
+                image,
+                &self.printf,
+                &|g| place(&g.name, g.size),
+            )?)),
+            GpuInner::Driver(_) => Err(Error::InvalidArgument(
+                "placing a module's variables needs the direct path; on the driver backend load the module with \
+                 load_module"
+                    .into(),
+            )),
+        }
+    }
+
     /// Loads a module from a file: anything [`Gpu::load_module`] takes, such as a program or shared library
     /// built by nvcc.
     pub fn load_module_file(&self, path: impl AsRef<std::path::Path>) -> Result<Module> {

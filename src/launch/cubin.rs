@@ -677,6 +677,20 @@ impl Cubin {
         image: &mut [u8],
         resolve: &dyn Fn(&str) -> Option<u64>,
     ) -> Result<(), CubinError> {
+        self.link_placed(base_va, image, resolve, &[])
+    }
+
+    /// As [`Cubin::link_with`], with some of the module's variables living elsewhere: every reference into
+    /// `placed[i]`'s image range (symbol plus addend, whichever symbol the relocation names) goes to the same offset
+    /// at its address instead. Another instance of the same module (CUDA's, in an attached context) then shares its
+    /// `__device__` variables with this one.
+    pub fn link_placed(
+        &self,
+        base_va: u64,
+        image: &mut [u8],
+        resolve: &dyn Fn(&str) -> Option<u64>,
+        placed: &[PlacedGlobal],
+    ) -> Result<(), CubinError> {
         let need = self.image_size;
         let got = u64::try_from(image.len()).unwrap_or(u64::MAX);
         let too_small = CubinError::ImageTooSmall { need, got };
@@ -690,10 +704,21 @@ impl Cubin {
             }
         }
         for r in &self.relocations {
-            apply(r, base_va, image, resolve)?;
+            apply(r, base_va, image, resolve, placed)?;
         }
         Ok(())
     }
+}
+
+/// A module variable that lives at `address` instead of inside the module's image ([`Cubin::link_placed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlacedGlobal {
+    /// The variable's offset inside the image ([`GlobalSymbol::image_offset`]).
+    pub image_offset: u64,
+    /// Its size in bytes.
+    pub size: u64,
+    /// Where it lives.
+    pub address: u64,
 }
 
 /// Alignment of constant-bank sections in the image. The hardware takes bank addresses in 64-byte units
@@ -1406,6 +1431,7 @@ fn apply(
     base_va: u64,
     image: &mut [u8],
     resolve: &dyn Fn(&str) -> Option<u64>,
+    placed: &[PlacedGlobal],
 ) -> Result<(), CubinError> {
     let overflow = |value: u64| CubinError::RelocationOverflow {
         kind: r.kind,
@@ -1424,9 +1450,19 @@ fn apply(
             })?
         }
     };
-    let value = symbol
+    let mut value = symbol
         .checked_add_signed(r.addend)
         .ok_or_else(|| overflow(symbol))?;
+    if let SymbolValue::Image(_) = r.symbol {
+        // Section-relative references (the section symbol plus an addend) land inside a variable too.
+        let at = value.wrapping_sub(base_va);
+        if let Some(p) = placed
+            .iter()
+            .find(|p| at >= p.image_offset && at - p.image_offset < p.size.max(1))
+        {
+            value = p.address + (at - p.image_offset);
+        }
+    }
     apply_value(r.kind, r.offset, value, image)
 }
 

@@ -16,7 +16,7 @@ mod queue;
 pub mod select;
 
 pub use copies::{ALL_LCES, CopyEngines, MAX_COPY_ENGINES};
-pub use module::{Global, Kernel, Module};
+pub use module::{Global, Kernel, Module, VariableHome};
 pub use params::{Arg, ParamError};
 pub use queue::{
     ComputeQueue, ComputeQueueConfig, GraphExec, GraphStats, LaunchConfig, LaunchMemory, Limits,

@@ -7,7 +7,7 @@ use tracing::debug;
 
 use crate::rm::{GpuCore, Memory, MemoryDesc};
 
-use super::cubin::{Cubin, KernelInfo};
+use super::cubin::{Cubin, GlobalSymbol, KernelInfo, PlacedGlobal};
 use super::printf::{PrintfFifo, PrintfFifoCell, RuntimeLink};
 use super::{Error, Result, image, jit};
 
@@ -28,6 +28,8 @@ pub struct Module {
     printf: Option<Arc<PrintfFifo>>,
     /// Kernels that call an external APEX does not provide, with the reason: refused when looked up.
     refused: Vec<(String, super::cubin::CubinError)>,
+    /// `__device__` variables that live outside the image ([`Module::load_placed`]).
+    placed: Vec<PlacedGlobal>,
 }
 
 impl Module {
@@ -50,7 +52,25 @@ impl Module {
         let cubin_bytes = image::cubin_for_device(bytes, sm, jit::Jit::system())?;
         let cubin = Cubin::parse(&cubin_bytes)?;
         cubin.check_arch(sm)?;
-        Module::from_cubin(gpu, cubin, printf)
+        Module::from_cubin(gpu, cubin, printf, &|_| None)
+    }
+
+    /// As [`Module::load_with`], with the module's `__device__` variables where `place` says they already live
+    /// (`None`: in the module's own image, as usual). For a module CUDA also loaded in the context APEX is attached
+    /// to, `place` gives CUDA's addresses (`cuModuleGetGlobal`), and kernels of both instances then read and write
+    /// the same variables. `__constant__` variables live in the constant bank launches bind and are never placed.
+    /// A placed variable must be at least as large as the module's (else [`Error::GlobalRange`]).
+    pub fn load_placed(
+        gpu: &Arc<GpuCore>,
+        bytes: &[u8],
+        printf: &PrintfFifoCell,
+        place: &dyn Fn(&GlobalSymbol) -> Option<VariableHome>,
+    ) -> Result<Arc<Module>> {
+        let sm = gpu.info().sm_version;
+        let cubin_bytes = image::cubin_for_device(bytes, sm, jit::Jit::system())?;
+        let cubin = Cubin::parse(&cubin_bytes)?;
+        cubin.check_arch(sm)?;
+        Module::from_cubin(gpu, cubin, printf, place)
     }
 
     /// Links and uploads a parsed cubin, with APEX's device runtime appended if the module calls it.
@@ -58,7 +78,26 @@ impl Module {
         gpu: &Arc<GpuCore>,
         mut cubin: Cubin,
         printf: &PrintfFifoCell,
+        place: &dyn Fn(&GlobalSymbol) -> Option<VariableHome>,
     ) -> Result<Arc<Module>> {
+        let mut placed = Vec::new();
+        for g in cubin.globals().iter().filter(|g| !g.is_constant()) {
+            if let Some(VariableHome { address, size }) = place(g) {
+                if size < g.size {
+                    return Err(Error::GlobalRange {
+                        name: g.name.clone(),
+                        size,
+                        offset: 0,
+                        bytes: g.size,
+                    });
+                }
+                placed.push(PlacedGlobal {
+                    image_offset: g.image_offset,
+                    size: g.size,
+                    address,
+                });
+            }
+        }
         let plan = RuntimeLink::plan(cubin.sm_version(), cubin.externals(), cubin.image_size());
         // Cubins list each kernel's externals; where none does, every kernel is taken to call all of them.
         let listed = cubin.kernels().iter().any(|k| !k.externs.is_empty());
@@ -102,13 +141,18 @@ impl Module {
                 |e| matches!(e, super::cubin::CubinError::UnsupportedExtern { symbol, .. } if symbol == name),
             )
         };
-        cubin.link_with(base, &mut linked, &|name| {
-            // Calls to an unsupported external stay 0: only kernels refused at lookup make them.
-            runtime
-                .as_ref()
-                .and_then(|r| r.address(base, name))
-                .or_else(|| unsupported(name).then_some(0))
-        })?;
+        cubin.link_placed(
+            base,
+            &mut linked,
+            &|name| {
+                // Calls to an unsupported external stay 0: only kernels refused at lookup make them.
+                runtime
+                    .as_ref()
+                    .and_then(|r| r.address(base, name))
+                    .or_else(|| unsupported(name).then_some(0))
+            },
+            &placed,
+        )?;
         if let (Some(rt), Some(fifo)) = (&runtime, &fifo) {
             rt.link(&mut linked, fifo.va())?;
         }
@@ -126,6 +170,7 @@ impl Module {
             generation,
             printf: fifo,
             refused,
+            placed,
         }))
     }
 
@@ -212,9 +257,14 @@ impl Module {
             name: name.to_string(),
             available: self.global_names(),
         })?;
+        let va = self
+            .placed
+            .iter()
+            .find(|p| p.image_offset == g.image_offset)
+            .map_or(self.base_va() + g.image_offset, |p| p.address);
         Ok(Global {
             name: g.name.clone(),
-            va: self.base_va() + g.image_offset,
+            va,
             size: g.size,
             constant: g.is_constant(),
         })
@@ -228,6 +278,15 @@ impl Module {
             .map(|g| g.name.clone())
             .collect()
     }
+}
+
+/// Where a module variable lives when it is not in the module's own image ([`Module::load_placed`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VariableHome {
+    /// GPU address.
+    pub address: u64,
+    /// Bytes there (at least the variable's size).
+    pub size: u64,
 }
 
 /// A module-scope variable of a loaded module (see [`Module::global`]).
