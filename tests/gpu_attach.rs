@@ -642,7 +642,8 @@ fn apex_and_cuda_instances_of_a_module_share_its_variables() {
     let dev_value = cuda_global("dev_value").unwrap().address;
     assert_eq!(m.global("dev_value").unwrap().device_ptr(), dev_value);
     let mut q = gpu.queue().unwrap();
-    let out = gpu.alloc(64 * 4).unwrap();
+    // CUDA's memory, which CUDA can read back (APEX's own buffers are unknown to cuMemcpy).
+    let out = cuda_alloc(64 * 4);
     // SAFETY: bump(int) on one thread; read_back(int*) writes 25 ints into a 64-int buffer.
     unsafe {
         q.launch(
@@ -688,13 +689,13 @@ fn apex_and_cuda_instances_of_a_module_share_its_variables() {
         q.launch(
             &m.kernel("read_back").unwrap(),
             &LaunchConfig::linear(1, 1),
-            &[Arg::Ptr(out.device_ptr())],
+            &[Arg::Ptr(out)],
         )
         .unwrap()
         .wait(T)
         .unwrap();
     }
-    let got: Vec<i32> = dtoh(out.device_ptr(), 2);
+    let got: Vec<i32> = dtoh(out, 2);
     assert_eq!(
         got,
         [1246, 7],
