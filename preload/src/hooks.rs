@@ -1,0 +1,1504 @@
+//! The interposed C symbols. Each forwards to libcuda's function exactly once; around it, under the per-thread
+//! guard of `apex_interpose` (so APEX's own calls into libcuda pass straight through), the engine orders the call
+//! with APEX's queues, records what was loaded, or takes the launch over.
+//!
+//! Programs reach the driver three ways, all covered: by linking libcuda (these exported symbols win over libcuda's),
+//! through `dlsym` on libcuda, and through `cuGetProcAddress` (how the CUDA runtime finds every driver function),
+//! whose answers are replaced by these wrappers where one exists ([`HOOKS`]).
+
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+use std::sync::OnceLock;
+use std::sync::atomic::AtomicUsize;
+
+use apex_interpose::{CUDA_ERROR_STUB_LIBRARY, GpaFn, GpaV2Fn, enter, install, next, quietly};
+
+use crate::Refusal;
+use crate::attrs::{self, LaunchConfig};
+use crate::engine::{self, Launch, Site};
+
+/// How a wrapped call is ordered with APEX's queues.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// Adds work at its site: related queues are handed to CUDA before, and wait for it before their next launch.
+    Work,
+    /// Waits for or looks at work at its site (synchronize, query, event record): queues are handed over before.
+    Sync,
+    /// Frees or unloads what work may use, or synchronizes the context: every queue is handed over before.
+    Device,
+    /// Destroys the context APEX attached to: APEX's objects go first.
+    Teardown,
+}
+
+fn around(kind: Kind, site: Site, call: impl FnOnce() -> c_int) -> c_int {
+    let Some(_g) = enter() else { return call() };
+    match kind {
+        Kind::Work => {
+            engine::before(site);
+            let r = call();
+            engine::after(site);
+            r
+        }
+        Kind::Sync => {
+            engine::before(site);
+            call()
+        }
+        Kind::Device => {
+            engine::before(Site::Device);
+            call()
+        }
+        Kind::Teardown => {
+            engine::shutdown("the program destroys the CUDA context");
+            call()
+        }
+    }
+}
+
+/// One wrapped driver function.
+#[derive(Debug)]
+struct Hook {
+    /// libcuda's exported name.
+    symbol: &'static CStr,
+    /// The name `cuGetProcAddress` is asked with.
+    base: &'static [u8],
+    /// The per-thread default stream variant (`_ptsz`/`_ptds`).
+    per_thread: bool,
+    /// Whether the function's signature changed between versions under one base name: then `cuGetProcAddress`'s
+    /// answer is taken only if it is this symbol.
+    versioned: bool,
+    slot: &'static AtomicUsize,
+    ours: usize,
+}
+
+type P = *mut c_void;
+type Dptr = u64;
+
+macro_rules! hooks {
+    ($( $sym:ident, $base:literal, $pt:literal, $versioned:literal, $kind:ident, ($($a:ident: $t:ty),*) => $site:expr; )*) => {
+        $(
+            #[allow(non_snake_case)]
+            mod $sym {
+                pub(crate) static REAL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+                pub(crate) const NAME: &std::ffi::CStr =
+                    match std::ffi::CStr::from_bytes_with_nul(concat!(stringify!($sym), "\0").as_bytes()) {
+                        Ok(c) => c,
+                        Err(_) => panic!("a symbol name with a NUL"),
+                    };
+            }
+
+            #[doc = concat!("`", stringify!($sym), "`, forwarded to libcuda and ordered with APEX's queues.")]
+            ///
+            /// # Safety
+            /// As the CUDA driver function of this name.
+            #[unsafe(no_mangle)]
+            pub unsafe extern "C" fn $sym($($a: $t),*) -> c_int {
+                type F = unsafe extern "C" fn($($t),*) -> c_int;
+                let p = next(&$sym::REAL, $sym::NAME);
+                if p == 0 {
+                    return CUDA_ERROR_STUB_LIBRARY;
+                }
+                // SAFETY: libcuda's function of this name (or what cuGetProcAddress returned for it), this signature.
+                let real = unsafe { std::mem::transmute::<usize, F>(p) };
+                let site: Site = $site;
+                // SAFETY: forwarded unchanged.
+                around(Kind::$kind, site, || unsafe { real($($a),*) })
+            }
+        )*
+
+        /// The wrapped functions of the table above, in order.
+        fn generated() -> Vec<Hook> {
+            vec![$(Hook {
+                symbol: $sym::NAME,
+                base: $base.as_bytes(),
+                per_thread: $pt,
+                versioned: $versioned,
+                slot: &$sym::REAL,
+                ours: $sym as *const () as usize,
+            }),*]
+        }
+    };
+}
+
+fn s(stream: P, per_thread: bool) -> Site {
+    Site::Stream(stream as usize, per_thread)
+}
+
+/// The legacy (or, for `_ptds` entry points, per-thread) default stream: where synchronous copies and sets run.
+fn default(per_thread: bool) -> Site {
+    Site::Stream(0, per_thread)
+}
+
+hooks! {
+    // Asynchronous copies and sets.
+    cuMemcpyAsync, "cuMemcpyAsync", false, false, Work, (d: Dptr, src: Dptr, n: usize, st: P) => s(st, false);
+    cuMemcpyAsync_ptsz, "cuMemcpyAsync", true, false, Work, (d: Dptr, src: Dptr, n: usize, st: P) => s(st, true);
+    cuMemcpyHtoDAsync_v2, "cuMemcpyHtoDAsync", false, false, Work, (d: Dptr, src: P, n: usize, st: P) => s(st, false);
+    cuMemcpyHtoDAsync_v2_ptsz, "cuMemcpyHtoDAsync", true, false, Work, (d: Dptr, src: P, n: usize, st: P) => s(st, true);
+    cuMemcpyDtoHAsync_v2, "cuMemcpyDtoHAsync", false, false, Work, (d: P, src: Dptr, n: usize, st: P) => s(st, false);
+    cuMemcpyDtoHAsync_v2_ptsz, "cuMemcpyDtoHAsync", true, false, Work, (d: P, src: Dptr, n: usize, st: P) => s(st, true);
+    cuMemcpyDtoDAsync_v2, "cuMemcpyDtoDAsync", false, false, Work, (d: Dptr, src: Dptr, n: usize, st: P) => s(st, false);
+    cuMemcpyDtoDAsync_v2_ptsz, "cuMemcpyDtoDAsync", true, false, Work, (d: Dptr, src: Dptr, n: usize, st: P) => s(st, true);
+    cuMemcpy2DAsync_v2, "cuMemcpy2DAsync", false, false, Work, (c: P, st: P) => s(st, false);
+    cuMemcpy2DAsync_v2_ptsz, "cuMemcpy2DAsync", true, false, Work, (c: P, st: P) => s(st, true);
+    cuMemcpy3DAsync_v2, "cuMemcpy3DAsync", false, false, Work, (c: P, st: P) => s(st, false);
+    cuMemcpy3DAsync_v2_ptsz, "cuMemcpy3DAsync", true, false, Work, (c: P, st: P) => s(st, true);
+    cuMemcpy3DPeerAsync, "cuMemcpy3DPeerAsync", false, false, Work, (c: P, st: P) => s(st, false);
+    cuMemcpy3DPeerAsync_ptsz, "cuMemcpy3DPeerAsync", true, false, Work, (c: P, st: P) => s(st, true);
+    cuMemcpyPeerAsync, "cuMemcpyPeerAsync", false, false, Work, (d: Dptr, dc: P, src: Dptr, sc: P, n: usize, st: P) => s(st, false);
+    cuMemcpyPeerAsync_ptsz, "cuMemcpyPeerAsync", true, false, Work, (d: Dptr, dc: P, src: Dptr, sc: P, n: usize, st: P) => s(st, true);
+    cuMemsetD8Async, "cuMemsetD8Async", false, false, Work, (d: Dptr, v: u8, n: usize, st: P) => s(st, false);
+    cuMemsetD8Async_ptsz, "cuMemsetD8Async", true, false, Work, (d: Dptr, v: u8, n: usize, st: P) => s(st, true);
+    cuMemsetD16Async, "cuMemsetD16Async", false, false, Work, (d: Dptr, v: u16, n: usize, st: P) => s(st, false);
+    cuMemsetD16Async_ptsz, "cuMemsetD16Async", true, false, Work, (d: Dptr, v: u16, n: usize, st: P) => s(st, true);
+    cuMemsetD32Async, "cuMemsetD32Async", false, false, Work, (d: Dptr, v: u32, n: usize, st: P) => s(st, false);
+    cuMemsetD32Async_ptsz, "cuMemsetD32Async", true, false, Work, (d: Dptr, v: u32, n: usize, st: P) => s(st, true);
+    cuMemsetD2D8Async, "cuMemsetD2D8Async", false, false, Work, (d: Dptr, p: usize, v: u8, w: usize, h: usize, st: P) => s(st, false);
+    cuMemsetD2D8Async_ptsz, "cuMemsetD2D8Async", true, false, Work, (d: Dptr, p: usize, v: u8, w: usize, h: usize, st: P) => s(st, true);
+    cuMemsetD2D16Async, "cuMemsetD2D16Async", false, false, Work, (d: Dptr, p: usize, v: u16, w: usize, h: usize, st: P) => s(st, false);
+    cuMemsetD2D16Async_ptsz, "cuMemsetD2D16Async", true, false, Work, (d: Dptr, p: usize, v: u16, w: usize, h: usize, st: P) => s(st, true);
+    cuMemsetD2D32Async, "cuMemsetD2D32Async", false, false, Work, (d: Dptr, p: usize, v: u32, w: usize, h: usize, st: P) => s(st, false);
+    cuMemsetD2D32Async_ptsz, "cuMemsetD2D32Async", true, false, Work, (d: Dptr, p: usize, v: u32, w: usize, h: usize, st: P) => s(st, true);
+    // Synchronous copies and sets: on the default stream.
+    cuMemcpy, "cuMemcpy", false, false, Work, (d: Dptr, src: Dptr, n: usize) => default(false);
+    cuMemcpy_ptds, "cuMemcpy", true, false, Work, (d: Dptr, src: Dptr, n: usize) => default(true);
+    cuMemcpyHtoD_v2, "cuMemcpyHtoD", false, false, Work, (d: Dptr, src: P, n: usize) => default(false);
+    cuMemcpyHtoD_v2_ptds, "cuMemcpyHtoD", true, false, Work, (d: Dptr, src: P, n: usize) => default(true);
+    cuMemcpyDtoH_v2, "cuMemcpyDtoH", false, false, Work, (d: P, src: Dptr, n: usize) => default(false);
+    cuMemcpyDtoH_v2_ptds, "cuMemcpyDtoH", true, false, Work, (d: P, src: Dptr, n: usize) => default(true);
+    cuMemcpyDtoD_v2, "cuMemcpyDtoD", false, false, Work, (d: Dptr, src: Dptr, n: usize) => default(false);
+    cuMemcpyDtoD_v2_ptds, "cuMemcpyDtoD", true, false, Work, (d: Dptr, src: Dptr, n: usize) => default(true);
+    cuMemcpy2D_v2, "cuMemcpy2D", false, false, Work, (c: P) => default(false);
+    cuMemcpy2D_v2_ptds, "cuMemcpy2D", true, false, Work, (c: P) => default(true);
+    cuMemcpy2DUnaligned_v2, "cuMemcpy2DUnaligned", false, false, Work, (c: P) => default(false);
+    cuMemcpy2DUnaligned_v2_ptds, "cuMemcpy2DUnaligned", true, false, Work, (c: P) => default(true);
+    cuMemcpy3D_v2, "cuMemcpy3D", false, false, Work, (c: P) => default(false);
+    cuMemcpy3D_v2_ptds, "cuMemcpy3D", true, false, Work, (c: P) => default(true);
+    cuMemcpy3DPeer, "cuMemcpy3DPeer", false, false, Work, (c: P) => default(false);
+    cuMemcpy3DPeer_ptds, "cuMemcpy3DPeer", true, false, Work, (c: P) => default(true);
+    cuMemcpyPeer, "cuMemcpyPeer", false, false, Work, (d: Dptr, dc: P, src: Dptr, sc: P, n: usize) => default(false);
+    cuMemcpyPeer_ptds, "cuMemcpyPeer", true, false, Work, (d: Dptr, dc: P, src: Dptr, sc: P, n: usize) => default(true);
+    cuMemsetD8_v2, "cuMemsetD8", false, false, Work, (d: Dptr, v: u8, n: usize) => default(false);
+    cuMemsetD8_v2_ptds, "cuMemsetD8", true, false, Work, (d: Dptr, v: u8, n: usize) => default(true);
+    cuMemsetD16_v2, "cuMemsetD16", false, false, Work, (d: Dptr, v: u16, n: usize) => default(false);
+    cuMemsetD16_v2_ptds, "cuMemsetD16", true, false, Work, (d: Dptr, v: u16, n: usize) => default(true);
+    cuMemsetD32_v2, "cuMemsetD32", false, false, Work, (d: Dptr, v: u32, n: usize) => default(false);
+    cuMemsetD32_v2_ptds, "cuMemsetD32", true, false, Work, (d: Dptr, v: u32, n: usize) => default(true);
+    cuMemsetD2D8_v2, "cuMemsetD2D8", false, false, Work, (d: Dptr, p: usize, v: u8, w: usize, h: usize) => default(false);
+    cuMemsetD2D8_v2_ptds, "cuMemsetD2D8", true, false, Work, (d: Dptr, p: usize, v: u8, w: usize, h: usize) => default(true);
+    cuMemsetD2D16_v2, "cuMemsetD2D16", false, false, Work, (d: Dptr, p: usize, v: u16, w: usize, h: usize) => default(false);
+    cuMemsetD2D16_v2_ptds, "cuMemsetD2D16", true, false, Work, (d: Dptr, p: usize, v: u16, w: usize, h: usize) => default(true);
+    cuMemsetD2D32_v2, "cuMemsetD2D32", false, false, Work, (d: Dptr, p: usize, v: u32, w: usize, h: usize) => default(false);
+    cuMemsetD2D32_v2_ptds, "cuMemsetD2D32", true, false, Work, (d: Dptr, p: usize, v: u32, w: usize, h: usize) => default(true);
+    // Stream work other than copies.
+    cuStreamWaitEvent, "cuStreamWaitEvent", false, false, Work, (st: P, ev: P, f: c_uint) => s(st, false);
+    cuStreamWaitEvent_ptsz, "cuStreamWaitEvent", true, false, Work, (st: P, ev: P, f: c_uint) => s(st, true);
+    cuStreamAddCallback, "cuStreamAddCallback", false, false, Work, (st: P, cb: P, ud: P, f: c_uint) => s(st, false);
+    cuStreamAddCallback_ptsz, "cuStreamAddCallback", true, false, Work, (st: P, cb: P, ud: P, f: c_uint) => s(st, true);
+    cuLaunchHostFunc, "cuLaunchHostFunc", false, true, Work, (st: P, cb: P, ud: P) => s(st, false);
+    cuLaunchHostFunc_ptsz, "cuLaunchHostFunc", true, true, Work, (st: P, cb: P, ud: P) => s(st, true);
+    cuLaunchHostFunc_v2, "cuLaunchHostFunc", false, true, Work, (st: P, cb: P, ud: P, m: c_uint) => s(st, false);
+    cuLaunchHostFunc_v2_ptsz, "cuLaunchHostFunc", true, true, Work, (st: P, cb: P, ud: P, m: c_uint) => s(st, true);
+    cuStreamWaitValue32_v2, "cuStreamWaitValue32", false, false, Work, (st: P, a: Dptr, v: u32, f: c_uint) => s(st, false);
+    cuStreamWaitValue32_v2_ptsz, "cuStreamWaitValue32", true, false, Work, (st: P, a: Dptr, v: u32, f: c_uint) => s(st, true);
+    cuStreamWaitValue64_v2, "cuStreamWaitValue64", false, false, Work, (st: P, a: Dptr, v: u64, f: c_uint) => s(st, false);
+    cuStreamWaitValue64_v2_ptsz, "cuStreamWaitValue64", true, false, Work, (st: P, a: Dptr, v: u64, f: c_uint) => s(st, true);
+    cuStreamWriteValue32_v2, "cuStreamWriteValue32", false, false, Work, (st: P, a: Dptr, v: u32, f: c_uint) => s(st, false);
+    cuStreamWriteValue32_v2_ptsz, "cuStreamWriteValue32", true, false, Work, (st: P, a: Dptr, v: u32, f: c_uint) => s(st, true);
+    cuStreamWriteValue64_v2, "cuStreamWriteValue64", false, false, Work, (st: P, a: Dptr, v: u64, f: c_uint) => s(st, false);
+    cuStreamWriteValue64_v2_ptsz, "cuStreamWriteValue64", true, false, Work, (st: P, a: Dptr, v: u64, f: c_uint) => s(st, true);
+    cuStreamBatchMemOp_v2, "cuStreamBatchMemOp", false, false, Work, (st: P, n: c_uint, ops: P, f: c_uint) => s(st, false);
+    cuStreamBatchMemOp_v2_ptsz, "cuStreamBatchMemOp", true, false, Work, (st: P, n: c_uint, ops: P, f: c_uint) => s(st, true);
+    cuGraphLaunch, "cuGraphLaunch", false, false, Work, (g: P, st: P) => s(st, false);
+    cuGraphLaunch_ptsz, "cuGraphLaunch", true, false, Work, (g: P, st: P) => s(st, true);
+    cuGraphUpload, "cuGraphUpload", false, false, Work, (g: P, st: P) => s(st, false);
+    cuGraphUpload_ptsz, "cuGraphUpload", true, false, Work, (g: P, st: P) => s(st, true);
+    cuMemAllocAsync, "cuMemAllocAsync", false, false, Work, (d: P, n: usize, st: P) => s(st, false);
+    cuMemAllocAsync_ptsz, "cuMemAllocAsync", true, false, Work, (d: P, n: usize, st: P) => s(st, true);
+    cuMemAllocFromPoolAsync, "cuMemAllocFromPoolAsync", false, false, Work, (d: P, n: usize, pool: P, st: P) => s(st, false);
+    cuMemAllocFromPoolAsync_ptsz, "cuMemAllocFromPoolAsync", true, false, Work, (d: P, n: usize, pool: P, st: P) => s(st, true);
+    cuMemFreeAsync, "cuMemFreeAsync", false, false, Work, (d: Dptr, st: P) => s(st, false);
+    cuMemFreeAsync_ptsz, "cuMemFreeAsync", true, false, Work, (d: Dptr, st: P) => s(st, true);
+    cuStreamAttachMemAsync, "cuStreamAttachMemAsync", false, false, Work, (st: P, d: Dptr, n: usize, f: c_uint) => s(st, false);
+    cuStreamAttachMemAsync_ptsz, "cuStreamAttachMemAsync", true, false, Work, (st: P, d: Dptr, n: usize, f: c_uint) => s(st, true);
+    cuMemPrefetchAsync, "cuMemPrefetchAsync", false, true, Work, (d: Dptr, n: usize, dev: c_int, st: P) => s(st, false);
+    cuMemPrefetchAsync_ptsz, "cuMemPrefetchAsync", true, true, Work, (d: Dptr, n: usize, dev: c_int, st: P) => s(st, true);
+    cuMemPrefetchAsync_v2, "cuMemPrefetchAsync", false, true, Work, (d: Dptr, n: usize, loc: u64, f: c_uint, st: P) => s(st, false);
+    cuMemPrefetchAsync_v2_ptsz, "cuMemPrefetchAsync", true, true, Work, (d: Dptr, n: usize, loc: u64, f: c_uint, st: P) => s(st, true);
+    // Event records and stream synchronization: the stream's queue is handed over first.
+    cuEventRecord, "cuEventRecord", false, false, Sync, (ev: P, st: P) => s(st, false);
+    cuEventRecord_ptsz, "cuEventRecord", true, false, Sync, (ev: P, st: P) => s(st, true);
+    cuEventRecordWithFlags, "cuEventRecordWithFlags", false, false, Sync, (ev: P, st: P, f: c_uint) => s(st, false);
+    cuEventRecordWithFlags_ptsz, "cuEventRecordWithFlags", true, false, Sync, (ev: P, st: P, f: c_uint) => s(st, true);
+    cuStreamSynchronize, "cuStreamSynchronize", false, false, Sync, (st: P) => s(st, false);
+    cuStreamSynchronize_ptsz, "cuStreamSynchronize", true, false, Sync, (st: P) => s(st, true);
+    cuStreamQuery, "cuStreamQuery", false, false, Sync, (st: P) => s(st, false);
+    cuStreamQuery_ptsz, "cuStreamQuery", true, false, Sync, (st: P) => s(st, true);
+    // The whole context.
+    cuCtxSynchronize, "cuCtxSynchronize", false, true, Device, () => Site::Device;
+    cuCtxSynchronize_v2, "cuCtxSynchronize", false, true, Device, (c: P) => Site::Device;
+    cuMemFree_v2, "cuMemFree", false, false, Device, (d: Dptr) => Site::Device;
+    cuMemFreeHost, "cuMemFreeHost", false, false, Device, (p: P) => Site::Device;
+    cuMemHostUnregister, "cuMemHostUnregister", false, false, Device, (p: P) => Site::Device;
+    cuMemUnmap, "cuMemUnmap", false, false, Device, (d: Dptr, n: usize) => Site::Device;
+    cuCtxDestroy_v2, "cuCtxDestroy", false, false, Teardown, (c: P) => Site::Device;
+    cuDevicePrimaryCtxReset_v2, "cuDevicePrimaryCtxReset", false, false, Teardown, (d: c_int) => Site::Device;
+}
+
+// ---- calls whose results the engine records ----
+
+/// Declares the cache slot of a hand-written wrapper's real function (named for the reader).
+macro_rules! real_fn {
+    ($slot:ident, $name:literal) => {
+        static $slot: AtomicUsize = AtomicUsize::new(0);
+    };
+}
+
+/// Forwards to `slot`'s function (looked up as `name`), as type `F`, or returns the stub-library error.
+macro_rules! forward {
+    ($slot:ident, $name:literal, $ty:ty, ($($a:expr),*)) => {{
+        let p = next(&$slot, $name);
+        if p == 0 {
+            return CUDA_ERROR_STUB_LIBRARY;
+        }
+        // SAFETY: libcuda's function of this name (or what cuGetProcAddress returned for it), this signature.
+        let real = unsafe { std::mem::transmute::<usize, $ty>(p) };
+        // SAFETY: forwarded unchanged.
+        unsafe { real($($a),*) }
+    }};
+}
+
+/// Reads a handle the driver wrote to an out-parameter after success.
+///
+/// # Safety
+/// `p` is null or the out-parameter the driver just filled.
+unsafe fn out(p: *mut P) -> usize {
+    if p.is_null() {
+        0
+    } else {
+        // SAFETY: per the contract.
+        unsafe { *p as usize }
+    }
+}
+
+real_fn!(REAL_MODULE_LOAD, c"cuModuleLoad");
+real_fn!(REAL_MODULE_LOAD_DATA, c"cuModuleLoadData");
+real_fn!(REAL_MODULE_LOAD_DATA_EX, c"cuModuleLoadDataEx");
+real_fn!(REAL_MODULE_LOAD_FATBIN, c"cuModuleLoadFatBinary");
+real_fn!(REAL_LIBRARY_LOAD_DATA, c"cuLibraryLoadData");
+real_fn!(REAL_LIBRARY_LOAD_FILE, c"cuLibraryLoadFromFile");
+real_fn!(REAL_MODULE_UNLOAD, c"cuModuleUnload");
+real_fn!(REAL_LIBRARY_UNLOAD, c"cuLibraryUnload");
+real_fn!(REAL_MODULE_GET_FUNCTION, c"cuModuleGetFunction");
+real_fn!(REAL_LIBRARY_GET_KERNEL, c"cuLibraryGetKernel");
+real_fn!(REAL_KERNEL_GET_FUNCTION, c"cuKernelGetFunction");
+real_fn!(REAL_LIBRARY_GET_MODULE, c"cuLibraryGetModule");
+real_fn!(REAL_MODULE_GET_GLOBAL, c"cuModuleGetGlobal_v2");
+real_fn!(REAL_LIBRARY_GET_GLOBAL, c"cuLibraryGetGlobal");
+real_fn!(REAL_LIBRARY_GET_MANAGED, c"cuLibraryGetManaged");
+real_fn!(REAL_FUNC_SET_ATTRIBUTE, c"cuFuncSetAttribute");
+real_fn!(REAL_KERNEL_SET_ATTRIBUTE, c"cuKernelSetAttribute");
+real_fn!(REAL_CTX_SET_LIMIT, c"cuCtxSetLimit");
+real_fn!(REAL_STREAM_DESTROY, c"cuStreamDestroy_v2");
+real_fn!(REAL_BEGIN_CAPTURE, c"cuStreamBeginCapture_v2");
+real_fn!(REAL_BEGIN_CAPTURE_PT, c"cuStreamBeginCapture_v2_ptsz");
+real_fn!(REAL_BEGIN_CAPTURE_GRAPH, c"cuStreamBeginCaptureToGraph");
+real_fn!(
+    REAL_BEGIN_CAPTURE_GRAPH_PT,
+    c"cuStreamBeginCaptureToGraph_ptsz"
+);
+real_fn!(REAL_END_CAPTURE, c"cuStreamEndCapture");
+real_fn!(REAL_END_CAPTURE_PT, c"cuStreamEndCapture_ptsz");
+real_fn!(REAL_COOP, c"cuLaunchCooperativeKernel");
+real_fn!(REAL_COOP_PT, c"cuLaunchCooperativeKernel_ptsz");
+real_fn!(REAL_LAUNCH, c"cuLaunchKernel");
+real_fn!(REAL_LAUNCH_PT, c"cuLaunchKernel_ptsz");
+real_fn!(REAL_LAUNCH_EX, c"cuLaunchKernelEx");
+real_fn!(REAL_LAUNCH_EX_PT, c"cuLaunchKernelEx_ptsz");
+real_fn!(REAL_GPA, c"cuGetProcAddress");
+real_fn!(REAL_GPA_V2, c"cuGetProcAddress_v2");
+
+/// Runs `call`; on success, and outside nested hooks, `record` (panics contained).
+fn recorded(call: impl FnOnce() -> c_int, record: impl FnOnce()) -> c_int {
+    let g = enter();
+    let r = call();
+    if r == 0 && g.is_some() {
+        quietly(record);
+    }
+    r
+}
+
+/// # Safety
+/// `cuModuleLoad`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuModuleLoad(module: *mut P, fname: *const c_char) -> c_int {
+    type F = unsafe extern "C" fn(*mut P, *const c_char) -> c_int;
+    recorded(
+        || forward!(REAL_MODULE_LOAD, c"cuModuleLoad", F, (module, fname)),
+        // SAFETY: the driver filled `module`.
+        || engine::loaded_file(unsafe { out(module) }, fname),
+    )
+}
+
+/// # Safety
+/// `cuModuleLoadData`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuModuleLoadData(module: *mut P, image: *const c_void) -> c_int {
+    type F = unsafe extern "C" fn(*mut P, *const c_void) -> c_int;
+    recorded(
+        || {
+            forward!(
+                REAL_MODULE_LOAD_DATA,
+                c"cuModuleLoadData",
+                F,
+                (module, image)
+            )
+        },
+        // SAFETY: the driver filled `module`.
+        || engine::loaded(unsafe { out(module) }, image.cast()),
+    )
+}
+
+/// # Safety
+/// `cuModuleLoadDataEx`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuModuleLoadDataEx(
+    module: *mut P,
+    image: *const c_void,
+    n: c_uint,
+    options: P,
+    values: P,
+) -> c_int {
+    type F = unsafe extern "C" fn(*mut P, *const c_void, c_uint, P, P) -> c_int;
+    recorded(
+        || {
+            forward!(
+                REAL_MODULE_LOAD_DATA_EX,
+                c"cuModuleLoadDataEx",
+                F,
+                (module, image, n, options, values)
+            )
+        },
+        // SAFETY: the driver filled `module`.
+        || engine::loaded(unsafe { out(module) }, image.cast()),
+    )
+}
+
+/// # Safety
+/// `cuModuleLoadFatBinary`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuModuleLoadFatBinary(module: *mut P, fatbin: *const c_void) -> c_int {
+    type F = unsafe extern "C" fn(*mut P, *const c_void) -> c_int;
+    recorded(
+        || {
+            forward!(
+                REAL_MODULE_LOAD_FATBIN,
+                c"cuModuleLoadFatBinary",
+                F,
+                (module, fatbin)
+            )
+        },
+        // SAFETY: the driver filled `module`.
+        || engine::loaded(unsafe { out(module) }, fatbin.cast()),
+    )
+}
+
+/// # Safety
+/// `cuLibraryLoadData`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLibraryLoadData(
+    library: *mut P,
+    code: *const c_void,
+    jit_options: P,
+    jit_values: P,
+    jit_n: c_uint,
+    lib_options: P,
+    lib_values: P,
+    lib_n: c_uint,
+) -> c_int {
+    type F = unsafe extern "C" fn(*mut P, *const c_void, P, P, c_uint, P, P, c_uint) -> c_int;
+    recorded(
+        || {
+            forward!(
+                REAL_LIBRARY_LOAD_DATA,
+                c"cuLibraryLoadData",
+                F,
+                (
+                    library,
+                    code,
+                    jit_options,
+                    jit_values,
+                    jit_n,
+                    lib_options,
+                    lib_values,
+                    lib_n
+                )
+            )
+        },
+        // SAFETY: the driver filled `library`.
+        || engine::loaded(unsafe { out(library) }, code.cast()),
+    )
+}
+
+/// # Safety
+/// `cuLibraryLoadFromFile`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLibraryLoadFromFile(
+    library: *mut P,
+    fname: *const c_char,
+    jit_options: P,
+    jit_values: P,
+    jit_n: c_uint,
+    lib_options: P,
+    lib_values: P,
+    lib_n: c_uint,
+) -> c_int {
+    type F = unsafe extern "C" fn(*mut P, *const c_char, P, P, c_uint, P, P, c_uint) -> c_int;
+    recorded(
+        || {
+            forward!(
+                REAL_LIBRARY_LOAD_FILE,
+                c"cuLibraryLoadFromFile",
+                F,
+                (
+                    library,
+                    fname,
+                    jit_options,
+                    jit_values,
+                    jit_n,
+                    lib_options,
+                    lib_values,
+                    lib_n
+                )
+            )
+        },
+        // SAFETY: the driver filled `library`.
+        || engine::loaded_file(unsafe { out(library) }, fname),
+    )
+}
+
+fn unload(handle: P, call: impl FnOnce() -> c_int) -> c_int {
+    let g = enter();
+    if g.is_some() {
+        // APEX launches of the module's kernels stay ordered before whatever reuses its memory.
+        engine::before(Site::Device);
+    }
+    let r = call();
+    if r == 0 && g.is_some() {
+        engine::unloaded(handle as usize);
+    }
+    r
+}
+
+/// # Safety
+/// `cuModuleUnload`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuModuleUnload(module: P) -> c_int {
+    type F = unsafe extern "C" fn(P) -> c_int;
+    unload(module, || {
+        forward!(REAL_MODULE_UNLOAD, c"cuModuleUnload", F, (module))
+    })
+}
+
+/// # Safety
+/// `cuLibraryUnload`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLibraryUnload(library: P) -> c_int {
+    type F = unsafe extern "C" fn(P) -> c_int;
+    unload(library, || {
+        forward!(REAL_LIBRARY_UNLOAD, c"cuLibraryUnload", F, (library))
+    })
+}
+
+/// # Safety
+/// `cuModuleGetFunction`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuModuleGetFunction(f: *mut P, module: P, name: *const c_char) -> c_int {
+    type F = unsafe extern "C" fn(*mut P, P, *const c_char) -> c_int;
+    recorded(
+        || {
+            forward!(
+                REAL_MODULE_GET_FUNCTION,
+                c"cuModuleGetFunction",
+                F,
+                (f, module, name)
+            )
+        },
+        // SAFETY: the driver filled `f`.
+        || engine::function(unsafe { out(f) }, module as usize, name),
+    )
+}
+
+/// # Safety
+/// `cuLibraryGetKernel`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLibraryGetKernel(k: *mut P, library: P, name: *const c_char) -> c_int {
+    type F = unsafe extern "C" fn(*mut P, P, *const c_char) -> c_int;
+    recorded(
+        || {
+            forward!(
+                REAL_LIBRARY_GET_KERNEL,
+                c"cuLibraryGetKernel",
+                F,
+                (k, library, name)
+            )
+        },
+        // SAFETY: the driver filled `k`.
+        || engine::function(unsafe { out(k) }, library as usize, name),
+    )
+}
+
+/// # Safety
+/// `cuKernelGetFunction`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuKernelGetFunction(f: *mut P, kernel: P) -> c_int {
+    type F = unsafe extern "C" fn(*mut P, P) -> c_int;
+    recorded(
+        || {
+            forward!(
+                REAL_KERNEL_GET_FUNCTION,
+                c"cuKernelGetFunction",
+                F,
+                (f, kernel)
+            )
+        },
+        // SAFETY: the driver filled `f`.
+        || engine::same_function(unsafe { out(f) }, kernel as usize),
+    )
+}
+
+/// # Safety
+/// `cuLibraryGetModule`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLibraryGetModule(module: *mut P, library: P) -> c_int {
+    type F = unsafe extern "C" fn(*mut P, P) -> c_int;
+    recorded(
+        || {
+            forward!(
+                REAL_LIBRARY_GET_MODULE,
+                c"cuLibraryGetModule",
+                F,
+                (module, library)
+            )
+        },
+        // SAFETY: the driver filled `module`.
+        || engine::library_module(unsafe { out(module) }, library as usize),
+    )
+}
+
+/// # Safety
+/// `cuModuleGetGlobal_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuModuleGetGlobal_v2(
+    dptr: *mut Dptr,
+    bytes: *mut usize,
+    module: P,
+    name: *const c_char,
+) -> c_int {
+    type F = unsafe extern "C" fn(*mut Dptr, *mut usize, P, *const c_char) -> c_int;
+    recorded(
+        || {
+            forward!(
+                REAL_MODULE_GET_GLOBAL,
+                c"cuModuleGetGlobal_v2",
+                F,
+                (dptr, bytes, module, name)
+            )
+        },
+        || engine::escape(module as usize),
+    )
+}
+
+/// # Safety
+/// `cuLibraryGetGlobal`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLibraryGetGlobal(
+    dptr: *mut Dptr,
+    bytes: *mut usize,
+    library: P,
+    name: *const c_char,
+) -> c_int {
+    type F = unsafe extern "C" fn(*mut Dptr, *mut usize, P, *const c_char) -> c_int;
+    recorded(
+        || {
+            forward!(
+                REAL_LIBRARY_GET_GLOBAL,
+                c"cuLibraryGetGlobal",
+                F,
+                (dptr, bytes, library, name)
+            )
+        },
+        || engine::escape(library as usize),
+    )
+}
+
+/// # Safety
+/// `cuLibraryGetManaged`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLibraryGetManaged(
+    dptr: *mut Dptr,
+    bytes: *mut usize,
+    library: P,
+    name: *const c_char,
+) -> c_int {
+    type F = unsafe extern "C" fn(*mut Dptr, *mut usize, P, *const c_char) -> c_int;
+    recorded(
+        || {
+            forward!(
+                REAL_LIBRARY_GET_MANAGED,
+                c"cuLibraryGetManaged",
+                F,
+                (dptr, bytes, library, name)
+            )
+        },
+        || engine::escape(library as usize),
+    )
+}
+
+/// # Safety
+/// `cuFuncSetAttribute`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuFuncSetAttribute(f: P, attr: c_int, value: c_int) -> c_int {
+    type F = unsafe extern "C" fn(P, c_int, c_int) -> c_int;
+    recorded(
+        || {
+            forward!(
+                REAL_FUNC_SET_ATTRIBUTE,
+                c"cuFuncSetAttribute",
+                F,
+                (f, attr, value)
+            )
+        },
+        || engine::func_attribute(f as usize, attr),
+    )
+}
+
+/// # Safety
+/// `cuKernelSetAttribute`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuKernelSetAttribute(
+    attr: c_int,
+    value: c_int,
+    kernel: P,
+    dev: c_int,
+) -> c_int {
+    type F = unsafe extern "C" fn(c_int, c_int, P, c_int) -> c_int;
+    recorded(
+        || {
+            forward!(
+                REAL_KERNEL_SET_ATTRIBUTE,
+                c"cuKernelSetAttribute",
+                F,
+                (attr, value, kernel, dev)
+            )
+        },
+        || engine::func_attribute(kernel as usize, attr),
+    )
+}
+
+/// # Safety
+/// `cuCtxSetLimit`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxSetLimit(limit: c_int, value: usize) -> c_int {
+    type F = unsafe extern "C" fn(c_int, usize) -> c_int;
+    recorded(
+        || forward!(REAL_CTX_SET_LIMIT, c"cuCtxSetLimit", F, (limit, value)),
+        || engine::limit(limit, value),
+    )
+}
+
+/// # Safety
+/// `cuStreamDestroy_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamDestroy_v2(stream: P) -> c_int {
+    type F = unsafe extern "C" fn(P) -> c_int;
+    let g = enter();
+    if g.is_some() {
+        engine::before(Site::Stream(stream as usize, false));
+    }
+    let r = forward!(REAL_STREAM_DESTROY, c"cuStreamDestroy_v2", F, (stream));
+    if r == 0 && g.is_some() {
+        engine::stream_destroyed(stream as usize);
+    }
+    r
+}
+
+/// Begins a capture: every queue is handed to CUDA first (nothing of APEX's may be pending in a captured stream),
+/// and launches stay on libcuda until it ends.
+fn capture_begins(stream: P, per_thread: bool, call: impl FnOnce() -> c_int) -> c_int {
+    let g = enter();
+    if g.is_some() {
+        engine::before(Site::Device);
+    }
+    let r = call();
+    if r == 0 && g.is_some() {
+        engine::capture(stream as usize, per_thread, true);
+    }
+    r
+}
+
+fn capture_ends(stream: P, per_thread: bool, call: impl FnOnce() -> c_int) -> c_int {
+    let g = enter();
+    let r = call();
+    if g.is_some() {
+        // Ended either way (an invalidated capture ends with an error).
+        engine::capture(stream as usize, per_thread, false);
+    }
+    r
+}
+
+/// # Safety
+/// `cuStreamBeginCapture_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamBeginCapture_v2(stream: P, mode: c_int) -> c_int {
+    type F = unsafe extern "C" fn(P, c_int) -> c_int;
+    capture_begins(stream, false, || {
+        forward!(
+            REAL_BEGIN_CAPTURE,
+            c"cuStreamBeginCapture_v2",
+            F,
+            (stream, mode)
+        )
+    })
+}
+
+/// # Safety
+/// `cuStreamBeginCapture_v2_ptsz`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamBeginCapture_v2_ptsz(stream: P, mode: c_int) -> c_int {
+    type F = unsafe extern "C" fn(P, c_int) -> c_int;
+    capture_begins(stream, true, || {
+        forward!(
+            REAL_BEGIN_CAPTURE_PT,
+            c"cuStreamBeginCapture_v2_ptsz",
+            F,
+            (stream, mode)
+        )
+    })
+}
+
+/// # Safety
+/// `cuStreamBeginCaptureToGraph`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamBeginCaptureToGraph(
+    stream: P,
+    graph: P,
+    deps: P,
+    data: P,
+    n: usize,
+    mode: c_int,
+) -> c_int {
+    type F = unsafe extern "C" fn(P, P, P, P, usize, c_int) -> c_int;
+    capture_begins(stream, false, || {
+        forward!(
+            REAL_BEGIN_CAPTURE_GRAPH,
+            c"cuStreamBeginCaptureToGraph",
+            F,
+            (stream, graph, deps, data, n, mode)
+        )
+    })
+}
+
+/// # Safety
+/// `cuStreamBeginCaptureToGraph_ptsz`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamBeginCaptureToGraph_ptsz(
+    stream: P,
+    graph: P,
+    deps: P,
+    data: P,
+    n: usize,
+    mode: c_int,
+) -> c_int {
+    type F = unsafe extern "C" fn(P, P, P, P, usize, c_int) -> c_int;
+    capture_begins(stream, true, || {
+        forward!(
+            REAL_BEGIN_CAPTURE_GRAPH_PT,
+            c"cuStreamBeginCaptureToGraph_ptsz",
+            F,
+            (stream, graph, deps, data, n, mode)
+        )
+    })
+}
+
+/// # Safety
+/// `cuStreamEndCapture`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamEndCapture(stream: P, graph: *mut P) -> c_int {
+    type F = unsafe extern "C" fn(P, *mut P) -> c_int;
+    capture_ends(stream, false, || {
+        forward!(REAL_END_CAPTURE, c"cuStreamEndCapture", F, (stream, graph))
+    })
+}
+
+/// # Safety
+/// `cuStreamEndCapture_ptsz`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamEndCapture_ptsz(stream: P, graph: *mut P) -> c_int {
+    type F = unsafe extern "C" fn(P, *mut P) -> c_int;
+    capture_ends(stream, true, || {
+        forward!(
+            REAL_END_CAPTURE_PT,
+            c"cuStreamEndCapture_ptsz",
+            F,
+            (stream, graph)
+        )
+    })
+}
+
+// ---- launches ----
+
+type LaunchFn = unsafe extern "C" fn(
+    P,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    P,
+    *mut P,
+    *mut P,
+) -> c_int;
+type LaunchExFn = unsafe extern "C" fn(*const LaunchConfig, P, *mut P, *mut P) -> c_int;
+type CoopFn = unsafe extern "C" fn(
+    P,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    P,
+    *mut P,
+) -> c_int;
+
+/// Takes the launch over, or forwards it ordered with APEX's queues.
+fn launch(l: Launch, forward: impl FnOnce() -> c_int) -> c_int {
+    let Some(_g) = enter() else { return forward() };
+    if engine::launch(&l) {
+        return 0;
+    }
+    let site = Site::Stream(l.stream, l.per_thread);
+    engine::before(site);
+    let r = forward();
+    engine::after(site);
+    r
+}
+
+/// # Safety
+/// `cuLaunchKernel`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLaunchKernel(
+    f: P,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    shared: c_uint,
+    stream: P,
+    params: *mut P,
+    extra: *mut P,
+) -> c_int {
+    let l = Launch {
+        f: f as usize,
+        grid: [gx, gy, gz],
+        block: [bx, by, bz],
+        shared,
+        stream: stream as usize,
+        per_thread: false,
+        params,
+        extra,
+        extras: Ok(attrs::Extras::default()),
+    };
+    launch(l, || {
+        forward!(
+            REAL_LAUNCH,
+            c"cuLaunchKernel",
+            LaunchFn,
+            (f, gx, gy, gz, bx, by, bz, shared, stream, params, extra)
+        )
+    })
+}
+
+/// # Safety
+/// `cuLaunchKernel_ptsz`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLaunchKernel_ptsz(
+    f: P,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    shared: c_uint,
+    stream: P,
+    params: *mut P,
+    extra: *mut P,
+) -> c_int {
+    let l = Launch {
+        f: f as usize,
+        grid: [gx, gy, gz],
+        block: [bx, by, bz],
+        shared,
+        stream: stream as usize,
+        per_thread: true,
+        params,
+        extra,
+        extras: Ok(attrs::Extras::default()),
+    };
+    launch(l, || {
+        forward!(
+            REAL_LAUNCH_PT,
+            c"cuLaunchKernel_ptsz",
+            LaunchFn,
+            (f, gx, gy, gz, bx, by, bz, shared, stream, params, extra)
+        )
+    })
+}
+
+fn launch_ex(
+    config: *const LaunchConfig,
+    f: P,
+    params: *mut P,
+    extra: *mut P,
+    per_thread: bool,
+    forward: impl FnOnce() -> c_int,
+) -> c_int {
+    if config.is_null() {
+        return forward();
+    }
+    // SAFETY: the driver reads the same configuration.
+    let c = unsafe { &*config };
+    // SAFETY: the configuration's attribute array, as the driver reads it.
+    let extras = attrs::extras(unsafe { attrs::attributes(c) });
+    let l = Launch {
+        f: f as usize,
+        grid: c.grid,
+        block: c.block,
+        shared: c.shared,
+        stream: c.stream as usize,
+        per_thread,
+        params,
+        extra,
+        extras,
+    };
+    launch(l, forward)
+}
+
+/// # Safety
+/// `cuLaunchKernelEx`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLaunchKernelEx(
+    config: *const LaunchConfig,
+    f: P,
+    params: *mut P,
+    extra: *mut P,
+) -> c_int {
+    launch_ex(config, f, params, extra, false, || {
+        forward!(
+            REAL_LAUNCH_EX,
+            c"cuLaunchKernelEx",
+            LaunchExFn,
+            (config, f, params, extra)
+        )
+    })
+}
+
+/// # Safety
+/// `cuLaunchKernelEx_ptsz`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLaunchKernelEx_ptsz(
+    config: *const LaunchConfig,
+    f: P,
+    params: *mut P,
+    extra: *mut P,
+) -> c_int {
+    launch_ex(config, f, params, extra, true, || {
+        forward!(
+            REAL_LAUNCH_EX_PT,
+            c"cuLaunchKernelEx_ptsz",
+            LaunchExFn,
+            (config, f, params, extra)
+        )
+    })
+}
+
+fn cooperative(stream: P, per_thread: bool, forward: impl FnOnce() -> c_int) -> c_int {
+    let Some(_g) = enter() else { return forward() };
+    engine::refused(Refusal::CooperativeEntryPoint);
+    let site = Site::Stream(stream as usize, per_thread);
+    engine::before(site);
+    let r = forward();
+    engine::after(site);
+    r
+}
+
+/// # Safety
+/// `cuLaunchCooperativeKernel`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLaunchCooperativeKernel(
+    f: P,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    shared: c_uint,
+    stream: P,
+    params: *mut P,
+) -> c_int {
+    cooperative(stream, false, || {
+        forward!(
+            REAL_COOP,
+            c"cuLaunchCooperativeKernel",
+            CoopFn,
+            (f, gx, gy, gz, bx, by, bz, shared, stream, params)
+        )
+    })
+}
+
+/// # Safety
+/// `cuLaunchCooperativeKernel_ptsz`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLaunchCooperativeKernel_ptsz(
+    f: P,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    shared: c_uint,
+    stream: P,
+    params: *mut P,
+) -> c_int {
+    cooperative(stream, true, || {
+        forward!(
+            REAL_COOP_PT,
+            c"cuLaunchCooperativeKernel_ptsz",
+            CoopFn,
+            (f, gx, gy, gz, bx, by, bz, shared, stream, params)
+        )
+    })
+}
+
+// ---- how programs find the driver's functions ----
+
+/// Every wrapper: the generated stream operations and the hand-written ones.
+static HOOKS: OnceLock<Vec<Hook>> = OnceLock::new();
+
+fn hooks() -> &'static [Hook] {
+    HOOKS.get_or_init(|| {
+        let mut v = generated();
+        let mut add = |symbol: &'static CStr,
+                       base: &'static str,
+                       per_thread: bool,
+                       slot: &'static AtomicUsize,
+                       ours: usize| {
+            v.push(Hook {
+                symbol,
+                base: base.as_bytes(),
+                per_thread,
+                versioned: false,
+                slot,
+                ours,
+            })
+        };
+        add(
+            c"cuGetProcAddress_v2",
+            "cuGetProcAddress_v2",
+            false,
+            &REAL_GPA_V2,
+            cuGetProcAddress_v2 as *const () as usize,
+        );
+        add(
+            c"cuGetProcAddress",
+            "cuGetProcAddress",
+            false,
+            &REAL_GPA,
+            cuGetProcAddress as *const () as usize,
+        );
+        add(
+            c"cuLaunchKernel",
+            "cuLaunchKernel",
+            false,
+            &REAL_LAUNCH,
+            cuLaunchKernel as *const () as usize,
+        );
+        add(
+            c"cuLaunchKernel_ptsz",
+            "cuLaunchKernel",
+            true,
+            &REAL_LAUNCH_PT,
+            cuLaunchKernel_ptsz as *const () as usize,
+        );
+        add(
+            c"cuLaunchKernelEx",
+            "cuLaunchKernelEx",
+            false,
+            &REAL_LAUNCH_EX,
+            cuLaunchKernelEx as *const () as usize,
+        );
+        add(
+            c"cuLaunchKernelEx_ptsz",
+            "cuLaunchKernelEx",
+            true,
+            &REAL_LAUNCH_EX_PT,
+            cuLaunchKernelEx_ptsz as *const () as usize,
+        );
+        add(
+            c"cuLaunchCooperativeKernel",
+            "cuLaunchCooperativeKernel",
+            false,
+            &REAL_COOP,
+            cuLaunchCooperativeKernel as *const () as usize,
+        );
+        add(
+            c"cuLaunchCooperativeKernel_ptsz",
+            "cuLaunchCooperativeKernel",
+            true,
+            &REAL_COOP_PT,
+            cuLaunchCooperativeKernel_ptsz as *const () as usize,
+        );
+        add(
+            c"cuModuleLoad",
+            "cuModuleLoad",
+            false,
+            &REAL_MODULE_LOAD,
+            cuModuleLoad as *const () as usize,
+        );
+        add(
+            c"cuModuleLoadData",
+            "cuModuleLoadData",
+            false,
+            &REAL_MODULE_LOAD_DATA,
+            cuModuleLoadData as *const () as usize,
+        );
+        add(
+            c"cuModuleLoadDataEx",
+            "cuModuleLoadDataEx",
+            false,
+            &REAL_MODULE_LOAD_DATA_EX,
+            cuModuleLoadDataEx as *const () as usize,
+        );
+        add(
+            c"cuModuleLoadFatBinary",
+            "cuModuleLoadFatBinary",
+            false,
+            &REAL_MODULE_LOAD_FATBIN,
+            cuModuleLoadFatBinary as *const () as usize,
+        );
+        add(
+            c"cuLibraryLoadData",
+            "cuLibraryLoadData",
+            false,
+            &REAL_LIBRARY_LOAD_DATA,
+            cuLibraryLoadData as *const () as usize,
+        );
+        add(
+            c"cuLibraryLoadFromFile",
+            "cuLibraryLoadFromFile",
+            false,
+            &REAL_LIBRARY_LOAD_FILE,
+            cuLibraryLoadFromFile as *const () as usize,
+        );
+        add(
+            c"cuModuleUnload",
+            "cuModuleUnload",
+            false,
+            &REAL_MODULE_UNLOAD,
+            cuModuleUnload as *const () as usize,
+        );
+        add(
+            c"cuLibraryUnload",
+            "cuLibraryUnload",
+            false,
+            &REAL_LIBRARY_UNLOAD,
+            cuLibraryUnload as *const () as usize,
+        );
+        add(
+            c"cuModuleGetFunction",
+            "cuModuleGetFunction",
+            false,
+            &REAL_MODULE_GET_FUNCTION,
+            cuModuleGetFunction as *const () as usize,
+        );
+        add(
+            c"cuLibraryGetKernel",
+            "cuLibraryGetKernel",
+            false,
+            &REAL_LIBRARY_GET_KERNEL,
+            cuLibraryGetKernel as *const () as usize,
+        );
+        add(
+            c"cuKernelGetFunction",
+            "cuKernelGetFunction",
+            false,
+            &REAL_KERNEL_GET_FUNCTION,
+            cuKernelGetFunction as *const () as usize,
+        );
+        add(
+            c"cuLibraryGetModule",
+            "cuLibraryGetModule",
+            false,
+            &REAL_LIBRARY_GET_MODULE,
+            cuLibraryGetModule as *const () as usize,
+        );
+        add(
+            c"cuModuleGetGlobal_v2",
+            "cuModuleGetGlobal",
+            false,
+            &REAL_MODULE_GET_GLOBAL,
+            cuModuleGetGlobal_v2 as *const () as usize,
+        );
+        add(
+            c"cuLibraryGetGlobal",
+            "cuLibraryGetGlobal",
+            false,
+            &REAL_LIBRARY_GET_GLOBAL,
+            cuLibraryGetGlobal as *const () as usize,
+        );
+        add(
+            c"cuLibraryGetManaged",
+            "cuLibraryGetManaged",
+            false,
+            &REAL_LIBRARY_GET_MANAGED,
+            cuLibraryGetManaged as *const () as usize,
+        );
+        add(
+            c"cuFuncSetAttribute",
+            "cuFuncSetAttribute",
+            false,
+            &REAL_FUNC_SET_ATTRIBUTE,
+            cuFuncSetAttribute as *const () as usize,
+        );
+        add(
+            c"cuKernelSetAttribute",
+            "cuKernelSetAttribute",
+            false,
+            &REAL_KERNEL_SET_ATTRIBUTE,
+            cuKernelSetAttribute as *const () as usize,
+        );
+        add(
+            c"cuCtxSetLimit",
+            "cuCtxSetLimit",
+            false,
+            &REAL_CTX_SET_LIMIT,
+            cuCtxSetLimit as *const () as usize,
+        );
+        add(
+            c"cuStreamDestroy_v2",
+            "cuStreamDestroy",
+            false,
+            &REAL_STREAM_DESTROY,
+            cuStreamDestroy_v2 as *const () as usize,
+        );
+        add(
+            c"cuStreamBeginCapture_v2",
+            "cuStreamBeginCapture",
+            false,
+            &REAL_BEGIN_CAPTURE,
+            cuStreamBeginCapture_v2 as *const () as usize,
+        );
+        add(
+            c"cuStreamBeginCapture_v2_ptsz",
+            "cuStreamBeginCapture",
+            true,
+            &REAL_BEGIN_CAPTURE_PT,
+            cuStreamBeginCapture_v2_ptsz as *const () as usize,
+        );
+        add(
+            c"cuStreamBeginCaptureToGraph",
+            "cuStreamBeginCaptureToGraph",
+            false,
+            &REAL_BEGIN_CAPTURE_GRAPH,
+            cuStreamBeginCaptureToGraph as *const () as usize,
+        );
+        add(
+            c"cuStreamBeginCaptureToGraph_ptsz",
+            "cuStreamBeginCaptureToGraph",
+            true,
+            &REAL_BEGIN_CAPTURE_GRAPH_PT,
+            cuStreamBeginCaptureToGraph_ptsz as *const () as usize,
+        );
+        add(
+            c"cuStreamEndCapture",
+            "cuStreamEndCapture",
+            false,
+            &REAL_END_CAPTURE,
+            cuStreamEndCapture as *const () as usize,
+        );
+        add(
+            c"cuStreamEndCapture_ptsz",
+            "cuStreamEndCapture",
+            true,
+            &REAL_END_CAPTURE_PT,
+            cuStreamEndCapture_ptsz as *const () as usize,
+        );
+        v
+    })
+}
+
+/// The wrapper for the exact symbol `name` (a `dlsym` lookup).
+fn by_symbol(name: &[u8]) -> Option<&'static Hook> {
+    hooks().iter().find(|h| h.symbol.to_bytes() == name)
+}
+
+/// The wrapper `cuGetProcAddress` should return instead of `real` for `base` (`per_thread`: the per-thread stream
+/// variant was asked for). `Err` when the preload wraps `base` but `real` is a variant it does not know.
+fn by_base(base: &[u8], real: usize, per_thread: bool) -> Result<Option<&'static Hook>, ()> {
+    let all: Vec<&Hook> = hooks().iter().filter(|h| h.base == base).collect();
+    if all.is_empty() {
+        return Ok(None);
+    }
+    // Functions without a per-thread variant answer the same whatever the flag says.
+    let wanted = if all.iter().any(|h| h.per_thread == per_thread) {
+        per_thread
+    } else {
+        false
+    };
+    let candidates: Vec<&Hook> = all.into_iter().filter(|h| h.per_thread == wanted).collect();
+    if candidates.iter().all(|h| !h.versioned) {
+        return Ok(candidates.first().copied());
+    }
+    // Signatures differ between versions: take the variant only if it is the symbol the wrapper was written for.
+    Ok(Some(
+        candidates
+            .into_iter()
+            .find(|h| apex_interpose::libcuda_symbol(h.symbol) == Some(real))
+            .ok_or(())?,
+    ))
+}
+
+/// Interposed so that lookups of wrapped driver functions (`cuGetProcAddress_v2` first: how the CUDA runtime finds
+/// the driver) return the wrappers.
+///
+/// # Safety
+/// C `dlsym`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dlsym(handle: *mut c_void, name: *const c_char) -> *mut c_void {
+    // SAFETY: forwarded unchanged.
+    unsafe {
+        apex_interpose::forward_dlsym(handle, name, |n, real| {
+            let h = by_symbol(n)?;
+            install(h.slot, real, h.ours)
+        })
+    }
+}
+
+/// # Safety
+/// As [`apex_interpose::replace_proc_address`].
+unsafe fn replace(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64) {
+    // SAFETY: forwarded.
+    unsafe {
+        apex_interpose::replace_proc_address(symbol, pfn, version, flags, |n, real, pt, _| {
+            match by_base(n, real, pt) {
+                Ok(Some(h)) => install(h.slot, real, h.ours),
+                Ok(None) => None,
+                Err(()) => {
+                    if enter().is_some() {
+                        engine::unknown_entry(&String::from_utf8_lossy(n));
+                    }
+                    None
+                }
+            }
+        })
+    }
+}
+
+/// # Safety
+/// `cuGetProcAddress_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGetProcAddress_v2(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: c_int,
+    flags: u64,
+    status: *mut c_int,
+) -> c_int {
+    let r = forward!(
+        REAL_GPA_V2,
+        c"cuGetProcAddress_v2",
+        GpaV2Fn,
+        (symbol, pfn, version, flags, status)
+    );
+    if r == 0 {
+        // SAFETY: the driver returned success for these arguments.
+        unsafe { replace(symbol, pfn, version, flags) };
+    }
+    r
+}
+
+/// # Safety
+/// `cuGetProcAddress` (CUDA 11 signature).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGetProcAddress(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: c_int,
+    flags: u64,
+) -> c_int {
+    let r = forward!(
+        REAL_GPA,
+        c"cuGetProcAddress",
+        GpaFn,
+        (symbol, pfn, version, flags)
+    );
+    if r == 0 {
+        // SAFETY: the driver returned success for these arguments.
+        unsafe { replace(symbol, pfn, version, flags) };
+    }
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn symbols_and_bases_are_consistent() {
+        let all = hooks();
+        let mut names = std::collections::BTreeSet::new();
+        for h in all {
+            assert!(names.insert(h.symbol.to_bytes()), "{:?} twice", h.symbol);
+            let s = h.symbol.to_str().unwrap();
+            assert!(s.starts_with(std::str::from_utf8(h.base).unwrap()), "{s}");
+            assert_eq!(
+                h.per_thread,
+                s.ends_with("_ptsz") || s.ends_with("_ptds"),
+                "{s}"
+            );
+            assert_ne!(h.ours, 0);
+        }
+        assert!(by_symbol(b"cuLaunchKernel").is_some());
+        assert!(by_symbol(b"cuMemcpyHtoDAsync_v2").is_some());
+        assert!(
+            by_symbol(b"cuMemAlloc_v2").is_none(),
+            "allocations need no ordering"
+        );
+    }
+
+    #[test]
+    fn proc_address_picks_the_per_thread_variant_when_it_exists() {
+        let h = by_base(b"cuMemcpyAsync", 1, true).unwrap().unwrap();
+        assert_eq!(h.symbol, c"cuMemcpyAsync_ptsz");
+        let h = by_base(b"cuMemcpyAsync", 1, false).unwrap().unwrap();
+        assert_eq!(h.symbol, c"cuMemcpyAsync");
+        // No per-thread variant: the flag does not matter.
+        let h = by_base(b"cuMemFree", 1, true).unwrap().unwrap();
+        assert_eq!(h.symbol, c"cuMemFree_v2");
+        assert!(by_base(b"cuMemAlloc", 1, false).unwrap().is_none());
+    }
+
+    #[test]
+    fn versioned_signatures_are_refused_unless_the_variant_is_known() {
+        // Without libcuda loaded nothing can be matched: the preload must not guess a signature.
+        assert!(by_base(b"cuCtxSynchronize", 0x1234, false).is_err());
+        assert!(by_base(b"cuLaunchHostFunc", 0x1234, true).is_err());
+    }
+}

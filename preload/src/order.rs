@@ -1,0 +1,461 @@
+//! Stream order between APEX queues and CUDA streams.
+//!
+//! Each stream the preload has taken over has an APEX queue. Work on the queue is invisible to CUDA, and work on the
+//! CUDA stream is invisible to the queue, so the preload keeps two flags per taken-over stream and makes a *hop*
+//! (an ordering point on the GPU, no CPU wait) only when one side is about to depend on work the other has not
+//! seen:
+//!
+//! - `apex_dirty`: the queue has work the CUDA stream has not been made to wait for. Before any CUDA operation that
+//!   is ordered after that stream — on the stream itself, or, through the legacy default stream's implicit
+//!   synchronization, on a related one — the CUDA stream waits for the queue ([`Hops::cuda_waits_for_apex`]:
+//!   `cuStreamWaitValue64` on a value the queue releases).
+//! - `cuda_dirty`: the CUDA stream (or a related one) got work since the queue last waited for it. Before the
+//!   queue's next launch, the queue waits for the stream ([`Hops::apex_waits_for_cuda`]: `cuStreamWriteValue64` that
+//!   the queue acquires).
+//!
+//! Two streams are related when they are the same, or one is the legacy default stream and the other a blocking
+//! stream (CUDA orders every operation on the legacy stream after all earlier work of blocking streams, and all
+//! later work of blocking streams after it). Since the hops go through the CUDA streams themselves, CUDA's own
+//! implicit synchronization then carries the order to the related stream.
+
+/// A CUDA stream as the driver API names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StreamKey {
+    /// The legacy default stream (handle 0 on the non-`_ptsz` entry points, or `CU_STREAM_LEGACY`).
+    Legacy,
+    /// The calling thread's per-thread default stream (handle 0 on `_ptsz`/`_ptds` entry points, or
+    /// `CU_STREAM_PER_THREAD`).
+    PerThread,
+    /// A stream the program created.
+    Handle(usize),
+}
+
+/// `CU_STREAM_LEGACY`.
+pub const CU_STREAM_LEGACY: usize = 1;
+/// `CU_STREAM_PER_THREAD`.
+pub const CU_STREAM_PER_THREAD: usize = 2;
+
+impl StreamKey {
+    /// The stream a driver call names with `raw`; `per_thread` for the `_ptsz`/`_ptds` entry points.
+    pub fn of(raw: usize, per_thread: bool) -> StreamKey {
+        match raw {
+            0 if per_thread => StreamKey::PerThread,
+            0 | CU_STREAM_LEGACY => StreamKey::Legacy,
+            CU_STREAM_PER_THREAD => StreamKey::PerThread,
+            h => StreamKey::Handle(h),
+        }
+    }
+
+    /// The handle to pass to the driver for this stream (the legacy stream as null).
+    pub fn raw(self) -> usize {
+        match self {
+            StreamKey::Legacy => 0,
+            StreamKey::PerThread => CU_STREAM_PER_THREAD,
+            StreamKey::Handle(h) => h,
+        }
+    }
+}
+
+/// A stream and whether it synchronizes with the legacy default stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Stream {
+    /// Which stream.
+    pub key: StreamKey,
+    /// Not created with `CU_STREAM_NON_BLOCKING` (the default streams always are blocking).
+    pub blocking: bool,
+}
+
+impl Stream {
+    /// Whether work on `self` and work on `other` are ordered with each other by CUDA.
+    pub fn related(self, other: Stream) -> bool {
+        self.key == other.key
+            || (self.key == StreamKey::Legacy && other.blocking)
+            || (other.key == StreamKey::Legacy && self.blocking)
+    }
+}
+
+/// The GPU-side ordering operations, done by the caller for a taken-over stream's slot.
+pub trait Hops {
+    /// Makes `stream`, the CUDA stream of `slot`, wait on the GPU for everything submitted to the slot's APEX queue so
+    /// far.
+    fn cuda_waits_for_apex(&mut self, slot: usize, stream: StreamKey) -> Result<(), String>;
+    /// Makes the APEX queue of `slot` wait on the GPU for everything submitted to `stream`, its CUDA stream, so far.
+    fn apex_waits_for_cuda(&mut self, slot: usize, stream: StreamKey) -> Result<(), String>;
+    /// The last resort when a hop fails: waits on the CPU until the queue of `slot` is idle.
+    fn cpu_sync(&mut self, slot: usize) -> Result<(), String>;
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    stream: Stream,
+    apex_dirty: bool,
+    cuda_dirty: bool,
+    live: bool,
+}
+
+/// Hop counts, for the summary.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HopCounts {
+    /// CUDA streams made to wait for a queue.
+    pub to_cuda: u64,
+    /// Queues made to wait for a CUDA stream.
+    pub to_apex: u64,
+    /// Hops that failed and were replaced by a CPU wait.
+    pub cpu_syncs: u64,
+}
+
+/// The ordering state of every taken-over stream, indexed by slot.
+#[derive(Debug, Default)]
+pub struct Order {
+    slots: Vec<Slot>,
+    counts: HopCounts,
+}
+
+/// What a CUDA operation is ordered with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// Work on one stream.
+    Stream(Stream),
+    /// Everything: a context-wide synchronization, a free that waits for the device, a module unload, a capture
+    /// beginning, the end of the process.
+    Device,
+}
+
+impl Order {
+    /// An empty state.
+    pub fn new() -> Order {
+        Order::default()
+    }
+
+    /// The slot of a taken-over stream.
+    pub fn find(&self, key: StreamKey) -> Option<usize> {
+        self.slots
+            .iter()
+            .position(|s| s.live && s.stream.key == key)
+    }
+
+    /// Takes `stream` over; returns its slot (a freed one when there is one). The stream may already have CUDA work,
+    /// so the queue's first launch waits for it.
+    pub fn add(&mut self, stream: Stream) -> usize {
+        let slot = Slot {
+            stream,
+            apex_dirty: false,
+            cuda_dirty: true,
+            live: true,
+        };
+        match self.slots.iter().position(|s| !s.live) {
+            Some(i) => {
+                self.slots[i] = slot;
+                i
+            }
+            None => {
+                self.slots.push(slot);
+                self.slots.len() - 1
+            }
+        }
+    }
+
+    /// Live slots.
+    pub fn live(&self) -> usize {
+        self.slots.iter().filter(|s| s.live).count()
+    }
+
+    /// Forgets a slot whose stream is destroyed, after handing its work to CUDA (call [`before_cuda`] first).
+    ///
+    /// [`before_cuda`]: Order::before_cuda
+    pub fn remove(&mut self, slot: usize) {
+        if let Some(s) = self.slots.get_mut(slot) {
+            s.live = false;
+        }
+    }
+
+    /// Whether the queue of `slot` has work its CUDA stream has not been made to wait for.
+    pub fn apex_dirty(&self, slot: usize) -> bool {
+        self.slots.get(slot).is_some_and(|s| s.apex_dirty)
+    }
+
+    /// Whether the queue of `slot` must wait for its CUDA stream before its next launch.
+    pub fn cuda_dirty(&self, slot: usize) -> bool {
+        self.slots.get(slot).is_some_and(|s| s.cuda_dirty)
+    }
+
+    /// The hop counts so far.
+    pub fn counts(&self) -> HopCounts {
+        self.counts
+    }
+
+    fn hand_over(&mut self, slot: usize, hops: &mut dyn Hops) -> Result<(), String> {
+        if !self.slots[slot].apex_dirty {
+            return Ok(());
+        }
+        match hops.cuda_waits_for_apex(slot, self.slots[slot].stream.key) {
+            Ok(()) => self.counts.to_cuda += 1,
+            Err(e) => {
+                // The stream cannot wait on the GPU: the queue's work completes before anything else is submitted.
+                self.counts.cpu_syncs += 1;
+                hops.cpu_sync(slot)
+                    .map_err(|e2| format!("{e}; then {e2}"))?;
+            }
+        }
+        self.slots[slot].apex_dirty = false;
+        // The hop is CUDA work on this stream: related queues must see it before their next launch.
+        let stream = self.slots[slot].stream;
+        for (i, s) in self.slots.iter_mut().enumerate() {
+            if i != slot && s.live && s.stream.related(stream) {
+                s.cuda_dirty = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// Before a CUDA operation ordered with `target`: every related queue's work is handed to CUDA.
+    pub fn before_cuda(&mut self, target: Target, hops: &mut dyn Hops) -> Result<(), String> {
+        let mut result = Ok(());
+        for i in 0..self.slots.len() {
+            let s = self.slots[i];
+            let related = match target {
+                Target::Device => true,
+                Target::Stream(t) => t.related(s.stream),
+            };
+            if s.live
+                && related
+                && let Err(e) = self.hand_over(i, hops)
+            {
+                result = Err(e);
+            }
+        }
+        result
+    }
+
+    /// After a CUDA operation that added work ordered with `stream`: related queues wait for it before their next
+    /// launch.
+    pub fn after_cuda(&mut self, stream: Stream) {
+        for s in self.slots.iter_mut() {
+            if s.live && s.stream.related(stream) {
+                s.cuda_dirty = true;
+            }
+        }
+    }
+
+    /// Before a launch on the queue of `slot`: related queues' work is handed to CUDA (CUDA orders it), then the queue
+    /// waits for its stream if the stream has work it has not seen.
+    pub fn before_apex(&mut self, slot: usize, hops: &mut dyn Hops) -> Result<(), String> {
+        let stream = self.slots[slot].stream;
+        for i in 0..self.slots.len() {
+            let s = self.slots[i];
+            if i != slot && s.live && s.apex_dirty && s.stream.related(stream) {
+                self.hand_over(i, hops)?;
+            }
+        }
+        if self.slots[slot].cuda_dirty {
+            hops.apex_waits_for_cuda(slot, stream.key)?;
+            self.counts.to_apex += 1;
+            self.slots[slot].cuda_dirty = false;
+        }
+        Ok(())
+    }
+
+    /// After a launch on the queue of `slot`.
+    pub fn after_apex(&mut self, slot: usize) {
+        self.slots[slot].apex_dirty = true;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records hops as `(kind, slot)`; fails the CUDA-side hop of the slots listed in `fail`.
+    #[derive(Default)]
+    struct Log {
+        hops: Vec<(&'static str, usize)>,
+        fail: Vec<usize>,
+    }
+
+    impl Hops for Log {
+        fn cuda_waits_for_apex(&mut self, slot: usize, _: StreamKey) -> Result<(), String> {
+            if self.fail.contains(&slot) {
+                return Err("refused".into());
+            }
+            self.hops.push(("cuda<-apex", slot));
+            Ok(())
+        }
+        fn apex_waits_for_cuda(&mut self, slot: usize, _: StreamKey) -> Result<(), String> {
+            self.hops.push(("apex<-cuda", slot));
+            Ok(())
+        }
+        fn cpu_sync(&mut self, slot: usize) -> Result<(), String> {
+            self.hops.push(("cpu", slot));
+            Ok(())
+        }
+    }
+
+    const LEGACY: Stream = Stream {
+        key: StreamKey::Legacy,
+        blocking: true,
+    };
+    const BLOCKING: Stream = Stream {
+        key: StreamKey::Handle(0x1000),
+        blocking: true,
+    };
+    const NON_BLOCKING: Stream = Stream {
+        key: StreamKey::Handle(0x2000),
+        blocking: false,
+    };
+    const PER_THREAD: Stream = Stream {
+        key: StreamKey::PerThread,
+        blocking: true,
+    };
+
+    fn launch(o: &mut Order, slot: usize, log: &mut Log) {
+        o.before_apex(slot, log).unwrap();
+        o.after_apex(slot);
+    }
+
+    #[test]
+    fn stream_keys_follow_the_driver_api() {
+        assert_eq!(StreamKey::of(0, false), StreamKey::Legacy);
+        assert_eq!(StreamKey::of(1, false), StreamKey::Legacy);
+        assert_eq!(StreamKey::of(1, true), StreamKey::Legacy);
+        assert_eq!(StreamKey::of(0, true), StreamKey::PerThread);
+        assert_eq!(StreamKey::of(2, false), StreamKey::PerThread);
+        assert_eq!(StreamKey::of(0x55, true), StreamKey::Handle(0x55));
+        assert_eq!(StreamKey::Legacy.raw(), 0);
+    }
+
+    #[test]
+    fn relations_are_cudas_implicit_synchronization() {
+        assert!(LEGACY.related(BLOCKING) && BLOCKING.related(LEGACY));
+        assert!(LEGACY.related(PER_THREAD));
+        assert!(!LEGACY.related(NON_BLOCKING) && !NON_BLOCKING.related(LEGACY));
+        assert!(!BLOCKING.related(NON_BLOCKING));
+        assert!(
+            !BLOCKING.related(PER_THREAD),
+            "two created streams do not synchronize"
+        );
+        assert!(NON_BLOCKING.related(NON_BLOCKING));
+    }
+
+    #[test]
+    fn back_to_back_launches_make_no_hop_after_the_first() {
+        let mut o = Order::new();
+        let mut log = Log::default();
+        let s = o.add(LEGACY);
+        for _ in 0..100 {
+            launch(&mut o, s, &mut log);
+        }
+        // The stream may have had work before it was taken over: one wait, then none.
+        assert_eq!(log.hops, vec![("apex<-cuda", s)]);
+        assert_eq!(o.counts().to_apex, 1);
+    }
+
+    #[test]
+    fn cuda_work_on_the_stream_is_ordered_both_ways() {
+        let mut o = Order::new();
+        let mut log = Log::default();
+        let s = o.add(BLOCKING);
+        launch(&mut o, s, &mut log);
+        log.hops.clear();
+        // A cudaMemcpyAsync on the same stream: waits for the queue, and the next launch waits for it.
+        o.before_cuda(Target::Stream(BLOCKING), &mut log).unwrap();
+        o.after_cuda(BLOCKING);
+        launch(&mut o, s, &mut log);
+        assert_eq!(log.hops, vec![("cuda<-apex", s), ("apex<-cuda", s)]);
+        // A second CUDA operation with nothing new on the queue: no hop before it.
+        log.hops.clear();
+        o.before_cuda(Target::Stream(BLOCKING), &mut log).unwrap();
+        o.before_cuda(Target::Stream(BLOCKING), &mut log).unwrap();
+        assert_eq!(log.hops, vec![("cuda<-apex", s)]);
+    }
+
+    #[test]
+    fn unrelated_streams_need_no_hop() {
+        let mut o = Order::new();
+        let mut log = Log::default();
+        let s = o.add(NON_BLOCKING);
+        launch(&mut o, s, &mut log);
+        log.hops.clear();
+        // Work on the legacy stream does not synchronize with a non-blocking stream.
+        o.before_cuda(Target::Stream(LEGACY), &mut log).unwrap();
+        o.after_cuda(LEGACY);
+        launch(&mut o, s, &mut log);
+        assert!(log.hops.is_empty(), "{:?}", log.hops);
+    }
+
+    #[test]
+    fn legacy_stream_work_orders_blocking_queues() {
+        let mut o = Order::new();
+        let mut log = Log::default();
+        let s = o.add(BLOCKING);
+        launch(&mut o, s, &mut log);
+        log.hops.clear();
+        // A synchronous cudaMemcpy (legacy stream) waits for the blocking stream's queue.
+        o.before_cuda(Target::Stream(LEGACY), &mut log).unwrap();
+        o.after_cuda(LEGACY);
+        assert_eq!(log.hops, vec![("cuda<-apex", s)]);
+        launch(&mut o, s, &mut log);
+        assert_eq!(log.hops, vec![("cuda<-apex", s), ("apex<-cuda", s)]);
+    }
+
+    #[test]
+    fn a_taken_over_legacy_stream_and_a_blocking_stream_order_each_other() {
+        let mut o = Order::new();
+        let mut log = Log::default();
+        let l = o.add(LEGACY);
+        let b = o.add(BLOCKING);
+        launch(&mut o, l, &mut log);
+        log.hops.clear();
+        // A launch on the blocking stream must run after the legacy queue's work: the legacy stream waits for its
+        // queue, then the blocking queue waits for its own stream (which CUDA orders after the legacy stream).
+        launch(&mut o, b, &mut log);
+        assert_eq!(log.hops, vec![("cuda<-apex", l), ("apex<-cuda", b)]);
+        log.hops.clear();
+        // And back: the legacy queue waits for the blocking queue the same way.
+        launch(&mut o, l, &mut log);
+        assert_eq!(log.hops, vec![("cuda<-apex", b), ("apex<-cuda", l)]);
+    }
+
+    #[test]
+    fn device_wide_operations_hand_over_every_queue() {
+        let mut o = Order::new();
+        let mut log = Log::default();
+        let a = o.add(NON_BLOCKING);
+        let b = o.add(BLOCKING);
+        launch(&mut o, a, &mut log);
+        launch(&mut o, b, &mut log);
+        log.hops.clear();
+        o.before_cuda(Target::Device, &mut log).unwrap();
+        assert_eq!(log.hops, vec![("cuda<-apex", a), ("cuda<-apex", b)]);
+        assert!(!o.apex_dirty(a) && !o.apex_dirty(b));
+    }
+
+    #[test]
+    fn a_failed_hop_falls_back_to_a_cpu_wait() {
+        let mut o = Order::new();
+        let mut log = Log::default();
+        let s = o.add(BLOCKING);
+        launch(&mut o, s, &mut log);
+        log.hops.clear();
+        log.fail.push(s);
+        o.before_cuda(Target::Stream(BLOCKING), &mut log).unwrap();
+        assert_eq!(log.hops, vec![("cpu", s)]);
+        assert_eq!(o.counts().cpu_syncs, 1);
+        assert!(!o.apex_dirty(s));
+    }
+
+    #[test]
+    fn removed_slots_are_reused_and_start_dirty() {
+        let mut o = Order::new();
+        let mut log = Log::default();
+        let s = o.add(BLOCKING);
+        launch(&mut o, s, &mut log);
+        o.before_cuda(Target::Stream(BLOCKING), &mut log).unwrap();
+        o.remove(s);
+        assert_eq!(o.find(BLOCKING.key), None);
+        assert_eq!(o.live(), 0);
+        let t = o.add(NON_BLOCKING);
+        assert_eq!(t, s, "the freed slot (and its queue) is reused");
+        assert!(o.cuda_dirty(t), "a new stream may have CUDA work already");
+        assert_eq!(o.find(NON_BLOCKING.key), Some(t));
+    }
+}

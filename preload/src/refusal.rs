@@ -1,0 +1,200 @@
+//! Why a launch goes to libcuda instead of an APEX queue.
+
+/// Why the preload leaves a launch to libcuda. Every refusal is counted ([`crate::stats`]) and logged once per
+/// function and reason through `tracing`; the launch itself then runs on libcuda after a sync point, so the
+/// program's results do not depend on it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    /// `APEX_PRELOAD=off`.
+    #[error("the takeover is off (APEX_PRELOAD=off)")]
+    Disabled,
+    /// APEX could not join the program's CUDA context.
+    #[error("APEX could not attach to the CUDA context: {0}")]
+    AttachFailed(String),
+    /// APEX attached, but on the CUDA driver backend: launching through it would only add a layer.
+    #[error("APEX attached on the CUDA driver backend ({0}); launches stay on libcuda")]
+    DriverBackend(String),
+    /// The launch is made in another CUDA context than the one APEX attached to.
+    #[error("the launch is made in a CUDA context other than the one APEX attached to")]
+    OtherContext,
+    /// A launch on the per-thread default stream (`_ptsz` entry points, `CU_STREAM_PER_THREAD`): not taken over.
+    #[error("launches on the per-thread default stream are not taken over")]
+    PerThreadStream,
+    /// A stream is being captured into a CUDA graph: launches must reach libcuda to be captured.
+    #[error("a stream is being captured into a CUDA graph")]
+    Capturing,
+    /// Every APEX queue the preload may build serves another stream.
+    #[error("all {0} APEX queues serve other streams (APEX_PRELOAD_QUEUES)")]
+    TooManyStreams(usize),
+    /// Building the stream's APEX queue failed.
+    #[error("the stream's APEX queue could not be built: {0}")]
+    QueueFailed(String),
+    /// The program asked libcuda for a driver entry point whose variant the preload does not know, so ordering with
+    /// it cannot be kept: the takeover is off from then on.
+    #[error(
+        "the program uses `{0}` in a variant the preload does not interpose; the takeover is off"
+    )]
+    UnknownEntryPoint(String),
+    /// The function or kernel handle did not come from a module or library the preload saw loaded, and the driver
+    /// could not name its owner.
+    #[error("the function was not obtained from a module or library the preload saw loaded")]
+    UnknownFunction,
+    /// The function's module or library was loaded before the preload saw it (or by a path it does not interpose).
+    #[error("the function's module or library was not seen loaded")]
+    UnknownModule,
+    /// The module's image could not be found or its length not determined.
+    #[error("the module image cannot be read: {0}")]
+    UnreadableImage(String),
+    /// APEX's loader refused the module (no code for this GPU, PTX that nvJitLink cannot compile, ...).
+    #[error("APEX refused the module: {0}")]
+    ModuleRefused(String),
+    /// The module has device-writable globals: CUDA's instance and APEX's would hold different copies.
+    #[error(
+        "the module has the device-writable global `{0}`; CUDA's and APEX's copies would diverge"
+    )]
+    ModuleGlobals(String),
+    /// The program asked libcuda for the address of one of the module's globals (to copy to or from it): APEX's copy
+    /// would no longer match, so the module's kernels stay on libcuda from then on.
+    #[error("the program took the address of a global of this module; its kernels stay on libcuda")]
+    GlobalsEscaped,
+    /// APEX refused the kernel (an external it does not provide, a name it does not find, ...).
+    #[error("APEX refused the kernel: {0}")]
+    KernelRefused(String),
+    /// The kernel calls the device runtime (`printf`, `assert`, `malloc`): APEX prints and reports those only when
+    /// its own queue is synchronized, which the program never does.
+    #[error(
+        "the kernel calls `{0}`, whose output or error APEX reports only at its own synchronize"
+    )]
+    DeviceRuntime(String),
+    /// Parameters passed through `extra` (`CU_LAUNCH_PARAM_BUFFER_POINTER`) or not at all.
+    #[error("kernel parameters are passed through `extra` or missing")]
+    ExtraParams,
+    /// A `cuLaunchKernelEx` attribute the preload cannot honour.
+    #[error("launch attribute {id} ({name}) cannot be honoured")]
+    LaunchAttribute {
+        /// `CUlaunchAttributeID`.
+        id: u32,
+        /// Its name.
+        name: &'static str,
+    },
+    /// The program set a function attribute APEX does not apply (cluster shape, non-portable cluster size, ...).
+    #[error("the program set function attribute {0}, which APEX does not apply")]
+    FunctionAttribute(i32),
+    /// The program raised the context's stack size limit, which APEX's queues do not follow.
+    #[error(
+        "the program raised the context's stack size (cuCtxSetLimit); APEX's queues do not follow it"
+    )]
+    ContextLimit,
+    /// APEX refused the launch configuration (grid, block, shared memory, cluster shape).
+    #[error("APEX refused the launch: {0}")]
+    LaunchRefused(String),
+    /// The APEX launch failed after it was checked.
+    #[error("the APEX launch failed: {0}")]
+    LaunchFailed(String),
+    /// A cooperative launch through `cuLaunchCooperativeKernel`.
+    #[error("cuLaunchCooperativeKernel is left to libcuda")]
+    CooperativeEntryPoint,
+    /// The preload's own state was lost to an internal error; it forwards everything from then on.
+    #[error("an internal error turned the takeover off")]
+    Internal,
+}
+
+impl Refusal {
+    /// A short stable label, for counters and the JSON summary.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Refusal::Disabled => "disabled",
+            Refusal::AttachFailed(_) => "attach_failed",
+            Refusal::DriverBackend(_) => "driver_backend",
+            Refusal::OtherContext => "other_context",
+            Refusal::PerThreadStream => "per_thread_stream",
+            Refusal::Capturing => "capturing",
+            Refusal::TooManyStreams(_) => "too_many_streams",
+            Refusal::QueueFailed(_) => "queue_failed",
+            Refusal::UnknownEntryPoint(_) => "unknown_entry_point",
+            Refusal::UnknownFunction => "unknown_function",
+            Refusal::UnknownModule => "unknown_module",
+            Refusal::UnreadableImage(_) => "unreadable_image",
+            Refusal::ModuleRefused(_) => "module_refused",
+            Refusal::ModuleGlobals(_) => "module_globals",
+            Refusal::GlobalsEscaped => "globals_escaped",
+            Refusal::KernelRefused(_) => "kernel_refused",
+            Refusal::DeviceRuntime(_) => "device_runtime",
+            Refusal::ExtraParams => "extra_params",
+            Refusal::LaunchAttribute { .. } => "launch_attribute",
+            Refusal::FunctionAttribute(_) => "function_attribute",
+            Refusal::ContextLimit => "context_limit",
+            Refusal::LaunchRefused(_) => "launch_refused",
+            Refusal::LaunchFailed(_) => "launch_failed",
+            Refusal::CooperativeEntryPoint => "cooperative_entry_point",
+            Refusal::Internal => "internal",
+        }
+    }
+
+    /// Whether the refusal holds for every later launch of the same function (cached with it), rather than for
+    /// this launch's configuration or the process's state now.
+    pub fn is_per_function(&self) -> bool {
+        matches!(
+            self,
+            Refusal::UnknownFunction
+                | Refusal::UnknownModule
+                | Refusal::UnreadableImage(_)
+                | Refusal::ModuleRefused(_)
+                | Refusal::ModuleGlobals(_)
+                | Refusal::GlobalsEscaped
+                | Refusal::KernelRefused(_)
+                | Refusal::DeviceRuntime(_)
+                | Refusal::FunctionAttribute(_)
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_are_distinct_and_messages_say_why() {
+        let all = [
+            Refusal::Disabled,
+            Refusal::AttachFailed("x".into()),
+            Refusal::DriverBackend("x".into()),
+            Refusal::OtherContext,
+            Refusal::PerThreadStream,
+            Refusal::Capturing,
+            Refusal::TooManyStreams(8),
+            Refusal::QueueFailed("x".into()),
+            Refusal::UnknownEntryPoint("cuX".into()),
+            Refusal::UnknownFunction,
+            Refusal::UnknownModule,
+            Refusal::UnreadableImage("x".into()),
+            Refusal::ModuleRefused("x".into()),
+            Refusal::ModuleGlobals("g".into()),
+            Refusal::GlobalsEscaped,
+            Refusal::KernelRefused("x".into()),
+            Refusal::DeviceRuntime("vprintf".into()),
+            Refusal::ExtraParams,
+            Refusal::LaunchAttribute {
+                id: 6,
+                name: "programmatic stream serialization",
+            },
+            Refusal::FunctionAttribute(13),
+            Refusal::ContextLimit,
+            Refusal::LaunchRefused("x".into()),
+            Refusal::LaunchFailed("x".into()),
+            Refusal::CooperativeEntryPoint,
+            Refusal::Internal,
+        ];
+        let labels: std::collections::BTreeSet<_> = all.iter().map(Refusal::label).collect();
+        assert_eq!(labels.len(), all.len());
+        assert!(
+            Refusal::DeviceRuntime("vprintf".into())
+                .to_string()
+                .contains("vprintf")
+        );
+        assert!(Refusal::TooManyStreams(8).to_string().contains('8'));
+        assert!(Refusal::ModuleGlobals("g".into()).is_per_function());
+        assert!(!Refusal::Capturing.is_per_function());
+        assert!(!Refusal::LaunchRefused("x".into()).is_per_function());
+    }
+}

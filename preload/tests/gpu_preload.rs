@@ -1,0 +1,393 @@
+//! apex-preload in unmodified CUDA programs (needs an NVIDIA GPU; nvcc for the CUDA C program, python3 with torch
+//! for the PyTorch one). Each program runs without and with the preload; their outputs must be identical, and the
+//! times of both are printed, with how many launches went through APEX and why the others did not.
+//!
+//! The preloaded library is `$APEX_PRELOAD_LIB`, else `libapex_preload.so` in `.gpu/` under the working directory,
+//! next to this test binary or one directory up, or in `target/release/` (build it with
+//! `cargo build --release -p apex-preload`).
+//!
+//! ```sh
+//! cargo test --release -p apex-preload --test gpu_preload -- --include-ignored --nocapture --test-threads=1
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Instant;
+
+use apex_preload::stats::Summary;
+
+fn preload_lib() -> PathBuf {
+    if let Some(p) = std::env::var_os("APEX_PRELOAD_LIB") {
+        let p = PathBuf::from(p);
+        assert!(
+            p.exists(),
+            "APEX_PRELOAD_LIB={} does not exist",
+            p.display()
+        );
+        return p;
+    }
+    let exe = std::env::current_exe().expect("current_exe");
+    let dir = exe.parent().expect("the test binary has a directory");
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let candidates = [
+        PathBuf::from(".gpu/libapex_preload.so"),
+        dir.join("libapex_preload.so"),
+        dir.join("../libapex_preload.so"),
+        manifest.join("../target/release/libapex_preload.so"),
+    ];
+    candidates
+        .iter()
+        .find(|p| p.exists())
+        .map(|p| p.canonicalize().expect("canonical path"))
+        .unwrap_or_else(|| {
+            panic!(
+                "libapex_preload.so not found: set APEX_PRELOAD_LIB, or put it in one of {candidates:?} \
+                 (cargo build --release -p apex-preload)"
+            )
+        })
+}
+
+fn nvcc() -> PathBuf {
+    let mut dirs: Vec<PathBuf> = ["CUDA_HOME", "CUDA_PATH"]
+        .iter()
+        .filter_map(std::env::var_os)
+        .map(|d| PathBuf::from(d).join("bin"))
+        .collect();
+    dirs.push("/usr/local/cuda/bin".into());
+    if let Some(path) = std::env::var_os("PATH") {
+        dirs.extend(std::env::split_paths(&path));
+    }
+    dirs.into_iter()
+        .map(|d| d.join("nvcc"))
+        .find(|p| p.exists())
+        .expect("nvcc not found (set CUDA_HOME or PATH)")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("apex-preload-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&d).expect("scratch directory");
+    d
+}
+
+/// One run of `cmd`: output, wall time, and the preload's summary when it was preloaded.
+struct Run {
+    out: Output,
+    secs: f64,
+    summary: Option<Summary>,
+}
+
+fn run(mut cmd: Command, preload: Option<&Path>, dir: &Path, tag: &str) -> Run {
+    let stats = dir.join(format!("stats-{tag}.json"));
+    let _ = std::fs::remove_file(&stats);
+    if let Some(lib) = preload {
+        cmd.env("LD_PRELOAD", lib)
+            .env("APEX_PRELOAD_STATS", &stats)
+            .env("APEX_PRELOAD_LOG", "info");
+    }
+    let t = Instant::now();
+    let out = cmd.output().expect("run the program");
+    let secs = t.elapsed().as_secs_f64();
+    let summary = preload.map(|_| {
+        let text = std::fs::read_to_string(&stats).unwrap_or_else(|e| {
+            panic!(
+                "no preload summary at {} ({e}); stderr:\n{}",
+                stats.display(),
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+        serde_json::from_str(&text).expect("the summary parses")
+    });
+    Run { out, secs, summary }
+}
+
+fn stdout(r: &Run) -> String {
+    String::from_utf8_lossy(&r.out.stdout).into_owned()
+}
+
+fn report(what: &str, s: &Summary) {
+    println!(
+        "{what}: {} launches, {} through APEX, {} left to libcuda; attach: {}; {} queues; modules seen {}, loaded by \
+         APEX {}; hops CUDA<-APEX {}, APEX<-CUDA {}, CPU waits {}",
+        s.launches,
+        s.apex,
+        s.fallback,
+        s.attach,
+        s.queues,
+        s.modules_seen,
+        s.modules_loaded,
+        s.hops_to_cuda,
+        s.hops_to_apex,
+        s.cpu_syncs
+    );
+    for (label, r) in &s.reasons {
+        println!(
+            "  fell back: {label}: {} launches (e.g. {})",
+            r.launches, r.example
+        );
+    }
+}
+
+/// Lines that must be identical between the runs (timings excluded).
+fn results(text: &str) -> Vec<&str> {
+    text.lines().filter(|l| l.starts_with("result ")).collect()
+}
+
+fn value(text: &str, key: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(key)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no `{key}` line in:\n{text}"))
+}
+
+const CUDA_PROGRAM: &str = r#"
+#include <cstdio>
+#include <cstdint>
+#include <cstdlib>
+#include <chrono>
+#include <cuda_runtime.h>
+#define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("cuda error %s at %d\n", cudaGetErrorString(e), __LINE__); return 1; } } while (0)
+// Parameters of many sizes and alignments, passed by value.
+struct Small { int8_t a; int16_t b; int32_t c; };
+struct Odd { char tag; double d; float f; };
+struct Big { double w[24]; int n; };
+// Every thread owns its element; every update depends on the value before it, so any reordering changes the bits.
+__global__ void k_axpy(float *y, const float *x, float a, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) y[i] = 0.5f * y[i] + a * x[i]; }
+__global__ void k_mix(float *y, Small s, double d, unsigned char c, short h, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = 0.75f * y[i] + s.a * 0.5f + s.b * 0.25f + s.c * 0.125f + (float)d + c * 0.01f + h * 0.001f; }
+__global__ void k_big(float *y, Big b, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) y[i] = 0.5f * y[i] + (float)b.w[i % 24] * b.n; }
+__global__ void k_odd(double *z, const float *y, Odd o, long long k, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) z[i] = 0.5 * z[i] + y[i] * o.d + o.f + o.tag + (double)(k & 0xffff); }
+__global__ void k_shared(float *y, int n) {
+  extern __shared__ float s[];
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  s[threadIdx.x] = i < n ? y[i] : 0.f; __syncthreads();
+  if (i < n) y[i] = 0.5f * y[i] + 0.25f * s[(threadIdx.x + 1) % blockDim.x]; }
+__global__ void k_2d(float *w, const float *y, int width, int n) {
+  int x = blockIdx.x * blockDim.x + threadIdx.x, yy = blockIdx.y * blockDim.y + threadIdx.y;
+  int i = yy * width + x; if (i < n) w[i] = 0.5f * w[i] + y[(i * 7) % n]; }
+static uint64_t fnv(const void *p, size_t n, uint64_t h) {
+  const unsigned char *b = (const unsigned char *)p; for (size_t i = 0; i < n; i++) { h ^= b[i]; h *= 1099511628211ull; } return h; }
+int main(int argc, char **argv) {
+  int iters = argc > 1 ? atoi(argv[1]) : 2000;
+  const int n = 1 << 12, width = 64;
+  float *x, *y, *w; double *z;
+  CHECK(cudaMalloc(&x, n * 4)); CHECK(cudaMalloc(&y, n * 4)); CHECK(cudaMalloc(&w, n * 4)); CHECK(cudaMalloc(&z, n * 8));
+  static float hx[1 << 12], hy[1 << 12], hw[1 << 12]; static double hz[1 << 12]; float peek[16];
+  for (int i = 0; i < n; i++) hx[i] = (float)((i * 37) % 101) / 101.0f - 0.5f;
+  CHECK(cudaMemcpy(x, hx, n * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemset(y, 0, n * 4)); CHECK(cudaMemset(w, 0, n * 4)); CHECK(cudaMemset(z, 0, n * 8));
+  cudaStream_t st, nb; cudaEvent_t ev, ev2;
+  CHECK(cudaStreamCreate(&st)); CHECK(cudaStreamCreateWithFlags(&nb, cudaStreamNonBlocking));
+  CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)); CHECK(cudaEventCreateWithFlags(&ev2, cudaEventDisableTiming));
+  Big big; for (int j = 0; j < 24; j++) big.w[j] = 0.01 * j - 0.1; big.n = 3;
+  Odd odd = {5, 0.125, -0.5f, };
+  CHECK(cudaDeviceSynchronize());
+  uint64_t peeks = 1469598103934665603ull; long launches = 0;
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; i++) {
+    k_axpy<<<n / 256, 256>>>(y, x, 0.5f + (i % 7) * 0.01f, n); launches++;                  // legacy default stream
+    Small s = {(int8_t)(i % 100 - 50), (int16_t)(i % 3000 - 1500), i};
+    k_mix<<<n / 128, 128, 0, st>>>(y, s, i * 0.001, (unsigned char)(i % 256), (short)-(i % 300), n); launches++;
+    if (i % 3 == 0) { k_big<<<n / 256, 256, 0, st>>>(y, big, n); launches++; }
+    k_odd<<<n / 64, 64, 0, st>>>(z, y, odd, (long long)i << 33 | i, n); launches++;
+    if (i % 5 == 0) { k_shared<<<n / 256, 256, 256 * sizeof(float), st>>>(y, n); launches++; }
+    if (i % 10 == 0) {                                                // the non-blocking stream, ordered by events
+      CHECK(cudaEventRecord(ev, st)); CHECK(cudaStreamWaitEvent(nb, ev, 0));
+      k_2d<<<dim3(width / 16, n / width / 16), dim3(16, 16), 0, nb>>>(w, y, width, n); launches++;
+      CHECK(cudaEventRecord(ev2, nb)); CHECK(cudaStreamWaitEvent(st, ev2, 0));
+    }
+    if (i % 100 == 50) CHECK(cudaStreamSynchronize(st));             // a sync in the middle
+    if (i % 250 == 0) {                                               // a copy on the stream, read by the CPU
+      CHECK(cudaMemcpyAsync(peek, y + (i % 64), sizeof peek, cudaMemcpyDeviceToHost, st));
+      CHECK(cudaStreamSynchronize(st)); peeks = fnv(peek, sizeof peek, peeks);
+    }
+  }
+  CHECK(cudaDeviceSynchronize());
+  double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(cudaMemcpy(hy, y, n * 4, cudaMemcpyDeviceToHost)); CHECK(cudaMemcpy(hz, z, n * 8, cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(hw, w, n * 4, cudaMemcpyDeviceToHost));
+  printf("result y %016llx\n", (unsigned long long)fnv(hy, sizeof hy, 1469598103934665603ull));
+  printf("result z %016llx\n", (unsigned long long)fnv(hz, sizeof hz, 1469598103934665603ull));
+  printf("result w %016llx\n", (unsigned long long)fnv(hw, sizeof hw, 1469598103934665603ull));
+  printf("result peeks %016llx\n", (unsigned long long)peeks);
+  printf("result y[0..4] %a %a %a %a z[7] %a w[9] %a\n", hy[0], hy[1], hy[2], hy[3], hz[7], hw[9]);
+  printf("result error %s\n", cudaGetErrorString(cudaGetLastError()));
+  printf("launches %ld\n", launches);
+  printf("loop_us %.1f\n", us);
+  return 0;
+}
+"#;
+
+/// A CUDA C program of many small dependent launches (five kernels, parameters from 1 to 200 bytes, the legacy
+/// default stream, a blocking and a non-blocking stream ordered by events, syncs and copies in the middle) gives the
+/// same bits with the preload as without, and most of its launches go through APEX.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn cuda_program_gives_identical_results_through_apex() {
+    let lib = preload_lib();
+    let dir = scratch("cuda");
+    let src = dir.join("many_launches.cu");
+    std::fs::write(&src, CUDA_PROGRAM).unwrap();
+    let exe = dir.join("many_launches");
+    let built = Command::new(nvcc())
+        .args(["-O2", "-arch=sm_90", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .output()
+        .expect("run nvcc");
+    assert!(
+        built.status.success(),
+        "nvcc: {}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let iters = std::env::var("APEX_PRELOAD_ITERS").unwrap_or_else(|_| "2000".into());
+    let cmd = || {
+        let mut c = Command::new(&exe);
+        c.arg(&iters);
+        c
+    };
+    // Warm the driver's caches once, then measure both.
+    let _ = run(cmd(), None, &dir, "warm");
+    let plain = run(cmd(), None, &dir, "plain");
+    let pre = run(cmd(), Some(&lib), &dir, "preload");
+    let (a, b) = (stdout(&plain), stdout(&pre));
+    assert!(plain.out.status.success(), "without the preload:\n{a}");
+    assert!(
+        pre.out.status.success(),
+        "with the preload: {:?}\n{b}\nstderr:\n{}",
+        pre.out.status,
+        String::from_utf8_lossy(&pre.out.stderr)
+    );
+    let s = pre.summary.as_ref().expect("summary");
+    report("CUDA C program", s);
+    let launches = value(&a, "launches ");
+    println!(
+        "CUDA C program, {launches} launches: loop {:.1} us without, {:.1} us with the preload ({:.2} vs {:.2} us per \
+         launch); process {:.3} s vs {:.3} s",
+        value(&a, "loop_us "),
+        value(&b, "loop_us "),
+        value(&a, "loop_us ") / launches,
+        value(&b, "loop_us ") / launches,
+        plain.secs,
+        pre.secs
+    );
+    assert_eq!(
+        results(&a),
+        results(&b),
+        "outputs differ:\nwithout:\n{a}\nwith:\n{b}"
+    );
+    assert!(results(&a).iter().any(|l| l.contains("no error")), "{a}");
+    assert_eq!(
+        s.launches as f64, launches,
+        "every launch reached the preload"
+    );
+    assert!(
+        s.apex * 10 >= s.launches * 9,
+        "only {} of {} launches went through APEX: {:?}",
+        s.apex,
+        s.launches,
+        s.reasons
+    );
+}
+
+const TORCH_SCRIPT: &str = r#"
+import hashlib, json, sys, time
+try:
+    import torch
+except Exception as e:
+    print(f"SKIP torch cannot be imported: {e}"); sys.exit(0)
+if not torch.cuda.is_available():
+    print("SKIP torch.cuda.is_available() is False"); sys.exit(0)
+steps = int(sys.argv[1]) if len(sys.argv) > 1 else 200
+torch.manual_seed(0)
+dev = "cuda"
+x0 = torch.randn(64, 256, device=dev)
+b = torch.randn(256, device=dev) * 0.1
+w = torch.randn(256, 256, device=dev) * 0.05
+idx = torch.randint(0, 64, (64,), device=dev)
+def step(x):
+    for _ in range(8):
+        y = torch.relu(x * 1.5 + b)
+        y = torch.tanh(y - 0.25) * 0.9
+        y = y + torch.sin(y) * 0.1
+        y = torch.where(y > 0.3, y * 0.5, y)
+        x = y / (1 + y.abs())
+        x = torch.clamp(x, -1, 1)
+    x = x[idx] * 0.5 + x * 0.5            # gather
+    x = x @ w                             # a small GEMM (cuBLAS)
+    x = torch.softmax(x, dim=1) * 16.0    # a reduction kernel
+    return x, x.sum(dim=1), x.amax(dim=0)
+def digest(ts):
+    h = hashlib.sha256()
+    for t in ts:
+        h.update(repr(t.float().cpu().contiguous().view(torch.int32).flatten().tolist()).encode())
+    return h.hexdigest()
+x = x0
+for _ in range(3):
+    x, s, m = step(x)
+torch.cuda.synchronize()
+x = x0
+t = time.perf_counter()
+for _ in range(steps):
+    x, s, m = step(x)
+torch.cuda.synchronize()
+dt = time.perf_counter() - t
+print("result digest " + digest([x, s, m]))
+print("result sample " + repr([float(v) for v in x[0, :4].cpu()]))
+print(f"step_us {dt / steps * 1e6:.1f}")
+"#;
+
+/// A PyTorch eager script of small ops (elementwise, where, gather, a cuBLAS GEMM, softmax, reductions) gives
+/// bitwise identical results with the preload; step times of both are printed, with the launches that went through
+/// APEX and why the others fell back.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn pytorch_eager_gives_identical_results_through_apex() {
+    let lib = preload_lib();
+    let dir = scratch("torch");
+    let script = dir.join("small_ops.py");
+    std::fs::write(&script, TORCH_SCRIPT).unwrap();
+    let steps = std::env::var("APEX_PRELOAD_STEPS").unwrap_or_else(|_| "200".into());
+    let cmd = || {
+        let mut c = Command::new("python3");
+        c.arg(&script).arg(&steps);
+        c
+    };
+    let plain = run(cmd(), None, &dir, "plain");
+    let a = stdout(&plain);
+    if let Some(why) = a.lines().find(|l| l.starts_with("SKIP")) {
+        println!("PyTorch test skipped: {why}");
+        return;
+    }
+    assert!(
+        plain.out.status.success(),
+        "without the preload:\n{a}\n{}",
+        String::from_utf8_lossy(&plain.out.stderr)
+    );
+    let pre = run(cmd(), Some(&lib), &dir, "preload");
+    let b = stdout(&pre);
+    assert!(
+        pre.out.status.success(),
+        "with the preload: {:?}\n{b}\nstderr:\n{}",
+        pre.out.status,
+        String::from_utf8_lossy(&pre.out.stderr)
+    );
+    let s = pre.summary.as_ref().expect("summary");
+    report("PyTorch eager", s);
+    println!(
+        "PyTorch eager: {:.1} us per step without, {:.1} us with the preload; process {:.2} s vs {:.2} s",
+        value(&a, "step_us "),
+        value(&b, "step_us "),
+        plain.secs,
+        pre.secs
+    );
+    assert_eq!(
+        results(&a),
+        results(&b),
+        "outputs differ:\nwithout:\n{a}\nwith:\n{b}"
+    );
+    assert!(s.launches > 0, "no launch reached the preload: {s:?}");
+}
