@@ -177,6 +177,7 @@ fn with<R>(f: impl FnOnce(&mut Engine) -> R) -> Option<R> {
         }
     };
     let engine = guard.get_or_insert_with(Engine::new);
+    let _busy = crate::watchdog::busy();
     let r = apex_interpose::quietly(|| f(engine));
     if r.is_none() {
         engine.off.get_or_insert(Refusal::Internal);
@@ -302,6 +303,8 @@ impl Hops for QueueHops<'_> {
 }
 
 extern "C" fn at_exit() {
+    // Thread-local destructors have run: nothing below may log through a formatter that uses them.
+    crate::exit_safe::exiting();
     if let Some(_g) = apex_interpose::enter() {
         shutdown("the program exits");
     }
@@ -314,12 +317,14 @@ impl Engine {
             .and_then(|l| l.parse::<tracing::Level>().ok())
         {
             // The program may have its own subscriber: then this one is not installed.
-            let _ = tracing_subscriber::fmt()
+            let fmt = tracing_subscriber::fmt()
                 .with_writer(std::io::stderr)
                 .with_max_level(level)
-                .try_init();
+                .finish();
+            let _ = tracing::subscriber::set_global_default(crate::exit_safe::ExitSafe(fmt));
         }
         let config = Config::from_env();
+        crate::watchdog::start();
         Engine {
             off: (!config.enabled).then_some(Refusal::Disabled),
             config,

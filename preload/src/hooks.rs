@@ -1401,7 +1401,7 @@ unsafe fn replace(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, 
                 Ok(Some(h)) => install(h.slot, real, h.ours),
                 Ok(None) => None,
                 Err(()) => {
-                    if enter().is_some() {
+                    if let Some(_g) = enter() {
                         engine::unknown_entry(&String::from_utf8_lossy(n));
                     }
                     None

@@ -20,11 +20,13 @@
 pub mod attrs;
 pub mod check;
 mod engine;
+mod exit_safe;
 mod hooks;
 pub mod image;
 pub mod order;
 pub mod refusal;
 pub mod registry;
 pub mod stats;
+mod watchdog;
 
 pub use refusal::Refusal;
