@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use apex::{Arg, Backend, Gpu, Kernel, LaunchConfig, Module, PreparedLaunch, Queue};
+use apex::{Arg, Backend, Fence, Gpu, Kernel, LaunchConfig, Module, PreparedLaunch, Queue};
 use tracing::{debug, info, warn};
 
 use crate::attrs::Extras;
@@ -135,6 +135,8 @@ pub(crate) struct Engine {
     /// Functions whose attributes the program set to something APEX does not apply.
     func_attrs: Handles<i32>,
     queues: Vec<Option<Queue>>,
+    /// The fence of each slot's last launch, for other queues to wait for.
+    last: Vec<Option<Fence>>,
     spare: Vec<Queue>,
     order: Order,
     /// Stream handle → blocking (not `CU_STREAM_NON_BLOCKING`).
@@ -273,6 +275,8 @@ fn driver_owner(
 /// The GPU-side hops on the engine's queues.
 struct QueueHops<'a> {
     queues: &'a mut [Option<Queue>],
+    /// The fence of each slot's last launch.
+    last: &'a [Option<Fence>],
 }
 
 impl QueueHops<'_> {
@@ -295,6 +299,15 @@ impl Hops for QueueHops<'_> {
         let q = self.queue(slot)?;
         // SAFETY: as above.
         unsafe { q.wait_for_cuda_stream(stream.raw() as _) }.map_err(|e| e.to_string())
+    }
+
+    fn apex_waits_for_apex(&mut self, slot: usize, other: usize) -> Result<(), String> {
+        let fence = self
+            .last
+            .get(other)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| format!("no launch on slot {other}"))?;
+        self.queue(slot)?.wait_for(fence).map_err(|e| e.to_string())
     }
 
     fn cpu_sync(&mut self, slot: usize) -> Result<(), String> {
@@ -336,6 +349,7 @@ impl Engine {
             funcs: Handles::default(),
             func_attrs: Handles::default(),
             queues: Vec::new(),
+            last: Vec::new(),
             spare: Vec::new(),
             order: Order::new(),
             blocking: Handles::default(),
@@ -380,6 +394,7 @@ impl Engine {
         let target = self.target(site);
         let mut hops = QueueHops {
             queues: &mut self.queues,
+            last: &self.last,
         };
         if let Err(e) = self.order.before_cuda(target, &mut hops) {
             warn!(error = %e, "cannot order a CUDA operation after APEX's queue");
@@ -528,8 +543,10 @@ impl Engine {
         let slot = self.order.add(stream);
         if self.queues.len() <= slot {
             self.queues.resize_with(slot + 1, || None);
+            self.last.resize_with(slot + 1, || None);
         }
         self.queues[slot] = Some(queue);
+        self.last[slot] = None;
         info!(stream = ?key, slot, "stream taken over by an APEX queue");
         Ok(slot)
     }
@@ -570,6 +587,7 @@ impl Engine {
         let Engine {
             funcs,
             queues,
+            last,
             order,
             args,
             ..
@@ -628,7 +646,10 @@ impl Engine {
             // slice is removed from `args` before this function returns, so the 'static it is given never escapes.
             args.push(Arg::Bytes(unsafe { std::slice::from_raw_parts(p, size) }));
         }
-        let mut hops = QueueHops { queues };
+        let mut hops = QueueHops {
+            queues,
+            last: last.as_slice(),
+        };
         if let Err(e) = order.before_apex(slot, &mut hops) {
             args.clear();
             return Err(Refusal::LaunchFailed(format!(
@@ -646,8 +667,11 @@ impl Engine {
         };
         args.clear();
         match result {
-            Ok(_) => {
+            Ok(fence) => {
                 order.after_apex(slot);
+                if let Some(l) = last.get_mut(slot) {
+                    *l = Some(fence);
+                }
                 Ok(())
             }
             Err(e) => Err(Refusal::LaunchFailed(e.to_string())),
@@ -760,6 +784,7 @@ impl Engine {
         );
         // Queues and modules go before the context does.
         self.funcs.clear();
+        self.last.clear();
         self.queues.clear();
         self.spare.clear();
         self.order = Order::new();

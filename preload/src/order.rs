@@ -17,6 +17,10 @@
 //! stream (CUDA orders every operation on the legacy stream after all earlier work of blocking streams, and all
 //! later work of blocking streams after it). Since the hops go through the CUDA streams themselves, CUDA's own
 //! implicit synchronization then carries the order to the related stream.
+//!
+//! Between two taken-over related streams no CUDA call is needed: before a launch, the queue waits on the GPU for
+//! the last launch of each related queue it has not yet waited for ([`Hops::apex_waits_for_apex`], a semaphore
+//! acquire in its own pushbuffer). Only when that fails does the order go through the CUDA streams.
 
 /// A CUDA stream as the driver API names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -81,6 +85,8 @@ pub trait Hops {
     fn cuda_waits_for_apex(&mut self, slot: usize, stream: StreamKey) -> Result<(), String>;
     /// Makes the APEX queue of `slot` wait on the GPU for everything submitted to `stream`, its CUDA stream, so far.
     fn apex_waits_for_cuda(&mut self, slot: usize, stream: StreamKey) -> Result<(), String>;
+    /// Makes the APEX queue of `slot` wait on the GPU for the last launch of the queue of `other`.
+    fn apex_waits_for_apex(&mut self, slot: usize, other: usize) -> Result<(), String>;
     /// The last resort when a hop fails: waits on the CPU until the queue of `slot` is idle.
     fn cpu_sync(&mut self, slot: usize) -> Result<(), String>;
 }
@@ -91,6 +97,8 @@ struct Slot {
     apex_dirty: bool,
     cuda_dirty: bool,
     live: bool,
+    /// The launch number (counted over all queues, from 1) of the queue's last launch; 0 before any.
+    last: u64,
 }
 
 /// Hop counts, for the summary.
@@ -102,12 +110,17 @@ pub struct HopCounts {
     pub to_apex: u64,
     /// Hops that failed and were replaced by a CPU wait.
     pub cpu_syncs: u64,
+    /// Queues made to wait for another queue (no CUDA call).
+    pub between_queues: u64,
 }
 
 /// The ordering state of every taken-over stream, indexed by slot.
 #[derive(Debug, Default)]
 pub struct Order {
     slots: Vec<Slot>,
+    /// `seen[a][b]`: the launch number of queue `b` that queue `a` last waited for.
+    seen: Vec<Vec<u64>>,
+    launches: u64,
     counts: HopCounts,
 }
 
@@ -142,8 +155,9 @@ impl Order {
             apex_dirty: false,
             cuda_dirty: true,
             live: true,
+            last: 0,
         };
-        match self.slots.iter().position(|s| !s.live) {
+        let i = match self.slots.iter().position(|s| !s.live) {
             Some(i) => {
                 self.slots[i] = slot;
                 i
@@ -152,7 +166,15 @@ impl Order {
                 self.slots.push(slot);
                 self.slots.len() - 1
             }
+        };
+        // Launch numbers only grow, so what other queues saw of the slot's former stream stays below its new work.
+        let n = self.slots.len();
+        self.seen.resize_with(n, Vec::new);
+        for row in &mut self.seen {
+            row.resize(n, 0);
         }
+        self.seen[i].iter_mut().for_each(|v| *v = 0);
+        i
     }
 
     /// Live slots.
@@ -237,15 +259,25 @@ impl Order {
         }
     }
 
-    /// Before a launch on the queue of `slot`: related queues' work is handed to CUDA (CUDA orders it), then the queue
-    /// waits for its stream if the stream has work it has not seen.
+    /// Before a launch on the queue of `slot`: the queue waits for related queues' launches it has not seen (through
+    /// CUDA if a direct wait fails), then for its stream if the stream has work it has not seen.
     pub fn before_apex(&mut self, slot: usize, hops: &mut dyn Hops) -> Result<(), String> {
         let stream = self.slots[slot].stream;
         for i in 0..self.slots.len() {
             let s = self.slots[i];
-            if i != slot && s.live && s.apex_dirty && s.stream.related(stream) {
-                self.hand_over(i, hops)?;
+            if i == slot || !s.live || !s.stream.related(stream) || s.last <= self.seen[slot][i] {
+                continue;
             }
+            match hops.apex_waits_for_apex(slot, i) {
+                Ok(()) => self.counts.between_queues += 1,
+                Err(_) if s.apex_dirty => {
+                    // CUDA orders it: the other stream waits for its queue, this queue for its own stream below.
+                    self.hand_over(i, hops)?;
+                }
+                // Already handed to CUDA since its last launch: this queue's wait for its stream covers it.
+                Err(_) => self.slots[slot].cuda_dirty = true,
+            }
+            self.seen[slot][i] = s.last;
         }
         if self.slots[slot].cuda_dirty {
             hops.apex_waits_for_cuda(slot, stream.key)?;
@@ -257,7 +289,9 @@ impl Order {
 
     /// After a launch on the queue of `slot`.
     pub fn after_apex(&mut self, slot: usize) {
+        self.launches += 1;
         self.slots[slot].apex_dirty = true;
+        self.slots[slot].last = self.launches;
     }
 }
 
@@ -270,6 +304,8 @@ mod tests {
     struct Log {
         hops: Vec<(&'static str, usize)>,
         fail: Vec<usize>,
+        /// Direct queue-to-queue waits fail (the queue cannot acquire another's semaphore).
+        no_direct: bool,
     }
 
     impl Hops for Log {
@@ -282,6 +318,13 @@ mod tests {
         }
         fn apex_waits_for_cuda(&mut self, slot: usize, _: StreamKey) -> Result<(), String> {
             self.hops.push(("apex<-cuda", slot));
+            Ok(())
+        }
+        fn apex_waits_for_apex(&mut self, slot: usize, other: usize) -> Result<(), String> {
+            if self.no_direct {
+                return Err("no direct wait".into());
+            }
+            self.hops.push(("apex<-apex", slot * 100 + other));
             Ok(())
         }
         fn cpu_sync(&mut self, slot: usize) -> Result<(), String> {
@@ -398,9 +441,50 @@ mod tests {
     }
 
     #[test]
-    fn a_taken_over_legacy_stream_and_a_blocking_stream_order_each_other() {
+    fn taken_over_related_streams_order_each_other_without_cuda() {
         let mut o = Order::new();
         let mut log = Log::default();
+        let l = o.add(LEGACY);
+        let b = o.add(BLOCKING);
+        let n = o.add(NON_BLOCKING);
+        launch(&mut o, l, &mut log);
+        launch(&mut o, n, &mut log);
+        log.hops.clear();
+        // The blocking queue waits for the legacy queue's launch on the GPU; the non-blocking one is not related.
+        launch(&mut o, b, &mut log);
+        assert_eq!(
+            log.hops,
+            vec![("apex<-apex", b * 100 + l), ("apex<-cuda", b)]
+        );
+        log.hops.clear();
+        launch(&mut o, l, &mut log);
+        assert_eq!(log.hops, vec![("apex<-apex", l * 100 + b)]);
+        log.hops.clear();
+        // Back-to-back launches on one queue wait for nothing new; a launch already waited for is not waited again.
+        launch(&mut o, l, &mut log);
+        launch(&mut o, b, &mut log);
+        launch(&mut o, b, &mut log);
+        assert_eq!(log.hops, vec![("apex<-apex", b * 100 + l)]);
+        assert_eq!(o.counts().to_cuda, 0, "no CUDA call between two queues");
+        assert_eq!(o.counts().between_queues, 3);
+        // CUDA work on the legacy stream still reaches the blocking queue through its stream.
+        log.hops.clear();
+        o.before_cuda(Target::Stream(LEGACY), &mut log).unwrap();
+        o.after_cuda(LEGACY);
+        launch(&mut o, b, &mut log);
+        assert_eq!(
+            log.hops,
+            vec![("cuda<-apex", l), ("cuda<-apex", b), ("apex<-cuda", b)]
+        );
+    }
+
+    #[test]
+    fn a_taken_over_legacy_stream_and_a_blocking_stream_order_each_other_through_cuda() {
+        let mut o = Order::new();
+        let mut log = Log {
+            no_direct: true,
+            ..Log::default()
+        };
         let l = o.add(LEGACY);
         let b = o.add(BLOCKING);
         launch(&mut o, l, &mut log);
@@ -445,6 +529,29 @@ mod tests {
 
     #[test]
     fn removed_slots_are_reused_and_start_dirty() {
+        // A reused slot's new queue is waited for afresh by the others.
+        let mut o2 = Order::new();
+        let mut log2 = Log::default();
+        let a = o2.add(LEGACY);
+        let b = o2.add(BLOCKING);
+        launch(&mut o2, b, &mut log2);
+        launch(&mut o2, a, &mut log2);
+        o2.before_cuda(Target::Stream(BLOCKING), &mut log2).unwrap();
+        o2.remove(b);
+        let c = o2.add(Stream {
+            key: StreamKey::Handle(0x3000),
+            blocking: true,
+        });
+        assert_eq!(c, b);
+        launch(&mut o2, c, &mut log2);
+        log2.hops.clear();
+        launch(&mut o2, a, &mut log2);
+        // (The legacy queue also waits for its stream: the hand-over above was CUDA work on a related stream.)
+        assert_eq!(
+            log2.hops,
+            vec![("apex<-apex", a * 100 + c), ("apex<-cuda", a)]
+        );
+
         let mut o = Order::new();
         let mut log = Log::default();
         let s = o.add(BLOCKING);

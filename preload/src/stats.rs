@@ -33,6 +33,9 @@ pub struct Summary {
     pub hops_to_apex: u64,
     /// Hops replaced by a CPU wait because the GPU-side one failed.
     pub cpu_syncs: u64,
+    /// Queues made to wait for another queue on the GPU, with no CUDA call.
+    #[serde(default)]
+    pub hops_between_queues: u64,
     /// APEX queues built (one per stream taken over).
     pub queues: u64,
     /// Modules and libraries the program loaded while the preload watched.
@@ -66,6 +69,7 @@ impl Summary {
         self.hops_to_cuda = h.to_cuda;
         self.hops_to_apex = h.to_apex;
         self.cpu_syncs = h.cpu_syncs;
+        self.hops_between_queues = h.between_queues;
     }
 }
 
@@ -85,6 +89,7 @@ mod tests {
             to_cuda: 3,
             to_apex: 4,
             cpu_syncs: 0,
+            between_queues: 0,
         });
         assert_eq!((s.launches, s.apex, s.fallback), (5, 2, 3));
         let d = &s.reasons["device_runtime"];
