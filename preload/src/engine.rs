@@ -9,7 +9,9 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use apex::{Arg, Backend, Fence, Gpu, Kernel, LaunchConfig, Module, PreparedLaunch, Queue};
+use apex::{
+    Arg, Backend, Fence, Gpu, Kernel, LaunchConfig, Module, PreparedLaunch, Queue, VariableHome,
+};
 use tracing::{debug, info, warn};
 
 use crate::attrs::Extras;
@@ -236,6 +238,34 @@ driver_fn!(
     unsafe extern "C" fn(*mut usize, usize) -> c_int
 );
 
+driver_fn!(
+    cu_module_get_global,
+    c"cuModuleGetGlobal_v2",
+    unsafe extern "C" fn(*mut u64, *mut usize, usize, *const c_char) -> c_int
+);
+driver_fn!(
+    cu_library_get_global,
+    c"cuLibraryGetGlobal",
+    unsafe extern "C" fn(*mut u64, *mut usize, usize, *const c_char) -> c_int
+);
+
+/// Where CUDA's instance of module or library `owner` keeps its variable `name`, in the current context.
+fn cuda_global(owner: Owner, library: bool, name: &str) -> Option<VariableHome> {
+    let get = if library {
+        cu_library_get_global()
+    } else {
+        cu_module_get_global()
+    }?;
+    let name = std::ffi::CString::new(name).ok()?;
+    let (mut address, mut size) = (0u64, 0usize);
+    // SAFETY: live out-parameters and a NUL-terminated name; the driver validates the handle.
+    let r = unsafe { get(&mut address, &mut size, owner, name.as_ptr()) };
+    (r == 0 && address != 0).then_some(VariableHome {
+        address,
+        size: size as u64,
+    })
+}
+
 fn current_context() -> Option<usize> {
     let get = cu_ctx_get_current()?;
     let mut ctx = 0usize;
@@ -454,13 +484,28 @@ impl Engine {
             return m.clone();
         }
         let image = self.registry.image(owner).ok_or(Refusal::UnknownModule)?;
+        let library = self.registry.is_library(owner);
         let (gpu, _) = self.ensure_attached()?;
+        // The module's `__device__` variables are CUDA's instance's: kernels on both sides share them.
+        let unplaced = std::cell::RefCell::new(Vec::new());
+        let place = |name: &str, size: u64| {
+            let home = cuda_global(owner, library, name).filter(|h| h.size >= size);
+            if home.is_none() {
+                unplaced.borrow_mut().push(name.to_string());
+            }
+            home
+        };
         let loaded = gpu
-            .load_module(image.bytes())
+            .load_module_sharing(image.bytes(), &place)
             .map_err(|e| Refusal::ModuleRefused(e.to_string()))
-            .and_then(|m| match m.cubin().and_then(check::module_refusal) {
-                Some(r) => Err(r),
-                None => Ok(m),
+            .and_then(|m| {
+                if let Some(name) = unplaced.borrow().first() {
+                    return Err(Refusal::ModuleGlobals(name.clone()));
+                }
+                match m.cubin().and_then(check::module_refusal) {
+                    Some(r) => Err(r),
+                    None => Ok(m),
+                }
             });
         if loaded.is_ok() {
             self.summary.modules_loaded += 1;
@@ -499,10 +544,17 @@ impl Engine {
                     .ok_or(Refusal::UnknownModule)?
             }
         };
-        if self.registry.escaped(origin.owner) {
+        let module = self.module(origin.owner)?;
+        // `__device__` variables are shared with CUDA's instance; `__constant__` ones are APEX's own copy, which a
+        // write through the address the program took would miss.
+        let constant_escaped = self.registry.escaped(origin.owner).iter().any(|name| {
+            name.as_deref()
+                .and_then(|n| module.cubin().and_then(|c| c.global(n)))
+                .is_none_or(|g| g.is_constant())
+        });
+        if constant_escaped {
             return Err(Refusal::GlobalsEscaped);
         }
-        let module = self.module(origin.owner)?;
         let kernel = module
             .kernel(&origin.name)
             .map_err(|e| Refusal::KernelRefused(e.to_string()))?;
@@ -694,13 +746,13 @@ impl Engine {
         }
     }
 
-    fn loaded(&mut self, owner: usize, image: Result<ImageBytes, String>) {
+    fn loaded(&mut self, owner: usize, image: Result<ImageBytes, String>, library: bool) {
         self.summary.modules_seen += 1;
         self.forget_owner(owner);
         match image {
             Ok(bytes) => {
                 self.unreadable.remove(&owner);
-                self.registry.loaded(owner, bytes);
+                self.registry.loaded(owner, bytes, library);
             }
             Err(e) => {
                 debug!(owner = format_args!("{owner:#x}"), error = %e, "module image not readable");
@@ -726,8 +778,8 @@ impl Engine {
         }
     }
 
-    fn escape(&mut self, handle: usize) {
-        self.registry.escape(handle);
+    fn escape(&mut self, handle: usize, name: Option<String>) {
+        self.registry.escape(handle, name);
         if let Some(owner) = self.registry.owner(handle) {
             self.funcs
                 .retain(|_, s| !matches!(s, FuncState::Ready(r) if r.owner == owner));
@@ -821,7 +873,7 @@ pub(crate) fn after(site: Site) {
 }
 
 /// A module or library was loaded from the image at `p`.
-pub(crate) fn loaded(owner: usize, p: *const u8) {
+pub(crate) fn loaded(owner: usize, p: *const u8, library: bool) {
     // SAFETY: the driver accepted `p` as a module image.
     let image = unsafe { image::locate(p) }
         .map_err(|e| e.to_string())
@@ -843,11 +895,11 @@ pub(crate) fn loaded(owner: usize, p: *const u8) {
                 ImageBytes::Owned(bytes.into())
             }
         });
-    with(|e| e.loaded(owner, image));
+    with(|e| e.loaded(owner, image, library));
 }
 
 /// A module or library was loaded from the file `path`.
-pub(crate) fn loaded_file(owner: usize, path: *const c_char) {
+pub(crate) fn loaded_file(owner: usize, path: *const c_char, library: bool) {
     if path.is_null() {
         return;
     }
@@ -858,7 +910,7 @@ pub(crate) fn loaded_file(owner: usize, path: *const c_char) {
     let image = std::fs::read(&path)
         .map(|b| ImageBytes::Owned(b.into_boxed_slice()))
         .map_err(|e| format!("{path}: {e}"));
-    with(|e| e.loaded(owner, image));
+    with(|e| e.loaded(owner, image, library));
 }
 
 /// A module or library was unloaded.
@@ -887,8 +939,14 @@ pub(crate) fn library_module(module: usize, library: usize) {
 }
 
 /// The program took the address of a global of module or library `handle`.
-pub(crate) fn escape(handle: usize) {
-    with(|e| e.escape(handle));
+pub(crate) fn escape(handle: usize, name: *const c_char) {
+    let name = (!name.is_null()).then(|| {
+        // SAFETY: the driver accepted it as a NUL-terminated name.
+        unsafe { CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned()
+    });
+    with(|e| e.escape(handle, name));
 }
 
 /// `cuFuncSetAttribute` / `cuKernelSetAttribute` on `f`.

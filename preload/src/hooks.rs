@@ -334,7 +334,7 @@ pub unsafe extern "C" fn cuModuleLoad(module: *mut P, fname: *const c_char) -> c
     recorded(
         || forward!(REAL_MODULE_LOAD, c"cuModuleLoad", F, (module, fname)),
         // SAFETY: the driver filled `module`.
-        || engine::loaded_file(unsafe { out(module) }, fname),
+        || engine::loaded_file(unsafe { out(module) }, fname, false),
     )
 }
 
@@ -353,7 +353,7 @@ pub unsafe extern "C" fn cuModuleLoadData(module: *mut P, image: *const c_void) 
             )
         },
         // SAFETY: the driver filled `module`.
-        || engine::loaded(unsafe { out(module) }, image.cast()),
+        || engine::loaded(unsafe { out(module) }, image.cast(), false),
     )
 }
 
@@ -378,7 +378,7 @@ pub unsafe extern "C" fn cuModuleLoadDataEx(
             )
         },
         // SAFETY: the driver filled `module`.
-        || engine::loaded(unsafe { out(module) }, image.cast()),
+        || engine::loaded(unsafe { out(module) }, image.cast(), false),
     )
 }
 
@@ -397,7 +397,7 @@ pub unsafe extern "C" fn cuModuleLoadFatBinary(module: *mut P, fatbin: *const c_
             )
         },
         // SAFETY: the driver filled `module`.
-        || engine::loaded(unsafe { out(module) }, fatbin.cast()),
+        || engine::loaded(unsafe { out(module) }, fatbin.cast(), false),
     )
 }
 
@@ -434,7 +434,7 @@ pub unsafe extern "C" fn cuLibraryLoadData(
             )
         },
         // SAFETY: the driver filled `library`.
-        || engine::loaded(unsafe { out(library) }, code.cast()),
+        || engine::loaded(unsafe { out(library) }, code.cast(), true),
     )
 }
 
@@ -471,7 +471,7 @@ pub unsafe extern "C" fn cuLibraryLoadFromFile(
             )
         },
         // SAFETY: the driver filled `library`.
-        || engine::loaded_file(unsafe { out(library) }, fname),
+        || engine::loaded_file(unsafe { out(library) }, fname, true),
     )
 }
 
@@ -603,7 +603,7 @@ pub unsafe extern "C" fn cuModuleGetGlobal_v2(
                 (dptr, bytes, module, name)
             )
         },
-        || engine::escape(module as usize),
+        || engine::escape(module as usize, name),
     )
 }
 
@@ -626,7 +626,7 @@ pub unsafe extern "C" fn cuLibraryGetGlobal(
                 (dptr, bytes, library, name)
             )
         },
-        || engine::escape(library as usize),
+        || engine::escape(library as usize, name),
     )
 }
 
@@ -649,7 +649,8 @@ pub unsafe extern "C" fn cuLibraryGetManaged(
                 (dptr, bytes, library, name)
             )
         },
-        || engine::escape(library as usize),
+        // A managed variable is never shared with APEX's instance: the module is refused.
+        || engine::escape(library as usize, std::ptr::null()),
     )
 }
 

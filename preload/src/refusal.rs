@@ -48,14 +48,18 @@ pub enum Refusal {
     /// APEX's loader refused the module (no code for this GPU, PTX that nvJitLink cannot compile, ...).
     #[error("APEX refused the module: {0}")]
     ModuleRefused(String),
-    /// The module has device-writable globals: CUDA's instance and APEX's would hold different copies.
+    /// The module has a device-writable global that CUDA's instance of the module does not give an address for (or
+    /// a smaller one than the cubin says): APEX could not share it, and the two copies would diverge.
     #[error(
-        "the module has the device-writable global `{0}`; CUDA's and APEX's copies would diverge"
+        "the module has the device-writable global `{0}`, which CUDA's instance of the module does not expose; CUDA's \
+         and APEX's copies would diverge"
     )]
     ModuleGlobals(String),
-    /// The program asked libcuda for the address of one of the module's globals (to copy to or from it): APEX's copy
-    /// would no longer match, so the module's kernels stay on libcuda from then on.
-    #[error("the program took the address of a global of this module; its kernels stay on libcuda")]
+    /// The program asked libcuda for the address of one of the module's `__constant__` globals (or a managed one):
+    /// APEX's copy would no longer match, so the module's kernels stay on libcuda from then on.
+    #[error(
+        "the program took the address of a __constant__ or managed global of this module; its kernels stay on libcuda"
+    )]
     GlobalsEscaped,
     /// APEX refused the kernel (an external it does not provide, a name it does not find, ...).
     #[error("APEX refused the kernel: {0}")]

@@ -42,8 +42,11 @@ pub struct Registry {
     /// `CUmodule`s of libraries (`cuLibraryGetModule`) → the library.
     aliases: HashMap<usize, Owner>,
     functions: HashMap<usize, Origin>,
-    /// Owners one of whose globals' address the program took.
-    escaped: HashSet<Owner>,
+    /// Owners one of whose globals' address the program took, with the names (`None`: a managed variable, or a
+    /// name that could not be read).
+    escaped: HashMap<Owner, Vec<Option<String>>>,
+    /// Owners that are `CUlibrary`s (the rest are `CUmodule`s).
+    libraries: HashSet<Owner>,
 }
 
 impl Registry {
@@ -52,10 +55,20 @@ impl Registry {
         Registry::default()
     }
 
-    /// A module or library was loaded from `image`.
-    pub fn loaded(&mut self, owner: Owner, image: ImageBytes) {
+    /// A module (or, with `library`, a library) was loaded from `image`.
+    pub fn loaded(&mut self, owner: Owner, image: ImageBytes, library: bool) {
         self.images.insert(owner, Arc::new(image));
         self.escaped.remove(&owner);
+        if library {
+            self.libraries.insert(owner);
+        } else {
+            self.libraries.remove(&owner);
+        }
+    }
+
+    /// Whether `owner` is a `CUlibrary`.
+    pub fn is_library(&self, owner: Owner) -> bool {
+        self.libraries.contains(&owner)
     }
 
     /// The owner a module or library handle stands for (a library's `CUmodule` stands for the library).
@@ -104,16 +117,16 @@ impl Registry {
         self.functions.get(&function)
     }
 
-    /// The program took the address of a global of module or library `handle`.
-    pub fn escape(&mut self, handle: usize) {
+    /// The program took the address of global `name` of module or library `handle`.
+    pub fn escape(&mut self, handle: usize, name: Option<String>) {
         if let Some(owner) = self.owner(handle) {
-            self.escaped.insert(owner);
+            self.escaped.entry(owner).or_default().push(name);
         }
     }
 
-    /// Whether the program took the address of one of the owner's globals.
-    pub fn escaped(&self, owner: Owner) -> bool {
-        self.escaped.contains(&owner)
+    /// The globals of the owner whose address the program took (empty: none).
+    pub fn escaped(&self, owner: Owner) -> &[Option<String>] {
+        self.escaped.get(&owner).map_or(&[], Vec::as_slice)
     }
 
     /// A module or library was unloaded: forgets it, its aliases and its functions (their handles may be reused).
@@ -122,6 +135,7 @@ impl Registry {
         let owner = self.owner(handle)?;
         self.images.remove(&owner);
         self.escaped.remove(&owner);
+        self.libraries.remove(&owner);
         self.aliases.retain(|_, o| *o != owner);
         self.functions.retain(|_, o| o.owner != owner);
         Some(owner)
@@ -149,7 +163,7 @@ mod tests {
     #[test]
     fn functions_resolve_to_their_module() {
         let mut r = Registry::new();
-        r.loaded(0x10, image());
+        r.loaded(0x10, image(), false);
         r.function(0x100, 0x10, "k");
         assert_eq!(
             r.origin(0x100),
@@ -167,7 +181,7 @@ mod tests {
     #[test]
     fn library_kernels_modules_and_functions_are_one_owner() {
         let mut r = Registry::new();
-        r.loaded(0x20, image());
+        r.loaded(0x20, image(), true);
         r.function(0x300, 0x20, "lib_kernel"); // cuLibraryGetKernel
         r.same_function(0x301, 0x300); // cuKernelGetFunction
         r.library_module(0x21, 0x20); // cuLibraryGetModule
@@ -181,17 +195,19 @@ mod tests {
     #[test]
     fn unload_forgets_everything_of_the_owner_and_escapes_are_per_owner() {
         let mut r = Registry::new();
-        r.loaded(0x10, image());
-        r.loaded(0x20, image());
+        r.loaded(0x10, image(), false);
+        r.loaded(0x20, image(), true);
         r.library_module(0x21, 0x20);
         r.function(0x100, 0x10, "a");
         r.function(0x200, 0x21, "b");
-        r.escape(0x21);
-        assert!(r.escaped(0x20) && !r.escaped(0x10));
+        r.escape(0x21, Some("counter".into()));
+        assert_eq!(r.escaped(0x20), [Some("counter".to_string())]);
+        assert!(r.escaped(0x10).is_empty());
+        assert!(r.is_library(0x20) && !r.is_library(0x10));
         assert_eq!(r.unloaded(0x20), Some(0x20));
         assert_eq!(r.origin(0x200), None);
         assert_eq!(r.owner(0x21), None);
-        assert!(!r.escaped(0x20));
+        assert!(r.escaped(0x20).is_empty() && !r.is_library(0x20));
         assert_eq!(r.origin(0x100).unwrap().name, "a");
         assert_eq!(r.len(), 1);
         assert_eq!(r.unloaded(0x77), None);
