@@ -197,16 +197,28 @@ hooks! {
     cuLaunchHostFunc_ptsz, "cuLaunchHostFunc", true, true, Work, (st: P, cb: P, ud: P) => s(st, true);
     cuLaunchHostFunc_v2, "cuLaunchHostFunc", false, true, Work, (st: P, cb: P, ud: P, m: c_uint) => s(st, false);
     cuLaunchHostFunc_v2_ptsz, "cuLaunchHostFunc", true, true, Work, (st: P, cb: P, ud: P, m: c_uint) => s(st, true);
-    cuStreamWaitValue32_v2, "cuStreamWaitValue32", false, false, Work, (st: P, a: Dptr, v: u32, f: c_uint) => s(st, false);
-    cuStreamWaitValue32_v2_ptsz, "cuStreamWaitValue32", true, false, Work, (st: P, a: Dptr, v: u32, f: c_uint) => s(st, true);
-    cuStreamWaitValue64_v2, "cuStreamWaitValue64", false, false, Work, (st: P, a: Dptr, v: u64, f: c_uint) => s(st, false);
-    cuStreamWaitValue64_v2_ptsz, "cuStreamWaitValue64", true, false, Work, (st: P, a: Dptr, v: u64, f: c_uint) => s(st, true);
-    cuStreamWriteValue32_v2, "cuStreamWriteValue32", false, false, Work, (st: P, a: Dptr, v: u32, f: c_uint) => s(st, false);
-    cuStreamWriteValue32_v2_ptsz, "cuStreamWriteValue32", true, false, Work, (st: P, a: Dptr, v: u32, f: c_uint) => s(st, true);
-    cuStreamWriteValue64_v2, "cuStreamWriteValue64", false, false, Work, (st: P, a: Dptr, v: u64, f: c_uint) => s(st, false);
-    cuStreamWriteValue64_v2_ptsz, "cuStreamWriteValue64", true, false, Work, (st: P, a: Dptr, v: u64, f: c_uint) => s(st, true);
-    cuStreamBatchMemOp_v2, "cuStreamBatchMemOp", false, false, Work, (st: P, n: c_uint, ops: P, f: c_uint) => s(st, false);
-    cuStreamBatchMemOp_v2_ptsz, "cuStreamBatchMemOp", true, false, Work, (st: P, n: c_uint, ops: P, f: c_uint) => s(st, true);
+    // Stream memory operations: the v1 entry points (CUDA 11 semantics, refused by CUDA 12+ drivers unless enabled)
+    // and v2 share a name in cuGetProcAddress, so each wrapper is taken only for its exact symbol (versioned).
+    cuStreamWaitValue32_v2, "cuStreamWaitValue32", false, true, Work, (st: P, a: Dptr, v: u32, f: c_uint) => s(st, false);
+    cuStreamWaitValue32_v2_ptsz, "cuStreamWaitValue32", true, true, Work, (st: P, a: Dptr, v: u32, f: c_uint) => s(st, true);
+    cuStreamWaitValue64_v2, "cuStreamWaitValue64", false, true, Work, (st: P, a: Dptr, v: u64, f: c_uint) => s(st, false);
+    cuStreamWaitValue64_v2_ptsz, "cuStreamWaitValue64", true, true, Work, (st: P, a: Dptr, v: u64, f: c_uint) => s(st, true);
+    cuStreamWriteValue32_v2, "cuStreamWriteValue32", false, true, Work, (st: P, a: Dptr, v: u32, f: c_uint) => s(st, false);
+    cuStreamWriteValue32_v2_ptsz, "cuStreamWriteValue32", true, true, Work, (st: P, a: Dptr, v: u32, f: c_uint) => s(st, true);
+    cuStreamWriteValue64_v2, "cuStreamWriteValue64", false, true, Work, (st: P, a: Dptr, v: u64, f: c_uint) => s(st, false);
+    cuStreamWriteValue64_v2_ptsz, "cuStreamWriteValue64", true, true, Work, (st: P, a: Dptr, v: u64, f: c_uint) => s(st, true);
+    cuStreamBatchMemOp_v2, "cuStreamBatchMemOp", false, true, Work, (st: P, n: c_uint, ops: P, f: c_uint) => s(st, false);
+    cuStreamBatchMemOp_v2_ptsz, "cuStreamBatchMemOp", true, true, Work, (st: P, n: c_uint, ops: P, f: c_uint) => s(st, true);
+    cuStreamWaitValue32, "cuStreamWaitValue32", false, true, Work, (st: P, a: Dptr, v: u32, f: c_uint) => s(st, false);
+    cuStreamWaitValue32_ptsz, "cuStreamWaitValue32", true, true, Work, (st: P, a: Dptr, v: u32, f: c_uint) => s(st, true);
+    cuStreamWaitValue64, "cuStreamWaitValue64", false, true, Work, (st: P, a: Dptr, v: u64, f: c_uint) => s(st, false);
+    cuStreamWaitValue64_ptsz, "cuStreamWaitValue64", true, true, Work, (st: P, a: Dptr, v: u64, f: c_uint) => s(st, true);
+    cuStreamWriteValue32, "cuStreamWriteValue32", false, true, Work, (st: P, a: Dptr, v: u32, f: c_uint) => s(st, false);
+    cuStreamWriteValue32_ptsz, "cuStreamWriteValue32", true, true, Work, (st: P, a: Dptr, v: u32, f: c_uint) => s(st, true);
+    cuStreamWriteValue64, "cuStreamWriteValue64", false, true, Work, (st: P, a: Dptr, v: u64, f: c_uint) => s(st, false);
+    cuStreamWriteValue64_ptsz, "cuStreamWriteValue64", true, true, Work, (st: P, a: Dptr, v: u64, f: c_uint) => s(st, true);
+    cuStreamBatchMemOp, "cuStreamBatchMemOp", false, true, Work, (st: P, n: c_uint, ops: P, f: c_uint) => s(st, false);
+    cuStreamBatchMemOp_ptsz, "cuStreamBatchMemOp", true, true, Work, (st: P, n: c_uint, ops: P, f: c_uint) => s(st, true);
     cuGraphLaunch, "cuGraphLaunch", false, false, Work, (g: P, st: P) => s(st, false);
     cuGraphLaunch_ptsz, "cuGraphLaunch", true, false, Work, (g: P, st: P) => s(st, true);
     cuGraphUpload, "cuGraphUpload", false, false, Work, (g: P, st: P) => s(st, false);
@@ -1386,6 +1398,9 @@ pub unsafe extern "C" fn dlsym(handle: *mut c_void, name: *const c_char) -> *mut
     // SAFETY: forwarded unchanged.
     unsafe {
         apex_interpose::forward_dlsym(handle, name, |n, real| {
+            // APEX's own lookups (made inside a hook) get libcuda's function: a wrapper's slot is shared with the
+            // program's lookups, which may have stored another version of the function there.
+            let _outer = enter()?;
             let h = by_symbol(n)?;
             install(h.slot, real, h.ours)
         })
