@@ -124,11 +124,25 @@ fn placed_variables_redirect_every_reference_into_them() {
             "byte {i:#x} changed outside code, bank 4 and initialized data"
         );
     }
-    // A variable placed in too small a home is refused by the loader; references into unplaced variables stay.
+    // References into unplaced variables stay.
     let array = g("dev_array");
     let mid = g("dev_ptr_mid");
     assert_eq!(at(&shared, mid.image_offset), at(&own, mid.image_offset));
-    assert!(array.size > 0);
+    // dev_ptr_mid = &dev_array[2] follows dev_array when it is placed (symbol plus addend, at the placed address).
+    let mut moved = vec![0u8; c.image_size() as usize];
+    let array_home = PlacedGlobal {
+        image_offset: array.image_offset,
+        size: array.size,
+        address: 0x7_0000_3000,
+    };
+    c.link_placed(base, &mut moved, &|_| None, &[array_home])
+        .unwrap();
+    assert_eq!(at(&moved, mid.image_offset), 0x7_0000_3000 + 8);
+    assert_eq!(
+        at(&moved, ptr.image_offset),
+        base + value.image_offset,
+        "dev_ptr, into an unplaced variable, stays"
+    );
 }
 
 #[test]

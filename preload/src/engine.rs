@@ -489,7 +489,9 @@ impl Engine {
         // The module's `__device__` variables are CUDA's instance's: kernels on both sides share them.
         let unplaced = std::cell::RefCell::new(Vec::new());
         let place = |name: &str, size: u64| {
-            let home = cuda_global(owner, library, name).filter(|h| h.size >= size);
+            let home = cuda_global(owner, library, name)
+                // The same variable in both instances: the sizes agree.
+                .filter(|h| h.size == size);
             if home.is_none() {
                 unplaced.borrow_mut().push(name.to_string());
             }

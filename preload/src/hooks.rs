@@ -157,6 +157,26 @@ hooks! {
     cuMemsetD2D16Async_ptsz, "cuMemsetD2D16Async", true, false, Work, (d: Dptr, p: usize, v: u16, w: usize, h: usize, st: P) => s(st, true);
     cuMemsetD2D32Async, "cuMemsetD2D32Async", false, false, Work, (d: Dptr, p: usize, v: u32, w: usize, h: usize, st: P) => s(st, false);
     cuMemsetD2D32Async_ptsz, "cuMemsetD2D32Async", true, false, Work, (d: Dptr, p: usize, v: u32, w: usize, h: usize, st: P) => s(st, true);
+    // Array copies, batched copies, external semaphores and sparse array mapping: stream work too. The batched
+    // copies changed signature between v1 (with a failure index) and v2 under one name: versioned.
+    cuMemcpyHtoAAsync_v2, "cuMemcpyHtoAAsync", false, false, Work, (a: P, o: usize, h: P, n: usize, st: P) => s(st, false);
+    cuMemcpyHtoAAsync_v2_ptsz, "cuMemcpyHtoAAsync", true, false, Work, (a: P, o: usize, h: P, n: usize, st: P) => s(st, true);
+    cuMemcpyAtoHAsync_v2, "cuMemcpyAtoHAsync", false, false, Work, (h: P, a: P, o: usize, n: usize, st: P) => s(st, false);
+    cuMemcpyAtoHAsync_v2_ptsz, "cuMemcpyAtoHAsync", true, false, Work, (h: P, a: P, o: usize, n: usize, st: P) => s(st, true);
+    cuMemcpyBatchAsync, "cuMemcpyBatchAsync", false, true, Work, (d: P, src: P, z: P, c: usize, at: P, ai: P, na: usize, fi: P, st: P) => s(st, false);
+    cuMemcpyBatchAsync_ptsz, "cuMemcpyBatchAsync", true, true, Work, (d: P, src: P, z: P, c: usize, at: P, ai: P, na: usize, fi: P, st: P) => s(st, true);
+    cuMemcpyBatchAsync_v2, "cuMemcpyBatchAsync", false, true, Work, (d: P, src: P, z: P, c: usize, at: P, ai: P, na: usize, st: P) => s(st, false);
+    cuMemcpyBatchAsync_v2_ptsz, "cuMemcpyBatchAsync", true, true, Work, (d: P, src: P, z: P, c: usize, at: P, ai: P, na: usize, st: P) => s(st, true);
+    cuMemcpy3DBatchAsync, "cuMemcpy3DBatchAsync", false, true, Work, (n: usize, ops: P, fi: P, fl: u64, st: P) => s(st, false);
+    cuMemcpy3DBatchAsync_ptsz, "cuMemcpy3DBatchAsync", true, true, Work, (n: usize, ops: P, fi: P, fl: u64, st: P) => s(st, true);
+    cuMemcpy3DBatchAsync_v2, "cuMemcpy3DBatchAsync", false, true, Work, (n: usize, ops: P, fl: u64, st: P) => s(st, false);
+    cuMemcpy3DBatchAsync_v2_ptsz, "cuMemcpy3DBatchAsync", true, true, Work, (n: usize, ops: P, fl: u64, st: P) => s(st, true);
+    cuSignalExternalSemaphoresAsync, "cuSignalExternalSemaphoresAsync", false, false, Work, (e: P, p: P, n: c_uint, st: P) => s(st, false);
+    cuSignalExternalSemaphoresAsync_ptsz, "cuSignalExternalSemaphoresAsync", true, false, Work, (e: P, p: P, n: c_uint, st: P) => s(st, true);
+    cuWaitExternalSemaphoresAsync, "cuWaitExternalSemaphoresAsync", false, false, Work, (e: P, p: P, n: c_uint, st: P) => s(st, false);
+    cuWaitExternalSemaphoresAsync_ptsz, "cuWaitExternalSemaphoresAsync", true, false, Work, (e: P, p: P, n: c_uint, st: P) => s(st, true);
+    cuMemMapArrayAsync, "cuMemMapArrayAsync", false, false, Work, (m: P, c: c_uint, st: P) => s(st, false);
+    cuMemMapArrayAsync_ptsz, "cuMemMapArrayAsync", true, false, Work, (m: P, c: c_uint, st: P) => s(st, true);
     // Synchronous copies and sets: on the default stream.
     cuMemcpy, "cuMemcpy", false, false, Work, (d: Dptr, src: Dptr, n: usize) => default(false);
     cuMemcpy_ptds, "cuMemcpy", true, false, Work, (d: Dptr, src: Dptr, n: usize) => default(true);
@@ -172,6 +192,16 @@ hooks! {
     cuMemcpy2DUnaligned_v2_ptds, "cuMemcpy2DUnaligned", true, false, Work, (c: P) => default(true);
     cuMemcpy3D_v2, "cuMemcpy3D", false, false, Work, (c: P) => default(false);
     cuMemcpy3D_v2_ptds, "cuMemcpy3D", true, false, Work, (c: P) => default(true);
+    cuMemcpyAtoH_v2, "cuMemcpyAtoH", false, false, Work, (h: P, a: P, o: usize, n: usize) => default(false);
+    cuMemcpyAtoH_v2_ptds, "cuMemcpyAtoH", true, false, Work, (h: P, a: P, o: usize, n: usize) => default(true);
+    cuMemcpyHtoA_v2, "cuMemcpyHtoA", false, false, Work, (a: P, o: usize, h: P, n: usize) => default(false);
+    cuMemcpyHtoA_v2_ptds, "cuMemcpyHtoA", true, false, Work, (a: P, o: usize, h: P, n: usize) => default(true);
+    cuMemcpyDtoA_v2, "cuMemcpyDtoA", false, false, Work, (a: P, o: usize, d: Dptr, n: usize) => default(false);
+    cuMemcpyDtoA_v2_ptds, "cuMemcpyDtoA", true, false, Work, (a: P, o: usize, d: Dptr, n: usize) => default(true);
+    cuMemcpyAtoD_v2, "cuMemcpyAtoD", false, false, Work, (d: Dptr, a: P, o: usize, n: usize) => default(false);
+    cuMemcpyAtoD_v2_ptds, "cuMemcpyAtoD", true, false, Work, (d: Dptr, a: P, o: usize, n: usize) => default(true);
+    cuMemcpyAtoA_v2, "cuMemcpyAtoA", false, false, Work, (a: P, o: usize, b: P, q: usize, n: usize) => default(false);
+    cuMemcpyAtoA_v2_ptds, "cuMemcpyAtoA", true, false, Work, (a: P, o: usize, b: P, q: usize, n: usize) => default(true);
     cuMemcpy3DPeer, "cuMemcpy3DPeer", false, false, Work, (c: P) => default(false);
     cuMemcpy3DPeer_ptds, "cuMemcpy3DPeer", true, false, Work, (c: P) => default(true);
     cuMemcpyPeer, "cuMemcpyPeer", false, false, Work, (d: Dptr, dc: P, src: Dptr, sc: P, n: usize) => default(false);

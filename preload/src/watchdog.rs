@@ -1,6 +1,9 @@
 //! A diagnostic for hangs inside the preload (`APEX_PRELOAD_WATCHDOG=SECONDS`): when one call into the engine
 //! lasts longer than that, every thread of the process prints its stack (glibc's `backtrace_symbols_fd`, the
 //! nearest exported symbol of each frame) to stderr, and the process exits with status 99.
+//!
+//! For diagnosis only: it takes `SIGUSR2` over from the program, and a legitimately long call (draining the queues at
+//! exit, compiling PTX for a module) trips it as well, so `SECONDS` must exceed the longest such call.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -362,6 +362,20 @@ struct Relocation {
     offset: u64,
     symbol: SymbolValue,
     addend: i64,
+    /// What the symbol names: a section (references go anywhere in it, by the addend) or one object.
+    target: Target,
+}
+
+/// The kind of symbol a relocation names, for placing variables elsewhere ([`Cubin::link_placed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Target {
+    /// A section symbol: the variable is where symbol plus addend lands.
+    Section,
+    /// A named symbol: the variable is the symbol's, whatever the addend (`arr + n` is still `arr`'s).
+    Named,
+    /// A section symbol in a REL entry whose addend is not in the patched field (the high half of a split
+    /// address): where it lands is unknown, so placing a variable is refused.
+    SectionNoAddend,
 }
 
 /// A parsed cubin: kernels, the loadable image and its relocations. Owns its data.
@@ -1347,6 +1361,15 @@ fn relocations(
                 .ok()
                 .and_then(|o| data.get(o..))
                 .unwrap_or_default();
+            let section_symbol = usize::try_from(sym)
+                .ok()
+                .and_then(|i| symbols.get(i))
+                .is_some_and(|s| s.st_type == elf::STT_SECTION.0);
+            let target = match (section_symbol, addend.is_none(), kind) {
+                (false, _, _) => Target::Named,
+                (true, true, reloc::R_CUDA_ABS32_HI_32) => Target::SectionNoAddend,
+                (true, _, _) => Target::Section,
+            };
             let addend = addend.unwrap_or_else(|| implicit_addend(kind, field));
             let symbol = symbol_value(sym, symbols, sections, image_index, &meta.name)?;
             let offset =
@@ -1358,6 +1381,7 @@ fn relocations(
                 offset,
                 symbol,
                 addend,
+                target,
             });
         }
     }
@@ -1453,14 +1477,33 @@ fn apply(
     let mut value = symbol
         .checked_add_signed(r.addend)
         .ok_or_else(|| overflow(symbol))?;
-    if let SymbolValue::Image(_) = r.symbol {
-        // Section-relative references (the section symbol plus an addend) land inside a variable too.
-        let at = value.wrapping_sub(base_va);
-        if let Some(p) = placed
-            .iter()
-            .find(|p| at >= p.image_offset && at - p.image_offset < p.size.max(1))
-        {
-            value = p.address + (at - p.image_offset);
+    if let (SymbolValue::Image(sym), false) = (&r.symbol, placed.is_empty()) {
+        let inside = |at: u64| {
+            placed
+                .iter()
+                .find(|p| at >= p.image_offset && at - p.image_offset < p.size)
+        };
+        match r.target {
+            // `var + n` and `var - n` are `var`'s, even past its end.
+            Target::Named => {
+                if let Some(p) = inside(*sym) {
+                    value = (p.address + (sym - p.image_offset))
+                        .checked_add_signed(r.addend)
+                        .ok_or_else(|| overflow(p.address))?;
+                }
+            }
+            Target::Section => {
+                if let Some(p) = inside(value.wrapping_sub(base_va)) {
+                    value = p.address + (value - base_va - p.image_offset);
+                }
+            }
+            Target::SectionNoAddend => {
+                return Err(corrupt(format!(
+                    "a split address at image offset {:#x} names a section without its addend: cannot tell \
+                     whether it refers to a variable placed elsewhere",
+                    r.offset
+                )));
+            }
         }
     }
     apply_value(r.kind, r.offset, value, image)
@@ -1483,6 +1526,7 @@ pub(crate) fn apply_value(
         offset,
         symbol: SymbolValue::Absolute(value),
         addend: 0,
+        target: Target::Named,
     };
     let fit32 = |v: u64| u32::try_from(v).map_err(|_| overflow(v));
     match r.kind {
@@ -1525,6 +1569,51 @@ pub(crate) fn apply_value(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// References to a placed variable follow the symbol a relocation names: `var + n` past its end is still
+    /// `var`'s; through a section symbol only bytes inside the variable are; a split address without its addend is
+    /// refused.
+    #[test]
+    fn placed_references_follow_the_named_symbol() {
+        let placed = [PlacedGlobal {
+            image_offset: 0x100,
+            size: 0x10,
+            address: 0x9000_0000,
+        }];
+        let base = 0x1000_0000;
+        let link = |symbol: u64, addend: i64, target: Target| {
+            let mut img = vec![0u8; 0x200];
+            let r = Relocation {
+                kind: reloc::R_CUDA_64,
+                offset: 0,
+                symbol: SymbolValue::Image(symbol),
+                addend,
+                target,
+            };
+            apply(&r, base, &mut img, &|_| None, &placed)
+                .map(|()| u64::from_le_bytes(img[..8].try_into().unwrap()))
+        };
+        assert_eq!(link(0x100, 0x10, Target::Named).unwrap(), 0x9000_0010);
+        assert_eq!(link(0x100, -4, Target::Named).unwrap(), 0x8fff_fffc);
+        assert_eq!(link(0x0, 0x108, Target::Section).unwrap(), 0x9000_0008);
+        assert_eq!(link(0x0, 0x110, Target::Section).unwrap(), base + 0x110);
+        assert_eq!(link(0x110, 0, Target::Named).unwrap(), base + 0x110);
+        assert!(link(0x0, 0, Target::SectionNoAddend).is_err());
+        // Nothing placed: nothing changes, and nothing is refused.
+        let mut img = vec![0u8; 8];
+        let r = Relocation {
+            kind: reloc::R_CUDA_64,
+            offset: 0,
+            symbol: SymbolValue::Image(0),
+            addend: 0x108,
+            target: Target::SectionNoAddend,
+        };
+        apply(&r, base, &mut img, &|_| None, &[]).unwrap();
+        assert_eq!(
+            u64::from_le_bytes(img[..8].try_into().unwrap()),
+            base + 0x108
+        );
+    }
 
     #[test]
     fn abs55_matches_nvdisasm() {

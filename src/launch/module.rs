@@ -81,7 +81,12 @@ impl Module {
         place: &dyn Fn(&GlobalSymbol) -> Option<VariableHome>,
     ) -> Result<Arc<Module>> {
         let mut placed = Vec::new();
-        for g in cubin.globals().iter().filter(|g| !g.is_constant()) {
+        // Zero-size symbols (unsized `extern` arrays) cover no bytes: nothing to share.
+        for g in cubin
+            .globals()
+            .iter()
+            .filter(|g| !g.is_constant() && g.size > 0)
+        {
             if let Some(VariableHome { address, size }) = place(g) {
                 if size < g.size {
                     return Err(Error::GlobalRange {
