@@ -64,22 +64,27 @@ fn stream() -> cu::CUstream {
     s
 }
 
-/// A CUDA module of its own: CUDA's launches must keep working beside APEX's channel.
-fn cuda_saxpy() -> cu::CUfunction {
+/// `image` loaded by CUDA, and its kernel `name`.
+fn cuda_function(image: &[u8], name: &std::ffi::CStr) -> (cu::CUmodule, cu::CUfunction) {
     let mut m = std::ptr::null_mut();
     let mut f = std::ptr::null_mut();
     // SAFETY: a valid cubin; out-pointers to locals.
     unsafe {
         ck(
             "cuModuleLoadData",
-            cu::cuModuleLoadData(&mut m, TEST_CUBIN.as_ptr().cast()),
+            cu::cuModuleLoadData(&mut m, image.as_ptr().cast()),
         );
         ck(
             "cuModuleGetFunction",
-            cu::cuModuleGetFunction(&mut f, m, c"saxpy".as_ptr()),
+            cu::cuModuleGetFunction(&mut f, m, name.as_ptr()),
         );
     }
-    f
+    (m, f)
+}
+
+/// A CUDA module of its own: CUDA's launches must keep working beside APEX's channel.
+fn cuda_saxpy() -> cu::CUfunction {
+    cuda_function(TEST_CUBIN, c"saxpy").1
 }
 
 fn cuda_launch_saxpy(f: cu::CUfunction, s: cu::CUstream, a: f32, x: u64, y: u64, n: u32) {
@@ -611,19 +616,7 @@ const MODULE_DATA: &[u8] = include_bytes!("../kernels/conformance/module_data.sm
 #[ignore = "needs an NVIDIA GPU"]
 fn apex_and_cuda_instances_of_a_module_share_its_variables() {
     let _ctx = cuda_context();
-    let mut cuda_mod = std::ptr::null_mut();
-    let mut bump = std::ptr::null_mut();
-    // SAFETY: a valid cubin; out-pointers to locals.
-    unsafe {
-        ck(
-            "cuModuleLoadData",
-            cu::cuModuleLoadData(&mut cuda_mod, MODULE_DATA.as_ptr().cast()),
-        );
-        ck(
-            "cuModuleGetFunction",
-            cu::cuModuleGetFunction(&mut bump, cuda_mod, c"bump".as_ptr()),
-        );
-    }
+    let (cuda_mod, bump) = cuda_function(MODULE_DATA, c"bump");
     let cuda_global = |name: &str| -> Option<apex::VariableHome> {
         let c = std::ffi::CString::new(name).ok()?;
         let (mut p, mut n) = (0u64, 0usize);

@@ -47,12 +47,7 @@ impl Module {
         bytes: &[u8],
         printf: &PrintfFifoCell,
     ) -> Result<Arc<Module>> {
-        let sm = gpu.info().sm_version;
-        // A cubin as it is; the best code of a fatbin or host binary; PTX compiled for this GPU.
-        let cubin_bytes = image::cubin_for_device(bytes, sm, jit::Jit::system())?;
-        let cubin = Cubin::parse(&cubin_bytes)?;
-        cubin.check_arch(sm)?;
-        Module::from_cubin(gpu, cubin, printf, &|_| None)
+        Module::load_placed(gpu, bytes, printf, &|_| None)
     }
 
     /// As [`Module::load_with`], with the module's `__device__` variables where `place` says they already live
@@ -67,6 +62,7 @@ impl Module {
         place: &dyn Fn(&GlobalSymbol) -> Option<VariableHome>,
     ) -> Result<Arc<Module>> {
         let sm = gpu.info().sm_version;
+        // A cubin as it is; the best code of a fatbin or host binary; PTX compiled for this GPU.
         let cubin_bytes = image::cubin_for_device(bytes, sm, jit::Jit::system())?;
         let cubin = Cubin::parse(&cubin_bytes)?;
         cubin.check_arch(sm)?;

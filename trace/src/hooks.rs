@@ -668,8 +668,8 @@ fn launch(
     }
     // SAFETY: the driver's cuLaunchKernel(_ptsz).
     let real = unsafe { std::mem::transmute::<usize, LaunchFn>(p) };
-    // Not held across the call: the ioctls and mappings libcuda makes inside it (lazy loading) are traced too.
-    let outer = enter().is_some();
+    // The guard is taken after the call, not across it: the ioctls and mappings libcuda makes inside it (lazy
+    // loading) are traced too.
     let t0 = Instant::now();
     // SAFETY: forwarded unchanged.
     let r = unsafe {
@@ -678,7 +678,7 @@ fn launch(
             extra,
         )
     };
-    if let Some(_g) = enter().filter(|_| outer) {
+    if let Some(_g) = enter() {
         let dur = t0.elapsed().as_nanos() as u64;
         quietly(|| record_launch(api, f, grid, block, shared, stream, r, dur));
     }
@@ -765,12 +765,11 @@ fn launch_ex(
     }
     // SAFETY: the driver's cuLaunchKernelEx(_ptsz).
     let real = unsafe { std::mem::transmute::<usize, LaunchExFn>(p) };
-    // As in the cuLaunchKernel hook: the guard is not held across the call.
-    let outer = enter().is_some();
+    // As in the cuLaunchKernel hook: the guard is taken after the call.
     let t0 = Instant::now();
     // SAFETY: forwarded unchanged.
     let r = unsafe { real(config, f, params, extra) };
-    if let Some(_g) = enter().filter(|_| outer && !config.is_null()) {
+    if let Some(_g) = enter().filter(|_| !config.is_null()) {
         let dur = t0.elapsed().as_nanos() as u64;
         // SAFETY: the driver read the same config; it starts with these fields.
         let c = unsafe { &*config };
