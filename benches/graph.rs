@@ -4,10 +4,12 @@
 //! `cargo bench --bench graph --no-run`).
 //!
 //! Groups (each measures both paths; times are per kernel for the chain, per replay otherwise):
-//! - `graph_chain_1000`: 1000 dependent empty kernels, replay and wait. APEX with the default chain action and
-//!   with `ChainAction::Schedule` (libcuda's for QMDs that never change); cuGraphLaunch of a CUDA graph built node
-//!   by node from the same description, and of one captured from a stream;
-//! - `graph_fan_out_32`: one root, 32 empty kernels that depend only on it, and a join after them; replay and wait;
+//! - `graph_chain_1000`: 1000 dependent empty kernels, replay and wait. APEX with each `GraphSchedule` (the GPU's
+//!   dependency resolution, the default, and the front end's); cuGraphLaunch of a CUDA graph built node by node
+//!   from the same description, and of one captured from a stream;
+//! - `graph_diamond`, `graph_fan_out_4`, `graph_fan_out_32`: one root, 2, 4 or 32 empty kernels that depend only
+//!   on it, and a join after them; `graph_fan_in_32`: 32 independent empty kernels and a join; replay and wait,
+//!   APEX with each `GraphSchedule`;
 //! - `graph_update`: a chain of 100 `chain_step` kernels; one node's parameters changed, then replay and wait
 //!   (APEX `GraphExec::update_launch` + replay vs `cuGraphExecKernelNodeSetParams` + `cuGraphLaunch`), and the CPU
 //!   cost of the update call alone.
@@ -17,9 +19,8 @@ use std::time::{Duration, Instant};
 
 use apex::driver;
 use apex::launch::graph::Graph;
-use apex::launch::qmd::ChainAction;
 use apex::launch::{
-    Arg, ComputeQueue, ComputeQueueConfig, GraphExec, Kernel, LaunchConfig, Module,
+    Arg, ComputeQueue, ComputeQueueConfig, GraphExec, GraphSchedule, Kernel, LaunchConfig, Module,
 };
 use apex::rm::{GpuCore, Memory, MemoryDesc};
 use criterion::{Criterion, criterion_group, criterion_main};
@@ -128,17 +129,30 @@ fn chain_graph(k: &Kernel) -> Graph<Kernel> {
     g
 }
 
-/// One root, 32 kernels after it, one join after those.
-fn fan_out_graph(k: &Kernel) -> Graph<Kernel> {
+/// One root, `width` kernels after it, one join after those.
+fn fan_out_graph(k: &Kernel, width: usize) -> Graph<Kernel> {
     let mut g = Graph::new();
     let root = g.launch_args(k, ONE, &[]).expect("record");
-    let branches: Vec<_> = (0..32)
+    let branches: Vec<_> = (0..width)
         .map(|_| g.launch_args(k, ONE, &[]).expect("record"))
         .collect();
     let join = g.launch_args(k, ONE, &[]).expect("record");
     for b in branches {
         g.edge(root, b).expect("edge");
         g.edge(b, join).expect("edge");
+    }
+    g
+}
+
+/// 32 independent kernels, one join after them.
+fn fan_in_graph(k: &Kernel) -> Graph<Kernel> {
+    let mut g = Graph::new();
+    let roots: Vec<_> = (0..32)
+        .map(|_| g.launch_args(k, ONE, &[]).expect("record"))
+        .collect();
+    let join = g.launch_args(k, ONE, &[]).expect("record");
+    for r in roots {
+        g.edge(r, join).expect("edge");
     }
     g
 }
@@ -163,9 +177,9 @@ fn benches(c: &mut Criterion) {
     // ---- 1000 dependent kernels ----
     let chain = chain_graph(&p.empty);
     let mut exec = p.q.instantiate_graph(&chain).expect("instantiate");
-    p.q.set_chain_action(ChainAction::Schedule);
-    let mut exec_schedule = p.q.instantiate_graph(&chain).expect("instantiate");
-    p.q.set_chain_action(ChainAction::InvalidateCopySchedule);
+    p.q.set_graph_schedule(GraphSchedule::FrontEnd);
+    let mut exec_front = p.q.instantiate_graph(&chain).expect("instantiate");
+    p.q.set_graph_schedule(GraphSchedule::Gpu);
     let cuda = cuda_graph(&p, &chain);
     let captured = driver::Graph::capture(&mut p.stream, |s| {
         for _ in 0..1000 {
@@ -179,8 +193,8 @@ fn benches(c: &mut Criterion) {
     g.bench_function("apex_graph", |b| {
         b.iter_custom(|iters| per_kernel(iters, 1000, || replay(&mut p.q, &mut exec)))
     });
-    g.bench_function("apex_graph_schedule", |b| {
-        b.iter_custom(|iters| per_kernel(iters, 1000, || replay(&mut p.q, &mut exec_schedule)))
+    g.bench_function("apex_graph_front_end", |b| {
+        b.iter_custom(|iters| per_kernel(iters, 1000, || replay(&mut p.q, &mut exec_front)))
     });
     g.bench_function("cuGraphLaunch_built", |b| {
         b.iter_custom(|iters| per_kernel(iters, 1000, || cuda_replay(&mut p, &cuda)))
@@ -194,17 +208,29 @@ fn benches(c: &mut Criterion) {
         })
     });
     g.finish();
-    drop((exec, exec_schedule, cuda, captured));
+    drop((exec, exec_front, cuda, captured));
 
-    // ---- a fan-out of 32 and its join ----
-    let fan = fan_out_graph(&p.empty);
-    let mut exec = p.q.instantiate_graph(&fan).expect("instantiate");
-    let cuda = cuda_graph(&p, &fan);
-    let mut g = c.benchmark_group("graph_fan_out_32");
-    g.bench_function("apex_graph", |b| b.iter(|| replay(&mut p.q, &mut exec)));
-    g.bench_function("cuGraphLaunch", |b| b.iter(|| cuda_replay(&mut p, &cuda)));
-    g.finish();
-    drop((exec, cuda));
+    // ---- fan-outs and fan-ins: each graph with both schedules beside the CUDA graph ----
+    for (name, graph) in [
+        ("graph_diamond", fan_out_graph(&p.empty, 2)),
+        ("graph_fan_out_4", fan_out_graph(&p.empty, 4)),
+        ("graph_fan_out_32", fan_out_graph(&p.empty, 32)),
+        ("graph_fan_in_32", fan_in_graph(&p.empty)),
+    ] {
+        let mut exec = p.q.instantiate_graph(&graph).expect("instantiate");
+        p.q.set_graph_schedule(GraphSchedule::FrontEnd);
+        let mut exec_front = p.q.instantiate_graph(&graph).expect("instantiate");
+        p.q.set_graph_schedule(GraphSchedule::Gpu);
+        let cuda = cuda_graph(&p, &graph);
+        let mut g = c.benchmark_group(name);
+        g.bench_function("apex_graph", |b| b.iter(|| replay(&mut p.q, &mut exec)));
+        g.bench_function("apex_graph_front_end", |b| {
+            b.iter(|| replay(&mut p.q, &mut exec_front))
+        });
+        g.bench_function("cuGraphLaunch", |b| b.iter(|| cuda_replay(&mut p, &cuda)));
+        g.finish();
+        drop((exec, exec_front, cuda));
+    }
 
     // ---- update one node, then replay ----
     let v = Memory::alloc(&p.gpu, MemoryDesc::video(8)).expect("buffer");

@@ -138,7 +138,9 @@ fn diamond(b: Backend) {
 }
 
 /// A root, 32 branches that only depend on it, and a tree of additions that joins them pairwise.
-fn fan_out_32(b: Backend) {
+/// A root, `width` (a power of two) branches after it, and a tree of pairwise sums joining them.
+fn fan_out(b: Backend, width: usize) {
+    const REPLAYS: usize = 3;
     let g = gpu(b);
     let mut q = g.queue().unwrap();
     let m = g.load_module(CUBIN).unwrap();
@@ -156,7 +158,7 @@ fn fan_out_32(b: Backend) {
         .writes(&src);
     let mut level: Vec<(Buffer, Vec<f32>)> = Vec::new();
     let twice: Vec<f32> = xs.iter().map(|v| v + v).collect();
-    for k in 0..32 {
+    for k in 0..width as u32 {
         let init = noise(n, 100 + k);
         let o = upload(&g, &mut q, &init);
         let f = k as f32 + 1.0;
@@ -165,10 +167,11 @@ fn fan_out_32(b: Backend) {
             .reads(&src)
             .reads(&o)
             .writes(&o);
+        // Every replay adds f · src again.
         let want: Vec<f32> = init
             .iter()
             .zip(&twice)
-            .map(|(i, s)| f.mul_add(*s, *i))
+            .map(|(i, s)| (0..REPLAYS).fold(*i, |o, _| f.mul_add(*s, o)))
             .collect();
         level.push((o, want));
     }
@@ -190,15 +193,30 @@ fn fan_out_32(b: Backend) {
     let deps = gr.dependencies().unwrap();
     assert_eq!(
         deps.edges().len(),
-        32 + 62,
-        "root → 32 branches, and the join tree"
+        width + 2 * (width - 1),
+        "root → branches, and the join tree"
     );
     let mut exec = q.instantiate(&gr).unwrap();
     if let Some(d) = exec.direct() {
-        assert_eq!(d.stats().heads, 1 + 32 + 31);
+        let st = d.stats();
+        if width <= apex::launch::GraphExec::MAX_GPU_FAN_OUT {
+            // Only the root is sent: null grids spread it to the branches, the join tree counts down.
+            assert_eq!(
+                (st.heads, st.links, st.nulls),
+                (1, 2 * width - 1, width - 2)
+            );
+        } else {
+            // The root and, once it has completed, its branches are sent (wider than the work distributor
+            // takes); the join tree counts down on the GPU.
+            assert_eq!((st.heads, st.links, st.nulls), (1 + width, width - 1, 0));
+        }
     }
-    // SAFETY: every node's buffers are declared and hold n floats.
-    unsafe { q.replay(&mut exec) }.unwrap().wait(T).unwrap();
+    // Replayed several times: after the first, every QMD runs as it re-armed itself.
+    for _ in 0..REPLAYS {
+        // SAFETY: every node's buffers are declared and hold n floats.
+        unsafe { q.replay(&mut exec) }.unwrap();
+    }
+    q.synchronize().unwrap();
     let (total, want) = &level[0];
     check(b, "sum of the branches", &download(&g, &mut q, total), want);
 }
@@ -363,13 +381,19 @@ fn diamond_driver() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn fan_out_32_direct() {
-    fan_out_32(Backend::Direct);
+    fan_out(Backend::Direct, 32);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn fan_out_8_over_null_grids_direct() {
+    fan_out(Backend::Direct, 8);
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn fan_out_32_driver() {
-    fan_out_32(Backend::Driver);
+    fan_out(Backend::Driver, 32);
 }
 
 #[test]

@@ -13,8 +13,8 @@ use apex::hw::compute::cbc0 as compute;
 use apex::hw::host::c86f as host;
 use apex::launch::graph::{Dependencies, Graph, GraphError, NodeId, Op, Range};
 use apex::launch::{
-    Arg, ComputeQueue, ComputeQueueConfig, Error, GraphExec, Kernel, LaunchConfig, Module,
-    ParamError,
+    Arg, ComputeQueue, ComputeQueueConfig, Error, GraphExec, GraphSchedule, Kernel, LaunchConfig,
+    Module, ParamError,
 };
 use apex::pushbuf::decode::{SubchannelClasses, decode};
 use apex::rm::sim::SimConfig;
@@ -196,11 +196,16 @@ enum Ev {
     Acquire(u64, u64),
     Release(u64, u64),
     Send(u64),
+    /// A PCAS that counts an armed QMD down.
+    Decrement(u64),
+    /// A compute-engine inline upload: destination, first word.
+    Upload(u64, u32),
 }
 
 /// The semaphore operations and QMD launches in a run of methods.
 fn events(words: &[u32]) -> Vec<Ev> {
     let (mut lo, mut hi, mut plo, mut phi, mut pcas) = (0u32, 0u32, 0u32, 0u32, 0u64);
+    let (mut out_hi, mut out_lo, mut uploading) = (0u32, 0u32, false);
     let mut out = Vec::new();
     for m in decode(words, &SubchannelClasses::hopper()).unwrap() {
         let v = m.value;
@@ -221,17 +226,149 @@ fn events(words: &[u32]) -> Vec<Ev> {
             (1, compute::SEND_PCAS_A) => {
                 pcas = u64::from(compute::SEND_PCAS_A_QMD_ADDRESS_SHIFTED8.unpack(v)) << 8
             }
-            (1, compute::SEND_SIGNALING_PCAS2_B) => out.push(Ev::Send(pcas)),
+            (1, compute::SEND_SIGNALING_PCAS2_B) => {
+                if compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION.unpack(v)
+                    == compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_DECREMENT_DEPENDENCE
+                {
+                    out.push(Ev::Decrement(pcas))
+                } else {
+                    out.push(Ev::Send(pcas))
+                }
+            }
+            (1, compute::LINE_LENGTH_IN) | (1, compute::LINE_COUNT) => {}
+            (1, compute::OFFSET_OUT_UPPER) => out_hi = v,
+            (1, compute::OFFSET_OUT) => out_lo = v,
+            (1, compute::LAUNCH_DMA) => uploading = true,
+            (1, compute::LOAD_INLINE_DATA) => {
+                if std::mem::replace(&mut uploading, false) {
+                    out.push(Ev::Upload((u64::from(out_hi) << 32) | u64::from(out_lo), v));
+                }
+            }
             other => panic!("unexpected method {other:?} ({:?})", m.name),
         }
     }
     out
 }
 
-/// Checks the exec's schedule against the dependencies: each node runs once, as a head sent after every
-/// predecessor was waited for, or as the chain link of its only predecessor; every sink is waited for; every
-/// semaphore is reset only after it was waited for. Returns the events.
+/// Checks the exec's schedule against the dependencies, as its [`GraphSchedule`] builds it. Returns the events of
+/// the replay methods.
 fn check_schedule(deps: &Dependencies, exec: &GraphExec) -> Vec<Ev> {
+    match exec.schedule() {
+        GraphSchedule::Gpu => check_gpu_schedule(deps, exec),
+        GraphSchedule::FrontEnd => check_front_end_schedule(deps, exec),
+    }
+}
+
+/// [`GraphSchedule::Gpu`]: a replay zeroes the completion words, sends every root; for each fan-out wider than
+/// the work distributor takes, in topological order, waits for its word and then sends each successor with no
+/// other predecessor and counts the others down; and finally waits for the completion word to reach the number of
+/// sinks. Arming sends every other node and every null grid once. Every node is sent or armed exactly once. (That
+/// the counters then order the nodes is what the replays check.)
+fn check_gpu_schedule(deps: &Dependencies, exec: &GraphExec) -> Vec<Ev> {
+    let n = deps.len();
+    let all = ids(deps);
+    let evs = events(exec.methods());
+    let st = exec.stats();
+    if n == 0 {
+        assert!(evs.is_empty());
+        return evs;
+    }
+    let node_of_qmd: HashMap<u64, NodeId> =
+        all.iter().map(|&v| (exec.qmd_va(v).unwrap(), v)).collect();
+    let wide: Vec<NodeId> = deps
+        .order()
+        .iter()
+        .copied()
+        .filter(|&v| deps.succs(v).len() > GraphExec::MAX_GPU_FAN_OUT)
+        .collect();
+    let sinks = all.iter().filter(|&&v| deps.succs(v).is_empty()).count();
+    let done = exec.completion().expect("a completion word");
+    assert_eq!(
+        evs[0],
+        Ev::Upload(done, 0),
+        "the completion words are zeroed first"
+    );
+    let mut sent = vec![0u32; n];
+    let mut decrements = vec![0usize; n];
+    let mut waited: Vec<NodeId> = Vec::new();
+    let mut next_wide = 0;
+    for &ev in &evs[1..evs.len() - 1] {
+        match ev {
+            Ev::Upload(va, 0) => assert!(va > done, "further words zeroed"),
+            Ev::Acquire(va, 1) => {
+                let u = wide[next_wide];
+                assert_eq!(va, done + 4 * (next_wide as u64 + 1), "the words in order");
+                next_wide += 1;
+                waited.push(u);
+            }
+            Ev::Send(q) => {
+                let v = node_of_qmd[&q];
+                let p = deps.preds(v);
+                assert!(
+                    p.is_empty() || (p.len() == 1 && waited.contains(&p[0])),
+                    "node {v} sent, neither a root nor the only successor of a fan-out waited for"
+                );
+                sent[v.index()] += 1;
+            }
+            Ev::Decrement(q) => {
+                let v = node_of_qmd[&q];
+                assert!(deps.preds(v).len() > 1, "only fan-ins are counted down");
+                assert!(
+                    deps.preds(v).iter().any(|p| waited.contains(p)),
+                    "node {v} counted down before any fan-out before it was waited for"
+                );
+                decrements[v.index()] += 1;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(next_wide, wide.len(), "every wide fan-out waited for");
+    assert_eq!(evs[evs.len() - 1], Ev::Acquire(done, sinks as u64));
+    for &v in &all {
+        let from_wide = deps.preds(v).iter().filter(|p| wide.contains(p)).count();
+        if deps.preds(v).len() > 1 {
+            assert_eq!(
+                decrements[v.index()],
+                from_wide,
+                "node {v}: one count per wide predecessor"
+            );
+        }
+    }
+    let mut armed = vec![0u32; n];
+    let mut nulls = 0;
+    for e in events(exec.arm_methods()) {
+        match e {
+            Ev::Send(q) => match node_of_qmd.get(&q) {
+                Some(v) => armed[v.index()] += 1,
+                None => nulls += 1,
+            },
+            other => panic!("arming only sends: {other:?}"),
+        }
+    }
+    for &v in &all {
+        let i = v.index();
+        assert_eq!(sent[i] + armed[i], 1, "node {v} sent or armed, once");
+        assert!(exec.semaphore(v).is_none() && exec.chain_next(v).is_none());
+    }
+    let sent_total = sent.iter().sum::<u32>() as usize;
+    assert_eq!(nulls, st.nulls);
+    assert_eq!(
+        (st.heads, st.links, st.waits, st.semaphores, st.armed),
+        (
+            sent_total,
+            n - sent_total,
+            1 + wide.len(),
+            1 + wide.len(),
+            n - sent_total + nulls
+        )
+    );
+    evs
+}
+
+/// [`GraphSchedule::FrontEnd`]: each node runs once, as a head sent after every predecessor was waited for, or as
+/// the chain link of its only predecessor; every sink is waited for; every semaphore is reset only after it was
+/// waited for.
+fn check_front_end_schedule(deps: &Dependencies, exec: &GraphExec) -> Vec<Ev> {
     let n = deps.len();
     let all = ids(deps);
     let id = |i: usize| all[i];
@@ -350,7 +487,14 @@ fn assert_order(deps: &Dependencies, pos: &[usize]) {
 
 #[test]
 fn a_diamond_runs_in_dependency_order_and_computes_its_result() {
+    for schedule in [GraphSchedule::Gpu, GraphSchedule::FrontEnd] {
+        diamond(schedule);
+    }
+}
+
+fn diamond(schedule: GraphSchedule) {
     let mut s = setup();
+    s.q.set_graph_schedule(schedule);
     let n = 64u32;
     let bytes = u64::from(n) * 4;
     let [x, y, a, b, c, d] = [(); 6].map(|_| buffer(&s.gpu, bytes));
@@ -433,26 +577,36 @@ fn a_diamond_runs_in_dependency_order_and_computes_its_result() {
         .collect();
     assert_eq!(pairs, vec![(0, 1), (0, 2), (1, 3), (2, 3)]);
     let mut exec = s.q.instantiate_graph(&g).unwrap();
+    assert_eq!(exec.schedule(), schedule);
     let st = exec.stats();
-    assert_eq!((st.nodes, st.edges, st.heads, st.links), (4, 4, 4, 0));
-    // B waits for A, C needs no wait of its own (A is known done), D waits for B and C, the sink D at the end.
-    assert_eq!((st.waits, st.semaphores, st.entries), (4, 4, 1));
     let evs = check_schedule(&deps, &exec);
     let qmd = [na, nb, nc, nd].map(|v| exec.qmd_va(v).unwrap());
-    let sem = [na, nb, nc, nd].map(|v| exec.semaphore(v).unwrap());
-    assert_eq!(
-        &evs[..7],
-        &[
-            Ev::Send(qmd[0]),
-            Ev::Acquire(sem[0], 1),
-            Ev::Send(qmd[1]),
-            Ev::Send(qmd[2]),
-            Ev::Acquire(sem[1], 1),
-            Ev::Acquire(sem[2], 1),
-            Ev::Send(qmd[3]),
-        ],
-        "B and C back to back (concurrent), D after both"
-    );
+    if schedule == GraphSchedule::FrontEnd {
+        assert_eq!((st.nodes, st.edges, st.heads, st.links), (4, 4, 4, 0));
+        // B waits for A, C needs no wait of its own (A is known done), D waits for B and C, the sink D at the end.
+        assert_eq!((st.waits, st.semaphores, st.entries), (4, 4, 1));
+        let sem = [na, nb, nc, nd].map(|v| exec.semaphore(v).unwrap());
+        assert_eq!(
+            &evs[..7],
+            &[
+                Ev::Send(qmd[0]),
+                Ev::Acquire(sem[0], 1),
+                Ev::Send(qmd[1]),
+                Ev::Send(qmd[2]),
+                Ev::Acquire(sem[1], 1),
+                Ev::Acquire(sem[2], 1),
+                Ev::Send(qmd[3]),
+            ],
+            "B and C back to back (concurrent), D after both"
+        );
+    } else {
+        // A sent; B and C its two dependents; D counts both down.
+        assert_eq!(
+            (st.nodes, st.edges, st.heads, st.links, st.nulls),
+            (4, 4, 1, 3, 0)
+        );
+        assert_eq!((st.waits, st.semaphores, st.armed), (1, 1, 3));
+    }
 
     let start = s.sim.launches().len();
     let before = s.sim.stats_for(s.q.queue().channel().token()).unwrap();
@@ -483,16 +637,35 @@ fn a_diamond_runs_in_dependency_order_and_computes_its_result() {
         let want = (2.0 * av + bs0[i]) + (3.0 * av + cs0[i]);
         assert_eq!(got[i], want, "d[{i}]");
     }
-    // Each chain end released its own semaphore, with payload 1.
     for k in 0..4 {
         let l = ls.iter().find(|l| l.qmd_va == qmd[k]).unwrap();
-        assert_eq!(l.releases, vec![(sem[k], 1)]);
+        match schedule {
+            // Each chain end released its own semaphore, with payload 1.
+            GraphSchedule::FrontEnd => {
+                assert_eq!(
+                    l.releases,
+                    vec![(exec.semaphore([na, nb, nc, nd][k]).unwrap(), 1)]
+                )
+            }
+            // Only the sink adds 1 to the completion word.
+            GraphSchedule::Gpu if k == 3 => {
+                assert_eq!(l.releases, vec![(exec.completion().unwrap(), 1)])
+            }
+            GraphSchedule::Gpu => assert!(l.releases.is_empty()),
+        }
     }
 }
 
 #[test]
-fn a_fan_out_of_32_is_sent_back_to_back() {
+fn a_fan_out_of_32_runs_every_branch_after_the_root() {
+    for schedule in [GraphSchedule::Gpu, GraphSchedule::FrontEnd] {
+        fan_out_32(schedule);
+    }
+}
+
+fn fan_out_32(schedule: GraphSchedule) {
     let mut s = setup();
+    s.q.set_graph_schedule(schedule);
     let src = buffer(&s.gpu, 4 * 64);
     let outs: Vec<Memory> = (0..32).map(|_| buffer(&s.gpu, 4 * 64)).collect();
     let mut host = Host::new(&s.k);
@@ -543,29 +716,38 @@ fn a_fan_out_of_32_is_sent_back_to_back() {
     assert_eq!(deps.edges().len(), 32);
     let mut exec = s.q.instantiate_graph(&g).unwrap();
     let st = exec.stats();
-    assert_eq!(
-        (st.heads, st.links, st.waits, st.semaphores),
-        (33, 0, 33, 33)
-    );
     let evs = check_schedule(&deps, &exec);
-    // The root, one wait for it, then the 32 branches with nothing between them: nothing serialises them.
-    assert_eq!(evs[0], Ev::Send(exec.qmd_va(root).unwrap()));
-    assert_eq!(evs[1], Ev::Acquire(exec.semaphore(root).unwrap(), 1));
-    for (k, b) in branches.iter().enumerate() {
-        assert_eq!(evs[2 + k], Ev::Send(exec.qmd_va(*b).unwrap()), "branch {k}");
-    }
     let start = s.sim.launches().len();
     let token = s.q.queue().channel().token();
     let before = s.sim.stats_for(token).unwrap();
+    if schedule == GraphSchedule::FrontEnd {
+        assert_eq!(
+            (st.heads, st.links, st.waits, st.semaphores),
+            (33, 0, 33, 33)
+        );
+        // The root, one wait for it, then the 32 branches with nothing between them: nothing serialises them.
+        assert_eq!(evs[0], Ev::Send(exec.qmd_va(root).unwrap()));
+        assert_eq!(evs[1], Ev::Acquire(exec.semaphore(root).unwrap(), 1));
+        for (k, b) in branches.iter().enumerate() {
+            assert_eq!(evs[2 + k], Ev::Send(exec.qmd_va(*b).unwrap()), "branch {k}");
+        }
+    } else {
+        // Wider than the work distributor takes: the front end sends the 32 branches once the root has completed.
+        assert_eq!(
+            (st.heads, st.links, st.waits, st.semaphores, st.nulls),
+            (33, 0, 2, 2, 0)
+        );
+    }
     // SAFETY: the simulated GPU runs no kernels.
     let fence = unsafe { s.q.replay_graph(&mut exec) }.unwrap();
     let ls = launched(&s, start, &fence);
     let after = s.sim.stats_for(token).unwrap();
-    assert_eq!(
-        after.acquires - before.acquires,
-        33,
-        "one wait for the root, one per sink"
-    );
+    let acquires = if schedule == GraphSchedule::FrontEnd {
+        33 // one wait for the root, one per sink
+    } else {
+        2 // the root's word, the completion word
+    };
+    assert_eq!(after.acquires - before.acquires, acquires);
     assert_eq!(after.doorbells - before.doorbells, 1);
     let pos = positions(&exec, &deps, &ls);
     assert_order(&deps, &pos);
@@ -586,7 +768,14 @@ fn a_fan_out_of_32_is_sent_back_to_back() {
 
 #[test]
 fn a_chain_of_1000_is_one_head_and_999_links() {
+    for schedule in [GraphSchedule::Gpu, GraphSchedule::FrontEnd] {
+        chain_1000(schedule);
+    }
+}
+
+fn chain_1000(schedule: GraphSchedule) {
     let mut s = setup();
+    s.q.set_graph_schedule(schedule);
     let v = buffer(&s.gpu, 8);
     let mut host = Host::new(&s.k);
     host.add(&v, 7u64.to_le_bytes().to_vec());
@@ -1141,25 +1330,97 @@ fn random_graphs_are_scheduled_correctly() {
             }
         }
         let deps = g.dependencies().unwrap();
+        // Both schedules, and the GPU's twice: the second replay runs on QMDs that re-armed themselves.
+        let schedule = [GraphSchedule::Gpu, GraphSchedule::FrontEnd][round % 2];
+        s.q.set_graph_schedule(schedule);
+        let mut exec = s.q.instantiate_graph(&g).unwrap();
+        assert_eq!(exec.schedule(), schedule);
+        check_schedule(&deps, &exec);
+        for replay in 0..2 {
+            let mut host = Host::new(&s.k);
+            host.add(&cells, vec![0; 64]);
+            let start = s.sim.launches().len();
+            // SAFETY: the simulated GPU runs no kernels.
+            let f = unsafe { s.q.replay_graph(&mut exec) }.unwrap();
+            let ls = launched(&s, start, &f);
+            let pos = positions(&exec, &deps, &ls);
+            assert_order(&deps, &pos);
+            for l in &ls {
+                host.run(l);
+            }
+            for (c, w) in want.iter().enumerate() {
+                assert_eq!(
+                    host.u64(cells.va() + 8 * c as u64),
+                    *w,
+                    "round {round} ({schedule:?}), replay {replay}, cell {c}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn wide_fan_outs_and_fan_ins_are_resolved_by_the_gpu() {
+    // A root, 2..=70 branches (null grids spread those beyond two, up to the work distributor's limit; wider ones
+    // are sent by the front end), a join counting them all down, three replays.
+    let mut s = setup();
+    let cells = buffer(&s.gpu, 8 * 80);
+    for width in [2usize, 3, 5, 8, 9, 17, 70] {
+        let one = LaunchConfig::linear(1, 1);
+        let mut g = Graph::new();
+        let root = g.launch_args(&s.k.empty, one, &[]).unwrap();
+        let mut branches = Vec::new();
+        for b in 0..width {
+            let va = cells.va() + 8 * b as u64;
+            let n = g
+                .launch_args(&s.k.chain, one, &[Arg::Ptr(va), Arg::U64(1), Arg::U64(1)])
+                .unwrap();
+            g.edge(root, n).unwrap();
+            branches.push(n);
+        }
+        let join = g.launch_args(&s.k.empty, one, &[]).unwrap();
+        for &b in &branches {
+            g.edge(b, join).unwrap();
+        }
+        // A fan-in of the root and another root: the front end counts the root's edge down when the fan-out is
+        // wide, the other root's completion the other.
+        let other = g.launch_args(&s.k.empty, one, &[]).unwrap();
+        let mixed = g.launch_args(&s.k.empty, one, &[]).unwrap();
+        g.edge(root, mixed).unwrap();
+        g.edge(other, mixed).unwrap();
+        let deps = g.dependencies().unwrap();
         let mut exec = s.q.instantiate_graph(&g).unwrap();
         check_schedule(&deps, &exec);
-        let mut host = Host::new(&s.k);
-        host.add(&cells, vec![0; 64]);
-        let start = s.sim.launches().len();
-        // SAFETY: the simulated GPU runs no kernels.
-        let f = unsafe { s.q.replay_graph(&mut exec) }.unwrap();
-        let ls = launched(&s, start, &f);
-        let pos = positions(&exec, &deps, &ls);
-        assert_order(&deps, &pos);
-        for l in &ls {
-            host.run(l);
-        }
-        for (c, w) in want.iter().enumerate() {
+        // The root's successors: the branches and `mixed`.
+        let fan = width + 1;
+        let nulls = if fan <= GraphExec::MAX_GPU_FAN_OUT {
+            fan - 2
+        } else {
+            0
+        };
+        assert_eq!(exec.stats().nulls, nulls, "width {width}");
+        let token = s.q.queue().channel().token();
+        for replay in 0..3 {
+            let start = s.sim.launches().len();
+            let before = s.sim.stats_for(token).unwrap();
+            // SAFETY: the simulated GPU runs no kernels.
+            let f = unsafe { s.q.replay_graph(&mut exec) }.unwrap();
+            let ls = launched(&s, start, &f);
+            let after = s.sim.stats_for(token).unwrap();
             assert_eq!(
-                host.u64(cells.va() + 8 * c as u64),
-                *w,
-                "round {round}, cell {c}"
+                after.null_grids - before.null_grids,
+                nulls as u64,
+                "every null grid once"
             );
+            // The join counts every branch down; `mixed` its two predecessors.
+            assert_eq!(after.decrements - before.decrements, width as u64 + 2);
+            assert_eq!(
+                ls.len(),
+                width + 4,
+                "width {width}, replay {replay}: null grids launch nothing"
+            );
+            let pos = positions(&exec, &deps, &ls);
+            assert_order(&deps, &pos);
         }
     }
 }
@@ -1225,8 +1486,8 @@ fn the_public_graph_builder_derives_and_replays_in_order() {
     let stats = exec.direct().unwrap().stats();
     assert_eq!(
         (stats.heads, stats.links),
-        (3, 1),
-        "saxpy → step is a chain"
+        (1, 3),
+        "only the root is sent; the GPU schedules the rest"
     );
     let start = sim.launches().len();
     // SAFETY: the simulated GPU runs no kernels.

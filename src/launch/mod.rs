@@ -19,8 +19,8 @@ pub use copies::{ALL_LCES, CopyEngines, MAX_COPY_ENGINES};
 pub use module::{Global, Kernel, Module, VariableHome};
 pub use params::{Arg, ParamError};
 pub use queue::{
-    ComputeQueue, ComputeQueueConfig, GraphExec, GraphStats, LaunchConfig, LaunchMemory, Limits,
-    MAX_CLUSTER_BLOCKS, PreparedLaunch, StreamOrder, cluster_shape, settle,
+    ComputeQueue, ComputeQueueConfig, GraphExec, GraphSchedule, GraphStats, LaunchConfig,
+    LaunchMemory, Limits, MAX_CLUSTER_BLOCKS, PreparedLaunch, StreamOrder, cluster_shape, settle,
     validate as queue_validate,
 };
 

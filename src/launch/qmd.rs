@@ -134,6 +134,10 @@ impl Writer<'_> {
             }
         })
     }
+
+    fn get(&self, field: Field) -> u64 {
+        field.get(&self.words[..]).unwrap_or(0)
+    }
 }
 
 macro_rules! set {
@@ -610,6 +614,158 @@ pub fn set_chain_link(
                 set!(w, v04::ENABLE_PROGRAM_PRE_EXIT, 1);
             }
         }
+        Ok(())
+    })
+}
+
+/// What a completed grid does to one of its dependent QMDs (DEPENDENT_QMD_ACTION, with prefetch).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DependentAction {
+    /// QMD_SCHEDULE: schedules a dependent with no other predecessor.
+    Schedule,
+    /// QMD_DECREMENT_DEPENDENCE: counts one predecessor of a fan-in down; the dependent is scheduled when its
+    /// counter reaches zero.
+    Decrement,
+}
+
+/// How a node of a graph resolved on the GPU is built (see [`set_graph_node`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GraphNodeForm {
+    /// Up to two dependents, scheduled or counted down when this grid has completed.
+    pub dependents: [Option<(u64, DependentAction)>; 2],
+    /// DEPENDENCE_COUNTER: the predecessors that count this node down (0 unless it is a fan-in).
+    pub counter: u16,
+    /// Scheduled by its predecessors rather than sent: the node waits, once armed by a copying PCAS, for them
+    /// (REQUIRE_SCHEDULING_PCAS) and re-arms itself when it completes (SELF_COPY_ON_COMPLETION).
+    pub armed: bool,
+    /// A sink: when the grid has completed and its writes are visible to the CPU, add 1 to the 32-bit word here.
+    pub done: Option<u64>,
+    /// Constant bank 0 of each dependent that is a launch: bound as banks 5 and 6 (when the kernel leaves them
+    /// free) to be prefetched once this grid has completed, as libcuda's graph nodes do.
+    pub prefetch: [Option<ConstBuffer>; 2],
+}
+
+/// Makes a QMD built by [`build`] a node of a graph whose dependencies the compute work distributor resolves
+/// itself, as libcuda's graphs are built on Hopper (apex-trace of `probes/graph_fan.cu`, H100, 580.159.04): every
+/// node but the roots is armed once by a PCAS that copies its counter, then scheduled by its only predecessor or
+/// by the last of its fan-in's decrements, and re-arms itself on completion for the next replay. A node with
+/// dependents makes its writes visible GPU-wide first (an L1 membar with task chasing); a sink makes them visible
+/// to the system, then adds 1 to the graph's completion word. V04 only (returns false for other layouts).
+pub fn set_graph_node(
+    version: QmdVersion,
+    words: &mut [u32; QMD_WORDS],
+    form: &GraphNodeForm,
+) -> Result<bool, QmdError> {
+    edit_v04(version, words, |w| {
+        let slots = [
+            (v04::DEPENDENT_QMD0_POINTER, form.dependents[0]),
+            (v04::DEPENDENT_QMD1_POINTER, form.dependents[1]),
+        ];
+        for (i, (pointer, dep)) in (0u32..).zip(slots) {
+            let (va, action) = match dep {
+                Some((va, DependentAction::Schedule)) => {
+                    (va, v04::DEPENDENT_QMD_ACTION_QMD_SCHEDULE)
+                }
+                Some((va, DependentAction::Decrement)) => {
+                    (va, v04::DEPENDENT_QMD_ACTION_QMD_DECREMENT_DEPENDENCE)
+                }
+                None => (0, 0),
+            };
+            let on = u64::from(dep.is_some());
+            set!(w, v04::DEPENDENT_QMD_ENABLE(i), on);
+            set!(w, v04::DEPENDENT_QMD_ACTION(i), action);
+            set!(w, v04::DEPENDENT_QMD_PREFETCH(i), on);
+            w.set("DEPENDENT_QMD_POINTER", pointer, va >> 8)?;
+        }
+        let chases = form.dependents.iter().any(Option::is_some);
+        set!(
+            w,
+            v04::CWD_MEMBAR_TYPE,
+            if form.done.is_some() {
+                v04::CWD_MEMBAR_TYPE_L1_SYSMEMBAR
+            } else if chases {
+                v04::CWD_MEMBAR_TYPE_L1_MEMBAR
+            } else {
+                v04::CWD_MEMBAR_TYPE_L1_NONE
+            }
+        );
+        set!(w, v04::CWD_MEMBAR_TASK_CHASING_ENABLE, u64::from(chases));
+        // Pre-exit is programmatic launch ([`set_latch_arrive`] sets it for a producer whose consumer waits itself).
+        set!(w, v04::ENABLE_PROGRAM_PRE_EXIT, 0);
+        for (i, bank) in (5u32..).zip(form.prefetch) {
+            if let Some(cb) = bank
+                && w.get(v04::CONSTANT_BUFFER_VALID(i)) == 0
+            {
+                set!(w, v04::CONSTANT_BUFFER_VALID(i), 1);
+                set!(
+                    w,
+                    v04::CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(i),
+                    (cb.va >> 6) & 0xffff_ffff
+                );
+                set!(w, v04::CONSTANT_BUFFER_ADDR_UPPER_SHIFTED6(i), cb.va >> 38);
+                set!(
+                    w,
+                    v04::CONSTANT_BUFFER_SIZE_SHIFTED4(i),
+                    cb.size.div_ceil(16)
+                );
+                set!(
+                    w,
+                    v04::CONSTANT_BUFFER_PREFETCH(i),
+                    v04::CONSTANT_BUFFER_PREFETCH_PREFETCH_POST
+                );
+            }
+        }
+        // A root's own bank is fetched before it starts (the others' were prefetched by their predecessors).
+        if !form.armed {
+            set!(
+                w,
+                v04::CONSTANT_BUFFER_PREFETCH(0),
+                v04::CONSTANT_BUFFER_PREFETCH_PREFETCH_PRE
+            );
+        }
+        set!(w, v04::DEPENDENCE_COUNTER, form.counter);
+        set!(w, v04::REQUIRE_SCHEDULING_PCAS, u64::from(form.armed));
+        set!(w, v04::SELF_COPY_ON_COMPLETION, u64::from(form.armed));
+        match form.done {
+            Some(va) => {
+                set!(w, v04::RELEASE_ENABLE(0), 1);
+                set!(
+                    w,
+                    v04::RELEASE_STRUCTURE_SIZE(0),
+                    v04::RELEASE_STRUCTURE_SIZE_SEMAPHORE_ONE_WORD
+                );
+                set!(w, v04::RELEASE_PAYLOAD64B(0), 0);
+                set!(w, v04::RELEASE_REDUCTION_ENABLE(0), 1);
+                set!(
+                    w,
+                    v04::RELEASE_REDUCTION_OP(0),
+                    v04::RELEASE_REDUCTION_OP_RED_ADD
+                );
+                set!(
+                    w,
+                    v04::RELEASE_REDUCTION_FORMAT(0),
+                    v04::RELEASE_REDUCTION_FORMAT_UNSIGNED
+                );
+                set!(w, v04::RELEASE_SEMAPHORE0_ADDR_LOWER, va & 0xffff_ffff);
+                set!(w, v04::RELEASE_SEMAPHORE0_ADDR_UPPER, va >> 32);
+                set!(w, v04::RELEASE_SEMAPHORE0_PAYLOAD_LOWER, 1);
+                set!(w, v04::RELEASE_SEMAPHORE0_PAYLOAD_UPPER, 0);
+            }
+            None => set!(w, v04::RELEASE_ENABLE(0), 0),
+        }
+        Ok(())
+    })
+}
+
+/// Makes a QMD built by [`build`] a null grid (V04 only; returns false otherwise): no blocks, so it completes as
+/// soon as it is scheduled and only performs its dependent actions. libcuda spreads a fan-out wider than the two
+/// dependents a QMD has over such grids.
+pub fn set_null_grid(version: QmdVersion, words: &mut [u32; QMD_WORDS]) -> Result<bool, QmdError> {
+    edit_v04(version, words, |w| {
+        set!(w, v04::GRID_WIDTH, 0);
+        set!(w, v04::GRID_HEIGHT, 0);
+        set!(w, v04::GRID_DEPTH, 0);
+        set!(w, v04::PROGRAM_PREFETCH_SIZE, 0);
         Ok(())
     })
 }

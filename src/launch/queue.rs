@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tracing::debug;
 
-pub use graph_exec::{GraphExec, GraphStats};
+pub use graph_exec::{GraphExec, GraphSchedule, GraphStats};
 
 use crate::pushbuf::{Acquire, Fence, Queue, QueueConfig, Signal};
 use crate::rm::{GpuCore, Memory, MemoryDesc, Placement};
@@ -324,6 +324,7 @@ pub struct ComputeQueue {
     /// The chain being recorded by `record_launch_chained`, sent by `end_chain`.
     chain: Option<OpenChain>,
     chain_action: ChainAction,
+    graph_schedule: GraphSchedule,
     chain_part: usize,
     /// The printf FIFO of the modules launched so far (one per GPU), drained when the queue synchronizes.
     printf: Option<Arc<PrintfFifo>>,
@@ -476,6 +477,7 @@ impl ComputeQueue {
             timeout: config.timeout,
             chain: None,
             chain_action: ChainAction::InvalidateCopySchedule,
+            graph_schedule: GraphSchedule::Gpu,
             chain_part: config.chain_part.clamp(1, config.slots),
             printf: None,
             grid_barrier: None,
@@ -1245,6 +1247,11 @@ impl ComputeQueue {
     /// rewritten slots need; `Schedule` is what libcuda's graphs use for QMDs that never change.
     pub fn set_chain_action(&mut self, action: ChainAction) {
         self.chain_action = action;
+    }
+
+    /// How graphs instantiated from now on resolve their dependencies ([`GraphSchedule`]; `Gpu` by default).
+    pub fn set_graph_schedule(&mut self, schedule: GraphSchedule) {
+        self.graph_schedule = schedule;
     }
 
     fn end_open_chain(&mut self) -> Result<Option<Fence>> {

@@ -483,6 +483,23 @@ impl<'a> Push<'a> {
     /// Launches the QMD at `qmd_va` (256-byte aligned, below 2^40).
     #[inline]
     pub fn send_pcas(&mut self, qmd_va: u64) {
+        self.send_pcas_action(
+            qmd_va,
+            compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_INVALIDATE_PREFETCH_COPY_SCHEDULE,
+        );
+    }
+
+    /// Counts one predecessor of the armed QMD at `qmd_va` down (PCAS DECREMENT_DEPENDENCE): the compute work
+    /// distributor schedules it when its dependence counter reaches zero.
+    pub fn send_pcas_decrement(&mut self, qmd_va: u64) {
+        self.send_pcas_action(
+            qmd_va,
+            compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_DECREMENT_DEPENDENCE,
+        );
+    }
+
+    #[inline]
+    fn send_pcas_action(&mut self, qmd_va: u64, action: u32) {
         self.put(header(
             Header::Incrementing,
             Subchannel::COMPUTE,
@@ -496,11 +513,7 @@ impl<'a> Push<'a> {
             compute::SEND_SIGNALING_PCAS2_B,
             1,
         ));
-        self.put(
-            compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION.pack(
-                compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_INVALIDATE_PREFETCH_COPY_SCHEDULE,
-            ),
-        );
+        self.put(compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION.pack(action));
     }
 }
 

@@ -61,6 +61,8 @@ struct Compute {
     inline: Option<Inline>,
     launch: LaunchState,
     pcas_a: Option<u32>,
+    /// QMDs armed by a copying PCAS or dependent action and not yet scheduled: (counter, requirement), by address.
+    armed: std::collections::HashMap<u64, (u32, bool)>,
     /// An inline QMD being loaded (`SET_INLINE_QMD_ADDRESS_A/B`, then `LOAD_INLINE_QMD_DATA`).
     inline_qmd: Option<InlineQmd>,
     qmd_version: u32,
@@ -626,27 +628,44 @@ impl ChannelModel {
                     c.inline_qmd = None;
                     view.write(va, &bytes).map_err(mmu("inline QMD address"))?;
                     self.stats.inline_qmds += 1;
-                    self.launch(va, view, now, rec)?;
+                    self.launch(
+                        va,
+                        Event::HostSchedule {
+                            copy: true,
+                            force_require: false,
+                        },
+                        view,
+                        now,
+                        rec,
+                    )?;
                 }
             }
             compute::SEND_PCAS_A => c.pcas_a = Some(v),
             compute::SEND_SIGNALING_PCAS2_B => {
                 let action = compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION.unpack(v);
-                let schedules = [
-                    compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_SCHEDULE,
-                    compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_INVALIDATE_COPY_SCHEDULE,
-                    compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_PREFETCH_SCHEDULE,
-                    compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_INVALIDATE_PREFETCH_COPY_SCHEDULE,
-                    compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_INVALIDATE_PREFETCH_COPY_FORCE_REQUIRE_SCHEDULING,
-                ];
-                if schedules.contains(&action) {
+                let event = match action {
+                    compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_SCHEDULE
+                    | compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_PREFETCH_SCHEDULE => {
+                        Some(Event::HostSchedule { copy: false, force_require: false })
+                    }
+                    compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_INVALIDATE_COPY_SCHEDULE
+                    | compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_INVALIDATE_PREFETCH_COPY_SCHEDULE => {
+                        Some(Event::HostSchedule { copy: true, force_require: false })
+                    }
+                    compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_INVALIDATE_PREFETCH_COPY_FORCE_REQUIRE_SCHEDULING => {
+                        Some(Event::HostSchedule { copy: true, force_require: true })
+                    }
+                    compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_DECREMENT_DEPENDENCE => Some(Event::Decrement),
+                    _ => None,
+                };
+                if let Some(event) = event {
                     let a = c.pcas_a.ok_or(SimErrorKind::BadQmd {
                         qmd_va: 0,
                         violation: qmd::QmdViolation::State(
-                            "SEND_SIGNALING_PCAS2_B schedules a QMD but SEND_PCAS_A never named one",
+                            "SEND_SIGNALING_PCAS2_B acts on a QMD but SEND_PCAS_A never named one",
                         ),
                     })?;
-                    self.launch(u64::from(a) << 8, view, now, rec)?;
+                    self.launch(u64::from(a) << 8, event, view, now, rec)?;
                 }
             }
             method => {
@@ -660,28 +679,113 @@ impl ChannelModel {
         Ok(Flow::Continue)
     }
 
-    /// Launches the QMD at `qmd_va` and then, in order, every QMD it chains to (DEPENDENT_QMD0 with a schedule action):
-    /// the compute work distributor schedules each once the one before has completed.
+    /// Performs `event` on the QMD at `qmd_va` and then everything it leads to, in order: a QMD runs once it is
+    /// scheduled (not armed, or armed with no requirement and no count left, or counted down to zero), and when it
+    /// completes its dependents are scheduled or counted down (DEPENDENT_QMD0, then 1) and it re-arms itself if it
+    /// copies itself on completion. A model of the compute work distributor's dependency resolution as libcuda's
+    /// graphs use it; the work it leads to is finite or the graph has a cycle, which the hardware would run forever.
     fn launch(
         &mut self,
         qmd_va: u64,
+        event: Event,
         view: &SimView<'_>,
         now: &dyn Fn() -> u64,
         rec: &mut Records,
     ) -> Result<(), SimErrorKind> {
-        // A chain longer than any queue could hold is a cycle: the hardware would run it forever.
-        const MAX_CHAIN: usize = 1 << 20;
-        let mut next = Some(qmd_va);
-        for _ in 0..MAX_CHAIN {
-            match next {
-                Some(va) => next = self.launch_one(va, view, now, rec)?,
-                None => return Ok(()),
+        const MAX_STEPS: usize = 1 << 22;
+        let mut work = std::collections::VecDeque::from([(qmd_va, event)]);
+        for _ in 0..MAX_STEPS {
+            let Some((va, event)) = work.pop_front() else {
+                return Ok(());
+            };
+            if !self.schedules(va, event, view)? {
+                continue;
+            }
+            let d = self.launch_one(va, view, now, rec)?;
+            if d.self_copy {
+                let words = view.read_words(va, QMD_WORDS_V04).map_err(mmu("QMD"))?;
+                self.compute.armed.insert(va, qmd::arming(&words));
+            }
+            for &(dep, kind) in &d.dependents {
+                work.push_back((
+                    dep,
+                    match kind {
+                        qmd::DependentKind::Schedule => Event::Schedule { copy: false },
+                        qmd::DependentKind::CopySchedule => Event::Schedule { copy: true },
+                        qmd::DependentKind::Decrement => Event::Decrement,
+                    },
+                ));
             }
         }
         Err(SimErrorKind::BadQmd {
             qmd_va,
-            violation: qmd::QmdViolation::State("the chain of dependent QMDs does not end"),
+            violation: qmd::QmdViolation::State("the dependent QMDs it leads to do not end"),
         })
+    }
+
+    /// Applies `event` to the QMD at `va`'s armed state; whether it runs now.
+    fn schedules(
+        &mut self,
+        va: u64,
+        event: Event,
+        view: &SimView<'_>,
+    ) -> Result<bool, SimErrorKind> {
+        let bad = |why| SimErrorKind::BadQmd {
+            qmd_va: va,
+            violation: qmd::QmdViolation::State(why),
+        };
+        qmd::check_address(va).map_err(|v| SimErrorKind::BadQmd {
+            qmd_va: va,
+            violation: v,
+        })?;
+        let arm = |armed: &mut std::collections::HashMap<u64, (u32, bool)>, force: bool| {
+            view.read_words(va, QMD_WORDS_V04)
+                .map_err(mmu("QMD"))
+                .map(|w| {
+                    let (counter, require) = qmd::arming(&w);
+                    armed.insert(va, (counter, require || force));
+                })
+        };
+        let armed = &mut self.compute.armed;
+        let runs = match event {
+            Event::HostSchedule {
+                copy,
+                force_require,
+            } => {
+                if copy {
+                    arm(armed, force_require)?;
+                }
+                // A host PCAS schedules a QMD only when nothing else must: no requirement, no count.
+                match armed.get(&va) {
+                    None => true,
+                    Some(&(counter, require)) => counter == 0 && !require,
+                }
+            }
+            Event::Schedule { copy } => {
+                if copy {
+                    arm(armed, false)?;
+                }
+                match armed.get(&va) {
+                    None => true,
+                    Some(&(counter, _)) => counter == 0,
+                }
+            }
+            Event::Decrement => {
+                self.stats.decrements += 1;
+                let Some(state) = armed.get_mut(&va) else {
+                    return Err(bad("DECREMENT_DEPENDENCE on a QMD no copying PCAS armed"));
+                };
+                if state.0 == 0 {
+                    return Err(bad("DECREMENT_DEPENDENCE below zero"));
+                }
+                state.0 -= 1;
+                state.0 == 0
+            }
+        };
+        if runs {
+            armed.remove(&va);
+        }
+        Ok(runs)
     }
 
     /// Validates the QMD at `qmd_va` like Hopper and, if it would run, records it and performs its releases; returns
@@ -692,7 +796,7 @@ impl ChannelModel {
         view: &SimView<'_>,
         now: &dyn Fn() -> u64,
         rec: &mut Records,
-    ) -> Result<Option<u64>, SimErrorKind> {
+    ) -> Result<qmd::QmdDesc, SimErrorKind> {
         let bad = |violation| SimErrorKind::BadQmd { qmd_va, violation };
         qmd::check_address(qmd_va).map_err(bad)?;
         let words = view.read_words(qmd_va, QMD_WORDS_V04).map_err(mmu("QMD"))?;
@@ -705,9 +809,20 @@ impl ChannelModel {
                 qmd_va,
                 major_version: major as u8,
             });
-            return Ok(None);
+            return Ok(qmd::QmdDesc {
+                dependents: Vec::new(),
+                self_copy: false,
+                ..qmd::QmdDesc::null()
+            });
         }
         let d = qmd::check_fields(&words, self.sm_version).map_err(bad)?;
+        if d.null {
+            self.stats.null_grids += 1;
+            for r in &d.releases {
+                release(view, r, now)?;
+            }
+            return Ok(d);
+        }
         qmd::check_environment(&d, &self.compute.launch, view).map_err(|e| match e {
             EnvFault::Address { what, va, len } => SimErrorKind::Mmu {
                 what,
@@ -724,19 +839,7 @@ impl ChannelModel {
         view.read(cb0, &mut driver)
             .map_err(mmu("constant bank 0"))?;
         for r in &d.releases {
-            let res = match r.kind {
-                ReleaseKind::FourWords { payload64 } => {
-                    let first = if payload64 {
-                        view.write_u64(r.va, r.payload)
-                    } else {
-                        view.write_u32(r.va, r.payload as u32)
-                    };
-                    first.and_then(|()| view.write_u64(r.va + 8, now()))
-                }
-                ReleaseKind::OneWord => view.write_u32(r.va, r.payload as u32),
-                ReleaseKind::TwoWords => view.write_u64(r.va, r.payload),
-            };
-            res.map_err(mmu("QMD release semaphore"))?;
+            release(view, r, now)?;
         }
         self.stats.launches += 1;
         rec.launches.push(Launch {
@@ -759,7 +862,7 @@ impl ChannelModel {
                 .collect(),
             releases: d.releases.iter().map(|r| (r.va, r.payload)).collect(),
         });
-        Ok(d.dependent)
+        Ok(d)
     }
 
     /// Posts the error to the channel's notifier the way RM does and stops the channel.
@@ -781,6 +884,38 @@ impl ChannelModel {
             kind,
         });
     }
+}
+
+/// What reaches a QMD: a PCAS from the host (copying or not), a predecessor's schedule or decrement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Event {
+    HostSchedule { copy: bool, force_require: bool },
+    Schedule { copy: bool },
+    Decrement,
+}
+
+/// Performs one release of a completed QMD.
+fn release(
+    view: &SimView<'_>,
+    r: &qmd::ReleaseDesc,
+    now: &dyn Fn() -> u64,
+) -> Result<(), SimErrorKind> {
+    let res = match r.kind {
+        ReleaseKind::FourWords { payload64 } => {
+            let first = if payload64 {
+                view.write_u64(r.va, r.payload)
+            } else {
+                view.write_u32(r.va, r.payload as u32)
+            };
+            first.and_then(|()| view.write_u64(r.va + 8, now()))
+        }
+        ReleaseKind::OneWord => view.write_u32(r.va, r.payload as u32),
+        ReleaseKind::AddOneWord => view
+            .read_words(r.va, 1)
+            .and_then(|w| view.write_u32(r.va, w[0].wrapping_add(r.payload as u32))),
+        ReleaseKind::TwoWords => view.write_u64(r.va, r.payload),
+    };
+    res.map_err(mmu("QMD release semaphore"))
 }
 
 /// Methods that carry a 64-bit value in two halves: the upper half (A) and the lower half (B).

@@ -226,6 +226,10 @@ pub struct ChannelStats {
     pub doorbells: u64,
     /// QMDs launched inline from the pushbuffer (`LOAD_INLINE_QMD_DATA`).
     pub inline_qmds: u64,
+    /// Dependence counters counted down (a PCAS or a completed QMD's DECREMENT_DEPENDENCE).
+    pub decrements: u64,
+    /// Null grids (QMDs of no blocks) scheduled: they only perform their dependent actions.
+    pub null_grids: u64,
     /// Of the doorbells, those the model missed on purpose (`SimConfig::lost_doorbells`).
     pub lost_doorbells: u64,
     /// Whether the channel faulted (it executes nothing more).

@@ -149,6 +149,8 @@ pub enum ReleaseKind {
     },
     /// A 32-bit payload alone.
     OneWord,
+    /// A 32-bit payload added (unsigned, wrapping) to the word there.
+    AddOneWord,
     /// A 64-bit payload alone.
     TwoWords,
 }
@@ -187,8 +189,50 @@ pub struct QmdDesc {
     pub const_banks: [Option<(u64, u64)>; 8],
     /// The semaphores released when the grid completes, in the QMD's order.
     pub releases: Vec<ReleaseDesc>,
-    /// The QMD the compute work distributor schedules once this grid has completed (DEPENDENT_QMD0).
-    pub dependent: Option<u64>,
+    /// What the compute work distributor does once this grid has completed, in order (DEPENDENT_QMD0, then 1).
+    pub dependents: Vec<(u64, DependentKind)>,
+    /// DEPENDENCE_COUNTER: the decrements it waits for once armed.
+    pub counter: u32,
+    /// REQUIRE_SCHEDULING_PCAS: once armed, a PCAS from the host does not schedule it; a predecessor must.
+    pub require: bool,
+    /// SELF_COPY_ON_COMPLETION: it re-arms itself (counter and requirement) when it completes.
+    pub self_copy: bool,
+    /// A grid of no blocks: it completes as soon as it is scheduled and only performs its dependent actions.
+    pub null: bool,
+}
+
+impl QmdDesc {
+    /// A description with nothing in it: no launch, no dependents, nothing armed.
+    pub fn null() -> QmdDesc {
+        QmdDesc {
+            grid: [0; 3],
+            cluster: None,
+            block: [0; 3],
+            shared_bytes: 0,
+            registers: 0,
+            barriers: 0,
+            program_va: 0,
+            local_bytes_per_thread: 0,
+            const_banks: [None; 8],
+            releases: Vec::new(),
+            dependents: Vec::new(),
+            counter: 0,
+            require: false,
+            self_copy: false,
+            null: true,
+        }
+    }
+}
+
+/// A dependent QMD action the model performs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DependentKind {
+    /// QMD_SCHEDULE.
+    Schedule,
+    /// QMD_INVALIDATE_COPY_SCHEDULE: arm from memory, then schedule.
+    CopySchedule,
+    /// QMD_DECREMENT_DEPENDENCE.
+    Decrement,
 }
 
 fn get(words: &[u32], f: crate::hw::Field) -> u64 {
@@ -222,6 +266,25 @@ pub fn check_fields(words: &[u32], sm_version: u32) -> Result<QmdDesc, QmdViolat
         return Err(QmdViolation::SassVersion {
             found: sass,
             expected: expected_sass,
+        });
+    }
+    let raw_grid = [
+        get(words, v04::GRID_WIDTH),
+        get(words, v04::GRID_HEIGHT),
+        get(words, v04::GRID_DEPTH),
+    ];
+    if raw_grid == [0; 3] {
+        // A null grid (libcuda's fan-out helpers): nothing runs, so nothing about a launch is checked.
+        let mut releases = Vec::new();
+        for i in 0..RELEASES {
+            if get(words, v04::RELEASE_ENABLE(i)) != 0 {
+                releases.push(check_release(words, i)?);
+            }
+        }
+        return Ok(QmdDesc {
+            releases,
+            null: true,
+            ..scheduling(words)?
         });
     }
     let axes = ["x", "y", "z"];
@@ -312,26 +375,7 @@ pub fn check_fields(words: &[u32], sm_version: u32) -> Result<QmdDesc, QmdViolat
         }
         releases.push(check_release(words, i)?);
     }
-    if get(words, v04::DEPENDENT_QMD_ENABLE(1)) != 0 {
-        return Err(QmdViolation::State(
-            "a second dependent QMD (not modelled by the simulator)",
-        ));
-    }
-    let dependent = if get(words, v04::DEPENDENT_QMD_ENABLE(0)) != 0 {
-        let action = get(words, v04::DEPENDENT_QMD_ACTION(0)) as u32;
-        if action != v04::DEPENDENT_QMD_ACTION_QMD_SCHEDULE
-            && action != v04::DEPENDENT_QMD_ACTION_QMD_INVALIDATE_COPY_SCHEDULE
-        {
-            return Err(QmdViolation::State(
-                "a dependent QMD action other than SCHEDULE or INVALIDATE_COPY_SCHEDULE (not modelled)",
-            ));
-        }
-        Some(get(words, v04::DEPENDENT_QMD0_POINTER) << 8)
-    } else {
-        None
-    };
     Ok(QmdDesc {
-        dependent,
         cluster,
         grid: grid.map(|g| g as u32),
         block: block.map(|b| b as u32),
@@ -343,7 +387,52 @@ pub fn check_fields(words: &[u32], sm_version: u32) -> Result<QmdDesc, QmdViolat
         local_bytes_per_thread: get(words, v04::SHADER_LOCAL_MEMORY_HIGH_SIZE) as u32,
         const_banks,
         releases,
+        null: false,
+        ..scheduling(words)?
     })
+}
+
+/// The scheduling half of a QMD's description: dependents, counter, requirement, self-copy (the launch fields
+/// empty).
+fn scheduling(words: &[u32]) -> Result<QmdDesc, QmdViolation> {
+    let mut dependents = Vec::new();
+    let pointers = [v04::DEPENDENT_QMD0_POINTER, v04::DEPENDENT_QMD1_POINTER];
+    for (i, pointer) in (0u32..).zip(pointers) {
+        if get(words, v04::DEPENDENT_QMD_ENABLE(i)) == 0 {
+            continue;
+        }
+        let kind = match get(words, v04::DEPENDENT_QMD_ACTION(i)) as u32 {
+            v04::DEPENDENT_QMD_ACTION_QMD_SCHEDULE => DependentKind::Schedule,
+            v04::DEPENDENT_QMD_ACTION_QMD_INVALIDATE_COPY_SCHEDULE => DependentKind::CopySchedule,
+            v04::DEPENDENT_QMD_ACTION_QMD_DECREMENT_DEPENDENCE => DependentKind::Decrement,
+            _ => {
+                return Err(QmdViolation::State(
+                    "a dependent QMD action other than SCHEDULE, INVALIDATE_COPY_SCHEDULE or DECREMENT_DEPENDENCE \
+                     (not modelled)",
+                ));
+            }
+        };
+        let va = get(words, pointer) << 8;
+        check_address(va)?;
+        dependents.push((va, kind));
+    }
+    Ok(QmdDesc {
+        dependents,
+        counter: get(words, v04::DEPENDENCE_COUNTER) as u32,
+        require: get(words, v04::REQUIRE_SCHEDULING_PCAS) != 0,
+        self_copy: get(words, v04::SELF_COPY_ON_COMPLETION) != 0,
+        null: false,
+        ..QmdDesc::null()
+    })
+}
+
+/// What arming a QMD (a PCAS or dependent action that copies it) records from its memory: the counter and the
+/// requirement, without checking the rest of it.
+pub fn arming(words: &[u32]) -> (u32, bool) {
+    (
+        get(words, v04::DEPENDENCE_COUNTER) as u32,
+        get(words, v04::REQUIRE_SCHEDULING_PCAS) != 0,
+    )
 }
 
 /// Most blocks in a cluster Hopper runs (16 with the non-portable opt-in; 8 is the portable size).
@@ -464,10 +553,18 @@ fn check_release(words: &[u32], i: u32) -> Result<ReleaseDesc, QmdViolation> {
             v04::RELEASE_SEMAPHORE2_PAYLOAD_UPPER,
         ),
     };
-    if get(words, v04::RELEASE_REDUCTION_ENABLE(i)) != 0 {
+    let reduction = get(words, v04::RELEASE_REDUCTION_ENABLE(i)) != 0;
+    if reduction
+        && (get(words, v04::RELEASE_REDUCTION_OP(i))
+            != u64::from(v04::RELEASE_REDUCTION_OP_RED_ADD)
+            || get(words, v04::RELEASE_REDUCTION_FORMAT(i))
+                != u64::from(v04::RELEASE_REDUCTION_FORMAT_UNSIGNED)
+            || get(words, v04::RELEASE_STRUCTURE_SIZE(i))
+                != u64::from(v04::RELEASE_STRUCTURE_SIZE_SEMAPHORE_ONE_WORD))
+    {
         return Err(QmdViolation::Release {
             index: i,
-            why: "reductions are not modelled",
+            why: "reductions other than an unsigned one-word add are not modelled",
         });
     }
     let va = get(words, addr_lo) | (get(words, addr_hi) << 32);
@@ -477,6 +574,7 @@ fn check_release(words: &[u32], i: u32) -> Result<ReleaseDesc, QmdViolation> {
         v04::RELEASE_STRUCTURE_SIZE_SEMAPHORE_FOUR_WORDS => {
             (ReleaseKind::FourWords { payload64 }, 16)
         }
+        v04::RELEASE_STRUCTURE_SIZE_SEMAPHORE_ONE_WORD if reduction => (ReleaseKind::AddOneWord, 4),
         v04::RELEASE_STRUCTURE_SIZE_SEMAPHORE_ONE_WORD => (ReleaseKind::OneWord, 4),
         v04::RELEASE_STRUCTURE_SIZE_SEMAPHORE_TWO_WORDS => (ReleaseKind::TwoWords, 8),
         _ => {
@@ -544,7 +642,7 @@ pub fn check_environment(
     for r in &d.releases {
         let len = match r.kind {
             ReleaseKind::FourWords { .. } => 16,
-            ReleaseKind::OneWord => 4,
+            ReleaseKind::OneWord | ReleaseKind::AddOneWord => 4,
             ReleaseKind::TwoWords => 8,
         };
         if !mem.contains(r.va, len) {

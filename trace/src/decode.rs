@@ -32,6 +32,10 @@ struct Upload {
 pub struct Segment {
     pub methods: Vec<MethodRecord>,
     pub launches: Vec<LaunchRecord>,
+    /// QMD-sized inline uploads that decode as a QMD, in upload order (see [`Record::QmdUpload`]).
+    ///
+    /// [`Record::QmdUpload`]: crate::record::Record::QmdUpload
+    pub qmd_uploads: Vec<LaunchRecord>,
     pub undecoded: Option<Undecoded>,
 }
 
@@ -89,7 +93,7 @@ impl ChannelDecoder {
         for m in &decoded {
             let compute = is_compute(self.classes.class(m.subchannel));
             if compute {
-                self.track(m, t_ns, read, &mut out.launches);
+                self.track(m, t_ns, read, &mut out);
             }
             fold(&mut out.methods, m);
         }
@@ -101,7 +105,7 @@ impl ChannelDecoder {
         m: &DecodedMethod,
         t_ns: u64,
         read: &dyn Fn(u64, usize) -> Option<Vec<u8>>,
-        launches: &mut Vec<LaunchRecord>,
+        out: &mut Segment,
     ) {
         match m.name.as_deref() {
             Some("OFFSET_OUT_UPPER") => self.offset_out_upper = m.value,
@@ -129,6 +133,15 @@ impl ChannelDecoder {
                     let mut up = self.upload.take().expect("checked above");
                     if up.keep {
                         up.data.truncate(up.len as usize);
+                        if up.data.len() == QMD_BYTES
+                            && let Some(mut l) = decode_launch(&up.data)
+                        {
+                            l.t_ns = t_ns;
+                            l.channel = self.channel;
+                            l.qmd_va = up.dst;
+                            l.source = "upload".to_string();
+                            out.qmd_uploads.push(l);
+                        }
                         if self.uploads.len() == UPLOADS_KEPT {
                             self.uploads.pop_front();
                         }
@@ -155,7 +168,7 @@ impl ChannelDecoder {
                     l.channel = self.channel;
                     l.qmd_va = va;
                     l.source = source.to_string();
-                    launches.push(l);
+                    out.launches.push(l);
                 }
             }
             _ => {}

@@ -11,6 +11,10 @@ pub enum Record {
     Channel(ChannelRecord),
     Submission(SubmissionRecord),
     Launch(LaunchRecord),
+    /// A QMD written by an inline upload, launched or not: the nodes of a CUDA graph are uploaded once and
+    /// then scheduled by the GPU itself (as another QMD's dependent), never by SEND_PCAS_A. `source` is
+    /// `upload`, `qmd_va` where it was written.
+    QmdUpload(LaunchRecord),
     DriverLaunch(DriverLaunchRecord),
     Summary(SummaryRecord),
 }

@@ -433,6 +433,7 @@ impl Tracer {
                         sub.methods = seg.methods;
                         sub.undecoded = seg.undecoded;
                         out.push(Record::Submission(sub));
+                        out.extend(seg.qmd_uploads.into_iter().map(Record::QmdUpload));
                         out.extend(seg.launches.into_iter().map(Record::Launch));
                     }
                     None => {
@@ -507,7 +508,7 @@ impl Stats {
                     self.names.insert(l.program_address, name);
                 }
             }
-            Record::Launch(_) => {}
+            Record::Launch(_) | Record::QmdUpload(_) => {}
             Record::DriverLaunch(d) => {
                 self.s.driver_launches += 1;
                 let name = d

@@ -148,6 +148,16 @@ fn inline_qmd_upload_then_send_pcas_is_a_launch() {
     let l = &seg.launches[0];
     assert_eq!((l.channel, l.qmd_va, l.source.as_str()), (7, va, "inline"));
     assert_eq!((l.grid, l.block), ([2, 1, 1], [32, 1, 1]));
+    // The upload itself is a QMD record too, launched or not (graph nodes never are).
+    assert_eq!(seg.qmd_uploads.len(), 1);
+    assert_eq!(
+        (
+            seg.qmd_uploads[0].qmd_va,
+            seg.qmd_uploads[0].source.as_str()
+        ),
+        (va, "upload")
+    );
+    assert_eq!(seg.qmd_uploads[0].fields, l.fields);
     // The 96 inline words are folded into one method record.
     let run = seg.methods.iter().find(|m| m.run.is_some()).unwrap();
     assert_eq!(run.run.as_ref().unwrap().0, 96);
@@ -160,6 +170,22 @@ fn inline_qmd_upload_then_send_pcas_is_a_launch() {
     });
     assert_eq!(seg.launches[0].source, "memory");
     assert_eq!(seg.launches[0].grid, [2, 1, 1]);
+    assert!(seg.qmd_uploads.is_empty());
+    // An upload that is not QMD-sized is no QMD record.
+    let mut dec = ChannelDecoder::new(7);
+    let mut w = vec![
+        inc(1, cbc0::OFFSET_OUT_UPPER, 2),
+        (va >> 32) as u32,
+        va as u32,
+        inc(1, cbc0::LINE_LENGTH_IN, 2),
+        8,
+        1,
+        inc(1, cbc0::LAUNCH_DMA, 1),
+        0x41,
+        non_inc(1, cbc0::LOAD_INLINE_DATA, 2),
+    ];
+    w.extend(&[4, 0]);
+    assert!(dec.segment(&w, 0, &|_, _| None).qmd_uploads.is_empty());
 }
 
 #[test]

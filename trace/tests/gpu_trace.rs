@@ -111,6 +111,7 @@ fn summarize(records: &[Record]) {
             Record::Channel(_) => "channel",
             Record::Submission(_) => "submission",
             Record::Launch(_) => "launch",
+            Record::QmdUpload(_) => "qmd_upload",
             Record::DriverLaunch(_) => "driver_launch",
             Record::Summary(_) => "summary",
         };
