@@ -440,3 +440,31 @@ fn a_long_chain_is_sent_part_by_part_while_it_is_recorded() {
         .collect();
     assert_eq!(tags, (0..10).collect::<Vec<_>>());
 }
+
+#[test]
+fn a_launch_right_after_a_wait_needs_no_acquire_of_its_own() {
+    let (gpu, sim, mut q, module) = setup();
+    let k = module.kernel("empty").unwrap();
+    let one = LaunchConfig::linear(1, 1);
+    let flag = page(&gpu);
+    flag.write(0, &1u64.to_le_bytes()).unwrap();
+    let token = q.queue().channel().token();
+    // SAFETY: the model does not execute kernels.
+    unsafe { q.launch(&k, &one, &[]) }.unwrap().wait(T).unwrap();
+    sim.pause();
+    // SAFETY: as above.
+    let first = unsafe { q.launch(&k, &one, &[]) }.unwrap();
+    let before = sim.stats_for(token).unwrap();
+    q.wait_value(flag.va(), 1).unwrap();
+    q.wait_value(flag.va(), 1).unwrap();
+    // SAFETY: as above.
+    let last = unsafe { q.launch(&k, &one, &[]) }.unwrap();
+    sim.resume();
+    last.wait(T).unwrap();
+    assert!(first.is_done());
+    let after = sim.stats_for(token).unwrap();
+    // The first wait acquires the flag and the launch before it; the second only the flag (the front end released
+    // the first wait's value after its acquires); the launch after them nothing.
+    assert_eq!(after.acquires - before.acquires, 3);
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+}

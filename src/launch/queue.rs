@@ -304,6 +304,10 @@ pub struct ComputeQueue {
     seen_generation: u64,
     /// Launches recorded without their own completion signal since the last join.
     unordered_pending: bool,
+    /// The last timeline value the front end released itself after acquiring everything before it (a wait or a
+    /// release of a value): a launch right after it needs no acquire of its own, the in-order front end has already
+    /// waited.
+    front_settled: u64,
     /// How a launch waits for the previous one: the acquire comparison and whether the scheduler may switch
     /// channel groups while it waits.
     ordering: StreamOrder,
@@ -463,6 +467,7 @@ impl ComputeQueue {
             retired_local: Vec::new(),
             seen_generation: 0,
             unordered_pending: false,
+            front_settled: 0,
             ordering: StreamOrder::Acquire {
                 cmp: Acquire::CircularGeq,
                 switch_tsg: false,
@@ -834,6 +839,18 @@ impl ComputeQueue {
 
     /// Sends an open chain and joins unordered launches, so that the queue's last timeline value covers all its
     /// work so far; returns that value (what later work waits for).
+    /// Whether work sent after timeline value `prev` on this queue's channel needs no acquire of it: the CPU has
+    /// seen it reached, or the front end released it itself after waiting for everything before it (its in-order
+    /// processing then holds later methods until then).
+    fn settled(&self, prev: u64) -> bool {
+        prev == self.front_settled || self.queue.timeline().is_known_reached(prev)
+    }
+
+    /// Whether `prev` is settled ([`settled`](Self::settled)), reading the timeline if need be.
+    pub(crate) fn settled_now(&self, prev: u64) -> bool {
+        prev == self.front_settled || self.queue.timeline().is_reached(prev)
+    }
+
     fn settle_earlier(&mut self) -> Result<u64> {
         self.end_open_chain()?;
         if self.unordered_pending {
@@ -847,17 +864,19 @@ impl ComputeQueue {
     /// CUDA stream's `cuStreamWriteValue64`. The word must be mapped in this GPU's address space.
     pub fn wait_value(&mut self, va: u64, value: u64) -> Result<Fence> {
         let prev = self.settle_earlier()?;
-        let prev_done = self.queue.timeline().is_known_reached(prev);
+        let prev_done = self.settled(prev);
         let timeline_va = self.queue.timeline().va();
         // No wait for idle: the acquires order the release, and the timeline's earlier values were released after
         // their own work, so this value still means "everything before is done".
-        Ok(self.queue.submit(24, Signal::Recorded, |p, own| {
+        let fence = self.queue.submit(24, Signal::Recorded, |p, own| {
             p.sem_acquire(va, value, Acquire::CircularGeq, true, false);
             if !prev_done {
                 p.sem_acquire(timeline_va, prev, Acquire::CircularGeq, true, false);
             }
             p.sem_release(timeline_va, own, crate::pushbuf::Release::NOW_64);
-        })?)
+        })?;
+        self.front_settled = fence.value();
+        Ok(fence)
     }
 
     /// Writes the 64-bit `value` at `va` once every earlier launch and copy of this queue has completed (their
@@ -865,17 +884,19 @@ impl ComputeQueue {
     /// queue.
     pub fn release_value(&mut self, va: u64, value: u64) -> Result<Fence> {
         let prev = self.settle_earlier()?;
-        let prev_done = self.queue.timeline().is_known_reached(prev);
+        let prev_done = self.settled(prev);
         let timeline_va = self.queue.timeline().va();
         // Every earlier value was released after its work and its memory barrier, so once the acquire sees `prev`
         // the writes are visible: release at once, without waiting for the engine to idle (which costs ~1.5 us).
-        Ok(self.queue.submit(24, Signal::Recorded, |p, own| {
+        let fence = self.queue.submit(24, Signal::Recorded, |p, own| {
             if !prev_done {
                 p.sem_acquire(timeline_va, prev, Acquire::CircularGeq, true, false);
             }
             p.sem_release(va, value, crate::pushbuf::Release::NOW_64);
             p.sem_release(timeline_va, own, crate::pushbuf::Release::NOW_64);
-        })?)
+        })?;
+        self.front_settled = fence.value();
+        Ok(fence)
     }
 
     /// Makes this queue's later work wait, on the GPU, for `fence` of another queue, on this GPU or another one
@@ -1013,7 +1034,7 @@ impl ComputeQueue {
         let prev = self.queue.last_submitted();
         // Only what an earlier read showed: reading the semaphore would cost a cache miss on every launch, and an
         // acquire of a value already released costs the GPU little.
-        let prev_done = !ordered || self.queue.timeline().is_known_reached(prev);
+        let prev_done = !ordered || self.settled(prev);
         let invalidate = self.seen_generation < kernel.module().generation();
         let fence = self.send_slot(slot, invalidate, prev_done, prev)?;
         debug_assert_eq!(fence.value(), prev + 1);
@@ -1264,7 +1285,7 @@ impl ComputeQueue {
         }
         let prev = self.queue.last_submitted();
         let value = prev + 1;
-        let prev_done = self.queue.timeline().is_reached(prev);
+        let prev_done = self.settled_now(prev);
         let cb_va = self.slot_qmd_va(c.last_slot) + QMD_BYTES;
         qmd::patch_launch(self.version, &mut c.last_qmd, cb_va, Some(value))?;
         qmd::set_chain_link(self.version, &mut c.last_qmd, None)?;

@@ -624,7 +624,7 @@ impl ComputeQueue {
         }
         if !exec.pieces.is_empty() {
             let prev = self.queue.last_submitted();
-            let prev_done = self.queue.timeline().is_reached(prev);
+            let prev_done = self.settled_now(prev);
             let new_code = self.seen_generation < exec.generation;
             let invalidate = new_code || exec.banks_written;
             if !prev_done || invalidate {
