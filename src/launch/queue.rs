@@ -448,8 +448,12 @@ impl ComputeQueue {
                 .with_cpu()
                 .low(),
         )?;
-        // The constant banks' driver words are zero except the ones each launch writes, so zero them once.
-        slots.fill(0, slots.size(), 0)?;
+        // What the per-slot shadows say the slots hold: a zero QMD and zero driver words (the launches write only the
+        // words that differ), so zero those once; parameters are written whole by every launch, so the rest of each
+        // slot (most of its 33 KiB) is never read before it is written and is left as allocated.
+        for s in 0..config.slots as u64 {
+            slots.fill(s * SLOT_BYTES, QMD_BYTES + DRIVER_BYTES as u64, 0)?;
+        }
         let windows_va = gpu.window_range(WINDOWS_BYTES, WINDOW_ALIGN)?;
         let mut cq = ComputeQueue {
             id: NEXT_QUEUE_ID.fetch_add(1, Ordering::Relaxed),
