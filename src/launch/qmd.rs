@@ -483,12 +483,28 @@ pub fn patch_launch(
     payload: Option<u64>,
 ) -> Result<bool, QmdError> {
     edit_v04(version, words, |w| {
-        set!(
-            w,
-            v04::CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(0),
-            (cb0_va >> 6) & 0xffff_ffff
-        );
-        set!(w, v04::CONSTANT_BUFFER_ADDR_UPPER_SHIFTED6(0), cb0_va >> 38);
+        // Bank 5 follows bank 0 when it is bank 0's prefetch ([`prefetch_bank0`]).
+        let bank = |w: &Writer<'_>, i: u32| {
+            (
+                w.get(v04::CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(i)),
+                w.get(v04::CONSTANT_BUFFER_ADDR_UPPER_SHIFTED6(i)),
+            )
+        };
+        let follows = w.get(v04::CONSTANT_BUFFER_VALID(PREFETCH_BANK)) != 0
+            && w.get(v04::CONSTANT_BUFFER_PREFETCH(PREFETCH_BANK))
+                == u64::from(v04::CONSTANT_BUFFER_PREFETCH_PREFETCH_PRE)
+            && bank(w, PREFETCH_BANK) == bank(w, 0);
+        for i in [0, PREFETCH_BANK]
+            .into_iter()
+            .take(if follows { 2 } else { 1 })
+        {
+            set!(
+                w,
+                v04::CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(i),
+                (cb0_va >> 6) & 0xffff_ffff
+            );
+            set!(w, v04::CONSTANT_BUFFER_ADDR_UPPER_SHIFTED6(i), cb0_va >> 38);
+        }
         if let Some(payload) = payload {
             set!(
                 w,
@@ -614,6 +630,46 @@ pub fn set_chain_link(
                 set!(w, v04::ENABLE_PROGRAM_PRE_EXIT, 1);
             }
         }
+        Ok(())
+    })
+}
+
+/// The constant bank [`prefetch_bank0`] binds bank 0 again as.
+const PREFETCH_BANK: u32 = 5;
+
+/// Binds constant bank 0 a second time as bank 5 with PREFETCH_PRE, unless the kernel binds bank 5 itself (V04 only;
+/// returns false otherwise): the work distributor then fetches the launch's parameters and driver words before the
+/// grid starts, as libcuda's stream launches ask (their QMDs bind bank 5 at bank 0's address, research
+/// hopper-launch.md §5). [`patch_launch`] moves both together.
+pub fn prefetch_bank0(version: QmdVersion, words: &mut [u32; QMD_WORDS]) -> Result<bool, QmdError> {
+    edit_v04(version, words, |w| {
+        if w.get(v04::CONSTANT_BUFFER_VALID(PREFETCH_BANK)) != 0
+            || w.get(v04::CONSTANT_BUFFER_VALID(0)) == 0
+        {
+            return Ok(());
+        }
+        let (lo, hi, size) = (
+            w.get(v04::CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(0)),
+            w.get(v04::CONSTANT_BUFFER_ADDR_UPPER_SHIFTED6(0)),
+            w.get(v04::CONSTANT_BUFFER_SIZE_SHIFTED4(0)),
+        );
+        set!(w, v04::CONSTANT_BUFFER_VALID(PREFETCH_BANK), 1);
+        set!(
+            w,
+            v04::CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(PREFETCH_BANK),
+            lo
+        );
+        set!(
+            w,
+            v04::CONSTANT_BUFFER_ADDR_UPPER_SHIFTED6(PREFETCH_BANK),
+            hi
+        );
+        set!(w, v04::CONSTANT_BUFFER_SIZE_SHIFTED4(PREFETCH_BANK), size);
+        set!(
+            w,
+            v04::CONSTANT_BUFFER_PREFETCH(PREFETCH_BANK),
+            v04::CONSTANT_BUFFER_PREFETCH_PREFETCH_PRE
+        );
         Ok(())
     })
 }
@@ -822,6 +878,45 @@ mod tests {
             }
         }
         assert_eq!(release_payload_word(QmdVersion::V03), None);
+    }
+
+    #[test]
+    fn bank0_prefetch_is_bank5_at_bank0_and_moves_with_it() {
+        let mut q = [0u32; QMD_WORDS];
+        build(QmdVersion::V04, &add_kernel(), &mut q).unwrap();
+        let get = |q: &[u32; QMD_WORDS], f: Field| f.get(q).unwrap();
+        let bank = |q: &[u32; QMD_WORDS], i: u32| {
+            (
+                get(q, v04::CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(i)),
+                get(q, v04::CONSTANT_BUFFER_ADDR_UPPER_SHIFTED6(i)),
+                get(q, v04::CONSTANT_BUFFER_SIZE_SHIFTED4(i)),
+            )
+        };
+        assert!(prefetch_bank0(QmdVersion::V04, &mut q).unwrap());
+        assert_eq!(get(&q, v04::CONSTANT_BUFFER_VALID(5)), 1);
+        assert_eq!(
+            get(&q, v04::CONSTANT_BUFFER_PREFETCH(5)),
+            u64::from(v04::CONSTANT_BUFFER_PREFETCH_PREFETCH_PRE)
+        );
+        assert_eq!(bank(&q, 5), bank(&q, 0));
+        // A launch in another slot moves both.
+        patch_launch(QmdVersion::V04, &mut q, 0x7f00_1234_0040, Some(9)).unwrap();
+        assert_eq!(bank(&q, 0).0, (0x7f00_1234_0040u64 >> 6) & 0xffff_ffff);
+        assert_eq!(bank(&q, 5), bank(&q, 0));
+        // A kernel that binds bank 5 itself keeps it, and patching leaves it where it is.
+        let mut p = add_kernel();
+        p.const_buffers[5] = Some(ConstBuffer {
+            va: 0x7f00_0000_1000,
+            size: 256,
+        });
+        let mut q = [0u32; QMD_WORDS];
+        build(QmdVersion::V04, &p, &mut q).unwrap();
+        let own = bank(&q, 5);
+        prefetch_bank0(QmdVersion::V04, &mut q).unwrap();
+        patch_launch(QmdVersion::V04, &mut q, 0x7f00_1234_0040, None).unwrap();
+        assert_eq!(bank(&q, 5), own);
+        assert_eq!(get(&q, v04::CONSTANT_BUFFER_PREFETCH(5)), 0);
+        assert!(!prefetch_bank0(QmdVersion::V03, &mut q).unwrap());
     }
 
     #[test]

@@ -741,6 +741,7 @@ impl ComputeQueue {
         )?;
         let mut qmd = [0u32; QMD_WORDS];
         qmd::build(self.version, &params, &mut qmd)?;
+        qmd::prefetch_bank0(self.version, &mut qmd)?;
         let (driver, cluster) = self.bank_words(cfg, checked.1, None);
         Ok(PreparedLaunch {
             id: NEXT_PREPARED_ID.fetch_add(1, Ordering::Relaxed),
@@ -1110,6 +1111,7 @@ impl ComputeQueue {
                 release.map(|v| (release_va, v)),
             )?;
             qmd::build(self.version, &params, &mut q)?;
+            qmd::prefetch_bank0(self.version, &mut q)?;
             self.template = Some((key, q));
         }
 
