@@ -1,7 +1,7 @@
 //! The QMD APEX builds for a known launch against the one libcuda built for the same launch on the H200
 //! (`add<<<2,32>>>`, research/hopper-launch.md §5), field by field wherever the fields mean the same thing.
 
-use apex::launch::qmd::{ConstBuffer, QMD_WORDS, QmdParams, QmdVersion, build};
+use apex::launch::qmd::{ConstBuffer, QMD_WORDS, QmdParams, QmdVersion, build, prefetch_bank0};
 use apex::pushbuf::decode::decode_qmd;
 
 /// QMD B as libcuda uploaded it (comment lines start with #).
@@ -32,9 +32,10 @@ const DIFFERENT_BY_DESIGN: &[(&str, &str)] = &[
     ("DEPENDENT_QMD0_POINTER", "as above"),
 ];
 
-/// libcuda also binds its driver banks 1, 5 and 7; APEX binds bank 0 (and the module's own banks).
+/// libcuda also binds its driver banks 1 and 7; APEX binds bank 0 (and the module's own banks), and bank 0 again as
+/// bank 5 to be prefetched, as libcuda does.
 fn libcuda_only_bank(name: &str) -> bool {
-    ["(1)", "(5)", "(7)"]
+    ["(1)", "(7)"]
         .iter()
         .any(|b| name.starts_with("CONSTANT_BUFFER_") && name.ends_with(b))
 }
@@ -53,6 +54,8 @@ fn apex_qmd_matches_libcudas_field_by_field() {
     let params: QmdParams = include!("fixtures/qmd_b_add_params.rs");
     let mut ours = [0u32; QMD_WORDS];
     build(QmdVersion::V04, &params, &mut ours).unwrap();
+    // What a stream-order launch adds to the built QMD.
+    prefetch_bank0(QmdVersion::V04, &mut ours).unwrap();
     let ours: Vec<u8> = ours.iter().flat_map(|w| w.to_le_bytes()).collect();
 
     let a = decode_qmd(4, &theirs).unwrap();
@@ -80,6 +83,8 @@ fn apex_qmd_matches_libcudas_field_by_field() {
         "PROGRAM_ADDRESS_LOWER",
         "CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(0)",
         "CONSTANT_BUFFER_SIZE_SHIFTED4(0)",
+        "CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(5)",
+        "CONSTANT_BUFFER_PREFETCH(5)",
         "SHADER_LOCAL_MEMORY_HIGH_SIZE",
         "RELEASE_SEMAPHORE0_ADDR_LOWER",
         "RELEASE_SEMAPHORE0_PAYLOAD_LOWER",
