@@ -1561,3 +1561,40 @@ fn the_public_graph_builder_derives_and_replays_in_order() {
 fn d_qmd(exec: &apex::GraphExec, node: NodeId) -> u64 {
     exec.direct().unwrap().qmd_va(node).unwrap()
 }
+
+#[test]
+fn wide_fan_outs_recorded_out_of_order_are_waited_for_in_dependency_order() {
+    // Two fan-outs wider than the work distributor takes, the one recorded first depending (explicit edge) on the
+    // one recorded second: the front end must wait for the second's word first, or it waits forever.
+    let mut s = setup();
+    let one = LaunchConfig::linear(1, 1);
+    let mut g = Graph::new();
+    let late = |g: &mut Graph<Kernel>| g.launch_args(&s.k.empty, one, &[]).unwrap();
+    let first = late(&mut g);
+    let a: Vec<NodeId> = (0..9).map(|_| late(&mut g)).collect();
+    let second = late(&mut g);
+    let b: Vec<NodeId> = (0..9).map(|_| late(&mut g)).collect();
+    for &x in &a {
+        g.edge(first, x).unwrap();
+    }
+    for &x in &b {
+        g.edge(second, x).unwrap();
+    }
+    g.edge(b[0], first).unwrap();
+    let deps = g.dependencies().unwrap();
+    let mut exec = s.q.instantiate_graph(&g).unwrap();
+    check_schedule(&deps, &exec);
+    assert_eq!(
+        exec.stats().waits,
+        3,
+        "two wide fan-outs and the completion word"
+    );
+    for _ in 0..2 {
+        let start = s.sim.launches().len();
+        // SAFETY: the simulated GPU runs no kernels.
+        let f = unsafe { s.q.replay_graph(&mut exec) }.unwrap();
+        let ls = launched(&s, start, &f);
+        let pos = positions(&exec, &deps, &ls);
+        assert_order(&deps, &pos);
+    }
+}

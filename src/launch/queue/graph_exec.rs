@@ -338,8 +338,12 @@ impl ComputeQueue {
         }
         // A fan-out wider than MAX_SPREAD is sent by the front end once the node has completed; narrower ones are
         // the work distributor's, over null grids beyond two.
+        // In topological order: the front end waits for them one after another, so a wide node must never be waited
+        // for before one it depends on (explicit edges may point backwards in recording order).
         let wide: Vec<usize> = if gpu {
-            (0..n)
+            deps.order()
+                .iter()
+                .map(|v| v.index())
                 .filter(|&u| deps.succs(id(u)).len() > MAX_SPREAD)
                 .collect()
         } else {
@@ -497,7 +501,12 @@ impl ComputeQueue {
         // Null grids: any node's QMD with no blocks (only its scheduling fields matter).
         for (k, deps_of) in nulls.iter().enumerate() {
             let mut q = [0u32; QMD_WORDS];
-            qmd::build(self.version, &nodes[0].qmd, &mut q)?;
+            // Any node's parameters but a cluster shape: a null grid is a plain GRID_CTA QMD.
+            let p = QmdParams {
+                cluster: None,
+                ..nodes[0].qmd
+            };
+            qmd::build(self.version, &p, &mut q)?;
             qmd::set_null_grid(self.version, &mut q)?;
             let f = GraphNodeForm {
                 dependents: deps_of.map(|t| t.map(target)),
