@@ -137,7 +137,6 @@ fn diamond(b: Backend) {
     }
 }
 
-/// A root, 32 branches that only depend on it, and a tree of additions that joins them pairwise.
 /// A root, `width` (a power of two) branches after it, and a tree of pairwise sums joining them.
 fn fan_out(b: Backend, width: usize) {
     const REPLAYS: usize = 3;
@@ -152,12 +151,23 @@ fn fan_out(b: Backend, width: usize) {
     let x = upload(&g, &mut q, &xs);
     let src = upload(&g, &mut q, &vec![0.0; n]);
     let mut gr = Graph::new();
-    gr.launch(&add, cfg, &[x.arg(), x.arg(), src.arg(), nn])
+    // The root accumulates: src = x + src, a new value every replay, so a branch that ran before its replay's root
+    // (an early send or schedule) would read the previous replay's src and be caught.
+    gr.launch(&saxpy, cfg, &[Arg::F32(1.0), x.arg(), src.arg(), nn])
         .unwrap()
         .reads(&x)
+        .reads(&src)
         .writes(&src);
     let mut level: Vec<(Buffer, Vec<f32>)> = Vec::new();
-    let twice: Vec<f32> = xs.iter().map(|v| v + v).collect();
+    // src after each replay.
+    let srcs: Vec<Vec<f32>> = (1..=REPLAYS)
+        .scan(vec![0.0f32; n], |s, _| {
+            for (v, x) in s.iter_mut().zip(&xs) {
+                *v = 1.0f32.mul_add(*x, *v);
+            }
+            Some(s.clone())
+        })
+        .collect();
     for k in 0..width as u32 {
         let init = noise(n, 100 + k);
         let o = upload(&g, &mut q, &init);
@@ -167,11 +177,9 @@ fn fan_out(b: Backend, width: usize) {
             .reads(&src)
             .reads(&o)
             .writes(&o);
-        // Every replay adds f · src again.
-        let want: Vec<f32> = init
-            .iter()
-            .zip(&twice)
-            .map(|(i, s)| (0..REPLAYS).fold(*i, |o, _| f.mul_add(*s, o)))
+        // Every replay adds f · (that replay's src).
+        let want: Vec<f32> = (0..n)
+            .map(|e| srcs.iter().fold(init[e], |o, s| f.mul_add(s[e], o)))
             .collect();
         level.push((o, want));
     }

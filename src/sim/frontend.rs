@@ -61,12 +61,34 @@ struct Compute {
     inline: Option<Inline>,
     launch: LaunchState,
     pcas_a: Option<u32>,
-    /// QMDs armed by a copying PCAS or dependent action and not yet scheduled: (counter, requirement), by address.
-    armed: std::collections::HashMap<u64, (u32, bool)>,
+    /// QMDs armed by a copying PCAS or dependent action (or re-armed by their self-copy) and not yet scheduled, by
+    /// address.
+    armed: std::collections::HashMap<u64, Armed>,
     /// An inline QMD being loaded (`SET_INLINE_QMD_ADDRESS_A/B`, then `LOAD_INLINE_QMD_DATA`).
     inline_qmd: Option<InlineQmd>,
     qmd_version: u32,
     spa_version: u32,
+}
+
+/// A QMD as the work distributor holds it once armed: its counter and requirement, and the QMD itself as it was
+/// when copied. The model runs that copy, not what memory holds later: a QMD rewritten in memory runs as rewritten
+/// only once a copying PCAS armed it again (the conservative reading; whether Hopper's self-copy re-reads memory is
+/// not known).
+#[derive(Debug)]
+struct Armed {
+    counter: u32,
+    require: bool,
+    words: Vec<u32>,
+}
+
+/// Whether and how a scheduled QMD runs.
+enum Run {
+    /// Not yet (armed and still waiting).
+    No,
+    /// From memory (a QMD never armed).
+    FromMemory,
+    /// The armed copy.
+    Armed(Vec<u32>),
 }
 
 #[derive(Debug, Default)]
@@ -698,13 +720,23 @@ impl ChannelModel {
             let Some((va, event)) = work.pop_front() else {
                 return Ok(());
             };
-            if !self.schedules(va, event, view)? {
-                continue;
-            }
-            let d = self.launch_one(va, view, now, rec)?;
+            let words = match self.schedules(va, event, view)? {
+                Run::No => continue,
+                Run::FromMemory => view.read_words(va, QMD_WORDS_V04).map_err(mmu("QMD"))?,
+                Run::Armed(words) => words,
+            };
+            let d = self.launch_one(va, &words, view, now, rec)?;
             if d.self_copy {
-                let words = view.read_words(va, QMD_WORDS_V04).map_err(mmu("QMD"))?;
-                self.compute.armed.insert(va, qmd::arming(&words));
+                // Re-armed from the copy it ran.
+                let (counter, require) = qmd::arming(&words);
+                self.compute.armed.insert(
+                    va,
+                    Armed {
+                        counter,
+                        require,
+                        words,
+                    },
+                );
             }
             for &(dep, kind) in &d.dependents {
                 work.push_back((
@@ -723,13 +755,13 @@ impl ChannelModel {
         })
     }
 
-    /// Applies `event` to the QMD at `va`'s armed state; whether it runs now.
+    /// Applies `event` to the QMD at `va`'s armed state; whether (and which copy of it) runs now.
     fn schedules(
         &mut self,
         va: u64,
         event: Event,
         view: &SimView<'_>,
-    ) -> Result<bool, SimErrorKind> {
+    ) -> Result<Run, SimErrorKind> {
         let bad = |why| SimErrorKind::BadQmd {
             qmd_va: va,
             violation: qmd::QmdViolation::State(why),
@@ -738,12 +770,19 @@ impl ChannelModel {
             qmd_va: va,
             violation: v,
         })?;
-        let arm = |armed: &mut std::collections::HashMap<u64, (u32, bool)>, force: bool| {
+        let arm = |armed: &mut std::collections::HashMap<u64, Armed>, force: bool| {
             view.read_words(va, QMD_WORDS_V04)
                 .map_err(mmu("QMD"))
-                .map(|w| {
-                    let (counter, require) = qmd::arming(&w);
-                    armed.insert(va, (counter, require || force));
+                .map(|words| {
+                    let (counter, require) = qmd::arming(&words);
+                    armed.insert(
+                        va,
+                        Armed {
+                            counter,
+                            require: require || force,
+                            words,
+                        },
+                    );
                 })
         };
         let armed = &mut self.compute.armed;
@@ -756,36 +795,35 @@ impl ChannelModel {
                     arm(armed, force_require)?;
                 }
                 // A host PCAS schedules a QMD only when nothing else must: no requirement, no count.
-                match armed.get(&va) {
-                    None => true,
-                    Some(&(counter, require)) => counter == 0 && !require,
-                }
+                armed.get(&va).is_none_or(|a| a.counter == 0 && !a.require)
             }
             Event::Schedule { copy } => {
                 if copy {
                     arm(armed, false)?;
                 }
-                match armed.get(&va) {
-                    None => true,
-                    Some(&(counter, _)) => counter == 0,
-                }
+                armed.get(&va).is_none_or(|a| a.counter == 0)
             }
             Event::Decrement => {
                 self.stats.decrements += 1;
                 let Some(state) = armed.get_mut(&va) else {
                     return Err(bad("DECREMENT_DEPENDENCE on a QMD no copying PCAS armed"));
                 };
-                if state.0 == 0 {
+                if state.counter == 0 {
                     return Err(bad("DECREMENT_DEPENDENCE below zero"));
                 }
-                state.0 -= 1;
-                state.0 == 0
+                state.counter -= 1;
+                state.counter == 0
             }
         };
-        if runs {
-            armed.remove(&va);
-        }
-        Ok(runs)
+        Ok(match (runs, armed.remove(&va)) {
+            (false, Some(a)) => {
+                armed.insert(va, a);
+                Run::No
+            }
+            (false, None) => Run::No,
+            (true, Some(a)) => Run::Armed(a.words),
+            (true, None) => Run::FromMemory,
+        })
     }
 
     /// Validates the QMD at `qmd_va` like Hopper and, if it would run, records it and performs its releases; returns
@@ -793,14 +831,14 @@ impl ChannelModel {
     fn launch_one(
         &mut self,
         qmd_va: u64,
+        words: &[u32],
         view: &SimView<'_>,
         now: &dyn Fn() -> u64,
         rec: &mut Records,
     ) -> Result<qmd::QmdDesc, SimErrorKind> {
         let bad = |violation| SimErrorKind::BadQmd { qmd_va, violation };
         qmd::check_address(qmd_va).map_err(bad)?;
-        let words = view.read_words(qmd_va, QMD_WORDS_V04).map_err(mmu("QMD"))?;
-        let major = qmd::major_version(&words);
+        let major = qmd::major_version(words);
         if major == 3 {
             // Hopper drops a V03 QMD without an error: nothing runs and nothing is released.
             self.stats.dropped_qmds += 1;
@@ -815,7 +853,7 @@ impl ChannelModel {
                 ..qmd::QmdDesc::null()
             });
         }
-        let d = qmd::check_fields(&words, self.sm_version).map_err(bad)?;
+        let d = qmd::check_fields(words, self.sm_version).map_err(bad)?;
         if d.null {
             self.stats.null_grids += 1;
             for r in &d.releases {

@@ -37,14 +37,10 @@ const NODE_ALIGN: u64 = 256;
 const SEMAPHORE_WORDS: usize = 6;
 /// Words of SEND_PCAS_A + SEND_SIGNALING_PCAS2_B.
 const PCAS_WORDS: usize = 4;
-/// Words of an inline upload besides its data (LINE_LENGTH_IN.. group, LAUNCH_DMA, the LOAD_INLINE_DATA header).
-const INLINE_UPLOAD_WORDS: usize = 8;
 /// The widest fan-out the work distributor resolves itself ([`GraphSchedule::Gpu`]): at most two levels of null
 /// grids. Measured on an H100 (empty kernels, replay + wait): a fan-out of 4 over nulls 8.61 µs against 8.79 µs
 /// sent by the front end; of 32, 16.38 µs over four levels against 14.95 µs.
 const MAX_SPREAD: usize = GraphExec::MAX_GPU_FAN_OUT;
-/// Completion words zeroed by one inline upload.
-const RESET_WORDS: usize = 64;
 
 /// How an instantiated graph's dependencies are resolved on the GPU ([`ComputeQueue::set_graph_schedule`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -719,10 +715,10 @@ struct GpuPlan<'a> {
     done: u64,
 }
 
-/// The methods of [`GraphSchedule::Gpu`]: zero the completion words (an inline upload, ordered before the roots by
-/// the compute engine), send every root; for each wide fan-out in topological order, wait for its word, then send
-/// its successors that have no other predecessor and count the others down (PCAS DECREMENT_DEPENDENCE); finally
-/// acquire the completion word at the number of sinks (each adds 1 when it has completed). Arming, pushed before
+/// The methods of [`GraphSchedule::Gpu`]: send every root; for each wide fan-out in topological order, wait for its
+/// word, then send its successors that have no other predecessor and count the others down (PCAS
+/// DECREMENT_DEPENDENCE); acquire the completion word at the number of sinks (each adds 1 when it has completed);
+/// finally zero the words for the next replay (they start zeroed at instantiation). Arming, pushed before
 /// the first replay and after an update rewrote a QMD: a copying PCAS for every node the work distributor
 /// schedules, sinks first, which records its counter and requirement without running it.
 fn gpu_methods(plan: &GpuPlan<'_>) -> Result<Methods> {
@@ -749,21 +745,14 @@ fn gpu_methods(plan: &GpuPlan<'_>) -> Result<Methods> {
         .collect();
     let sinks = (0..n).filter(|&v| deps.succs(id(v)).is_empty()).count();
     let fan_edges: usize = wide.iter().map(|&u| deps.succs(id(u)).len()).sum();
-    let zeros = [0u32; RESET_WORDS];
     let reset = wide.len() + 1;
-    let uploads = reset.div_ceil(RESET_WORDS);
     let mut words = vec![
         0u32;
-        (INLINE_UPLOAD_WORDS * uploads + reset)
-            + PCAS_WORDS * (roots.len() + fan_edges)
-            + SEMAPHORE_WORDS * (wide.len() + 1)
+        PCAS_WORDS * (roots.len() + fan_edges)
+            + SEMAPHORE_WORDS * (wide.len() + 1 + reset)
     ];
     let mut push = Push::new(&mut words);
-    let mut cuts = Vec::with_capacity(roots.len() + fan_edges + wide.len() + 1);
-    for start in (0..reset).step_by(RESET_WORDS) {
-        let len = (reset - start).min(RESET_WORDS);
-        push.inline_upload(done + 4 * start as u64, &zeros[..len]);
-    }
+    let mut cuts = Vec::with_capacity(roots.len() + fan_edges + wide.len() + 1 + reset);
     for &r in &roots {
         push.send_pcas(qmd_va(r));
         cuts.push(push.len());
@@ -782,11 +771,27 @@ fn gpu_methods(plan: &GpuPlan<'_>) -> Result<Methods> {
             } else {
                 push.send_pcas_decrement(qmd_va(v));
             }
+            // Entries may end between the sends: the acquire before them stays first.
+            cuts.push(push.len());
         }
-        cuts.push(push.len());
     }
     push.sem_acquire(done, sinks as u64, Acquire::CircularGeq, false, false);
     cuts.push(push.len());
+    // Zero the words for the next replay with the front end's own releases, in order with its acquires (a reset by
+    // the compute engine could land after the next replay's acquire had read a stale 1). Every add of this replay
+    // has landed: each wide node's before its acquire passed, every sink's before the last one did.
+    for k in 0..reset {
+        push.sem_release(
+            done + 4 * k as u64,
+            0,
+            Release {
+                wfi: false,
+                wide: false,
+                timestamp: false,
+            },
+        );
+        cuts.push(push.len());
+    }
     let len = push.finish().map_err(crate::pushbuf::Error::from)?;
     words.truncate(len);
 
