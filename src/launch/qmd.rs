@@ -674,6 +674,46 @@ pub fn prefetch_bank0(version: QmdVersion, words: &mut [u32; QMD_WORDS]) -> Resu
     })
 }
 
+/// The constant bank [`prefetch_next_bank`] binds the next launch's bank 0 as.
+const NEXT_BANK: u32 = 6;
+
+/// Binds `next` (the constant bank 0 of the QMD this one schedules when it completes) as bank 6 with PREFETCH_POST,
+/// unless the kernel binds bank 6 itself (V04 only; returns false otherwise): the work distributor fetches it while
+/// this grid finishes, as libcuda's graph nodes do for their dependents.
+pub fn prefetch_next_bank(
+    version: QmdVersion,
+    words: &mut [u32; QMD_WORDS],
+    next: ConstBuffer,
+) -> Result<bool, QmdError> {
+    edit_v04(version, words, |w| {
+        if w.get(v04::CONSTANT_BUFFER_VALID(NEXT_BANK)) != 0 {
+            return Ok(());
+        }
+        set!(w, v04::CONSTANT_BUFFER_VALID(NEXT_BANK), 1);
+        set!(
+            w,
+            v04::CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(NEXT_BANK),
+            (next.va >> 6) & 0xffff_ffff
+        );
+        set!(
+            w,
+            v04::CONSTANT_BUFFER_ADDR_UPPER_SHIFTED6(NEXT_BANK),
+            next.va >> 38
+        );
+        set!(
+            w,
+            v04::CONSTANT_BUFFER_SIZE_SHIFTED4(NEXT_BANK),
+            next.size.div_ceil(16)
+        );
+        set!(
+            w,
+            v04::CONSTANT_BUFFER_PREFETCH(NEXT_BANK),
+            v04::CONSTANT_BUFFER_PREFETCH_PREFETCH_POST
+        );
+        Ok(())
+    })
+}
+
 /// What a completed grid does to one of its dependent QMDs (DEPENDENT_QMD_ACTION, with prefetch).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DependentAction {
@@ -917,6 +957,39 @@ mod tests {
         assert_eq!(bank(&q, 5), own);
         assert_eq!(get(&q, v04::CONSTANT_BUFFER_PREFETCH(5)), 0);
         assert!(!prefetch_bank0(QmdVersion::V03, &mut q).unwrap());
+    }
+
+    #[test]
+    fn the_next_links_bank_is_prefetched_as_bank6_after_the_grid() {
+        let mut q = [0u32; QMD_WORDS];
+        build(QmdVersion::V04, &add_kernel(), &mut q).unwrap();
+        let get = |q: &[u32; QMD_WORDS], f: Field| f.get(q).unwrap();
+        let next = ConstBuffer {
+            va: 0x7f00_5555_0200,
+            size: 0x230,
+        };
+        assert!(prefetch_next_bank(QmdVersion::V04, &mut q, next).unwrap());
+        assert_eq!(get(&q, v04::CONSTANT_BUFFER_VALID(6)), 1);
+        assert_eq!(
+            get(&q, v04::CONSTANT_BUFFER_PREFETCH(6)),
+            u64::from(v04::CONSTANT_BUFFER_PREFETCH_PREFETCH_POST)
+        );
+        assert_eq!(
+            get(&q, v04::CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(6)),
+            (next.va >> 6) & 0xffff_ffff
+        );
+        assert_eq!(get(&q, v04::CONSTANT_BUFFER_SIZE_SHIFTED4(6)), 0x23);
+        // A kernel's own bank 6 stays.
+        let mut p = add_kernel();
+        p.const_buffers[6] = Some(ConstBuffer {
+            va: 0x7f00_0000_1000,
+            size: 256,
+        });
+        let mut q = [0u32; QMD_WORDS];
+        build(QmdVersion::V04, &p, &mut q).unwrap();
+        let before = q;
+        prefetch_next_bank(QmdVersion::V04, &mut q, next).unwrap();
+        assert_eq!(q, before);
     }
 
     #[test]

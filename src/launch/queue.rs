@@ -1246,6 +1246,11 @@ impl ComputeQueue {
             Some(mut c) => {
                 let next = (self.slot_qmd_va(slot), self.chain_action);
                 qmd::set_chain_link(self.version, &mut c.last_qmd, Some(next))?;
+                let bank = ConstBuffer {
+                    va: self.slot_qmd_va(slot) + QMD_BYTES,
+                    size: bank0_size(kernel),
+                };
+                qmd::prefetch_next_bank(self.version, &mut c.last_qmd, bank)?;
                 self.write_qmd(c.last_slot, &c.last_qmd)?;
                 c.len += 1;
                 c.invalidate |= invalidate;
@@ -1426,6 +1431,11 @@ impl Drop for ComputeQueue {
 /// What the QMD of a launch of `kernel` over `cfg` says, with the block's shared memory and cluster shape
 /// `checked` by [`validate`] and [`cluster_shape`], constant bank 0 at `cb_va`, `local` bytes of local memory per
 /// thread, and the semaphore release `(va, payload)` it performs on completion.
+/// The size constant bank 0 of `kernel`'s launches is bound with (driver words, then the parameters).
+fn bank0_size(kernel: &Kernel) -> u32 {
+    (DRIVER_BYTES as u32 + kernel.info().param_cbank_size).next_multiple_of(16)
+}
+
 fn qmd_params(
     kernel: &Kernel,
     cfg: &LaunchConfig,
@@ -1438,7 +1448,7 @@ fn qmd_params(
     let mut cbs = [None; 8];
     cbs[0] = Some(ConstBuffer {
         va: cb_va,
-        size: (DRIVER_BYTES as u32 + k.param_cbank_size).next_multiple_of(16),
+        size: bank0_size(kernel),
     });
     for bank in k.const_banks.iter().filter(|b| b.bank != 0 && b.bank < 8) {
         if let Some(off) = bank.image_offset {

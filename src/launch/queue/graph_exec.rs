@@ -23,8 +23,8 @@ use crate::pushbuf::{Acquire, Fence, Push, Queue, Release, Signal};
 use crate::rm::{Memory, MemoryDesc};
 
 use super::{
-    ComputeQueue, LOCAL_RESERVE, LaunchConfig, Limits, MAX_PARAM_BYTES, QMD_BYTES, cluster_shape,
-    qmd_params, validate, write_changed,
+    ComputeQueue, LOCAL_RESERVE, LaunchConfig, Limits, MAX_PARAM_BYTES, QMD_BYTES, bank0_size,
+    cluster_shape, qmd_params, validate, write_changed,
 };
 
 /// Words of constant bank 0 before the parameters.
@@ -894,11 +894,6 @@ fn front_end_methods(
         "every semaphore is acquired before it is reset"
     );
     Ok((words, cuts, Vec::new(), Vec::new(), heads.len(), waits))
-}
-
-/// The size constant bank 0 of `kernel`'s launches is bound with (driver words, then the parameters).
-fn bank0_size(kernel: &Kernel) -> u32 {
-    (DRIVER_BYTES as u32 + kernel.info().param_cbank_size).next_multiple_of(16)
 }
 
 /// The driver words of a node's constant bank 0: launch shape, windows, stack, and the cluster words.
