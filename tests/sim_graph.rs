@@ -198,14 +198,11 @@ enum Ev {
     Send(u64),
     /// A PCAS that counts an armed QMD down.
     Decrement(u64),
-    /// A compute-engine inline upload: destination, first word.
-    Upload(u64, u32),
 }
 
 /// The semaphore operations and QMD launches in a run of methods.
 fn events(words: &[u32]) -> Vec<Ev> {
     let (mut lo, mut hi, mut plo, mut phi, mut pcas) = (0u32, 0u32, 0u32, 0u32, 0u64);
-    let (mut out_hi, mut out_lo, mut uploading) = (0u32, 0u32, false);
     let mut out = Vec::new();
     for m in decode(words, &SubchannelClasses::hopper()).unwrap() {
         let v = m.value;
@@ -233,15 +230,6 @@ fn events(words: &[u32]) -> Vec<Ev> {
                     out.push(Ev::Decrement(pcas))
                 } else {
                     out.push(Ev::Send(pcas))
-                }
-            }
-            (1, compute::LINE_LENGTH_IN) | (1, compute::LINE_COUNT) => {}
-            (1, compute::OFFSET_OUT_UPPER) => out_hi = v,
-            (1, compute::OFFSET_OUT) => out_lo = v,
-            (1, compute::LAUNCH_DMA) => uploading = true,
-            (1, compute::LOAD_INLINE_DATA) => {
-                if std::mem::replace(&mut uploading, false) {
-                    out.push(Ev::Upload((u64::from(out_hi) << 32) | u64::from(out_lo), v));
                 }
             }
             other => panic!("unexpected method {other:?} ({:?})", m.name),
@@ -486,6 +474,16 @@ fn assert_order(deps: &Dependencies, pos: &[usize]) {
             e.from,
             e.to
         );
+    }
+}
+
+/// A small deterministic random source: `rnd(n)` in `0..n`.
+fn xorshift(mut seed: u64) -> impl FnMut(u64) -> u64 {
+    move |n| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
     }
 }
 
@@ -1311,13 +1309,7 @@ fn replays_allocate_nothing() {
 fn random_graphs_are_scheduled_correctly() {
     let mut s = setup();
     let cells = buffer(&s.gpu, 8 * 8);
-    let mut seed = 0x2545_f491_4f6c_dd1du64;
-    let mut rnd = |n: u64| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed % n
-    };
+    let mut rnd = xorshift(0x2545_f491_4f6c_dd1du64);
     for round in 0..40 {
         let n = 1 + rnd(24) as usize;
         let mut g = Graph::new();
@@ -1622,13 +1614,7 @@ fn random_dags_with_wide_fan_outs_and_backward_edges_run_in_order() {
     // wide), recorded in a shuffled order so explicit edges point backwards in recording order: both schedules,
     // two replays each (the GPU's second on QMDs that re-armed themselves).
     let mut s = setup();
-    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-    let mut rnd = |n: u64| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed % n
-    };
+    let mut rnd = xorshift(0x9e37_79b9_7f4a_7c15u64);
     let one = LaunchConfig::linear(1, 1);
     let (mut wide_seen, mut nulls_seen) = (0, 0);
     for _ in 0..80 {

@@ -122,6 +122,15 @@ pub struct QmdError {
     pub value: u64,
 }
 
+macro_rules! set {
+    ($w:expr, $m:ident :: $f:ident, $v:expr) => {
+        $w.set(stringify!($f), $m::$f, ($v) as u64)?
+    };
+    ($w:expr, $m:ident :: $f:ident ($i:expr), $v:expr) => {
+        $w.set(stringify!($f), $m::$f($i as u32), ($v) as u64)?
+    };
+}
+
 struct Writer<'a> {
     words: &'a mut [u32; QMD_WORDS],
 }
@@ -138,15 +147,47 @@ impl Writer<'_> {
     fn get(&self, field: Field) -> u64 {
         field.get(&self.words[..]).unwrap_or(0)
     }
-}
 
-macro_rules! set {
-    ($w:expr, $m:ident :: $f:ident, $v:expr) => {
-        $w.set(stringify!($f), $m::$f, ($v) as u64)?
-    };
-    ($w:expr, $m:ident :: $f:ident ($i:expr), $v:expr) => {
-        $w.set(stringify!($f), $m::$f($i as u32), ($v) as u64)?
-    };
+    /// Binds `cb` as V04 constant bank `i`, with prefetch mode `prefetch` (a CONSTANT_BUFFER_PREFETCH value).
+    fn bind_bank(&mut self, i: u32, cb: ConstBuffer, prefetch: u32) -> Result<(), QmdError> {
+        set!(self, v04::CONSTANT_BUFFER_VALID(i), 1);
+        self.set_bank_address(i, cb.va)?;
+        set!(
+            self,
+            v04::CONSTANT_BUFFER_SIZE_SHIFTED4(i),
+            cb.size.div_ceil(16)
+        );
+        set!(self, v04::CONSTANT_BUFFER_PREFETCH(i), prefetch);
+        Ok(())
+    }
+
+    /// Binds `cb` as bank `i` for prefetch only, unless the kernel binds bank `i` itself.
+    fn bind_prefetch(&mut self, i: u32, cb: ConstBuffer, prefetch: u32) -> Result<(), QmdError> {
+        if self.get(v04::CONSTANT_BUFFER_VALID(i)) == 0 {
+            self.bind_bank(i, cb, prefetch)?;
+        }
+        Ok(())
+    }
+
+    fn set_bank_address(&mut self, i: u32, va: u64) -> Result<(), QmdError> {
+        set!(
+            self,
+            v04::CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(i),
+            (va >> 6) & 0xffff_ffff
+        );
+        set!(self, v04::CONSTANT_BUFFER_ADDR_UPPER_SHIFTED6(i), va >> 38);
+        Ok(())
+    }
+
+    /// V04 constant bank `i` as bound, if it is.
+    fn bank(&self, i: u32) -> Option<ConstBuffer> {
+        (self.get(v04::CONSTANT_BUFFER_VALID(i)) != 0).then(|| ConstBuffer {
+            va: ((self.get(v04::CONSTANT_BUFFER_ADDR_UPPER_SHIFTED6(i)) << 32)
+                | self.get(v04::CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(i)))
+                << 6,
+            size: (self.get(v04::CONSTANT_BUFFER_SIZE_SHIFTED4(i)) * 16) as u32,
+        })
+    }
 }
 
 /// Shared-memory carveouts (KiB) the SM can be configured with, by architecture.
@@ -262,20 +303,9 @@ pub fn build(
                 set!(w, v04::PROGRAM_PREFETCH_ADDR_UPPER_SHIFTED, start >> 40);
                 set!(w, v04::PROGRAM_PREFETCH_SIZE, units);
             }
-            for (i, cb) in p.const_buffers.iter().enumerate() {
+            for (i, cb) in (0u32..).zip(p.const_buffers) {
                 if let Some(cb) = cb {
-                    set!(w, v04::CONSTANT_BUFFER_VALID(i), 1);
-                    set!(
-                        w,
-                        v04::CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(i),
-                        (cb.va >> 6) & 0xffff_ffff
-                    );
-                    set!(w, v04::CONSTANT_BUFFER_ADDR_UPPER_SHIFTED6(i), cb.va >> 38);
-                    set!(
-                        w,
-                        v04::CONSTANT_BUFFER_SIZE_SHIFTED4(i),
-                        cb.size.div_ceil(16)
-                    );
+                    w.bind_bank(i, cb, v04::CONSTANT_BUFFER_PREFETCH_PREFETCH_NONE)?;
                 }
             }
             if let Some((va, payload)) = p.release {
@@ -484,26 +514,12 @@ pub fn patch_launch(
 ) -> Result<bool, QmdError> {
     edit_v04(version, words, |w| {
         // Bank 5 follows bank 0 when it is bank 0's prefetch ([`prefetch_bank0`]).
-        let bank = |w: &Writer<'_>, i: u32| {
-            (
-                w.get(v04::CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(i)),
-                w.get(v04::CONSTANT_BUFFER_ADDR_UPPER_SHIFTED6(i)),
-            )
-        };
-        let follows = w.get(v04::CONSTANT_BUFFER_VALID(PREFETCH_BANK)) != 0
-            && w.get(v04::CONSTANT_BUFFER_PREFETCH(PREFETCH_BANK))
-                == u64::from(v04::CONSTANT_BUFFER_PREFETCH_PREFETCH_PRE)
-            && bank(w, PREFETCH_BANK) == bank(w, 0);
-        for i in [0, PREFETCH_BANK]
-            .into_iter()
-            .take(if follows { 2 } else { 1 })
-        {
-            set!(
-                w,
-                v04::CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(i),
-                (cb0_va >> 6) & 0xffff_ffff
-            );
-            set!(w, v04::CONSTANT_BUFFER_ADDR_UPPER_SHIFTED6(i), cb0_va >> 38);
+        let follows = w.get(v04::CONSTANT_BUFFER_PREFETCH(PREFETCH_BANK))
+            == u64::from(v04::CONSTANT_BUFFER_PREFETCH_PREFETCH_PRE)
+            && w.bank(PREFETCH_BANK) == w.bank(0);
+        w.set_bank_address(0, cb0_va)?;
+        if follows {
+            w.set_bank_address(PREFETCH_BANK, cb0_va)?;
         }
         if let Some(payload) = payload {
             set!(
@@ -642,35 +658,13 @@ const PREFETCH_BANK: u32 = 5;
 /// grid starts, as libcuda's stream launches ask (their QMDs bind bank 5 at bank 0's address, research
 /// hopper-launch.md §5). [`patch_launch`] moves both together.
 pub fn prefetch_bank0(version: QmdVersion, words: &mut [u32; QMD_WORDS]) -> Result<bool, QmdError> {
-    edit_v04(version, words, |w| {
-        if w.get(v04::CONSTANT_BUFFER_VALID(PREFETCH_BANK)) != 0
-            || w.get(v04::CONSTANT_BUFFER_VALID(0)) == 0
-        {
-            return Ok(());
-        }
-        let (lo, hi, size) = (
-            w.get(v04::CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(0)),
-            w.get(v04::CONSTANT_BUFFER_ADDR_UPPER_SHIFTED6(0)),
-            w.get(v04::CONSTANT_BUFFER_SIZE_SHIFTED4(0)),
-        );
-        set!(w, v04::CONSTANT_BUFFER_VALID(PREFETCH_BANK), 1);
-        set!(
-            w,
-            v04::CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(PREFETCH_BANK),
-            lo
-        );
-        set!(
-            w,
-            v04::CONSTANT_BUFFER_ADDR_UPPER_SHIFTED6(PREFETCH_BANK),
-            hi
-        );
-        set!(w, v04::CONSTANT_BUFFER_SIZE_SHIFTED4(PREFETCH_BANK), size);
-        set!(
-            w,
-            v04::CONSTANT_BUFFER_PREFETCH(PREFETCH_BANK),
-            v04::CONSTANT_BUFFER_PREFETCH_PREFETCH_PRE
-        );
-        Ok(())
+    edit_v04(version, words, |w| match w.bank(0) {
+        Some(cb0) => w.bind_prefetch(
+            PREFETCH_BANK,
+            cb0,
+            v04::CONSTANT_BUFFER_PREFETCH_PREFETCH_PRE,
+        ),
+        None => Ok(()),
     })
 }
 
@@ -686,31 +680,7 @@ pub fn prefetch_next_bank(
     next: ConstBuffer,
 ) -> Result<bool, QmdError> {
     edit_v04(version, words, |w| {
-        if w.get(v04::CONSTANT_BUFFER_VALID(NEXT_BANK)) != 0 {
-            return Ok(());
-        }
-        set!(w, v04::CONSTANT_BUFFER_VALID(NEXT_BANK), 1);
-        set!(
-            w,
-            v04::CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(NEXT_BANK),
-            (next.va >> 6) & 0xffff_ffff
-        );
-        set!(
-            w,
-            v04::CONSTANT_BUFFER_ADDR_UPPER_SHIFTED6(NEXT_BANK),
-            next.va >> 38
-        );
-        set!(
-            w,
-            v04::CONSTANT_BUFFER_SIZE_SHIFTED4(NEXT_BANK),
-            next.size.div_ceil(16)
-        );
-        set!(
-            w,
-            v04::CONSTANT_BUFFER_PREFETCH(NEXT_BANK),
-            v04::CONSTANT_BUFFER_PREFETCH_PREFETCH_POST
-        );
-        Ok(())
+        w.bind_prefetch(NEXT_BANK, next, v04::CONSTANT_BUFFER_PREFETCH_PREFETCH_POST)
     })
 }
 
@@ -789,26 +759,8 @@ pub fn set_graph_node(
         // Pre-exit is programmatic launch ([`set_latch_arrive`] sets it for a producer whose consumer waits itself).
         set!(w, v04::ENABLE_PROGRAM_PRE_EXIT, 0);
         for (i, bank) in (5u32..).zip(form.prefetch) {
-            if let Some(cb) = bank
-                && w.get(v04::CONSTANT_BUFFER_VALID(i)) == 0
-            {
-                set!(w, v04::CONSTANT_BUFFER_VALID(i), 1);
-                set!(
-                    w,
-                    v04::CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(i),
-                    (cb.va >> 6) & 0xffff_ffff
-                );
-                set!(w, v04::CONSTANT_BUFFER_ADDR_UPPER_SHIFTED6(i), cb.va >> 38);
-                set!(
-                    w,
-                    v04::CONSTANT_BUFFER_SIZE_SHIFTED4(i),
-                    cb.size.div_ceil(16)
-                );
-                set!(
-                    w,
-                    v04::CONSTANT_BUFFER_PREFETCH(i),
-                    v04::CONSTANT_BUFFER_PREFETCH_PREFETCH_POST
-                );
+            if let Some(cb) = bank {
+                w.bind_prefetch(i, cb, v04::CONSTANT_BUFFER_PREFETCH_PREFETCH_POST)?;
             }
         }
         // A root's own bank is fetched before it starts (the others' were prefetched by their predecessors).

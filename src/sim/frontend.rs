@@ -815,14 +815,12 @@ impl ChannelModel {
                 state.counter == 0
             }
         };
-        Ok(match (runs, armed.remove(&va)) {
-            (false, Some(a)) => {
-                armed.insert(va, a);
-                Run::No
-            }
-            (false, None) => Run::No,
-            (true, Some(a)) => Run::Armed(a.words),
-            (true, None) => Run::FromMemory,
+        if !runs {
+            return Ok(Run::No);
+        }
+        Ok(match armed.remove(&va) {
+            Some(a) => Run::Armed(a.words),
+            None => Run::FromMemory,
         })
     }
 

@@ -293,13 +293,11 @@ impl ComputeQueue {
         // Chains: u → v when v is u's only successor and u is v's only predecessor.
         let id = NodeId::at;
         let mut next: Vec<Option<usize>> = vec![None; n];
-        let mut linked = vec![false; n];
         for (u, next) in next.iter_mut().enumerate() {
             if let [v] = deps.succs(id(u))
                 && deps.preds(*v).len() == 1
             {
                 *next = Some(v.index());
-                linked[v.index()] = true;
             }
         }
         let mut prev: Vec<Option<usize>> = vec![None; n];
@@ -308,13 +306,6 @@ impl ComputeQueue {
                 prev[w] = Some(u);
             }
         }
-        let levels = deps.levels();
-        let mut position = vec![0usize; n];
-        for (p, v) in deps.order().iter().enumerate() {
-            position[v.index()] = p;
-        }
-        let mut heads: Vec<usize> = (0..n).filter(|&v| !linked[v]).collect();
-        heads.sort_unstable_by_key(|&v| (levels[v], position[v]));
 
         // The work distributor's counters hold 16 bits: a wider fan-in is left to the front end.
         let indeg: Vec<usize> = (0..n).map(|v| deps.preds(id(v)).len()).collect();
@@ -528,7 +519,7 @@ impl ComputeQueue {
                 done,
             })?
         } else {
-            front_end_methods(&deps, &heads, &ends, &semaphore, |v| base + offsets[v])?
+            front_end_methods(&deps, &prev, &ends, &semaphore, |v| base + offsets[v])?
         };
         debug_assert!(
             ends.iter().all(|&e| semaphore[e].is_some()),
@@ -822,13 +813,22 @@ fn gpu_methods(plan: &GpuPlan<'_>) -> Result<Methods> {
 /// The methods of [`GraphSchedule::FrontEnd`] (see [`GraphExec`]): heads with their waits, the sinks, the resets.
 fn front_end_methods(
     deps: &crate::launch::graph::Dependencies,
-    heads: &[usize],
+    prev: &[Option<usize>],
     ends: &[usize],
     semaphore: &[Option<u64>],
     qmd_va: impl Fn(usize) -> u64,
 ) -> Result<Methods> {
     let id = NodeId::at;
     let n = semaphore.len();
+    // The heads (every node that is no chain link), by level, then topological order.
+    let levels = deps.levels();
+    let mut position = vec![0usize; n];
+    for (p, v) in deps.order().iter().enumerate() {
+        position[v.index()] = p;
+    }
+    let mut heads: Vec<usize> = (0..n).filter(|&v| prev[v].is_none()).collect();
+    heads.sort_unstable_by_key(|&v| (levels[v], position[v]));
+    let heads = &heads[..];
     let preds_total: usize = heads.iter().map(|&h| deps.preds(id(h)).len()).sum();
     let sinks: Vec<usize> = deps
         .order()
