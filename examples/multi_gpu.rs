@@ -5,8 +5,9 @@
 //! hop (a kernel on one GPU waiting for a kernel on the other; APEX's semaphore acquire vs `cuStreamWaitEvent`).
 //! With one GPU it says that two are needed.
 //!
-//! `cargo run --release --example multi_gpu [rounds]` (`APEX_COPY_MIB`: copy size, 256 by default; `APEX_LOG`:
-//! debug logs, which name the copy engines chosen).
+//! `cargo run --release --example multi_gpu [rounds] [passes]`: `passes` (2 by default) measures both backends
+//! that many times in turn. `APEX_COPY_MIB`: copy size, 256 by default; `APEX_LOG`: debug logs, which name the copy
+//! engines chosen.
 
 use std::time::{Duration, Instant};
 
@@ -210,6 +211,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         .map(|a| a.parse())
         .transpose()?
         .unwrap_or(100);
+    let passes: usize = std::env::args()
+        .nth(2)
+        .map(|a| a.parse())
+        .transpose()?
+        .unwrap_or(2);
     let n = Gpu::count()?;
     let gpus = open_all(n, BackendRequest::from_env()?)?;
     for (i, g) in gpus.iter().enumerate() {
@@ -236,51 +242,58 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     );
     drop(gpus);
 
-    let mut rows = Vec::new();
+    // Each pass measures both backends in turn, so a figure that changes with time in the process (clocks, the
+    // links' state) shows up as a difference between passes rather than between backends.
     let mut failed = None;
-    for b in [BackendRequest::Direct, BackendRequest::Driver] {
-        let g = open_all(2, b)?;
-        let backend = g[0].backend();
-        if backend == Backend::Direct {
+    for pass in 1..=passes {
+        let mut rows = Vec::new();
+        for b in [BackendRequest::Direct, BackendRequest::Driver] {
+            let g = open_all(2, b)?;
+            let backend = g[0].backend();
+            if backend == Backend::Direct {
+                println!(
+                    "pass {pass}: APEX, the SMs copying 32 MiB 0 -> 1 over the link: {:.1} GB/s",
+                    sm_bandwidth(&g)?
+                );
+            }
+            let hop = hop_latency(&g)?;
+            // APEX: the source GPU's copy engines; CUDA: cuMemcpyPeerAsync. A failure is reported after the
+            // table, so the other backend's figures still print.
+            let bw = bandwidth(&g).unwrap_or_else(|e| {
+                println!("{backend:?}: copies between GPUs failed: {e}");
+                failed = Some(format!("{backend:?} copies between GPUs: {e}"));
+                [f64::NAN; 3]
+            });
+            rows.push((backend, bw, hop));
+        }
+        println!();
+        println!(
+            "| GPUs 0, 1 (pass {pass} of {passes}) | 0 -> 1 GB/s | 1 -> 0 GB/s | both at once GB/s | hop latency us |"
+        );
+        println!("|---|---|---|---|---|");
+        for (b, bw, hop) in &rows {
+            let name = match b {
+                Backend::Direct => "APEX (copy engines, semaphore acquire)",
+                Backend::Driver => "CUDA (cuMemcpyPeerAsync, cuStreamWaitEvent)",
+            };
             println!(
-                "APEX, the SMs copying 32 MiB 0 -> 1 over the link: {:.1} GB/s",
-                sm_bandwidth(&g)?
+                "| {name} | {:.1} | {:.1} | {:.1} | {:.2} |",
+                bw[0],
+                bw[1],
+                bw[2],
+                hop.as_secs_f64() * 1e6
             );
         }
-        let hop = hop_latency(&g)?;
-        // APEX: the source GPU's copy engines; CUDA: cuMemcpyPeerAsync. A failure is reported after the table,
-        // so the other backend's figures still print.
-        let bw = bandwidth(&g).unwrap_or_else(|e| {
-            println!("{backend:?}: copies between GPUs failed: {e}");
-            failed = Some(format!("{backend:?} copies between GPUs: {e}"));
-            [f64::NAN; 3]
-        });
-        rows.push((backend, bw, hop));
-    }
-    println!();
-    println!("| GPUs 0, 1 | 0 -> 1 GB/s | 1 -> 0 GB/s | both at once GB/s | hop latency us |");
-    println!("|---|---|---|---|---|");
-    for (b, bw, hop) in &rows {
-        let name = match b {
-            Backend::Direct => "APEX (copy engines, semaphore acquire)",
-            Backend::Driver => "CUDA (cuMemcpyPeerAsync, cuStreamWaitEvent)",
-        };
-        println!(
-            "| {name} | {:.1} | {:.1} | {:.1} | {:.2} |",
-            bw[0],
-            bw[1],
-            bw[2],
-            hop.as_secs_f64() * 1e6
-        );
-    }
-    if let [(_, a, ah), (_, c, ch)] = rows.as_slice() {
-        println!(
-            "APEX / CUDA: bandwidth {:.2}x, {:.2}x, {:.2}x; hop latency {:.2}x faster",
-            a[0] / c[0],
-            a[1] / c[1],
-            a[2] / c[2],
-            ch.as_secs_f64() / ah.as_secs_f64()
-        );
+        if let [(_, a, ah), (_, c, ch)] = rows.as_slice() {
+            println!(
+                "APEX / CUDA: bandwidth {:.2}x, {:.2}x, {:.2}x; hop latency {:.2}x faster",
+                a[0] / c[0],
+                a[1] / c[1],
+                a[2] / c[2],
+                ch.as_secs_f64() / ah.as_secs_f64()
+            );
+        }
+        println!();
     }
     match failed {
         Some(e) => Err(e.into()),

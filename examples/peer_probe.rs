@@ -265,6 +265,15 @@ fn caps() -> R<()> {
     let (g0, g1) = pair()?;
     println!("result caps 0->1 {:?}", g0.peer_caps(&g1)?);
     println!("result caps 1->0 {:?}", g1.peer_caps(&g0)?);
+    for (i, g) in [&g0, &g1].into_iter().enumerate() {
+        let present = g.copy_engines_present()?;
+        for lce in (0..20).filter(|l| present & (1 << l) != 0) {
+            println!(
+                "result gpu {i} lce {lce} pces {:#x}",
+                g.copy_engine_pces(lce)?
+            );
+        }
+    }
     Ok(())
 }
 

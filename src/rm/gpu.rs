@@ -229,6 +229,9 @@ impl GpuCore {
             "USERMODE",
         )?;
         core.map_usermode(usermode)?;
+        if perf_boost_wanted(std::env::var_os(PERF_BOOST_ENV).as_deref()) {
+            core.request_max_performance();
+        }
         debug!(classes = core.classes.len(), domain, "GPU core ready");
         domains.admit(domain, card.gpu_id, &core.client);
         Ok(Arc::new(core))
@@ -431,6 +434,30 @@ impl GpuCore {
         Ok(Arc::new(core))
     }
 
+    /// Asks RM to hold the GPU at its highest performance state for as long as this client lives, the request
+    /// libcuda makes for every context it creates (`NV2080_CTRL_CMD_PERF_BOOST`, see [`perf_boost_params`]).
+    /// RM tracks boosts per client and drops this one with the client; it changes no setting of the GPU. Without
+    /// it an idle H100 stays at its 345 MHz idle clock through the first seconds of a process that has no CUDA
+    /// context beside it (measured: peer copies at half bandwidth, cross-GPU hops 2x slower). A refusal (a
+    /// virtual GPU, a policy) is logged, not an error: the boost is a hint.
+    pub fn request_max_performance(&self) {
+        let mut p = perf_boost_params();
+        match self.client.control(
+            self.subdevice.handle(),
+            sys::NV2080_CTRL_CMD_PERF_BOOST,
+            &mut p,
+            "NV2080_CTRL_CMD_PERF_BOOST",
+        ) {
+            Ok(()) => debug!(
+                gpu = self.info.index,
+                "performance boost requested, as CUDA does"
+            ),
+            Err(e) => {
+                warn!(gpu = self.info.index, error = %e, "RM refused the performance boost; clocks follow the load")
+            }
+        }
+    }
+
     /// CUDA's channel group and VA spaces, for a GPU opened with [`GpuCore::attach_cuda`].
     pub fn attachment(&self) -> Option<&Attachment> {
         self.attachment.as_ref()
@@ -590,6 +617,32 @@ impl GpuCore {
         sys::NvProcessorUuid {
             uuid: self.info.uuid_bytes,
         }
+    }
+}
+
+/// The environment variable that, set to `0`, keeps [`GpuCore::open`] from asking for the performance boost
+/// CUDA asks for ([`GpuCore::request_max_performance`]).
+pub const PERF_BOOST_ENV: &str = "APEX_PERF_BOOST";
+
+/// Whether the performance boost is wanted, given the value of [`PERF_BOOST_ENV`]: yes unless it says `0`,
+/// `off`, `no` or `false`.
+pub(crate) fn perf_boost_wanted(value: Option<&std::ffi::OsStr>) -> bool {
+    !value.and_then(|v| v.to_str()).is_some_and(|v| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "0" | "off" | "no" | "false"
+        )
+    })
+}
+
+/// The boost libcuda asks for when it creates a context (an RM trace of a CUDA program, `flags=0x12
+/// duration=0xffffffff`): to the highest P-state, marked as CUDA's, until cleared (RM clears it when the client
+/// goes).
+pub fn perf_boost_params() -> sys::NV2080_CTRL_PERF_BOOST_PARAMS {
+    sys::NV2080_CTRL_PERF_BOOST_PARAMS {
+        flags: sys::NV2080_CTRL_PERF_BOOST_FLAGS_CMD_BOOST_TO_MAX
+            | (sys::NV2080_CTRL_PERF_BOOST_FLAGS_CUDA_YES << 4),
+        duration: sys::NV2080_CTRL_PERF_BOOST_DURATION_INFINITE,
     }
 }
 
@@ -841,5 +894,18 @@ mod tests {
             0x0a, 0x39,
         ];
         assert_eq!(format_uuid(&b), "GPU-de918d9d-e24e-30ae-6ef5-43a3feaf0a39");
+    }
+
+    #[test]
+    fn the_boost_is_libcudas_and_can_be_turned_off() {
+        // An RM trace of libcuda creating a context: PERF_BOOST flags=0x12 duration=0xffffffff.
+        let p = perf_boost_params();
+        assert_eq!((p.flags, p.duration), (0x12, 0xffff_ffff));
+        use std::ffi::OsStr;
+        assert!(perf_boost_wanted(None));
+        assert!(perf_boost_wanted(Some(OsStr::new("1"))));
+        for off in ["0", "off", "NO", " false "] {
+            assert!(!perf_boost_wanted(Some(OsStr::new(off))), "{off}");
+        }
     }
 }

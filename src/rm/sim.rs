@@ -170,6 +170,8 @@ struct State {
     allocations: BTreeMap<u64, (u64, Handle)>,
     va_of: HashMap<Handle, u64>,
     channels: BTreeMap<Handle, SimChannel>,
+    /// The last performance boost asked of the subdevice: `(flags, duration)` of `NV2080_CTRL_CMD_PERF_BOOST`.
+    perf_boost: Option<(u32, u32)>,
 }
 
 impl State {
@@ -394,7 +396,7 @@ impl SimShared {
         ptr: *mut u8,
         size: usize,
     ) -> std::result::Result<(), NvStatus> {
-        let st = self.lock();
+        let mut st = self.lock();
         let obj = *st
             .objects
             .get(&object)
@@ -512,6 +514,20 @@ impl SimShared {
                 if p.bEnable != 0 {
                     self.check_schedulable(&st, object, obj)?;
                 }
+            }
+            sys::NV2080_CTRL_CMD_PERF_BOOST => {
+                if obj.class != sys::NV20_SUBDEVICE_0 {
+                    return Err(NV_ERR_INVALID_OBJECT_HANDLE);
+                }
+                let p = unsafe { params::<sys::NV2080_CTRL_PERF_BOOST_PARAMS>(ptr, size)? };
+                // RM's checks: a command it knows (bits 1:0), a duration up to an hour or "until cleared".
+                let known_cmd = p.flags & 0x3 <= sys::NV2080_CTRL_PERF_BOOST_FLAGS_CMD_BOOST_TO_MAX;
+                let duration_ok = p.duration <= sys::NV2080_CTRL_PERF_BOOST_DURATION_MAX
+                    || p.duration == sys::NV2080_CTRL_PERF_BOOST_DURATION_INFINITE;
+                if !known_cmd || !duration_ok {
+                    return Err(NV_ERR_INVALID_ARGUMENT);
+                }
+                st.perf_boost = Some((p.flags, p.duration));
             }
             sys::NV0000_CTRL_CMD_SYSTEM_GET_P2P_CAPS_V2 => {
                 if obj.class != sys::NV01_ROOT_CLIENT {
@@ -870,6 +886,10 @@ impl GpuCore {
             },
         };
         core.pick_class("usermode", USERMODE_CLASSES)?;
+        // The same policy as a GPU opened on hardware.
+        if super::gpu::perf_boost_wanted(std::env::var_os(super::gpu::PERF_BOOST_ENV).as_deref()) {
+            core.request_max_performance();
+        }
         info!(gpu = %core.info.name, sms = core.info.sm_count, "opened simulated GPU");
         Ok((Arc::new(core), SimBus(shared)))
     }
@@ -906,6 +926,12 @@ pub struct SimView<'a> {
 }
 
 impl SimView<'_> {
+    /// The last performance boost asked of the GPU, `(flags, duration)` as `NV2080_CTRL_CMD_PERF_BOOST` took
+    /// them; `None` when none was.
+    pub fn perf_boost(&self) -> Option<(u32, u32)> {
+        self.st.perf_boost
+    }
+
     /// Every live GPFIFO channel.
     pub fn channels(&self) -> Vec<SimChannel> {
         self.st.channels.values().copied().collect()
@@ -1260,5 +1286,35 @@ mod tests {
         let e = Object::alloc::<()>(core.client(), Some(core.device()), 0xc56f, None, "ampere")
             .unwrap_err();
         assert_eq!(e.status(), Some(NV_ERR_INVALID_CLASS));
+    }
+
+    #[test]
+    fn opening_asks_for_cudas_boost_and_rm_checks_it() {
+        let (core, bus) = GpuCore::open_simulated(SimConfig::default()).unwrap();
+        // Unless APEX_PERF_BOOST=0 is set in the environment of the test run.
+        let wanted = super::super::gpu::perf_boost_wanted(
+            std::env::var_os(super::super::gpu::PERF_BOOST_ENV).as_deref(),
+        );
+        assert_eq!(
+            bus.lock().perf_boost(),
+            wanted.then_some((0x12, sys::NV2080_CTRL_PERF_BOOST_DURATION_INFINITE))
+        );
+        let mut bad = sys::NV2080_CTRL_PERF_BOOST_PARAMS {
+            flags: 0x3,
+            duration: 10,
+        };
+        let e = core
+            .subdevice()
+            .control(sys::NV2080_CTRL_CMD_PERF_BOOST, &mut bad, "boost")
+            .unwrap_err();
+        assert_eq!(e.status(), Some(NV_ERR_INVALID_ARGUMENT));
+        let mut clear = sys::NV2080_CTRL_PERF_BOOST_PARAMS {
+            flags: 0,
+            duration: 0,
+        };
+        core.subdevice()
+            .control(sys::NV2080_CTRL_CMD_PERF_BOOST, &mut clear, "boost")
+            .unwrap();
+        assert_eq!(bus.lock().perf_boost(), Some((0, 0)));
     }
 }
