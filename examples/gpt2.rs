@@ -3,11 +3,14 @@
 //! run it, in one process:
 //!
 //! - APEX eager: the direct path, one doorbell per launch;
+//! - APEX eager, programmatic: the same with every launch a programmatic dependent launch of the one before
+//!   (`Queue::launch_programmatic`; the kernels wait for their producer themselves);
 //! - APEX chained: the direct path, the step's launches as one GPU-scheduled chain;
 //! - APEX graph: the step recorded once as an `apex::Graph`, one replay (one doorbell) per token;
 //! - APEX graph, programmatic: the same with every launch after the first a programmatic dependent launch (the
 //!   kernels wait for their producer themselves);
 //! - CUDA eager: APEX's driver backend, `cuLaunchKernel` per launch;
+//! - CUDA eager, programmatic: `cuLaunchKernelEx` with programmatic stream serialization per launch;
 //! - CUDA graph: the same step captured once into a CUDA graph, one `cuGraphLaunch` per token;
 //! - CUDA graph, programmatic: the step as a CUDA graph with programmatic edges (APEX's driver backend builds it
 //!   node by node from the same description).
@@ -24,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use apex::driver;
 use apex::{Arg, BackendRequest, Gpu, Queue};
-use gpt2::{GPT2_SMALL, GpuModel, Kernels, max_rel_diff};
+use gpt2::{GPT2_SMALL, GpuModel, Kernels, StepLaunch, max_rel_diff};
 
 /// First positions of the timed windows: short, middling and nearly full KV cache.
 const WINDOWS: [usize; 3] = [0, 480, 960];
@@ -136,7 +139,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     };
     // SAFETY (every launch_step below): the model's own kernels and buffers, used by its queue alone.
     let reference = first(&direct, &mut qd, &md, &mut |q| unsafe {
-        md.launch_step(q, &kd, false)
+        md.launch_step(q, &kd, StepLaunch::Eager)
     })?;
     let check = |name: &str, got: Vec<f32>| -> Result<(), Box<dyn std::error::Error>> {
         let d = max_rel_diff(&got, &reference);
@@ -151,7 +154,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     check(
         "APEX chained",
         first(&direct, &mut qd, &md, &mut |q| unsafe {
-            md.launch_step(q, &kd, true)
+            md.launch_step(q, &kd, StepLaunch::Chained)
         })?,
     )?;
     let mut exec = qd.instantiate(&md.graph(&kd, false)?)?;
@@ -177,9 +180,21 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         })?,
     )?;
     check(
+        "APEX eager, programmatic",
+        first(&direct, &mut qd, &md, &mut |q| unsafe {
+            md.launch_step(q, &kd, StepLaunch::Programmatic)
+        })?,
+    )?;
+    check(
+        "CUDA eager, programmatic",
+        first(&cuda, &mut qc, &mc, &mut |q| unsafe {
+            mc.launch_step(q, &kc, StepLaunch::Programmatic)
+        })?,
+    )?;
+    check(
         "CUDA eager",
         first(&cuda, &mut qc, &mc, &mut |q| unsafe {
-            mc.launch_step(q, &kc, false)
+            mc.launch_step(q, &kc, StepLaunch::Eager)
         })?,
     )?;
 
@@ -208,18 +223,24 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     check("CUDA graph", mc.logits(&cuda, &mut qc)?)?;
 
     println!(
-        "| KV positions | APEX eager | APEX chained | APEX graph | APEX graph, programmatic | CUDA eager | CUDA graph | CUDA graph, programmatic | APEX graph ÷ CUDA graph | programmatic: APEX ÷ CUDA |"
+        "| KV positions | APEX eager | APEX eager, programmatic | APEX chained | APEX graph | APEX graph, programmatic | CUDA eager | CUDA eager, programmatic | CUDA graph | CUDA graph, programmatic | APEX graph ÷ CUDA graph | programmatic graphs: APEX ÷ CUDA | APEX eager programmatic ÷ CUDA graph |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     for start in WINDOWS {
         let n = steps.min(s.ctx - start);
         // SAFETY: as above.
         let ae = time_window(&direct, &mut qd, &md, start, n, |q| unsafe {
-            md.launch_step(q, &kd, false)
+            md.launch_step(q, &kd, StepLaunch::Eager)
+        })?;
+        let aep = time_window(&direct, &mut qd, &md, start, n, |q| unsafe {
+            md.launch_step(q, &kd, StepLaunch::Programmatic)
+        })?;
+        let cep = time_window(&cuda, &mut qc, &mc, start, n, |q| unsafe {
+            mc.launch_step(q, &kc, StepLaunch::Programmatic)
         })?;
         let ac = time_window(&direct, &mut qd, &md, start, n, |q| unsafe {
-            md.launch_step(q, &kd, true)
+            md.launch_step(q, &kd, StepLaunch::Chained)
         })?;
         let ag = time_window(&direct, &mut qd, &md, start, n, |q| unsafe {
             q.replay(&mut exec).map(drop)
@@ -231,7 +252,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             q.replay(&mut cuda_p).map(drop)
         })?;
         let ce = time_window(&cuda, &mut qc, &mc, start, n, |q| unsafe {
-            mc.launch_step(q, &kc, false)
+            mc.launch_step(q, &kc, StepLaunch::Eager)
         })?;
         let mut best = Duration::MAX;
         for _ in 0..3 {
@@ -246,18 +267,21 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
         let cg = best;
         println!(
-            "| {}–{} | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.2} | {:.2} |",
+            "| {}–{} | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.2} | {:.2} | {:.2} |",
             start + 1,
             start + n,
             us(ae),
+            us(aep),
             us(ac),
             us(ag),
             us(agp),
             us(ce),
+            us(cep),
             us(cg),
             us(cgp),
             us(ag) / us(cg),
-            us(agp) / us(cgp)
+            us(agp) / us(cgp),
+            us(aep) / us(cg)
         );
     }
     Ok(())

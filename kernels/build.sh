@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Rebuilds the committed cubins from apex_test_kernels.cu, apex_builtin.cu and gpt2.cu and records what cuobjdump says of them.
+# Rebuilds the committed cubins from apex_test_kernels.cu, apex_builtin.cu, gpt2.cu and apex_pdl.cu and records what cuobjdump says of them.
 # Needs nvcc/cuobjdump (CUDA 13); run on the GPU machine:  bash kernels/build.sh [outdir]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -12,6 +12,8 @@ done
 nvcc -cubin -O3 -arch=sm_90 -o "$out/apex_builtin.sm_90.cubin" "$here/apex_builtin.cu"
 # The GPT-2-small decoder of examples/gpt2.rs (issue 11's launch-bound workload).
 nvcc -cubin -O3 -arch=sm_90 -o "$out/gpt2.sm_90.cubin" "$here/gpt2.cu"
+# Programmatic dependent launch (griddepcontrol) for tests/gpu_pdl.rs and examples/pdl_latency.rs.
+nvcc -cubin -O3 -arch=sm_90 -o "$out/apex_pdl.sm_90.cubin" "$here/apex_pdl.cu"
 nvcc -fatbin -O3 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
      -gencode arch=compute_90,code=compute_90 -o "$out/apex_test_kernels.fatbin" "$src"
 nvcc -ptx -arch=sm_90 -o "$out/apex_test_kernels.ptx" "$src"

@@ -1,11 +1,12 @@
 //! The GPT-2-small decoder of issue 11 (kernels/gpt2.cu) on both backends, checked against the CPU reference
-//! step by step: eager launches, GPU-scheduled chains, and replays of the step as a launch graph.
+//! step by step: eager launches (plain and programmatic), GPU-scheduled chains, and replays of the step as a launch
+//! graph.
 
 #[path = "../examples/support/gpt2.rs"]
 mod gpt2;
 
 use apex::{BackendRequest, Gpu};
-use gpt2::{CpuModel, GPT2_SMALL, GpuModel, Kernels, max_rel_diff};
+use gpt2::{CpuModel, GPT2_SMALL, GpuModel, Kernels, StepLaunch, max_rel_diff};
 
 const STEPS: usize = 4;
 
@@ -37,16 +38,21 @@ fn decode_matches_the_cpu(request: BackendRequest) {
             );
         }
     }
-    for chained in [false, true] {
+    for how in [
+        StepLaunch::Eager,
+        StepLaunch::Chained,
+        StepLaunch::Programmatic,
+    ] {
         m.set_position(&gpu, &mut q, 0).unwrap();
         for (p, want) in want.iter().enumerate() {
-            // SAFETY: the model's own kernels and buffers, used by this queue alone.
-            unsafe { m.launch_step(&mut q, &k, chained) }.unwrap();
+            // SAFETY: the model's own kernels and buffers, used by this queue alone; the kernels wait for their
+            // producers themselves.
+            unsafe { m.launch_step(&mut q, &k, how) }.unwrap();
             let got = m.logits(&gpu, &mut q).unwrap();
             let diff = max_rel_diff(&got, want);
             assert!(
                 diff < 1e-3,
-                "{:?}, chained {chained}, step {p}: logits differ from the CPU by {diff} (relative)",
+                "{:?}, {how:?} launches, step {p}: logits differ from the CPU by {diff} (relative)",
                 gpu.backend()
             );
         }

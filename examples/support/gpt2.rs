@@ -279,6 +279,17 @@ impl Kernels {
     }
 }
 
+/// How [`GpuModel::launch_step`] sends a step's launches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepLaunch {
+    /// One launch (one doorbell) at a time, each after the one before has completed.
+    Eager,
+    /// One launch at a time, each a programmatic dependent launch of the one before (`Queue::launch_programmatic`).
+    Programmatic,
+    /// The step as one GPU-scheduled chain.
+    Chained,
+}
+
 /// Which kernel a launch runs (an index into [`Kernels`], so a step can be replayed on another backend's kernels).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Which {
@@ -491,7 +502,7 @@ impl GpuModel {
         q.upload(gpu, &self.state, 0, &(pos as i32).to_le_bytes())
     }
 
-    /// One step on `q`, each launch waiting for the one before: `chained` sends them as one GPU-scheduled chain.
+    /// One step on `q`, each launch waiting for the one before, sent as `how` says.
     ///
     /// # Safety
     /// `k` must be this model's kernels on `q`'s GPU, and nothing else may use the model's buffers meanwhile.
@@ -499,20 +510,24 @@ impl GpuModel {
         &self,
         q: &mut Queue,
         k: &Kernels,
-        chained: bool,
+        how: StepLaunch,
     ) -> apex::Result<()> {
         for l in &self.step {
             // SAFETY: the launches address only the model's buffers, sized for them (the caller's promise for the
-            // rest).
+            // rest); every kernel runs griddepcontrol.wait before it touches them.
             unsafe {
-                if chained {
-                    q.launch_chained(k.get(l.kernel), &l.cfg, &l.args)?;
-                } else {
-                    q.launch(k.get(l.kernel), &l.cfg, &l.args)?;
+                match how {
+                    StepLaunch::Eager => drop(q.launch(k.get(l.kernel), &l.cfg, &l.args)?),
+                    StepLaunch::Chained => q.launch_chained(k.get(l.kernel), &l.cfg, &l.args)?,
+                    // The step's first launch follows the previous step's last (or whatever the caller did in
+                    // between): programmatic too, the queue decides whether it can start early.
+                    StepLaunch::Programmatic => {
+                        drop(q.launch_programmatic(k.get(l.kernel), &l.cfg, &l.args)?)
+                    }
                 }
             }
         }
-        if chained {
+        if how == StepLaunch::Chained {
             q.end_chain()?;
         }
         Ok(())

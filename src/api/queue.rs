@@ -164,6 +164,47 @@ impl Queue {
         unsafe { self.submit(How::Launch, kernel, cfg, args) }.and_then(fenced)
     }
 
+    /// Launches `kernel` as a programmatic dependent of the launch right before it on this queue (CUDA's
+    /// programmatic stream serialization, `cudaLaunchAttributeProgrammaticStreamSerialization`): it may start once
+    /// every block of that launch has exited or run `griddepcontrol.launch_dependents`, and its
+    /// `griddepcontrol.wait` returns once that launch has completed with its writes visible. Later work on the queue
+    /// still waits for it as for any launch. On the direct path the GPU's work distributor starts it through a gate
+    /// of the previous launch, as libcuda does; where nothing can start it early (the queue's first programmatic
+    /// launch, or one after a copy, a wait or a chain) it is an ordinary launch. On the driver backend,
+    /// `cuLaunchKernelEx` with the attribute.
+    ///
+    /// ```no_run
+    /// use apex::{Arg, Gpu, LaunchConfig};
+    /// # fn main() -> apex::Result<()> {
+    /// let gpu = Gpu::open(0)?;
+    /// let module = gpu.load_module_file("kernels/apex_pdl.sm_90.cubin")?;
+    /// let step = module.kernel("pdl_step")?;
+    /// let n = 1u32 << 20;
+    /// let buf = gpu.alloc(u64::from(n) * 4)?;
+    /// let mut q = gpu.queue()?;
+    /// let cfg = LaunchConfig::linear(n / 256, 256);
+    /// for v in 0..100u32 {
+    ///     // SAFETY: pdl_step runs griddepcontrol.wait before it reads or writes `buf`, which only this queue uses.
+    ///     unsafe { q.launch_programmatic(&step, &cfg, &[buf.arg(), Arg::U32(n), Arg::U32(v)])? };
+    /// }
+    /// q.synchronize()?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch); also, the kernel must run `griddepcontrol.wait` before it touches memory
+    /// the launch before it writes, and must not write, before that wait, memory that launch reads or writes.
+    pub unsafe fn launch_programmatic(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+    ) -> Result<Fence> {
+        // SAFETY: forwarded to the caller.
+        unsafe { self.submit(How::Programmatic, kernel, cfg, args) }.and_then(fenced)
+    }
+
     /// Launches a kernel that synchronizes its whole grid (cooperative groups `this_grid().sync()`), as
     /// `cuLaunchCooperativeKernel` does: refused unless every block can be resident at once.
     ///
@@ -288,6 +329,7 @@ impl Queue {
                     match how {
                         How::Launch => q.launch(k, cfg, args)?,
                         How::Cooperative => q.launch_cooperative(k, cfg, args)?,
+                        How::Programmatic => q.launch_programmatic(k, cfg, args)?,
                         How::Chained => {
                             q.record_launch_chained(k, cfg, args)?;
                             return Ok(None);
@@ -306,6 +348,7 @@ impl Queue {
                         ));
                     }
                     (How::Cooperative, None) => driver::LaunchKind::Cooperative,
+                    (How::Programmatic, cluster) => driver::LaunchKind::Programmatic(cluster),
                     // A run-time cluster shape goes through cuLaunchKernelEx; a compile-time one needs nothing.
                     (_, Some(cluster)) => driver::LaunchKind::Cluster(cluster),
                     (_, None) => driver::LaunchKind::Plain,
@@ -640,6 +683,7 @@ enum How {
     Launch,
     Cooperative,
     Chained,
+    Programmatic,
 }
 
 /// The fence of a launch that is not a chained link (only a chained link returns none, so the error is never

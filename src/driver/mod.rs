@@ -726,6 +726,70 @@ pub enum LaunchKind {
     /// `cuLaunchKernelEx` with this run-time thread block cluster shape (`CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION`),
     /// in blocks; the grid is in blocks too.
     Cluster([u32; 3]),
+    /// `cuLaunchKernelEx` with `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION` set (programmatic dependent
+    /// launch after the stream's previous kernel), and a run-time cluster shape if one is given.
+    Programmatic(Option<[u32; 3]>),
+}
+
+/// `cuLaunchKernelEx` with a run-time cluster shape and/or programmatic stream serialization.
+///
+/// # Safety
+/// `func` is a live function of the current context, `stream` a live stream of it, and `args` the kernel's
+/// parameter pointers, valid for the call.
+#[allow(clippy::too_many_arguments)]
+unsafe fn launch_ex(
+    func: cu::CUfunction,
+    [gx, gy, gz]: [u32; 3],
+    [bx, by, bz]: [u32; 3],
+    shared: u32,
+    stream: cu::CUstream,
+    args: *mut *mut c_void,
+    cluster: Option<[u32; 3]>,
+    programmatic: bool,
+) -> Result<()> {
+    let none = cu::CUlaunchAttribute {
+        id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_IGNORE,
+        pad: [0; 4],
+        value: cu::CUlaunchAttributeValue { pad: [0; 64] },
+    };
+    let mut attrs = [none, none];
+    let mut n = 0;
+    if let Some([x, y, z]) = cluster {
+        let mut value = cu::CUlaunchAttributeValue { pad: [0; 64] };
+        value.clusterDim = cu::CUlaunchAttributeValue_union__bindgen_ty_1 { x, y, z };
+        attrs[n] = cu::CUlaunchAttribute {
+            id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+            pad: [0; 4],
+            value,
+        };
+        n += 1;
+    }
+    if programmatic {
+        let mut value = cu::CUlaunchAttributeValue { pad: [0; 64] };
+        value.programmaticStreamSerializationAllowed = 1;
+        attrs[n] = cu::CUlaunchAttribute {
+            id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value,
+        };
+        n += 1;
+    }
+    let config = cu::CUlaunchConfig {
+        gridDimX: gx,
+        gridDimY: gy,
+        gridDimZ: gz,
+        blockDimX: bx,
+        blockDimY: by,
+        blockDimZ: bz,
+        sharedMemBytes: shared,
+        hStream: stream,
+        attrs: attrs.as_mut_ptr(),
+        numAttrs: n as u32,
+    };
+    // SAFETY: `config` and the attributes it points to live for the call; the caller guarantees the rest.
+    check("cuLaunchKernelEx", unsafe {
+        cu::cuLaunchKernelEx(&config, func, args, std::ptr::null_mut())
+    })
 }
 
 /// A non-blocking stream.
@@ -869,31 +933,24 @@ impl Stream {
             LaunchKind::Cooperative => check("cuLaunchCooperativeKernel", unsafe {
                 cu::cuLaunchCooperativeKernel(f.func, gx, gy, gz, bx, by, bz, shared, stream, args)
             }),
-            LaunchKind::Cluster([x, y, z]) => {
-                let mut value = cu::CUlaunchAttributeValue { pad: [0; 64] };
-                value.clusterDim = cu::CUlaunchAttributeValue_union__bindgen_ty_1 { x, y, z };
-                let mut attr = cu::CUlaunchAttribute {
-                    id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-                    pad: [0; 4],
-                    value,
-                };
-                let config = cu::CUlaunchConfig {
-                    gridDimX: gx,
-                    gridDimY: gy,
-                    gridDimZ: gz,
-                    blockDimX: bx,
-                    blockDimY: by,
-                    blockDimZ: bz,
-                    sharedMemBytes: shared,
-                    hStream: stream,
-                    attrs: &mut attr,
-                    numAttrs: 1,
-                };
-                // SAFETY: `config` and the attribute it points to live for the call; the caller guarantees the
-                // parameter pointers.
-                check("cuLaunchKernelEx", unsafe {
-                    cu::cuLaunchKernelEx(&config, f.func, args, std::ptr::null_mut())
-                })
+            LaunchKind::Cluster(cluster) => {
+                // SAFETY: forwarded.
+                unsafe {
+                    launch_ex(
+                        f.func,
+                        grid,
+                        block,
+                        shared,
+                        stream,
+                        args,
+                        Some(cluster),
+                        false,
+                    )
+                }
+            }
+            LaunchKind::Programmatic(cluster) => {
+                // SAFETY: forwarded.
+                unsafe { launch_ex(f.func, grid, block, shared, stream, args, cluster, true) }
             }
         }
     }

@@ -593,6 +593,71 @@ pub fn set_latch_wait(
     })
 }
 
+/// Makes an eager launch's QMD a possible programmatic producer (V04 only; `Ok(false)` otherwise), as libcuda
+/// builds every launch on a stream (apex-trace of `probes/pdl_stream.cu`, H100, 580.159.04): once every block has
+/// exited or run `griddepcontrol.launch_dependents` (ENABLE_PROGRAM_PRE_EXIT) the grid counts down `gate`, the
+/// null grid built by [`set_gate`] that schedules the next launch if that one is programmatic; the grid arrives at
+/// latch `latch` when it completes, for that launch's `griddepcontrol.wait`. Its own completion release is
+/// unchanged, so an ordinary next launch waits for it as before.
+pub fn set_gated_producer(
+    version: QmdVersion,
+    words: &mut [u32; QMD_WORDS],
+    gate: u64,
+    latch: u32,
+) -> Result<bool, QmdError> {
+    if !set_latch_arrive(version, words, latch)? {
+        return Ok(false);
+    }
+    edit_v04(version, words, |w| {
+        set!(w, v04::DEPENDENT_QMD_ENABLE(0), 1);
+        set!(
+            w,
+            v04::DEPENDENT_QMD_ACTION(0),
+            v04::DEPENDENT_QMD_ACTION_QMD_DECREMENT_DEPENDENCE
+        );
+        set!(w, v04::DEPENDENT_QMD_PREFETCH(0), 1);
+        set!(w, v04::DEPENDENT_QMD0_POINTER, gate >> 8);
+        Ok(())
+    })
+}
+
+/// Makes a QMD built by [`build`] the gate of a launch slot (V04 only; `Ok(false)` otherwise): a null grid with a
+/// dependence count of two that schedules the QMD at `next` (the next slot's launch) when both the launch in its own
+/// slot has pre-exited and the front end has counted it down (which it does only when that next launch is
+/// programmatic), and that re-arms itself from its copy when it has run. libcuda's stream gates carry the same
+/// fields (apex-trace of `probes/pdl_stream.cu`).
+pub fn set_gate(
+    version: QmdVersion,
+    words: &mut [u32; QMD_WORDS],
+    next: u64,
+) -> Result<bool, QmdError> {
+    if !set_null_grid(version, words)? {
+        return Ok(false);
+    }
+    edit_v04(version, words, |w| {
+        for i in 0..2 {
+            set!(w, v04::RELEASE_ENABLE(i), 0);
+        }
+        set!(w, v04::DEPENDENT_QMD_ENABLE(0), 1);
+        set!(
+            w,
+            v04::DEPENDENT_QMD_ACTION(0),
+            v04::DEPENDENT_QMD_ACTION_QMD_SCHEDULE
+        );
+        set!(w, v04::DEPENDENT_QMD_PREFETCH(0), 0);
+        set!(w, v04::DEPENDENT_QMD0_POINTER, next >> 8);
+        set!(w, v04::DEPENDENT_QMD_ENABLE(1), 0);
+        set!(w, v04::DEPENDENCE_COUNTER, 2);
+        set!(w, v04::SELF_COPY_ON_COMPLETION, 1);
+        set!(w, v04::REQUIRE_SCHEDULING_PCAS, 0);
+        set!(w, v04::ENABLE_PROGRAM_PRE_EXIT, 0);
+        set!(w, v04::ARRIVE_AT_LATCH_VALID, 0);
+        set!(w, v04::WAIT_ON_LATCH_VALID, 0);
+        set!(w, v04::CWD_MEMBAR_TYPE, v04::CWD_MEMBAR_TYPE_L1_NONE);
+        Ok(())
+    })
+}
+
 /// How a chained QMD schedules the next one (DEPENDENT_QMD0_ACTION, with prefetch).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ChainAction {

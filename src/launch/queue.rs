@@ -209,6 +209,89 @@ const WINDOW_ALIGN: u64 = 4 << 30;
 /// Kernels APEX launches itself (kernels/apex_builtin.cu).
 const BUILTIN_CUBIN: &[u8] = include_bytes!("../../kernels/apex_builtin.sm_90.cubin");
 
+/// Bytes per slot gate ([`Gates`]): a QMD, on the 256-byte alignment SEND_PCAS and dependent pointers address.
+const GATE_BYTES: u64 = 512;
+
+/// Latch ids of eager programmatic launches: above the ids graphs number their producers with (node + 1), and
+/// different for consecutive launches, as libcuda numbers them.
+const EAGER_LATCH_FIRST: u32 = 0x0080_0000;
+const EAGER_LATCH_LAST: u32 = 0x00ff_ffff;
+
+/// Eager programmatic launches (CUDA's programmatic stream serialization): one gate per launch slot, a null grid
+/// that the slot's launch counts down when it pre-exits and the front end counts down when the launch after it
+/// is programmatic; the gate then schedules that launch (in the next slot). Built when a queue first launches
+/// programmatically; from then on every ordered launch of the queue is sent with its gate armed.
+struct Gates {
+    mem: Memory,
+    /// The last launch sent with its gate armed: (slot, timeline value, latch it arrives at).
+    last: Option<(usize, u64, u32)>,
+    next_latch: u32,
+}
+
+impl Gates {
+    /// Gates for `slots` launch slots starting at `slots_va`, built from `template` (any launch's QMD of this
+    /// queue: only its scheduling fields matter once it is a null grid).
+    fn new(
+        gpu: &Arc<GpuCore>,
+        version: QmdVersion,
+        template: &[u32; QMD_WORDS],
+        slots_va: u64,
+        slots: usize,
+    ) -> Result<Gates> {
+        let mem = Memory::alloc(
+            gpu,
+            MemoryDesc::video(GATE_BYTES * slots as u64)
+                .with_cpu()
+                .low(),
+        )?;
+        for s in 0..slots {
+            let next = slots_va + ((s + 1) % slots) as u64 * SLOT_BYTES;
+            let mut g = *template;
+            if !qmd::set_gate(version, &mut g, next)? {
+                return Err(Error::Unsupported(format!(
+                    "programmatic launches on QMD {version:?}"
+                )));
+            }
+            mem.write_words(s as u64 * GATE_BYTES, &g[..version.size_bytes() / 4])?;
+        }
+        debug!(
+            slots,
+            "launch gates ready: programmatic launches on this queue"
+        );
+        Ok(Gates {
+            mem,
+            last: None,
+            next_latch: EAGER_LATCH_FIRST,
+        })
+    }
+
+    fn va(&self, slot: usize) -> u64 {
+        self.mem.va() + slot as u64 * GATE_BYTES
+    }
+
+    fn take_latch(&mut self) -> u32 {
+        let l = self.next_latch;
+        self.next_latch = if l >= EAGER_LATCH_LAST {
+            EAGER_LATCH_FIRST
+        } else {
+            l + 1
+        };
+        l
+    }
+}
+
+/// How a launch is ordered against the work before it on its queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Order {
+    /// Not at all (until a join).
+    Unordered,
+    /// After the work before it has completed.
+    Stream,
+    /// Scheduled once the launch right before it has pre-exited (all its blocks exited or ran
+    /// `griddepcontrol.launch_dependents`); its `griddepcontrol.wait` waits for that launch's completion.
+    Programmatic,
+}
+
 /// Driver words of constant bank 0 that launches write (blockDim .. initial stack pointer).
 const CBANK_DRIVER_WORDS: usize = super::cbank::LAUNCH_WORDS;
 
@@ -336,6 +419,8 @@ pub struct ComputeQueue {
     grid_barrier: Option<Memory>,
     /// Set while a cooperative launch is being recorded: its grid barrier's address.
     cooperative: Option<u64>,
+    /// The slot gates of programmatic launches, once the queue has launched one.
+    gates: Option<Gates>,
 }
 
 /// How a launch in stream order waits for the work before it on its queue.
@@ -491,6 +576,7 @@ impl ComputeQueue {
             printf: None,
             grid_barrier: None,
             cooperative: None,
+            gates: None,
         };
         let (shared, local) = (cq.shared_window(), cq.local_window());
         cq.queue.submit(16, Signal::Host, |p, _| {
@@ -698,7 +784,55 @@ impl ComputeQueue {
         cfg: &LaunchConfig,
         args: &[Arg<'_>],
     ) -> Result<Fence> {
-        self.record(kernel, cfg, args, true)
+        self.record(kernel, cfg, args, Order::Stream)
+    }
+
+    /// Launches `kernel` as a programmatic dependent of the launch right before it on this queue, as CUDA's
+    /// programmatic stream serialization does (`CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`): the GPU
+    /// schedules it once every block of that launch has exited or run `griddepcontrol.launch_dependents`
+    /// (`cudaTriggerProgrammaticLaunchCompletion`), and its `griddepcontrol.wait` (`cudaGridDependencySynchronize`)
+    /// returns once that launch has completed and its writes are visible. The launch's start overlaps the tail of
+    /// the one before instead of waiting for its completion in the channel's front end.
+    ///
+    /// Built as libcuda builds it (apex-trace of `probes/pdl_stream.cu`): each launch of the queue counts down a
+    /// gate of its slot when it pre-exits, and a programmatic launch counts the previous slot's gate down too,
+    /// which then schedules it. The first programmatic launch of a queue builds the gates and, like a launch
+    /// after anything but a kernel launch (a copy, a wait, a chain, a prepared launch) or on a queue that sends QMDs
+    /// inline ([`LaunchMemory::Host`]), is ordered as an ordinary launch: nothing else can start it early.
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch); also, the kernel must run `griddepcontrol.wait` before it touches memory
+    /// the launch before it writes, and must not, before that wait, write memory the launch before it reads or
+    /// writes (that launch may still be running).
+    pub unsafe fn launch_programmatic(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+    ) -> Result<Fence> {
+        // SAFETY: forwarded.
+        let fence = unsafe { self.record_launch_programmatic(kernel, cfg, args)? };
+        self.queue.kick();
+        Ok(fence)
+    }
+
+    /// As [`launch_programmatic`](Self::launch_programmatic) without ringing the doorbell.
+    ///
+    /// # Safety
+    /// As for [`launch_programmatic`](Self::launch_programmatic).
+    pub unsafe fn record_launch_programmatic(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+    ) -> Result<Fence> {
+        self.record(kernel, cfg, args, Order::Programmatic)
+    }
+
+    /// Whether this queue has launched programmatically ([`launch_programmatic`](Self::launch_programmatic)), so
+    /// that its ordered launches carry the gates a programmatic launch after them needs.
+    pub fn is_programmatic(&self) -> bool {
+        self.gates.is_some()
     }
 
     /// Records a launch that may run concurrently with the launches around it (no wait for the previous one,
@@ -713,7 +847,7 @@ impl ComputeQueue {
         cfg: &LaunchConfig,
         args: &[Arg<'_>],
     ) -> Result<()> {
-        self.record(kernel, cfg, args, false).map(drop)
+        self.record(kernel, cfg, args, Order::Unordered).map(drop)
     }
 
     /// Checks a launch of `kernel` over `cfg` once and builds its QMD and driver words, so that
@@ -793,7 +927,7 @@ impl ComputeQueue {
         }
         if p.local != self.local_per_thread {
             // Another kernel grew local memory since: the prepared QMD names the old size, so build afresh.
-            return self.record(kernel, &p.cfg, args, true);
+            return self.record(kernel, &p.cfg, args, Order::Stream);
         }
         self.end_open_chain()?;
         let n = pack(kernel.info(), args, &mut self.params)?;
@@ -1015,10 +1149,45 @@ impl ComputeQueue {
         kernel: &Kernel,
         cfg: &LaunchConfig,
         args: &[Arg<'_>],
-        ordered: bool,
+        order: Order,
     ) -> Result<Fence> {
         self.end_open_chain()?;
-        let (slot, q) = self.prepare(kernel, cfg, args, Release::next_if(ordered))?;
+        let ordered = order != Order::Unordered;
+        let (slot, mut q) = self.prepare(kernel, cfg, args, Release::next_if(ordered))?;
+        if order == Order::Programmatic && self.gates.is_none() && !self.inline_qmd {
+            self.gates = Some(Gates::new(
+                &self.gpu,
+                self.version,
+                &q,
+                self.slots.va(),
+                self.slot_values.len(),
+            )?);
+        }
+        // With gates, every ordered launch arms its own (so the launch after it may be programmatic); a programmatic
+        // one right after a gated launch in the slot before is scheduled by that slot's gate.
+        let mut gated = None;
+        if ordered && !self.inline_qmd {
+            let last_submitted = self.queue.last_submitted();
+            let n = self.slot_values.len();
+            let pending = self.unordered_pending;
+            if let Some(g) = &mut self.gates {
+                let latch = g.take_latch();
+                qmd::set_gated_producer(self.version, &mut q, g.va(slot), latch)?;
+                let after = match g.last {
+                    Some((s, value, l))
+                        if order == Order::Programmatic
+                            && !pending
+                            && value == last_submitted
+                            && (s + 1) % n == slot =>
+                    {
+                        qmd::set_latch_wait(self.version, &mut q, l)?;
+                        Some(s)
+                    }
+                    _ => None,
+                };
+                gated = Some((latch, after));
+            }
+        }
         self.stage_qmd(slot, &q)?;
 
         if ordered && self.unordered_pending {
@@ -1026,10 +1195,63 @@ impl ComputeQueue {
             self.queue.record(0, Signal::Host, |_, _| {})?;
             self.unordered_pending = false;
         }
-        let fence = self.send_launch(slot, kernel, ordered)?;
+        let fence = match gated {
+            Some((latch, after)) => {
+                let fence = self.send_gated(slot, kernel, after)?;
+                if let Some(g) = &mut self.gates {
+                    g.last = Some((slot, fence.value(), latch));
+                }
+                fence
+            }
+            None => self.send_launch(slot, kernel, ordered)?,
+        };
         if !ordered {
             self.unordered_pending = true;
         }
+        Ok(fence)
+    }
+
+    /// Sends the gated launch staged in `slot`: arms the slot's gate, then either counts down the gate of slot
+    /// `after` (the launch is programmatic and that slot's launch came right before: the gate schedules this one
+    /// once that launch has pre-exited) or waits for the work before it as any launch does.
+    fn send_gated(&mut self, slot: usize, kernel: &Kernel, after: Option<usize>) -> Result<Fence> {
+        let Some(g) = &self.gates else {
+            return self.send_launch(slot, kernel, true);
+        };
+        let gate = g.va(slot);
+        let prev_gate = after.map(|s| g.va(s));
+        let prev = self.queue.last_submitted();
+        let prev_done = self.settled(prev);
+        let invalidate = self.seen_generation < kernel.module().generation();
+        let timeline_va = self.queue.timeline().va();
+        let order = self.ordering;
+        let qmd_va = self.slot_qmd_va(slot);
+        let fence = self.queue.record(24, Signal::Recorded, |p, _| {
+            if invalidate {
+                p.invalidate_shader_caches_no_wfi();
+            }
+            // Armed (afresh, from memory) before this launch can pre-exit and count it down.
+            p.send_pcas(gate);
+            match prev_gate {
+                Some(pg) => {
+                    // This QMD requires a scheduling PCAS: the copy waits for the previous slot's gate, which runs
+                    // once the previous launch has pre-exited and this decrement has arrived.
+                    p.send_pcas(qmd_va);
+                    p.send_pcas_decrement(pg);
+                }
+                None => {
+                    if !prev_done {
+                        order.wait(p, timeline_va, prev);
+                    }
+                    p.send_pcas(qmd_va);
+                }
+            }
+        })?;
+        debug_assert_eq!(fence.value(), prev + 1);
+        if invalidate {
+            self.seen_generation = newest_generation();
+        }
+        self.slot_values[slot] = fence.value();
         Ok(fence)
     }
 

@@ -435,7 +435,7 @@ impl GpuCore {
     }
 
     /// Asks RM to hold the GPU at its highest performance state for as long as this client lives, the request
-    /// libcuda makes for every context it creates (`NV2080_CTRL_CMD_PERF_BOOST`, see [`perf_boost_params`]).
+    /// libcuda makes for every context it creates (`NV2080_CTRL_CMD_PERF_BOOST`, flags 0x12, until cleared).
     /// RM tracks boosts per client and drops this one with the client; it changes no setting of the GPU. Without
     /// it an idle H100 stays at its 345 MHz idle clock through the first seconds of a process that has no CUDA
     /// context beside it (measured: peer copies at half bandwidth, cross-GPU hops 2x slower). A refusal (a

@@ -1,0 +1,158 @@
+//! Eager programmatic launches (`ComputeQueue::launch_programmatic`) against the simulated front end and work
+//! distributor: every launch runs once and in stream order, a programmatic launch right after a kernel launch is
+//! scheduled by that launch's slot gate (two count-downs, one null grid, no front-end wait), and anything else
+//! between them makes it an ordinary launch again.
+
+use std::time::Duration;
+
+use apex::launch::{Arg, ComputeQueueConfig, LaunchConfig, LaunchMemory, Module};
+use apex::sim::Simulator;
+
+#[path = "support/sim.rs"]
+mod sim;
+
+const T: Duration = Duration::from_secs(30);
+const PDL: &[u8] = include_bytes!("../kernels/apex_pdl.sm_90.cubin");
+
+/// The `v` argument of a recorded `pdl_step(buf, n, v)` launch.
+fn step_v(params: &[u8]) -> u32 {
+    u32::from_le_bytes(params[12..16].try_into().unwrap())
+}
+
+#[test]
+fn programmatic_launches_run_in_order_through_the_gates_and_fall_back_after_other_work() {
+    let (gpu, sim, mut q, tests) = sim::setup_with(ComputeQueueConfig {
+        slots: 8,
+        ..ComputeQueueConfig::default()
+    });
+    let pdl = Module::load(&gpu, PDL).unwrap();
+    let step = pdl.kernel("pdl_step").unwrap();
+    let empty = tests.kernel("empty").unwrap();
+    let buf = sim::host_page(&gpu);
+    let flag = sim::host_page(&gpu);
+    flag.write(0, &1u64.to_le_bytes()).unwrap();
+    let cfg = LaunchConfig::linear(4, 256);
+    let one = LaunchConfig::linear(1, 1);
+    let token = q.queue().channel().token();
+    let stats = |sim: &Simulator| sim.stats_for(token).unwrap();
+    let args = |v: u32| [Arg::Ptr(buf.va()), Arg::U32(1024), Arg::U32(v)];
+    let prepared = q.prepare_launch(&step, &cfg).unwrap();
+    assert!(!q.is_programmatic());
+
+    // The first programmatic launch builds the gates; nothing before it was gated, so it waits as usual.
+    let before = sim.launches().len();
+    let start = stats(&sim);
+    // SAFETY: the model does not execute kernels.
+    unsafe { q.launch_programmatic(&step, &cfg, &args(0)) }.unwrap();
+    assert!(q.is_programmatic());
+    let mut expect = vec![Some(0)];
+    // Then 199 more, around the 8 slots many times, with other work now and then. Counted as they go: launches
+    // sent with their gate armed (every ordered launch from now on but prepared ones), and programmatic launches
+    // scheduled by the gate of the launch right before them.
+    let (mut gated, mut scheduled) = (1u64, 0u64);
+    let mut prev_gated = true;
+    let mut last = None;
+    for v in 1..200u32 {
+        // SAFETY: the model does not execute kernels.
+        let f = unsafe {
+            match v % 17 {
+                3 => {
+                    // An ordinary launch is gated too, so the programmatic one after it is scheduled by its gate.
+                    q.launch(&empty, &one, &[]).unwrap();
+                    expect.push(None);
+                    gated += 2;
+                    scheduled += 1;
+                    prev_gated = true;
+                    q.launch_programmatic(&step, &cfg, &args(v))
+                }
+                5 => {
+                    // A prepared launch carries no gate: the next programmatic one waits in the front end.
+                    prev_gated = false;
+                    q.launch_prepared(&prepared, &args(v))
+                }
+                7 | 9 | 13 => {
+                    // A wait, an unordered launch or a copy in between: an ordinary launch, gated for the next.
+                    match v % 17 {
+                        7 => drop(q.wait_value(flag.va(), 1).unwrap()),
+                        9 => {
+                            q.record_launch_unordered(&empty, &one, &[]).unwrap();
+                            expect.push(None);
+                        }
+                        _ => drop(q.copy(buf.va() + 2048, buf.va() + 3072, 256).unwrap()),
+                    }
+                    gated += 1;
+                    prev_gated = true;
+                    q.launch_programmatic(&step, &cfg, &args(v))
+                }
+                11 => {
+                    gated += 1;
+                    prev_gated = true;
+                    q.launch(&step, &cfg, &args(v))
+                }
+                _ => {
+                    gated += 1;
+                    scheduled += u64::from(prev_gated);
+                    prev_gated = true;
+                    q.launch_programmatic(&step, &cfg, &args(v))
+                }
+            }
+        }
+        .unwrap();
+        expect.push(Some(v));
+        last = Some(f);
+    }
+    last.unwrap().wait(T).unwrap();
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+    let got: Vec<Option<u32>> = sim.launches()[before..]
+        .iter()
+        .map(|l| (l.program_va == step.program_va()).then(|| step_v(&l.params)))
+        .collect();
+    assert_eq!(got, expect, "every launch once, in stream order");
+    let end = stats(&sim);
+    assert!(scheduled > 100, "{scheduled}");
+    // Each gate-scheduled launch: its gate ran once as a null grid after two count-downs, the pre-exit of the
+    // launch before it and the front end's; every other gated launch's gate was counted down once and re-armed.
+    assert_eq!(end.null_grids - start.null_grids, scheduled);
+    assert_eq!(end.decrements - start.decrements, gated + scheduled);
+}
+
+#[test]
+fn programmatic_launches_on_inline_qmd_queues_are_ordinary_launches() {
+    let (gpu, sim, mut q, _) =
+        sim::setup_with(ComputeQueueConfig::default().with_memory(LaunchMemory::Host));
+    let pdl = Module::load(&gpu, PDL).unwrap();
+    let step = pdl.kernel("pdl_step").unwrap();
+    let buf = sim::host_page(&gpu);
+    let cfg = LaunchConfig::linear(2, 128);
+    let token = q.queue().channel().token();
+    let start = sim.stats_for(token).unwrap();
+    let before = sim.launches().len();
+    let mut last = None;
+    for v in 0..20u32 {
+        // SAFETY: the model does not execute kernels.
+        last = Some(
+            unsafe {
+                q.launch_programmatic(
+                    &step,
+                    &cfg,
+                    &[Arg::Ptr(buf.va()), Arg::U32(512), Arg::U32(v)],
+                )
+            }
+            .unwrap(),
+        );
+    }
+    last.unwrap().wait(T).unwrap();
+    assert!(
+        !q.is_programmatic(),
+        "an inline QMD cannot be scheduled later: no gates"
+    );
+    let end = sim.stats_for(token).unwrap();
+    assert_eq!(end.null_grids, start.null_grids);
+    assert_eq!(end.decrements, start.decrements);
+    let got: Vec<u32> = sim.launches()[before..]
+        .iter()
+        .map(|l| step_v(&l.params))
+        .collect();
+    assert_eq!(got, (0..20).collect::<Vec<_>>());
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+}
