@@ -42,6 +42,7 @@ fn steps_match_the_cpu(request: BackendRequest) {
             match v % 50 {
                 10 => q.launch(&step, &cfg, &args),
                 20 => q.launch_prepared(&prepared, &args),
+                25..=27 => q.launch_prepared_programmatic(&prepared, &args),
                 30 => {
                     // A programmatic launch of another kernel in between (writes only scratch).
                     q.launch_programmatic(

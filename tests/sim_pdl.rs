@@ -38,17 +38,24 @@ fn programmatic_launches_run_in_order_through_the_gates_and_fall_back_after_othe
     let args = |v: u32| [Arg::Ptr(buf.va()), Arg::U32(1024), Arg::U32(v)];
     let prepared = q.prepare_launch(&step, &cfg).unwrap();
     assert!(!q.is_programmatic());
+    // Before any programmatic launch a prepared launch is an ordinary one (no gates yet).
+    // SAFETY: the model does not execute kernels.
+    unsafe { q.launch_prepared(&prepared, &args(1000)) }
+        .unwrap()
+        .wait(T)
+        .unwrap();
+    assert!(!q.is_programmatic());
 
     // The first programmatic launch builds the gates; nothing before it was gated, so it waits as usual.
     let before = sim.launches().len();
     let start = stats(&sim);
-    // SAFETY: the model does not execute kernels.
+    // SAFETY: as above.
     unsafe { q.launch_programmatic(&step, &cfg, &args(0)) }.unwrap();
     assert!(q.is_programmatic());
     let mut expect = vec![Some(0)];
     // Then 199 more, around the 8 slots many times, with other work now and then. Counted as they go: launches
-    // sent with their gate armed (every ordered launch from now on but prepared ones), and programmatic launches
-    // scheduled by the gate of the launch right before them.
+    // sent with their gate armed (every ordered launch from now on), and programmatic launches scheduled by the
+    // gate of the launch right before them.
     let (mut gated, mut scheduled) = (1u64, 0u64);
     let mut prev_gated = true;
     let mut last = None;
@@ -66,9 +73,22 @@ fn programmatic_launches_run_in_order_through_the_gates_and_fall_back_after_othe
                     q.launch_programmatic(&step, &cfg, &args(v))
                 }
                 5 => {
-                    // A prepared launch carries no gate: the next programmatic one waits in the front end.
-                    prev_gated = false;
+                    // Prepared launches are gated too, and may be programmatic themselves.
+                    gated += 1;
+                    scheduled += u64::from(prev_gated);
+                    prev_gated = true;
+                    q.launch_prepared_programmatic(&prepared, &args(v))
+                }
+                6 => {
+                    gated += 1;
+                    prev_gated = true;
                     q.launch_prepared(&prepared, &args(v))
+                }
+                15 => {
+                    // A join: nothing before it is gated any more.
+                    q.join().unwrap();
+                    gated += 1;
+                    q.launch_programmatic(&step, &cfg, &args(v))
                 }
                 7 | 9 | 13 => {
                     // A wait, an unordered launch or a copy in between: an ordinary launch, gated for the next.

@@ -283,3 +283,43 @@ fn a_prepared_launch_allocates_nothing() {
     assert_eq!(sim.launches().len() - before, 500);
     assert!(sim.errors().is_empty(), "{:?}", sim.errors());
 }
+
+#[test]
+fn programmatic_launches_allocate_nothing_once_the_gates_exist() {
+    let (gpu, sim, mut q, module) = setup(ComputeQueueConfig::default());
+    let step = module.kernel("chain_step").unwrap();
+    let one = LaunchConfig::linear(1, 1);
+    let p = q.prepare_launch(&step, &one).unwrap();
+    let out = sim::host_page(&gpu);
+    let before = sim.launches().len();
+    // Warm: the first programmatic launch builds the gates; then every slot once.
+    for i in 0..300u64 {
+        let args = [Arg::Ptr(out.va()), Arg::U64(i), Arg::U64(1)];
+        // SAFETY: the model does not execute kernels.
+        unsafe { q.launch_programmatic(&step, &one, &args) }.unwrap();
+    }
+    q.synchronize().unwrap();
+    assert!(q.is_programmatic());
+    let (last, allocs) = allocations(|| {
+        let mut last = None;
+        for i in 0..200u64 {
+            let args = [Arg::Ptr(out.va()), Arg::U64(i), Arg::U64(1)];
+            // SAFETY: as above.
+            last = Some(
+                unsafe {
+                    if i % 2 == 0 {
+                        q.launch_programmatic(&step, &one, &args)
+                    } else {
+                        q.launch_prepared_programmatic(&p, &args)
+                    }
+                }
+                .unwrap(),
+            );
+        }
+        last
+    });
+    assert_eq!(allocs, 0, "heap allocations in 200 programmatic launches");
+    last.unwrap().wait(T).unwrap();
+    assert_eq!(sim.launches().len() - before, 500);
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+}

@@ -63,6 +63,10 @@ pub struct Extras {
     pub cluster: Option<[u32; 3]>,
     /// `CU_LAUNCH_ATTRIBUTE_COOPERATIVE` set: the grid synchronizes itself.
     pub cooperative: bool,
+    /// `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION` set: the launch may start before the stream's
+    /// previous kernel completes (it waits for it itself with `griddepcontrol.wait`). Running it in plain stream
+    /// order is always correct, so a queue that cannot start it early runs it as an ordinary launch.
+    pub programmatic: bool,
 }
 
 const IGNORE: u32 = 0;
@@ -100,24 +104,23 @@ fn name(id: u32) -> &'static str {
 }
 
 /// The attributes of one `cuLaunchKernelEx`, or why an APEX queue cannot run it. Honoured: a cluster shape, the
-/// cooperative flag, and attributes set to their default (a zero value: no programmatic serialization, default
-/// scheduling policy, no carveout preference). Everything else — programmatic launches and events, priorities,
-/// memory sync domains, access policy windows, ids this library does not know — is refused: the launch runs on
-/// libcuda, which honours them.
+/// cooperative flag, programmatic stream serialization, and attributes set to their default (a zero value: default
+/// scheduling policy, no carveout preference). Everything else — programmatic events, priorities, memory sync
+/// domains, access policy windows, ids this library does not know — is refused: the launch runs on libcuda, which
+/// honours them.
 pub fn extras(attrs: &[LaunchAttribute]) -> Result<Extras, Refusal> {
     let mut out = Extras::default();
     for a in attrs {
         match a.id {
             IGNORE => {}
             COOPERATIVE => out.cooperative = a.word(0) != 0,
+            PROGRAMMATIC_STREAM_SERIALIZATION => out.programmatic = a.word(0) != 0,
             CLUSTER_DIMENSION => {
                 let shape = [a.word(0), a.word(1), a.word(2)];
                 // A 1x1x1 cluster is a plain launch.
                 out.cluster = (shape != [1, 1, 1]).then_some(shape);
             }
-            CLUSTER_SCHEDULING_POLICY_PREFERENCE
-            | PROGRAMMATIC_STREAM_SERIALIZATION
-            | PREFERRED_SHARED_MEMORY_CARVEOUT
+            CLUSTER_SCHEDULING_POLICY_PREFERENCE | PREFERRED_SHARED_MEMORY_CARVEOUT
                 if a.word(0) == 0 => {}
             id => {
                 return Err(Refusal::LaunchAttribute { id, name: name(id) });
@@ -200,9 +203,9 @@ mod tests {
         )]);
         assert_eq!(
             pdl,
-            Err(Refusal::LaunchAttribute {
-                id: 6,
-                name: "programmatic stream serialization"
+            Ok(Extras {
+                programmatic: true,
+                ..Extras::default()
             })
         );
         for id in [

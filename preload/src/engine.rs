@@ -715,7 +715,9 @@ impl Engine {
         // way, and the queue is ordered with the stream.
         let result = unsafe {
             match prepared {
+                Some(p) if extras.programmatic => queue.launch_prepared_programmatic(p, args),
                 Some(p) => queue.launch_prepared(p, args),
+                // A cooperative launch runs in plain stream order, which programmatic serialization allows.
                 None => queue.launch_cooperative(&ready.kernel, &cfg, args),
             }
         };

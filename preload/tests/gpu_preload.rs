@@ -298,6 +298,120 @@ fn cuda_program_gives_identical_results_through_apex() {
     );
 }
 
+const PDL_PROGRAM: &str = r#"
+#include <cstdio>
+#include <cstdint>
+#include <cstdlib>
+#include <chrono>
+#include <cuda_runtime.h>
+#define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("cuda error %s at %d\n", cudaGetErrorString(e), __LINE__); return 1; } } while (0)
+// Each step lets the next launch start before its own writes and waits for the one before it first: only the
+// dependency (griddepcontrol.wait) keeps a step from reading stale words.
+__global__ void step(unsigned *buf, unsigned n, unsigned v) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) buf[i] = buf[i] * 3u + v; }
+__global__ void plain(unsigned *buf, unsigned n) {
+  for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) buf[i] ^= i; }
+static cudaError_t launch(unsigned *buf, unsigned n, unsigned v, cudaStream_t s, bool pdl) {
+  cudaLaunchConfig_t cfg = {}; cfg.gridDim = dim3(264); cfg.blockDim = dim3(256); cfg.stream = s;
+  cudaLaunchAttribute a; a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  a.val.programmaticStreamSerializationAllowed = 1; cfg.attrs = &a; cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, step, buf, n, v); }
+static uint64_t fnv(const void *p, size_t n, uint64_t h) {
+  const unsigned char *b = (const unsigned char *)p; for (size_t i = 0; i < n; i++) { h ^= b[i]; h *= 1099511628211ull; } return h; }
+int main(int argc, char **argv) {
+  int iters = argc > 1 ? atoi(argv[1]) : 2000;
+  const unsigned n = 1 << 18;
+  unsigned *buf; CHECK(cudaMalloc(&buf, n * 4));
+  static unsigned h[1 << 18]; for (unsigned i = 0; i < n; i++) h[i] = i * 2654435761u;
+  CHECK(cudaMemcpy(buf, h, n * 4, cudaMemcpyHostToDevice));
+  cudaStream_t st; CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  long launches = 0, before_loop = 0;
+  auto t0 = std::chrono::steady_clock::now();
+  for (int it = -1; it < iters; it++) {
+    unsigned i = it < 0 ? 0 : it;
+    if (it == 0) { CHECK(cudaStreamSynchronize(st)); before_loop = launches; t0 = std::chrono::steady_clock::now(); }
+    CHECK(launch(buf, n, i, st, i % 16 != 0)); launches++;       // mostly programmatic
+    if (i % 37 == 5) { plain<<<264, 256, 0, st>>>(buf, n); launches++; }
+    if (i % 500 == 250) CHECK(cudaStreamSynchronize(st));
+  }
+  CHECK(cudaStreamSynchronize(st));
+  double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(cudaMemcpy(h, buf, n * 4, cudaMemcpyDeviceToHost));
+  printf("result buf %016llx\n", (unsigned long long)fnv(h, sizeof h, 1469598103934665603ull));
+  printf("result error %s\n", cudaGetErrorString(cudaGetLastError()));
+  printf("launches %ld\n", launches);
+  printf("loop_launches %ld\n", launches - before_loop);
+  printf("loop_us %.1f\n", us);
+  return 0;
+}
+"#;
+
+/// A CUDA C program of dependent launches, most of them with programmatic stream serialization
+/// (`cudaLaunchKernelEx`, kernels that trigger their dependent before their own writes) gives the same bits with
+/// the preload as without, and its programmatic launches go through APEX (as programmatic launches of its queue).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn programmatic_launches_give_identical_results_through_apex() {
+    let lib = preload_lib();
+    let dir = scratch("pdl");
+    let src = dir.join("pdl.cu");
+    std::fs::write(&src, PDL_PROGRAM).unwrap();
+    let exe = dir.join("pdl");
+    let built = Command::new(nvcc())
+        .args(["-O2", "-arch=sm_90", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .output()
+        .expect("run nvcc");
+    assert!(
+        built.status.success(),
+        "nvcc: {}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let iters = std::env::var("APEX_PRELOAD_ITERS").unwrap_or_else(|_| "2000".into());
+    let cmd = || {
+        let mut c = Command::new(&exe);
+        c.arg(&iters);
+        c
+    };
+    let _ = run(cmd(), None, &dir, "warm");
+    let plain = run(cmd(), None, &dir, "plain");
+    let pre = run(cmd(), Some(&lib), &dir, "preload");
+    let (a, b) = (stdout(&plain), stdout(&pre));
+    assert!(plain.out.status.success(), "without the preload:\n{a}");
+    assert!(
+        pre.out.status.success(),
+        "with the preload: {:?}\n{b}\nstderr:\n{}",
+        pre.out.status,
+        String::from_utf8_lossy(&pre.out.stderr)
+    );
+    let s = pre.summary.as_ref().expect("summary");
+    report("programmatic CUDA C program", s);
+    let timed = value(&a, "loop_launches ");
+    println!(
+        "programmatic CUDA C program, {timed} launches timed after a warm-up iteration: {:.2} us per launch without, \
+         {:.2} us with the preload",
+        value(&a, "loop_us ") / timed,
+        value(&b, "loop_us ") / timed,
+    );
+    assert_eq!(
+        results(&a),
+        results(&b),
+        "outputs differ:\nwithout:\n{a}\nwith:\n{b}"
+    );
+    assert!(results(&a).iter().any(|l| l.contains("no error")), "{a}");
+    assert_eq!(s.launches as f64, value(&a, "launches "));
+    assert!(
+        s.apex * 10 >= s.launches * 9,
+        "only {} of {} launches went through APEX: {:?}",
+        s.apex,
+        s.launches,
+        s.reasons
+    );
+}
+
 const TORCH_SCRIPT: &str = r#"
 import hashlib, json, sys, time
 try:

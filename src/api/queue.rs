@@ -286,6 +286,31 @@ impl Queue {
         }
     }
 
+    /// Launches a launch [`prepare`](Self::prepare)d on this queue as a programmatic dependent of the launch right
+    /// before it, as [`launch_programmatic`](Self::launch_programmatic) does.
+    ///
+    /// # Safety
+    /// As for [`launch_programmatic`](Self::launch_programmatic).
+    pub unsafe fn launch_prepared_programmatic(
+        &mut self,
+        prepared: &PreparedLaunch,
+        args: &[Arg<'_>],
+    ) -> Result<Fence> {
+        match (&mut self.inner, &prepared.0) {
+            (QueueInner::Direct(q), PreparedInner::Direct(p)) => {
+                self.driver_chain = 0;
+                // SAFETY: forwarded to the caller.
+                let f = unsafe { q.launch_prepared_programmatic(p, args)? };
+                Ok(Fence::from_direct(f, q))
+            }
+            (QueueInner::Driver { .. }, PreparedInner::Driver { kernel, cfg }) => {
+                // SAFETY: forwarded to the caller.
+                unsafe { self.submit(How::Programmatic, kernel, cfg, args) }.and_then(fenced)
+            }
+            _ => Err(Error::Mismatch),
+        }
+    }
+
     /// Records `kernel` as the next link of a chain of dependent launches, ended by [`end_chain`](Self::end_chain).
     /// On the direct path each link is scheduled by the GPU when the one before completes, with no round trip
     /// through the channel's front end (as a CUDA graph runs), and long chains are sent part by part while they are

@@ -797,8 +797,9 @@ impl ComputeQueue {
     /// Built as libcuda builds it (apex-trace of `probes/pdl_stream.cu`): each launch of the queue counts down a
     /// gate of its slot when it pre-exits, and a programmatic launch counts the previous slot's gate down too,
     /// which then schedules it. The first programmatic launch of a queue builds the gates and, like a launch
-    /// after anything but a kernel launch (a copy, a wait, a chain, a prepared launch) or on a queue that sends QMDs
-    /// inline ([`LaunchMemory::Host`]), is ordered as an ordinary launch: nothing else can start it early.
+    /// after anything but an ordered kernel launch (a copy, a wait, a join, a chain) or on a queue that sends QMDs
+    /// inline ([`LaunchMemory::Host`]), is ordered as an ordinary launch: nothing else can start it early. Once a
+    /// queue has gates its prepared launches rewrite their gate fields too (a few more words per launch).
     ///
     /// # Safety
     /// As for [`launch`](Self::launch); also, the kernel must run `griddepcontrol.wait` before it touches memory
@@ -914,6 +915,31 @@ impl ComputeQueue {
         prepared: &PreparedLaunch,
         args: &[Arg<'_>],
     ) -> Result<Fence> {
+        self.record_prepared_as(prepared, args, Order::Stream)
+    }
+
+    /// Launches a [`PreparedLaunch`] of this queue as a programmatic dependent of the launch right before it
+    /// ([`launch_programmatic`](Self::launch_programmatic)), and rings the doorbell. Allocates nothing once the
+    /// queue's gates exist (its first programmatic launch builds them).
+    ///
+    /// # Safety
+    /// As for [`launch_programmatic`](Self::launch_programmatic).
+    pub unsafe fn launch_prepared_programmatic(
+        &mut self,
+        prepared: &PreparedLaunch,
+        args: &[Arg<'_>],
+    ) -> Result<Fence> {
+        let fence = self.record_prepared_as(prepared, args, Order::Programmatic)?;
+        self.queue.kick();
+        Ok(fence)
+    }
+
+    fn record_prepared_as(
+        &mut self,
+        prepared: &PreparedLaunch,
+        args: &[Arg<'_>],
+        order: Order,
+    ) -> Result<Fence> {
         let p = prepared;
         let kernel = &p.kernel;
         if p.queue != self.id {
@@ -927,7 +953,7 @@ impl ComputeQueue {
         }
         if p.local != self.local_per_thread {
             // Another kernel grew local memory since: the prepared QMD names the old size, so build afresh.
-            return self.record(kernel, &p.cfg, args, Order::Stream);
+            return self.record(kernel, &p.cfg, args, order);
         }
         self.end_open_chain()?;
         let n = pack(kernel.info(), args, &mut self.params)?;
@@ -941,8 +967,11 @@ impl ComputeQueue {
         let prev = self.queue.last_submitted();
         let value = prev + 1;
         let slot_off = slot as u64 * SLOT_BYTES;
+        // A queue with gates gives each launch its own gate and latch fields, so its slots hold no reusable QMD.
+        let gates = self.gates.is_some() || order == Order::Programmatic;
+        let mut gated = None;
         match qmd::release_payload_word(self.version) {
-            Some(w) if self.slot_owner[slot] == p.id => {
+            Some(w) if self.slot_owner[slot] == p.id && !gates => {
                 // The slot holds this launch's QMD and driver words: only the release payload changes.
                 let payload = [value as u32, (value >> 32) as u32];
                 if !self.inline_qmd {
@@ -954,9 +983,10 @@ impl ComputeQueue {
                 let mut q = *p.qmd;
                 let cb_va = self.slot_qmd_va(slot) + QMD_BYTES;
                 qmd::patch_launch(self.version, &mut q, cb_va, Some(value))?;
+                gated = self.gate(order, slot, &mut q)?;
                 self.stage_qmd(slot, &q)?;
                 self.write_bank_words(slot, &p.driver, &p.cluster)?;
-                self.slot_owner[slot] = p.id;
+                self.slot_owner[slot] = if gated.is_some() { 0 } else { p.id };
             }
         }
         self.slots.write(
@@ -964,7 +994,7 @@ impl ComputeQueue {
             &self.params[..n],
         )?;
         self.next_slot = (slot + 1) % self.slot_values.len();
-        self.send_launch(slot, kernel, true)
+        self.send_ordered(slot, kernel, true, gated)
     }
 
     /// Records a signal that completes once every launch so far has completed (waiting for the compute engine to
@@ -1154,40 +1184,7 @@ impl ComputeQueue {
         self.end_open_chain()?;
         let ordered = order != Order::Unordered;
         let (slot, mut q) = self.prepare(kernel, cfg, args, Release::next_if(ordered))?;
-        if order == Order::Programmatic && self.gates.is_none() && !self.inline_qmd {
-            self.gates = Some(Gates::new(
-                &self.gpu,
-                self.version,
-                &q,
-                self.slots.va(),
-                self.slot_values.len(),
-            )?);
-        }
-        // With gates, every ordered launch arms its own (so the launch after it may be programmatic); a programmatic
-        // one right after a gated launch in the slot before is scheduled by that slot's gate.
-        let mut gated = None;
-        if ordered && !self.inline_qmd {
-            let last_submitted = self.queue.last_submitted();
-            let n = self.slot_values.len();
-            let pending = self.unordered_pending;
-            if let Some(g) = &mut self.gates {
-                let latch = g.take_latch();
-                qmd::set_gated_producer(self.version, &mut q, g.va(slot), latch)?;
-                let after = match g.last {
-                    Some((s, value, l))
-                        if order == Order::Programmatic
-                            && !pending
-                            && value == last_submitted
-                            && (s + 1) % n == slot =>
-                    {
-                        qmd::set_latch_wait(self.version, &mut q, l)?;
-                        Some(s)
-                    }
-                    _ => None,
-                };
-                gated = Some((latch, after));
-            }
-        }
+        let gated = self.gate(order, slot, &mut q)?;
         self.stage_qmd(slot, &q)?;
 
         if ordered && self.unordered_pending {
@@ -1195,20 +1192,78 @@ impl ComputeQueue {
             self.queue.record(0, Signal::Host, |_, _| {})?;
             self.unordered_pending = false;
         }
-        let fence = match gated {
+        let fence = self.send_ordered(slot, kernel, ordered, gated)?;
+        if !ordered {
+            self.unordered_pending = true;
+        }
+        Ok(fence)
+    }
+
+    /// Gives the QMD `q` of an `order`ed launch in `slot` its gate fields: with gates (built here by the queue's
+    /// first programmatic launch, from `q`), every ordered launch arms its own so that the launch after it may be
+    /// programmatic, and a programmatic one right after a gated launch in the slot before waits for that one's
+    /// latch and is scheduled by its gate. Returns the latch the launch arrives at and the slot whose gate schedules
+    /// it, for [`send_ordered`](Self::send_ordered); `None` without gates (or for QMDs sent inline).
+    fn gate(
+        &mut self,
+        order: Order,
+        slot: usize,
+        q: &mut [u32; QMD_WORDS],
+    ) -> Result<Option<(u32, Option<usize>)>> {
+        if order == Order::Unordered || self.inline_qmd {
+            return Ok(None);
+        }
+        if order == Order::Programmatic && self.gates.is_none() {
+            self.gates = Some(Gates::new(
+                &self.gpu,
+                self.version,
+                q,
+                self.slots.va(),
+                self.slot_values.len(),
+            )?);
+        }
+        let last_submitted = self.queue.last_submitted();
+        let n = self.slot_values.len();
+        let pending = self.unordered_pending;
+        let Some(g) = &mut self.gates else {
+            return Ok(None);
+        };
+        let latch = g.take_latch();
+        qmd::set_gated_producer(self.version, q, g.va(slot), latch)?;
+        let after = match g.last {
+            Some((s, value, l))
+                if order == Order::Programmatic
+                    && !pending
+                    && value == last_submitted
+                    && (s + 1) % n == slot =>
+            {
+                qmd::set_latch_wait(self.version, q, l)?;
+                Some(s)
+            }
+            _ => None,
+        };
+        Ok(Some((latch, after)))
+    }
+
+    /// Sends the launch staged in `slot`: through the gates when [`gate`](Self::gate) gave it gate fields, else
+    /// as [`send_launch`](Self::send_launch) does.
+    fn send_ordered(
+        &mut self,
+        slot: usize,
+        kernel: &Kernel,
+        ordered: bool,
+        gated: Option<(u32, Option<usize>)>,
+    ) -> Result<Fence> {
+        match gated {
             Some((latch, after)) => {
                 let fence = self.send_gated(slot, kernel, after)?;
                 if let Some(g) = &mut self.gates {
                     g.last = Some((slot, fence.value(), latch));
                 }
-                fence
+                Ok(fence)
             }
-            None => self.send_launch(slot, kernel, ordered)?,
-        };
-        if !ordered {
-            self.unordered_pending = true;
+            None => self.send_launch(slot, kernel, ordered),
         }
-        Ok(fence)
     }
 
     /// Sends the gated launch staged in `slot`: arms the slot's gate, then either counts down the gate of slot
