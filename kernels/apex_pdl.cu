@@ -36,4 +36,26 @@ __global__ void pdl_busy(unsigned *out, unsigned spins) {
     }
 }
 
+// A producer that finishes long after its dependent could: it lets the dependent start at once, spins for about
+// `spins` iterations, then sets flag[0] to 1.
+__global__ void pdl_late(unsigned *flag, unsigned spins) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    unsigned x = threadIdx.x;
+    for (unsigned i = 0; i < spins; i++) {
+        x = x * 1664525u + 1013904223u;
+    }
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+        flag[0] = 1u + (x == 0x12345678u ? 1u : 0u);
+    }
+}
+
+// A dependent that touches nothing its producer writes, so it runs no griddepcontrol.wait. It records what it saw
+// of the producer's flag (10: not yet set; 11: set), which tells whether it really ran before the producer ended.
+__global__ void pdl_nowait(unsigned *out, const volatile unsigned *flag) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+        out[0] = 10u + flag[0];
+    }
+}
+
 }

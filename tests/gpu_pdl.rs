@@ -96,3 +96,111 @@ fn programmatic_launches_on_the_direct_path_keep_every_dependency() {
 fn programmatic_launches_on_the_driver_backend_keep_every_dependency() {
     steps_match_the_cpu(BackendRequest::Driver);
 }
+
+/// Many short programmatic launches: the slot ring wraps thousands of times and every gate is re-armed as often;
+/// the result is still the CPU's, word for word.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn two_hundred_thousand_programmatic_launches_keep_every_dependency() {
+    const SMALL: u32 = 4096;
+    const MANY: u32 = 200_000;
+    let gpu = Gpu::open_with(0, BackendRequest::Direct).expect("open the GPU");
+    let m = gpu.load_module(PDL).unwrap();
+    let step = m.kernel("pdl_step").unwrap();
+    let buf = gpu.alloc(u64::from(SMALL) * 4).unwrap();
+    let mut q = gpu.queue().unwrap();
+    let init: Vec<u8> = (0..SMALL)
+        .flat_map(|i| (i ^ 0x5a5a).to_le_bytes())
+        .collect();
+    q.upload(&gpu, &buf, 0, &init).unwrap();
+    let cfg = LaunchConfig::linear(8, 128);
+    let mut want: Vec<u32> = (0..SMALL).map(|i| i ^ 0x5a5a).collect();
+    for v in 0..MANY {
+        // SAFETY: pdl_step waits for the launch before it before touching buf, which only this queue uses.
+        unsafe { q.launch_programmatic(&step, &cfg, &[buf.arg(), Arg::U32(SMALL), Arg::U32(v)]) }
+            .unwrap();
+        for x in &mut want {
+            *x = x.wrapping_mul(3).wrapping_add(v);
+        }
+    }
+    q.synchronize().unwrap();
+    let mut out = vec![0u8; SMALL as usize * 4];
+    q.download(&gpu, &buf, 0, &mut out).unwrap();
+    let got = words(&out);
+    let bad = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+    assert_eq!(
+        bad, 0,
+        "{bad} of {SMALL} words differ after {MANY} programmatic launches"
+    );
+}
+
+/// A programmatic launch whose kernel runs no `griddepcontrol.wait` (it touches nothing its producer writes) may
+/// run while its producer still does; its fence must still not complete before the producer has, the queue's
+/// timeline must never go backwards, and an ordinary launch after both must run. The dependent also records
+/// whether it ran before its producer ended, which shows that the gate really started it early.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_dependent_that_does_not_wait_completes_after_its_producer() {
+    let gpu = Gpu::open_with(0, BackendRequest::Direct).expect("open the GPU");
+    let m = gpu.load_module(PDL).unwrap();
+    let (empty, late, nowait) = (
+        m.kernel("pdl_empty").unwrap(),
+        m.kernel("pdl_late").unwrap(),
+        m.kernel("pdl_nowait").unwrap(),
+    );
+    let host = gpu.alloc_host(4096).unwrap();
+    let (flag, out) = (host.device_ptr(), host.device_ptr() + 256);
+    let mut q = gpu.queue().unwrap();
+    let one = LaunchConfig::linear(1, 32);
+    let word = |offset: u64| {
+        let mut b = [0u8; 4];
+        host.read(offset, &mut b).unwrap();
+        u32::from_le_bytes(b)
+    };
+    let mut early = 0;
+    for round in 0..5 {
+        host.write(0, &[0u8; 512]).unwrap();
+        // SAFETY: the kernels write only `host`, which this test alone uses; pdl_empty touches nothing.
+        let (producer, dependent) = unsafe {
+            q.launch_programmatic(&empty, &one, &[]).unwrap();
+            let a = q
+                .launch_programmatic(&late, &one, &[Arg::Ptr(flag), Arg::U32(4_000_000)])
+                .unwrap();
+            let p = q
+                .launch_programmatic(&nowait, &one, &[Arg::Ptr(out), Arg::Ptr(flag)])
+                .unwrap();
+            (a, p)
+        };
+        dependent.wait(Duration::from_secs(30)).unwrap();
+        let flag_then = word(0);
+        let producer_done = producer.is_done();
+        let cq = q.direct().expect("a direct queue");
+        let timeline_then = cq.queue().timeline().completed();
+        q.synchronize().unwrap();
+        let seen = word(256);
+        let timeline_after = q.direct().unwrap().queue().timeline().completed();
+        println!(
+            "round {round}: when the dependent's fence completed the producer's flag was {flag_then} (fence done \
+             {producer_done}), timeline {timeline_then} then {timeline_after}; the dependent saw {seen}"
+        );
+        assert_eq!(
+            flag_then, 1,
+            "round {round}: the dependent's fence completed before its producer had"
+        );
+        assert!(
+            timeline_after >= timeline_then,
+            "the timeline went backwards"
+        );
+        early += u32::from(seen == 10);
+        // An ordinary launch after both still runs.
+        // SAFETY: pdl_empty touches nothing.
+        unsafe { q.launch(&empty, &one, &[]) }
+            .unwrap()
+            .wait(Duration::from_secs(30))
+            .unwrap();
+    }
+    assert!(
+        early > 0,
+        "the dependent never ran before its producer ended: the gate never started it early"
+    );
+}

@@ -57,7 +57,6 @@ fn programmatic_launches_run_in_order_through_the_gates_and_fall_back_after_othe
     // sent with their gate armed (every ordered launch from now on), and programmatic launches scheduled by the
     // gate of the launch right before them.
     let (mut gated, mut scheduled) = (1u64, 0u64);
-    let mut prev_gated = true;
     let mut last = None;
     for v in 1..200u32 {
         // SAFETY: the model does not execute kernels.
@@ -69,19 +68,16 @@ fn programmatic_launches_run_in_order_through_the_gates_and_fall_back_after_othe
                     expect.push(None);
                     gated += 2;
                     scheduled += 1;
-                    prev_gated = true;
                     q.launch_programmatic(&step, &cfg, &args(v))
                 }
                 5 => {
                     // Prepared launches are gated too, and may be programmatic themselves.
                     gated += 1;
-                    scheduled += u64::from(prev_gated);
-                    prev_gated = true;
+                    scheduled += 1;
                     q.launch_prepared_programmatic(&prepared, &args(v))
                 }
                 6 => {
                     gated += 1;
-                    prev_gated = true;
                     q.launch_prepared(&prepared, &args(v))
                 }
                 15 => {
@@ -101,18 +97,16 @@ fn programmatic_launches_run_in_order_through_the_gates_and_fall_back_after_othe
                         _ => drop(q.copy(buf.va() + 2048, buf.va() + 3072, 256).unwrap()),
                     }
                     gated += 1;
-                    prev_gated = true;
                     q.launch_programmatic(&step, &cfg, &args(v))
                 }
                 11 => {
                     gated += 1;
-                    prev_gated = true;
                     q.launch(&step, &cfg, &args(v))
                 }
                 _ => {
+                    // Right after a gated launch (every ordered launch is, from the first programmatic one on).
                     gated += 1;
-                    scheduled += u64::from(prev_gated);
-                    prev_gated = true;
+                    scheduled += 1;
                     q.launch_programmatic(&step, &cfg, &args(v))
                 }
             }
@@ -128,6 +122,27 @@ fn programmatic_launches_run_in_order_through_the_gates_and_fall_back_after_othe
         .map(|l| (l.program_va == step.program_va()).then(|| step_v(&l.params)))
         .collect();
     assert_eq!(got, expect, "every launch once, in stream order");
+    // Every gated launch arrives at a latch of its own; each gate-scheduled one waits on the latch of the launch
+    // right before it (the model also faults a wait on a latch nothing arrived at).
+    let launches = &sim.launches()[before..];
+    let arrivals: Vec<u32> = launches.iter().filter_map(|l| l.latch_arrive).collect();
+    let mut distinct = arrivals.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert_eq!(distinct.len(), arrivals.len(), "latch ids repeat");
+    assert_eq!(arrivals.len() as u64, gated);
+    let mut waits = 0;
+    for pair in launches.windows(2) {
+        if let Some(w) = pair[1].latch_wait {
+            assert_eq!(
+                Some(w),
+                pair[0].latch_arrive,
+                "a programmatic launch waits on the latch of the launch before it"
+            );
+            waits += 1;
+        }
+    }
+    assert_eq!(waits, scheduled);
     let end = stats(&sim);
     assert!(scheduled > 100, "{scheduled}");
     // Each gate-scheduled launch: its gate ran once as a null grid after two count-downs, the pre-exit of the
@@ -175,4 +190,54 @@ fn programmatic_launches_on_inline_qmd_queues_are_ordinary_launches() {
         .collect();
     assert_eq!(got, (0..20).collect::<Vec<_>>());
     assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+}
+
+#[test]
+fn a_queue_needs_two_slots_for_gates() {
+    for slots in [1usize, 2, 3] {
+        let (gpu, sim, mut q, _) = sim::setup_with(ComputeQueueConfig {
+            slots,
+            ..ComputeQueueConfig::default()
+        });
+        let pdl = Module::load(&gpu, PDL).unwrap();
+        let step = pdl.kernel("pdl_step").unwrap();
+        let buf = sim::host_page(&gpu);
+        let cfg = LaunchConfig::linear(2, 128);
+        let token = q.queue().channel().token();
+        let start = sim.stats_for(token).unwrap();
+        let before = sim.launches().len();
+        let mut last = None;
+        for v in 0..12u32 {
+            // SAFETY: the model does not execute kernels.
+            last = Some(
+                unsafe {
+                    q.launch_programmatic(
+                        &step,
+                        &cfg,
+                        &[Arg::Ptr(buf.va()), Arg::U32(512), Arg::U32(v)],
+                    )
+                }
+                .unwrap(),
+            );
+        }
+        last.unwrap().wait(T).unwrap();
+        assert!(sim.errors().is_empty(), "{slots} slots: {:?}", sim.errors());
+        let got: Vec<u32> = sim.launches()[before..]
+            .iter()
+            .map(|l| step_v(&l.params))
+            .collect();
+        assert_eq!(got, (0..12).collect::<Vec<_>>(), "{slots} slots");
+        let ran = sim.stats_for(token).unwrap().null_grids - start.null_grids;
+        if slots == 1 {
+            // With one slot the next launch's gate would be its producer's own: no gates, ordinary launches.
+            assert!(!q.is_programmatic());
+            assert_eq!(ran, 0);
+        } else {
+            assert!(q.is_programmatic());
+            assert_eq!(
+                ran, 11,
+                "{slots} slots: every launch after the first scheduled by a gate"
+            );
+        }
+    }
 }

@@ -5,7 +5,7 @@
 mod graph_exec;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tracing::debug;
@@ -212,10 +212,19 @@ const BUILTIN_CUBIN: &[u8] = include_bytes!("../../kernels/apex_builtin.sm_90.cu
 /// Bytes per slot gate ([`Gates`]): a QMD, on the 256-byte alignment SEND_PCAS and dependent pointers address.
 const GATE_BYTES: u64 = 512;
 
-/// Latch ids of eager programmatic launches: above the ids graphs number their producers with (node + 1), and
-/// different for consecutive launches, as libcuda numbers them.
+/// Latch ids of eager programmatic launches: above the ids graphs number their producers with (node + 1), counting
+/// up per launch as libcuda numbers them, from one counter for the whole process so that launches of different
+/// queues (whose channels may share latches: their scope is not documented) do not share an id until 2^23 launches
+/// later.
 const EAGER_LATCH_FIRST: u32 = 0x0080_0000;
-const EAGER_LATCH_LAST: u32 = 0x00ff_ffff;
+const EAGER_LATCH_SPAN: u32 = 0x0080_0000;
+static NEXT_EAGER_LATCH: AtomicU32 = AtomicU32::new(0);
+
+/// The `n`th eager latch id: in `EAGER_LATCH_FIRST..EAGER_LATCH_FIRST + EAGER_LATCH_SPAN` (24-bit ids), consecutive
+/// `n` (wrapping at 2^32 included) giving different ids.
+fn eager_latch(n: u32) -> u32 {
+    EAGER_LATCH_FIRST + (n & (EAGER_LATCH_SPAN - 1))
+}
 
 /// Eager programmatic launches (CUDA's programmatic stream serialization): one gate per launch slot, a null grid
 /// that the slot's launch counts down when it pre-exits and the front end counts down when the launch after it
@@ -225,7 +234,6 @@ struct Gates {
     mem: Memory,
     /// The last launch sent with its gate armed: (slot, timeline value, latch it arrives at).
     last: Option<(usize, u64, u32)>,
-    next_latch: u32,
 }
 
 impl Gates {
@@ -258,25 +266,15 @@ impl Gates {
             slots,
             "launch gates ready: programmatic launches on this queue"
         );
-        Ok(Gates {
-            mem,
-            last: None,
-            next_latch: EAGER_LATCH_FIRST,
-        })
+        Ok(Gates { mem, last: None })
     }
 
     fn va(&self, slot: usize) -> u64 {
         self.mem.va() + slot as u64 * GATE_BYTES
     }
 
-    fn take_latch(&mut self) -> u32 {
-        let l = self.next_latch;
-        self.next_latch = if l >= EAGER_LATCH_LAST {
-            EAGER_LATCH_FIRST
-        } else {
-            l + 1
-        };
-        l
+    fn take_latch() -> u32 {
+        eager_latch(NEXT_EAGER_LATCH.fetch_add(1, Ordering::Relaxed))
     }
 }
 
@@ -798,8 +796,14 @@ impl ComputeQueue {
     /// gate of its slot when it pre-exits, and a programmatic launch counts the previous slot's gate down too,
     /// which then schedules it. The first programmatic launch of a queue builds the gates and, like a launch
     /// after anything but an ordered kernel launch (a copy, a wait, a join, a chain) or on a queue that sends QMDs
-    /// inline ([`LaunchMemory::Host`]), is ordered as an ordinary launch: nothing else can start it early. Once a
-    /// queue has gates its prepared launches rewrite their gate fields too (a few more words per launch).
+    /// inline ([`LaunchMemory::Host`]) or has a single launch slot, is ordered as an ordinary launch: nothing else can
+    /// start it early. Once a queue has gates its prepared launches rewrite their gate fields too (a few more words
+    /// per launch).
+    ///
+    /// A kernel that touches nothing the launch before it writes may skip `griddepcontrol.wait`: it then runs
+    /// alongside that launch, but its fence still completes only after that launch has (the work distributor holds
+    /// a gate-scheduled grid's completion until its latch; `tests/gpu_pdl.rs` checks it on the GPU), so fences and
+    /// the queue's order stay as for any launch.
     ///
     /// # Safety
     /// As for [`launch`](Self::launch); also, the kernel must run `griddepcontrol.wait` before it touches memory
@@ -968,7 +972,7 @@ impl ComputeQueue {
         let value = prev + 1;
         let slot_off = slot as u64 * SLOT_BYTES;
         // A queue with gates gives each launch its own gate and latch fields, so its slots hold no reusable QMD.
-        let gates = self.gates.is_some() || order == Order::Programmatic;
+        let gates = self.gates.is_some() || (order == Order::Programmatic && self.can_gate());
         let mut gated = None;
         match qmd::release_payload_word(self.version) {
             Some(w) if self.slot_owner[slot] == p.id && !gates => {
@@ -1210,7 +1214,7 @@ impl ComputeQueue {
         slot: usize,
         q: &mut [u32; QMD_WORDS],
     ) -> Result<Option<(u32, Option<usize>)>> {
-        if order == Order::Unordered || self.inline_qmd {
+        if order == Order::Unordered || !self.can_gate() {
             return Ok(None);
         }
         if order == Order::Programmatic && self.gates.is_none() {
@@ -1221,6 +1225,9 @@ impl ComputeQueue {
                 self.slots.va(),
                 self.slot_values.len(),
             )?);
+            // The gates are written through the write-combined BAR1 mapping: doorbells must drain it first, also
+            // on a queue whose ring, pushbuffer and slots are in host memory.
+            self.queue.note_write_combined(Placement::Video);
         }
         let last_submitted = self.queue.last_submitted();
         let n = self.slot_values.len();
@@ -1228,7 +1235,7 @@ impl ComputeQueue {
         let Some(g) = &mut self.gates else {
             return Ok(None);
         };
-        let latch = g.take_latch();
+        let latch = Gates::take_latch();
         qmd::set_gated_producer(self.version, q, g.va(slot), latch)?;
         let after = match g.last {
             Some((s, value, l))
@@ -1243,6 +1250,12 @@ impl ComputeQueue {
             _ => None,
         };
         Ok(Some((latch, after)))
+    }
+
+    /// Whether this queue can have gates: its QMDs are fetched (an inline QMD cannot be scheduled later) and it has
+    /// two slots or more (with one, the next launch's gate would be the one its producer counts down).
+    fn can_gate(&self) -> bool {
+        !self.inline_qmd && self.slot_values.len() >= 2
     }
 
     /// Sends the launch staged in `slot`: through the gates when [`gate`](Self::gate) gave it gate fields, else
@@ -1908,4 +1921,30 @@ pub fn cluster_shape(k: &KernelInfo, cfg: &LaunchConfig, l: &Limits) -> Result<O
         )));
     }
     Ok(Some(s))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{EAGER_LATCH_FIRST, EAGER_LATCH_SPAN, eager_latch};
+
+    #[test]
+    fn eager_latches_stay_in_their_range_and_differ_for_consecutive_launches() {
+        let last = EAGER_LATCH_FIRST + EAGER_LATCH_SPAN - 1;
+        assert_eq!(eager_latch(0), EAGER_LATCH_FIRST);
+        assert_eq!(eager_latch(EAGER_LATCH_SPAN - 1), last);
+        assert_eq!(last, 0x00ff_ffff, "latch ids have 24 bits");
+        // Around the range's end and the counter's wrap at 2^32.
+        for n in [EAGER_LATCH_SPAN - 2, u32::MAX - 1, u32::MAX] {
+            let (a, b) = (eager_latch(n), eager_latch(n.wrapping_add(1)));
+            assert_ne!(a, b, "{n}");
+            for l in [a, b] {
+                assert!((EAGER_LATCH_FIRST..=last).contains(&l), "{l:#x}");
+            }
+        }
+        assert_eq!(eager_latch(u32::MAX), last);
+        assert_eq!(
+            eager_latch(0u32.wrapping_add(EAGER_LATCH_SPAN)),
+            EAGER_LATCH_FIRST
+        );
+    }
 }

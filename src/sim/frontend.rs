@@ -66,6 +66,9 @@ struct Compute {
     armed: std::collections::HashMap<u64, Armed>,
     /// An inline QMD being loaded (`SET_INLINE_QMD_ADDRESS_A/B`, then `LOAD_INLINE_QMD_DATA`).
     inline_qmd: Option<InlineQmd>,
+    /// Latches some grid of the channel has arrived at (ARRIVE_AT_LATCH): a grid waiting on any other latch would
+    /// wait forever.
+    latches: std::collections::HashSet<u32>,
     qmd_version: u32,
     spa_version: u32,
 }
@@ -874,8 +877,18 @@ impl ChannelModel {
         let mut driver = vec![0u8; crate::launch::cbank::DRIVER_BYTES.min(cb0_size as usize)];
         view.read(cb0, &mut driver)
             .map_err(mmu("constant bank 0"))?;
+        if let Some(l) = d.wait_latch
+            && !self.compute.latches.contains(&l)
+        {
+            return Err(bad(qmd::QmdViolation::State(
+                "WAIT_ON_LATCH names a latch no earlier grid of the channel arrived at: it would wait forever",
+            )));
+        }
         for r in &d.releases {
             release(view, r, now)?;
+        }
+        if let Some(l) = d.arrive_latch {
+            self.compute.latches.insert(l);
         }
         self.stats.launches += 1;
         rec.launches.push(Launch {
@@ -897,6 +910,8 @@ impl ChannelModel {
                 .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
                 .collect(),
             releases: d.releases.iter().map(|r| (r.va, r.payload)).collect(),
+            latch_arrive: d.arrive_latch,
+            latch_wait: d.wait_latch,
         });
         Ok(d)
     }

@@ -173,6 +173,10 @@ pub struct Launch {
     pub driver_words: Vec<u32>,
     /// (address, payload) of each release the QMD performed.
     pub releases: Vec<(u64, u64)>,
+    /// The latch the grid arrived at when it completed (ARRIVE_AT_LATCH), if any.
+    pub latch_arrive: Option<u32>,
+    /// The latch its `griddepcontrol.wait` waited for (WAIT_ON_LATCH), if any.
+    pub latch_wait: Option<u32>,
 }
 
 /// A QMD Hopper silently drops (major version 3): nothing ran, nothing was released.

@@ -199,6 +199,10 @@ pub struct QmdDesc {
     pub self_copy: bool,
     /// A grid of no blocks: it completes as soon as it is scheduled and only performs its dependent actions.
     pub null: bool,
+    /// ARRIVE_AT_LATCH: the latch the grid arrives at when it completes (programmatic dependent launch).
+    pub arrive_latch: Option<u32>,
+    /// WAIT_ON_LATCH: the latch the grid's `griddepcontrol.wait` waits for.
+    pub wait_latch: Option<u32>,
 }
 
 impl QmdDesc {
@@ -220,6 +224,8 @@ impl QmdDesc {
             require: false,
             self_copy: false,
             null: true,
+            arrive_latch: None,
+            wait_latch: None,
         }
     }
 }
@@ -416,12 +422,15 @@ fn scheduling(words: &[u32]) -> Result<QmdDesc, QmdViolation> {
         check_address(va)?;
         dependents.push((va, kind));
     }
+    let latch = |valid, id| (get(words, valid) != 0).then(|| get(words, id) as u32);
     Ok(QmdDesc {
         dependents,
         counter: get(words, v04::DEPENDENCE_COUNTER) as u32,
         require: get(words, v04::REQUIRE_SCHEDULING_PCAS) != 0,
         self_copy: get(words, v04::SELF_COPY_ON_COMPLETION) != 0,
         null: false,
+        arrive_latch: latch(v04::ARRIVE_AT_LATCH_VALID, v04::ARRIVE_AT_LATCH_ID),
+        wait_latch: latch(v04::WAIT_ON_LATCH_VALID, v04::WAIT_ON_LATCH_ID),
         ..QmdDesc::null()
     })
 }
