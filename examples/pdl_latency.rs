@@ -9,7 +9,7 @@
 //!
 //! Two kernels: `pdl_empty` (one block, nothing to do: the cost of the launch itself), and `pdl_busy` (two blocks
 //! per SM spinning for `APEX_SPINS` iterations, a few microseconds: how much of a launch's latency overlaps the
-//! kernel before it). Each figure is the best of `APEX_ROUNDS` (5) rounds.
+//! kernel before it). Each figure is the best of `APEX_ROUNDS` (5) rounds of `APEX_LAUNCHES` (1000) launches.
 //!
 //! `cargo run --release --example pdl_latency`
 
@@ -20,7 +20,6 @@ use std::time::{Duration, Instant};
 use apex::{Arg, BackendRequest, Buffer, Gpu, Graph, Kernel, LaunchConfig, Queue};
 
 const PDL: &[u8] = include_bytes!("../kernels/apex_pdl.sm_90.cubin");
-const LAUNCHES: usize = 1000;
 const T: Duration = Duration::from_secs(60);
 
 fn env(name: &str, default: u32) -> u32 {
@@ -28,6 +27,11 @@ fn env(name: &str, default: u32) -> u32 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
+}
+
+/// Dependent launches per round: `APEX_LAUNCHES` (1000 by default; a few when tracing the QMDs).
+fn launches() -> usize {
+    env("APEX_LAUNCHES", 1000).max(2) as usize
 }
 
 fn main() -> std::process::ExitCode {
@@ -80,7 +84,7 @@ fn time(
         Way::Graph | Way::GraphProgrammatic => {
             let mut g = Graph::new();
             let mut prev = None;
-            for i in 0..LAUNCHES {
+            for i in 0..launches() {
                 let mut node = g.launch(&k, cfg, &args)?;
                 if way == Way::GraphProgrammatic && i > 0 {
                     node = node.programmatic();
@@ -106,14 +110,14 @@ fn time(
             match (way, &mut exec) {
                 (Way::Eager, _) => {
                     let mut f = s.q.launch(&k, &cfg, &args)?;
-                    for _ in 1..LAUNCHES {
+                    for _ in 1..launches() {
                         f = s.q.launch(&k, &cfg, &args)?;
                     }
                     f
                 }
                 (Way::EagerProgrammatic, _) => {
                     let mut f = s.q.launch_programmatic(&k, &cfg, &args)?;
-                    for _ in 1..LAUNCHES {
+                    for _ in 1..launches() {
                         f = s.q.launch_programmatic(&k, &cfg, &args)?;
                     }
                     f
@@ -123,7 +127,7 @@ fn time(
             }
         };
         last.wait(T)?;
-        let us = t.elapsed().as_secs_f64() * 1e6 / LAUNCHES as f64;
+        let us = t.elapsed().as_secs_f64() * 1e6 / launches() as f64;
         if round > 0 {
             best = best.min(us);
         }
@@ -153,11 +157,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let mut apex = side(BackendRequest::Direct)?;
     let sms = apex.gpu.info().sm_count;
     println!(
-        "{}, driver {}: {LAUNCHES} dependent launches, µs per launch, best of {rounds} rounds",
+        "{}, driver {}: {} dependent launches, µs per launch, best of {rounds} rounds",
         apex.gpu.info().name,
         apex.gpu
             .direct()
-            .map_or_else(|| "?".into(), |g| g.info().driver_version.clone())
+            .map_or_else(|| "?".into(), |g| g.info().driver_version.clone()),
+        launches()
     );
     let shapes = [
         ("pdl_empty, 1 block of 32", 0, LaunchConfig::linear(1, 32)),

@@ -1675,3 +1675,43 @@ fn random_dags_with_wide_fan_outs_and_backward_edges_run_in_order() {
         "{wide_seen} wide fan-outs, {nulls_seen} null grids"
     );
 }
+
+#[test]
+fn a_programmatic_chain_waits_on_each_producers_latch_in_every_replay() {
+    let mut s = setup();
+    let one = LaunchConfig::linear(1, 32);
+    let mut g = Graph::new();
+    let nodes: Vec<NodeId> = (0..6)
+        .map(|_| g.launch_args(&s.k.empty, one, &[]).unwrap())
+        .collect();
+    for w in nodes.windows(2) {
+        g.edge(w[0], w[1]).unwrap();
+        g.set_programmatic(w[1]).unwrap();
+    }
+    let mut exec = s.q.instantiate_graph(&g).unwrap();
+    let before = s.sim.launches().len();
+    for _ in 0..2 {
+        // SAFETY: the model runs no kernels.
+        unsafe { s.q.replay_graph(&mut exec) }
+            .unwrap()
+            .wait(T)
+            .unwrap();
+    }
+    assert!(s.sim.errors().is_empty(), "{:?}", s.sim.errors());
+    let launches = &s.sim.launches()[before..];
+    assert_eq!(launches.len(), 12);
+    for replay in launches.chunks(6) {
+        let order: Vec<u64> = replay.iter().map(|l| l.qmd_va).collect();
+        let want: Vec<u64> = nodes.iter().map(|&v| exec.qmd_va(v).unwrap()).collect();
+        assert_eq!(order, want, "the chain in order");
+        assert_eq!(replay[0].latch_wait, None);
+        assert_eq!(
+            replay[5].latch_arrive, None,
+            "the sink has no programmatic consumer"
+        );
+        for pair in replay.windows(2) {
+            assert!(pair[0].latch_arrive.is_some());
+            assert_eq!(pair[1].latch_wait, pair[0].latch_arrive);
+        }
+    }
+}

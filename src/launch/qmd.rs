@@ -870,6 +870,24 @@ pub fn set_graph_node(
     })
 }
 
+/// Has the work distributor fetch the QMD's own constant bank 0 before the grid starts (V04 only; `Ok(false)`
+/// otherwise): for a node scheduled before its predecessor's completion (a programmatic consumer, started at the
+/// predecessor's pre-exit), whose bank a POST prefetch by that predecessor would reach too late. libcuda's
+/// programmatic graph nodes carry it.
+pub fn prefetch_own_bank0(
+    version: QmdVersion,
+    words: &mut [u32; QMD_WORDS],
+) -> Result<bool, QmdError> {
+    edit_v04(version, words, |w| {
+        set!(
+            w,
+            v04::CONSTANT_BUFFER_PREFETCH(0),
+            v04::CONSTANT_BUFFER_PREFETCH_PREFETCH_PRE
+        );
+        Ok(())
+    })
+}
+
 /// Makes a QMD built by [`build`] a null grid (V04 only; returns false otherwise): no blocks, so it completes as
 /// soon as it is scheduled and only performs its dependent actions. libcuda spreads a fan-out wider than the two
 /// dependents a QMD has over such grids.
@@ -889,6 +907,68 @@ mod tests {
 
     fn add_kernel() -> QmdParams {
         include!("../../tests/fixtures/qmd_b_add_params.rs")
+    }
+
+    #[test]
+    fn stream_gates_and_gated_producers_carry_libcudas_fields() {
+        // apex-trace of probes/pdl_stream.cu (H100, 580.159.04): every stream launch counts its slot's gate down
+        // at pre-exit and arrives at a latch; the gate is a null grid counted down twice that schedules the next
+        // slot's launch and re-arms itself.
+        let get = |q: &[u32; QMD_WORDS], f: Field| f.get(q);
+        let mut producer = [0u32; QMD_WORDS];
+        build(QmdVersion::V04, &add_kernel(), &mut producer).unwrap();
+        let mut gate = producer;
+        assert!(
+            set_gated_producer(QmdVersion::V04, &mut producer, 0x2_0000_0400, 0x80_0007).unwrap()
+        );
+        assert_eq!(get(&producer, v04::ENABLE_PROGRAM_PRE_EXIT), Some(1));
+        assert_eq!(get(&producer, v04::ARRIVE_AT_LATCH_VALID), Some(1));
+        assert_eq!(get(&producer, v04::ARRIVE_AT_LATCH_ID), Some(0x80_0007));
+        assert_eq!(get(&producer, v04::DEPENDENT_QMD_ENABLE(0)), Some(1));
+        assert_eq!(
+            get(&producer, v04::DEPENDENT_QMD_ACTION(0)),
+            Some(u64::from(
+                v04::DEPENDENT_QMD_ACTION_QMD_DECREMENT_DEPENDENCE
+            ))
+        );
+        assert_eq!(get(&producer, v04::DEPENDENT_QMD_PREFETCH(0)), Some(1));
+        assert_eq!(
+            get(&producer, v04::DEPENDENT_QMD0_POINTER),
+            Some(0x2_0000_0400 >> 8)
+        );
+        // Its completion release stays.
+        assert_eq!(get(&producer, v04::RELEASE_ENABLE(0)), Some(1));
+
+        assert!(set_gate(QmdVersion::V04, &mut gate, 0x2_0000_8a00).unwrap());
+        for f in [v04::GRID_WIDTH, v04::GRID_HEIGHT, v04::GRID_DEPTH] {
+            assert_eq!(get(&gate, f), Some(0), "a null grid");
+        }
+        assert_eq!(get(&gate, v04::DEPENDENCE_COUNTER), Some(2));
+        assert_eq!(get(&gate, v04::SELF_COPY_ON_COMPLETION), Some(1));
+        assert_eq!(get(&gate, v04::REQUIRE_SCHEDULING_PCAS), Some(0));
+        assert_eq!(
+            get(&gate, v04::DEPENDENT_QMD_ACTION(0)),
+            Some(u64::from(v04::DEPENDENT_QMD_ACTION_QMD_SCHEDULE))
+        );
+        assert_eq!(
+            get(&gate, v04::DEPENDENT_QMD0_POINTER),
+            Some(0x2_0000_8a00 >> 8)
+        );
+        assert_eq!(
+            get(&gate, v04::RELEASE_ENABLE(0)),
+            Some(0),
+            "a gate releases nothing"
+        );
+        assert_eq!(get(&gate, v04::ENABLE_PROGRAM_PRE_EXIT), Some(0));
+
+        // A programmatic graph consumer fetches its own bank 0 before it starts (libcuda's programmatic nodes).
+        let mut consumer = [0u32; QMD_WORDS];
+        build(QmdVersion::V04, &add_kernel(), &mut consumer).unwrap();
+        assert!(prefetch_own_bank0(QmdVersion::V04, &mut consumer).unwrap());
+        assert_eq!(
+            get(&consumer, v04::CONSTANT_BUFFER_PREFETCH(0)),
+            Some(u64::from(v04::CONSTANT_BUFFER_PREFETCH_PREFETCH_PRE))
+        );
     }
 
     #[test]

@@ -409,9 +409,17 @@ impl ComputeQueue {
                 _ => None,
             })
         };
+        // A programmatic consumer is scheduled at its producer's pre-exit, before a POST prefetch by the producer
+        // could land: it prefetches its own bank 0 instead (PRE), as libcuda's programmatic graph nodes do
+        // (apex-trace of examples/pdl_latency, H100, 580.159.04).
+        let programmatic_edge =
+            |v: usize, w: usize| next[v] == Some(w) && graph.nodes()[w].is_programmatic();
         let form = |v: usize| GraphNodeForm {
             dependents: dependents[v].map(|t| t.map(target)),
-            prefetch: prefetch(dependents[v]),
+            prefetch: prefetch(dependents[v].map(|t| match t {
+                Some(Target::Node(w)) if programmatic_edge(v, w) => None,
+                t => t,
+            })),
             counter: if indeg[v] > 1 { indeg[v] as u16 } else { 0 },
             armed: indeg[v] > 0 && !host_sent[v],
             done: match signal_of[v] {
@@ -455,6 +463,9 @@ impl ComputeQueue {
             qmd::build(self.version, &params, &mut q)?;
             if let Some(f) = &form {
                 qmd::set_graph_node(self.version, &mut q, f)?;
+                if wait.is_some() {
+                    qmd::prefetch_own_bank0(self.version, &mut q)?;
+                }
             } else if link.is_some() {
                 qmd::set_chain_link(self.version, &mut q, link)?;
             }
