@@ -289,12 +289,7 @@ pub fn build(
             set!(w, v04::PROGRAM_ADDRESS_LOWER, p.program_va & 0xffff_ffff);
             set!(w, v04::PROGRAM_ADDRESS_UPPER, p.program_va >> 32);
             set!(w, v04::ENABLE_PROGRAM_PRE_EXIT, 1);
-            if p.program_bytes > 0 {
-                // In 256-byte units from a 256-byte-aligned start, at most the field's 9 bits.
-                let start = p.program_va & !0xff;
-                let units = (p.program_va + p.program_bytes - start)
-                    .div_ceil(256)
-                    .min(0x1ff);
+            if let Some((start, units)) = program_prefetch_range(p.program_va, p.program_bytes) {
                 set!(
                     w,
                     v04::PROGRAM_PREFETCH_ADDR_LOWER_SHIFTED,
@@ -867,6 +862,15 @@ pub fn set_graph_node(
             None => set!(w, v04::RELEASE_ENABLE(0), 0),
         }
         Ok(())
+    })
+}
+
+/// The instructions a QMD prefetches for a program of `bytes` bytes at `va`: a 256-byte-aligned start and a length in
+/// 256-byte units, at most the field's 9 bits; `None` for no code.
+pub fn program_prefetch_range(va: u64, bytes: u64) -> Option<(u64, u64)> {
+    (bytes > 0).then(|| {
+        let start = va & !0xff;
+        (start, (va + bytes - start).div_ceil(256).min(0x1ff))
     })
 }
 

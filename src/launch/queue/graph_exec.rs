@@ -461,16 +461,7 @@ impl ComputeQueue {
             let latch = (arrive, wait);
             let mut q = [0u32; QMD_WORDS];
             qmd::build(self.version, &params, &mut q)?;
-            if let Some(f) = &form {
-                qmd::set_graph_node(self.version, &mut q, f)?;
-                if wait.is_some() {
-                    qmd::prefetch_own_bank0(self.version, &mut q)?;
-                }
-            } else if link.is_some() {
-                qmd::set_chain_link(self.version, &mut q, link)?;
-            }
-            qmd::keep_constant_cache(self.version, &mut q)?;
-            set_latches(self.version, &mut q, latch)?;
+            finish_node(self.version, &mut q, form.as_ref(), link, latch)?;
             mem.write_words(offset, &q[..qmd_words])?;
             let mut driver = [0u32; DRIVER_WORDS];
             driver_words(&mut driver, &p.cfg, p.shape.1, windows);
@@ -1081,16 +1072,12 @@ impl GraphExec {
         p.shared_bytes = shared.max(1024).next_multiple_of(256);
         let mut q = [0u32; QMD_WORDS];
         qmd::build(self.version, &p, &mut q)?;
-        if let Some(f) = &n.form {
-            qmd::set_graph_node(self.version, &mut q, f)?;
+        finish_node(self.version, &mut q, n.form.as_ref(), n.next, n.latch)?;
+        if n.form.is_some() {
             // The work distributor may hold the old QMD: the next replay arms every node again, which
             // invalidates it.
             self.armed = false;
-        } else if n.next.is_some() {
-            qmd::set_chain_link(self.version, &mut q, n.next)?;
         }
-        qmd::keep_constant_cache(self.version, &mut q)?;
-        set_latches(self.version, &mut q, n.latch)?;
         let qmd_words = self.version.size_bytes() / 4;
         write_changed(
             &self.mem,
@@ -1139,6 +1126,31 @@ impl Drop for GraphExec {
 fn latch_id(node: usize) -> u32 {
     // libcuda numbers its latches from small values upwards; these stay in the 24 bits a latch id keeps.
     (node as u32 & 0x00ff_ffff) + 1
+}
+
+/// Makes a node's QMD, built by [`qmd::build`], what the graph needs: its dependents, counter and completion
+/// (`form`, GPU-resolved) or its chain link (`link`, front-end schedule), the constant cache kept, its programmatic
+/// edges (`latch`: a consumer also prefetches its own bank 0, since it starts at its producer's pre-exit, before a
+/// POST prefetch by the producer would land, as libcuda's programmatic nodes do). Used when a graph is instantiated
+/// and when a node is updated.
+fn finish_node(
+    version: QmdVersion,
+    q: &mut [u32; QMD_WORDS],
+    form: Option<&qmd::GraphNodeForm>,
+    link: Option<(u64, ChainAction)>,
+    latch: (Option<u32>, Option<u32>),
+) -> Result<()> {
+    if let Some(f) = form {
+        qmd::set_graph_node(version, q, f)?;
+        if latch.1.is_some() {
+            qmd::prefetch_own_bank0(version, q)?;
+        }
+    } else if link.is_some() {
+        qmd::set_chain_link(version, q, link)?;
+    }
+    qmd::keep_constant_cache(version, q)?;
+    set_latches(version, q, latch)?;
+    Ok(())
 }
 
 /// Applies a node's programmatic edges to its QMD.
