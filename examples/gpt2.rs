@@ -17,6 +17,9 @@
 //!
 //! Every variant first decodes from position 0 and its logits are compared with the eager direct path's
 //! (which `tests/gpu_gpt2.rs` checks against the CPU). `APEX_STEPS` tokens are timed in each window.
+//!
+//! `cargo run --release --example gpt2 [dir]` also writes `gpt2.svg` into `dir` (default: the current directory),
+//! a bar chart of the table.
 
 #[path = "support/gpt2.rs"]
 mod gpt2;
@@ -227,6 +230,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let us = |d: Duration| d.as_secs_f64() * 1e6;
+    let mut rows: Vec<(String, [f64; 9])> = Vec::new();
     for start in WINDOWS {
         let n = steps.min(s.ctx - start);
         // SAFETY: as above.
@@ -283,6 +287,92 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             us(agp) / us(cgp),
             us(aep) / us(cg)
         );
+        rows.push((
+            format!("{}–{}", start + 1, start + n),
+            [ae, aep, ac, ag, agp, ce, cep, cg, cgp].map(us),
+        ));
     }
+    let dir = std::path::PathBuf::from(std::env::args().nth(1).unwrap_or_else(|| ".".into()));
+    let svg = dir.join("gpt2.svg");
+    plot(&svg, &direct.info().name, steps, &rows)?;
+    println!("wrote {}", svg.display());
+    Ok(())
+}
+
+/// The per-token times of `rows` (one group of bars per KV window, in the table's column order) as an SVG bar chart.
+fn plot(
+    path: &std::path::Path,
+    gpu: &str,
+    steps: usize,
+    rows: &[(String, [f64; 9])],
+) -> Result<(), Box<dyn std::error::Error>> {
+    use plotters::prelude::*;
+    const NAMES: [&str; 9] = [
+        "APEX eager",
+        "APEX eager, programmatic",
+        "APEX chained",
+        "APEX graph",
+        "APEX graph, programmatic",
+        "CUDA eager",
+        "CUDA eager, programmatic",
+        "CUDA graph",
+        "CUDA graph, programmatic",
+    ];
+    // APEX in warm colours, CUDA in cool ones.
+    let colors = [
+        RGBColor(214, 39, 40),
+        RGBColor(255, 127, 14),
+        RGBColor(188, 189, 34),
+        RGBColor(140, 86, 75),
+        RGBColor(227, 119, 194),
+        RGBColor(31, 119, 180),
+        RGBColor(23, 190, 207),
+        RGBColor(44, 160, 44),
+        RGBColor(148, 103, 189),
+    ];
+    let top = rows.iter().flat_map(|r| r.1).fold(0.0, f64::max).max(1.0) * 1.6; // room above the bars for the legend
+    let root = SVGBackend::new(path, (1100, 560)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            format!("GPT-2 small, batch 1, one token per step: µs per token on {gpu} (best of 3 runs of {steps} tokens)"),
+            ("sans-serif", 17),
+        )
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0f64..rows.len() as f64, 0f64..top)?;
+    let labels: Vec<String> = rows.iter().map(|r| r.0.clone()).collect();
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(rows.len() * 2 + 1)
+        .x_label_formatter(&|x| {
+            let i = x.floor() as usize;
+            if (x - x.floor() - 0.5).abs() < 0.01 && i < labels.len() {
+                format!("KV positions {}", labels[i])
+            } else {
+                String::new()
+            }
+        })
+        .y_desc("µs per token")
+        .draw()?;
+    let width = 0.9 / NAMES.len() as f64;
+    for (k, (name, color)) in NAMES.iter().zip(colors).enumerate() {
+        chart
+            .draw_series(rows.iter().enumerate().map(|(i, r)| {
+                let x0 = i as f64 + 0.05 + k as f64 * width;
+                Rectangle::new([(x0, 0.0), (x0 + width * 0.9, r.1[k])], color.filled())
+            }))?
+            .label(*name)
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled()));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
     Ok(())
 }
