@@ -53,65 +53,67 @@ fn programmatic_launches_run_in_order_through_the_gates_and_fall_back_after_othe
     unsafe { q.launch_programmatic(&step, &cfg, &args(0)) }.unwrap();
     assert!(q.is_programmatic());
     let mut expect = vec![Some(0)];
-    // Then 199 more, around the 8 slots many times, with other work now and then. Counted as they go: launches
-    // sent with their gate armed (every ordered launch from now on), and programmatic launches scheduled by the
-    // gate of the launch right before them.
+    // Then 199 more, around the 8 slots many times, with other work now and then. Counted as they go: programmatic
+    // launches (each arms its gate), and those scheduled by the gate of the programmatic launch right before them.
     let (mut gated, mut scheduled) = (1u64, 0u64);
+    // Whether the last submission was a programmatic launch (the only launches that arm a gate).
+    let mut after_programmatic = true;
     let mut last = None;
+    // A programmatic launch: scheduled by the gate of the launch before it when that one was programmatic too.
+    let mut programmatic = |after: bool| {
+        gated += 1;
+        scheduled += u64::from(after);
+    };
     for v in 1..200u32 {
         // SAFETY: the model does not execute kernels.
         let f = unsafe {
             match v % 17 {
                 3 => {
-                    // An ordinary launch is gated too, so the programmatic one after it is scheduled by its gate.
+                    // A plain launch carries no gate: the programmatic one after it waits in the front end.
                     q.launch(&empty, &one, &[]).unwrap();
                     expect.push(None);
-                    gated += 2;
-                    scheduled += 1;
+                    programmatic(false);
                     q.launch_programmatic(&step, &cfg, &args(v))
                 }
                 5 => {
-                    // Prepared launches are gated too, and may be programmatic themselves.
-                    gated += 1;
-                    scheduled += 1;
+                    // Prepared launches may be programmatic too.
+                    programmatic(after_programmatic);
                     q.launch_prepared_programmatic(&prepared, &args(v))
                 }
                 6 => {
-                    gated += 1;
+                    after_programmatic = false;
                     q.launch_prepared(&prepared, &args(v))
                 }
-                15 => {
-                    // A join: nothing before it is gated any more.
-                    q.join().unwrap();
-                    gated += 1;
-                    q.launch_programmatic(&step, &cfg, &args(v))
-                }
-                7 | 9 | 13 => {
-                    // A wait, an unordered launch or a copy in between: an ordinary launch, gated for the next.
+                7 | 9 | 13 | 15 => {
+                    // A wait, an unordered launch, a copy or a join in between: an ordinary launch.
                     match v % 17 {
                         7 => drop(q.wait_value(flag.va(), 1).unwrap()),
                         9 => {
                             q.record_launch_unordered(&empty, &one, &[]).unwrap();
                             expect.push(None);
                         }
-                        _ => drop(q.copy(buf.va() + 2048, buf.va() + 3072, 256).unwrap()),
+                        13 => drop(q.copy(buf.va() + 2048, buf.va() + 3072, 256).unwrap()),
+                        _ => drop(q.join().unwrap()),
                     }
-                    gated += 1;
+                    programmatic(false);
+                    after_programmatic = true;
                     q.launch_programmatic(&step, &cfg, &args(v))
                 }
                 11 => {
-                    gated += 1;
+                    after_programmatic = false;
                     q.launch(&step, &cfg, &args(v))
                 }
                 _ => {
-                    // Right after a gated launch (every ordered launch is, from the first programmatic one on).
-                    gated += 1;
-                    scheduled += 1;
+                    programmatic(after_programmatic);
+                    after_programmatic = true;
                     q.launch_programmatic(&step, &cfg, &args(v))
                 }
             }
         }
         .unwrap();
+        if v % 17 == 3 || v % 17 == 5 {
+            after_programmatic = true;
+        }
         expect.push(Some(v));
         last = Some(f);
     }
