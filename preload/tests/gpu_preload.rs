@@ -138,6 +138,88 @@ fn value(text: &str, key: &str) -> f64 {
         .unwrap_or_else(|| panic!("no `{key}` line in:\n{text}"))
 }
 
+/// The runs of one CUDA C program: without the preload, with it, and what the preload counted.
+struct Compared {
+    plain: Run,
+    pre: Run,
+    summary: Summary,
+}
+
+impl Compared {
+    fn plain_out(&self) -> String {
+        stdout(&self.plain)
+    }
+
+    fn pre_out(&self) -> String {
+        stdout(&self.pre)
+    }
+}
+
+/// Builds `source` with nvcc (sm_90) in a scratch directory named after `name`, runs it once to warm the driver's
+/// caches, then without and with the preload (`APEX_PRELOAD_ITERS` iterations, 2000 by default), and checks that
+/// both runs succeed with identical `result` lines, no CUDA error, and every launch seen by the preload (its
+/// `launches` line), at least nine in ten of them through APEX.
+fn compare_cuda_program(name: &str, source: &str) -> Compared {
+    let lib = preload_lib();
+    let dir = scratch(name);
+    let src = dir.join(format!("{name}.cu"));
+    std::fs::write(&src, source).unwrap();
+    let exe = dir.join(name);
+    let built = Command::new(nvcc())
+        .args(["-O2", "-arch=sm_90", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .output()
+        .expect("run nvcc");
+    assert!(
+        built.status.success(),
+        "nvcc: {}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let iters = std::env::var("APEX_PRELOAD_ITERS").unwrap_or_else(|_| "2000".into());
+    let cmd = || {
+        let mut c = Command::new(&exe);
+        c.arg(&iters);
+        c
+    };
+    let _ = run(cmd(), None, &dir, "warm");
+    let plain = run(cmd(), None, &dir, "plain");
+    let pre = run(cmd(), Some(&lib), &dir, "preload");
+    let (a, b) = (stdout(&plain), stdout(&pre));
+    assert!(plain.out.status.success(), "without the preload:\n{a}");
+    assert!(
+        pre.out.status.success(),
+        "with the preload: {:?}\n{b}\nstderr:\n{}",
+        pre.out.status,
+        String::from_utf8_lossy(&pre.out.stderr)
+    );
+    let summary = pre.summary.clone().expect("summary");
+    report(name, &summary);
+    assert_eq!(
+        results(&a),
+        results(&b),
+        "outputs differ:\nwithout:\n{a}\nwith:\n{b}"
+    );
+    assert!(results(&a).iter().any(|l| l.contains("no error")), "{a}");
+    assert_eq!(
+        summary.launches as f64,
+        value(&a, "launches "),
+        "every launch reached the preload"
+    );
+    assert!(
+        summary.apex * 10 >= summary.launches * 9,
+        "only {} of {} launches went through APEX: {:?}",
+        summary.apex,
+        summary.launches,
+        summary.reasons
+    );
+    Compared {
+        plain,
+        pre,
+        summary,
+    }
+}
+
 const CUDA_PROGRAM: &str = r#"
 #include <cstdio>
 #include <cstdint>
@@ -231,70 +313,19 @@ int main(int argc, char **argv) {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn cuda_program_gives_identical_results_through_apex() {
-    let lib = preload_lib();
-    let dir = scratch("cuda");
-    let src = dir.join("many_launches.cu");
-    std::fs::write(&src, CUDA_PROGRAM).unwrap();
-    let exe = dir.join("many_launches");
-    let built = Command::new(nvcc())
-        .args(["-O2", "-arch=sm_90", "-o"])
-        .arg(&exe)
-        .arg(&src)
-        .output()
-        .expect("run nvcc");
-    assert!(
-        built.status.success(),
-        "nvcc: {}",
-        String::from_utf8_lossy(&built.stderr)
-    );
-    let iters = std::env::var("APEX_PRELOAD_ITERS").unwrap_or_else(|_| "2000".into());
-    let cmd = || {
-        let mut c = Command::new(&exe);
-        c.arg(&iters);
-        c
-    };
-    // Warm the driver's caches once, then measure both.
-    let _ = run(cmd(), None, &dir, "warm");
-    let plain = run(cmd(), None, &dir, "plain");
-    let pre = run(cmd(), Some(&lib), &dir, "preload");
-    let (a, b) = (stdout(&plain), stdout(&pre));
-    assert!(plain.out.status.success(), "without the preload:\n{a}");
-    assert!(
-        pre.out.status.success(),
-        "with the preload: {:?}\n{b}\nstderr:\n{}",
-        pre.out.status,
-        String::from_utf8_lossy(&pre.out.stderr)
-    );
-    let s = pre.summary.as_ref().expect("summary");
-    report("CUDA C program", s);
-    let launches = value(&a, "launches ");
+    let c = compare_cuda_program("many_launches", CUDA_PROGRAM);
+    let (a, b) = (c.plain_out(), c.pre_out());
     let timed = value(&a, "loop_launches ");
     println!(
         "CUDA C program, {timed} launches timed after a warm-up iteration: loop {:.1} us without, {:.1} us with the \
-         preload ({:.2} vs {:.2} us per launch); process {:.3} s vs {:.3} s",
+         preload ({:.2} vs {:.2} us per launch); process {:.3} s vs {:.3} s; {} hops",
         value(&a, "loop_us "),
         value(&b, "loop_us "),
         value(&a, "loop_us ") / timed,
         value(&b, "loop_us ") / timed,
-        plain.secs,
-        pre.secs
-    );
-    assert_eq!(
-        results(&a),
-        results(&b),
-        "outputs differ:\nwithout:\n{a}\nwith:\n{b}"
-    );
-    assert!(results(&a).iter().any(|l| l.contains("no error")), "{a}");
-    assert_eq!(
-        s.launches as f64, launches,
-        "every launch reached the preload"
-    );
-    assert!(
-        s.apex * 10 >= s.launches * 9,
-        "only {} of {} launches went through APEX: {:?}",
-        s.apex,
-        s.launches,
-        s.reasons
+        c.plain.secs,
+        c.pre.secs,
+        c.summary.hops_to_cuda + c.summary.hops_to_apex
     );
 }
 
@@ -354,61 +385,14 @@ int main(int argc, char **argv) {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn programmatic_launches_give_identical_results_through_apex() {
-    let lib = preload_lib();
-    let dir = scratch("pdl");
-    let src = dir.join("pdl.cu");
-    std::fs::write(&src, PDL_PROGRAM).unwrap();
-    let exe = dir.join("pdl");
-    let built = Command::new(nvcc())
-        .args(["-O2", "-arch=sm_90", "-o"])
-        .arg(&exe)
-        .arg(&src)
-        .output()
-        .expect("run nvcc");
-    assert!(
-        built.status.success(),
-        "nvcc: {}",
-        String::from_utf8_lossy(&built.stderr)
-    );
-    let iters = std::env::var("APEX_PRELOAD_ITERS").unwrap_or_else(|_| "2000".into());
-    let cmd = || {
-        let mut c = Command::new(&exe);
-        c.arg(&iters);
-        c
-    };
-    let _ = run(cmd(), None, &dir, "warm");
-    let plain = run(cmd(), None, &dir, "plain");
-    let pre = run(cmd(), Some(&lib), &dir, "preload");
-    let (a, b) = (stdout(&plain), stdout(&pre));
-    assert!(plain.out.status.success(), "without the preload:\n{a}");
-    assert!(
-        pre.out.status.success(),
-        "with the preload: {:?}\n{b}\nstderr:\n{}",
-        pre.out.status,
-        String::from_utf8_lossy(&pre.out.stderr)
-    );
-    let s = pre.summary.as_ref().expect("summary");
-    report("programmatic CUDA C program", s);
+    let c = compare_cuda_program("pdl", PDL_PROGRAM);
+    let (a, b) = (c.plain_out(), c.pre_out());
     let timed = value(&a, "loop_launches ");
     println!(
         "programmatic CUDA C program, {timed} launches timed after a warm-up iteration: {:.2} us per launch without, \
          {:.2} us with the preload",
         value(&a, "loop_us ") / timed,
         value(&b, "loop_us ") / timed,
-    );
-    assert_eq!(
-        results(&a),
-        results(&b),
-        "outputs differ:\nwithout:\n{a}\nwith:\n{b}"
-    );
-    assert!(results(&a).iter().any(|l| l.contains("no error")), "{a}");
-    assert_eq!(s.launches as f64, value(&a, "launches "));
-    assert!(
-        s.apex * 10 >= s.launches * 9,
-        "only {} of {} launches went through APEX: {:?}",
-        s.apex,
-        s.launches,
-        s.reasons
     );
 }
 
