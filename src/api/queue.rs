@@ -169,9 +169,9 @@ impl Queue {
     /// every block of that launch has exited or run `griddepcontrol.launch_dependents`, and its
     /// `griddepcontrol.wait` returns once that launch has completed with its writes visible. Later work on the queue
     /// still waits for it as for any launch. On the direct path the GPU's work distributor starts it through a gate
-    /// of the previous launch, as libcuda does; where nothing can start it early (the queue's first programmatic
-    /// launch, or one after a copy, a wait or a chain) it is an ordinary launch. On the driver backend,
-    /// `cuLaunchKernelEx` with the attribute.
+    /// of the previous launch, as libcuda does, when that launch was programmatic too; where nothing can start it
+    /// early (the queue's first programmatic launch, or one after a plain launch, a copy, a wait or a chain) it is an
+    /// ordinary launch, which the attribute allows. On the driver backend, `cuLaunchKernelEx` with the attribute.
     ///
     /// ```no_run
     /// use apex::{Arg, Gpu, LaunchConfig};
