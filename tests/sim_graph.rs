@@ -477,6 +477,22 @@ fn assert_order(deps: &Dependencies, pos: &[usize]) {
     }
 }
 
+/// Replays `exec` once, waits for it, checks that every dependency of `deps` ran in order, and returns the launches
+/// with each node's position among them.
+fn replay_in_order(
+    s: &mut Setup,
+    exec: &mut GraphExec,
+    deps: &Dependencies,
+) -> (Vec<Launch>, Vec<usize>) {
+    let start = s.sim.launches().len();
+    // SAFETY: the simulated GPU runs no kernels.
+    let f = unsafe { s.q.replay_graph(exec) }.unwrap();
+    let ls = launched(s, start, &f);
+    let pos = positions(exec, deps, &ls);
+    assert_order(deps, &pos);
+    (ls, pos)
+}
+
 /// A small deterministic random source: `rnd(n)` in `0..n`.
 fn xorshift(mut seed: u64) -> impl FnMut(u64) -> u64 {
     move |n| {
@@ -882,12 +898,7 @@ fn copies_are_nodes_ordered_like_launches() {
     for v in [n1, n3] {
         host.copies.insert(exec.qmd_va(v).unwrap(), ());
     }
-    let start = s.sim.launches().len();
-    // SAFETY: the simulated GPU runs no kernels.
-    let fence = unsafe { s.q.replay_graph(&mut exec) }.unwrap();
-    let ls = launched(&s, start, &fence);
-    let pos = positions(&exec, &deps, &ls);
-    assert_order(&deps, &pos);
+    let (ls, pos) = replay_in_order(&mut s, &mut exec, &deps);
     // The copies ran with the addresses and size recorded.
     let copy = &ls[pos[n3.index()]];
     assert_eq!(copy.params[0..8], c.va().to_le_bytes());
@@ -1348,12 +1359,7 @@ fn random_graphs_are_scheduled_correctly() {
         for replay in 0..2 {
             let mut host = Host::new(&s.k);
             host.add(&cells, vec![0; 64]);
-            let start = s.sim.launches().len();
-            // SAFETY: the simulated GPU runs no kernels.
-            let f = unsafe { s.q.replay_graph(&mut exec) }.unwrap();
-            let ls = launched(&s, start, &f);
-            let pos = positions(&exec, &deps, &ls);
-            assert_order(&deps, &pos);
+            let (ls, _) = replay_in_order(&mut s, &mut exec, &deps);
             for l in &ls {
                 host.run(l);
             }
@@ -1599,12 +1605,7 @@ fn wide_fan_outs_recorded_out_of_order_are_waited_for_in_dependency_order() {
         "two wide fan-outs and the completion word"
     );
     for _ in 0..2 {
-        let start = s.sim.launches().len();
-        // SAFETY: the simulated GPU runs no kernels.
-        let f = unsafe { s.q.replay_graph(&mut exec) }.unwrap();
-        let ls = launched(&s, start, &f);
-        let pos = positions(&exec, &deps, &ls);
-        assert_order(&deps, &pos);
+        replay_in_order(&mut s, &mut exec, &deps);
     }
 }
 
@@ -1657,12 +1658,7 @@ fn random_dags_with_wide_fan_outs_and_backward_edges_run_in_order() {
             let mut exec = s.q.instantiate_graph(&g).unwrap();
             check_schedule(&deps, &exec);
             for _ in 0..2 {
-                let start = s.sim.launches().len();
-                // SAFETY: the simulated GPU runs no kernels.
-                let f = unsafe { s.q.replay_graph(&mut exec) }.unwrap();
-                let ls = launched(&s, start, &f);
-                let pos = positions(&exec, &deps, &ls);
-                assert_order(&deps, &pos);
+                replay_in_order(&mut s, &mut exec, &deps);
             }
             if schedule == GraphSchedule::Gpu {
                 wide_seen += exec.stats().waits - 1;

@@ -153,10 +153,16 @@ fn programmatic_launches_run_in_order_through_the_gates_and_fall_back_after_othe
     assert_eq!(end.decrements - start.decrements, gated + scheduled);
 }
 
-#[test]
-fn programmatic_launches_on_inline_qmd_queues_are_ordinary_launches() {
-    let (gpu, sim, mut q, _) =
-        sim::setup_with(ComputeQueueConfig::default().with_memory(LaunchMemory::Host));
+/// What `n` programmatic `pdl_step` launches on a fresh queue built with `config` did, once checked to have run in
+/// order without a fault: whether the queue built gates, and how many gates ran and count-downs happened.
+struct Steps {
+    programmatic: bool,
+    null_grids: u64,
+    decrements: u64,
+}
+
+fn programmatic_steps(config: ComputeQueueConfig, n: u32) -> Steps {
+    let (gpu, sim, mut q, _) = sim::setup_with(config);
     let pdl = Module::load(&gpu, PDL).unwrap();
     let step = pdl.kernel("pdl_step").unwrap();
     let buf = sim::host_page(&gpu);
@@ -165,79 +171,58 @@ fn programmatic_launches_on_inline_qmd_queues_are_ordinary_launches() {
     let start = sim.stats_for(token).unwrap();
     let before = sim.launches().len();
     let mut last = None;
-    for v in 0..20u32 {
+    for v in 0..n {
+        let args = [Arg::Ptr(buf.va()), Arg::U32(512), Arg::U32(v)];
         // SAFETY: the model does not execute kernels.
-        last = Some(
-            unsafe {
-                q.launch_programmatic(
-                    &step,
-                    &cfg,
-                    &[Arg::Ptr(buf.va()), Arg::U32(512), Arg::U32(v)],
-                )
-            }
-            .unwrap(),
-        );
+        last = Some(unsafe { q.launch_programmatic(&step, &cfg, &args) }.unwrap());
     }
     last.unwrap().wait(T).unwrap();
-    assert!(
-        !q.is_programmatic(),
-        "an inline QMD cannot be scheduled later: no gates"
-    );
-    let end = sim.stats_for(token).unwrap();
-    assert_eq!(end.null_grids, start.null_grids);
-    assert_eq!(end.decrements, start.decrements);
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
     let got: Vec<u32> = sim.launches()[before..]
         .iter()
         .map(|l| step_v(&l.params))
         .collect();
-    assert_eq!(got, (0..20).collect::<Vec<_>>());
-    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+    assert_eq!(got, (0..n).collect::<Vec<_>>(), "in order");
+    let end = sim.stats_for(token).unwrap();
+    Steps {
+        programmatic: q.is_programmatic(),
+        null_grids: end.null_grids - start.null_grids,
+        decrements: end.decrements - start.decrements,
+    }
+}
+
+#[test]
+fn programmatic_launches_on_inline_qmd_queues_are_ordinary_launches() {
+    let s = programmatic_steps(
+        ComputeQueueConfig::default().with_memory(LaunchMemory::Host),
+        20,
+    );
+    assert!(
+        !s.programmatic,
+        "an inline QMD cannot be scheduled later: no gates"
+    );
+    assert_eq!(s.null_grids, 0);
+    assert_eq!(s.decrements, 0);
 }
 
 #[test]
 fn a_queue_needs_two_slots_for_gates() {
     for slots in [1usize, 2, 3] {
-        let (gpu, sim, mut q, _) = sim::setup_with(ComputeQueueConfig {
-            slots,
-            ..ComputeQueueConfig::default()
-        });
-        let pdl = Module::load(&gpu, PDL).unwrap();
-        let step = pdl.kernel("pdl_step").unwrap();
-        let buf = sim::host_page(&gpu);
-        let cfg = LaunchConfig::linear(2, 128);
-        let token = q.queue().channel().token();
-        let start = sim.stats_for(token).unwrap();
-        let before = sim.launches().len();
-        let mut last = None;
-        for v in 0..12u32 {
-            // SAFETY: the model does not execute kernels.
-            last = Some(
-                unsafe {
-                    q.launch_programmatic(
-                        &step,
-                        &cfg,
-                        &[Arg::Ptr(buf.va()), Arg::U32(512), Arg::U32(v)],
-                    )
-                }
-                .unwrap(),
-            );
-        }
-        last.unwrap().wait(T).unwrap();
-        assert!(sim.errors().is_empty(), "{slots} slots: {:?}", sim.errors());
-        let got: Vec<u32> = sim.launches()[before..]
-            .iter()
-            .map(|l| step_v(&l.params))
-            .collect();
-        assert_eq!(got, (0..12).collect::<Vec<_>>(), "{slots} slots");
-        let ran = sim.stats_for(token).unwrap().null_grids - start.null_grids;
+        let s = programmatic_steps(
+            ComputeQueueConfig {
+                slots,
+                ..ComputeQueueConfig::default()
+            },
+            12,
+        );
         if slots == 1 {
             // With one slot the next launch's gate would be its producer's own: no gates, ordinary launches.
-            assert!(!q.is_programmatic());
-            assert_eq!(ran, 0);
+            assert!(!s.programmatic);
+            assert_eq!(s.null_grids, 0);
         } else {
-            assert!(q.is_programmatic());
+            assert!(s.programmatic);
             assert_eq!(
-                ran, 11,
+                s.null_grids, 11,
                 "{slots} slots: every launch after the first scheduled by a gate"
             );
         }

@@ -271,19 +271,8 @@ impl Queue {
         prepared: &PreparedLaunch,
         args: &[Arg<'_>],
     ) -> Result<Fence> {
-        match (&mut self.inner, &prepared.0) {
-            (QueueInner::Direct(q), PreparedInner::Direct(p)) => {
-                self.driver_chain = 0;
-                // SAFETY: forwarded to the caller.
-                let f = unsafe { q.launch_prepared(p, args)? };
-                Ok(Fence::from_direct(f, q))
-            }
-            (QueueInner::Driver { .. }, PreparedInner::Driver { kernel, cfg }) => {
-                // SAFETY: forwarded to the caller.
-                unsafe { self.submit(How::Launch, kernel, cfg, args) }.and_then(fenced)
-            }
-            _ => Err(Error::Mismatch),
-        }
+        // SAFETY: forwarded to the caller.
+        unsafe { self.submit_prepared(prepared, args, How::Launch) }
     }
 
     /// Launches a launch [`prepare`](Self::prepare)d on this queue as a programmatic dependent of the launch right
@@ -296,16 +285,37 @@ impl Queue {
         prepared: &PreparedLaunch,
         args: &[Arg<'_>],
     ) -> Result<Fence> {
+        // SAFETY: forwarded to the caller.
+        unsafe { self.submit_prepared(prepared, args, How::Programmatic) }
+    }
+
+    /// A prepared launch, plain (`How::Launch`) or programmatic (`How::Programmatic`).
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch), and for a programmatic one as for
+    /// [`launch_programmatic`](Self::launch_programmatic).
+    unsafe fn submit_prepared(
+        &mut self,
+        prepared: &PreparedLaunch,
+        args: &[Arg<'_>],
+        how: How,
+    ) -> Result<Fence> {
         match (&mut self.inner, &prepared.0) {
             (QueueInner::Direct(q), PreparedInner::Direct(p)) => {
                 self.driver_chain = 0;
                 // SAFETY: forwarded to the caller.
-                let f = unsafe { q.launch_prepared_programmatic(p, args)? };
+                let f = unsafe {
+                    if how == How::Programmatic {
+                        q.launch_prepared_programmatic(p, args)?
+                    } else {
+                        q.launch_prepared(p, args)?
+                    }
+                };
                 Ok(Fence::from_direct(f, q))
             }
             (QueueInner::Driver { .. }, PreparedInner::Driver { kernel, cfg }) => {
                 // SAFETY: forwarded to the caller.
-                unsafe { self.submit(How::Programmatic, kernel, cfg, args) }.and_then(fenced)
+                unsafe { self.submit(how, kernel, cfg, args) }.and_then(fenced)
             }
             _ => Err(Error::Mismatch),
         }

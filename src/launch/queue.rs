@@ -290,6 +290,14 @@ enum Order {
     Programmatic,
 }
 
+/// How a programmatic launch goes through the gates: the gate of its own slot, armed before it is sent, and the
+/// gate of the slot before when that slot's programmatic launch schedules it (counted down instead of waiting).
+#[derive(Clone, Copy, Debug)]
+struct GateSend {
+    own: u64,
+    after: Option<u64>,
+}
+
 /// Driver words of constant bank 0 that launches write (blockDim .. initial stack pointer).
 const CBANK_DRIVER_WORDS: usize = super::cbank::LAUNCH_WORDS;
 
@@ -1267,71 +1275,36 @@ impl ComputeQueue {
         ordered: bool,
         gated: Option<(u32, Option<usize>)>,
     ) -> Result<Fence> {
-        match gated {
-            Some((latch, after)) => {
-                let fence = self.send_gated(slot, kernel, after)?;
-                if let Some(g) = &mut self.gates {
-                    g.last = Some((slot, fence.value(), latch));
-                }
-                Ok(fence)
-            }
-            None => self.send_launch(slot, kernel, ordered),
-        }
-    }
-
-    /// Sends the gated launch staged in `slot`: arms the slot's gate, then either counts down the gate of slot
-    /// `after` (the launch is programmatic and that slot's launch came right before: the gate schedules this one
-    /// once that launch has pre-exited) or waits for the work before it as any launch does.
-    fn send_gated(&mut self, slot: usize, kernel: &Kernel, after: Option<usize>) -> Result<Fence> {
-        let Some(g) = &self.gates else {
-            return self.send_launch(slot, kernel, true);
+        let Some((latch, after)) = gated else {
+            return self.send_launch(slot, kernel, ordered, None);
         };
-        let gate = g.va(slot);
-        let prev_gate = after.map(|s| g.va(s));
-        let prev = self.queue.last_submitted();
-        let prev_done = self.settled(prev);
-        let invalidate = self.seen_generation < kernel.module().generation();
-        let timeline_va = self.queue.timeline().va();
-        let order = self.ordering;
-        let qmd_va = self.slot_qmd_va(slot);
-        let fence = self.queue.record(24, Signal::Recorded, |p, _| {
-            if invalidate {
-                p.invalidate_shader_caches_no_wfi();
-            }
-            // Armed (afresh, from memory) before this launch can pre-exit and count it down.
-            p.send_pcas(gate);
-            match prev_gate {
-                Some(pg) => {
-                    // This QMD requires a scheduling PCAS: the copy waits for the previous slot's gate, which runs
-                    // once the previous launch has pre-exited and this decrement has arrived.
-                    p.send_pcas(qmd_va);
-                    p.send_pcas_decrement(pg);
-                }
-                None => {
-                    if !prev_done {
-                        order.wait(p, timeline_va, prev);
-                    }
-                    p.send_pcas(qmd_va);
-                }
-            }
-        })?;
-        debug_assert_eq!(fence.value(), prev + 1);
-        if invalidate {
-            self.seen_generation = newest_generation();
+        let gate = self.gates.as_ref().map(|g| GateSend {
+            own: g.va(slot),
+            after: after.map(|s| g.va(s)),
+        });
+        let fence = self.send_launch(slot, kernel, true, gate)?;
+        if let Some(g) = &mut self.gates {
+            g.last = Some((slot, fence.value(), latch));
         }
-        self.slot_values[slot] = fence.value();
         Ok(fence)
     }
 
     /// Sends the launch staged in `slot` (the next value on the timeline), after the previous one when `ordered`,
-    /// invalidating the shader caches first if `kernel`'s module is newer than what the queue has run.
-    fn send_launch(&mut self, slot: usize, kernel: &Kernel, ordered: bool) -> Result<Fence> {
+    /// invalidating the shader caches first if `kernel`'s module is newer than what the queue has run; through
+    /// `gate` when it is a programmatic launch ([`GateSend`]).
+    fn send_launch(
+        &mut self,
+        slot: usize,
+        kernel: &Kernel,
+        ordered: bool,
+        gate: Option<GateSend>,
+    ) -> Result<Fence> {
         let prev = self.queue.last_submitted();
         // Only what an earlier read showed: reading the semaphore would cost a cache miss on every launch, and an
         // acquire of a value already released costs the GPU little.
         let prev_done = !ordered || self.settled(prev);
         let invalidate = self.seen_generation < kernel.module().generation();
-        let fence = self.send_slot(slot, invalidate, prev_done, prev)?;
+        let fence = self.send_slot(slot, invalidate, prev_done, prev, gate)?;
         debug_assert_eq!(fence.value(), prev + 1);
         if invalidate {
             self.seen_generation = newest_generation();
@@ -1626,17 +1599,21 @@ impl ComputeQueue {
         invalidate: bool,
         prev_done: bool,
         prev: u64,
+        gate: Option<GateSend>,
     ) -> Result<Fence> {
         let inline = self.inline_qmd.then_some(slot);
-        self.send_qmd(self.slot_qmd_va(slot), inline, invalidate, prev_done, prev)
+        let qmd_va = self.slot_qmd_va(slot);
+        self.send_qmd(qmd_va, inline, invalidate, prev_done, prev, gate)
     }
 
     /// Records the methods that launch the QMD at `qmd_va`, fetched by the GPU (chain heads).
     fn send(&mut self, qmd_va: u64, invalidate: bool, prev_done: bool, prev: u64) -> Result<Fence> {
-        self.send_qmd(qmd_va, None, invalidate, prev_done, prev)
+        self.send_qmd(qmd_va, None, invalidate, prev_done, prev, None)
     }
 
-    /// Records a launch of the QMD at `qmd_va`: sent inline from slot `inline`'s staged words, or fetched.
+    /// Records a launch of the QMD at `qmd_va`: sent inline from slot `inline`'s staged words, or fetched. With a
+    /// gate ([`GateSend`]), that gate is armed first, and a launch the previous slot's gate schedules has that gate
+    /// counted down instead of waiting for the work before it.
     fn send_qmd(
         &mut self,
         qmd_va: u64,
@@ -1644,22 +1621,33 @@ impl ComputeQueue {
         invalidate: bool,
         prev_done: bool,
         prev: u64,
+        gate: Option<GateSend>,
     ) -> Result<Fence> {
         let timeline_va = self.queue.timeline().va();
         let order = self.ordering;
         let words = inline.map(|slot| &self.qmd_shadow[slot]);
-        let max_words = 16 + words.map_or(0, |_| 3 + QMD_WORDS);
+        let max_words = 24 + words.map_or(0, |_| 3 + QMD_WORDS);
+        let after = gate.and_then(|g| g.after);
         Ok(self.queue.record(max_words, Signal::Recorded, |p, _| {
             if invalidate {
                 p.invalidate_shader_caches_no_wfi();
             }
-            if !prev_done {
+            if let Some(g) = gate {
+                // Armed (afresh, from memory) before this launch can pre-exit and count it down.
+                p.send_pcas(g.own);
+            }
+            if !prev_done && after.is_none() {
                 // Stream order: this grid starts only after the previous one has completed.
                 order.wait(p, timeline_va, prev);
             }
             match words {
                 Some(w) => p.send_inline_qmd(qmd_va, w),
                 None => p.send_pcas(qmd_va),
+            }
+            if let Some(previous) = after {
+                // This QMD requires a scheduling PCAS: the copy just sent waits for the previous slot's gate, which
+                // runs once the previous launch has pre-exited and this decrement has arrived.
+                p.send_pcas_decrement(previous);
             }
         })?)
     }
