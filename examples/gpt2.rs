@@ -54,6 +54,19 @@ fn time_window(
     m: &GpuModel,
     start: usize,
     steps: usize,
+    step: impl FnMut(&mut Queue) -> apex::Result<()>,
+) -> apex::Result<Duration> {
+    time_window_as(gpu, q, m, (start, steps), false, step)
+}
+
+/// As [`time_window`]; with `wait_each`, the CPU waits for every token before it sends the next, as a decoder that
+/// samples each token on the CPU must.
+fn time_window_as(
+    gpu: &Gpu,
+    q: &mut Queue,
+    m: &GpuModel,
+    (start, steps): (usize, usize),
+    wait_each: bool,
     mut step: impl FnMut(&mut Queue) -> apex::Result<()>,
 ) -> apex::Result<Duration> {
     let mut best = Duration::MAX;
@@ -63,6 +76,9 @@ fn time_window(
         let t = Instant::now();
         for _ in 0..steps {
             step(q)?;
+            if wait_each {
+                q.synchronize()?;
+            }
         }
         q.synchronize()?;
         best = best.min(t.elapsed() / steps as u32);
@@ -308,6 +324,58 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     for n in notes {
         println!("{n}");
+    }
+
+    // Decoding that waits for each token before sending the next (the CPU samples it): the launch → completion
+    // latency of every step adds to its time.
+    println!();
+    println!("waiting for every token before the next (as a decoder that samples on the CPU):");
+    println!(
+        "| KV positions | APEX graph | CUDA graph | CUDA ÷ APEX | APEX graph, programmatic | CUDA graph, programmatic | CUDA ÷ APEX | APEX eager, programmatic | CUDA eager, programmatic |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for start in WINDOWS {
+        let n = steps.min(s.ctx - start);
+        // SAFETY: as above.
+        let ag = time_window_as(&direct, &mut qd, &md, (start, n), true, |q| unsafe {
+            q.replay(&mut exec).map(drop)
+        })?;
+        let agp = time_window_as(&direct, &mut qd, &md, (start, n), true, |q| unsafe {
+            q.replay(&mut exec_p).map(drop)
+        })?;
+        let cgp = time_window_as(&cuda, &mut qc, &mc, (start, n), true, |q| unsafe {
+            q.replay(&mut cuda_p).map(drop)
+        })?;
+        let aep = time_window_as(&direct, &mut qdp, &md, (start, n), true, |q| unsafe {
+            md.launch_step(q, &kd, StepLaunch::Programmatic)
+        })?;
+        let cep = time_window_as(&cuda, &mut qc, &mc, (start, n), true, |q| unsafe {
+            mc.launch_step(q, &kc, StepLaunch::Programmatic)
+        })?;
+        let mut cg = Duration::MAX;
+        for _ in 0..3 {
+            mc.set_position(&cuda, &mut qc, start)?;
+            qc.synchronize()?;
+            let t = Instant::now();
+            for _ in 0..n {
+                graph.launch(&mut stream)?;
+                stream.synchronize()?;
+            }
+            cg = cg.min(t.elapsed() / n as u32);
+        }
+        println!(
+            "| {}–{} | {:.1} µs | {:.1} µs | {:.3} | {:.1} µs | {:.1} µs | {:.3} | {:.1} µs | {:.1} µs |",
+            start + 1,
+            start + n,
+            us(ag),
+            us(cg),
+            us(cg) / us(ag),
+            us(agp),
+            us(cgp),
+            us(cgp) / us(agp),
+            us(aep),
+            us(cep)
+        );
     }
     let dir = std::path::PathBuf::from(std::env::args().nth(1).unwrap_or_else(|| ".".into()));
     let svg = dir.join("gpt2.svg");

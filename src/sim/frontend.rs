@@ -912,6 +912,7 @@ impl ChannelModel {
             releases: d.releases.iter().map(|r| (r.va, r.payload)).collect(),
             latch_arrive: d.arrive_latch,
             latch_wait: d.wait_latch,
+            qmd: words.to_vec(),
         });
         Ok(d)
     }

@@ -177,6 +177,9 @@ pub struct Launch {
     pub latch_arrive: Option<u32>,
     /// The latch its `griddepcontrol.wait` waited for (WAIT_ON_LATCH), if any.
     pub latch_wait: Option<u32>,
+    /// The QMD's words as the model read them when it launched the grid (decode with
+    /// [`crate::pushbuf::decode::decode_qmd`]).
+    pub qmd: Vec<u32>,
 }
 
 /// A QMD Hopper silently drops (major version 3): nothing ran, nothing was released.
