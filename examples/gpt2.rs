@@ -1,4 +1,4 @@
-//! A launch-bound workload (issue 11): GPT-2-small decoding one token at a time (batch 1, fp32, 124 launches per
+//! A launch-bound workload (issue 11): GPT-2-small decoding one token at a time (batch 1, fp32, 136 launches per
 //! token, KV cache of up to 1024 positions) on random weights, timed per token on every way APEX and CUDA can
 //! run it, in one process:
 //!
@@ -6,6 +6,8 @@
 //! - APEX eager, programmatic: the same with every launch a programmatic dependent launch of the one before
 //!   (`Queue::launch_programmatic`; the kernels wait for their producer themselves);
 //! - APEX chained: the direct path, the step's launches as one GPU-scheduled chain;
+//! - APEX chained, programmatic: the same with every link after the first a programmatic dependent of the one
+//!   before (`Queue::launch_chained_programmatic`);
 //! - APEX graph: the step recorded once as an `apex::Graph`, one replay (one doorbell) per token;
 //! - APEX graph, programmatic: the same with every launch after the first a programmatic dependent launch (the
 //!   kernels wait for their producer themselves);
@@ -178,6 +180,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             md.launch_step(q, &kd, StepLaunch::Chained)
         })?,
     )?;
+    check(
+        "APEX chained, programmatic",
+        first(&direct, &mut qd, &md, &mut |q| unsafe {
+            md.launch_step(q, &kd, StepLaunch::ChainedProgrammatic)
+        })?,
+    )?;
     let mut exec = qd.instantiate(&md.graph(&kd, false)?)?;
     let mut exec_p = qd.instantiate(&md.graph(&kd, true)?)?;
     let mut cuda_p = qc.instantiate(&mc.graph(&kc, true)?)?;
@@ -244,11 +252,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     check("CUDA graph", mc.logits(&cuda, &mut qc)?)?;
 
     println!(
-        "| KV positions | APEX eager | APEX eager, programmatic | APEX chained | APEX graph | APEX graph, programmatic | CUDA eager | CUDA eager, programmatic | CUDA graph | CUDA graph, programmatic | APEX graph ÷ CUDA graph | programmatic graphs: APEX ÷ CUDA | APEX eager programmatic ÷ CUDA graph |"
+        "| KV positions | APEX eager | APEX eager, programmatic | APEX chained | APEX chained, programmatic | APEX graph | APEX graph, programmatic | CUDA eager | CUDA eager, programmatic | CUDA graph | CUDA graph, programmatic | APEX graph ÷ CUDA graph | programmatic graphs: APEX ÷ CUDA | APEX eager programmatic ÷ CUDA graph | APEX chained programmatic ÷ CUDA graph |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let us = |d: Duration| d.as_secs_f64() * 1e6;
-    let mut rows: Vec<(String, [f64; 9])> = Vec::new();
+    let mut rows: Vec<(String, [f64; 10])> = Vec::new();
     let mut notes = Vec::new();
     for start in WINDOWS {
         let n = steps.min(s.ctx - start);
@@ -268,6 +276,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         })?;
         let ac = time_window(&direct, &mut qd, &md, start, n, |q| unsafe {
             md.launch_step(q, &kd, StepLaunch::Chained)
+        })?;
+        let acp = time_window(&direct, &mut qd, &md, start, n, |q| unsafe {
+            md.launch_step(q, &kd, StepLaunch::ChainedProgrammatic)
         })?;
         let ag = time_window(&direct, &mut qd, &md, start, n, |q| unsafe {
             q.replay(&mut exec).map(drop)
@@ -294,12 +305,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
         let cg = best;
         println!(
-            "| {}–{} | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.2} | {:.2} | {:.2} |",
+            "| {}–{} | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.2} | {:.2} | {:.2} | {:.3} |",
             start + 1,
             start + n,
             us(ae),
             us(aep),
             us(ac),
+            us(acp),
             us(ag),
             us(agp),
             us(ce),
@@ -308,7 +320,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             us(cgp),
             us(ag) / us(cg),
             us(agp) / us(cgp),
-            us(aep) / us(cg)
+            us(aep) / us(cg),
+            us(acp) / us(cg)
         );
         notes.push(format!(
             "positions {}–{}: APEX eager on the queue that launched programmatically {:.1} µs, {:.3}× the other queue's",
@@ -319,7 +332,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         ));
         rows.push((
             format!("{}–{}", start + 1, start + n),
-            [ae, aep, ac, ag, agp, ce, cep, cg, cgp].map(us),
+            [ae, aep, ac, acp, ag, agp, ce, cep, cg, cgp].map(us),
         ));
     }
     for n in notes {
@@ -331,9 +344,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     println!();
     println!("waiting for every token before the next (as a decoder that samples on the CPU):");
     println!(
-        "| KV positions | APEX graph | CUDA graph | CUDA ÷ APEX | APEX graph, programmatic | CUDA graph, programmatic | CUDA ÷ APEX | APEX eager, programmatic | CUDA eager, programmatic |"
+        "| KV positions | APEX graph | CUDA graph | CUDA ÷ APEX | APEX graph, programmatic | CUDA graph, programmatic | CUDA ÷ APEX | APEX eager, programmatic | CUDA eager, programmatic | APEX chained, programmatic |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for start in WINDOWS {
         let n = steps.min(s.ctx - start);
         // SAFETY: as above.
@@ -348,6 +361,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         })?;
         let aep = time_window_as(&direct, &mut qdp, &md, (start, n), true, |q| unsafe {
             md.launch_step(q, &kd, StepLaunch::Programmatic)
+        })?;
+        let acp = time_window_as(&direct, &mut qd, &md, (start, n), true, |q| unsafe {
+            md.launch_step(q, &kd, StepLaunch::ChainedProgrammatic)
         })?;
         let cep = time_window_as(&cuda, &mut qc, &mc, (start, n), true, |q| unsafe {
             mc.launch_step(q, &kc, StepLaunch::Programmatic)
@@ -364,7 +380,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             cg = cg.min(t.elapsed() / n as u32);
         }
         println!(
-            "| {}–{} | {:.1} µs | {:.1} µs | {:.3} | {:.1} µs | {:.1} µs | {:.3} | {:.1} µs | {:.1} µs |",
+            "| {}–{} | {:.1} µs | {:.1} µs | {:.3} | {:.1} µs | {:.1} µs | {:.3} | {:.1} µs | {:.1} µs | {:.1} µs |",
             start + 1,
             start + n,
             us(ag),
@@ -374,7 +390,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             us(cgp),
             us(cgp) / us(agp),
             us(aep),
-            us(cep)
+            us(cep),
+            us(acp)
         );
     }
     let dir = std::path::PathBuf::from(std::env::args().nth(1).unwrap_or_else(|| ".".into()));
@@ -389,13 +406,14 @@ fn plot(
     path: &std::path::Path,
     gpu: &str,
     steps: usize,
-    rows: &[(String, [f64; 9])],
+    rows: &[(String, [f64; 10])],
 ) -> Result<(), Box<dyn std::error::Error>> {
     use plotters::prelude::*;
-    const NAMES: [&str; 9] = [
+    const NAMES: [&str; 10] = [
         "APEX eager",
         "APEX eager, programmatic",
         "APEX chained",
+        "APEX chained, programmatic",
         "APEX graph",
         "APEX graph, programmatic",
         "CUDA eager",
@@ -408,6 +426,7 @@ fn plot(
         RGBColor(214, 39, 40),
         RGBColor(255, 127, 14),
         RGBColor(188, 189, 34),
+        RGBColor(219, 219, 141),
         RGBColor(140, 86, 75),
         RGBColor(227, 119, 194),
         RGBColor(31, 119, 180),

@@ -4,6 +4,8 @@
 //!
 //! - eager, one launch at a time: `Queue::launch` (cuLaunchKernel on the driver backend), and
 //!   `Queue::launch_programmatic` (cuLaunchKernelEx with programmatic stream serialization);
+//! - chained, one call per launch and one chain: `Queue::launch_chained` and `Queue::launch_chained_programmatic`
+//!   (on the driver backend the same stream launches as eager);
 //! - as a graph of 1000 nodes in a chain, replayed once: plain edges, and programmatic edges (on the driver backend
 //!   a CUDA graph built node by node, `cuGraphLaunch`).
 //!
@@ -43,13 +45,17 @@ fn main() -> std::process::ExitCode {
 enum Way {
     Eager,
     EagerProgrammatic,
+    Chained,
+    ChainedProgrammatic,
     Graph,
     GraphProgrammatic,
 }
 
-const WAYS: [(Way, &str); 4] = [
+const WAYS: [(Way, &str); 6] = [
     (Way::Eager, "eager"),
     (Way::EagerProgrammatic, "eager, programmatic"),
+    (Way::Chained, "chained"),
+    (Way::ChainedProgrammatic, "chained, programmatic"),
     (Way::Graph, "graph"),
     (Way::GraphProgrammatic, "graph, programmatic"),
 ];
@@ -121,6 +127,17 @@ fn time(
                         f = s.q.launch_programmatic(&k, &cfg, &args)?;
                     }
                     f
+                }
+                (Way::Chained | Way::ChainedProgrammatic, _) => {
+                    s.q.launch_chained(&k, &cfg, &args)?;
+                    for _ in 1..launches() {
+                        if way == Way::Chained {
+                            s.q.launch_chained(&k, &cfg, &args)?;
+                        } else {
+                            s.q.launch_chained_programmatic(&k, &cfg, &args)?;
+                        }
+                    }
+                    s.q.end_chain()?
                 }
                 (_, Some(e)) => s.q.replay(e)?,
                 (_, None) => return Err("a graph way without its graph".into()),

@@ -41,6 +41,7 @@ fn decode_matches_the_cpu(request: BackendRequest) {
     for how in [
         StepLaunch::Eager,
         StepLaunch::Chained,
+        StepLaunch::ChainedProgrammatic,
         StepLaunch::Programmatic,
     ] {
         m.set_position(&gpu, &mut q, 0).unwrap();

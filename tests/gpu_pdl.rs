@@ -97,6 +97,67 @@ fn programmatic_launches_on_the_driver_backend_keep_every_dependency() {
     steps_match_the_cpu(BackendRequest::Driver);
 }
 
+/// Chains of `pdl_step` links, each a programmatic dependent of the link before (`launch_chained_programmatic`):
+/// long enough to be sent in several parts, with plain links, chain ends and an eager launch mixed in, every word
+/// checked against the CPU.
+fn chained_steps_match_the_cpu(request: BackendRequest) {
+    let gpu = Gpu::open_with(0, request).expect("open the GPU");
+    let m = gpu.load_module(PDL).unwrap();
+    let step = m.kernel("pdl_step").unwrap();
+    let buf = gpu.alloc(u64::from(N) * 4).unwrap();
+    let mut q = gpu.queue().unwrap();
+    let init: Vec<u8> = (0..N).flat_map(|i| i.to_le_bytes()).collect();
+    q.upload(&gpu, &buf, 0, &init).unwrap();
+    let cfg = LaunchConfig::linear(2 * gpu.info().sm_count, 256);
+    let mut want: Vec<u32> = (0..N).collect();
+    for v in 0..LAUNCHES {
+        let args = [buf.arg(), Arg::U32(N), Arg::U32(v)];
+        // SAFETY: pdl_step runs griddepcontrol.wait before touching memory; buf is used by this queue alone.
+        unsafe {
+            match v % 700 {
+                0 => q.launch_chained(&step, &cfg, &args).unwrap(),
+                350 => drop(q.launch(&step, &cfg, &args).unwrap()),
+                699 => {
+                    q.launch_chained_programmatic(&step, &cfg, &args).unwrap();
+                    q.end_chain().unwrap();
+                }
+                _ if v % 97 == 0 => q.launch_chained(&step, &cfg, &args).unwrap(),
+                _ => q.launch_chained_programmatic(&step, &cfg, &args).unwrap(),
+            }
+        }
+        for x in &mut want {
+            *x = x.wrapping_mul(3).wrapping_add(v);
+        }
+    }
+    q.end_chain()
+        .unwrap()
+        .wait(Duration::from_secs(60))
+        .unwrap();
+    let mut out = vec![0u8; N as usize * 4];
+    q.download(&gpu, &buf, 0, &mut out).unwrap();
+    let got = words(&out);
+    let bad = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+    assert_eq!(
+        bad,
+        0,
+        "{:?}: {bad} of {N} words differ from the CPU after {LAUNCHES} chained programmatic launches (first at {:?})",
+        gpu.backend(),
+        got.iter().zip(&want).position(|(a, b)| a != b)
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn chained_programmatic_links_on_the_direct_path_keep_every_dependency() {
+    chained_steps_match_the_cpu(BackendRequest::Direct);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn chained_programmatic_links_on_the_driver_backend_keep_every_dependency() {
+    chained_steps_match_the_cpu(BackendRequest::Driver);
+}
+
 /// Many short programmatic launches: the slot ring wraps thousands of times and every gate is re-armed as often;
 /// the result is still the CPU's, word for word.
 #[test]

@@ -228,3 +228,63 @@ fn a_queue_needs_two_slots_for_gates() {
         }
     }
 }
+
+#[test]
+fn chained_programmatic_links_wait_on_the_latch_of_the_link_before() {
+    // Parts of 4: a chain of 11 is sent as parts of 4, 4 and 3, each part's head after the part before.
+    let (gpu, sim, mut q, _) = sim::setup_with(ComputeQueueConfig {
+        slots: 8,
+        chain_part: 4,
+        ..ComputeQueueConfig::default()
+    });
+    let pdl = Module::load(&gpu, PDL).unwrap();
+    let step = pdl.kernel("pdl_step").unwrap();
+    let buf = sim::host_page(&gpu);
+    let cfg = LaunchConfig::linear(4, 256);
+    let args = |v: u32| [Arg::Ptr(buf.va()), Arg::U32(1024), Arg::U32(v)];
+    let token = q.queue().channel().token();
+    let before = sim.launches().len();
+    let start = sim.stats_for(token).unwrap();
+    // Link 5 is an ordinary link: it waits for the completion of link 4, not for a latch.
+    for v in 0..11u32 {
+        // SAFETY: the model does not execute kernels.
+        unsafe {
+            if v == 5 {
+                q.record_launch_chained(&step, &cfg, &args(v))
+            } else {
+                q.record_launch_chained_programmatic(&step, &cfg, &args(v))
+            }
+        }
+        .unwrap();
+    }
+    q.end_chain().unwrap().wait(T).unwrap();
+    let ls = &sim.launches()[before..];
+    assert_eq!(
+        ls.iter().map(|l| step_v(&l.params)).collect::<Vec<_>>(),
+        (0..11).collect::<Vec<_>>(),
+        "every link once, in order"
+    );
+    for (i, l) in ls.iter().enumerate() {
+        // Part heads (0, 4, 8) and the ordinary link 5 wait for no latch; every other link waits on the latch the
+        // link before it arrives at, and only such a producer arrives at one.
+        let programmatic_link = !matches!(i, 0 | 4 | 5 | 8);
+        if programmatic_link {
+            let producer = &ls[i - 1];
+            assert!(producer.latch_arrive.is_some(), "link {} arrives", i - 1);
+            assert_eq!(l.latch_wait, producer.latch_arrive, "link {i}");
+        } else {
+            assert_eq!(l.latch_wait, None, "link {i}");
+        }
+        let feeds_programmatic = i + 1 < ls.len() && !matches!(i + 1, 4 | 5 | 8);
+        assert_eq!(l.latch_arrive.is_some(), feeds_programmatic, "link {i}");
+    }
+    let latches: std::collections::HashSet<_> = ls.iter().filter_map(|l| l.latch_arrive).collect();
+    assert_eq!(
+        latches.len(),
+        7,
+        "each programmatic edge has a latch of its own"
+    );
+    // Three parts: one doorbell-sent head each, no gates.
+    let end = sim.stats_for(token).unwrap();
+    assert_eq!(end.null_grids - start.null_grids, 0, "chains need no gates");
+}

@@ -288,6 +288,9 @@ pub enum StepLaunch {
     Programmatic,
     /// The step as one GPU-scheduled chain.
     Chained,
+    /// The step as one GPU-scheduled chain whose links after the first are programmatic dependents of the link
+    /// before (`Queue::launch_chained_programmatic`).
+    ChainedProgrammatic,
 }
 
 /// Which kernel a launch runs (an index into [`Kernels`], so a step can be replayed on another backend's kernels).
@@ -512,13 +515,20 @@ impl GpuModel {
         k: &Kernels,
         how: StepLaunch,
     ) -> apex::Result<()> {
-        for l in &self.step {
+        for (i, l) in self.step.iter().enumerate() {
             // SAFETY: the launches address only the model's buffers, sized for them (the caller's promise for the
             // rest); every kernel runs griddepcontrol.wait before it touches them.
             unsafe {
                 match how {
                     StepLaunch::Eager => drop(q.launch(k.get(l.kernel), &l.cfg, &l.args)?),
                     StepLaunch::Chained => q.launch_chained(k.get(l.kernel), &l.cfg, &l.args)?,
+                    // The step's first launch heads the chain; it waits for whatever came before as usual.
+                    StepLaunch::ChainedProgrammatic if i == 0 => {
+                        q.launch_chained(k.get(l.kernel), &l.cfg, &l.args)?
+                    }
+                    StepLaunch::ChainedProgrammatic => {
+                        q.launch_chained_programmatic(k.get(l.kernel), &l.cfg, &l.args)?
+                    }
                     // The step's first launch follows the previous step's last (or whatever the caller did in
                     // between): programmatic too, the queue decides whether it can start early.
                     StepLaunch::Programmatic => {
@@ -527,7 +537,7 @@ impl GpuModel {
                 }
             }
         }
-        if how == StepLaunch::Chained {
+        if matches!(how, StepLaunch::Chained | StepLaunch::ChainedProgrammatic) {
             q.end_chain()?;
         }
         Ok(())

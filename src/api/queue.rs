@@ -339,6 +339,50 @@ impl Queue {
         unsafe { self.submit(How::Chained, kernel, cfg, args) }.map(drop)
     }
 
+    /// Records `kernel` as the next link of a chain ([`launch_chained`](Self::launch_chained)) that is a
+    /// programmatic dependent of the link before it: it may start once every block of that link has exited or run
+    /// `griddepcontrol.launch_dependents`, and its `griddepcontrol.wait` returns once that link has completed and
+    /// its writes are visible, as a programmatic edge of a graph
+    /// ([`GraphLaunch::programmatic`](crate::GraphLaunch::programmatic)). On the direct path
+    /// the link before arrives at a latch this launch waits on; the first launch of a chain (or of a part of a long
+    /// one) waits for the work before it as usual. On the driver backend it is `cuLaunchKernelEx` with
+    /// programmatic stream serialization.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use apex::{Gpu, LaunchConfig};
+    /// let gpu = Gpu::open(0)?;
+    /// let module = gpu.load_module(&std::fs::read("kernels.cubin")?)?;
+    /// // Kernels that start with griddepcontrol.wait (cudaGridDependencySynchronize).
+    /// let (first, next) = (module.kernel("first")?, module.kernel("next")?);
+    /// let mut q = gpu.queue()?;
+    /// let cfg = LaunchConfig::linear(132, 256);
+    /// // SAFETY: the kernels take no arguments and wait for their producer before touching memory.
+    /// unsafe {
+    ///     q.launch_chained(&first, &cfg, &[])?;
+    ///     for _ in 0..100 {
+    ///         q.launch_chained_programmatic(&next, &cfg, &[])?;
+    ///     }
+    /// }
+    /// q.end_chain()?.wait(std::time::Duration::from_secs(5))?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch); also, the kernel must run `griddepcontrol.wait` before it touches memory
+    /// the launch before it writes, and must not, before that wait, write memory the launch before it reads or
+    /// writes (that launch may still be running).
+    pub unsafe fn launch_chained_programmatic(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+    ) -> Result<()> {
+        // SAFETY: forwarded to the caller.
+        unsafe { self.submit(How::ChainedProgrammatic, kernel, cfg, args) }.map(drop)
+    }
+
     /// The one place a launch picks its backend: matches the queue's backend with the kernel's and forwards to
     /// the direct path's compute queue or the driver's stream. A chained link returns no fence (its chain's end
     /// does).
@@ -354,7 +398,8 @@ impl Queue {
         args: &[Arg<'_>],
     ) -> Result<Option<Fence>> {
         // Any launch but a chained link ends the driver backend's chain.
-        if how != How::Chained {
+        let chained = matches!(how, How::Chained | How::ChainedProgrammatic);
+        if !chained {
             self.driver_chain = 0;
         }
         match (&mut self.inner, kernel.inner()) {
@@ -367,6 +412,10 @@ impl Queue {
                         How::Programmatic => q.launch_programmatic(k, cfg, args)?,
                         How::Chained => {
                             q.record_launch_chained(k, cfg, args)?;
+                            return Ok(None);
+                        }
+                        How::ChainedProgrammatic => {
+                            q.record_launch_chained_programmatic(k, cfg, args)?;
                             return Ok(None);
                         }
                     }
@@ -383,14 +432,16 @@ impl Queue {
                         ));
                     }
                     (How::Cooperative, None) => driver::LaunchKind::Cooperative,
-                    (How::Programmatic, cluster) => driver::LaunchKind::Programmatic(cluster),
+                    (How::Programmatic | How::ChainedProgrammatic, cluster) => {
+                        driver::LaunchKind::Programmatic(cluster)
+                    }
                     // A run-time cluster shape goes through cuLaunchKernelEx; a compile-time one needs nothing.
                     (_, Some(cluster)) => driver::LaunchKind::Cluster(cluster),
                     (_, None) => driver::LaunchKind::Plain,
                 };
                 // SAFETY: forwarded to the caller.
                 unsafe { driver_launch(stream, ptrs, &self.limits, kind, func, info, cfg, args)? };
-                if how == How::Chained {
+                if chained {
                     self.driver_chain += 1;
                     return Ok(None);
                 }
@@ -718,6 +769,7 @@ enum How {
     Launch,
     Cooperative,
     Chained,
+    ChainedProgrammatic,
     Programmatic,
 }
 

@@ -1485,6 +1485,36 @@ impl ComputeQueue {
         cfg: &LaunchConfig,
         args: &[Arg<'_>],
     ) -> Result<()> {
+        self.record_chained_as(kernel, cfg, args, false)
+    }
+
+    /// Records a launch as the next link of a chain ([`record_launch_chained`](Self::record_launch_chained)) that
+    /// is a programmatic dependent of the link before it: the work distributor schedules it once every block of
+    /// that link has exited or run `griddepcontrol.launch_dependents`, and its `griddepcontrol.wait` returns once
+    /// that link has completed and its writes are visible (the link arrives at a latch the launch waits on), as a
+    /// programmatic edge of a graph is built. The first launch of a chain, or of a chain part, waits for the work
+    /// before it as usual.
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch); also, the kernel must run `griddepcontrol.wait` before it touches memory
+    /// the launch before it writes, and must not, before that wait, write memory the launch before it reads or
+    /// writes (that launch may still be running).
+    pub unsafe fn record_launch_chained_programmatic(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+    ) -> Result<()> {
+        self.record_chained_as(kernel, cfg, args, true)
+    }
+
+    fn record_chained_as(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+        programmatic: bool,
+    ) -> Result<()> {
         if let Some(c) = &self.chain {
             // Local memory may not change under recorded links, and a slot may not be reused inside its own chain
             // (chain_part <= slots).
@@ -1494,7 +1524,7 @@ impl ComputeQueue {
                 self.queue.kick();
             }
         }
-        let (slot, q) = self.prepare(kernel, cfg, args, Release::Later)?;
+        let (slot, mut q) = self.prepare(kernel, cfg, args, Release::Later)?;
         let invalidate = self.seen_generation < kernel.module().generation();
         match self.chain {
             None => {
@@ -1509,11 +1539,21 @@ impl ComputeQueue {
             Some(mut c) => {
                 let next = (self.slot_qmd_va(slot), self.chain_action);
                 qmd::set_chain_link(self.version, &mut c.last_qmd, Some(next))?;
-                let bank = ConstBuffer {
-                    va: self.slot_qmd_va(slot) + QMD_BYTES,
-                    size: bank0_size(kernel),
-                };
-                qmd::prefetch_next_bank(self.version, &mut c.last_qmd, bank)?;
+                if programmatic {
+                    // The link before lets this one be scheduled at its pre-exit and arrives at a latch this one's
+                    // griddepcontrol.wait waits on. Scheduled that early, this launch fetches its own bank 0: a POST
+                    // prefetch by the link before would land too late (as for a graph's programmatic nodes).
+                    let latch = Gates::take_latch();
+                    qmd::set_latch_arrive(self.version, &mut c.last_qmd, latch)?;
+                    qmd::set_latch_wait(self.version, &mut q, latch)?;
+                    qmd::prefetch_own_bank0(self.version, &mut q)?;
+                } else {
+                    let bank = ConstBuffer {
+                        va: self.slot_qmd_va(slot) + QMD_BYTES,
+                        size: bank0_size(kernel),
+                    };
+                    qmd::prefetch_next_bank(self.version, &mut c.last_qmd, bank)?;
+                }
                 self.write_qmd(c.last_slot, &c.last_qmd)?;
                 c.len += 1;
                 c.invalidate |= invalidate;
