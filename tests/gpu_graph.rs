@@ -491,3 +491,75 @@ fn direct_replays_and_updates_allocate_nothing() {
     want = want.wrapping_add((0..99u64).sum::<u64>() + 1_000_000);
     assert_eq!(read_u64(&g, &mut q, &v), want);
 }
+
+/// Back-to-back replays keep their order without a wait for idle between them: a graph with a fan-out and a
+/// fan-in around two non-commuting steps, replayed 300 times without waiting; then graphs dropped right after
+/// their replay's fence (the GPU must be done with their memory by then), 500 times, leave the queue working.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn back_to_back_replays_keep_order_and_dropped_graphs_leave_the_queue_working() {
+    let g = gpu(Backend::Direct);
+    let mut q = g.queue().unwrap();
+    let m = g.load_module(CUBIN).unwrap();
+    let (step, empty) = (m.kernel("chain_step").unwrap(), m.kernel("empty").unwrap());
+    let v = g.alloc(8).unwrap();
+    q.upload(&g, &v, 0, &1u64.to_le_bytes()).unwrap();
+    let one = LaunchConfig::linear(1, 1);
+    let mut gr = Graph::new();
+    let first = gr
+        .launch(&step, one, &[v.arg(), Arg::U64(3), Arg::U64(1)])
+        .unwrap()
+        .reads(&v)
+        .writes(&v)
+        .id();
+    let last = gr
+        .launch(&step, one, &[v.arg(), Arg::U64(5), Arg::U64(2)])
+        .unwrap()
+        .reads(&v)
+        .writes(&v)
+        .id();
+    for _ in 0..4 {
+        let b = gr.launch(&empty, one, &[]).unwrap().id();
+        gr.edge(first, b).unwrap();
+        gr.edge(b, last).unwrap();
+    }
+    let mut exec = q.instantiate(&gr).unwrap();
+    let mut want = 1u64;
+    let mut fence = None;
+    for _ in 0..300 {
+        // SAFETY: the steps touch only `v`, the empty kernels nothing.
+        fence = Some(unsafe { q.replay(&mut exec) }.unwrap());
+        want = want
+            .wrapping_mul(3)
+            .wrapping_add(1)
+            .wrapping_mul(5)
+            .wrapping_add(2);
+    }
+    fence.unwrap().wait(T).unwrap();
+    assert_eq!(read_u64(&g, &mut q, &v), want, "300 back-to-back replays");
+    drop(exec);
+
+    for i in 0..500u64 {
+        let mut gr = Graph::new();
+        let a = gr
+            .launch(&step, one, &[v.arg(), Arg::U64(1), Arg::U64(i)])
+            .unwrap()
+            .reads(&v)
+            .writes(&v)
+            .id();
+        let b = gr.launch(&empty, one, &[]).unwrap().id();
+        gr.edge(a, b).unwrap();
+        let mut exec = q.instantiate(&gr).unwrap();
+        // SAFETY: as above.
+        unsafe { q.replay(&mut exec) }.unwrap().wait(T).unwrap();
+        drop(exec);
+        want = want.wrapping_add(i);
+    }
+    // SAFETY: as above.
+    unsafe { q.launch(&step, &one, &[v.arg(), Arg::U64(7), Arg::U64(0)]) }
+        .unwrap()
+        .wait(T)
+        .unwrap();
+    want = want.wrapping_mul(7);
+    assert_eq!(read_u64(&g, &mut q, &v), want, "after 500 dropped graphs");
+}

@@ -265,3 +265,75 @@ fn a_dependent_that_does_not_wait_completes_after_its_producer() {
         "the dependent never ran before its producer ended: the gate never started it early"
     );
 }
+
+/// The same for a chain link and a graph node that are programmatic dependents and skip `griddepcontrol.wait`:
+/// the chain's fence (the dependent is its last link) and the replay's fence (the dependent is the graph's sink, on
+/// both of the queue's graph schedules) must not complete before the producer has. A replay's fence is released
+/// without a wait for idle, so only the work distributor holding the dependent's completion until its latch keeps
+/// this order.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn chained_and_graph_dependents_that_do_not_wait_complete_after_their_producers() {
+    use apex::Graph;
+    use apex::launch::GraphSchedule;
+    let gpu = Gpu::open_with(0, BackendRequest::Direct).expect("open the GPU");
+    let m = gpu.load_module(PDL).unwrap();
+    let (late, nowait) = (
+        m.kernel("pdl_late").unwrap(),
+        m.kernel("pdl_nowait").unwrap(),
+    );
+    let host = gpu.alloc_host(4096).unwrap();
+    let (flag, out) = (host.device_ptr(), host.device_ptr() + 256);
+    let mut q = gpu.queue().unwrap();
+    let one = LaunchConfig::linear(1, 32);
+    let word = |offset: u64| {
+        let mut b = [0u8; 4];
+        host.read(offset, &mut b).unwrap();
+        u32::from_le_bytes(b)
+    };
+    let late_args = [Arg::Ptr(flag), Arg::U32(4_000_000)];
+    let nowait_args = [Arg::Ptr(out), Arg::Ptr(flag)];
+    let check =
+        |what: &str, q: &mut apex::Queue, run: &mut dyn FnMut(&mut apex::Queue) -> apex::Fence| {
+            let mut early = 0;
+            for round in 0..5 {
+                q.synchronize().unwrap();
+                host.write(0, &[0u8; 512]).unwrap();
+                let fence = run(q);
+                fence.wait(Duration::from_secs(30)).unwrap();
+                let flag_then = word(0);
+                q.synchronize().unwrap();
+                early += u32::from(word(256) == 10);
+                assert_eq!(
+                    flag_then, 1,
+                    "{what}, round {round}: the fence completed before the producer had"
+                );
+            }
+            println!("{what}: the dependent ran before its producer ended in {early} of 5 rounds");
+        };
+    check("chain", &mut q, &mut |q| {
+        // SAFETY: the kernels write only `host`, which this test alone uses.
+        unsafe {
+            q.launch_chained(&late, &one, &late_args).unwrap();
+            q.launch_chained_programmatic(&nowait, &one, &nowait_args)
+                .unwrap();
+        }
+        q.end_chain().unwrap()
+    });
+    for schedule in [GraphSchedule::Gpu, GraphSchedule::FrontEnd] {
+        q.direct().unwrap().set_graph_schedule(schedule);
+        let mut g = Graph::new();
+        let a = g.launch(&late, one, &late_args).unwrap().id();
+        let b = g
+            .launch(&nowait, one, &nowait_args)
+            .unwrap()
+            .programmatic()
+            .id();
+        g.edge(a, b).unwrap();
+        let mut exec = q.instantiate(&g).unwrap();
+        // SAFETY: as above.
+        check(&format!("graph ({schedule:?})"), &mut q, &mut |q| unsafe {
+            q.replay(&mut exec).unwrap()
+        });
+    }
+}

@@ -954,8 +954,8 @@ fn replays_keep_queue_order_with_ordinary_launches() {
     check_schedule(&deps, &exec);
     let token = s.q.queue().channel().token();
 
-    // With the front end paused, nothing completes: the replay must wait for the launch before it on the GPU,
-    // and the launch after it for the replay.
+    // With the front end paused, nothing completes: the replay must wait for the launch before it on the GPU, and
+    // the launch after it runs after the replay (the front end released the replay's value after its own waits).
     s.sim.pause();
     let before = s.sim.stats_for(token).unwrap();
     let start = s.sim.launches().len();
@@ -1251,27 +1251,43 @@ fn refusals_are_typed() {
 
 #[test]
 fn back_to_back_replays_wait_only_for_their_own_nodes() {
-    // Each replay ends with the front end's acquire of the graph's completion word, then releases its timeline value
-    // at once: no wait for idle, and the next replay needs no acquire of the one before (measured on an H100: 1.5
-    // us less per replay).
+    // Each replay ends with the front end's waits for the graph's sinks, then releases its timeline value at once: no
+    // wait for idle, and the next replay needs no acquire of the one before (measured on an H100: 1.5 us less per
+    // replay). Both schedules, a graph with a fan-out and a fan-in around two non-commuting steps.
+    for schedule in [GraphSchedule::Gpu, GraphSchedule::FrontEnd] {
+        back_to_back_replays(schedule);
+    }
+}
+
+fn back_to_back_replays(schedule: GraphSchedule) {
     let mut s = setup();
+    s.q.set_graph_schedule(schedule);
     let v = buffer(&s.gpu, 8);
     let mut host = Host::new(&s.k);
     host.add(&v, 1u64.to_le_bytes().to_vec());
     let one = LaunchConfig::linear(1, 1);
     let mut g = Graph::new();
-    for i in 0..3u64 {
+    let step = |g: &mut Graph<Kernel>, mul: u64, add: u64| {
         let n = g
             .launch_args(
                 &s.k.chain,
                 one,
-                &[Arg::Ptr(v.va()), Arg::U64(3), Arg::U64(i)],
+                &[Arg::Ptr(v.va()), Arg::U64(mul), Arg::U64(add)],
             )
             .unwrap();
         g.read(n, range(&v)).unwrap();
         g.write(n, range(&v)).unwrap();
+        n
+    };
+    let first = step(&mut g, 3, 1);
+    let last = step(&mut g, 5, 2);
+    for _ in 0..3 {
+        let e = g.launch_args(&s.k.empty, one, &[]).unwrap();
+        g.edge(first, e).unwrap();
+        g.edge(e, last).unwrap();
     }
     let deps = g.dependencies().unwrap();
+    let nodes = 5;
     let mut exec = s.q.instantiate_graph(&g).unwrap();
     let token = s.q.queue().channel().token();
     // SAFETY: the simulated GPU runs no kernels.
@@ -1283,35 +1299,40 @@ fn back_to_back_replays_wait_only_for_their_own_nodes() {
     let before = s.sim.stats_for(token).unwrap();
     let start = s.sim.launches().len();
     let replays = 5;
-    let mut last = None;
+    let mut last_fence = None;
     for _ in 0..replays {
         // SAFETY: as above.
-        last = Some(unsafe { s.q.replay_graph(&mut exec) }.unwrap());
+        last_fence = Some(unsafe { s.q.replay_graph(&mut exec) }.unwrap());
     }
     s.sim.resume();
-    let ls = launched(&s, start, &last.unwrap());
+    let ls = launched(&s, start, &last_fence.unwrap());
     let after = s.sim.stats_for(token).unwrap();
-    assert_eq!(ls.len(), 3 * replays);
-    for r in ls.chunks(3) {
+    assert_eq!(ls.len(), nodes * replays, "{schedule:?}");
+    for r in ls.chunks(nodes) {
+        // Each node once per replay, in dependency order: no replay overlaps the next.
         assert_order(&deps, &positions(&exec, &deps, r));
     }
     assert_eq!(
         after.acquires - before.acquires,
         replays as u64 * exec.stats().waits as u64,
-        "only the graph's own waits"
+        "{schedule:?}: only the graph's own waits"
     );
-    assert_eq!(after.wfis, before.wfis, "no replay waits for idle");
-    // The first replay ran before the pause and is not among the recorded launches.
+    assert_eq!(
+        after.wfis, before.wfis,
+        "{schedule:?}: no replay waits for idle"
+    );
     let mut want = 1u64;
     for _ in 0..=replays {
-        for i in 0..3 {
-            want = want * 3 + i;
-        }
+        want = want
+            .wrapping_mul(3)
+            .wrapping_add(1)
+            .wrapping_mul(5)
+            .wrapping_add(2);
     }
     for l in &s.sim.launches() {
         host.run(l);
     }
-    assert_eq!(host.u64(v.va()), want);
+    assert_eq!(host.u64(v.va()), want, "{schedule:?}");
 }
 
 #[test]

@@ -5,8 +5,13 @@
 
 use std::time::Duration;
 
+use apex::hw::qmd::v04::{
+    CONSTANT_BUFFER_PREFETCH_PREFETCH_POST as PREFETCH_POST,
+    CONSTANT_BUFFER_PREFETCH_PREFETCH_PRE as PREFETCH_PRE,
+};
 use apex::launch::{Arg, ComputeQueueConfig, LaunchConfig, LaunchMemory, Module};
-use apex::sim::Simulator;
+use apex::pushbuf::decode::decode_qmd;
+use apex::sim::{Launch, Simulator};
 
 #[path = "support/sim.rs"]
 mod sim;
@@ -284,7 +289,46 @@ fn chained_programmatic_links_wait_on_the_latch_of_the_link_before() {
         7,
         "each programmatic edge has a latch of its own"
     );
-    // Three parts: one doorbell-sent head each, no gates.
+    // The QMD fields of a programmatic edge, as the model read them: the producer pre-exits and does not prefetch
+    // its dependent's bank (that would land too late); the consumer requires its scheduling and prefetches its own
+    // bank 0 (bank 5 at bank 0's address, before it starts); ordinary links do not pre-exit (a part's last link is
+    // sent as a stream launch, whose pre-exit schedules nothing).
+    let field = |l: &Launch, name: &str| {
+        let bytes: Vec<u8> = l.qmd.iter().flat_map(|w| w.to_le_bytes()).collect();
+        decode_qmd(4, &bytes)
+            .unwrap()
+            .into_iter()
+            .find(|f| f.0 == name)
+            .map_or(0, |f| f.1)
+    };
+    for (i, l) in ls.iter().enumerate() {
+        let pre_exit = field(l, "ENABLE_PROGRAM_PRE_EXIT");
+        if l.latch_arrive.is_some() {
+            assert_eq!(pre_exit, 1, "link {i} lets its consumer start at pre-exit");
+            assert_ne!(
+                field(l, "CONSTANT_BUFFER_PREFETCH(6)"),
+                u64::from(PREFETCH_POST),
+                "link {i} prefetches nothing for its programmatic consumer"
+            );
+        } else if field(l, "DEPENDENT_QMD_ENABLE(0)") == 1 {
+            // An ordinary link: its dependent starts only once it has completed.
+            assert_eq!(pre_exit, 0, "link {i}");
+        }
+        if l.latch_wait.is_some() {
+            assert_eq!(field(l, "REQUIRE_SCHEDULING_PCAS"), 1, "link {i}");
+            assert_eq!(
+                field(l, "CONSTANT_BUFFER_PREFETCH(5)"),
+                u64::from(PREFETCH_PRE),
+                "link {i} prefetches its own bank 0"
+            );
+            assert_eq!(
+                field(l, "CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(5)"),
+                field(l, "CONSTANT_BUFFER_ADDR_LOWER_SHIFTED6(0)"),
+                "link {i}: bank 5 is bank 0"
+            );
+        }
+    }
+    // No gates: links schedule each other directly.
     let end = sim.stats_for(token).unwrap();
     assert_eq!(end.null_grids - start.null_grids, 0, "chains need no gates");
 }

@@ -346,7 +346,8 @@ impl Queue {
     /// ([`GraphLaunch::programmatic`](crate::GraphLaunch::programmatic)). On the direct path
     /// the link before arrives at a latch this launch waits on; the first launch of a chain (or of a part of a long
     /// one) waits for the work before it as usual. On the driver backend it is `cuLaunchKernelEx` with
-    /// programmatic stream serialization.
+    /// programmatic stream serialization, which may also overlap a chain's first launch with the work before it
+    /// (as the attribute allows; correct for kernels that wait as required below).
     ///
     /// ```no_run
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -212,8 +212,9 @@ const BUILTIN_CUBIN: &[u8] = include_bytes!("../../kernels/apex_builtin.sm_90.cu
 /// Bytes per slot gate ([`Gates`]): a QMD, on the 256-byte alignment SEND_PCAS and dependent pointers address.
 const GATE_BYTES: u64 = 512;
 
-/// Latch ids of eager programmatic launches: above the ids graphs number their producers with (node + 1), counting
-/// up per launch as libcuda numbers them, from one counter for the whole process so that launches of different
+/// Latch ids of eager programmatic launches and of programmatic chain links: above the ids graphs number their
+/// producers with (node + 1), counting up per launch as libcuda numbers them, from one counter for the whole
+/// process so that launches of different
 /// queues (whose channels may share latches: their scope is not documented) do not share an id until 2^23 launches
 /// later.
 const EAGER_LATCH_FIRST: u32 = 0x0080_0000;
@@ -272,10 +273,11 @@ impl Gates {
     fn va(&self, slot: usize) -> u64 {
         self.mem.va() + slot as u64 * GATE_BYTES
     }
+}
 
-    fn take_latch() -> u32 {
-        eager_latch(NEXT_EAGER_LATCH.fetch_add(1, Ordering::Relaxed))
-    }
+/// A fresh latch id for an eager programmatic launch or a programmatic chain link ([`eager_latch`]).
+fn take_latch() -> u32 {
+    eager_latch(NEXT_EAGER_LATCH.fetch_add(1, Ordering::Relaxed))
 }
 
 /// How a launch is ordered against the work before it on its queue.
@@ -1248,7 +1250,7 @@ impl ComputeQueue {
         let Some(g) = &mut self.gates else {
             return Ok(None);
         };
-        let latch = Gates::take_latch();
+        let latch = take_latch();
         qmd::set_gated_producer(self.version, q, g.va(slot), latch)?;
         let after = match g.last {
             Some((s, value, l)) if !pending && value == last_submitted && (s + 1) % n == slot => {
@@ -1541,12 +1543,12 @@ impl ComputeQueue {
                 qmd::set_chain_link(self.version, &mut c.last_qmd, Some(next))?;
                 if programmatic {
                     // The link before lets this one be scheduled at its pre-exit and arrives at a latch this one's
-                    // griddepcontrol.wait waits on. Scheduled that early, this launch fetches its own bank 0: a POST
-                    // prefetch by the link before would land too late (as for a graph's programmatic nodes).
-                    let latch = Gates::take_latch();
+                    // griddepcontrol.wait waits on. Scheduled that early, this launch relies on the prefetch of its
+                    // own bank 0 every prepared QMD carries (bank 5, PRE): a POST prefetch by the link before would
+                    // land too late (as for a graph's programmatic nodes), so none is asked for.
+                    let latch = take_latch();
                     qmd::set_latch_arrive(self.version, &mut c.last_qmd, latch)?;
                     qmd::set_latch_wait(self.version, &mut q, latch)?;
-                    qmd::prefetch_own_bank0(self.version, &mut q)?;
                 } else {
                     let bank = ConstBuffer {
                         va: self.slot_qmd_va(slot) + QMD_BYTES,

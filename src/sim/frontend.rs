@@ -422,6 +422,9 @@ impl ChannelModel {
                         .map_err(mmu("semaphore timestamp"))?;
                 }
                 self.stats.releases += 1;
+                if host::SEM_EXECUTE_RELEASE_WFI.unpack(exec) == c56f::SEM_EXECUTE_RELEASE_WFI_EN {
+                    self.stats.wfis += 1;
+                }
                 true
             }
             host::SEM_EXECUTE_OPERATION_ACQUIRE => read(view)? == payload,

@@ -177,8 +177,8 @@ pub struct Launch {
     pub latch_arrive: Option<u32>,
     /// The latch its `griddepcontrol.wait` waited for (WAIT_ON_LATCH), if any.
     pub latch_wait: Option<u32>,
-    /// The QMD's words as the model read them when it launched the grid (decode with
-    /// [`crate::pushbuf::decode::decode_qmd`]).
+    /// The QMD's words as the model read them when it launched the grid (to decode, pass their little-endian
+    /// bytes to [`crate::pushbuf::decode::decode_qmd`]).
     pub qmd: Vec<u32>,
 }
 
@@ -221,7 +221,7 @@ pub struct ChannelStats {
     pub inline_uploads: u64,
     /// Copy-engine LAUNCH_DMAs that moved data.
     pub copies: u64,
-    /// Wait-for-idle methods executed.
+    /// Waits for idle executed: `WFI` methods, and semaphore releases with `RELEASE_WFI`.
     pub wfis: u64,
     /// Memory barriers executed.
     pub membars: u64,
@@ -294,6 +294,12 @@ impl Inner {
         }
         let token = view.take_doorbell();
         if token != 0 {
+            // A doorbell that reaches the GPU after its channel was freed (a queue rang again while it waited, and the
+            // work completed first) finds nothing to fetch: the hardware drops it, and so does the model.
+            let freed = model
+                .channels
+                .values()
+                .any(|m| !m.live && m.ch.token == token);
             match model
                 .channels
                 .values_mut()
@@ -303,6 +309,7 @@ impl Inner {
                     m.stats.doorbells += 1;
                     m.doorbell(&view);
                 }
+                None if freed => {}
                 None => model.records.errors.push(SimError {
                     token: 0,
                     gp_get: 0,

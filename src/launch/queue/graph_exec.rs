@@ -145,10 +145,12 @@ struct ExecNode {
 ///
 /// [`replay_graph`](ComputeQueue::replay_graph) ends an open chain and joins pending unordered launches, then
 /// records in the queue's ring a prefix when needed (an instruction-cache invalidate after a module load, an
-/// acquire on the queue's last value unless the CPU already sees it reached: the replay starts after earlier
-/// work), pushes the prebuilt methods (one GPFIFO entry per 2^21 − 1 words), records the timeline release (after
-/// wait-for-idle) that later work and the fence wait for, and rings the doorbell once. It writes a handful of
-/// words and allocates nothing.
+/// acquire on the queue's last value unless the CPU already sees it reached or the front end released it itself:
+/// the replay starts after earlier work), pushes the prebuilt methods (one GPFIFO entry per 2^21 − 1 words),
+/// records the timeline release that later work and the fence wait for, and rings the doorbell once. The methods
+/// end with acquires that pass only once every node has completed (each sink after its system-scope membar), so
+/// that release needs no wait for idle, and what follows needs no acquire of it (libcuda's `cuGraphLaunch` does
+/// the same). It writes a handful of words and allocates nothing.
 ///
 /// [`GraphExec::update_launch`] rewrites one launch's parameters and shape in place (the QMD words that change,
 /// the driver words, the parameters), after waiting for the exec's previous replay: nothing else is rebuilt.
@@ -661,7 +663,7 @@ impl ComputeQueue {
             // so what follows needs no acquire of it.
             let timeline_va = self.queue.timeline().va();
             let fence = self.queue.record(8, Signal::Recorded, |p, own| {
-                p.sem_release(timeline_va, own, crate::pushbuf::Release::NOW_64)
+                p.sem_release(timeline_va, own, Release::NOW_64)
             })?;
             self.front_settled = fence.value();
             fence
