@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use apex::launch::qmd::{self, ConstBuffer, QMD_WORDS, QmdParams, QmdVersion};
-use apex::launch::{Arg, ComputeQueue, ComputeQueueConfig, Error, LaunchConfig, Module};
+use apex::launch::{
+    Arg, ComputeQueue, ComputeQueueConfig, Error, FIRST_CHAIN_PART, LaunchConfig, Module,
+};
 use apex::pushbuf::Signal;
 use apex::rm::{GpuCore, Memory, MemoryDesc};
 use apex::sim::{QmdViolation, SimErrorKind, Simulator, XID_GRAPHICS};
@@ -316,6 +318,47 @@ fn a_chain_runs_every_link_in_order_and_releases_once_at_its_end() {
     let slots: Vec<u64> = launches[before..].iter().map(|l| l.qmd_va).collect();
     assert!(slots.windows(2).all(|w| w[1] > w[0]));
     assert!(matches!(q.end_chain(), Err(Error::NoChain)));
+}
+
+#[test]
+fn a_chain_starts_with_a_small_part_and_doubles_its_parts() {
+    // The GPU starts on a chain once FIRST_CHAIN_PART links are recorded; later parts double up to chain_part, and
+    // a new chain starts small again.
+    let (gpu, sim, mut q, module) = setup_with(ComputeQueueConfig {
+        chain_part: 32,
+        ..ComputeQueueConfig::default()
+    });
+    let k = module.kernel("chain_step").unwrap();
+    let v = page(&gpu);
+    let before = sim.launches().len();
+    let cfg = LaunchConfig::linear(1, 1);
+    let mut parts = Vec::new();
+    for round in 0..2u64 {
+        let mut open = 0;
+        for i in 0..100u64 {
+            let args = [Arg::Ptr(v.va()), Arg::U64(round), Arg::U64(i)];
+            // SAFETY: the model does not execute kernels.
+            unsafe { q.record_launch_chained(&k, &cfg, &args) }.unwrap();
+            if q.chain_len() == 1 && open > 0 {
+                parts.push(open);
+            }
+            open = q.chain_len();
+        }
+        parts.push(open);
+        q.end_chain().unwrap().wait(T).unwrap();
+    }
+    assert_eq!(
+        parts,
+        [8, 16, 32, 32, 12, 8, 16, 32, 32, 12],
+        "part sizes (FIRST_CHAIN_PART = {FIRST_CHAIN_PART})"
+    );
+    let launches = sim.launches();
+    assert_eq!(launches.len() - before, 200);
+    for (n, l) in launches[before..].iter().enumerate() {
+        let (round, i) = (n as u64 / 100, n as u64 % 100);
+        assert_eq!(chain_step_args(&l.params), (v.va(), round, i), "launch {n}");
+    }
+    assert!(sim.errors().is_empty());
 }
 
 #[test]

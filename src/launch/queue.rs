@@ -148,10 +148,17 @@ pub struct ComputeQueueConfig {
     /// How long the queue's own waits (for a free launch slot, for the set-up submission, in `synchronize`) may
     /// take before failing.
     pub timeout: Duration,
-    /// Chained launches sent together: a longer chain is sent in parts of this many as it is recorded, so the GPU
-    /// runs one part while the CPU records the next (each part waits for the one before, one front-end round trip).
+    /// Chained launches sent together: a longer chain is sent in parts of at most this many as it is recorded, so
+    /// the GPU runs one part while the CPU records the next (each part waits for the one before, one front-end
+    /// round trip). A chain's first part is [`FIRST_CHAIN_PART`] links (or this many, if fewer) and each part after
+    /// it twice the one before, so the GPU starts on a chain soon after its first launches are recorded.
     pub chain_part: usize,
 }
+
+/// Links in the first part of a chain ([`ComputeQueueConfig::chain_part`]): the GPU starts on a chain once this many
+/// are recorded, instead of a whole part. Measured on an H100: a GPT-2 step of 136 chained programmatic launches
+/// that waits for every token took 1.14× the graph's time with whole parts of 128 (see BENCHMARKS.md).
+pub const FIRST_CHAIN_PART: usize = 8;
 
 impl Default for ComputeQueueConfig {
     fn default() -> ComputeQueueConfig {
@@ -421,6 +428,9 @@ pub struct ComputeQueue {
     chain_action: ChainAction,
     graph_schedule: GraphSchedule,
     chain_part: usize,
+    /// The size of the next chain part: [`FIRST_CHAIN_PART`] for a new chain, doubling part by part up to
+    /// `chain_part` while a long chain is recorded.
+    next_part: usize,
     /// The printf FIFO of the modules launched so far (one per GPU), drained when the queue synchronizes.
     printf: Option<Arc<PrintfFifo>>,
     /// The grid barrier cooperative launches count in (zeroed once; it resets itself at every sync).
@@ -486,6 +496,8 @@ impl Release {
 struct OpenChain {
     first_slot: usize,
     len: usize,
+    /// Links this part holds before it is sent.
+    limit: usize,
     invalidate: bool,
     last_slot: usize,
     last_qmd: [u32; QMD_WORDS],
@@ -581,6 +593,7 @@ impl ComputeQueue {
             chain_action: ChainAction::InvalidateCopySchedule,
             graph_schedule: GraphSchedule::Gpu,
             chain_part: config.chain_part.clamp(1, config.slots),
+            next_part: FIRST_CHAIN_PART.min(config.chain_part.clamp(1, config.slots)),
             printf: None,
             grid_barrier: None,
             cooperative: None,
@@ -1521,9 +1534,12 @@ impl ComputeQueue {
             // Local memory may not change under recorded links, and a slot may not be reused inside its own chain
             // (chain_part <= slots).
             let grows = kernel.info().min_stack_size + LOCAL_RESERVE > self.local_per_thread;
-            if c.len >= self.chain_part || grows {
+            if c.len >= c.limit || grows {
+                let next = (c.limit * 2).min(self.chain_part);
                 self.end_open_chain()?;
                 self.queue.kick();
+                // The chain goes on: its next part is larger (end_open_chain started a new chain's count).
+                self.next_part = next;
             }
         }
         let (slot, mut q) = self.prepare(kernel, cfg, args, Release::Later)?;
@@ -1533,6 +1549,7 @@ impl ComputeQueue {
                 self.chain = Some(OpenChain {
                     first_slot: slot,
                     len: 1,
+                    limit: self.next_part,
                     invalidate,
                     last_slot: slot,
                     last_qmd: q,
@@ -1595,6 +1612,7 @@ impl ComputeQueue {
         let Some(mut c) = self.chain.take() else {
             return Ok(None);
         };
+        self.next_part = FIRST_CHAIN_PART.min(self.chain_part);
         if self.unordered_pending {
             self.queue.record(0, Signal::Host, |_, _| {})?;
             self.unordered_pending = false;
