@@ -626,75 +626,48 @@ pub unsafe extern "C" fn cuLibraryGetModule(module: *mut P, library: P) -> c_int
     )
 }
 
-/// # Safety
-/// `cuModuleGetGlobal_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuModuleGetGlobal_v2(
-    dptr: *mut Dptr,
-    bytes: *mut usize,
-    module: P,
-    name: *const c_char,
-) -> c_int {
-    type F = unsafe extern "C" fn(*mut Dptr, *mut usize, P, *const c_char) -> c_int;
-    recorded(
-        || {
-            forward!(
-                REAL_MODULE_GET_GLOBAL,
-                c"cuModuleGetGlobal_v2",
-                F,
-                (dptr, bytes, module, name)
+/// A lookup of a variable by name in a module or library (`cuModuleGetGlobal_v2`, `cuLibraryGetGlobal`,
+/// `cuLibraryGetManaged`): forwarded to libcuda; once it succeeds, the module is marked as having a variable whose
+/// address escaped (`$escape` names the variable, or null for one never shared with APEX's instance).
+macro_rules! variable_lookup {
+    ($fn_name:ident, $slot:ident, $symbol:literal, |$owner:ident, $name:ident| $escape:expr) => {
+        /// # Safety
+        #[doc = concat!("`", stringify!($fn_name), "`.")]
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $fn_name(
+            dptr: *mut Dptr,
+            bytes: *mut usize,
+            $owner: P,
+            $name: *const c_char,
+        ) -> c_int {
+            type F = unsafe extern "C" fn(*mut Dptr, *mut usize, P, *const c_char) -> c_int;
+            recorded(
+                || forward!($slot, $symbol, F, (dptr, bytes, $owner, $name)),
+                || engine::escape($owner as usize, $escape),
             )
-        },
-        || engine::escape(module as usize, name),
-    )
+        }
+    };
 }
 
-/// # Safety
-/// `cuLibraryGetGlobal`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLibraryGetGlobal(
-    dptr: *mut Dptr,
-    bytes: *mut usize,
-    library: P,
-    name: *const c_char,
-) -> c_int {
-    type F = unsafe extern "C" fn(*mut Dptr, *mut usize, P, *const c_char) -> c_int;
-    recorded(
-        || {
-            forward!(
-                REAL_LIBRARY_GET_GLOBAL,
-                c"cuLibraryGetGlobal",
-                F,
-                (dptr, bytes, library, name)
-            )
-        },
-        || engine::escape(library as usize, name),
-    )
-}
-
-/// # Safety
-/// `cuLibraryGetManaged`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLibraryGetManaged(
-    dptr: *mut Dptr,
-    bytes: *mut usize,
-    library: P,
-    name: *const c_char,
-) -> c_int {
-    type F = unsafe extern "C" fn(*mut Dptr, *mut usize, P, *const c_char) -> c_int;
-    recorded(
-        || {
-            forward!(
-                REAL_LIBRARY_GET_MANAGED,
-                c"cuLibraryGetManaged",
-                F,
-                (dptr, bytes, library, name)
-            )
-        },
-        // A managed variable is never shared with APEX's instance: the module is refused.
-        || engine::escape(library as usize, std::ptr::null()),
-    )
-}
+variable_lookup!(
+    cuModuleGetGlobal_v2,
+    REAL_MODULE_GET_GLOBAL,
+    c"cuModuleGetGlobal_v2",
+    |module, name| name
+);
+variable_lookup!(
+    cuLibraryGetGlobal,
+    REAL_LIBRARY_GET_GLOBAL,
+    c"cuLibraryGetGlobal",
+    |library, name| name
+);
+// A managed variable is never shared with APEX's instance: the module is refused.
+variable_lookup!(
+    cuLibraryGetManaged,
+    REAL_LIBRARY_GET_MANAGED,
+    c"cuLibraryGetManaged",
+    |library, _name| std::ptr::null()
+);
 
 /// # Safety
 /// `cuFuncSetAttribute`.
