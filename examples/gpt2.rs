@@ -88,6 +88,33 @@ fn time_window_as(
     Ok(best)
 }
 
+/// As [`time_window_as`] for the step captured as a CUDA graph, which runs on a stream of its own: `q` (the model's
+/// queue, synchronized before the stream starts) only sets the position.
+fn time_captured(
+    gpu: &Gpu,
+    q: &mut Queue,
+    m: &GpuModel,
+    (graph, stream): (&driver::Graph, &mut driver::Stream),
+    (start, steps): (usize, usize),
+    wait_each: bool,
+) -> Result<Duration, Box<dyn std::error::Error>> {
+    let mut best = Duration::MAX;
+    for _ in 0..3 {
+        m.set_position(gpu, q, start)?;
+        q.synchronize()?;
+        let t = Instant::now();
+        for _ in 0..steps {
+            graph.launch(stream)?;
+            if wait_each {
+                stream.synchronize()?;
+            }
+        }
+        stream.synchronize()?;
+        best = best.min(t.elapsed() / steps as u32);
+    }
+    Ok(best)
+}
+
 /// Argument storage and pointer arrays for `cuLaunchKernel`, one per launch of the step.
 struct DriverArgs {
     _values: Vec<Vec<u64>>,
@@ -292,18 +319,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let ce = time_window(&cuda, &mut qc, &mc, start, n, |q| unsafe {
             mc.launch_step(q, &kc, StepLaunch::Eager)
         })?;
-        let mut best = Duration::MAX;
-        for _ in 0..3 {
-            mc.set_position(&cuda, &mut qc, start)?;
-            qc.synchronize()?;
-            let t = Instant::now();
-            for _ in 0..n {
-                graph.launch(&mut stream)?;
-            }
-            stream.synchronize()?;
-            best = best.min(t.elapsed() / n as u32);
-        }
-        let cg = best;
+        let cg = time_captured(
+            &cuda,
+            &mut qc,
+            &mc,
+            (&graph, &mut stream),
+            (start, n),
+            false,
+        )?;
         println!(
             "| {}–{} | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.2} | {:.2} | {:.2} | {:.3} |",
             start + 1,
@@ -368,17 +391,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let cep = time_window_as(&cuda, &mut qc, &mc, (start, n), true, |q| unsafe {
             mc.launch_step(q, &kc, StepLaunch::Programmatic)
         })?;
-        let mut cg = Duration::MAX;
-        for _ in 0..3 {
-            mc.set_position(&cuda, &mut qc, start)?;
-            qc.synchronize()?;
-            let t = Instant::now();
-            for _ in 0..n {
-                graph.launch(&mut stream)?;
-                stream.synchronize()?;
-            }
-            cg = cg.min(t.elapsed() / n as u32);
-        }
+        let cg = time_captured(&cuda, &mut qc, &mc, (&graph, &mut stream), (start, n), true)?;
         println!(
             "| {}–{} | {:.1} µs | {:.1} µs | {:.3} | {:.1} µs | {:.1} µs | {:.3} | {:.1} µs | {:.1} µs | {:.1} µs |",
             start + 1,

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use apex::{Arg, BackendRequest, Gpu, LaunchConfig};
+use apex::{Arg, BackendRequest, Buffer, Gpu, HostBuffer, LaunchConfig, Queue};
 
 const PDL: &[u8] = include_bytes!("../kernels/apex_pdl.sm_90.cubin");
 const N: u32 = 1 << 20;
@@ -18,24 +18,77 @@ fn words(b: &[u8]) -> Vec<u32> {
         .collect()
 }
 
+/// Words on the GPU that `pdl_step` launches advance (`x = 3x + v` each), and the CPU's copy of what they must be.
+struct Steps {
+    buf: Buffer,
+    want: Vec<u32>,
+}
+
+impl Steps {
+    /// `init` uploaded to a new buffer of as many words.
+    fn new(gpu: &Gpu, q: &mut Queue, init: Vec<u32>) -> Steps {
+        let buf = gpu.alloc(init.len() as u64 * 4).unwrap();
+        let bytes: Vec<u8> = init.iter().flat_map(|w| w.to_le_bytes()).collect();
+        q.upload(gpu, &buf, 0, &bytes).unwrap();
+        Steps { buf, want: init }
+    }
+
+    /// The arguments of the `pdl_step` launch that applies `v`.
+    fn args(&self, v: u32) -> [Arg<'static>; 3] {
+        [
+            self.buf.arg(),
+            Arg::U32(self.want.len() as u32),
+            Arg::U32(v),
+        ]
+    }
+
+    /// What a `pdl_step` launch with `v` does, on the CPU's copy.
+    fn advance(&mut self, v: u32) {
+        for x in &mut self.want {
+            *x = x.wrapping_mul(3).wrapping_add(v);
+        }
+    }
+
+    /// Asserts that every word on the GPU (read once `q`'s work is done) is the CPU's.
+    fn check(&self, gpu: &Gpu, q: &mut Queue, what: &str) {
+        q.synchronize().unwrap();
+        let mut out = vec![0u8; self.want.len() * 4];
+        q.download(gpu, &self.buf, 0, &mut out).unwrap();
+        let got = words(&out);
+        let bad = got.iter().zip(&self.want).filter(|(a, b)| a != b).count();
+        assert_eq!(
+            bad,
+            0,
+            "{:?}: {bad} of {} words differ from the CPU after {what} (first at {:?})",
+            gpu.backend(),
+            self.want.len(),
+            got.iter().zip(&self.want).position(|(a, b)| a != b)
+        );
+    }
+}
+
+/// A word of `host` at byte `offset`.
+fn host_word(host: &HostBuffer, offset: u64) -> u32 {
+    let mut b = [0u8; 4];
+    host.read(offset, &mut b).unwrap();
+    u32::from_le_bytes(b)
+}
+
 fn steps_match_the_cpu(request: BackendRequest) {
     let gpu = Gpu::open_with(0, request).expect("open the GPU");
     let m = gpu.load_module(PDL).unwrap();
     let step = m.kernel("pdl_step").unwrap();
     let busy = m.kernel("pdl_busy").unwrap();
-    let buf = gpu.alloc(u64::from(N) * 4).unwrap();
     let scratch = gpu.alloc(4096).unwrap();
     let other = gpu.alloc(4096).unwrap();
     let mut q = gpu.queue().unwrap();
-    let init: Vec<u8> = (0..N).flat_map(|i| i.to_le_bytes()).collect();
-    q.upload(&gpu, &buf, 0, &init).unwrap();
+    let mut steps = Steps::new(&gpu, &mut q, (0..N).collect());
     // Two blocks per SM, each thread striding over several words: the kernel runs for microseconds.
     let cfg = LaunchConfig::linear(2 * gpu.info().sm_count, 256);
     let prepared = q.prepare(&step, &cfg).unwrap();
-    let mut want: Vec<u32> = (0..N).collect();
     let mut last = None;
     for v in 0..LAUNCHES {
-        let args = [buf.arg(), Arg::U32(N), Arg::U32(v)];
+        let args = steps.args(v);
         // SAFETY: pdl_step and pdl_busy run griddepcontrol.wait before touching memory; buf, scratch and other are
         // used by this queue alone.
         let f = unsafe {
@@ -62,24 +115,11 @@ fn steps_match_the_cpu(request: BackendRequest) {
             }
         }
         .unwrap();
-        for x in &mut want {
-            *x = x.wrapping_mul(3).wrapping_add(v);
-        }
+        steps.advance(v);
         last = Some(f);
     }
     last.unwrap().wait(Duration::from_secs(60)).unwrap();
-    q.synchronize().unwrap();
-    let mut out = vec![0u8; N as usize * 4];
-    q.download(&gpu, &buf, 0, &mut out).unwrap();
-    let got = words(&out);
-    let bad = got.iter().zip(&want).filter(|(a, b)| a != b).count();
-    assert_eq!(
-        bad,
-        0,
-        "{:?}: {bad} of {N} words differ from the CPU after {LAUNCHES} dependent launches (first at {:?})",
-        gpu.backend(),
-        got.iter().zip(&want).position(|(a, b)| a != b)
-    );
+    steps.check(&gpu, &mut q, &format!("{LAUNCHES} dependent launches"));
     if let Some(cq) = q.direct() {
         assert!(cq.is_programmatic(), "the direct queue built its gates");
     }
@@ -104,14 +144,11 @@ fn chained_steps_match_the_cpu(request: BackendRequest) {
     let gpu = Gpu::open_with(0, request).expect("open the GPU");
     let m = gpu.load_module(PDL).unwrap();
     let step = m.kernel("pdl_step").unwrap();
-    let buf = gpu.alloc(u64::from(N) * 4).unwrap();
     let mut q = gpu.queue().unwrap();
-    let init: Vec<u8> = (0..N).flat_map(|i| i.to_le_bytes()).collect();
-    q.upload(&gpu, &buf, 0, &init).unwrap();
+    let mut steps = Steps::new(&gpu, &mut q, (0..N).collect());
     let cfg = LaunchConfig::linear(2 * gpu.info().sm_count, 256);
-    let mut want: Vec<u32> = (0..N).collect();
     for v in 0..LAUNCHES {
-        let args = [buf.arg(), Arg::U32(N), Arg::U32(v)];
+        let args = steps.args(v);
         // SAFETY: pdl_step runs griddepcontrol.wait before touching memory; buf is used by this queue alone.
         unsafe {
             match v % 700 {
@@ -125,24 +162,16 @@ fn chained_steps_match_the_cpu(request: BackendRequest) {
                 _ => q.launch_chained_programmatic(&step, &cfg, &args).unwrap(),
             }
         }
-        for x in &mut want {
-            *x = x.wrapping_mul(3).wrapping_add(v);
-        }
+        steps.advance(v);
     }
     q.end_chain()
         .unwrap()
         .wait(Duration::from_secs(60))
         .unwrap();
-    let mut out = vec![0u8; N as usize * 4];
-    q.download(&gpu, &buf, 0, &mut out).unwrap();
-    let got = words(&out);
-    let bad = got.iter().zip(&want).filter(|(a, b)| a != b).count();
-    assert_eq!(
-        bad,
-        0,
-        "{:?}: {bad} of {N} words differ from the CPU after {LAUNCHES} chained programmatic launches (first at {:?})",
-        gpu.backend(),
-        got.iter().zip(&want).position(|(a, b)| a != b)
+    steps.check(
+        &gpu,
+        &mut q,
+        &format!("{LAUNCHES} chained programmatic launches"),
     );
 }
 
@@ -168,31 +197,15 @@ fn two_hundred_thousand_programmatic_launches_keep_every_dependency() {
     let gpu = Gpu::open_with(0, BackendRequest::Direct).expect("open the GPU");
     let m = gpu.load_module(PDL).unwrap();
     let step = m.kernel("pdl_step").unwrap();
-    let buf = gpu.alloc(u64::from(SMALL) * 4).unwrap();
     let mut q = gpu.queue().unwrap();
-    let init: Vec<u8> = (0..SMALL)
-        .flat_map(|i| (i ^ 0x5a5a).to_le_bytes())
-        .collect();
-    q.upload(&gpu, &buf, 0, &init).unwrap();
+    let mut steps = Steps::new(&gpu, &mut q, (0..SMALL).map(|i| i ^ 0x5a5a).collect());
     let cfg = LaunchConfig::linear(8, 128);
-    let mut want: Vec<u32> = (0..SMALL).map(|i| i ^ 0x5a5a).collect();
     for v in 0..MANY {
-        // SAFETY: pdl_step waits for the launch before it before touching buf, which only this queue uses.
-        unsafe { q.launch_programmatic(&step, &cfg, &[buf.arg(), Arg::U32(SMALL), Arg::U32(v)]) }
-            .unwrap();
-        for x in &mut want {
-            *x = x.wrapping_mul(3).wrapping_add(v);
-        }
+        // SAFETY: pdl_step waits for the launch before it before touching the words, which only this queue uses.
+        unsafe { q.launch_programmatic(&step, &cfg, &steps.args(v)) }.unwrap();
+        steps.advance(v);
     }
-    q.synchronize().unwrap();
-    let mut out = vec![0u8; SMALL as usize * 4];
-    q.download(&gpu, &buf, 0, &mut out).unwrap();
-    let got = words(&out);
-    let bad = got.iter().zip(&want).filter(|(a, b)| a != b).count();
-    assert_eq!(
-        bad, 0,
-        "{bad} of {SMALL} words differ after {MANY} programmatic launches"
-    );
+    steps.check(&gpu, &mut q, &format!("{MANY} programmatic launches"));
 }
 
 /// A programmatic launch whose kernel runs no `griddepcontrol.wait` (it touches nothing its producer writes) may
@@ -213,11 +226,7 @@ fn a_dependent_that_does_not_wait_completes_after_its_producer() {
     let (flag, out) = (host.device_ptr(), host.device_ptr() + 256);
     let mut q = gpu.queue().unwrap();
     let one = LaunchConfig::linear(1, 32);
-    let word = |offset: u64| {
-        let mut b = [0u8; 4];
-        host.read(offset, &mut b).unwrap();
-        u32::from_le_bytes(b)
-    };
+    let word = |offset: u64| host_word(&host, offset);
     let mut early = 0;
     for round in 0..5 {
         host.write(0, &[0u8; 512]).unwrap();
@@ -286,11 +295,7 @@ fn chained_and_graph_dependents_that_do_not_wait_complete_after_their_producers(
     let (flag, out) = (host.device_ptr(), host.device_ptr() + 256);
     let mut q = gpu.queue().unwrap();
     let one = LaunchConfig::linear(1, 32);
-    let word = |offset: u64| {
-        let mut b = [0u8; 4];
-        host.read(offset, &mut b).unwrap();
-        u32::from_le_bytes(b)
-    };
+    let word = |offset: u64| host_word(&host, offset);
     let late_args = [Arg::Ptr(flag), Arg::U32(4_000_000)];
     let nowait_args = [Arg::Ptr(out), Arg::Ptr(flag)];
     let check =
