@@ -31,7 +31,7 @@ use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
 use apex::driver;
-use apex::{Arg, BackendRequest, Gpu, Queue};
+use apex::{Arg, BackendRequest, Gpu, LaunchMemory, Queue, QueueOptions};
 use gpt2::{GPT2_SMALL, GpuModel, Kernels, StepLaunch, max_rel_diff};
 
 /// First positions of the timed windows: short, middling and nearly full KV cache.
@@ -165,6 +165,15 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let mut qd = direct.queue()?;
     // Programmatic launches on a queue of their own; plain launches on it are timed too, to show they carry no gates.
     let mut qdp = direct.queue()?;
+    // APEX_POLLED=1: eager steps also on polled queues (the front end polls instead of a doorbell), in video and
+    // host launch memory.
+    let polled = std::env::var("APEX_POLLED").is_ok_and(|v| v == "1");
+    let mut qpv = direct.queue_with(QueueOptions::default().polled(true))?;
+    let mut qph = direct.queue_with(
+        QueueOptions::default()
+            .launch_memory(LaunchMemory::Host)
+            .polled(true),
+    )?;
     let kd = Kernels::load(&direct)?;
     let md = GpuModel::new(&direct, &mut qd, s, &w, &toks)?;
     let mut qc = cuda.queue()?;
@@ -245,6 +254,18 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         "CUDA eager, programmatic",
         first(&cuda, &mut qc, &mc, &mut |q| unsafe {
             mc.launch_step(q, &kc, StepLaunch::Programmatic)
+        })?,
+    )?;
+    check(
+        "APEX eager, polled",
+        first(&direct, &mut qpv, &md, &mut |q| unsafe {
+            md.launch_step(q, &kd, StepLaunch::Eager)
+        })?,
+    )?;
+    check(
+        "APEX eager, polled, host launch memory",
+        first(&direct, &mut qph, &md, &mut |q| unsafe {
+            md.launch_step(q, &kd, StepLaunch::Eager)
         })?,
     )?;
     check(
@@ -346,6 +367,31 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             us(aep) / us(cg),
             us(acp) / us(cg)
         );
+        if polled {
+            let pv = time_window(&direct, &mut qpv, &md, start, n, |q| unsafe {
+                md.launch_step(q, &kd, StepLaunch::Eager)
+            })?;
+            let pvp = time_window(&direct, &mut qpv, &md, start, n, |q| unsafe {
+                md.launch_step(q, &kd, StepLaunch::Programmatic)
+            })?;
+            let ph = time_window(&direct, &mut qph, &md, start, n, |q| unsafe {
+                md.launch_step(q, &kd, StepLaunch::Eager)
+            })?;
+            notes.push(format!(
+                "positions {}–{}: polled APEX eager {:.1} µs ({:.3}× the CUDA graph, {:.3}× eager by doorbell), \
+                 polled eager programmatic {:.1} µs ({:.3}× the CUDA graph), polled eager in host launch memory \
+                 {:.1} µs ({:.3}× the CUDA graph)",
+                start + 1,
+                start + n,
+                us(pv),
+                us(pv) / us(cg),
+                us(pv) / us(ae),
+                us(pvp),
+                us(pvp) / us(cg),
+                us(ph),
+                us(ph) / us(cg)
+            ));
+        }
         notes.push(format!(
             "positions {}–{}: APEX eager on the queue that launched programmatically {:.1} µs, {:.3}× the other queue's",
             start + 1,

@@ -10,10 +10,16 @@
 //! - `completion`: a prepared launch, then a wait until the CPU sees it complete; `completion_fe` is the same
 //!   launch signalled by the front end (a semaphore release after wait-for-idle) instead of the QMD's release;
 //! - `round_trip`: a bare semaphore release after wait-for-idle, submitted and waited for (no kernel), on the
-//!   same queue: the floor the launch → completion target is measured against.
+//!   same queue: the floor the launch → completion target is measured against;
+//! - `launch_prepared_unfenced`: the prepared call returning its timeline value instead of a fence (no reference
+//!   count taken or dropped);
+//! - `api ...`: the same prepared call through the public `apex::Queue`, returning a fence and returning a ticket, per
+//!   queue option (and on the driver backend).
 //!
 //! Prints min / median / p99 in nanoseconds; `APEX_SAMPLES` sets the samples per series (default 20 000),
-//! `APEX_CONFIGS` (comma-separated: video, video+inline, host, host+inline) the configurations measured,
+//! `APEX_CONFIGS` (comma-separated: video, video+inline, host, host+inline, video+armed, host+armed,
+//! host+armed+fetch, video+armed+inline; "armed" is polled submission, `Submission::Armed`) the configurations
+//! measured (and, with it, `APEX_PUBLIC=1` the public-API series), `APEX_ARMED=slots,words,yields` the armed shape,
 //! `APEX_PUSH_BYTES` and `APEX_SLOTS` the pushbuffer size and launch slots.
 
 mod support;
@@ -24,7 +30,7 @@ use apex::driver;
 use apex::launch::{
     Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig, LaunchMemory, Module, StreamOrder,
 };
-use apex::pushbuf::Acquire;
+use apex::pushbuf::{Acquire, Armed, Submission};
 use apex::rm::{GpuCore, Memory, MemoryDesc};
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
@@ -87,11 +93,15 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         ns: t0,
     });
 
-    for (tag, memory, inline_qmd) in [
-        ("video", LaunchMemory::Video, false),
-        ("video+inline", LaunchMemory::Video, true),
-        ("host", LaunchMemory::Host, false),
-        ("host+inline", LaunchMemory::Host, true),
+    for (tag, memory, inline_qmd, armed) in [
+        ("video", LaunchMemory::Video, false, false),
+        ("video+inline", LaunchMemory::Video, true, false),
+        ("host", LaunchMemory::Host, false, false),
+        ("host+inline", LaunchMemory::Host, true, false),
+        ("video+armed", LaunchMemory::Video, false, true),
+        ("host+armed", LaunchMemory::Host, true, true),
+        ("host+armed+fetch", LaunchMemory::Host, false, true),
+        ("video+armed+inline", LaunchMemory::Video, true, true),
     ] {
         // APEX_CONFIGS=host,video+inline: only those (for profiling one configuration).
         if let Ok(only) = std::env::var("APEX_CONFIGS")
@@ -115,6 +125,19 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         if let Some(n) = env("APEX_SLOTS") {
             config.slots = n;
             config.chain_part = config.chain_part.min(n);
+        }
+        if armed {
+            // APEX_ARMED=slots,words,yields: the armed submission's shape.
+            let mut a = Armed::default();
+            if let Ok(v) = std::env::var("APEX_ARMED") {
+                let f: Vec<&str> = v.split(',').collect();
+                if let [slots, words, yields] = f[..] {
+                    a.slots = slots.parse()?;
+                    a.slot_words = words.parse()?;
+                    a.yields = yields == "1";
+                }
+            }
+            config.queue.submission = Submission::Armed(a);
         }
         let mut q = ComputeQueue::new(&gpu, config)?;
         let module = Module::load(&gpu, CUBIN)?;
@@ -156,6 +179,19 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 ns: v,
             })
         };
+        // APEX_PROFILE_CALLS=N: only N prepared calls, one at a time as below, for a profiler.
+        if let Some(n) = env("APEX_PROFILE_CALLS") {
+            let t = Instant::now();
+            for r in 0..n {
+                // SAFETY: as in the warm-up.
+                unsafe { q.launch_prepared(&pe, &[]) }?;
+                if r % BURST == BURST - 1 {
+                    q.synchronize()?;
+                }
+            }
+            println!("{tag}: {n} profiled calls in {:?}", t.elapsed());
+            continue;
+        }
         // SAFETY (all calls below): as in the warm-up.
         rows.push(per_call("call, launch (empty)", &mut q, &mut |q| {
             unsafe { q.launch(&empty, &ONE, &[]) }.map(drop)
@@ -164,6 +200,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             "call, launch_prepared (empty)",
             &mut q,
             &mut |q| unsafe { q.launch_prepared(&pe, &[]) }.map(drop),
+        )?);
+        rows.push(per_call(
+            "call, launch_prepared_unfenced (empty)",
+            &mut q,
+            &mut |q| unsafe { q.launch_prepared_unfenced(&pe, &[]) }.map(drop),
         )?);
         rows.push(per_call(
             "call, launch_prepared (3 parameters)",
@@ -197,6 +238,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
 
         // Back to back, per launch: what the CPU sustains once store buffers and write-combining fill
         // (64 per sample, drained outside the timed part).
+        let mut burst_unfenced = Vec::with_capacity(samples / 64);
         let (mut burst, mut bells, mut records) = (
             Vec::with_capacity(samples / 64),
             Vec::with_capacity(samples / 64),
@@ -219,6 +261,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             q.synchronize()?;
             let t = Instant::now();
             for _ in 0..64 {
+                // SAFETY: as above.
+                unsafe { q.launch_prepared_unfenced(&pe, &[]) }?;
+            }
+            burst_unfenced.push(ns(t) / 64.0);
+            q.synchronize()?;
+            let t = Instant::now();
+            for _ in 0..64 {
                 q.flush();
             }
             bells.push(ns(t) / 64.0);
@@ -230,6 +279,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         rows.push(Row {
             name: format!("{tag}: call, launch_prepared x64 back to back, per call"),
             ns: burst,
+        });
+        rows.push(Row {
+            name: format!("{tag}: call, launch_prepared_unfenced x64 back to back, per call"),
+            ns: burst_unfenced,
         });
         rows.push(Row {
             name: format!("{tag}: doorbell x64 back to back (nothing new), per doorbell"),
@@ -320,6 +373,77 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             rows.push(Row {
                 name: format!("video: dependent x1000 ({name}), one doorbell, per launch"),
                 ns: one,
+            });
+        }
+    }
+
+    // The public API (`apex::Queue`), as a user calls it: a prepared launch returning a fence, and returning a
+    // ticket, per queue option.
+    if std::env::var("APEX_CONFIGS").is_err() || std::env::var("APEX_PUBLIC").is_ok() {
+        let direct = apex::Gpu::open_with(0, apex::BackendRequest::Direct)?;
+        let driver_gpu = apex::Gpu::open_with(0, apex::BackendRequest::Driver)?;
+        for (tag, gpu, options) in [
+            ("api video", &direct, apex::QueueOptions::default()),
+            (
+                "api host",
+                &direct,
+                apex::QueueOptions::default().launch_memory(LaunchMemory::Host),
+            ),
+            (
+                "api video polled",
+                &direct,
+                apex::QueueOptions::default().polled(true),
+            ),
+            (
+                "api host polled",
+                &direct,
+                apex::QueueOptions::default()
+                    .launch_memory(LaunchMemory::Host)
+                    .polled(true),
+            ),
+            (
+                "api driver backend",
+                &driver_gpu,
+                apex::QueueOptions::default(),
+            ),
+        ] {
+            let mut q = gpu.queue_with(options)?;
+            let k = gpu.load_module(CUBIN)?.kernel("empty")?;
+            let p = q.prepare(&k, &ONE)?;
+            for _ in 0..2000 {
+                // SAFETY: the empty kernel touches no memory.
+                unsafe { q.launch_prepared(&p, &[]) }?;
+            }
+            q.synchronize()?;
+            let (mut fenced, mut ticket) =
+                (Vec::with_capacity(samples), Vec::with_capacity(samples));
+            for r in 0..samples {
+                let t = Instant::now();
+                // SAFETY: as above.
+                drop(unsafe { q.launch_prepared(&p, &[]) }?);
+                fenced.push(ns(t));
+                if r % BURST == BURST - 1 {
+                    q.synchronize()?;
+                }
+            }
+            q.synchronize()?;
+            for r in 0..samples {
+                let t = Instant::now();
+                // SAFETY: as above.
+                unsafe { q.launch_prepared_ticket(&p, &[]) }?;
+                ticket.push(ns(t));
+                if r % BURST == BURST - 1 {
+                    q.synchronize()?;
+                }
+            }
+            q.synchronize()?;
+            rows.push(Row {
+                name: format!("{tag}: call, Queue::launch_prepared (empty)"),
+                ns: fenced,
+            });
+            rows.push(Row {
+                name: format!("{tag}: call, Queue::launch_prepared_ticket (empty)"),
+                ns: ticket,
             });
         }
     }

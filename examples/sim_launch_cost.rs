@@ -1,12 +1,14 @@
 //! CPU cost of recording a launch, measured against the simulated GPU (no accelerator needed): what APEX's
 //! own code costs per launch, apart from write-combining and the doorbell on real hardware: an ordinary launch and a
-//! prepared one.
+//! prepared one, and a prepared one that returns its timeline value instead of a fence. `APEX_ARMED=1` sends them
+//! through armed slots.
 
 mod support;
 
 use std::time::{Duration, Instant};
 
 use apex::launch::{ComputeQueue, ComputeQueueConfig, LaunchConfig, Module};
+use apex::pushbuf::{Armed, Submission};
 use apex::rm::sim::SimConfig;
 use apex::sim::Simulator;
 
@@ -25,6 +27,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     {
         config.queue.push_bytes = b;
     }
+    // APEX_ARMED=1: submissions through armed slots (`Submission::Armed`).
+    if std::env::var("APEX_ARMED").is_ok_and(|v| v == "1") {
+        config.queue.submission = Submission::Armed(Armed::default());
+    }
     let mut q = ComputeQueue::new(&gpu, config)?;
     let k = Module::load(&gpu, CUBIN)?.kernel("empty")?;
     let cfg = LaunchConfig::linear(1, 1);
@@ -35,27 +41,31 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         .unwrap_or(200);
     let prepared = q.prepare_launch(&k, &cfg)?;
     let only = std::env::var("APEX_ONLY").ok();
-    for name in ["record_launch", "record_prepared"] {
+    for name in [
+        "record_launch",
+        "record_prepared",
+        "launch_prepared_unfenced",
+    ] {
         if only.as_deref().is_some_and(|o| o != name) {
             continue;
         }
         let mut samples = Vec::new();
         for _ in 0..rounds {
             let t = Instant::now();
-            let mut last = None;
+            let mut last = 0;
             for _ in 0..200 {
                 // SAFETY: the empty kernel touches no memory (and the simulator runs no kernels).
-                last = Some(unsafe {
-                    if name == "record_launch" {
-                        q.record_launch(&k, &cfg, &[])
-                    } else {
-                        q.record_prepared(&prepared, &[])
+                last = unsafe {
+                    match name {
+                        "record_launch" => q.record_launch(&k, &cfg, &[])?.value(),
+                        "record_prepared" => q.record_prepared(&prepared, &[])?.value(),
+                        _ => q.launch_prepared_unfenced(&prepared, &[])?,
                     }
-                }?);
+                };
             }
             samples.push(t.elapsed() / 200);
             q.flush();
-            last.ok_or("no launch")?.wait(Duration::from_secs(10))?;
+            q.fence_for(last).wait(Duration::from_secs(10))?;
         }
         samples.sort();
         println!(

@@ -49,7 +49,7 @@ pub mod sim;
 pub use api::{
     Backend, BackendRequest, Buffer, DeviceInfo, Error, FallbackReason, Fence, Global, Gpu,
     HostBuffer, Kernel, Module, PeerAccess, PeerLink, PreparedLaunch, Queue, QueueOptions, Result,
-    Selection, choose,
+    Selection, Ticket, choose,
 };
 pub use api::{Graph, GraphExec, GraphLaunch, GraphNode};
 pub use launch::{Arg, LaunchConfig, LaunchMemory, VariableHome};

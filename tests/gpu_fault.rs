@@ -97,6 +97,32 @@ fn trap_is_reported_and_recovered() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
+fn a_fault_on_a_polled_queue_is_reported_and_recovered() {
+    // The front end waits at a gate in host memory instead of for a doorbell: a faulting launch sent through a
+    // slot is reported as on any queue, and freeing the channel with armed slots left leaves the GPU usable.
+    let (gpu, m) = setup();
+    let config = ComputeQueueConfig::default()
+        .with_memory(apex::LaunchMemory::Host)
+        .with_polling(true);
+    let mut q = ComputeQueue::new(&gpu, config).unwrap();
+    let k = m.kernel("fault_store").unwrap();
+    let empty = m.kernel("empty").unwrap();
+    // SAFETY: the empty kernel touches no memory.
+    unsafe { q.launch(&empty, &LaunchConfig::linear(1, 1), &[]) }
+        .unwrap()
+        .wait(Duration::from_secs(5))
+        .unwrap();
+    // SAFETY: the kernel writes to an unmapped address on purpose; only our channel is affected.
+    let f = unsafe { q.launch(&k, &LaunchConfig::linear(1, 1), &[Arg::Ptr(0xdead_0000)]) }.unwrap();
+    let e = f.wait(Duration::from_secs(5)).unwrap_err();
+    eprintln!("unmapped store on a polled queue: {e}");
+    assert!(e.to_string().contains("error code 31"), "{e}");
+    drop(q);
+    check_recovery(&gpu, &m);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
 fn endless_kernel_times_out_and_the_channel_is_torn_down() {
     let (gpu, m) = setup();
     let mut q = ComputeQueue::new(&gpu, ComputeQueueConfig::default()).unwrap();

@@ -4,7 +4,10 @@
 
 use std::time::Duration;
 
-use apex::{Arg, Backend, BackendRequest, Buffer, Gpu, Graph, LaunchConfig, Queue};
+use apex::{
+    Arg, Backend, BackendRequest, Buffer, Gpu, Graph, LaunchConfig, LaunchMemory, Queue,
+    QueueOptions,
+};
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
 const T: Duration = Duration::from_secs(20);
@@ -231,8 +234,12 @@ fn fan_out(b: Backend, width: usize) {
 
 /// 1000 chain steps on one value, replayed five times; with ordinary launches before, between and after.
 fn chain_1000(b: Backend) {
+    chain_1000_with(b, QueueOptions::default());
+}
+
+fn chain_1000_with(b: Backend, options: QueueOptions) {
     let g = gpu(b);
-    let mut q = g.queue().unwrap();
+    let mut q = g.queue_with(options).unwrap();
     let step = g.load_module(CUBIN).unwrap().kernel("chain_step").unwrap();
     let v = g.alloc(8).unwrap();
     q.upload(&g, &v, 0, &3u64.to_le_bytes()).unwrap();
@@ -408,6 +415,18 @@ fn fan_out_32_driver() {
 #[ignore = "needs an NVIDIA GPU"]
 fn chain_1000_direct() {
     chain_1000(Backend::Direct);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn chain_1000_polled_direct() {
+    // Replays go through the ring (prebuilt methods), the launches around them through polled slots.
+    for memory in [LaunchMemory::Host, LaunchMemory::Video] {
+        chain_1000_with(
+            Backend::Direct,
+            QueueOptions::default().launch_memory(memory).polled(true),
+        );
+    }
 }
 
 #[test]

@@ -33,10 +33,14 @@ fn gpu(b: Backend) -> Gpu {
 }
 
 fn run(b: Backend, memory: LaunchMemory) {
+    run_with(b, QueueOptions::default().launch_memory(memory));
+}
+
+fn run_with(b: Backend, options: QueueOptions) {
+    let memory = options.launch_memory;
+    let polled = options.polled;
     let g = gpu(b);
-    let mut q = g
-        .queue_with(QueueOptions::default().launch_memory(memory))
-        .unwrap();
+    let mut q = g.queue_with(options).unwrap();
     let m = g.load_module(CUBIN).unwrap();
     let step = m.kernel("chain_step").unwrap();
     let saxpy = m.kernel("saxpy").unwrap();
@@ -91,6 +95,15 @@ fn run(b: Backend, memory: LaunchMemory) {
                     .unwrap();
                     q.launch_prepared(&p_step, &args).unwrap()
                 }
+                6 => {
+                    let t = q.launch_prepared_ticket(&p_step, &args).unwrap();
+                    q.fence(t).unwrap()
+                }
+                0 => {
+                    // A ticket alone; the launches after it order it.
+                    q.launch_prepared_ticket(&p_step, &args).unwrap();
+                    continue;
+                }
                 _ => q.launch_prepared(&p_step, &args).unwrap(),
             }
         });
@@ -101,7 +114,7 @@ fn run(b: Backend, memory: LaunchMemory) {
     assert_eq!(
         u64::from_le_bytes(out),
         value,
-        "{b:?} {memory:?}: chain_step's value"
+        "{b:?} {memory:?} polled {polled}: chain_step's value"
     );
     let mut out = vec![0u8; 4 * n];
     q.download(&g, &dy, 0, &mut out).unwrap();
@@ -109,7 +122,7 @@ fn run(b: Backend, memory: LaunchMemory) {
         assert_eq!(
             f32::from_le_bytes(w.try_into().unwrap()).to_bits(),
             y[i].to_bits(),
-            "{b:?} {memory:?}: y[{i}]"
+            "{b:?} {memory:?} polled {polled}: y[{i}]"
         );
     }
 }
@@ -124,6 +137,36 @@ fn prepared_launches_compute_in_order_direct_video_memory() {
 #[ignore = "needs an NVIDIA GPU"]
 fn prepared_launches_compute_in_order_direct_host_memory() {
     run(Backend::Direct, LaunchMemory::Host);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn prepared_launches_compute_in_order_polled_in_both_memories() {
+    for memory in [LaunchMemory::Host, LaunchMemory::Video] {
+        run_with(
+            Backend::Direct,
+            QueueOptions::default().launch_memory(memory).polled(true),
+        );
+    }
+    // The driver backend has nothing to poll and ignores the option.
+    run_with(Backend::Driver, QueueOptions::default().polled(true));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_ticket_is_refused_by_another_queue() {
+    let g = gpu(Backend::Direct);
+    let m = g.load_module(CUBIN).unwrap();
+    let step = m.kernel("chain_step").unwrap();
+    let v = g.alloc(8).unwrap();
+    let mut q = g.queue().unwrap();
+    let other = g.queue().unwrap();
+    let p = q.prepare(&step, &LaunchConfig::linear(1, 1)).unwrap();
+    // SAFETY: chain_step reads and writes the 8 bytes of v.
+    let t = unsafe { q.launch_prepared_ticket(&p, &[v.arg(), Arg::U64(1), Arg::U64(1)]) }.unwrap();
+    let e = other.fence(t).unwrap_err().to_string();
+    assert!(e.contains("ticket"), "{e}");
+    q.fence(t).unwrap().wait(T).unwrap();
 }
 
 #[test]

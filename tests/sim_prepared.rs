@@ -9,6 +9,7 @@ use std::time::Duration;
 use apex::launch::{
     Arg, ComputeQueue, ComputeQueueConfig, Error, LaunchConfig, LaunchMemory, Module,
 };
+use apex::pushbuf::{Armed, Submission};
 use apex::rm::GpuCore;
 use apex::sim::Simulator;
 
@@ -173,6 +174,25 @@ fn inline_qmds_mix_with_chains_on_the_same_slots() {
 }
 
 #[test]
+fn prepared_launches_carry_their_own_arguments_through_armed_slots() {
+    // Four slots of 64 words: fetched launches go through the slots, inline ones (over 100 words) through the
+    // ring after the slots left empty, so the two alternate and the slots are given up and armed again.
+    let armed = Armed {
+        slots: 4,
+        slot_words: 64,
+        yields: true,
+    };
+    for memory in [LaunchMemory::Video, LaunchMemory::Host] {
+        for inline_qmd in [false, true] {
+            let mut config = small(memory);
+            config.inline_qmd = inline_qmd;
+            config.queue.submission = Submission::Armed(armed);
+            every_launch_carries_its_own_arguments_with(config);
+        }
+    }
+}
+
+#[test]
 fn prepared_launches_carry_their_own_arguments_in_video_memory() {
     every_launch_carries_its_own_arguments(LaunchMemory::Video);
 }
@@ -321,5 +341,54 @@ fn programmatic_launches_allocate_nothing_once_the_gates_exist() {
     assert_eq!(allocs, 0, "heap allocations in 200 programmatic launches");
     last.unwrap().wait(T).unwrap();
     assert_eq!(sim.launches().len() - before, 500);
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+}
+
+#[test]
+fn an_unfenced_launch_allocates_nothing_and_its_value_makes_the_fence() {
+    let mut config = ComputeQueueConfig::default().with_memory(LaunchMemory::Host);
+    config.inline_qmd = false;
+    config.queue.submission = Submission::Armed(Armed::default());
+    let (gpu, sim, mut q, module) = setup(config);
+    let step = module.kernel("chain_step").unwrap();
+    let p = q
+        .prepare_launch(&step, &LaunchConfig::linear(1, 1))
+        .unwrap();
+    let out = sim::host_page(&gpu);
+    let before = sim.launches().len();
+    for i in 0..300u64 {
+        let args = [Arg::Ptr(out.va()), Arg::U64(i), Arg::U64(1)];
+        // SAFETY: the model does not execute kernels.
+        unsafe { q.launch_prepared_unfenced(&p, &args) }.unwrap();
+    }
+    q.synchronize().unwrap();
+    let first = q.queue().last_submitted() + 1;
+    let (values, allocs) = allocations(|| {
+        let mut values = [0u64; 200];
+        for (i, v) in values.iter_mut().enumerate() {
+            let args = [Arg::Ptr(out.va()), Arg::U64(i as u64), Arg::U64(1)];
+            // SAFETY: as above.
+            *v = unsafe { q.launch_prepared_unfenced(&p, &args) }.unwrap();
+        }
+        values
+    });
+    assert_eq!(
+        allocs, 0,
+        "heap allocations in 200 unfenced prepared launches"
+    );
+    // One value each, in order: the launches' places on the queue's timeline.
+    assert!(
+        values
+            .iter()
+            .enumerate()
+            .all(|(i, v)| *v == first + i as u64)
+    );
+    q.fence_for(values[199]).wait(T).unwrap();
+    let launches = &sim.launches()[before..];
+    assert_eq!(launches.len(), 500);
+    let timeline = q.queue().timeline().va();
+    for (l, v) in launches[300..].iter().zip(values) {
+        assert_eq!(l.releases, vec![(timeline, v)]);
+    }
     assert!(sim.errors().is_empty(), "{:?}", sim.errors());
 }

@@ -23,7 +23,7 @@ pub use graph::{Graph, GraphExec, GraphLaunch, GraphNode};
 pub use memory::{Buffer, HostBuffer};
 pub use module::{Global, Kernel, Module};
 pub use multi_gpu::PeerAccess;
-pub use queue::{PreparedLaunch, Queue};
+pub use queue::{PreparedLaunch, Queue, Ticket};
 pub use selection::{Backend, BackendRequest, FallbackReason, Selection, choose};
 
 #[cfg(test)]

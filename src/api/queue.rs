@@ -38,6 +38,8 @@ pub(super) enum QueueInner {
 /// ```
 pub struct Queue {
     pub(super) inner: QueueInner,
+    /// This queue's number, which its [`Ticket`]s carry.
+    pub(super) id: u64,
     /// Chained launches made on the driver backend since the chain last ended.
     pub(super) driver_chain: usize,
     pub(super) limits: Limits,
@@ -289,6 +291,70 @@ impl Queue {
         unsafe { self.submit_prepared(prepared, args, How::Programmatic) }
     }
 
+    /// As [`launch_prepared`](Self::launch_prepared), returning a [`Ticket`] instead of a [`Fence`]: the cheapest
+    /// launch call, for a caller that waits on the queue ([`synchronize`](Self::synchronize)) or on a later
+    /// launch's fence. [`fence`](Self::fence) turns the ticket into a fence. Allocates nothing on either backend.
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch).
+    #[inline]
+    pub unsafe fn launch_prepared_ticket(
+        &mut self,
+        prepared: &PreparedLaunch,
+        args: &[Arg<'_>],
+    ) -> Result<Ticket> {
+        match (&mut self.inner, &prepared.0) {
+            (QueueInner::Direct(q), PreparedInner::Direct(p)) => {
+                self.driver_chain = 0;
+                // SAFETY: forwarded to the caller.
+                let value = unsafe { q.launch_prepared_unfenced(p, args)? };
+                Ok(Ticket {
+                    queue: self.id,
+                    value,
+                })
+            }
+            (QueueInner::Driver { stream, ptrs }, PreparedInner::Driver { kernel, cfg }) => {
+                self.driver_chain = 0;
+                let KernelInner::Driver { func, info } = kernel.inner() else {
+                    return Err(Error::Mismatch);
+                };
+                // SAFETY: forwarded to the caller.
+                unsafe {
+                    driver_launch_how(
+                        stream,
+                        ptrs,
+                        &self.limits,
+                        How::Launch,
+                        func,
+                        info,
+                        cfg,
+                        args,
+                    )?
+                };
+                Ok(Ticket {
+                    queue: self.id,
+                    value: 0,
+                })
+            }
+            _ => Err(Error::Mismatch),
+        }
+    }
+
+    /// A fence that completes once the launch `ticket` stands for has (on the driver backend, once the queue's
+    /// stream has done everything submitted so far). An error for a ticket of another queue.
+    pub fn fence(&self, ticket: Ticket) -> Result<Fence> {
+        if ticket.queue != self.id {
+            return Err(Error::InvalidArgument(format!(
+                "a ticket of queue {} given to queue {}: ask the queue that launched it for its fence",
+                ticket.queue, self.id
+            )));
+        }
+        Ok(match &self.inner {
+            QueueInner::Direct(q) => Fence::from_direct(q.fence_for(ticket.value), q),
+            QueueInner::Driver { stream, .. } => Fence::from_driver(stream),
+        })
+    }
+
     /// A prepared launch, plain (`How::Launch`) or programmatic (`How::Programmatic`).
     ///
     /// # Safety
@@ -424,24 +490,10 @@ impl Queue {
                 Ok(Some(Fence::from_direct(f, q)))
             }
             (QueueInner::Driver { stream, ptrs }, KernelInner::Driver { func, info }) => {
-                let kind = match (how, cfg.cluster) {
-                    (How::Cooperative, Some(_)) => {
-                        return Err(Error::InvalidArgument(
-                            "a run-time cluster shape on a cooperative launch (the driver backend launches \
-                             cooperative kernels with cuLaunchCooperativeKernel, which takes none)"
-                                .into(),
-                        ));
-                    }
-                    (How::Cooperative, None) => driver::LaunchKind::Cooperative,
-                    (How::Programmatic | How::ChainedProgrammatic, cluster) => {
-                        driver::LaunchKind::Programmatic(cluster)
-                    }
-                    // A run-time cluster shape goes through cuLaunchKernelEx; a compile-time one needs nothing.
-                    (_, Some(cluster)) => driver::LaunchKind::Cluster(cluster),
-                    (_, None) => driver::LaunchKind::Plain,
-                };
                 // SAFETY: forwarded to the caller.
-                unsafe { driver_launch(stream, ptrs, &self.limits, kind, func, info, cfg, args)? };
+                unsafe {
+                    driver_launch_how(stream, ptrs, &self.limits, how, func, info, cfg, args)?
+                };
                 if chained {
                     self.driver_chain += 1;
                     return Ok(None);
@@ -764,6 +816,48 @@ impl Queue {
     }
 }
 
+/// Where a launch stands in its queue's order, without holding on to the queue: `Copy`, and free to make and to
+/// drop. [`Queue::fence`] turns it into a [`Fence`] when one is wanted.
+///
+/// A [`Fence`] holds a reference count. Taking it and dropping it are locked instructions, and a locked instruction
+/// makes the CPU wait until every store before it has left the core: the launch's own stores and its doorbell
+/// (0.1 to 0.3 µs per launch on an H100 machine, BENCHMARKS.md). [`Queue::launch_prepared_ticket`] returns a ticket
+/// instead, for callers that wait on the queue or on a later launch.
+///
+/// ```no_run
+/// use apex::{Arg, Gpu, LaunchConfig};
+/// # fn main() -> apex::Result<()> {
+/// let gpu = Gpu::open(0)?;
+/// let module = gpu.load_module_file("kernels/apex_test_kernels.sm_90.cubin")?;
+/// let count = module.kernel("count_threads")?;
+/// let counter = gpu.alloc(4)?;
+/// let mut q = gpu.queue()?;
+/// let step = q.prepare(&count, &LaunchConfig::linear(1, 32))?;
+/// let mut last = None;
+/// for _ in 0..1000 {
+///     // SAFETY: count_threads adds one per thread to the u32 its argument points at, used by this queue alone.
+///     last = Some(unsafe { q.launch_prepared_ticket(&step, &[Arg::Ptr(counter.device_ptr())])? });
+/// }
+/// if let Some(t) = last {
+///     q.fence(t)?.wait()?;
+/// }
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Ticket {
+    queue: u64,
+    /// The launch's value on the queue's timeline (direct path); 0 on the driver backend, whose fences wait for
+    /// the stream.
+    value: u64,
+}
+
+/// Numbers queues for their [`Ticket`]s.
+pub(super) fn next_queue_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 /// What [`Queue::submit`] makes of a kernel: a launch, a cooperative launch, or the next link of a chain.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum How {
@@ -772,6 +866,41 @@ enum How {
     Chained,
     ChainedProgrammatic,
     Programmatic,
+}
+
+/// Launches `func` on the driver backend's stream with the driver call `how` asks for.
+///
+/// # Safety
+/// As for [`Queue::launch`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn driver_launch_how(
+    stream: &mut driver::Stream,
+    ptrs: &mut driver::ParamPtrs,
+    limits: &Limits,
+    how: How,
+    func: &driver::Function,
+    info: &Option<Arc<KernelInfo>>,
+    cfg: &LaunchConfig,
+    args: &[Arg<'_>],
+) -> Result<()> {
+    let kind = match (how, cfg.cluster) {
+        (How::Cooperative, Some(_)) => {
+            return Err(Error::InvalidArgument(
+                "a run-time cluster shape on a cooperative launch (the driver backend launches \
+                     cooperative kernels with cuLaunchCooperativeKernel, which takes none)"
+                    .into(),
+            ));
+        }
+        (How::Cooperative, None) => driver::LaunchKind::Cooperative,
+        (How::Programmatic | How::ChainedProgrammatic, cluster) => {
+            driver::LaunchKind::Programmatic(cluster)
+        }
+        // A run-time cluster shape goes through cuLaunchKernelEx; a compile-time one needs nothing.
+        (_, Some(cluster)) => driver::LaunchKind::Cluster(cluster),
+        (_, None) => driver::LaunchKind::Plain,
+    };
+    // SAFETY: forwarded to the caller.
+    unsafe { driver_launch(stream, ptrs, limits, kind, func, info, cfg, args) }
 }
 
 /// The fence of a launch that is not a chained link (only a chained link returns none, so the error is never

@@ -364,6 +364,8 @@ pub struct Channel {
     doorbell: NonNull<u32>,
     token: u32,
     state: RingState,
+    /// GP_PUT as the last doorbell published it.
+    published: u32,
     /// Doorbells rung so far: lets layers above tell whether recorded work may already be visible to the GPU.
     kicks: u64,
     /// Whether anything the GPU fetches for this channel's work is written through a write-combined mapping, whose
@@ -587,6 +589,7 @@ impl Channel {
             doorbell,
             token: tok.workSubmitToken,
             state,
+            published: 0,
             kicks: 0,
             write_combined: is_write_combined(config.ring_placement),
             classes,
@@ -644,7 +647,7 @@ impl Channel {
 
     /// GP_PUT as this channel last published it (what the GPU fetches up to once the doorbell is rung).
     pub fn published_put(&self) -> u32 {
-        self.state.put()
+        self.published
     }
 
     /// Re-reads GP_GET and returns the free entries.
@@ -701,7 +704,12 @@ impl Channel {
     /// Writes an entry for `[va, va + 4*dwords)` without ringing the doorbell. Waits up to `timeout` for a free
     /// slot when the ring is full; never overwrites an entry the GPU has not fetched.
     pub fn push(&mut self, va: u64, dwords: u64, timeout: Duration) -> Result<()> {
-        let entry = GpEntry::segment(va, dwords)?;
+        self.push_entry(GpEntry::segment(va, dwords)?, timeout)
+    }
+
+    /// As [`push`](Self::push), for an entry built by the caller (for example one the front end fetches only
+    /// after the methods before it have run, [`GpEntry::fetched_after_previous`]).
+    pub fn push_entry(&mut self, entry: GpEntry, timeout: Duration) -> Result<()> {
         if self.state.free() == 0 && self.refresh() == 0 {
             if let Some(f) = self.fault() {
                 return Err(Error::Fault(f));
@@ -739,6 +747,7 @@ impl Channel {
     pub fn kick(&mut self) {
         self.kicks = self.kicks.wrapping_add(1);
         let put = self.state.put();
+        self.published = put;
         // SAFETY: GPPut lies inside USERD, mapped for the channel's lifetime.
         unsafe {
             self.userd_word(std::mem::offset_of!(sys::HopperAControlGPFifo, GPPut))
@@ -755,6 +764,18 @@ impl Channel {
         unsafe { self.doorbell.as_ptr().write_volatile(self.token) };
     }
 
+    /// Orders every store made so far before the next one, for a store the GPU acts on without a doorbell (a
+    /// gate word the front end polls): a store fence where something it fetches is written write-combined, else
+    /// only the compiler's order (x86 keeps cached stores in order).
+    #[inline]
+    pub fn order_stores(&self) {
+        if self.write_combined {
+            store_fence();
+        } else {
+            cached_store_order();
+        }
+    }
+
     /// Says that work of this channel is also written through a write-combined mapping (a pushbuffer or launch
     /// slots in video memory or write-combined system memory), so every doorbell needs a store fence before it.
     pub fn note_write_combined(&mut self, placement: Placement) {
@@ -764,6 +785,12 @@ impl Channel {
     /// Whether each doorbell is preceded by a store fence (something the GPU fetches is written write-combined).
     pub fn needs_store_fence(&self) -> bool {
         self.write_combined || cfg!(not(target_arch = "x86_64"))
+    }
+
+    /// Whether entries were pushed since the last doorbell (the GPU does not know of them yet).
+    #[inline]
+    pub fn has_unpublished(&self) -> bool {
+        self.published != self.state.put()
     }
 
     /// Doorbells rung so far (by [`kick`](Self::kick), also when [`push`](Self::push) waits on a full ring).

@@ -49,6 +49,18 @@ impl GpEntry {
         Ok(GpEntry(u64::from(e0) | (u64::from(e1) << 32)))
     }
 
+    /// The same entry, fetched only once every method before it has run (`SYNC_WAIT`): the front end does not
+    /// prefetch the segment, so the CPU may still write it after the entry is published, until a semaphore
+    /// acquire in an earlier segment lets the channel pass.
+    pub fn fetched_after_previous(self) -> GpEntry {
+        GpEntry(self.0 | (u64::from(host::GP_ENTRY1_SYNC.pack(host::GP_ENTRY1_SYNC_WAIT)) << 32))
+    }
+
+    /// Whether the front end fetches the segment only after every method before it has run.
+    pub fn is_fetched_after_previous(self) -> bool {
+        host::GP_ENTRY1_SYNC.unpack((self.0 >> 32) as u32) == host::GP_ENTRY1_SYNC_WAIT
+    }
+
     /// The GPU address of the pushbuffer segment this entry points at.
     pub fn va(self) -> u64 {
         let e0 = self.0 as u32;
@@ -73,6 +85,16 @@ mod tests {
         let e = GpEntry::segment(0x2_0083_47dc, 390).unwrap();
         assert_eq!(e.0, 0x0006_1a02_0083_47dc);
         assert_eq!((e.va(), e.dwords()), (0x2_0083_47dc, 390));
+    }
+
+    #[test]
+    fn sync_wait_sets_bit_63_only() {
+        let e = GpEntry::segment(0x2_0083_47dc, 390).unwrap();
+        assert!(!e.is_fetched_after_previous());
+        let w = e.fetched_after_previous();
+        assert_eq!(w.0, e.0 | (1 << 63));
+        assert!(w.is_fetched_after_previous());
+        assert_eq!((w.va(), w.dwords()), (e.va(), e.dwords()));
     }
 
     #[test]

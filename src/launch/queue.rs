@@ -12,7 +12,7 @@ use tracing::debug;
 
 pub use graph_exec::{GraphExec, GraphSchedule, GraphStats};
 
-use crate::pushbuf::{Acquire, Fence, Queue, QueueConfig, Signal};
+use crate::pushbuf::{Acquire, Armed, Fence, Queue, QueueConfig, Signal, Submission};
 use crate::rm::{GpuCore, Memory, MemoryDesc, Placement};
 
 use super::cbank::{
@@ -192,6 +192,17 @@ impl ComputeQueueConfig {
         if memory == LaunchMemory::Host {
             self.queue.push_bytes = HOST_PUSH_BYTES;
         }
+        self
+    }
+
+    /// The same with the queue's submissions polled for by the front end (`polled`: armed GPFIFO slots,
+    /// [`Submission::Armed`](crate::pushbuf::Submission::Armed)) or sent by doorbell.
+    pub fn with_polling(mut self, polled: bool) -> ComputeQueueConfig {
+        self.queue.submission = if polled {
+            Submission::Armed(Armed::default())
+        } else {
+            Submission::Doorbell
+        };
         self
     }
 }
@@ -805,7 +816,8 @@ impl ComputeQueue {
         cfg: &LaunchConfig,
         args: &[Arg<'_>],
     ) -> Result<Fence> {
-        self.record(kernel, cfg, args, Order::Stream)
+        let value = self.record(kernel, cfg, args, Order::Stream)?;
+        Ok(self.queue.fence_for(value))
     }
 
     /// Launches `kernel` as a programmatic dependent of the launch right before it on this queue, as CUDA's
@@ -854,7 +866,8 @@ impl ComputeQueue {
         cfg: &LaunchConfig,
         args: &[Arg<'_>],
     ) -> Result<Fence> {
-        self.record(kernel, cfg, args, Order::Programmatic)
+        let value = self.record(kernel, cfg, args, Order::Programmatic)?;
+        Ok(self.queue.fence_for(value))
     }
 
     /// Whether this queue has launched programmatically ([`launch_programmatic`](Self::launch_programmatic)) and
@@ -942,7 +955,33 @@ impl ComputeQueue {
         prepared: &PreparedLaunch,
         args: &[Arg<'_>],
     ) -> Result<Fence> {
-        self.record_prepared_as(prepared, args, Order::Stream)
+        let value = self.record_prepared_as(prepared, args, Order::Stream)?;
+        Ok(self.queue.fence_for(value))
+    }
+
+    /// As [`launch_prepared`](Self::launch_prepared), returning the launch's value on the queue's timeline instead
+    /// of a fence ([`fence_for`](Self::fence_for) makes one when it is wanted): a fence holds a reference count,
+    /// and taking and dropping it are locked instructions, which wait until every store before them has left the
+    /// CPU: the launch's own stores and its doorbell. The cheapest launch call for a caller that waits on the
+    /// queue, or on a later launch's fence.
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch).
+    #[inline]
+    pub unsafe fn launch_prepared_unfenced(
+        &mut self,
+        prepared: &PreparedLaunch,
+        args: &[Arg<'_>],
+    ) -> Result<u64> {
+        let value = self.record_prepared_as(prepared, args, Order::Stream)?;
+        self.queue.kick();
+        Ok(value)
+    }
+
+    /// A fence that completes once the queue's timeline reaches `value` (a value
+    /// [`launch_prepared_unfenced`](Self::launch_prepared_unfenced) returned).
+    pub fn fence_for(&self, value: u64) -> Fence {
+        self.queue.fence_for(value)
     }
 
     /// Launches a [`PreparedLaunch`] of this queue as a programmatic dependent of the launch right before it
@@ -956,9 +995,9 @@ impl ComputeQueue {
         prepared: &PreparedLaunch,
         args: &[Arg<'_>],
     ) -> Result<Fence> {
-        let fence = self.record_prepared_as(prepared, args, Order::Programmatic)?;
+        let value = self.record_prepared_as(prepared, args, Order::Programmatic)?;
         self.queue.kick();
-        Ok(fence)
+        Ok(self.queue.fence_for(value))
     }
 
     fn record_prepared_as(
@@ -966,7 +1005,7 @@ impl ComputeQueue {
         prepared: &PreparedLaunch,
         args: &[Arg<'_>],
         order: Order,
-    ) -> Result<Fence> {
+    ) -> Result<u64> {
         let p = prepared;
         let kernel = &p.kernel;
         if p.queue != self.id {
@@ -1207,7 +1246,7 @@ impl ComputeQueue {
         cfg: &LaunchConfig,
         args: &[Arg<'_>],
         order: Order,
-    ) -> Result<Fence> {
+    ) -> Result<u64> {
         self.end_open_chain()?;
         let ordered = order != Order::Unordered;
         let (slot, mut q) = self.prepare(kernel, cfg, args, Release::next_if(ordered))?;
@@ -1219,11 +1258,11 @@ impl ComputeQueue {
             self.queue.record(0, Signal::Host, |_, _| {})?;
             self.unordered_pending = false;
         }
-        let fence = self.send_ordered(slot, kernel, ordered, gated)?;
+        let value = self.send_ordered(slot, kernel, ordered, gated)?;
         if !ordered {
             self.unordered_pending = true;
         }
-        Ok(fence)
+        Ok(value)
     }
 
     /// Gives the QMD `q` of a programmatic launch in `slot` its gate fields: it arms its slot's gate (built here by
@@ -1289,7 +1328,7 @@ impl ComputeQueue {
         kernel: &Kernel,
         ordered: bool,
         gated: Option<(u32, Option<usize>)>,
-    ) -> Result<Fence> {
+    ) -> Result<u64> {
         let Some((latch, after)) = gated else {
             return self.send_launch(slot, kernel, ordered, None);
         };
@@ -1297,11 +1336,11 @@ impl ComputeQueue {
             own: g.va(slot),
             after: after.map(|s| g.va(s)),
         });
-        let fence = self.send_launch(slot, kernel, true, gate)?;
+        let value = self.send_launch(slot, kernel, true, gate)?;
         if let Some(g) = &mut self.gates {
-            g.last = Some((slot, fence.value(), latch));
+            g.last = Some((slot, value, latch));
         }
-        Ok(fence)
+        Ok(value)
     }
 
     /// Sends the launch staged in `slot` (the next value on the timeline), after the previous one when `ordered`,
@@ -1313,19 +1352,19 @@ impl ComputeQueue {
         kernel: &Kernel,
         ordered: bool,
         gate: Option<GateSend>,
-    ) -> Result<Fence> {
+    ) -> Result<u64> {
         let prev = self.queue.last_submitted();
         // Only what an earlier read showed: reading the semaphore would cost a cache miss on every launch, and an
         // acquire of a value already released costs the GPU little.
         let prev_done = !ordered || self.settled(prev);
         let invalidate = self.seen_generation < kernel.module().generation();
-        let fence = self.send_slot(slot, invalidate, prev_done, prev, gate)?;
-        debug_assert_eq!(fence.value(), prev + 1);
+        let value = self.send_slot(slot, invalidate, prev_done, prev, gate)?;
+        debug_assert_eq!(value, prev + 1);
         if invalidate {
             self.seen_generation = newest_generation();
         }
-        self.slot_values[slot] = fence.value();
-        Ok(fence)
+        self.slot_values[slot] = value;
+        Ok(value)
     }
 
     /// Checks a launch, packs its parameters, takes the next free slot and writes the slot's constant bank 0; returns
@@ -1624,13 +1663,13 @@ impl ComputeQueue {
         qmd::patch_launch(self.version, &mut c.last_qmd, cb_va, Some(value))?;
         qmd::set_chain_link(self.version, &mut c.last_qmd, None)?;
         self.write_qmd(c.last_slot, &c.last_qmd)?;
-        let fence = self.send(
+        let sent = self.send(
             self.slot_qmd_va(c.first_slot),
             c.invalidate,
             prev_done,
             prev,
         )?;
-        debug_assert_eq!(fence.value(), value);
+        debug_assert_eq!(sent, value);
         if c.invalidate {
             self.seen_generation = newest_generation();
         }
@@ -1638,7 +1677,7 @@ impl ComputeQueue {
         for i in 0..c.len {
             self.slot_values[(c.first_slot + i) % n] = value;
         }
-        Ok(Some(fence))
+        Ok(Some(self.queue.fence_for(sent)))
     }
 
     /// Writes a slot's QMD for the GPU to fetch, or with inline QMDs only notes it (the launch carries it).
@@ -1660,14 +1699,14 @@ impl ComputeQueue {
         prev_done: bool,
         prev: u64,
         gate: Option<GateSend>,
-    ) -> Result<Fence> {
+    ) -> Result<u64> {
         let inline = self.inline_qmd.then_some(slot);
         let qmd_va = self.slot_qmd_va(slot);
         self.send_qmd(qmd_va, inline, invalidate, prev_done, prev, gate)
     }
 
     /// Records the methods that launch the QMD at `qmd_va`, fetched by the GPU (chain heads).
-    fn send(&mut self, qmd_va: u64, invalidate: bool, prev_done: bool, prev: u64) -> Result<Fence> {
+    fn send(&mut self, qmd_va: u64, invalidate: bool, prev_done: bool, prev: u64) -> Result<u64> {
         self.send_qmd(qmd_va, None, invalidate, prev_done, prev, None)
     }
 
@@ -1682,34 +1721,36 @@ impl ComputeQueue {
         prev_done: bool,
         prev: u64,
         gate: Option<GateSend>,
-    ) -> Result<Fence> {
+    ) -> Result<u64> {
         let timeline_va = self.queue.timeline().va();
         let order = self.ordering;
         let words = inline.map(|slot| &self.qmd_shadow[slot]);
         let max_words = 24 + words.map_or(0, |_| 3 + QMD_WORDS);
         let after = gate.and_then(|g| g.after);
-        Ok(self.queue.record(max_words, Signal::Recorded, |p, _| {
-            if invalidate {
-                p.invalidate_shader_caches_no_wfi();
-            }
-            if let Some(g) = gate {
-                // Armed (afresh, from memory) before this launch can pre-exit and count it down.
-                p.send_pcas(g.own);
-            }
-            if !prev_done && after.is_none() {
-                // Stream order: this grid starts only after the previous one has completed.
-                order.wait(p, timeline_va, prev);
-            }
-            match words {
-                Some(w) => p.send_inline_qmd(qmd_va, w),
-                None => p.send_pcas(qmd_va),
-            }
-            if let Some(previous) = after {
-                // This QMD requires a scheduling PCAS: the copy just sent waits for the previous slot's gate, which
-                // runs once the previous launch has pre-exited and this decrement has arrived.
-                p.send_pcas_decrement(previous);
-            }
-        })?)
+        Ok(self
+            .queue
+            .record_value(max_words, Signal::Recorded, |p, _| {
+                if invalidate {
+                    p.invalidate_shader_caches_no_wfi();
+                }
+                if let Some(g) = gate {
+                    // Armed (afresh, from memory) before this launch can pre-exit and count it down.
+                    p.send_pcas(g.own);
+                }
+                if !prev_done && after.is_none() {
+                    // Stream order: this grid starts only after the previous one has completed.
+                    order.wait(p, timeline_va, prev);
+                }
+                match words {
+                    Some(w) => p.send_inline_qmd(qmd_va, w),
+                    None => p.send_pcas(qmd_va),
+                }
+                if let Some(previous) = after {
+                    // This QMD requires a scheduling PCAS: the copy just sent waits for the previous slot's gate, which
+                    // runs once the previous launch has pre-exited and this decrement has arrived.
+                    p.send_pcas_decrement(previous);
+                }
+            })?)
     }
 
     /// Rings the doorbell for everything recorded.

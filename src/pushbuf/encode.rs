@@ -50,6 +50,10 @@ pub const fn immediate(subc: Subchannel, method: u32, value: u32) -> u32 {
         | c56f::DMA_METHOD_ADDRESS.pack(method >> 2)
 }
 
+/// The header that ends a pushbuffer segment early: the front end ignores the words after it, up to the length
+/// its GPFIFO entry gave.
+pub const END_SEGMENT: u32 = c56f::DMA_SEC_OP.pack(c56f::DMA_SEC_OP_END_PB_SEGMENT);
+
 /// Largest method count one header carries.
 pub const MAX_COUNT: u32 = c56f::DMA_METHOD_COUNT.mask() as u32;
 /// Largest value an immediate-data header carries (13 bits).

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use crate::gpfifo::{Channel, ChannelConfig, FaultWatch, PushSpace, Timeline, wait_until};
 use crate::rm::{GpuCore, Placement};
 
+use super::armed::{Armed, ArmedSlots};
 use super::encode::{Overflow, Push, Release, Subchannel};
 
 /// Errors of the pushbuffer layer.
@@ -41,6 +42,20 @@ pub struct QueueConfig {
     pub push_placement: Placement,
     /// How long waits inside the queue (ring or pushbuffer full) may take before failing.
     pub timeout: Duration,
+    /// How submissions reach the front end.
+    pub submission: Submission,
+}
+
+/// How a queue's submissions reach the channel's front end.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Submission {
+    /// Each submission is a GPFIFO entry, published with GP_PUT and the doorbell (as libcuda does).
+    #[default]
+    Doorbell,
+    /// Entries are published ahead of the work they carry, and the front end waits at a gate word in host
+    /// memory: a submission that fits a slot is cached stores and no doorbell (see [`Armed`]). Larger ones, and
+    /// prebuilt methods, go through the ring with a doorbell, after the front end passes the slots left empty.
+    Armed(Armed),
 }
 
 impl Default for QueueConfig {
@@ -50,6 +65,7 @@ impl Default for QueueConfig {
             push_bytes: 4 << 20,
             push_placement: Placement::SystemWriteCombined,
             timeout: Duration::from_secs(10),
+            submission: Submission::Doorbell,
         }
     }
 }
@@ -116,6 +132,8 @@ pub struct Queue {
     fences: Arc<FenceShared>,
     last: u64,
     timeout: Duration,
+    /// The armed slots, on a queue built with [`Submission::Armed`].
+    armed: Option<ArmedSlots>,
 }
 
 impl Queue {
@@ -129,6 +147,10 @@ impl Queue {
         channel.note_write_combined(config.push_placement);
         let max_pending = 4096;
         let space = PushSpace::new(core, config.push_bytes, config.push_placement, max_pending)?;
+        let armed = match config.submission {
+            Submission::Doorbell => None,
+            Submission::Armed(a) => Some(ArmedSlots::new(core, a)?),
+        };
         let timeline = channel.timeline(0);
         let watch = channel.fault_watch();
         let mut q = Queue {
@@ -141,6 +163,7 @@ impl Queue {
             timeline,
             last: 0,
             timeout: config.timeout,
+            armed,
         };
         let classes = q.channel.classes();
         let fence = q.submit(16, Signal::Host, |p, _| {
@@ -181,6 +204,11 @@ impl Queue {
         self.timeout
     }
 
+    /// Whether the queue's submissions go out through armed slots ([`Submission::Armed`]).
+    pub fn is_armed(&self) -> bool {
+        self.armed.is_some()
+    }
+
     /// The value the last submission releases.
     pub fn last_submitted(&self) -> u64 {
         self.last
@@ -203,7 +231,7 @@ impl Queue {
         f: impl FnOnce(&mut Push<'_>, u64),
     ) -> Result<Fence> {
         let fence = self.record(max_words, signal, f)?;
-        self.channel.kick();
+        self.kick();
         Ok(fence)
     }
 
@@ -215,8 +243,39 @@ impl Queue {
         signal: Signal,
         f: impl FnOnce(&mut Push<'_>, u64),
     ) -> Result<Fence> {
+        let value = self.record_value(max_words, signal, f)?;
+        Ok(self.fence_for(value))
+    }
+
+    /// As [`record`](Self::record), returning the timeline value the submission releases instead of a fence:
+    /// making a fence takes an atomic reference count, whose locked instruction waits for every store before it
+    /// to leave the CPU (the doorbell's and the pushbuffer's among them). [`fence_for`](Self::fence_for) makes one
+    /// later.
+    pub fn record_value(
+        &mut self,
+        max_words: usize,
+        signal: Signal,
+        f: impl FnOnce(&mut Push<'_>, u64),
+    ) -> Result<u64> {
         let value = self.last + 1;
         let extra = if signal == Signal::Host { 6 } else { 0 };
+        if let Some(armed) = self.armed.as_mut() {
+            let words = max_words + extra;
+            if armed.fits(words) {
+                let mut push = Push::new(armed.body());
+                f(&mut push, value);
+                if signal == Signal::Host {
+                    push.sem_release(self.timeline.va(), value, Release::AFTER_IDLE_64);
+                }
+                let used = push.finish()?;
+                armed.commit(used, value);
+                self.last = value;
+                return Ok(value);
+            }
+            // Through the ring: the entry goes after the armed slots, which run empty once the gate opens.
+            armed.give_up_empty(value, words <= armed.capacity());
+            armed.open(&self.channel);
+        }
         if !self
             .space
             .fits_now(max_words + extra, self.timeline.known())
@@ -225,7 +284,7 @@ impl Queue {
                 .fits_now(max_words + extra, self.timeline.completed())
         {
             // Recorded work may be what frees the space: send it before waiting.
-            self.channel.kick();
+            self.kick();
         }
         let (va, words) = self
             .space
@@ -239,7 +298,7 @@ impl Queue {
         self.channel.push(va, used as u64, self.timeout)?;
         self.space.commit(va, used, value);
         self.last = value;
-        Ok(self.fence_for(value))
+        Ok(value)
     }
 
     /// Queues `dwords` methods prebuilt at `va` (outside the queue's pushbuffer ring, written once and run many
@@ -248,12 +307,30 @@ impl Queue {
     /// (no open method, subchannels bound as before). At most [`MAX_PREBUILT_DWORDS`](Self::MAX_PREBUILT_DWORDS)
     /// words, 4-byte aligned, below 2^40.
     pub fn push_prebuilt(&mut self, va: u64, dwords: u64) -> Result<()> {
+        if let Some(armed) = self.armed.as_mut() {
+            armed.give_up_empty(self.last + 1, false);
+            armed.open(&self.channel);
+        }
         Ok(self.channel.push(va, dwords, self.timeout)?)
     }
 
-    /// Rings the doorbell for everything recorded.
+    /// Sends everything recorded: rings the doorbell, or on an armed queue opens the gate (and rings the
+    /// doorbell only for entries pushed to the ring, or to arm more slots).
+    #[inline]
     pub fn kick(&mut self) {
-        self.channel.kick();
+        let Some(armed) = self.armed.as_mut() else {
+            self.channel.kick();
+            return;
+        };
+        armed.open(&self.channel);
+        if armed.wants_arming()
+            && let Err(e) = armed.arm(&mut self.channel, &self.timeline, self.timeout)
+        {
+            tracing::warn!(error = %e, "arming GPFIFO slots failed; submissions go through the ring");
+        }
+        if self.channel.has_unpublished() {
+            self.channel.kick();
+        }
     }
 
     /// Waits until every submission so far is complete.
@@ -305,7 +382,7 @@ impl Queue {
                         gp_put = put,
                         "long wait: ringing the doorbell again"
                     );
-                    self.channel.kick();
+                    self.kick();
                     rings += 1;
                     slice = (slice * 4).min(Duration::from_millis(250));
                 }
@@ -318,5 +395,15 @@ impl Queue {
     /// ([`wait_kicking`](Self::wait_kicking)).
     pub fn wait_idle_kicking(&mut self, timeout: Duration) -> Result<()> {
         self.wait_kicking(self.last, timeout)
+    }
+}
+
+impl Drop for Queue {
+    fn drop(&mut self) {
+        // Let the front end pass the armed slots, so the channel drains before it is freed.
+        if let Some(armed) = self.armed.as_mut() {
+            armed.give_up_empty(self.last + 1, false);
+            armed.open(&self.channel);
+        }
     }
 }

@@ -124,7 +124,14 @@ pub(super) struct ChannelModel {
     /// With doorbells modelled, the GP_PUT read at the last doorbell seen: fetching stops there.
     doorbell_put: Option<u32>,
     fetch_on_doorbell: bool,
+    /// Segments fetched ahead while the channel waits on an acquire, as the words read then: the front end
+    /// prefetches past a blocked method, except at an entry marked to be fetched only after the methods before it
+    /// (`SYNC_WAIT`). A CPU that rewrites a prefetched segment afterwards is not seen.
+    prefetched: std::collections::VecDeque<Vec<u32>>,
 }
+
+/// Segments the front end fetches ahead of a blocked method.
+const PREFETCH_ENTRIES: usize = 8;
 
 impl GpuMemory for SimView<'_> {
     fn contains(&self, va: u64, len: u64) -> bool {
@@ -171,6 +178,7 @@ impl ChannelModel {
             lost_doorbells: 0,
             doorbell_put: None,
             fetch_on_doorbell: false,
+            prefetched: std::collections::VecDeque::new(),
         }
     }
 
@@ -225,6 +233,7 @@ impl ChannelModel {
                     }
                     Flow::Blocked => {
                         self.stats.acquire_retries += 1;
+                        self.prefetch(view)?;
                         return Ok(progress);
                     }
                 }
@@ -234,6 +243,12 @@ impl ChannelModel {
             }
             if fetched == ENTRIES_PER_STEP {
                 return Ok(progress);
+            }
+            if let Some(words) = self.prefetched.pop_front() {
+                fetched += 1;
+                progress = true;
+                self.load_words(&words);
+                continue;
             }
             let put = if self.fetch_on_doorbell {
                 self.doorbell_put.unwrap_or(self.get)
@@ -263,6 +278,41 @@ impl ChannelModel {
         }
     }
 
+    /// While the channel is blocked: fetches the segments of the entries after the current one, up to one marked
+    /// to be fetched only after the methods before it.
+    fn prefetch(&mut self, view: &SimView<'_>) -> Result<(), SimErrorKind> {
+        while self.prefetched.len() < PREFETCH_ENTRIES {
+            let put = if self.fetch_on_doorbell {
+                self.doorbell_put.unwrap_or(self.get)
+            } else {
+                view.read_u32(self.ch.userd_va + GP_PUT)
+                    .map_err(mmu("USERD"))?
+            };
+            if put >= self.ch.entries || put == self.get {
+                return Ok(());
+            }
+            let slot = self.ch.ring_va + u64::from(self.get) * 8;
+            let entry = GpEntry(view.read_u64(slot).map_err(mmu("GPFIFO ring"))?);
+            if entry.is_fetched_after_previous() {
+                return Ok(());
+            }
+            self.get = (self.get + 1) % self.ch.entries;
+            view.write_u32(self.ch.userd_va + GP_GET, self.get)
+                .map_err(mmu("USERD"))?;
+            self.stats.entries += 1;
+            self.stats.gp_get = self.get;
+            self.stats.prefetched += 1;
+            let words = if entry.dwords() == 0 {
+                Vec::new()
+            } else {
+                view.read_words(entry.va(), entry.dwords() as usize)
+                    .map_err(mmu("pushbuffer segment"))?
+            };
+            self.prefetched.push_back(words);
+        }
+        Ok(())
+    }
+
     /// Fetches and decodes the segment an entry points to.
     fn load(&mut self, entry: GpEntry, view: &SimView<'_>) -> Result<(), SimErrorKind> {
         let dwords = entry.dwords();
@@ -273,6 +323,17 @@ impl ChannelModel {
         let words = view
             .read_words(entry.va(), dwords as usize)
             .map_err(mmu("pushbuffer segment"))?;
+        self.load_words(&words);
+        Ok(())
+    }
+
+    /// Decodes a fetched segment's words as the methods to run next.
+    fn load_words(&mut self, words: &[u32]) {
+        if words.is_empty() {
+            self.pending.clear();
+            self.next = 0;
+            return;
+        }
         let mut classes = SubchannelClasses::new(self.ch.class);
         for (sc, class) in self.bound.iter().enumerate().skip(1) {
             if let Some(c) = class {
@@ -280,7 +341,7 @@ impl ChannelModel {
             }
         }
         self.next = 0;
-        self.pending = match decode(&words, &classes) {
+        self.pending = match decode(words, &classes) {
             Ok(m) => m,
             Err(e) => {
                 let at = match &e {
@@ -294,7 +355,6 @@ impl ChannelModel {
                 decode(&words[..at], &classes).unwrap_or_default()
             }
         };
-        Ok(())
     }
 
     fn execute(

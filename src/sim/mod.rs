@@ -203,6 +203,8 @@ pub struct ChannelStats {
     pub engine: u32,
     /// GP entries fetched.
     pub entries: u64,
+    /// Of those, entries whose segment was fetched ahead while the channel waited on an acquire.
+    pub prefetched: u64,
     /// The next GP entry the model fetches (what it writes to USERD's GP_GET).
     pub gp_get: u32,
     /// Methods executed.
