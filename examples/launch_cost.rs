@@ -19,7 +19,7 @@
 //! Prints min / median / p99 in nanoseconds; `APEX_SAMPLES` sets the samples per series (default 20 000),
 //! `APEX_CONFIGS` (comma-separated: video, video+inline, host, host+inline, video+armed, host+armed,
 //! host+armed+fetch, video+armed+inline; "armed" is polled submission, `Submission::Armed`) the configurations
-//! measured (and, with it, `APEX_PUBLIC=1` the public-API series), `APEX_ARMED=slots,words,yields` the armed shape,
+//! measured (and, with it, `APEX_PUBLIC=1` the public-API series), `APEX_ARMED=slots,words` the armed shape,
 //! `APEX_PUSH_BYTES` and `APEX_SLOTS` the pushbuffer size and launch slots.
 
 mod support;
@@ -127,14 +127,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             config.chain_part = config.chain_part.min(n);
         }
         if armed {
-            // APEX_ARMED=slots,words,yields: the armed submission's shape.
+            // APEX_ARMED=slots,words: the armed submission's shape.
             let mut a = Armed::default();
             if let Ok(v) = std::env::var("APEX_ARMED") {
                 let f: Vec<&str> = v.split(',').collect();
-                if let [slots, words, yields] = f[..] {
+                if let [slots, words] = f[..] {
                     a.slots = slots.parse()?;
                     a.slot_words = words.parse()?;
-                    a.yields = yields == "1";
                 }
             }
             config.queue.submission = Submission::Armed(a);

@@ -135,6 +135,12 @@ fn apex_kernels_run_on_cuda_memory_in_cudas_context() {
         .kernel("saxpy")
         .unwrap();
     let mut q = gpu.queue().unwrap();
+    // A polled queue would park CUDA's channel group at its gate: refused, with the reason.
+    let e = gpu
+        .queue_with(apex::QueueOptions::default().polled(true))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("polled submission on a GPU attached"), "{e}");
     // SAFETY: x and y hold n floats (CUDA allocated them in the context APEX joined).
     unsafe {
         q.launch(

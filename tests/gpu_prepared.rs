@@ -154,6 +154,89 @@ fn prepared_launches_compute_in_order_polled_in_both_memories() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
+fn idle_polled_queues_let_other_queues_run() {
+    // A polled queue parks its channel at a gate while idle; its channel group yields, so another queue's launches
+    // still complete at their usual pace, and both queues keep their work in order.
+    let g = gpu(Backend::Direct);
+    let m = g.load_module(CUBIN).unwrap();
+    let empty = m.kernel("empty").unwrap();
+    let step = m.kernel("chain_step").unwrap();
+    let one = LaunchConfig::linear(1, 1);
+    let median = |q: &mut apex::Queue| {
+        let p = q.prepare(&empty, &one).unwrap();
+        let mut t: Vec<Duration> = (0..2000)
+            .map(|_| {
+                let s = std::time::Instant::now();
+                // SAFETY: the empty kernel touches no memory.
+                unsafe { q.launch_prepared(&p, &[]) }
+                    .unwrap()
+                    .wait(T)
+                    .unwrap();
+                s.elapsed()
+            })
+            .collect();
+        t.sort();
+        t[t.len() / 2]
+    };
+    let mut other = g.queue().unwrap();
+    let alone = median(&mut other);
+    let mut polled: Vec<apex::Queue> = (0..2)
+        .map(|_| g.queue_with(QueueOptions::default().polled(true)).unwrap())
+        .collect();
+    for q in &mut polled {
+        // Armed and parked: the first doorbell arms the slots.
+        q.synchronize().unwrap();
+        median(q);
+    }
+    let beside = median(&mut other);
+    eprintln!(
+        "launch → completion on a doorbell queue: {alone:?} alone, {beside:?} beside two idle polled queues"
+    );
+    assert!(
+        beside < alone * 3,
+        "{beside:?} beside idle polled queues against {alone:?} alone"
+    );
+    // Work on all three, interleaved, stays in order on each.
+    let v: Vec<_> = (0..3).map(|_| g.alloc(8).unwrap()).collect();
+    let mut want = [1u64; 3];
+    for (i, b) in v.iter().enumerate() {
+        let q = if i == 0 {
+            &mut other
+        } else {
+            &mut polled[i - 1]
+        };
+        q.upload(&g, b, 0, &1u64.to_le_bytes()).unwrap();
+    }
+    for r in 0..3000u64 {
+        let i = (r % 3) as usize;
+        let (mul, add) = (r % 5 + 1, r);
+        want[i] = want[i].wrapping_mul(mul).wrapping_add(add);
+        let q = if i == 0 {
+            &mut other
+        } else {
+            &mut polled[i - 1]
+        };
+        // SAFETY: chain_step reads and writes the 8 bytes of v[i], used by queue i alone.
+        unsafe { q.launch(&step, &one, &[v[i].arg(), Arg::U64(mul), Arg::U64(add)]) }.unwrap();
+    }
+    for (i, b) in v.iter().enumerate() {
+        let q = if i == 0 {
+            &mut other
+        } else {
+            &mut polled[i - 1]
+        };
+        q.synchronize().unwrap();
+        let mut out = [0u8; 8];
+        q.download(&g, b, 0, &mut out).unwrap();
+        assert_eq!(u64::from_le_bytes(out), want[i], "queue {i}");
+    }
+    drop(polled);
+    let after = median(&mut other);
+    eprintln!("once the polled queues are dropped: {after:?}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
 fn a_ticket_is_refused_by_another_queue() {
     let g = gpu(Backend::Direct);
     let m = g.load_module(CUBIN).unwrap();

@@ -99,7 +99,6 @@ fn large_submissions_and_prebuilt_methods_go_through_the_ring_in_order() {
     let armed = Armed {
         slots: 4,
         slot_words: 32,
-        yields: true,
     };
     let mut q = queue(&gpu, armed, 32);
     let token = q.channel().token();
@@ -176,7 +175,6 @@ fn a_queue_that_alternates_small_and_large_work_stops_arming() {
     let armed = Armed {
         slots: 16,
         slot_words: 16,
-        yields: true,
     };
     let mut q = queue(&gpu, armed, 256);
     let aux = sim::host_page(&gpu);
@@ -247,11 +245,7 @@ fn armed_shapes_outside_the_limits_are_refused() {
     let (gpu, _sim) = Simulator::open(SimConfig::default()).unwrap();
     for (slots, slot_words) in [(3, 64), (1, 64), (512, 64), (16, 8), (16, 100), (16, 8192)] {
         let config = QueueConfig {
-            submission: Submission::Armed(Armed {
-                slots,
-                slot_words,
-                yields: true,
-            }),
+            submission: Submission::Armed(Armed { slots, slot_words }),
             ..QueueConfig::default()
         };
         let e = Queue::new(&gpu, config).unwrap_err().to_string();

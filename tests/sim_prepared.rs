@@ -180,7 +180,6 @@ fn prepared_launches_carry_their_own_arguments_through_armed_slots() {
     let armed = Armed {
         slots: 4,
         slot_words: 64,
-        yields: true,
     };
     for memory in [LaunchMemory::Video, LaunchMemory::Host] {
         for inline_qmd in [false, true] {

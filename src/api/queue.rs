@@ -839,7 +839,7 @@ impl Queue {
 ///     last = Some(unsafe { q.launch_prepared_ticket(&step, &[Arg::Ptr(counter.device_ptr())])? });
 /// }
 /// if let Some(t) = last {
-///     q.fence(t)?.wait()?;
+///     q.fence(t)?.wait(std::time::Duration::from_secs(10))?;
 /// }
 /// # Ok(())
 /// # }

@@ -143,6 +143,16 @@ impl Queue {
     /// Builds the channel and binds its engine classes; waits (up to the configured timeout) until the GPU has
     /// run that first submission, so a queue that exists is known to work.
     pub fn new(core: &Arc<GpuCore>, config: QueueConfig) -> Result<Queue> {
+        if matches!(config.submission, Submission::Armed(_)) && core.attachment().is_some() {
+            // The channel would be one of CUDA's channel group: parked at its gate it would hold up (or, yielding,
+            // switch out) the group that runs CUDA's own streams.
+            return Err(crate::gpfifo::Error::InvalidConfig(
+                "polled submission on a GPU attached to a CUDA context: the queue's channel shares CUDA's channel \
+                 group, which a channel parked at its gate would hold up; use a doorbell queue (polled: false)"
+                    .into(),
+            )
+            .into());
+        }
         let mut channel = Channel::new(core, config.channel)?;
         channel.note_write_combined(config.push_placement);
         let max_pending = 4096;
