@@ -11,7 +11,7 @@
 //!   launch signalled by the front end (a semaphore release after wait-for-idle) instead of the QMD's release;
 //! - `round_trip`: a bare semaphore release after wait-for-idle, submitted and waited for (no kernel), on the
 //!   same queue: the floor the launch → completion target is measured against;
-//! - `launch_prepared_unfenced`: the prepared call returning its timeline value instead of a fence (no reference
+//! - `launch_prepared_value`: the prepared call returning its timeline value instead of a fence (no reference
 //!   count taken or dropped);
 //! - `api ...`: the same prepared call through the public `apex::Queue`, returning a fence and returning a ticket, per
 //!   queue option (and on the driver backend).
@@ -201,9 +201,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             &mut |q| unsafe { q.launch_prepared(&pe, &[]) }.map(drop),
         )?);
         rows.push(per_call(
-            "call, launch_prepared_unfenced (empty)",
+            "call, launch_prepared_value (empty)",
             &mut q,
-            &mut |q| unsafe { q.launch_prepared_unfenced(&pe, &[]) }.map(drop),
+            &mut |q| unsafe { q.launch_prepared_value(&pe, &[]) }.map(drop),
         )?);
         rows.push(per_call(
             "call, launch_prepared (3 parameters)",
@@ -261,7 +261,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             let t = Instant::now();
             for _ in 0..64 {
                 // SAFETY: as above.
-                unsafe { q.launch_prepared_unfenced(&pe, &[]) }?;
+                unsafe { q.launch_prepared_value(&pe, &[]) }?;
             }
             burst_unfenced.push(ns(t) / 64.0);
             q.synchronize()?;
@@ -280,7 +280,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             ns: burst,
         });
         rows.push(Row {
-            name: format!("{tag}: call, launch_prepared_unfenced x64 back to back, per call"),
+            name: format!("{tag}: call, launch_prepared_value x64 back to back, per call"),
             ns: burst_unfenced,
         });
         rows.push(Row {

@@ -299,3 +299,123 @@ fn the_model_runs_a_prefetched_segment_as_it_was_fetched() {
         .unwrap();
     assert_eq!(aux.read_u64_volatile(8).unwrap(), 1);
 }
+
+#[test]
+fn missed_doorbells_are_rung_again_on_an_armed_queue() {
+    use apex::launch::{ComputeQueue, ComputeQueueConfig, LaunchConfig, LaunchMemory, Module};
+    let (gpu, sim) = Simulator::open(SimConfig {
+        lost_doorbells: 3,
+        ..SimConfig::default()
+    })
+    .unwrap();
+    let config = ComputeQueueConfig::default()
+        .with_memory(LaunchMemory::Host)
+        .with_polling(true);
+    let mut q = ComputeQueue::new(&gpu, config).expect("queue despite missed doorbells");
+    assert!(q.queue().is_armed());
+    let token = q.queue().channel().token();
+    let k = Module::load(&gpu, sim::CUBIN)
+        .unwrap()
+        .kernel("empty")
+        .unwrap();
+    for _ in 0..20 {
+        // SAFETY: the simulator runs no kernels.
+        unsafe { q.launch(&k, &LaunchConfig::linear(1, 1), &[]) }.unwrap();
+    }
+    q.synchronize().unwrap();
+    let stats = sim.stats_for(token).unwrap();
+    assert!(
+        stats.lost_doorbells >= 1,
+        "the model missed no doorbell: {stats:?}"
+    );
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+}
+
+#[test]
+fn a_submission_that_overflows_its_slot_leaves_the_slot_empty() {
+    let (gpu, sim) = Simulator::open(SimConfig::default()).unwrap();
+    let armed = Armed {
+        slots: 16,
+        slot_words: 32,
+    };
+    let mut q = queue(&gpu, armed, 64);
+    let token = q.channel().token();
+    let aux = sim::host_page(&gpu);
+    // Every slot once: each body now holds a release of 7 to aux[4], then the queue's own release.
+    for _ in 0..40 {
+        q.submit(8, Signal::Host, |p, _| {
+            p.sem_release(aux.va() + 32, 7, STAMPED)
+        })
+        .unwrap()
+        .wait(T)
+        .unwrap();
+    }
+    // Asks for 2 words and writes a 6-word release to aux[0]: refused, as through the ring. Had its first two
+    // words stayed in the slot, they would run with the old release's last four: 7 written to aux[0].
+    let e = q
+        .record(2, Signal::Recorded, |p, _| {
+            p.sem_release(aux.va(), 99, STAMPED)
+        })
+        .unwrap_err();
+    assert!(matches!(e, apex::pushbuf::Error::Overflow(_)), "{e}");
+    // A large submission gives up the slots left empty, the refused one among them, and opens the gate over them.
+    q.submit(40, Signal::Host, |p, _| {
+        p.sem_release(aux.va() + 8, 5, STAMPED)
+    })
+    .unwrap()
+    .wait(T)
+    .unwrap();
+    assert_eq!(
+        aux.read_u64_volatile(0).unwrap(),
+        0,
+        "a fragment of the refused submission ran"
+    );
+    assert_eq!(aux.read_u64_volatile(8).unwrap(), 5);
+    assert!(!sim.stats_for(token).unwrap().faulted, "{:?}", sim.errors());
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+}
+
+#[test]
+fn a_gpu_behind_the_cpu_sends_work_through_the_ring_until_slots_are_free_again() {
+    let (gpu, sim) = Simulator::open(SimConfig::default()).unwrap();
+    let armed = Armed {
+        slots: 4,
+        slot_words: 32,
+    };
+    let mut q = queue(&gpu, armed, 256);
+    let aux = sim::host_page(&gpu);
+    q.submit(0, Signal::Host, |_, _| {})
+        .unwrap()
+        .wait(T)
+        .unwrap();
+    // The GPU stands still while the CPU goes through the slots several times over.
+    sim.pause();
+    for i in 1..=40u64 {
+        q.submit(8, Signal::Recorded, |p, _| {
+            p.sem_release(aux.va() + 8 * i, i, STAMPED)
+        })
+        .unwrap();
+    }
+    sim.resume();
+    q.submit(0, Signal::Host, |_, _| {})
+        .unwrap()
+        .wait(T)
+        .unwrap();
+    for i in 1..=40u64 {
+        assert_eq!(aux.read_u64_volatile(8 * i).unwrap(), i, "submission {i}");
+    }
+    // Caught up, the queue arms again: small submissions need no doorbell.
+    for _ in 0..4 {
+        q.submit(0, Signal::Host, |_, _| {})
+            .unwrap()
+            .wait(T)
+            .unwrap();
+    }
+    let before = q.channel().kicks();
+    q.submit(0, Signal::Host, |_, _| {})
+        .unwrap()
+        .wait(T)
+        .unwrap();
+    assert_eq!(q.channel().kicks(), before, "a doorbell once armed again");
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+}

@@ -358,7 +358,7 @@ fn an_unfenced_launch_allocates_nothing_and_its_value_makes_the_fence() {
     for i in 0..300u64 {
         let args = [Arg::Ptr(out.va()), Arg::U64(i), Arg::U64(1)];
         // SAFETY: the model does not execute kernels.
-        unsafe { q.launch_prepared_unfenced(&p, &args) }.unwrap();
+        unsafe { q.launch_prepared_value(&p, &args) }.unwrap();
     }
     q.synchronize().unwrap();
     let first = q.queue().last_submitted() + 1;
@@ -367,7 +367,7 @@ fn an_unfenced_launch_allocates_nothing_and_its_value_makes_the_fence() {
         for (i, v) in values.iter_mut().enumerate() {
             let args = [Arg::Ptr(out.va()), Arg::U64(i as u64), Arg::U64(1)];
             // SAFETY: as above.
-            *v = unsafe { q.launch_prepared_unfenced(&p, &args) }.unwrap();
+            *v = unsafe { q.launch_prepared_value(&p, &args) }.unwrap();
         }
         values
     });

@@ -364,15 +364,18 @@ pub struct QueueOptions {
     pub launch_memory: LaunchMemory,
     /// Whether the GPU's front end polls for the queue's work instead of being woken by a doorbell (off by
     /// default). The queue publishes GPFIFO entries ahead, each waiting at a gate word in host memory; a launch is
-    /// then cached stores into the next entry's pushbuffer and one store to the gate, with no doorbell (an
-    /// uncached store to the GPU) and no store fence. Submissions too large for an entry, graph replays and copies
-    /// of over a few thousand words go through the ring with a doorbell as usual.
+    /// then cached stores into the next entry's slot and one store to the gate, with no doorbell (an uncached store
+    /// to the GPU; in video launch memory a store fence still orders the slot's write-combined words first).
+    /// Submissions too large for a slot (255 words: a launch with an inline QMD fits, a copy of over about 16 GiB
+    /// does not) and graph replays go through the ring with a doorbell as usual. The driver backend has nothing to
+    /// poll and ignores the option.
     ///
-    /// The trade, measured on an H100 (BENCHMARKS.md): with [`LaunchMemory::Host`] a launch completes 1.2-1.8 µs
-    /// sooner (the front end fetches no GPFIFO entry over PCIe before it sees the work); with video launch memory
-    /// it completes 0.5-0.7 µs later (the front end sees a store to host memory on its next poll later than it
-    /// answers a doorbell), so video memory without polling stays the soonest to complete. The CPU cost of a
-    /// launch call stays the same within the run-to-run spread: the gate store costs what the doorbell did.
+    /// The trade, measured on an H100 (BENCHMARKS.md): with [`LaunchMemory::Host`] a launch completes 1.4-1.8 µs
+    /// sooner (5.7-5.9 against 7.4-7.5 µs: the front end fetches no GPFIFO entry over PCIe before it sees the
+    /// work); with video launch memory it completes 0.5-0.7 µs later (the front end sees a store to host memory on
+    /// its next poll later than it answers a doorbell), so video memory without polling stays the soonest to
+    /// complete. The CPU cost of a launch call stays the same within the run-to-run spread: the gate store costs
+    /// what the doorbell did.
     ///
     /// While idle, the queue's channel stays parked at its gate, polling one word over PCIe, and the scheduler
     /// keeps returning to it: other queues' launches on the engine complete later (3.4-3.5 µs became 5.1 µs beside

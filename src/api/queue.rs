@@ -307,7 +307,7 @@ impl Queue {
             (QueueInner::Direct(q), PreparedInner::Direct(p)) => {
                 self.driver_chain = 0;
                 // SAFETY: forwarded to the caller.
-                let value = unsafe { q.launch_prepared_unfenced(p, args)? };
+                let value = unsafe { q.launch_prepared_value(p, args)? };
                 Ok(Ticket {
                     queue: self.id,
                     value,

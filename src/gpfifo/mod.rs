@@ -13,7 +13,6 @@ mod timeline;
 
 pub use channel::{
     Channel, ChannelClasses, ChannelConfig, ChannelFault, FaultWatch, MmuFault, SmError,
-    is_write_combined,
 };
 pub use entry::GpEntry;
 pub use error::{Error, Result};

@@ -198,10 +198,11 @@ impl ComputeQueueConfig {
     /// The same with the queue's submissions polled for by the front end (`polled`: armed GPFIFO slots,
     /// [`Submission::Armed`](crate::pushbuf::Submission::Armed)) or sent by doorbell.
     pub fn with_polling(mut self, polled: bool) -> ComputeQueueConfig {
-        self.queue.submission = if polled {
-            Submission::Armed(Armed::default())
-        } else {
-            Submission::Doorbell
+        self.queue.submission = match (polled, self.queue.submission) {
+            // A shape set before stays.
+            (true, armed @ Submission::Armed(_)) => armed,
+            (true, Submission::Doorbell) => Submission::Armed(Armed::default()),
+            (false, _) => Submission::Doorbell,
         };
         self
     }
@@ -968,7 +969,7 @@ impl ComputeQueue {
     /// # Safety
     /// As for [`launch`](Self::launch).
     #[inline]
-    pub unsafe fn launch_prepared_unfenced(
+    pub unsafe fn launch_prepared_value(
         &mut self,
         prepared: &PreparedLaunch,
         args: &[Arg<'_>],
@@ -979,7 +980,7 @@ impl ComputeQueue {
     }
 
     /// A fence that completes once the queue's timeline reaches `value` (a value
-    /// [`launch_prepared_unfenced`](Self::launch_prepared_unfenced) returned).
+    /// [`launch_prepared_value`](Self::launch_prepared_value) returned).
     pub fn fence_for(&self, value: u64) -> Fence {
         self.queue.fence_for(value)
     }

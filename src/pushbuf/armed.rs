@@ -87,6 +87,36 @@ pub(super) struct ArmedSlots {
     /// Small submissions in a row that went through the ring since: arming starts again after two, so that a
     /// queue that alternates small and large work does not make the front end pass many empty slots.
     small_in_ring: u32,
+    /// The timeline value an earlier read must show released before arming is tried again (the GPU was behind).
+    retry_at: u64,
+}
+
+/// A slot's body being recorded into ([`ArmedSlots::body`]).
+pub(super) struct Body<'a> {
+    words: &'a mut [u32],
+    keep: bool,
+}
+
+impl Body<'_> {
+    /// The words to record into.
+    pub(super) fn words(&mut self) -> &mut [u32] {
+        self.words
+    }
+
+    /// The recording succeeded: the body keeps what was written.
+    pub(super) fn keep(mut self) {
+        self.keep = true;
+    }
+}
+
+impl Drop for Body<'_> {
+    fn drop(&mut self) {
+        if !self.keep
+            && let Some(first) = self.words.first_mut()
+        {
+            *first = END_SEGMENT;
+        }
+    }
 }
 
 // SAFETY: `words` points into `mem`'s CPU mapping, owned by this struct; `&mut self` serialises every access.
@@ -126,6 +156,7 @@ impl ArmedSlots {
             done: vec![0; slots].into_boxed_slice(),
             paused: false,
             small_in_ring: 0,
+            retry_at: 0,
         })
     }
 
@@ -155,12 +186,17 @@ impl ArmedSlots {
         self.next < self.armed && words <= self.capacity()
     }
 
-    /// The next armed slot's body, `capacity()` words, to record into. Call only after [`fits`](Self::fits).
+    /// The next armed slot's body, `words` long, to record into. Call only after [`fits`](Self::fits)`(words)`.
+    /// Unless [`Body::keep`] is called, the body is left empty again when the guard goes (an overflow, or a panic
+    /// in the caller's recording), so its gate never opens on a fragment.
     #[inline]
-    pub(super) fn body(&mut self) -> &mut [u32] {
+    pub(super) fn body(&mut self, words: usize) -> Body<'_> {
         let start = self.body_start(self.index(self.next));
-        let cap = self.capacity();
-        self.words_at(start, cap)
+        let words = words.min(self.capacity());
+        Body {
+            words: self.words_at(start, words),
+            keep: false,
+        }
     }
 
     /// The body from [`body`](Self::body) holds `used` words of a submission that releases `value`; it runs
@@ -208,11 +244,14 @@ impl ArmedSlots {
         true
     }
 
-    /// Whether fewer than half the slots are armed, and small submissions keep coming.
+    /// Whether fewer than half the slots are armed, small submissions keep coming, and (by `known`, the timeline
+    /// value already read) the GPU may be done with enough slots to arm half of them.
     #[inline]
-    pub(super) fn wants_arming(&self) -> bool {
+    pub(super) fn wants_arming(&self, known: u64) -> bool {
         let empty = (self.armed - self.next) as usize;
-        empty < self.slots / 2 && (!self.paused || self.small_in_ring >= 2)
+        empty < self.slots / 2
+            && (!self.paused || self.small_in_ring >= 2)
+            && known >= self.retry_at
     }
 
     /// Arms as many slots as are free (their earlier use complete on `timeline`) and fit the ring, without
@@ -224,22 +263,30 @@ impl ArmedSlots {
         timeout: Duration,
     ) -> Result<u32> {
         let gate_va = self.mem.va();
-        // What earlier reads showed first: reading the semaphore misses the CPU's cache once the GPU released.
-        let mut completed = timeline.known();
-        let mut reread = false;
         let mut armed = 0;
+        // Half the slots at a time, or none: the slot that makes up half must be free (its earlier use complete)
+        // and the ring must hold the entries. What earlier reads showed first: reading the semaphore misses the
+        // CPU's cache once the GPU has released.
+        let half = self.slots / 2;
         let mut free = channel.ring_state().free();
-        if free < 2 {
+        if free < 2 * half as u32 {
             free = channel.refresh();
         }
+        let needed_done = self.done[self.index(self.armed + half as u64 - 1)];
+        let mut completed = timeline.known();
+        if needed_done > completed {
+            completed = timeline.completed();
+        }
+        if needed_done > completed || free < 2 * half as u32 {
+            // The GPU is behind: a kick looks again once an earlier read shows that slot's value released.
+            self.retry_at = needed_done.max(1);
+            return Ok(0);
+        }
+        self.retry_at = 0;
         self.paused = false;
         self.small_in_ring = 0;
         while ((self.armed - self.next) as usize) < self.slots && free >= 2 {
             let i = self.index(self.armed);
-            if self.done[i] > completed && !reread {
-                completed = timeline.completed();
-                reread = true;
-            }
             if self.done[i] > completed {
                 break;
             }

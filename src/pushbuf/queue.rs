@@ -272,12 +272,17 @@ impl Queue {
         if let Some(armed) = self.armed.as_mut() {
             let words = max_words + extra;
             if armed.fits(words) {
-                let mut push = Push::new(armed.body());
+                // The slot's body is the pushbuffer; as in the ring, the submission gets the words it asked for.
+                let mut body = armed.body(words);
+                let mut push = Push::new(body.words());
                 f(&mut push, value);
                 if signal == Signal::Host {
                     push.sem_release(self.timeline.va(), value, Release::AFTER_IDLE_64);
                 }
+                // On an overflow the body is left empty again (the guard's drop), so the slot never runs a
+                // fragment once its gate opens.
                 let used = push.finish()?;
+                body.keep();
                 armed.commit(used, value);
                 self.last = value;
                 return Ok(value);
@@ -293,8 +298,9 @@ impl Queue {
                 .space
                 .fits_now(max_words + extra, self.timeline.completed())
         {
-            // Recorded work may be what frees the space: send it before waiting.
-            self.kick();
+            // Recorded work may be what frees the space: send it before waiting (without arming slots, which would
+            // go ahead of the entry recorded here).
+            self.publish();
         }
         let (va, words) = self
             .space
@@ -333,7 +339,7 @@ impl Queue {
             return;
         };
         armed.open(&self.channel);
-        if armed.wants_arming()
+        if armed.wants_arming(self.timeline.known())
             && let Err(e) = armed.arm(&mut self.channel, &self.timeline, self.timeout)
         {
             tracing::warn!(error = %e, "arming GPFIFO slots failed; submissions go through the ring");
@@ -341,6 +347,15 @@ impl Queue {
         if self.channel.has_unpublished() {
             self.channel.kick();
         }
+    }
+
+    /// Opens the gate over everything recorded and rings the doorbell, whether or not anything is new (a doorbell
+    /// the GPU missed is rung again this way); arms nothing.
+    fn publish(&mut self) {
+        if let Some(armed) = self.armed.as_mut() {
+            armed.open(&self.channel);
+        }
+        self.channel.kick();
     }
 
     /// Waits until every submission so far is complete.
@@ -392,7 +407,7 @@ impl Queue {
                         gp_put = put,
                         "long wait: ringing the doorbell again"
                     );
-                    self.kick();
+                    self.publish();
                     rings += 1;
                     slice = (slice * 4).min(Duration::from_millis(250));
                 }
@@ -405,15 +420,5 @@ impl Queue {
     /// ([`wait_kicking`](Self::wait_kicking)).
     pub fn wait_idle_kicking(&mut self, timeout: Duration) -> Result<()> {
         self.wait_kicking(self.last, timeout)
-    }
-}
-
-impl Drop for Queue {
-    fn drop(&mut self) {
-        // Let the front end pass the armed slots, so the channel drains before it is freed.
-        if let Some(armed) = self.armed.as_mut() {
-            armed.give_up_empty(self.last + 1, false);
-            armed.open(&self.channel);
-        }
     }
 }

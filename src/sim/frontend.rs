@@ -126,7 +126,9 @@ pub(super) struct ChannelModel {
     fetch_on_doorbell: bool,
     /// Segments fetched ahead while the channel waits on an acquire, as the words read then: the front end
     /// prefetches past a blocked method, except at an entry marked to be fetched only after the methods before it
-    /// (`SYNC_WAIT`). A CPU that rewrites a prefetched segment afterwards is not seen.
+    /// (`SYNC_WAIT`). A CPU that rewrites a prefetched segment afterwards is not seen. The model prefetches only
+    /// while blocked (the hardware may at any time), and a segment it cannot read faults when fetched, not when it
+    /// would have run.
     prefetched: std::collections::VecDeque<Vec<u32>>,
 }
 
