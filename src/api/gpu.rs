@@ -378,7 +378,7 @@ pub struct QueueOptions {
     /// what the doorbell did.
     ///
     /// While idle, the queue's channel stays parked at its gate, polling one word over PCIe, and the scheduler
-    /// keeps returning to it: other queues' launches on the engine complete later (3.4-3.5 µs became 5.1 µs beside
+    /// keeps returning to it: other queues' launches on the engine complete later (3.4-3.5 µs became 5.1-5.3 µs beside
     /// two idle polled queues), until the polled queue is dropped. Meant for one launch-bound queue per GPU.
     /// Refused on a GPU attached to a CUDA context ([`Gpu::attach_cuda`]): the queue's channel would be one of
     /// CUDA's channel group.
