@@ -102,6 +102,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         ("host+armed", LaunchMemory::Host, true, true),
         ("host+armed+fetch", LaunchMemory::Host, false, true),
         ("video+armed+inline", LaunchMemory::Video, true, true),
+        ("host+pf", LaunchMemory::Host, false, false),
+        ("host+inline+pf", LaunchMemory::Host, true, false),
+        ("host+armed+fetch+pf", LaunchMemory::Host, false, true),
+        ("host+armed+pf", LaunchMemory::Host, true, true),
     ] {
         // APEX_CONFIGS=host,video+inline: only those (for profiling one configuration).
         if let Ok(only) = std::env::var("APEX_CONFIGS")
@@ -126,6 +130,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             config.slots = n;
             config.chain_part = config.chain_part.min(n);
         }
+        // "+pf": the lines the next launch writes are prefetched for writing after each one (the default; the
+        // other host configurations here turn it off, to measure what it does).
+        config.prefetch_next = tag.ends_with("+pf");
         if armed {
             // APEX_ARMED=slots,words: the armed submission's shape.
             let mut a = Armed::default();

@@ -13,6 +13,7 @@ mod timeline;
 
 pub use channel::{
     Channel, ChannelClasses, ChannelConfig, ChannelFault, FaultWatch, MmuFault, SmError,
+    prefetch_for_write,
 };
 pub use entry::GpEntry;
 pub use error::{Error, Result};

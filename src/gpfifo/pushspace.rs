@@ -169,6 +169,15 @@ impl PushSpace {
         self.head = end;
     }
 
+    /// Prefetches for writing the line the next reservation most likely starts in
+    /// ([`prefetch_for_write`](super::prefetch_for_write)).
+    #[inline]
+    pub fn prefetch_head(&self) {
+        if self.head < self.len {
+            super::prefetch_for_write(self.words.as_ptr().wrapping_add(self.head).cast());
+        }
+    }
+
     /// Submissions whose words are still held.
     pub fn in_flight(&self) -> usize {
         self.count

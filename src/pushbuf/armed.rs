@@ -180,6 +180,13 @@ impl ArmedSlots {
         self.bodies + index * self.slot_words
     }
 
+    /// Prefetches for writing the first line of the next slot's body.
+    #[inline]
+    pub(super) fn prefetch_next(&self) {
+        let start = self.body_start(self.index(self.next));
+        crate::gpfifo::prefetch_for_write(self.words.as_ptr().wrapping_add(start).cast());
+    }
+
     /// Whether a submission of `words` method words can go into the next armed slot now.
     #[inline]
     pub(super) fn fits(&self, words: usize) -> bool {
@@ -309,5 +316,12 @@ impl ArmedSlots {
             armed += 1;
         }
         Ok(armed)
+    }
+}
+
+impl ArmedSlots {
+    /// Slots armed and not yet filled.
+    pub(super) fn empty(&self) -> u64 {
+        self.armed - self.next
     }
 }

@@ -349,6 +349,19 @@ impl Queue {
         }
     }
 
+    /// Prefetches for writing the lines the next small submission most likely writes: the next armed slot's body,
+    /// or the pushbuffer's head and the ring's next entry. A hint for CPU-cached placements; call after a kick.
+    #[inline]
+    pub fn prefetch_next(&self) {
+        match &self.armed {
+            Some(armed) if armed.empty() > 0 => armed.prefetch_next(),
+            _ => {
+                self.space.prefetch_head();
+                self.channel.prefetch_next_entry();
+            }
+        }
+    }
+
     /// Opens the gate over everything recorded and rings the doorbell, whether or not anything is new (a doorbell
     /// the GPU missed is rung again this way); arms nothing.
     fn publish(&mut self) {
