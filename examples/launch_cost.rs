@@ -16,11 +16,14 @@
 //! - `api ...`: the same prepared call through the public `apex::Queue`, returning a fence and returning a ticket, per
 //!   queue option (and on the driver backend).
 //!
-//! Prints min / median / p99 in nanoseconds; `APEX_SAMPLES` sets the samples per series (default 20 000),
+//! Prints min / median / p99 in nanoseconds. `APEX_SAMPLES` sets the samples per series (default 20 000);
 //! `APEX_CONFIGS` (comma-separated: video, video+inline, host, host+inline, video+armed, host+armed,
-//! host+armed+fetch, video+armed+inline; "armed" is polled submission, `Submission::Armed`) the configurations
-//! measured (and, with it, `APEX_PUBLIC=1` the public-API series), `APEX_ARMED=slots,words` the armed shape,
-//! `APEX_PUSH_BYTES` and `APEX_SLOTS` the pushbuffer size and launch slots.
+//! host+armed+fetch, video+armed+inline, and host, host+inline, host+armed+fetch, host+armed with "+pf") the
+//! configurations measured ("armed" is polled submission, `Submission::Armed`; "+pf" prefetches the next launch's
+//! lines for writing, `ComputeQueueConfig::prefetch_next`, which the host configurations without it turn off);
+//! with it, `APEX_PUBLIC=1` adds the public-API series and `APEX_AB=1` the interleaved prefetch A/B; `APEX_REVERSE=1` runs the configurations in reverse order;
+//! `APEX_ARMED=slots,words` sets the armed shape; `APEX_PUSH_BYTES` and `APEX_SLOTS` the pushbuffer size and
+//! launch slots.
 
 mod support;
 
@@ -93,7 +96,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         ns: t0,
     });
 
-    for (tag, memory, inline_qmd, armed) in [
+    let mut configs = vec![
         ("video", LaunchMemory::Video, false, false),
         ("video+inline", LaunchMemory::Video, true, false),
         ("host", LaunchMemory::Host, false, false),
@@ -106,7 +109,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         ("host+inline+pf", LaunchMemory::Host, true, false),
         ("host+armed+fetch+pf", LaunchMemory::Host, false, true),
         ("host+armed+pf", LaunchMemory::Host, true, true),
-    ] {
+    ];
+    // APEX_REVERSE=1: the configurations in the opposite order (to rule out an order effect between pairs).
+    if std::env::var("APEX_REVERSE").is_ok_and(|v| v == "1") {
+        configs.reverse();
+    }
+    for (tag, memory, inline_qmd, armed) in configs {
         // APEX_CONFIGS=host,video+inline: only those (for profiling one configuration).
         if let Ok(only) = std::env::var("APEX_CONFIGS")
             && !only.split(',').any(|c| c == tag)
@@ -380,6 +388,51 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 name: format!("video: dependent x1000 ({name}), one doorbell, per launch"),
                 ns: one,
             });
+        }
+    }
+
+    // The write prefetch A/B, interleaved: two queues alike but for `prefetch_next`, taking turns every 64 calls in
+    // one process, so that neither warm-up nor drift favours one (the per-configuration series above run one after
+    // the other).
+    if std::env::var("APEX_CONFIGS").is_err() || std::env::var("APEX_AB").is_ok() {
+        for (tag, inline_qmd) in [("host", false), ("host+inline", true)] {
+            let mut pair = Vec::new();
+            for prefetch in [false, true] {
+                let mut config = ComputeQueueConfig::default().with_memory(LaunchMemory::Host);
+                config.inline_qmd = inline_qmd;
+                config.prefetch_next = prefetch;
+                let mut q = ComputeQueue::new(&gpu, config)?;
+                let k = Module::load(&gpu, CUBIN)?.kernel("empty")?;
+                let p = q.prepare_launch(&k, &ONE)?;
+                for _ in 0..2000 {
+                    // SAFETY: the empty kernel touches no memory.
+                    unsafe { q.launch_prepared_value(&p, &[]) }?;
+                }
+                q.synchronize()?;
+                pair.push((q, p, Vec::with_capacity(samples)));
+            }
+            for r in 0..samples / BURST {
+                // Which goes first alternates too.
+                let first = r % 2;
+                for i in [first, 1 - first] {
+                    let (q, p, v) = &mut pair[i];
+                    for _ in 0..BURST {
+                        let t = Instant::now();
+                        // SAFETY: as above.
+                        unsafe { q.launch_prepared_value(p, &[]) }?;
+                        v.push(ns(t));
+                    }
+                    q.synchronize()?;
+                }
+            }
+            for ((_, _, v), name) in pair.into_iter().zip(["without", "with"]) {
+                rows.push(Row {
+                    name: format!(
+                        "{tag}: call, launch_prepared_value, interleaved, {name} the write prefetch"
+                    ),
+                    ns: v,
+                });
+            }
         }
     }
 

@@ -254,6 +254,17 @@ fn armed_shapes_outside_the_limits_are_refused() {
             "{slots} x {slot_words}: {e}"
         );
     }
+    // A ring too small to hold half the slots' entries beside other work: arming could never happen.
+    let config = QueueConfig {
+        channel: ChannelConfig {
+            entries: 16,
+            ..ChannelConfig::default()
+        },
+        submission: Submission::Armed(Armed::default()),
+        ..QueueConfig::default()
+    };
+    let e = Queue::new(&gpu, config).unwrap_err().to_string();
+    assert!(e.contains("ring of 16 GPFIFO entries"), "{e}");
 }
 
 #[test]

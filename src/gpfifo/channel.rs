@@ -987,17 +987,41 @@ pub fn is_write_combined(placement: Placement) -> bool {
 
 /// Asks the CPU for the cache line at `p` with write ownership ahead of a store to it (`PREFETCHW`): a line the GPU
 /// has read since the CPU last wrote it is shared, and the store would otherwise wait for the ownership request.
-/// A hint: it never faults, and it is a no-op off x86-64.
+/// A hint: it never faults, it does nothing on CPUs that do not report the instruction, and off x86-64.
 #[inline(always)]
 pub fn prefetch_for_write(p: *const u8) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: PREFETCHW only hints the cache; it does not access memory architecturally and never faults, whatever
-    // the address. CPUs without it (before Broadwell) execute its opcode as a no-op.
-    unsafe {
-        std::arch::asm!("prefetchw [{0}]", in(reg) p, options(nostack, preserves_flags, readonly));
+    if write_prefetch_supported() {
+        // SAFETY: the CPU reports PREFETCHW (CPUID.80000001H:ECX.PRFCHW), which only hints the cache: it does not
+        // access memory architecturally, raises no page or protection fault for any address, and is ignored for
+        // memory that is not write-back cacheable.
+        unsafe {
+            std::arch::asm!("prefetchw [{0}]", in(reg) p, options(nostack, preserves_flags, readonly));
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
+}
+
+/// Whether the CPU reports `PREFETCHW` (CPUID.80000001H:ECX bit 8), read once.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn write_prefetch_supported() -> bool {
+    use std::sync::atomic::{AtomicU8, Ordering};
+    // 0: not read yet, 1: supported, 2: not supported.
+    static SUPPORTED: AtomicU8 = AtomicU8::new(0);
+    match SUPPORTED.load(Ordering::Relaxed) {
+        1 => true,
+        2 => false,
+        _ => {
+            // Leaf 0x80000000 gives the highest extended leaf; 0x80000001 is asked only when the CPU has it.
+            let max = std::arch::x86_64::__cpuid(0x8000_0000).eax;
+            let yes =
+                max >= 0x8000_0001 && std::arch::x86_64::__cpuid(0x8000_0001).ecx & (1 << 8) != 0;
+            SUPPORTED.store(if yes { 1 } else { 2 }, Ordering::Relaxed);
+            yes
+        }
+    }
 }
 
 /// Orders cached stores before the doorbell store: on x86 the CPU keeps stores in program order (write-combined and
@@ -1031,8 +1055,14 @@ mod tests {
         let words = [7u32; 64];
         prefetch_for_write(words.as_ptr().cast());
         assert!(words.iter().all(|&w| w == 7));
-        // Addresses nothing is mapped at: a hint, never an access.
-        for addr in [0usize, 8, 0xdead_0000, usize::MAX - 63] {
+        // Addresses nothing is mapped at, and a non-canonical one: a hint, never an access.
+        for addr in [
+            0usize,
+            8,
+            0xdead_0000,
+            usize::MAX - 63,
+            0x8000_0000_0000_0000,
+        ] {
             prefetch_for_write(addr as *const u8);
         }
     }

@@ -157,7 +157,8 @@ pub struct ComputeQueueConfig {
     /// payload and parameters, the pushbuffer's head, the ring's next entry or the next armed slot), so that its
     /// stores do not wait for it. On by default; it takes effect where the launch slots are in CPU-cached host
     /// memory ([`LaunchMemory::Host`]), whose lines the GPU's reads leave shared (write-combined mappings are not
-    /// cached). On an H100 host it took 30-90 ns off a prepared launch call (BENCHMARKS.md).
+    /// cached), and for the bodies of armed slots, which are always there. On an H100 host it took 36-65 ns off a
+    /// prepared launch call with fetched QMDs and 5-60 ns with inline ones (interleaved A/B, BENCHMARKS.md).
     pub prefetch_next: bool,
 }
 
@@ -441,8 +442,10 @@ pub struct ComputeQueue {
     /// again rewrites only the parameters and the release payload.
     slot_owner: Vec<u64>,
     inline_qmd: bool,
-    /// [`ComputeQueueConfig::prefetch_next`]: the address of the slots' CPU mapping, when lines are to be
-    /// prefetched (an address, not a pointer: it is only ever a prefetch hint, never dereferenced).
+    /// [`ComputeQueueConfig::prefetch_next`].
+    prefetch: bool,
+    /// The address of the slots' CPU mapping where they are CPU-cached and prefetched (an address, not a pointer:
+    /// it is only ever a prefetch hint, never dereferenced).
     prefetch_slots: Option<usize>,
     timeout: Duration,
     /// The chain being recorded by `record_launch_chained`, sent by `end_chain`.
@@ -614,6 +617,7 @@ impl ComputeQueue {
             cluster_shadow: vec![[0; CLUSTER_WORDS]; config.slots],
             slot_owner: vec![0; config.slots],
             inline_qmd: config.inline_qmd,
+            prefetch: config.prefetch_next,
             prefetch_slots,
             timeout: config.timeout,
             chain: None,
@@ -1001,16 +1005,21 @@ impl ComputeQueue {
     /// [`ComputeQueueConfig::prefetch_next`]: prefetches for writing what the next prepared launch writes.
     #[inline]
     fn prefetch_next(&self) {
-        let Some(base) = self.prefetch_slots else {
+        if !self.prefetch {
             return;
-        };
-        let slot = base + self.next_slot * SLOT_BYTES as usize;
-        if let Some(w) = qmd::release_payload_word(self.version) {
-            crate::gpfifo::prefetch_for_write((slot + w * 4) as *const u8);
         }
-        crate::gpfifo::prefetch_for_write(
-            (slot + (QMD_BYTES + DRIVER_BYTES as u64) as usize) as *const u8,
-        );
+        if let Some(base) = self.prefetch_slots {
+            let slot = base + self.next_slot * SLOT_BYTES as usize;
+            // An inline QMD's release payload travels in the pushbuffer, not the slot.
+            if !self.inline_qmd
+                && let Some(w) = qmd::release_payload_word(self.version)
+            {
+                crate::gpfifo::prefetch_for_write((slot + w * 4) as *const u8);
+            }
+            crate::gpfifo::prefetch_for_write(
+                (slot + (QMD_BYTES + DRIVER_BYTES as u64) as usize) as *const u8,
+            );
+        }
         self.queue.prefetch_next();
     }
 

@@ -285,8 +285,9 @@ impl ArmedSlots {
             completed = timeline.completed();
         }
         if needed_done > completed || free < 2 * half as u32 {
-            // The GPU is behind: a kick looks again once an earlier read shows that slot's value released.
-            self.retry_at = needed_done.max(1);
+            // The GPU is behind: a kick looks again once an earlier read shows that slot's value released, or (for a
+            // ring short of entries) shows the GPU has moved on at all.
+            self.retry_at = needed_done.max(completed + 1);
             return Ok(0);
         }
         self.retry_at = 0;

@@ -143,6 +143,17 @@ impl Queue {
     /// Builds the channel and binds its engine classes; waits (up to the configured timeout) until the GPU has
     /// run that first submission, so a queue that exists is known to work.
     pub fn new(core: &Arc<GpuCore>, config: QueueConfig) -> Result<Queue> {
+        if let Submission::Armed(a) = config.submission
+            && config.channel.entries <= 2 * a.slots
+        {
+            // Arming takes two entries per slot, half the slots at a time, beside what goes through the ring.
+            return Err(crate::gpfifo::Error::InvalidConfig(format!(
+                "armed submission with {} slots on a ring of {} GPFIFO entries: the ring needs more than twice as \
+                 many entries as slots",
+                a.slots, config.channel.entries
+            ))
+            .into());
+        }
         if matches!(config.submission, Submission::Armed(_)) && core.attachment().is_some() {
             // The channel would be one of CUDA's channel group: parked at its gate it would hold up (or, yielding,
             // switch out) the group that runs CUDA's own streams.
