@@ -1015,9 +1015,18 @@ fn write_prefetch_supported() -> bool {
         2 => false,
         _ => {
             // Leaf 0x80000000 gives the highest extended leaf; 0x80000001 is asked only when the CPU has it.
-            let max = std::arch::x86_64::__cpuid(0x8000_0000).eax;
-            let yes =
-                max >= 0x8000_0001 && std::arch::x86_64::__cpuid(0x8000_0001).ecx & (1 << 8) != 0;
+            // SAFETY: CPUID exists on every x86-64 CPU. (`__cpuid` is a safe function on newer toolchains and an
+            // unsafe one on the minimum supported Rust version, hence the allowance.)
+            #[allow(unused_unsafe)]
+            let max = unsafe { std::arch::x86_64::__cpuid(0x8000_0000) }.eax;
+            // SAFETY: as above.
+            #[allow(unused_unsafe)]
+            let ecx = if max >= 0x8000_0001 {
+                unsafe { std::arch::x86_64::__cpuid(0x8000_0001) }.ecx
+            } else {
+                0
+            };
+            let yes = ecx & (1 << 8) != 0;
             SUPPORTED.store(if yes { 1 } else { 2 }, Ordering::Relaxed);
             yes
         }
