@@ -1,7 +1,7 @@
 use std::fmt;
 use std::ptr::NonNull;
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
 
@@ -965,12 +965,23 @@ const XID_GRAPHICS_EXCEPTION: u32 = 13;
 
 fn read_fault(notifier: &Memory) -> Option<ChannelFault> {
     let off_info = std::mem::offset_of!(sys::NvNotificationRec, info32) as u64;
-    let w0 = notifier.read_u32_volatile(0).ok()?;
-    let w1 = notifier.read_u32_volatile(4).ok()?;
-    let info32 = notifier.read_u32_volatile(off_info).ok()?;
+    // The status word first: once it is set, the rest of the record is being written.
     let last = notifier.read_u32_volatile(off_info + 4).ok()?;
     let (info16, status) = (last as u16, (last >> 16) as u16);
-    (status != 0).then_some(ChannelFault {
+    if status == 0 {
+        return None;
+    }
+    // RM may set the status before the error code: a reader in between saw "error code 0" once (a polled queue's
+    // fault test, H100). Give the code a moment to land; a real error is never code 0.
+    let start = Instant::now();
+    let mut info32 = notifier.read_u32_volatile(off_info).ok()?;
+    while info32 == 0 && start.elapsed() < Duration::from_millis(10) {
+        std::hint::spin_loop();
+        info32 = notifier.read_u32_volatile(off_info).ok()?;
+    }
+    let w0 = notifier.read_u32_volatile(0).ok()?;
+    let w1 = notifier.read_u32_volatile(4).ok()?;
+    Some(ChannelFault {
         mmu: None,
         sm: None,
         status,
