@@ -23,18 +23,7 @@ const STAMPED: Release = Release {
 };
 
 fn queue(gpu: &Arc<GpuCore>, armed: Armed, entries: u32) -> Queue {
-    let config = QueueConfig {
-        channel: ChannelConfig {
-            entries,
-            compute: false,
-            copy: false,
-            ..ChannelConfig::default()
-        },
-        push_bytes: 64 << 10,
-        timeout: T,
-        submission: Submission::Armed(armed),
-        ..QueueConfig::default()
-    };
+    let config = sim::bare_queue_config(entries, T, Submission::Armed(armed));
     Queue::new(gpu, config).expect("armed queue on the simulated GPU")
 }
 
@@ -272,17 +261,7 @@ fn the_model_runs_a_prefetched_segment_as_it_was_fetched() {
     // What makes the `SYNC_WAIT` entries of armed slots necessary, checked on the model itself: a segment
     // rewritten after the front end fetched it ahead of a blocked acquire runs as fetched.
     let (gpu, sim) = Simulator::open(SimConfig::default()).unwrap();
-    let config = QueueConfig {
-        channel: ChannelConfig {
-            entries: 64,
-            compute: false,
-            copy: false,
-            ..ChannelConfig::default()
-        },
-        push_bytes: 64 << 10,
-        timeout: T,
-        ..QueueConfig::default()
-    };
+    let config = sim::bare_queue_config(64, T, Submission::Doorbell);
     let mut q = Queue::new(&gpu, config).unwrap();
     let token = q.channel().token();
     let aux = sim::host_page(&gpu);

@@ -4,8 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use apex::gpfifo::{ChannelConfig, Error as ChannelError};
-use apex::pushbuf::{Acquire, Error, Queue, QueueConfig, Release, Signal, Subchannel};
+use apex::gpfifo::Error as ChannelError;
+use apex::pushbuf::{Acquire, Error, Queue, Release, Signal, Subchannel, Submission};
 use apex::rm::sim::SimConfig;
 use apex::rm::{GpuCore, Memory};
 use apex::sim::{SimErrorKind, Simulator, XID_GRAPHICS, XID_MMU};
@@ -17,17 +17,7 @@ mod sim;
 const T: Duration = Duration::from_secs(30);
 
 fn queue(gpu: &Arc<GpuCore>, entries: u32, timeout: Duration) -> Queue {
-    let config = QueueConfig {
-        channel: ChannelConfig {
-            entries,
-            compute: false,
-            copy: false,
-            ..ChannelConfig::default()
-        },
-        push_bytes: 64 << 10,
-        timeout,
-        ..QueueConfig::default()
-    };
+    let config = sim::bare_queue_config(entries, timeout, Submission::Doorbell);
     Queue::new(gpu, config).expect("queue on the simulated GPU")
 }
 

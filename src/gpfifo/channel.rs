@@ -753,13 +753,9 @@ impl Channel {
             self.userd_word(std::mem::offset_of!(sys::HopperAControlGPFifo, GPPut))
                 .write_volatile(put)
         };
-        if self.write_combined {
-            store_fence();
-        } else {
-            // Cached stores are ordered before the uncached doorbell store by the CPU itself (x86: stores are not
-            // reordered with older stores); only the compiler must keep them in order.
-            cached_store_order();
-        }
+        // Cached stores are ordered before the uncached doorbell store by the CPU itself (x86: stores are not
+        // reordered with older stores); write-combined ones need the store fence.
+        self.order_stores();
         // SAFETY: the doorbell word lies inside the usermode page, which the GpuCore we hold keeps mapped.
         unsafe { self.doorbell.as_ptr().write_volatile(self.token) };
     }

@@ -762,8 +762,7 @@ impl ComputeQueue {
     ) -> Result<Fence> {
         // SAFETY: forwarded.
         let fence = unsafe { self.record_launch(kernel, cfg, args)? };
-        self.queue.kick();
-        self.prefetch_next();
+        self.send_launch_now();
         Ok(fence)
     }
 
@@ -873,8 +872,7 @@ impl ComputeQueue {
     ) -> Result<Fence> {
         // SAFETY: forwarded.
         let fence = unsafe { self.record_launch_programmatic(kernel, cfg, args)? };
-        self.queue.kick();
-        self.prefetch_next();
+        self.send_launch_now();
         Ok(fence)
     }
 
@@ -964,8 +962,7 @@ impl ComputeQueue {
     ) -> Result<Fence> {
         // SAFETY: forwarded.
         let fence = unsafe { self.record_prepared(prepared, args)? };
-        self.queue.kick();
-        self.prefetch_next();
+        self.send_launch_now();
         Ok(fence)
     }
 
@@ -997,12 +994,19 @@ impl ComputeQueue {
         args: &[Arg<'_>],
     ) -> Result<u64> {
         let value = self.record_prepared_as(prepared, args, Order::Stream)?;
-        self.queue.kick();
-        self.prefetch_next();
+        self.send_launch_now();
         Ok(value)
     }
 
-    /// [`ComputeQueueConfig::prefetch_next`]: prefetches for writing what the next prepared launch writes.
+    /// Sends the launch just recorded (the doorbell, or the gate of a polled queue), then prefetches for writing
+    /// what the next launch writes.
+    #[inline]
+    fn send_launch_now(&mut self) {
+        self.queue.kick();
+        self.prefetch_next();
+    }
+
+    /// [`ComputeQueueConfig::prefetch_next`]: prefetches for writing what the next launch writes.
     #[inline]
     fn prefetch_next(&self) {
         if !self.prefetch {
@@ -1041,8 +1045,7 @@ impl ComputeQueue {
         args: &[Arg<'_>],
     ) -> Result<Fence> {
         let value = self.record_prepared_as(prepared, args, Order::Programmatic)?;
-        self.queue.kick();
-        self.prefetch_next();
+        self.send_launch_now();
         Ok(self.queue.fence_for(value))
     }
 

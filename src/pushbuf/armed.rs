@@ -187,6 +187,11 @@ impl ArmedSlots {
         crate::gpfifo::prefetch_for_write(self.words.as_ptr().wrapping_add(start).cast());
     }
 
+    /// Slots armed and not yet filled.
+    pub(super) fn empty(&self) -> u64 {
+        self.armed - self.next
+    }
+
     /// Whether a submission of `words` method words can go into the next armed slot now.
     #[inline]
     pub(super) fn fits(&self, words: usize) -> bool {
@@ -317,12 +322,5 @@ impl ArmedSlots {
             armed += 1;
         }
         Ok(armed)
-    }
-}
-
-impl ArmedSlots {
-    /// Slots armed and not yet filled.
-    pub(super) fn empty(&self) -> u64 {
-        self.armed - self.next
     }
 }

@@ -136,6 +136,24 @@ pub struct Queue {
     armed: Option<ArmedSlots>,
 }
 
+/// Records a submission into `words` (a reservation of the ring, or an armed slot's body): its methods, then for
+/// [`Signal::Host`] the release of `value` on the timeline at `timeline_va`. Returns the words used.
+#[inline]
+fn fill(
+    words: &mut [u32],
+    timeline_va: u64,
+    value: u64,
+    signal: Signal,
+    f: impl FnOnce(&mut Push<'_>, u64),
+) -> Result<usize> {
+    let mut push = Push::new(words);
+    f(&mut push, value);
+    if signal == Signal::Host {
+        push.sem_release(timeline_va, value, Release::AFTER_IDLE_64);
+    }
+    Ok(push.finish()?)
+}
+
 impl Queue {
     /// The longest run of prebuilt methods one [`push_prebuilt`](Self::push_prebuilt) takes (one GPFIFO entry).
     pub const MAX_PREBUILT_DWORDS: u64 = crate::gpfifo::GpEntry::MAX_DWORDS;
@@ -285,14 +303,9 @@ impl Queue {
             if armed.fits(words) {
                 // The slot's body is the pushbuffer; as in the ring, the submission gets the words it asked for.
                 let mut body = armed.body(words);
-                let mut push = Push::new(body.words());
-                f(&mut push, value);
-                if signal == Signal::Host {
-                    push.sem_release(self.timeline.va(), value, Release::AFTER_IDLE_64);
-                }
                 // On an overflow the body is left empty again (the guard's drop), so the slot never runs a
                 // fragment once its gate opens.
-                let used = push.finish()?;
+                let used = fill(body.words(), self.timeline.va(), value, signal, f)?;
                 body.keep();
                 armed.commit(used, value);
                 self.last = value;
@@ -316,12 +329,8 @@ impl Queue {
         let (va, words) = self
             .space
             .reserve(max_words + extra, &self.timeline, self.timeout)?;
-        let mut push = Push::new(words);
-        f(&mut push, value);
-        if signal == Signal::Host {
-            push.sem_release(self.timeline.va(), value, Release::AFTER_IDLE_64);
-        }
-        let used = push.finish()?;
+        let timeline_va = self.timeline.va();
+        let used = fill(words, timeline_va, value, signal, f)?;
         self.channel.push(va, used as u64, self.timeout)?;
         self.space.commit(va, used, value);
         self.last = value;

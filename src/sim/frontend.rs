@@ -252,57 +252,61 @@ impl ChannelModel {
                 self.load_words(&words);
                 continue;
             }
-            let put = if self.fetch_on_doorbell {
-                self.doorbell_put.unwrap_or(self.get)
-            } else {
-                view.read_u32(self.ch.userd_va + GP_PUT)
-                    .map_err(mmu("USERD"))?
-            };
-            if put >= self.ch.entries {
-                return Err(SimErrorKind::BadGpPut {
-                    put,
-                    entries: self.ch.entries,
-                });
-            }
-            if put == self.get {
+            let Some(entry) = self.next_entry(view)? else {
                 return Ok(progress);
-            }
-            let slot = self.ch.ring_va + u64::from(self.get) * 8;
-            let entry = GpEntry(view.read_u64(slot).map_err(mmu("GPFIFO ring"))?);
-            self.get = (self.get + 1) % self.ch.entries;
-            view.write_u32(self.ch.userd_va + GP_GET, self.get)
-                .map_err(mmu("USERD"))?;
-            self.stats.entries += 1;
-            self.stats.gp_get = self.get;
+            };
+            self.take_entry(view)?;
             fetched += 1;
             progress = true;
             self.load(entry, view)?;
         }
     }
 
+    /// The GPFIFO entry at GP_GET, if GP_PUT (as this model fetches: from USERD, or as the last doorbell read it)
+    /// is past it.
+    fn next_entry(&self, view: &SimView<'_>) -> Result<Option<GpEntry>, SimErrorKind> {
+        let put = if self.fetch_on_doorbell {
+            self.doorbell_put.unwrap_or(self.get)
+        } else {
+            view.read_u32(self.ch.userd_va + GP_PUT)
+                .map_err(mmu("USERD"))?
+        };
+        if put >= self.ch.entries {
+            return Err(SimErrorKind::BadGpPut {
+                put,
+                entries: self.ch.entries,
+            });
+        }
+        if put == self.get {
+            return Ok(None);
+        }
+        let slot = self.ch.ring_va + u64::from(self.get) * 8;
+        Ok(Some(GpEntry(
+            view.read_u64(slot).map_err(mmu("GPFIFO ring"))?,
+        )))
+    }
+
+    /// Moves GP_GET past the entry [`next_entry`](Self::next_entry) returned, and tells USERD.
+    fn take_entry(&mut self, view: &SimView<'_>) -> Result<(), SimErrorKind> {
+        self.get = (self.get + 1) % self.ch.entries;
+        view.write_u32(self.ch.userd_va + GP_GET, self.get)
+            .map_err(mmu("USERD"))?;
+        self.stats.entries += 1;
+        self.stats.gp_get = self.get;
+        Ok(())
+    }
+
     /// While the channel is blocked: fetches the segments of the entries after the current one, up to one marked
     /// to be fetched only after the methods before it.
     fn prefetch(&mut self, view: &SimView<'_>) -> Result<(), SimErrorKind> {
         while self.prefetched.len() < PREFETCH_ENTRIES {
-            let put = if self.fetch_on_doorbell {
-                self.doorbell_put.unwrap_or(self.get)
-            } else {
-                view.read_u32(self.ch.userd_va + GP_PUT)
-                    .map_err(mmu("USERD"))?
+            let entry = match self.next_entry(view) {
+                Ok(Some(e)) if !e.is_fetched_after_previous() => e,
+                // A bad GP_PUT faults when the channel fetches next, not while it waits.
+                Ok(_) | Err(SimErrorKind::BadGpPut { .. }) => return Ok(()),
+                Err(e) => return Err(e),
             };
-            if put >= self.ch.entries || put == self.get {
-                return Ok(());
-            }
-            let slot = self.ch.ring_va + u64::from(self.get) * 8;
-            let entry = GpEntry(view.read_u64(slot).map_err(mmu("GPFIFO ring"))?);
-            if entry.is_fetched_after_previous() {
-                return Ok(());
-            }
-            self.get = (self.get + 1) % self.ch.entries;
-            view.write_u32(self.ch.userd_va + GP_GET, self.get)
-                .map_err(mmu("USERD"))?;
-            self.stats.entries += 1;
-            self.stats.gp_get = self.get;
+            self.take_entry(view)?;
             self.stats.prefetched += 1;
             let words = if entry.dwords() == 0 {
                 Vec::new()

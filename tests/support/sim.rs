@@ -5,7 +5,11 @@
 
 use std::sync::Arc;
 
+use std::time::Duration;
+
+use apex::gpfifo::ChannelConfig;
 use apex::launch::{ComputeQueue, ComputeQueueConfig, Module};
+use apex::pushbuf::{QueueConfig, Submission};
 use apex::rm::sim::SimConfig;
 use apex::rm::{GpuCore, Memory, MemoryDesc, Placement};
 use apex::sim::Simulator;
@@ -35,4 +39,21 @@ pub fn host_page(gpu: &Arc<GpuCore>) -> Memory {
     .unwrap();
     m.fill(0, 0x1000, 0).unwrap();
     m
+}
+
+/// A bare pushbuffer queue's configuration (no engine objects bound): `entries` GPFIFO entries, a 64 KiB
+/// pushbuffer, waits of up to `timeout`, work sent as `submission` says.
+pub fn bare_queue_config(entries: u32, timeout: Duration, submission: Submission) -> QueueConfig {
+    QueueConfig {
+        channel: ChannelConfig {
+            entries,
+            compute: false,
+            copy: false,
+            ..ChannelConfig::default()
+        },
+        push_bytes: 64 << 10,
+        timeout,
+        submission,
+        ..QueueConfig::default()
+    }
 }
