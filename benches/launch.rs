@@ -5,6 +5,8 @@
 //! Groups (each measures both paths):
 //! - `submit`: CPU cost of one launch call (the queue is drained outside the timed part every 256 launches), also
 //!   for prepared launches with the launch memory in video and in host memory;
+//! - `submit_isolated`: one prepared call at a time (returning its timeline value), each after a full fence and
+//!   2 µs of other work, so that the previous call's doorbell no longer holds up its stores; cuLaunchKernel alike;
 //! - `launch_to_completion`: one launch, then wait until the CPU sees it complete;
 //! - `dependent_1000`: 1000 launches in stream order and one wait, per launch;
 //! - `batched_1000`: the same 1000 launches under one doorbell (direct), as one chain of QMDs (direct) and as a
@@ -136,6 +138,36 @@ fn benches(c: &mut Criterion) {
     g.bench_function("cuLaunchKernel", |b| {
         b.iter_custom(|iters| {
             in_bursts(iters, &mut p, Paths::cuda, |p, ()| {
+                p.stream.synchronize().expect("drain")
+            })
+        })
+    });
+    g.finish();
+
+    // One call at a time, isolated: each timed call starts after a full fence and 2 µs of spinning, so that the
+    // previous call's stores and uncached doorbell have left the CPU (a caller doing other work between launches).
+    // The calls return the timeline value, not a fence (no reference count).
+    let mut g = c.benchmark_group("submit_isolated");
+    for (name, q) in [
+        ("apex_prepared_value", &mut p.q),
+        ("apex_prepared_value_host", &mut p.q_host),
+    ] {
+        let prepared = q.prepare_launch(&p.k, &ONE).expect("prepare");
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                isolated(
+                    iters,
+                    q,
+                    // SAFETY: the empty kernel touches no memory.
+                    |q| unsafe { q.launch_prepared_value(&prepared, &[]) }.expect("launch"),
+                    |q| q.synchronize().expect("drain"),
+                )
+            })
+        });
+    }
+    g.bench_function("cuLaunchKernel", |b| {
+        b.iter_custom(|iters| {
+            isolated(iters, &mut p, Paths::cuda, |p| {
                 p.stream.synchronize().expect("drain")
             })
         })
@@ -281,6 +313,32 @@ fn in_bursts<S: ?Sized, F>(
         drain(state, last);
         left -= n;
     }
+    total
+}
+
+/// Times `iters` calls of `launch` one at a time, each after a full fence and 2 µs of spinning (untimed), draining
+/// every 64 calls.
+fn isolated<S: ?Sized, F>(
+    iters: u64,
+    state: &mut S,
+    launch: impl Fn(&mut S) -> F,
+    drain: impl Fn(&mut S),
+) -> Duration {
+    let mut total = Duration::ZERO;
+    for i in 0..iters {
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        let gap = Instant::now();
+        while gap.elapsed() < Duration::from_micros(2) {
+            std::hint::spin_loop();
+        }
+        let t = Instant::now();
+        black_box(launch(state));
+        total += t.elapsed();
+        if i % 64 == 63 {
+            drain(state);
+        }
+    }
+    drain(state);
     total
 }
 

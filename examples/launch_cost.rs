@@ -13,6 +13,9 @@
 //!   same queue: the floor the launch → completion target is measured against;
 //! - `launch_prepared_value`: the prepared call returning its timeline value instead of a fence (no reference
 //!   count taken or dropped);
+//! - `..., isolated`: the call timed after a full fence and `APEX_GAP_NS` (default 2000) of spinning, so that the
+//!   previous call's stores and uncached doorbell have left the CPU (as for a caller that does other work between
+//!   launches; back to back, each call also waits behind the previous one's doorbell); cuLaunchKernel the same way;
 //! - `api ...`: the same prepared call through the public `apex::Queue`, returning a fence and returning a ticket, per
 //!   queue option (and on the driver backend).
 //!
@@ -63,6 +66,16 @@ fn stats(ns: &[f64]) -> (f64, f64, f64) {
     (s[0], s[n / 2], s[n * 99 / 100])
 }
 
+/// Lets the previous call's stores leave the CPU (a full fence), then spins for `gap`: the next timed call starts
+/// with empty store buffers and with the GPU having fetched what it was sent.
+fn settle(gap: Duration) {
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    let t = Instant::now();
+    while t.elapsed() < gap {
+        std::hint::spin_loop();
+    }
+}
+
 fn ns(t: Instant) -> f64 {
     t.elapsed().as_nanos() as f64
 }
@@ -72,6 +85,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(20_000);
+    // APEX_GAP_NS: the time between isolated calls (default 2000 ns).
+    let gap = Duration::from_nanos(
+        std::env::var("APEX_GAP_NS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(2000),
+    );
     // The CUDA driver first: it places its own address ranges before APEX reserves its own.
     let ctx = driver::Context::new(0)?;
     let gpu = GpuCore::open(0)?;
@@ -193,6 +213,29 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 ns: v,
             })
         };
+        // The same call isolated: the previous call's stores (and its uncached doorbell) have left the CPU and the
+        // GPU has had time to fetch them before the timed call starts, as for a caller doing other work between
+        // launches. Back to back (above), each call also waits behind the one before's doorbell.
+        let isolated = |name: &str,
+                        q: &mut ComputeQueue,
+                        call: &mut dyn FnMut(&mut ComputeQueue) -> apex::launch::Result<()>|
+         -> apex::launch::Result<Row> {
+            let mut v = Vec::with_capacity(samples);
+            for r in 0..samples {
+                settle(gap);
+                let t = Instant::now();
+                call(q)?;
+                v.push(ns(t));
+                if r % BURST == BURST - 1 {
+                    q.synchronize()?;
+                }
+            }
+            q.synchronize()?;
+            Ok(Row {
+                name: format!("{tag}: {name}, isolated"),
+                ns: v,
+            })
+        };
         // APEX_PROFILE_CALLS=N: only N prepared calls, one at a time as below, for a profiler.
         if let Some(n) = env("APEX_PROFILE_CALLS") {
             let t = Instant::now();
@@ -219,6 +262,21 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             "call, launch_prepared_value (empty)",
             &mut q,
             &mut |q| unsafe { q.launch_prepared_value(&pe, &[]) }.map(drop),
+        )?);
+        rows.push(isolated(
+            "call, launch_prepared_value (empty)",
+            &mut q,
+            &mut |q| unsafe { q.launch_prepared_value(&pe, &[]) }.map(drop),
+        )?);
+        rows.push(isolated(
+            "call, launch_prepared (empty)",
+            &mut q,
+            &mut |q| unsafe { q.launch_prepared(&pe, &[]) }.map(drop),
+        )?);
+        rows.push(isolated(
+            "call, launch_prepared_value (3 parameters)",
+            &mut q,
+            &mut |q| unsafe { q.launch_prepared_value(&ps, &step_args) }.map(drop),
         )?);
         rows.push(per_call(
             "call, launch_prepared (3 parameters)",
@@ -337,7 +395,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         });
         // Every chain_step launch added one, in order.
         let got = value.read_u64_volatile(0)?;
-        let want = 2000 + samples as u64;
+        let want = 2000 + 2 * samples as u64;
         if got != want {
             return Err(format!(
                 "chain_step left {got}, expected {want}: a launch was lost or repeated"
@@ -496,6 +554,22 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 }
             }
             q.synchronize()?;
+            let mut ticket_isolated = Vec::with_capacity(samples);
+            for r in 0..samples {
+                settle(gap);
+                let t = Instant::now();
+                // SAFETY: as above.
+                unsafe { q.launch_prepared_ticket(&p, &[]) }?;
+                ticket_isolated.push(ns(t));
+                if r % BURST == BURST - 1 {
+                    q.synchronize()?;
+                }
+            }
+            q.synchronize()?;
+            rows.push(Row {
+                name: format!("{tag}: call, Queue::launch_prepared_ticket (empty), isolated"),
+                ns: ticket_isolated,
+            });
             rows.push(Row {
                 name: format!("{tag}: call, Queue::launch_prepared (empty)"),
                 ns: fenced,
@@ -526,6 +600,17 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     stream.synchronize()?;
+    let mut call_isolated = Vec::with_capacity(samples);
+    for r in 0..samples {
+        settle(gap);
+        let t = Instant::now();
+        cuda(&mut stream)?;
+        call_isolated.push(ns(t));
+        if r % BURST == BURST - 1 {
+            stream.synchronize()?;
+        }
+    }
+    stream.synchronize()?;
     for _ in 0..samples {
         let t = Instant::now();
         cuda(&mut stream)?;
@@ -535,6 +620,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     rows.push(Row {
         name: "cuda: call, cuLaunchKernel (empty)".into(),
         ns: call,
+    });
+    rows.push(Row {
+        name: "cuda: call, cuLaunchKernel (empty), isolated".into(),
+        ns: call_isolated,
     });
     rows.push(Row {
         name: "cuda: completion (cuLaunchKernel + cuStreamSynchronize)".into(),
@@ -572,7 +661,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
 
     let cuda_call = rows
         .iter()
-        .find(|r| r.name.starts_with("cuda: call"))
+        .find(|r| r.name == "cuda: call, cuLaunchKernel (empty)")
+        .map_or(f64::NAN, |r| stats(&r.ns).1);
+    let cuda_isolated = rows
+        .iter()
+        .find(|r| r.name == "cuda: call, cuLaunchKernel (empty), isolated")
         .map_or(f64::NAN, |r| stats(&r.ns).1);
     println!(
         "{:<72} {:>9} {:>9} {:>9} {:>9}",
@@ -580,7 +673,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     );
     for r in &rows {
         let (min, med, p99) = stats(&r.ns);
-        let ratio = if r.name.contains("call") {
+        // Isolated calls against cuLaunchKernel isolated the same way.
+        let ratio = if r.name.contains("call") && r.name.ends_with(", isolated") {
+            format!("{:.2}", cuda_isolated / med)
+        } else if r.name.contains("call") {
             format!("{:.2}", cuda_call / med)
         } else {
             String::new()

@@ -494,3 +494,84 @@ fn bad_launches_are_refused_before_the_ring() {
     .unwrap();
     assert!(fat.kernel("saxpy").is_ok());
 }
+
+/// A launch's completion, once the CPU sees it, covers the kernel's writes to host memory: the grid's system
+/// membar before the release. Built with `CWD_MEMBAR_TYPE` none instead, this test failed in each of three runs
+/// within the first six launches (H100), with a value still the previous launch's. Each launch
+/// adds 1 to every element of a 4 MiB host buffer; the CPU reads the last CTAs' elements and random ones as soon as
+/// the fence completes. Ordinary, prepared, and chained launches (the chain's end carries the release), 1000 each.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn completion_covers_the_kernels_writes_to_host_memory() {
+    use apex::rm::Placement;
+    let mut c = Ctx::new();
+    let saxpy = c.kernel("saxpy");
+    let n: u32 = 1 << 20;
+    let bytes = 4 * u64::from(n);
+    let x = c.buffer(bytes);
+    write_f32s(&x, &vec![1.0; n as usize]);
+    let y = Memory::alloc(
+        &c.gpu,
+        MemoryDesc::video(bytes)
+            .with_cpu()
+            .placement(Placement::SystemCached),
+    )
+    .unwrap();
+    y.fill(0, bytes, 0).unwrap();
+    let cfg = LaunchConfig {
+        grid: [n / 256, 1, 1],
+        block: [256, 1, 1],
+        shared_bytes: 0,
+        cluster: None,
+    };
+    let args = [
+        Arg::F32(1.0),
+        Arg::Ptr(x.va()),
+        Arg::Ptr(y.va()),
+        Arg::U32(n),
+    ];
+    let prepared = c.q.prepare_launch(&saxpy, &cfg).unwrap();
+    let mut rng = Rng::new();
+    let (mut stale, mut first) = (0u64, None);
+    let rounds = 1000u32;
+    let mut want = 0.0f32;
+    for how in 0..3 {
+        for round in 0..rounds {
+            // SAFETY: x and y hold n floats; nothing else touches them while the queue runs.
+            let fence = unsafe {
+                match how {
+                    0 => c.q.launch(&saxpy, &cfg, &args),
+                    1 => c.q.launch_prepared(&prepared, &args),
+                    _ => {
+                        c.q.record_launch_chained(&saxpy, &cfg, &args).unwrap();
+                        c.q.record_launch_chained(&saxpy, &cfg, &args).unwrap();
+                        c.q.end_chain()
+                    }
+                }
+            }
+            .unwrap();
+            fence.wait(T).unwrap();
+            want += if how == 2 { 2.0 } else { 1.0 };
+            let mut check = |i: u32| {
+                let v = f32::from_bits(y.read_u32_volatile(4 * u64::from(i)).unwrap());
+                if v != want {
+                    stale += 1;
+                    first.get_or_insert((round, how, i, v, want));
+                }
+            };
+            for i in n - 512..n {
+                check(i);
+            }
+            for _ in 0..64 {
+                check((rng.next() % u64::from(n)) as u32);
+            }
+        }
+    }
+    assert_eq!(
+        stale, 0,
+        "values not yet visible when completion was seen; first (round, launch kind, index, read, expected): {first:?}"
+    );
+    // Everything landed in the end.
+    let all = read_u32s(&y, n as usize);
+    assert!(all.iter().all(|&b| f32::from_bits(b) == want));
+}
