@@ -194,12 +194,19 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         q.synchronize()?;
 
         // One launch call at a time; drained outside the timed calls.
-        let per_call = |name: &str,
-                        q: &mut ComputeQueue,
-                        call: &mut dyn FnMut(&mut ComputeQueue) -> apex::launch::Result<()>|
+        // `isolated`: each call after `settle`, so the previous call's stores (and its uncached doorbell) have left
+        // the CPU and the GPU has fetched them before the timed call starts, as for a caller doing other work between
+        // launches. Otherwise back to back, where each call also waits behind the one before's doorbell.
+        let series = |name: &str,
+                      isolated: bool,
+                      q: &mut ComputeQueue,
+                      call: &mut dyn FnMut(&mut ComputeQueue) -> apex::launch::Result<()>|
          -> apex::launch::Result<Row> {
             let mut v = Vec::with_capacity(samples);
             for r in 0..samples {
+                if isolated {
+                    settle(gap);
+                }
                 let t = Instant::now();
                 call(q)?;
                 v.push(ns(t));
@@ -208,34 +215,24 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 }
             }
             q.synchronize()?;
+            let suffix = if isolated { ", isolated" } else { "" };
             Ok(Row {
-                name: format!("{tag}: {name}"),
+                name: format!("{tag}: {name}{suffix}"),
                 ns: v,
             })
         };
-        // The same call isolated: the previous call's stores (and its uncached doorbell) have left the CPU and the
-        // GPU has had time to fetch them before the timed call starts, as for a caller doing other work between
-        // launches. Back to back (above), each call also waits behind the one before's doorbell.
-        let isolated = |name: &str,
-                        q: &mut ComputeQueue,
-                        call: &mut dyn FnMut(&mut ComputeQueue) -> apex::launch::Result<()>|
-         -> apex::launch::Result<Row> {
-            let mut v = Vec::with_capacity(samples);
-            for r in 0..samples {
-                settle(gap);
-                let t = Instant::now();
-                call(q)?;
-                v.push(ns(t));
-                if r % BURST == BURST - 1 {
-                    q.synchronize()?;
-                }
-            }
-            q.synchronize()?;
-            Ok(Row {
-                name: format!("{tag}: {name}, isolated"),
-                ns: v,
-            })
-        };
+        let per_call =
+            |name: &str,
+             q: &mut ComputeQueue,
+             call: &mut dyn FnMut(&mut ComputeQueue) -> apex::launch::Result<()>| {
+                series(name, false, q, call)
+            };
+        let isolated =
+            |name: &str,
+             q: &mut ComputeQueue,
+             call: &mut dyn FnMut(&mut ComputeQueue) -> apex::launch::Result<()>| {
+                series(name, true, q, call)
+            };
         // APEX_PROFILE_CALLS=N: only N prepared calls, one at a time as below, for a profiler.
         if let Some(n) = env("APEX_PROFILE_CALLS") {
             let t = Instant::now();
