@@ -24,7 +24,8 @@
 //! host+armed+fetch, video+armed+inline, and host, host+inline, host+armed+fetch, host+armed with "+pf") the
 //! configurations measured ("armed" is polled submission, `Submission::Armed`; "+pf" prefetches the next launch's
 //! lines for writing, `ComputeQueueConfig::prefetch_next`, which the host configurations without it turn off);
-//! with it, `APEX_PUBLIC=1` adds the public-API series and `APEX_AB=1` the interleaved prefetch A/B; `APEX_REVERSE=1` runs the configurations in reverse order;
+//! with it, `APEX_PUBLIC=1` adds the public-API series, `APEX_AB=1` the interleaved prefetch A/B and `APEX_QMD_AB=1`
+//! the interleaved QMD read-ahead A/B (`ComputeQueueConfig::prefetch_qmds`); `APEX_REVERSE=1` runs the configurations in reverse order;
 //! `APEX_ARMED=slots,words` sets the armed shape; `APEX_PUSH_BYTES` and `APEX_SLOTS` the pushbuffer size and
 //! launch slots.
 
@@ -488,6 +489,69 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                     ns: v,
                 });
             }
+        }
+    }
+
+    // The QMD read-ahead A/B (`ComputeQueueConfig::prefetch_qmds`), interleaved as above: video launch memory, two
+    // queues alike but for it. What the five more pushbuffer words cost an isolated call, and what reading the QMD
+    // ahead of the wait saves a dependent launch.
+    if std::env::var("APEX_CONFIGS").is_err() || std::env::var("APEX_QMD_AB").is_ok() {
+        let mut pair = Vec::new();
+        for read_ahead in [false, true] {
+            let config = ComputeQueueConfig {
+                prefetch_qmds: read_ahead,
+                ..ComputeQueueConfig::default()
+            };
+            let mut q = ComputeQueue::new(&gpu, config)?;
+            let k = Module::load(&gpu, CUBIN)?.kernel("empty")?;
+            let p = q.prepare_launch(&k, &ONE)?;
+            for _ in 0..2000 {
+                // SAFETY: the empty kernel touches no memory.
+                unsafe { q.launch_prepared_value(&p, &[]) }?;
+            }
+            q.synchronize()?;
+            pair.push((q, p, Vec::with_capacity(samples), Vec::new()));
+        }
+        for r in 0..samples / BURST {
+            let first = r % 2;
+            for i in [first, 1 - first] {
+                let (q, p, v, _) = &mut pair[i];
+                for _ in 0..BURST {
+                    settle(gap);
+                    let t = Instant::now();
+                    // SAFETY: as above.
+                    unsafe { q.launch_prepared_value(p, &[]) }?;
+                    v.push(ns(t));
+                }
+                q.synchronize()?;
+            }
+        }
+        for r in 0..(samples / 200).max(10) {
+            let first = r % 2;
+            for i in [first, 1 - first] {
+                let (q, p, _, dep) = &mut pair[i];
+                let t = Instant::now();
+                for _ in 0..1000 {
+                    // SAFETY: as above.
+                    unsafe { q.launch_prepared_value(p, &[]) }?;
+                }
+                q.synchronize()?;
+                dep.push(ns(t) / 1000.0);
+            }
+        }
+        for ((_, _, v, dep), name) in pair.into_iter().zip(["without", "with"]) {
+            rows.push(Row {
+                name: format!(
+                    "video: call, launch_prepared_value, interleaved, {name} the QMD read-ahead, isolated"
+                ),
+                ns: v,
+            });
+            rows.push(Row {
+                name: format!(
+                    "video: dependent x1000, interleaved, {name} the QMD read-ahead, per launch"
+                ),
+                ns: dep,
+            });
         }
     }
 

@@ -150,6 +150,15 @@ fn programmatic_launches_run_in_order_through_the_gates_and_fall_back_after_othe
         }
     }
     assert_eq!(waits, scheduled);
+    // A gated QMD changes as the work distributor runs it: never read ahead of its launch. The plain launches
+    // that waited were.
+    for l in launches {
+        assert!(
+            !(l.prefetched && l.latch_arrive.is_some()),
+            "a gated launch ran from a copy read ahead"
+        );
+    }
+    assert!(launches.iter().any(|l| l.prefetched));
     let end = stats(&sim);
     assert!(scheduled > 100, "{scheduled}");
     // Each gate-scheduled launch: its gate ran once as a null grid after two count-downs, the pre-exit of the
@@ -164,6 +173,7 @@ struct Steps {
     programmatic: bool,
     null_grids: u64,
     decrements: u64,
+    qmd_prefetches: u64,
 }
 
 fn programmatic_steps(config: ComputeQueueConfig, n: u32) -> Steps {
@@ -193,6 +203,7 @@ fn programmatic_steps(config: ComputeQueueConfig, n: u32) -> Steps {
         programmatic: q.is_programmatic(),
         null_grids: end.null_grids - start.null_grids,
         decrements: end.decrements - start.decrements,
+        qmd_prefetches: end.qmd_prefetches - start.qmd_prefetches,
     }
 }
 
@@ -230,6 +241,8 @@ fn a_queue_needs_two_slots_for_gates() {
                 s.null_grids, 11,
                 "{slots} slots: every launch after the first scheduled by a gate"
             );
+            // A gated QMD changes as the work distributor runs it: never read ahead of its launch.
+            assert_eq!(s.qmd_prefetches, 0, "{slots} slots");
         }
     }
 }

@@ -124,6 +124,87 @@ fn every_launch_carries_its_own_arguments_with(config: ComputeQueueConfig) {
         .unwrap()
         .inline_qmds;
     assert_eq!(inline > 0, config.inline_qmd, "{inline} inline QMDs");
+    // A fetched QMD that waits for the launch before it is read ahead of that wait, and runs as read then.
+    let stats = sim.stats_for(q.queue().channel().token()).unwrap();
+    assert_eq!(
+        stats.qmd_prefetches > 0,
+        !config.inline_qmd,
+        "{} QMDs read ahead",
+        stats.qmd_prefetches
+    );
+    assert_eq!(stats.prefetched_runs, stats.qmd_prefetches);
+}
+
+/// A launch in stream order whose QMD the GPU fetches has the work distributor read that QMD before the front end
+/// waits for the launch ahead of it (PCAS INVALIDATE, then PREFETCH), and launch the copy once the wait is over
+/// (PREFETCH_SCHEDULE), so that the fetch overlaps the work ahead. The model runs the copy read at the prefetch,
+/// not what memory holds at the launch, so each launch carrying its own arguments shows the QMD was final when it
+/// was read. Launches whose predecessor the CPU already saw complete need no wait and are launched as before.
+#[test]
+fn launches_that_wait_have_their_qmds_read_ahead_of_the_wait() {
+    for memory in [LaunchMemory::Video, LaunchMemory::Host] {
+        let mut config = ComputeQueueConfig::default().with_memory(memory);
+        config.inline_qmd = false;
+        let (gpu, sim, mut q, module) = setup(config);
+        let step = module.kernel("chain_step").unwrap();
+        let out = sim::host_page(&gpu);
+        let prepared = q
+            .prepare_launch(&step, &LaunchConfig::linear(1, 1))
+            .unwrap();
+        let token = q.queue().channel().token();
+        let start = sim.stats_for(token).unwrap();
+        let before = sim.launches().len();
+        let n = 300u64;
+        let mut last = None;
+        for i in 0..n {
+            let args = [Arg::Ptr(out.va()), Arg::U64(i), Arg::U64(1)];
+            // SAFETY: the model does not execute kernels.
+            last = Some(
+                unsafe {
+                    if i % 3 == 0 {
+                        q.launch(&step, &LaunchConfig::linear(1, 1), &args)
+                    } else {
+                        q.launch_prepared(&prepared, &args)
+                    }
+                }
+                .unwrap(),
+            );
+        }
+        last.unwrap().wait(T).unwrap();
+        assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+        let got: Vec<u64> = sim.launches()[before..]
+            .iter()
+            .map(|l| u64::from_le_bytes(l.params[8..16].try_into().unwrap()))
+            .collect();
+        assert_eq!(
+            got,
+            (0..n).collect::<Vec<_>>(),
+            "{memory:?}: in order, each once"
+        );
+        let end = sim.stats_for(token).unwrap();
+        let prefetches = end.qmd_prefetches - start.qmd_prefetches;
+        // The queue learns of completions only when it reads the timeline (for a slot to reuse): most launches still
+        // have a predecessor it has not seen complete.
+        assert!(
+            prefetches > n / 2 && prefetches <= n,
+            "{memory:?}: {prefetches} of {n}"
+        );
+        assert_eq!(end.prefetched_runs - start.prefetched_runs, prefetches);
+    }
+    // Inline QMDs travel in the pushbuffer: nothing to read ahead.
+    let (gpu, sim, mut q, module) =
+        setup(ComputeQueueConfig::default().with_memory(LaunchMemory::Host));
+    let step = module.kernel("chain_step").unwrap();
+    let out = sim::host_page(&gpu);
+    let args = [Arg::Ptr(out.va()), Arg::U64(1), Arg::U64(1)];
+    for _ in 0..50 {
+        // SAFETY: the model does not execute kernels.
+        unsafe { q.launch(&step, &LaunchConfig::linear(1, 1), &args) }.unwrap();
+    }
+    q.synchronize().unwrap();
+    let stats = sim.stats_for(q.queue().channel().token()).unwrap();
+    assert!(stats.inline_qmds >= 50);
+    assert_eq!(stats.qmd_prefetches, 0);
 }
 
 #[test]

@@ -160,6 +160,13 @@ pub struct ComputeQueueConfig {
     /// cached), and for the bodies of armed slots, which are always there. On an H100 host it took 36-65 ns off a
     /// prepared launch call with fetched QMDs and 5-60 ns with inline ones (interleaved A/B, BENCHMARKS.md).
     pub prefetch_next: bool,
+    /// Have the GPU read a launch's QMD before the front end waits for the launch ahead of it (stream order), so that
+    /// the fetch overlaps that launch's work instead of following it: two more compute methods in the pushbuffer
+    /// ahead of the wait (five words). Only for QMDs the GPU fetches from a plain launch slot (not inline, not
+    /// gated, not a chain's head), and only where the queue has not yet seen the launch ahead complete. On by
+    /// default: on an H100 it took 1000 dependent empty launches from 1718 to 1450 ns each (interleaved A/B) and
+    /// GPT-2 eager from 758 to 696-699 µs per token; an isolated launch call stayed within the spread (BENCHMARKS.md).
+    pub prefetch_qmds: bool,
 }
 
 /// Links in the first part of a chain ([`ComputeQueueConfig::chain_part`]): the GPU starts on a chain once this many
@@ -181,6 +188,7 @@ impl Default for ComputeQueueConfig {
             timeout: Duration::from_secs(10),
             chain_part: 128,
             prefetch_next: true,
+            prefetch_qmds: true,
         }
     }
 }
@@ -444,6 +452,8 @@ pub struct ComputeQueue {
     inline_qmd: bool,
     /// [`ComputeQueueConfig::prefetch_next`].
     prefetch: bool,
+    /// [`ComputeQueueConfig::prefetch_qmds`].
+    prefetch_qmds: bool,
     /// The address of the slots' CPU mapping where they are CPU-cached and prefetched (an address, not a pointer:
     /// it is only ever a prefetch hint, never dereferenced).
     prefetch_slots: Option<usize>,
@@ -618,6 +628,7 @@ impl ComputeQueue {
             slot_owner: vec![0; config.slots],
             inline_qmd: config.inline_qmd,
             prefetch: config.prefetch_next,
+            prefetch_qmds: config.prefetch_qmds,
             prefetch_slots,
             timeout: config.timeout,
             chain: None,
@@ -1751,21 +1762,28 @@ impl ComputeQueue {
     ) -> Result<u64> {
         let inline = self.inline_qmd.then_some(slot);
         let qmd_va = self.slot_qmd_va(slot);
-        self.send_qmd(qmd_va, inline, invalidate, prev_done, prev, gate)
+        // A slot's QMD is only ever written by the CPU, before the launch is sent, so it may be fetched early; a
+        // gated QMD is not (its gate and latch change as the work distributor runs it).
+        let early = self.prefetch_qmds && gate.is_none();
+        self.send_qmd(qmd_va, inline, early, invalidate, prev_done, prev, gate)
     }
 
-    /// Records the methods that launch the QMD at `qmd_va`, fetched by the GPU (chain heads).
+    /// Records the methods that launch the QMD at `qmd_va`, fetched by the GPU (chain heads; not fetched early: only
+    /// a plain slot's QMD is known to be written by the CPU alone).
     fn send(&mut self, qmd_va: u64, invalidate: bool, prev_done: bool, prev: u64) -> Result<u64> {
-        self.send_qmd(qmd_va, None, invalidate, prev_done, prev, None)
+        self.send_qmd(qmd_va, None, false, invalidate, prev_done, prev, None)
     }
 
-    /// Records a launch of the QMD at `qmd_va`: sent inline from slot `inline`'s staged words, or fetched. With a
-    /// gate ([`GateSend`]), that gate is armed first, and a launch the previous slot's gate schedules has that gate
-    /// counted down instead of waiting for the work before it.
+    /// Records a launch of the QMD at `qmd_va`: sent inline from slot `inline`'s staged words, or fetched. A fetched
+    /// QMD that waits for the work before it is, where `early`, fetched before that wait, so that the fetch overlaps
+    /// the work instead of following it. With a gate ([`GateSend`]), that gate is armed first, and a launch the
+    /// previous slot's gate schedules has that gate counted down instead of waiting for the work before it.
+    #[allow(clippy::too_many_arguments)]
     fn send_qmd(
         &mut self,
         qmd_va: u64,
         inline: Option<usize>,
+        early: bool,
         invalidate: bool,
         prev_done: bool,
         prev: u64,
@@ -1774,8 +1792,10 @@ impl ComputeQueue {
         let timeline_va = self.queue.timeline().va();
         let order = self.ordering;
         let words = inline.map(|slot| &self.qmd_shadow[slot]);
-        let max_words = 24 + words.map_or(0, |_| 3 + QMD_WORDS);
+        let max_words = 32 + words.map_or(0, |_| 3 + QMD_WORDS);
         let after = gate.and_then(|g| g.after);
+        let waits = !prev_done && after.is_none();
+        let prefetch = early && waits && words.is_none();
         Ok(self
             .queue
             .record_value(max_words, Signal::Recorded, |p, _| {
@@ -1786,12 +1806,16 @@ impl ComputeQueue {
                     // Armed (afresh, from memory) before this launch can pre-exit and count it down.
                     p.send_pcas(g.own);
                 }
-                if !prev_done && after.is_none() {
+                if prefetch {
+                    p.prefetch_qmd(qmd_va);
+                }
+                if waits {
                     // Stream order: this grid starts only after the previous one has completed.
                     order.wait(p, timeline_va, prev);
                 }
                 match words {
                     Some(w) => p.send_inline_qmd(qmd_va, w),
+                    None if prefetch => p.schedule_prefetched(qmd_va),
                     None => p.send_pcas(qmd_va),
                 }
                 if let Some(previous) = after {

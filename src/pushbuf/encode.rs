@@ -493,6 +493,46 @@ impl<'a> Push<'a> {
         );
     }
 
+    /// Has the compute work distributor read the QMD at `qmd_va` ahead of its launch: its cached copy is dropped
+    /// (PCAS INVALIDATE), then the QMD is fetched afresh (PCAS PREFETCH). Sent before a wait for the work ahead of the
+    /// launch, so that the fetch overlaps that work; [`schedule_prefetched`](Self::schedule_prefetched) launches it.
+    /// The QMD must be final in memory when this is sent, and stay so until it has run.
+    #[inline]
+    pub fn prefetch_qmd(&mut self, qmd_va: u64) {
+        self.put(header(
+            Header::Incrementing,
+            Subchannel::COMPUTE,
+            compute::SEND_PCAS_A,
+            1,
+        ));
+        self.put(compute::SEND_PCAS_A_QMD_ADDRESS_SHIFTED8.pack((qmd_va >> 8) as u32));
+        // Both actions on the one address: five words where two whole PCAS pairs would take eight.
+        self.put(header(
+            Header::NonIncrementing,
+            Subchannel::COMPUTE,
+            compute::SEND_SIGNALING_PCAS2_B,
+            2,
+        ));
+        self.put(
+            compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION
+                .pack(compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_INVALIDATE),
+        );
+        self.put(
+            compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION
+                .pack(compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_PREFETCH),
+        );
+    }
+
+    /// Launches the QMD at `qmd_va` that [`prefetch_qmd`](Self::prefetch_qmd) fetched ahead (PCAS PREFETCH_SCHEDULE:
+    /// what was prefetched, or fetched now if it was not).
+    #[inline]
+    pub fn schedule_prefetched(&mut self, qmd_va: u64) {
+        self.send_pcas_action(
+            qmd_va,
+            compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_PREFETCH_SCHEDULE,
+        );
+    }
+
     /// Counts one predecessor of the armed QMD at `qmd_va` down (PCAS DECREMENT_DEPENDENCE): the compute work
     /// distributor schedules it when its dependence counter reaches zero.
     pub fn send_pcas_decrement(&mut self, qmd_va: u64) {
@@ -635,6 +675,41 @@ mod tests {
                 needed: 6,
                 capacity: 4
             })
+        );
+    }
+
+    #[test]
+    fn a_qmd_read_ahead_is_invalidate_and_prefetch_on_one_address_then_a_prefetch_schedule() {
+        let mut buf = [0u32; 16];
+        let mut p = Push::new(&mut buf);
+        p.prefetch_qmd(0x2_04e0_d800);
+        p.schedule_prefetched(0x2_04e0_d800);
+        let n = p.finish().unwrap();
+        assert_eq!(n, 9, "five words ahead of the wait, four after it");
+        let m = decode(&buf[..n], &SubchannelClasses::hopper()).unwrap();
+        let got: Vec<(String, u32)> = m
+            .iter()
+            .map(|d| (d.name.clone().unwrap_or_default(), d.value))
+            .collect();
+        let pcas2 = |action| compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION.pack(action);
+        assert_eq!(
+            got,
+            [
+                ("SEND_PCAS_A".to_owned(), 0x0204_e0d8),
+                (
+                    "SEND_SIGNALING_PCAS2_B".to_owned(),
+                    pcas2(compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_INVALIDATE)
+                ),
+                (
+                    "SEND_SIGNALING_PCAS2_B".to_owned(),
+                    pcas2(compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_PREFETCH)
+                ),
+                ("SEND_PCAS_A".to_owned(), 0x0204_e0d8),
+                (
+                    "SEND_SIGNALING_PCAS2_B".to_owned(),
+                    pcas2(compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_PREFETCH_SCHEDULE)
+                ),
+            ]
         );
     }
 

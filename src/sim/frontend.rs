@@ -64,6 +64,10 @@ struct Compute {
     /// QMDs armed by a copying PCAS or dependent action (or re-armed by their self-copy) and not yet scheduled, by
     /// address.
     armed: std::collections::HashMap<u64, Armed>,
+    /// QMDs a PCAS PREFETCH read ahead, by address: a later schedule that does not copy runs this copy, as memory
+    /// held it then, until an invalidating PCAS drops it (the conservative reading of the work distributor's QMD
+    /// cache: it is never refreshed on its own).
+    prefetched: std::collections::HashMap<u64, Vec<u32>>,
     /// An inline QMD being loaded (`SET_INLINE_QMD_ADDRESS_A/B`, then `LOAD_INLINE_QMD_DATA`).
     inline_qmd: Option<InlineQmd>,
     /// Latches some grid of the channel has arrived at (ARRIVE_AT_LATCH): a grid waiting on any other latch would
@@ -92,6 +96,8 @@ enum Run {
     FromMemory,
     /// The armed copy.
     Armed(Vec<u32>),
+    /// The copy a PCAS PREFETCH read.
+    Prefetched(Vec<u32>),
 }
 
 #[derive(Debug, Default)]
@@ -737,6 +743,35 @@ impl ChannelModel {
             compute::SEND_PCAS_A => c.pcas_a = Some(v),
             compute::SEND_SIGNALING_PCAS2_B => {
                 let action = compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION.unpack(v);
+                let named = || {
+                    c.pcas_a.map(|a| u64::from(a) << 8).ok_or(SimErrorKind::BadQmd {
+                        qmd_va: 0,
+                        violation: qmd::QmdViolation::State(
+                            "SEND_SIGNALING_PCAS2_B acts on a QMD but SEND_PCAS_A never named one",
+                        ),
+                    })
+                };
+                // The QMD cache: invalidating actions drop a prefetched copy; PREFETCH reads one.
+                match action {
+                    compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_INVALIDATE
+                    | compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_INVALIDATE_COPY_SCHEDULE
+                    | compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_INVALIDATE_PREFETCH_COPY_SCHEDULE
+                    | compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_INVALIDATE_PREFETCH_COPY_FORCE_REQUIRE_SCHEDULING => {
+                        c.prefetched.remove(&named()?);
+                    }
+                    compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_PREFETCH => {
+                        let va = named()?;
+                        qmd::check_address(va).map_err(|v| SimErrorKind::BadQmd {
+                            qmd_va: va,
+                            violation: v,
+                        })?;
+                        let words = view.read_words(va, QMD_WORDS_V04).map_err(mmu("QMD"))?;
+                        c.prefetched.insert(va, words);
+                        self.stats.qmd_prefetches += 1;
+                    }
+                    _ => {}
+                }
+                let c = &mut self.compute;
                 let event = match action {
                     compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_SCHEDULE
                     | compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_PREFETCH_SCHEDULE => {
@@ -792,12 +827,16 @@ impl ChannelModel {
             let Some((va, event)) = work.pop_front() else {
                 return Ok(());
             };
-            let words = match self.schedules(va, event, view)? {
+            let (words, prefetched) = match self.schedules(va, event, view)? {
                 Run::No => continue,
-                Run::FromMemory => view.read_words(va, QMD_WORDS_V04).map_err(mmu("QMD"))?,
-                Run::Armed(words) => words,
+                Run::FromMemory => (
+                    view.read_words(va, QMD_WORDS_V04).map_err(mmu("QMD"))?,
+                    false,
+                ),
+                Run::Armed(words) => (words, false),
+                Run::Prefetched(words) => (words, true),
             };
-            let d = self.launch_one(va, &words, view, now, rec)?;
+            let d = self.launch_one(va, &words, prefetched, view, now, rec)?;
             if d.self_copy {
                 // Re-armed from the copy it ran.
                 let (counter, require) = qmd::arming(&words);
@@ -867,7 +906,16 @@ impl ChannelModel {
                     arm(armed, force_require)?;
                 }
                 // A host PCAS schedules a QMD only when nothing else must: no requirement, no count.
-                armed.get(&va).is_none_or(|a| a.counter == 0 && !a.require)
+                let runs = armed.get(&va).is_none_or(|a| a.counter == 0 && !a.require);
+                // Not armed: a copy a PREFETCH read runs instead of memory (copying actions dropped it above).
+                if runs
+                    && !armed.contains_key(&va)
+                    && let Some(words) = self.compute.prefetched.get(&va)
+                {
+                    self.stats.prefetched_runs += 1;
+                    return Ok(Run::Prefetched(words.clone()));
+                }
+                runs
             }
             Event::Schedule { copy } => {
                 if copy {
@@ -902,6 +950,7 @@ impl ChannelModel {
         &mut self,
         qmd_va: u64,
         words: &[u32],
+        prefetched: bool,
         view: &SimView<'_>,
         now: &dyn Fn() -> u64,
         rec: &mut Records,
@@ -982,6 +1031,7 @@ impl ChannelModel {
             latch_arrive: d.arrive_latch,
             latch_wait: d.wait_latch,
             qmd: words.to_vec(),
+            prefetched,
         });
         Ok(d)
     }

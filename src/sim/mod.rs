@@ -180,6 +180,8 @@ pub struct Launch {
     /// The QMD's words as the model read them when it launched the grid (to decode, pass their little-endian
     /// bytes to [`crate::pushbuf::decode::decode_qmd`]).
     pub qmd: Vec<u32>,
+    /// Whether the grid ran from a copy a PCAS PREFETCH read ahead of its launch.
+    pub prefetched: bool,
 }
 
 /// A QMD Hopper silently drops (major version 3): nothing ran, nothing was released.
@@ -237,6 +239,10 @@ pub struct ChannelStats {
     pub inline_qmds: u64,
     /// Dependence counters counted down (a PCAS or a completed QMD's DECREMENT_DEPENDENCE).
     pub decrements: u64,
+    /// QMDs read ahead of their launch by a PCAS PREFETCH.
+    pub qmd_prefetches: u64,
+    /// QMDs that ran from the copy a PCAS PREFETCH read, not from what memory held when they were scheduled.
+    pub prefetched_runs: u64,
     /// Null grids (QMDs of no blocks) scheduled: they only perform their dependent actions.
     pub null_grids: u64,
     /// Of the doorbells, those the model missed on purpose (`SimConfig::lost_doorbells`).
