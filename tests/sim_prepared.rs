@@ -137,9 +137,10 @@ fn every_launch_carries_its_own_arguments_with(config: ComputeQueueConfig) {
 
 /// A launch in stream order whose QMD the GPU fetches has the work distributor read that QMD before the front end
 /// waits for the launch ahead of it (PCAS INVALIDATE, then PREFETCH), and launch the copy once the wait is over
-/// (PREFETCH_SCHEDULE), so that the fetch overlaps the work ahead. The model runs the copy read at the prefetch,
-/// not what memory holds at the launch, so each launch carrying its own arguments shows the QMD was final when it
-/// was read. Launches whose predecessor the CPU already saw complete need no wait and are launched as before.
+/// (PREFETCH_SCHEDULE), so that the fetch overlaps the work ahead. The model runs the copy read at the prefetch
+/// (and reports a QMD rewritten after it), so each launch releasing its own timeline value shows the QMD was final
+/// when it was read. Launches whose predecessor the CPU already saw complete need no wait and are launched as
+/// before.
 #[test]
 fn launches_that_wait_have_their_qmds_read_ahead_of_the_wait() {
     for memory in [LaunchMemory::Video, LaunchMemory::Host] {
@@ -155,11 +156,11 @@ fn launches_that_wait_have_their_qmds_read_ahead_of_the_wait() {
         let start = sim.stats_for(token).unwrap();
         let before = sim.launches().len();
         let n = 300u64;
-        let mut last = None;
+        let mut fences = Vec::new();
         for i in 0..n {
             let args = [Arg::Ptr(out.va()), Arg::U64(i), Arg::U64(1)];
             // SAFETY: the model does not execute kernels.
-            last = Some(
+            fences.push(
                 unsafe {
                     if i % 3 == 0 {
                         q.launch(&step, &LaunchConfig::linear(1, 1), &args)
@@ -170,9 +171,10 @@ fn launches_that_wait_have_their_qmds_read_ahead_of_the_wait() {
                 .unwrap(),
             );
         }
-        last.unwrap().wait(T).unwrap();
+        fences.last().unwrap().wait(T).unwrap();
         assert!(sim.errors().is_empty(), "{:?}", sim.errors());
-        let got: Vec<u64> = sim.launches()[before..]
+        let launches = &sim.launches()[before..];
+        let got: Vec<u64> = launches
             .iter()
             .map(|l| u64::from_le_bytes(l.params[8..16].try_into().unwrap()))
             .collect();
@@ -181,6 +183,16 @@ fn launches_that_wait_have_their_qmds_read_ahead_of_the_wait() {
             (0..n).collect::<Vec<_>>(),
             "{memory:?}: in order, each once"
         );
+        // The release payload is the QMD's own field: each launch, read ahead or not, released its own value.
+        let timeline = q.queue().timeline().va();
+        for (i, (l, f)) in launches.iter().zip(&fences).enumerate() {
+            assert_eq!(
+                l.releases,
+                vec![(timeline, f.value())],
+                "{memory:?}: launch {i}"
+            );
+        }
+        assert!(launches.iter().any(|l| l.prefetched), "{memory:?}");
         let end = sim.stats_for(token).unwrap();
         let prefetches = end.qmd_prefetches - start.qmd_prefetches;
         // The queue learns of completions only when it reads the timeline (for a slot to reuse): most launches still

@@ -1792,7 +1792,9 @@ impl ComputeQueue {
         let timeline_va = self.queue.timeline().va();
         let order = self.ordering;
         let words = inline.map(|slot| &self.qmd_shadow[slot]);
-        let max_words = 32 + words.map_or(0, |_| 3 + QMD_WORDS);
+        // At most 17 words besides an inline QMD (cache invalidation 2, read-ahead 5, acquire 6, PCAS 4; or a gate's
+        // 4 and a count-down's 4 in their place), so armed slots of 32 words still take every fetched launch.
+        let max_words = 24 + words.map_or(0, |_| 3 + QMD_WORDS);
         let after = gate.and_then(|g| g.after);
         let waits = !prev_done && after.is_none();
         let prefetch = early && waits && words.is_none();

@@ -64,9 +64,10 @@ struct Compute {
     /// QMDs armed by a copying PCAS or dependent action (or re-armed by their self-copy) and not yet scheduled, by
     /// address.
     armed: std::collections::HashMap<u64, Armed>,
-    /// QMDs a PCAS PREFETCH read ahead, by address: a later schedule that does not copy runs this copy, as memory
-    /// held it then, until an invalidating PCAS drops it (the conservative reading of the work distributor's QMD
-    /// cache: it is never refreshed on its own).
+    /// QMDs a PCAS PREFETCH read ahead, by address: a later schedule that does not copy (a host PCAS or a
+    /// dependent's) runs this copy, as memory held it then, until an invalidating PCAS or a copying schedule drops
+    /// it (the conservative reading of the work distributor's QMD cache: it is never refreshed on its own). Memory
+    /// rewritten in between is reported as an error.
     prefetched: std::collections::HashMap<u64, Vec<u32>>,
     /// An inline QMD being loaded (`SET_INLINE_QMD_ADDRESS_A/B`, then `LOAD_INLINE_QMD_DATA`).
     inline_qmd: Option<InlineQmd>,
@@ -896,6 +897,13 @@ impl ChannelModel {
                     );
                 })
         };
+        // A copying schedule (an inline QMD's too) reads memory afresh: a copy read ahead is gone.
+        if matches!(
+            event,
+            Event::HostSchedule { copy: true, .. } | Event::Schedule { copy: true }
+        ) {
+            self.compute.prefetched.remove(&va);
+        }
         let armed = &mut self.compute.armed;
         let runs = match event {
             Event::HostSchedule {
@@ -906,16 +914,7 @@ impl ChannelModel {
                     arm(armed, force_require)?;
                 }
                 // A host PCAS schedules a QMD only when nothing else must: no requirement, no count.
-                let runs = armed.get(&va).is_none_or(|a| a.counter == 0 && !a.require);
-                // Not armed: a copy a PREFETCH read runs instead of memory (copying actions dropped it above).
-                if runs
-                    && !armed.contains_key(&va)
-                    && let Some(words) = self.compute.prefetched.get(&va)
-                {
-                    self.stats.prefetched_runs += 1;
-                    return Ok(Run::Prefetched(words.clone()));
-                }
-                runs
+                armed.get(&va).is_none_or(|a| a.counter == 0 && !a.require)
             }
             Event::Schedule { copy } => {
                 if copy {
@@ -938,10 +937,23 @@ impl ChannelModel {
         if !runs {
             return Ok(Run::No);
         }
-        Ok(match armed.remove(&va) {
-            Some(a) => Run::Armed(a.words),
-            None => Run::FromMemory,
-        })
+        if let Some(a) = armed.remove(&va) {
+            return Ok(Run::Armed(a.words));
+        }
+        // Not armed: a copy a PREFETCH read runs instead of memory. Memory rewritten since is an error here: the
+        // hardware would run the stale copy without a word.
+        if let Some(words) = self.compute.prefetched.get(&va) {
+            let now = view.read_words(va, QMD_WORDS_V04).map_err(mmu("QMD"))?;
+            if now != *words {
+                return Err(bad(
+                    "rewritten in memory after a PCAS PREFETCH read it ahead of its launch: the copy read \
+                     then would run",
+                ));
+            }
+            self.stats.prefetched_runs += 1;
+            return Ok(Run::Prefetched(words.clone()));
+        }
+        Ok(Run::FromMemory)
     }
 
     /// Validates the QMD at `qmd_va` like Hopper and, if it would run, records it and performs its releases; returns
