@@ -77,6 +77,31 @@ fn settle(gap: Duration) {
     }
 }
 
+/// Times `samples` calls of `call`, one at a time, each after [`settle`] when `isolate` gives a gap; `drain` runs
+/// outside the timed part every [`BURST`] calls and at the end, so the GPU's pace is never what is timed.
+fn time_calls<Q, E>(
+    samples: usize,
+    isolate: Option<Duration>,
+    q: &mut Q,
+    mut call: impl FnMut(&mut Q) -> Result<(), E>,
+    mut drain: impl FnMut(&mut Q) -> Result<(), E>,
+) -> Result<Vec<f64>, E> {
+    let mut v = Vec::with_capacity(samples);
+    for r in 0..samples {
+        if let Some(gap) = isolate {
+            settle(gap);
+        }
+        let t = Instant::now();
+        call(q)?;
+        v.push(ns(t));
+        if r % BURST == BURST - 1 {
+            drain(q)?;
+        }
+    }
+    drain(q)?;
+    Ok(v)
+}
+
 fn ns(t: Instant) -> f64 {
     t.elapsed().as_nanos() as f64
 }
@@ -203,19 +228,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                       q: &mut ComputeQueue,
                       call: &mut dyn FnMut(&mut ComputeQueue) -> apex::launch::Result<()>|
          -> apex::launch::Result<Row> {
-            let mut v = Vec::with_capacity(samples);
-            for r in 0..samples {
-                if isolated {
-                    settle(gap);
-                }
-                let t = Instant::now();
-                call(q)?;
-                v.push(ns(t));
-                if r % BURST == BURST - 1 {
-                    q.synchronize()?;
-                }
-            }
-            q.synchronize()?;
+            let v = time_calls(samples, isolated.then_some(gap), q, call, |q| {
+                q.synchronize()
+            })?;
             let suffix = if isolated { ", isolated" } else { "" };
             Ok(Row {
                 name: format!("{tag}: {name}{suffix}"),
@@ -593,40 +608,29 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 unsafe { q.launch_prepared(&p, &[]) }?;
             }
             q.synchronize()?;
-            let (mut fenced, mut ticket) =
-                (Vec::with_capacity(samples), Vec::with_capacity(samples));
-            for r in 0..samples {
-                let t = Instant::now();
-                // SAFETY: as above.
-                drop(unsafe { q.launch_prepared(&p, &[]) }?);
-                fenced.push(ns(t));
-                if r % BURST == BURST - 1 {
-                    q.synchronize()?;
-                }
-            }
-            q.synchronize()?;
-            for r in 0..samples {
-                let t = Instant::now();
-                // SAFETY: as above.
-                unsafe { q.launch_prepared_ticket(&p, &[]) }?;
-                ticket.push(ns(t));
-                if r % BURST == BURST - 1 {
-                    q.synchronize()?;
-                }
-            }
-            q.synchronize()?;
-            let mut ticket_isolated = Vec::with_capacity(samples);
-            for r in 0..samples {
-                settle(gap);
-                let t = Instant::now();
-                // SAFETY: as above.
-                unsafe { q.launch_prepared_ticket(&p, &[]) }?;
-                ticket_isolated.push(ns(t));
-                if r % BURST == BURST - 1 {
-                    q.synchronize()?;
-                }
-            }
-            q.synchronize()?;
+            let sync = |q: &mut apex::Queue| q.synchronize();
+            // SAFETY (the three series): as above.
+            let fenced = time_calls(
+                samples,
+                None,
+                &mut q,
+                |q| unsafe { q.launch_prepared(&p, &[]) }.map(drop),
+                sync,
+            )?;
+            let ticket = time_calls(
+                samples,
+                None,
+                &mut q,
+                |q| unsafe { q.launch_prepared_ticket(&p, &[]) }.map(drop),
+                sync,
+            )?;
+            let ticket_isolated = time_calls(
+                samples,
+                Some(gap),
+                &mut q,
+                |q| unsafe { q.launch_prepared_ticket(&p, &[]) }.map(drop),
+                sync,
+            )?;
             rows.push(Row {
                 name: format!("{tag}: call, Queue::launch_prepared_ticket (empty), isolated"),
                 ns: ticket_isolated,
@@ -651,27 +655,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         cuda(&mut stream)?;
     }
     stream.synchronize()?;
-    let (mut call, mut comp) = (Vec::with_capacity(samples), Vec::with_capacity(samples));
-    for r in 0..samples {
-        let t = Instant::now();
-        cuda(&mut stream)?;
-        call.push(ns(t));
-        if r % BURST == BURST - 1 {
-            stream.synchronize()?;
-        }
-    }
-    stream.synchronize()?;
-    let mut call_isolated = Vec::with_capacity(samples);
-    for r in 0..samples {
-        settle(gap);
-        let t = Instant::now();
-        cuda(&mut stream)?;
-        call_isolated.push(ns(t));
-        if r % BURST == BURST - 1 {
-            stream.synchronize()?;
-        }
-    }
-    stream.synchronize()?;
+    let sync = |s: &mut driver::Stream| s.synchronize();
+    let call = time_calls(samples, None, &mut stream, cuda, sync)?;
+    let call_isolated = time_calls(samples, Some(gap), &mut stream, cuda, sync)?;
+    let mut comp = Vec::with_capacity(samples);
     for _ in 0..samples {
         let t = Instant::now();
         cuda(&mut stream)?;

@@ -499,27 +499,13 @@ impl<'a> Push<'a> {
     /// The QMD must be final in memory when this is sent, and stay so until it has run.
     #[inline]
     pub fn prefetch_qmd(&mut self, qmd_va: u64) {
-        self.put(header(
-            Header::Incrementing,
-            Subchannel::COMPUTE,
-            compute::SEND_PCAS_A,
-            1,
-        ));
-        self.put(compute::SEND_PCAS_A_QMD_ADDRESS_SHIFTED8.pack((qmd_va >> 8) as u32));
         // Both actions on the one address: five words where two whole PCAS pairs would take eight.
-        self.put(header(
-            Header::NonIncrementing,
-            Subchannel::COMPUTE,
-            compute::SEND_SIGNALING_PCAS2_B,
-            2,
-        ));
-        self.put(
-            compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION
-                .pack(compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_INVALIDATE),
-        );
-        self.put(
-            compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION
-                .pack(compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_PREFETCH),
+        self.send_pcas_actions(
+            qmd_va,
+            &[
+                compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_INVALIDATE,
+                compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_PREFETCH,
+            ],
         );
     }
 
@@ -544,20 +530,32 @@ impl<'a> Push<'a> {
 
     #[inline]
     fn send_pcas_action(&mut self, qmd_va: u64, action: u32) {
-        self.put(header(
-            Header::Incrementing,
+        self.send_pcas_actions(qmd_va, &[action]);
+    }
+
+    /// `SEND_PCAS_A` with the QMD's address, then each action in `SEND_SIGNALING_PCAS2_B` (one header for all).
+    #[inline]
+    fn send_pcas_actions(&mut self, qmd_va: u64, actions: &[u32]) {
+        self.method(
             Subchannel::COMPUTE,
             compute::SEND_PCAS_A,
-            1,
-        ));
-        self.put(compute::SEND_PCAS_A_QMD_ADDRESS_SHIFTED8.pack((qmd_va >> 8) as u32));
+            compute::SEND_PCAS_A_QMD_ADDRESS_SHIFTED8.pack((qmd_va >> 8) as u32),
+        );
+        // One action keeps the incrementing header libcuda writes; several go to the one method.
+        let kind = if actions.len() == 1 {
+            Header::Incrementing
+        } else {
+            Header::NonIncrementing
+        };
         self.put(header(
-            Header::Incrementing,
+            kind,
             Subchannel::COMPUTE,
             compute::SEND_SIGNALING_PCAS2_B,
-            1,
+            actions.len() as u32,
         ));
-        self.put(compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION.pack(action));
+        for &a in actions {
+            self.put(compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION.pack(a));
+        }
     }
 }
 
