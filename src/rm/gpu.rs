@@ -12,6 +12,7 @@ use super::hardware::{
     Hardware, c_string, card_info, open_gpu_node, open_node, own_uvm_fds, query_driver_version,
 };
 use super::mapping::CpuMapping;
+use super::sys::defs;
 use super::transport::CpuMapRequest;
 use super::va::VaRegion;
 use super::{Error, Result, sys};
@@ -220,15 +221,7 @@ impl GpuCore {
             gpu_id: card.gpu_id,
             domain,
         };
-        let usermode_class = core.pick_class("usermode", USERMODE_CLASSES)?;
-        let usermode = Object::alloc::<()>(
-            &core.client,
-            Some(&core.subdevice),
-            usermode_class,
-            None,
-            "USERMODE",
-        )?;
-        core.map_usermode(usermode)?;
+        core.open_usermode()?;
         if perf_boost_wanted(std::env::var_os(PERF_BOOST_ENV).as_deref()) {
             core.request_max_performance();
         }
@@ -422,15 +415,7 @@ impl GpuCore {
             gpu_id: card.gpu_id,
             domain: 0,
         };
-        let usermode_class = core.pick_class("usermode", USERMODE_CLASSES)?;
-        let usermode = Object::alloc::<()>(
-            &core.client,
-            Some(&core.subdevice),
-            usermode_class,
-            None,
-            "USERMODE",
-        )?;
-        core.map_usermode(usermode)?;
+        core.open_usermode()?;
         Ok(Arc::new(core))
     }
 
@@ -598,19 +583,52 @@ impl GpuCore {
         }
     }
 
-    /// Maps the usermode object `usermode` (the doorbell page) for the CPU and keeps both.
-    fn map_usermode(&mut self, usermode: Object) -> Result<()> {
+    /// Allocates the usermode object (the doorbell page), maps it for the CPU and keeps both.
+    fn open_usermode(&mut self) -> Result<()> {
+        let usermode = self.alloc_usermode()?;
         let map = self.client.map_cpu(&CpuMapRequest {
             device: self.device.handle(),
             object: usermode.handle(),
             system: false,
             minor: self.info.minor,
             len: USERMODE_SIZE,
-            flags: 0,
+            flags: defs::NVOS33_FLAGS_CACHING_TYPE.val(sys::NVOS33_FLAGS_CACHING_TYPE_UNCACHED),
             fixed: None,
         })?;
         self.usermode = Some((map, usermode));
         Ok(())
+    }
+
+    /// Allocates the usermode object, the page whose offset 0x90 is the doorbell.
+    ///
+    /// From Hopper on, the page is asked for through BAR1 (`bBar1Mapping`), as libcuda, UVM and nvidia-push ask
+    /// for it, so that the doorbell travels the path USERD's GP_PUT, written just before it, travels. Rung through
+    /// BAR0, the doorbell could take effect first: the front end read the old GP_PUT, found nothing new, and the
+    /// submission waited for the next doorbell (GP_GET one short of GP_PUT until then). On an H100 shared with
+    /// other processes every process running round trips lost a submission that way within seconds of another
+    /// process starting to launch. RM gives the BAR0 page itself where BAR1 is off (coherent platforms).
+    pub(crate) fn alloc_usermode(&self) -> Result<Object> {
+        let class = self.pick_class("usermode", USERMODE_CLASSES)?;
+        if class < sys::HOPPER_USERMODE_A {
+            return Object::alloc::<()>(
+                &self.client,
+                Some(&self.subdevice),
+                class,
+                None,
+                "USERMODE",
+            );
+        }
+        let mut params = sys::NV_HOPPER_USERMODE_A_PARAMS {
+            bBar1Mapping: 1,
+            bPriv: 0,
+        };
+        Object::alloc(
+            &self.client,
+            Some(&self.subdevice),
+            class,
+            Some(&mut params),
+            "USERMODE (BAR1 doorbell)",
+        )
     }
 
     pub(crate) fn uuid(&self) -> sys::NvProcessorUuid {

@@ -172,6 +172,8 @@ struct State {
     channels: BTreeMap<Handle, SimChannel>,
     /// The last performance boost asked of the subdevice: `(flags, duration)` of `NV2080_CTRL_CMD_PERF_BOOST`.
     perf_boost: Option<(u32, u32)>,
+    /// Whether the last usermode object was asked for through BAR1 (`bBar1Mapping`); `None` before one is.
+    usermode_bar1: Option<bool>,
 }
 
 impl State {
@@ -218,10 +220,12 @@ impl Drop for SimShared {
     }
 }
 
+const NV_ERR_INSUFFICIENT_PERMISSIONS: NvStatus = NvStatus(sys::NV_ERR_INSUFFICIENT_PERMISSIONS);
 const NV_ERR_INVALID_ARGUMENT: NvStatus = NvStatus(sys::NV_ERR_INVALID_ARGUMENT);
 const NV_ERR_INVALID_CLASS: NvStatus = NvStatus(sys::NV_ERR_INVALID_CLASS);
 const NV_ERR_INVALID_OBJECT_HANDLE: NvStatus = NvStatus(sys::NV_ERR_INVALID_OBJECT_HANDLE);
 const NV_ERR_INVALID_PARAM_STRUCT: NvStatus = NvStatus(sys::NV_ERR_INVALID_PARAM_STRUCT);
+const NV_ERR_INVALID_PARAMETER: NvStatus = NvStatus(sys::NV_ERR_INVALID_PARAMETER);
 const NV_ERR_INVALID_STATE: NvStatus = NvStatus(sys::NV_ERR_INVALID_STATE);
 
 /// The GPFIFO (host) classes RM registers channels for.
@@ -367,6 +371,25 @@ impl SimShared {
             let channel = register_channel(&mut st, handle, class, engine, p)?;
             debug!(?channel, "simulated GPFIFO channel registered");
             st.channels.insert(handle, channel);
+        } else if USERMODE_CLASSES.contains(&class) {
+            // As RM's usrmodeConstruct: Hopper and later classes take optional NV_HOPPER_USERMODE_A_PARAMS; the
+            // privileged page needs the BAR1 mapping and a kernel caller.
+            let bar1 = if class >= sys::HOPPER_USERMODE_A && !ptr.is_null() {
+                // SAFETY: a Hopper usermode class's parameters are NV_HOPPER_USERMODE_A_PARAMS (checked by size),
+                // lent by the caller.
+                let p = unsafe { params::<sys::NV_HOPPER_USERMODE_A_PARAMS>(ptr, size)? };
+                if p.bPriv != 0 {
+                    return Err(if p.bBar1Mapping == 0 {
+                        NV_ERR_INVALID_PARAMETER
+                    } else {
+                        NV_ERR_INSUFFICIENT_PERMISSIONS
+                    });
+                }
+                p.bBar1Mapping != 0
+            } else {
+                false
+            };
+            st.usermode_bar1 = Some(bar1);
         } else if class == copy::c8b5::CLASS {
             if !GPFIFO_CLASSES.contains(&parent_obj.class) {
                 return Err(NV_ERR_INVALID_OBJECT_HANDLE);
@@ -885,7 +908,9 @@ impl GpuCore {
                 SIMULATED_DOMAIN - shared.id()
             },
         };
-        core.pick_class("usermode", USERMODE_CLASSES)?;
+        // Allocated as on hardware, so that the simulated RM checks its parameters; the page the doorbell is
+        // rung on is the simulated RM's own.
+        drop(core.alloc_usermode()?);
         // The same policy as a GPU opened on hardware.
         if super::gpu::perf_boost_wanted(std::env::var_os(super::gpu::PERF_BOOST_ENV).as_deref()) {
             core.request_max_performance();
@@ -930,6 +955,12 @@ impl SimView<'_> {
     /// them; `None` when none was.
     pub fn perf_boost(&self) -> Option<(u32, u32)> {
         self.st.perf_boost
+    }
+
+    /// Whether the doorbell page was asked for through BAR1 (`NV_HOPPER_USERMODE_A_PARAMS::bBar1Mapping`), as
+    /// USERD's writes travel; `None` when no usermode object was allocated.
+    pub fn doorbell_through_bar1(&self) -> Option<bool> {
+        self.st.usermode_bar1
     }
 
     /// Every live GPFIFO channel.
@@ -1057,6 +1088,8 @@ mod tests {
         assert!(core.has_class(0xc86f) && core.has_class(0xcbc0) && core.has_class(0xc8b5));
         assert!(core.has_class(0xc661));
         assert!(!core.usermode_ptr().is_null());
+        // The doorbell travels the way USERD's GP_PUT does (BAR1), so it cannot overtake it.
+        assert_eq!(bus.lock().doorbell_through_bar1(), Some(true));
 
         let mem = Memory::alloc(
             &core,
