@@ -26,7 +26,8 @@
 //! lines for writing, `ComputeQueueConfig::prefetch_next`, which the host configurations without it turn off);
 //! with it, `APEX_PUBLIC=1` adds the public-API series, `APEX_AB=1` the interleaved prefetch A/B and `APEX_QMD_AB=1`
 //! the interleaved QMD read-ahead A/B (`ComputeQueueConfig::prefetch_qmds`); `APEX_REVERSE=1` runs the configurations in reverse order;
-//! `APEX_ARMED=slots,words` sets the armed shape; `APEX_PUSH_BYTES` and `APEX_SLOTS` the pushbuffer size and
+//! `APEX_OWN_GROUP=1` builds each configuration's queue in a channel group of its own (`ChannelConfig::own_group`)
+//! instead of the group the GPU's channels share; `APEX_ARMED=slots,words` sets the armed shape; `APEX_PUSH_BYTES` and `APEX_SLOTS` the pushbuffer size and
 //! launch slots.
 
 mod support;
@@ -170,6 +171,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         // Set after `with_memory`, which picks inline QMDs for host memory.
         let mut config = ComputeQueueConfig::default().with_memory(memory);
         config.inline_qmd = inline_qmd;
+        // APEX_OWN_GROUP=1: each configuration's queue in a channel group of its own instead of the shared one.
+        config.queue.channel.own_group = std::env::var_os("APEX_OWN_GROUP").is_some();
         // APEX_PUSH_BYTES / APEX_SLOTS: pushbuffer size and launch slots (how much memory a launch's writes cycle
         // through, and so how warm the CPU's caches stay).
         let env = |name: &str| {

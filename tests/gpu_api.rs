@@ -1,7 +1,7 @@
 //! The launch correctness tests against both backends, from the same test bodies (run with
 //! `--include-ignored` on an NVIDIA GPU with libcuda).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use apex::{Arg, Backend, BackendRequest, Gpu, LaunchConfig};
 
@@ -217,13 +217,75 @@ fn bad_input(b: Backend) {
     q.synchronize().unwrap();
 }
 
+/// Two queues of one GPU run kernels at the same time, as two CUDA streams of a context do: while a kernel on one
+/// queue spins until the CPU stops it, launches on the other complete, each within the time of a launch.
+fn queues_run_kernels_at_the_same_time(b: Backend) {
+    let g = gpu(b);
+    let m = g.load_module(CUBIN).unwrap();
+    let (spin, empty) = (m.kernel("spin").unwrap(), m.kernel("empty").unwrap());
+    let stop = g.alloc_host(4).unwrap();
+    stop.write(0, &[0; 4]).unwrap();
+    let (mut spinner, mut other) = (g.queue().unwrap(), g.queue().unwrap());
+    // SAFETY: `spin` only reads `stop`, which lives until the kernel is stopped and waited for.
+    let spinning = unsafe {
+        spinner.launch(
+            &spin,
+            &LaunchConfig::linear(1, 1),
+            &[Arg::Ptr(stop.device_ptr())],
+        )
+    }
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    let mut took = Vec::new();
+    let mut failed = None;
+    for _ in 0..200 {
+        let t = Instant::now();
+        // SAFETY: `empty` touches no memory.
+        let done = unsafe { other.launch(&empty, &LaunchConfig::linear(1, 1), &[]) }
+            .and_then(|f| f.wait(Duration::from_secs(2)));
+        match done {
+            Ok(()) => took.push(t.elapsed()),
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
+    }
+    let still_spinning = !spinning.is_done();
+    stop.write(0, &1u32.to_le_bytes()).unwrap();
+    spinning.wait(T).unwrap();
+    if let Some(e) = failed {
+        panic!(
+            "a launch on the second queue did not complete while the first queue's kernel spun: {e}"
+        );
+    }
+    assert!(
+        still_spinning,
+        "the spinning kernel ended before it was stopped"
+    );
+    took.sort();
+    let (median, max) = (took[took.len() / 2], took[took.len() - 1]);
+    eprintln!("{b:?}: launch + wait beside a spinning kernel: median {median:?}, max {max:?}");
+    assert!(
+        median < Duration::from_micros(100),
+        "launches on the second queue took {median:?} (median): the queues take turns instead of running together"
+    );
+}
+
 macro_rules! both {
     ($($name:ident),*) => {
         mod direct { $( #[test] #[ignore = "needs an NVIDIA GPU"] fn $name() { super::$name(apex::Backend::Direct) } )* }
         mod driver { $( #[test] #[ignore = "needs an NVIDIA GPU"] fn $name() { super::$name(apex::Backend::Driver) } )* }
     };
 }
-both!(vector_add, chain, chained, transfers, bad_input);
+both!(
+    vector_add,
+    chain,
+    chained,
+    transfers,
+    bad_input,
+    queues_run_kernels_at_the_same_time
+);
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]

@@ -213,6 +213,55 @@ fn fault_of(e: Error) -> apex::gpfifo::ChannelFault {
     }
 }
 
+/// Graphics-engine channels of one GPU share a channel group, so that their kernels run side by side as a CUDA
+/// context's streams do; a channel asked to have its own group and a polled queue's (whose gate yields its group)
+/// get one each; once a channel of the shared group has faulted (RM ends the whole group), new channels found a new
+/// group instead of joining the ended one.
+#[test]
+fn channels_share_a_group_until_it_faults() {
+    let (gpu, _sim) = Simulator::open(SimConfig::default()).unwrap();
+    let group = |q: &Queue| q.channel().handles().0;
+    let mut a = queue(&gpu, 16, T);
+    let b = queue(&gpu, 16, T);
+    assert!(a.channel().shares_group() && b.channel().shares_group());
+    assert_eq!(group(&a), group(&b));
+
+    let mut own = sim::bare_queue_config(16, T, Submission::Doorbell);
+    own.channel.own_group = true;
+    let own = Queue::new(&gpu, own).unwrap();
+    assert!(!own.channel().shares_group());
+    assert_ne!(group(&own), group(&a));
+    let polled = Queue::new(
+        &gpu,
+        sim::bare_queue_config(64, T, Submission::Armed(apex::pushbuf::Armed::default())),
+    )
+    .unwrap();
+    assert!(!polled.channel().shares_group());
+    assert_ne!(group(&polled), group(&a));
+
+    let f = a
+        .submit(16, Signal::Host, |p, _| p.raw(&[0xc000_0000]))
+        .unwrap();
+    fault_of(f.wait(T).unwrap_err());
+    let mut c = queue(&gpu, 16, T);
+    let d = queue(&gpu, 16, T);
+    assert_ne!(
+        group(&c),
+        group(&a),
+        "a new channel joined a group that faulted"
+    );
+    assert_eq!(group(&c), group(&d));
+    let e = c.submit(8, Signal::Host, |_, _| {}).unwrap();
+    e.wait(T).unwrap();
+
+    // With every member gone the group is freed; the next channel founds another.
+    let ended = group(&c);
+    drop((c, d, e));
+    let next = queue(&gpu, 16, T);
+    assert!(next.channel().shares_group());
+    assert_ne!(group(&next), ended);
+}
+
 #[test]
 fn malformed_methods_fault_the_channel_with_a_reason() {
     let (gpu, sim) = Simulator::open(SimConfig::default()).unwrap();

@@ -1,5 +1,6 @@
 use std::fmt;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -28,6 +29,12 @@ pub struct ChannelConfig {
     /// Build a copy-only channel on this logical copy engine (LCE index) instead of one on the graphics engine,
     /// whose copy engine (the GRCE) is shared with compute and slower. Needs `compute: false, copy: true`.
     pub copy_engine: Option<u32>,
+    /// Build the graphics-engine channel in a channel group of its own instead of the group this GPU's other
+    /// channels share. Channels of one group run their kernels side by side, as CUDA's streams of one context
+    /// do; groups take turns on the engine. A channel that yields its group while it waits
+    /// (`ACQUIRE_SWITCH_TSG`, as a polled queue's gate does) needs a group of its own, or it would yield the
+    /// others' too. Copy-engine channels always have their own.
+    pub own_group: bool,
 }
 
 impl Default for ChannelConfig {
@@ -38,6 +45,7 @@ impl Default for ChannelConfig {
             compute: true,
             copy: true,
             copy_engine: None,
+            own_group: false,
         }
     }
 }
@@ -310,6 +318,37 @@ impl ChannelObjects {
     }
 }
 
+/// A channel with a subcontext of its own in `group`, the graphics-engine group this GPU's channels share,
+/// scheduled by itself (the group already is). No debugger object: the group's founder holds the one it binds to
+/// the context, so a fault on this channel is reported without the SM's error state.
+fn join_group(
+    core: &Arc<GpuCore>,
+    group: &Arc<Object>,
+    classes: ChannelClasses,
+    mem: &ChannelMemory<'_>,
+    engine_type: u32,
+) -> Result<ChannelObjects> {
+    let o = ChannelObjects::build(
+        core,
+        group,
+        core.vaspace(),
+        classes,
+        mem,
+        false,
+        engine_type,
+    )?;
+    let mut sched = sys::NVA06F_CTRL_GPFIFO_SCHEDULE_PARAMS {
+        bEnable: 1,
+        ..Default::default()
+    };
+    o.channel.control(
+        sys::NVA06F_CTRL_CMD_GPFIFO_SCHEDULE,
+        &mut sched,
+        "NVA06F_CTRL_CMD_GPFIFO_SCHEDULE",
+    )?;
+    Ok(o)
+}
+
 /// Registers a graphics channel with UVM, which reserves `CHANNEL_VA_SIZE` of our low region for its context
 /// buffers.
 fn register_with_uvm(core: &Arc<GpuCore>, channel: u32) -> Result<UvmChannel> {
@@ -342,8 +381,10 @@ fn register_with_uvm(core: &Arc<GpuCore>, channel: u32) -> Result<UvmChannel> {
     })
 }
 
-/// A GPFIFO channel of our own: in a channel group of its own on our VA space, or, on a GPU attached to a CUDA
-/// context, a subcontext of its own in CUDA's channel group and address space.
+/// A GPFIFO channel of our own with a subcontext of its own: on the graphics engine in the channel group this GPU's
+/// channels share (so their kernels run side by side) or, with [`ChannelConfig::own_group`], in a group of its own;
+/// on a copy engine in a group on that engine's runlist; on a GPU attached to a CUDA context, in CUDA's channel
+/// group and address space.
 ///
 /// Fields drop in order: UVM registration, engine objects, channel, group; then the memory they used.
 #[derive(Debug)]
@@ -373,6 +414,9 @@ pub struct Channel {
     write_combined: bool,
     classes: ChannelClasses,
     core: Arc<GpuCore>,
+    /// For a channel of the shared group: the group's fault mark, set when this channel is seen faulted (RM ends
+    /// the whole group), so that later channels found a new group instead of joining a dead one.
+    group_faulted: Option<Arc<AtomicBool>>,
 }
 
 // SAFETY: the raw pointers point into mappings owned by this struct (ring, USERD) or by the GpuCore it holds
@@ -457,8 +501,35 @@ impl Channel {
             notifier: &notifier,
         };
 
-        let objects = match core.attachment() {
-            None => {
+        let share = engine_type == sys::NV2080_ENGINE_TYPE_GRAPHICS && !config.own_group;
+        // Held while a channel joins or founds the shared group, so that two threads do not found two.
+        let mut shared = share.then(|| {
+            core.graphics_group
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+        });
+        let joinable = shared.as_deref().and_then(|g| {
+            g.group
+                .upgrade()
+                .filter(|_| !g.faulted.load(Ordering::Acquire))
+                .map(|group| (group, g.faulted.clone()))
+        });
+        let joined = match (core.attachment(), joinable) {
+            (None, Some((group, faulted))) => {
+                match join_group(core, &group, classes, &mem, engine_type) {
+                    Ok(o) => Some((o, faulted)),
+                    Err(e) => {
+                        // A group RM will not add to (its subcontexts used up, say): found another.
+                        debug!(error = %e, "joining the shared channel group failed; founding a new one");
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
+        let (objects, group_faulted) = match (joined, core.attachment()) {
+            (Some((o, faulted)), _) => (o, Some(faulted)),
+            (None, None) => {
                 let mut gp = sys::NV_CHANNEL_GROUP_ALLOCATION_PARAMETERS {
                     engineType: engine_type,
                     // A copy-engine group has no subcontexts: its VA space is the group's.
@@ -494,9 +565,14 @@ impl Channel {
                     &mut sched,
                     "NVA06C_CTRL_CMD_GPFIFO_SCHEDULE",
                 )?;
-                o
+                let faulted = shared.as_deref_mut().map(|g| {
+                    g.group = Arc::downgrade(&tsg);
+                    g.faulted = Arc::new(AtomicBool::new(false));
+                    g.faulted.clone()
+                });
+                (o, faulted)
             }
-            Some(att) => {
+            (None, Some(att)) => {
                 // A subcontext of our own in CUDA's running group: the channel is scheduled alone. UVM accepts
                 // the channel only on the VA space its descriptor owns, which is the context's: try each.
                 let mut last = None;
@@ -539,9 +615,10 @@ impl Channel {
                     &mut sched,
                     "NVA06F_CTRL_CMD_GPFIFO_SCHEDULE",
                 )?;
-                o
+                (o, None)
             }
         };
+        drop(shared);
         let ChannelObjects {
             uvm,
             debugger,
@@ -594,6 +671,7 @@ impl Channel {
             write_combined: is_write_combined(config.ring_placement),
             classes,
             core: core.clone(),
+            group_faulted,
         })
     }
 
@@ -657,9 +735,20 @@ impl Channel {
         self.state.free()
     }
 
+    /// Whether the channel is in the graphics-engine group this GPU's channels share
+    /// ([`ChannelConfig::own_group`]): an acquire that yields its group (`ACQUIRE_SWITCH_TSG`) would then yield
+    /// every channel of it.
+    pub fn shares_group(&self) -> bool {
+        self.group_faulted.is_some()
+    }
+
     /// The error RM posted to the channel's notifier, if any.
     pub fn fault(&self) -> Option<ChannelFault> {
-        read_fault(&self.notifier)
+        let f = read_fault(&self.notifier);
+        if f.is_some() {
+            mark_group_faulted(self.group_faulted.as_deref());
+        }
+        f
     }
 
     /// The MMU fault RM recorded for this channel (address, fault type and RM's name for it), if any. RM clears
@@ -696,6 +785,7 @@ impl Channel {
             channel: Arc::downgrade(&self.channel),
             debugger: self.debugger.as_ref().map(Arc::downgrade),
             sm_count: self.core.info.sm_count,
+            group_faulted: self.group_faulted.clone(),
             mmu: std::sync::OnceLock::new(),
             sm: std::sync::OnceLock::new(),
         }))
@@ -848,6 +938,10 @@ impl Channel {
 
 impl Drop for Channel {
     fn drop(&mut self) {
+        // A fault nobody asked about still ends the shared group: no channel may join it after this one.
+        if read_fault(&self.notifier).is_some() {
+            mark_group_faulted(self.group_faulted.as_deref());
+        }
         // Objects go before the memory they reference; fields below handle the rest in declaration order.
         self.uvm = None;
         self.debugger = None;
@@ -881,6 +975,8 @@ struct FaultState {
     channel: Weak<Object>,
     debugger: Option<Weak<Object>>,
     sm_count: u32,
+    /// The shared group's fault mark (see `Channel::group_faulted`).
+    group_faulted: Option<Arc<AtomicBool>>,
     /// Asked of RM once on the fault path, then kept for every waiter.
     mmu: std::sync::OnceLock<Option<(u64, u32)>>,
     sm: std::sync::OnceLock<Option<SmError>>,
@@ -891,6 +987,7 @@ impl FaultWatch {
     /// (an RM call, only on this error path).
     pub fn check(&self) -> Option<ChannelFault> {
         let mut f = read_fault(&self.0.notifier)?;
+        mark_group_faulted(self.0.group_faulted.as_deref());
         if f.info32 == XID_MMU_FAULT {
             f.mmu = *self.0.mmu.get_or_init(|| {
                 let mut p = sys::NV906F_CTRL_GET_MMU_FAULT_INFO_PARAMS::default();
@@ -958,6 +1055,13 @@ impl FaultWatch {
 /// The error codes RM posts for an MMU fault (Xid 31) and a graphics exception (Xid 13).
 const XID_MMU_FAULT: u32 = 31;
 const XID_GRAPHICS_EXCEPTION: u32 = 13;
+
+/// Marks a shared channel group as ended by a fault (RM tears the whole group down), so that no new channel joins it.
+fn mark_group_faulted(mark: Option<&AtomicBool>) {
+    if let Some(m) = mark {
+        m.store(true, Ordering::Release);
+    }
+}
 
 fn read_fault(notifier: &Memory) -> Option<ChannelFault> {
     let off_info = std::mem::offset_of!(sys::NvNotificationRec, info32) as u64;

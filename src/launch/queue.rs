@@ -1229,12 +1229,14 @@ impl ComputeQueue {
         let after =
             (!self.queue.timeline().is_reached(prev)).then(|| (self.queue.timeline().va(), prev));
         let parts = engines.copy(src, dst, bytes, after)?;
+        // Yield while the engines work (see CopyEngines::copy), unless yielding would switch out the group other
+        // queues' kernels run in; spinning there holds up only this channel.
+        let yield_group = !self.queue.channel().shares_group();
         Ok(self
             .queue
             .submit(8 * parts.len() + 8, Signal::Host, |p, _| {
                 for &(va, value) in parts {
-                    // Yield while the engines work (see CopyEngines::copy).
-                    p.sem_acquire(va, value, Acquire::CircularGeq, true, true);
+                    p.sem_acquire(va, value, Acquire::CircularGeq, true, yield_group);
                 }
             })?)
     }

@@ -182,7 +182,11 @@ impl Queue {
             )
             .into());
         }
-        let mut channel = Channel::new(core, config.channel)?;
+        let mut channel_config = config.channel;
+        // Parked at its gate, the channel yields its group (ACQUIRE_SWITCH_TSG): in the group other queues share,
+        // it would yield theirs too.
+        channel_config.own_group |= matches!(config.submission, Submission::Armed(_));
+        let mut channel = Channel::new(core, channel_config)?;
         channel.note_write_combined(config.push_placement);
         let max_pending = 4096;
         let space = PushSpace::new(core, config.push_bytes, config.push_placement, max_pending)?;

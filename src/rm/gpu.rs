@@ -90,6 +90,20 @@ pub struct GpuCore {
     pub(crate) gpu_id: u32,
     /// The peer domain (UVM VA space shared with other GPUs) this GPU is in; 0 for none.
     pub(crate) domain: u64,
+    /// The graphics-engine channel group this GPU's compute channels share (kept by the channel layer).
+    pub(crate) graphics_group: std::sync::Mutex<SharedGroup>,
+}
+
+/// A channel group that several channels of one [`GpuCore`] join, each with a subcontext of its own, as libcuda's
+/// streams share their context's group: the graphics engine runs their kernels side by side, where channels in
+/// groups of their own take turns, one group's context at a time. Weak: the group lives as long as a channel in
+/// it does.
+#[derive(Debug, Default)]
+pub(crate) struct SharedGroup {
+    /// The group, while a channel holds it.
+    pub(crate) group: std::sync::Weak<Object>,
+    /// Set once a channel of the group has faulted: RM ends the whole group, so no channel joins it after that.
+    pub(crate) faulted: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// A CUDA context's channel group and VA spaces, duplicated into APEX's client: channels built on an attached
@@ -220,6 +234,7 @@ impl GpuCore {
             attachment: None,
             gpu_id: card.gpu_id,
             domain,
+            graphics_group: Default::default(),
         };
         core.open_usermode()?;
         if perf_boost_wanted(std::env::var_os(PERF_BOOST_ENV).as_deref()) {
@@ -414,6 +429,7 @@ impl GpuCore {
             }),
             gpu_id: card.gpu_id,
             domain: 0,
+            graphics_group: Default::default(),
         };
         core.open_usermode()?;
         Ok(Arc::new(core))

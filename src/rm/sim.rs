@@ -529,6 +529,20 @@ impl SimShared {
                 };
                 p.workSubmitToken = ch.token;
             }
+            sys::NVA06F_CTRL_CMD_GPFIFO_SCHEDULE => {
+                // A channel scheduled by itself: one that joined a group already scheduled.
+                if !GPFIFO_CLASSES.contains(&obj.class) {
+                    return Err(NV_ERR_INVALID_OBJECT_HANDLE);
+                }
+                let p = unsafe { params::<sys::NVA06F_CTRL_GPFIFO_SCHEDULE_PARAMS>(ptr, size)? };
+                let group = *st
+                    .objects
+                    .get(&obj.parent)
+                    .ok_or(NV_ERR_INVALID_OBJECT_HANDLE)?;
+                if p.bEnable != 0 && group.class == sys::KEPLER_CHANNEL_GROUP_A {
+                    self.check_schedulable(&st, obj.parent, group)?;
+                }
+            }
             sys::NVA06C_CTRL_CMD_GPFIFO_SCHEDULE => {
                 if obj.class != sys::KEPLER_CHANNEL_GROUP_A {
                     return Err(NV_ERR_INVALID_OBJECT_HANDLE);
@@ -907,6 +921,7 @@ impl GpuCore {
             } else {
                 SIMULATED_DOMAIN - shared.id()
             },
+            graphics_group: Default::default(),
         };
         // Allocated as on hardware, so that the simulated RM checks its parameters; the page the doorbell is
         // rung on is the simulated RM's own.
