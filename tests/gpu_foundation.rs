@@ -92,7 +92,11 @@ fn semaphore_round_trips_across_ring_wraps() {
 #[ignore = "needs an NVIDIA GPU"]
 fn two_channels_ordered_by_acquire_and_release() {
     let gpu = GpuCore::open(0).unwrap();
-    let mut a = Queue::new(&gpu, QueueConfig::default()).unwrap();
+    // In a channel group of its own: A's acquire yields its group while it waits (ACQUIRE_SWITCH_TSG), which in the
+    // group the GPU's channels share would yield B's too.
+    let mut own = QueueConfig::default();
+    own.channel.own_group = true;
+    let mut a = Queue::new(&gpu, own).unwrap();
     let mut b = Queue::new(&gpu, QueueConfig::default()).unwrap();
     // A waits on a semaphore that only B releases, then releases its own value.
     let gate = b.timeline().va() + 8 * 16; // a spare slot of B's semaphore page

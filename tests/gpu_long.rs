@@ -235,9 +235,45 @@ fn contention_role(role: &str, secs: u64) -> String {
                 n += 1;
             }
         }
+        "long-grid" => return long_grid(&gpu, secs),
         other => panic!("unknown role {other}"),
     }
     format!("{role}: {n} in {secs} s")
+}
+
+/// Runs one grid of about `secs` seconds made of blocks of about 5 ms each (`spill`, calibrated on this GPU first),
+/// and waits for it: the grid must complete.
+fn long_grid(gpu: &Arc<GpuCore>, secs: u64) -> String {
+    let m = Module::load(gpu, CUBIN).unwrap();
+    let k = m.kernel("spill").unwrap();
+    let mut q = ComputeQueue::new(gpu, ComputeQueueConfig::default()).unwrap();
+    let wave = gpu.info().sm_count * 32;
+    let block = Duration::from_millis(5);
+    let waves = (Duration::from_secs(secs).as_secs_f64() / block.as_secs_f64()).ceil() as u32;
+    let out = Memory::alloc(gpu, MemoryDesc::video(u64::from(wave * waves) * 4)).unwrap();
+    let mut run = |blocks: u32, n: u32, limit: Duration| {
+        let t = Instant::now();
+        // SAFETY: `out` holds a word for each of the grid's threads, the only memory `spill` writes.
+        unsafe {
+            q.launch(
+                &k,
+                &LaunchConfig::linear(blocks, 1),
+                &[Arg::Ptr(out.va()), Arg::U32(7), Arg::U32(n)],
+            )
+        }
+        .unwrap()
+        .wait(limit)
+        .map(|()| t.elapsed())
+    };
+    let n0 = 20_000u32;
+    let t0 = run(wave, n0, Duration::from_secs(30)).unwrap();
+    let n = (f64::from(n0) * block.as_secs_f64() / t0.as_secs_f64()).clamp(1.0, 1e9) as u32;
+    match run(wave * waves, n, Duration::from_secs(secs * 10 + 30)) {
+        Ok(took) => {
+            format!("long-grid: {waves} waves of {n} iterations in {took:?} ({n0} took {t0:?})")
+        }
+        Err(e) => panic!("the long grid did not complete: {e}"),
+    }
 }
 
 /// The role a process of [`no_submission_is_lost_beside_other_processes`] plays, when it is one of its children.
@@ -290,10 +326,66 @@ fn no_submission_is_lost_beside_other_processes() {
         let err = String::from_utf8_lossy(&out.stderr);
         let said: Vec<&str> = err
             .lines()
-            .filter(|l| l.contains(" in ") || l.contains("panicked") || l.contains("not done"))
+            .filter(|l| l.starts_with(role) || l.contains("panicked") || l.contains("not done"))
             .collect();
         eprintln!("{role} process: {}", said.join(" / "));
-        if !out.status.success() {
+        // A child whose filter matched no test would exit 0 having done nothing: its summary must be there.
+        let reported = said.iter().any(|l| l.starts_with(role));
+        if !out.status.success() || !reported {
+            failed.push(format!("{role}: {}", said.join(" / ")));
+        }
+    }
+    assert!(failed.is_empty(), "processes failed: {failed:?}");
+}
+
+/// One process runs a grid of about 8 s made of short blocks; a second later another process launches kernels
+/// and waits for each, for 6 s. The grid must complete. With RM's default compute preemption (wait for the grid to
+/// end), RM ended such a grid with a context-switch timeout (Xid 109) 4.3 s after the other process began; the
+/// channel groups are now set to instruction-level preemption (CILP), as libcuda sets its own, and the engine
+/// takes turns between the two. Roles run as in [`no_submission_is_lost_beside_other_processes`].
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_long_grid_completes_beside_another_process() {
+    if let Ok(role) = std::env::var(CONTENTION_ROLE) {
+        let secs = std::env::var("APEX_CONTENTION_SECS")
+            .unwrap()
+            .parse()
+            .unwrap();
+        eprintln!("{}", contention_role(&role, secs));
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let spawn = |role: &'static str, secs: u64| {
+        let child = std::process::Command::new(&exe)
+            .args([
+                "--exact",
+                "a_long_grid_completes_beside_another_process",
+                "--include-ignored",
+                "--nocapture",
+            ])
+            .env(CONTENTION_ROLE, role)
+            .env("APEX_CONTENTION_SECS", secs.to_string())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        (role, child)
+    };
+    let mut children = vec![spawn("long-grid", 8)];
+    std::thread::sleep(Duration::from_millis(1500));
+    children.push(spawn("launches", 6));
+    let mut failed = Vec::new();
+    for (role, child) in children {
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        let said: Vec<&str> = err
+            .lines()
+            .filter(|l| l.starts_with(role) || l.contains("panicked") || l.contains("did not"))
+            .collect();
+        eprintln!("{role} process: {}", said.join(" / "));
+        // A child whose filter matched no test would exit 0 having done nothing: its summary must be there.
+        let reported = said.iter().any(|l| l.starts_with(role));
+        if !out.status.success() || !reported {
             failed.push(format!("{role}: {}", said.join(" / ")));
         }
     }

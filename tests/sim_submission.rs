@@ -219,7 +219,7 @@ fn fault_of(e: Error) -> apex::gpfifo::ChannelFault {
 /// group instead of joining the ended one.
 #[test]
 fn channels_share_a_group_until_it_faults() {
-    let (gpu, _sim) = Simulator::open(SimConfig::default()).unwrap();
+    let (gpu, sim) = Simulator::open(SimConfig::default()).unwrap();
     let group = |q: &Queue| q.channel().handles().0;
     let mut a = queue(&gpu, 16, T);
     let b = queue(&gpu, 16, T);
@@ -260,6 +260,20 @@ fn channels_share_a_group_until_it_faults() {
     let next = queue(&gpu, 16, T);
     assert!(next.channel().shares_group());
     assert_ne!(group(&next), ended);
+
+    // A fault nobody has asked about: RM has posted it to the notifier, and the group is not joined either.
+    let mut x = queue(&gpu, 16, T);
+    assert_eq!(group(&x), group(&next));
+    let seen = sim.errors().len();
+    x.submit(16, Signal::Host, |p, _| p.raw(&[0xc000_0000]))
+        .unwrap();
+    assert!(sim.wait_for(T, |s| s.errors().len() > seen));
+    let z = queue(&gpu, 16, T);
+    assert_ne!(
+        group(&z),
+        group(&next),
+        "a new channel joined a group with an unseen fault"
+    );
 }
 
 #[test]

@@ -104,6 +104,9 @@ pub(crate) struct SharedGroup {
     pub(crate) group: std::sync::Weak<Object>,
     /// Set once a channel of the group has faulted: RM ends the whole group, so no channel joins it after that.
     pub(crate) faulted: Arc<std::sync::atomic::AtomicBool>,
+    /// The error notifiers of the group's channels, read before a channel joins: RM posts a group's end to its
+    /// channels' notifiers whether or not anyone has looked.
+    pub(crate) notifiers: Vec<std::sync::Weak<super::Memory>>,
 }
 
 /// A CUDA context's channel group and VA spaces, duplicated into APEX's client: channels built on an attached

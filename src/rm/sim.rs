@@ -174,6 +174,8 @@ struct State {
     perf_boost: Option<(u32, u32)>,
     /// Whether the last usermode object was asked for through BAR1 (`bBar1Mapping`); `None` before one is.
     usermode_bar1: Option<bool>,
+    /// The compute preemption mode set on each channel group (`NV2080_CTRL_SET_CTXSW_PREEMPTION_MODE_COMPUTE_*`).
+    compute_preemption: HashMap<Handle, u32>,
 }
 
 impl State {
@@ -222,6 +224,7 @@ impl Drop for SimShared {
 
 const NV_ERR_INSUFFICIENT_PERMISSIONS: NvStatus = NvStatus(sys::NV_ERR_INSUFFICIENT_PERMISSIONS);
 const NV_ERR_INVALID_ARGUMENT: NvStatus = NvStatus(sys::NV_ERR_INVALID_ARGUMENT);
+const NV_ERR_INVALID_CHANNEL: NvStatus = NvStatus(sys::NV_ERR_INVALID_CHANNEL);
 const NV_ERR_INVALID_CLASS: NvStatus = NvStatus(sys::NV_ERR_INVALID_CLASS);
 const NV_ERR_INVALID_OBJECT_HANDLE: NvStatus = NvStatus(sys::NV_ERR_INVALID_OBJECT_HANDLE);
 const NV_ERR_INVALID_PARAM_STRUCT: NvStatus = NvStatus(sys::NV_ERR_INVALID_PARAM_STRUCT);
@@ -552,6 +555,37 @@ impl SimShared {
                     self.check_schedulable(&st, object, obj)?;
                 }
             }
+            sys::NV2080_CTRL_CMD_GR_SET_CTXSW_PREEMPTION_MODE => {
+                if obj.class != sys::NV20_SUBDEVICE_0 {
+                    return Err(NV_ERR_INVALID_OBJECT_HANDLE);
+                }
+                let p = unsafe {
+                    params::<sys::NV2080_CTRL_GR_SET_CTXSW_PREEMPTION_MODE_PARAMS>(ptr, size)?
+                };
+                // RM sets the modes of a graphics-engine group, each within its range.
+                let target = st
+                    .objects
+                    .get(&p.hChannel)
+                    .ok_or(NV_ERR_INVALID_OBJECT_HANDLE)?;
+                if target.class != sys::KEPLER_CHANNEL_GROUP_A
+                    || target.engine != Some(sys::NV2080_ENGINE_TYPE_GRAPHICS)
+                {
+                    return Err(NV_ERR_INVALID_CHANNEL);
+                }
+                let cilp = p.flags & 1 != 0;
+                let gfxp = p.flags & 2 != 0;
+                if (cilp
+                    && p.cilpPreemptMode > sys::NV2080_CTRL_SET_CTXSW_PREEMPTION_MODE_COMPUTE_CILP)
+                    || (gfxp
+                        && p.gfxpPreemptMode
+                            > sys::NV2080_CTRL_SET_CTXSW_PREEMPTION_MODE_GFX_GFXP_POOL)
+                {
+                    return Err(NV_ERR_INVALID_ARGUMENT);
+                }
+                if cilp {
+                    st.compute_preemption.insert(p.hChannel, p.cilpPreemptMode);
+                }
+            }
             sys::NV2080_CTRL_CMD_PERF_BOOST => {
                 if obj.class != sys::NV20_SUBDEVICE_0 {
                     return Err(NV_ERR_INVALID_OBJECT_HANDLE);
@@ -667,6 +701,7 @@ impl SimShared {
         for h in doomed {
             st.objects.remove(&h);
             st.channels.remove(&h);
+            st.compute_preemption.remove(&h);
             // A buffer whose memory object goes is no longer reachable by the GPU.
             if let Some(va) = st.va_of.remove(&h) {
                 st.allocations.remove(&va);
@@ -976,6 +1011,12 @@ impl SimView<'_> {
     /// USERD's writes travel; `None` when no usermode object was allocated.
     pub fn doorbell_through_bar1(&self) -> Option<bool> {
         self.st.usermode_bar1
+    }
+
+    /// The compute preemption mode set on channel group `group` (`NV2080_CTRL_SET_CTXSW_PREEMPTION_MODE_COMPUTE_*`),
+    /// or `None` where none was set (RM's default, wait for idle).
+    pub fn compute_preemption(&self, group: Handle) -> Option<u32> {
+        self.st.compute_preemption.get(&group).copied()
     }
 
     /// Every live GPFIFO channel.
