@@ -484,7 +484,9 @@ pub enum StreamOrder {
     Acquire {
         /// The acquire's comparison.
         cmp: Acquire,
-        /// Whether the scheduler may switch channel groups while the acquire waits.
+        /// Whether the scheduler may switch channel groups while the acquire waits (`ACQUIRE_SWITCH_TSG`). On a queue
+        /// in the channel group the GPU's queues share, that switches out every queue of the group, their running
+        /// kernels included; build the queue with `ChannelConfig::own_group` to yield alone.
         switch_tsg: bool,
     },
     /// The front end waits for the engine to go idle (host `WFI`) before sending the launch. Every grid of the
@@ -694,7 +696,8 @@ impl ComputeQueue {
         &mut self.queue
     }
 
-    /// How launches wait for the previous one (the host acquire's comparison and ACQUIRE_SWITCH_TSG).
+    /// How launches wait for the previous one (the host acquire's comparison and ACQUIRE_SWITCH_TSG, which on a queue
+    /// of the shared channel group yields every queue of it: see [`StreamOrder::Acquire`]).
     /// The default is a 64-bit circular >= without switching, the form tinygrad runs on the H200.
     pub fn set_ordering(&mut self, cmp: Acquire, switch_tsg: bool) {
         self.ordering = StreamOrder::Acquire { cmp, switch_tsg };
