@@ -293,6 +293,48 @@ fn long_grid(gpu: &Arc<GpuCore>, secs: u64) -> String {
 /// [`a_long_grid_completes_beside_another_process`] plays.
 const CONTENTION_ROLE: &str = "APEX_CONTENTION_ROLE";
 
+/// Runs test `test` of this binary again in a process of its own, playing `role` for `secs` seconds; its output is
+/// piped.
+fn spawn_role(test: &str, role: &str, secs: u64) -> std::process::Child {
+    std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--include-ignored", "--nocapture"])
+        .env(CONTENTION_ROLE, role)
+        .env("APEX_CONTENTION_SECS", secs.to_string())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Reports what a role's process said (`lines`, its stderr) and whether it succeeded: it must have exited with
+/// success and printed its summary (a line starting with the role's name, other than the long grid's "launched"),
+/// since a child whose filter matched no test would exit 0 having done nothing.
+fn role_succeeded(role: &str, exited_ok: bool, lines: &[String]) -> bool {
+    let said: Vec<&str> = lines
+        .iter()
+        .map(String::as_str)
+        .filter(|l| {
+            l.starts_with(role)
+                || l.contains("panicked")
+                || l.contains("did not")
+                || l.contains("not done")
+        })
+        .collect();
+    eprintln!("{role} process: {}", said.join(" / "));
+    let reported = said
+        .iter()
+        .any(|l| l.starts_with(role) && !l.contains("launched"));
+    exited_ok && reported
+}
+
+/// A finished child's stderr, as lines.
+fn stderr_lines(out: &std::process::Output) -> Vec<String> {
+    String::from_utf8_lossy(&out.stderr)
+        .lines()
+        .map(String::from)
+        .collect()
+}
+
 /// Two processes run bare semaphore round trips as fast as they can; a second later a third starts launching
 /// kernels and waiting for each. Every submission must complete: one whose doorbell reached the GPU before its
 /// GP_PUT did (a doorbell through BAR0, USERD written through BAR1) waits for the next doorbell, which these loops
@@ -311,42 +353,18 @@ fn no_submission_is_lost_beside_other_processes() {
         eprintln!("{}", contention_role(&role, secs));
         return;
     }
-    let exe = std::env::current_exe().unwrap();
-    let spawn = |role: &'static str, secs: u64| {
-        let child = std::process::Command::new(&exe)
-            .args([
-                "--exact",
-                "no_submission_is_lost_beside_other_processes",
-                "--include-ignored",
-                "--nocapture",
-            ])
-            .env(CONTENTION_ROLE, role)
-            .env("APEX_CONTENTION_SECS", secs.to_string())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        (role, child)
-    };
+    let test = "no_submission_is_lost_beside_other_processes";
     let mut children = vec![
-        spawn("round-trips", secs + 2),
-        spawn("round-trips", secs + 2),
+        ("round-trips", spawn_role(test, "round-trips", secs + 2)),
+        ("round-trips", spawn_role(test, "round-trips", secs + 2)),
     ];
     std::thread::sleep(Duration::from_secs(1));
-    children.push(spawn("launches", secs));
+    children.push(("launches", spawn_role(test, "launches", secs)));
     let mut failed = Vec::new();
     for (role, child) in children {
         let out = child.wait_with_output().unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        let said: Vec<&str> = err
-            .lines()
-            .filter(|l| l.starts_with(role) || l.contains("panicked") || l.contains("not done"))
-            .collect();
-        eprintln!("{role} process: {}", said.join(" / "));
-        // A child whose filter matched no test would exit 0 having done nothing: its summary must be there.
-        let reported = said.iter().any(|l| l.starts_with(role));
-        if !out.status.success() || !reported {
-            failed.push(format!("{role}: {}", said.join(" / ")));
+        if !role_succeeded(role, out.status.success(), &stderr_lines(&out)) {
+            failed.push(role);
         }
     }
     assert!(failed.is_empty(), "processes failed: {failed:?}");
@@ -368,24 +386,8 @@ fn a_long_grid_completes_beside_another_process() {
         eprintln!("{}", contention_role(&role, secs));
         return;
     }
-    let exe = std::env::current_exe().unwrap();
-    let spawn = |role: &'static str, secs: u64| {
-        let child = std::process::Command::new(&exe)
-            .args([
-                "--exact",
-                "a_long_grid_completes_beside_another_process",
-                "--include-ignored",
-                "--nocapture",
-            ])
-            .env(CONTENTION_ROLE, role)
-            .env("APEX_CONTENTION_SECS", secs.to_string())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        (role, child)
-    };
-    let (_, mut long) = spawn("long-grid", 8);
+    let test = "a_long_grid_completes_beside_another_process";
+    let mut long = spawn_role(test, "long-grid", 8);
     // The launching process starts once the grid runs (the child calibrates it first), read off its stderr.
     let stderr = long.stderr.take().unwrap();
     let (started, grid_runs) = std::sync::mpsc::channel();
@@ -401,42 +403,16 @@ fn a_long_grid_completes_beside_another_process() {
     });
     let _ = grid_runs.recv_timeout(Duration::from_secs(60));
     std::thread::sleep(Duration::from_millis(500));
-    let (_, launches) = spawn("launches", 6);
+    let launches = spawn_role(test, "launches", 6);
     let long_ok = long.wait().unwrap().success();
     let long_said = reader.join().unwrap();
     let out = launches.wait_with_output().unwrap();
-    let launches_said: Vec<String> = String::from_utf8_lossy(&out.stderr)
-        .lines()
-        .map(String::from)
-        .collect();
     let mut failed = Vec::new();
-    for (role, ok, lines) in [
-        ("long-grid", long_ok, long_said),
-        ("launches", out.status.success(), launches_said),
-    ] {
-        let said: Vec<&String> = lines
-            .iter()
-            .filter(|l| {
-                l.starts_with(role)
-                    || l.contains("panicked")
-                    || l.contains("did not")
-                    || l.contains("not done")
-            })
-            .collect();
-        eprintln!(
-            "{role} process: {}",
-            said.iter()
-                .map(|l| l.as_str())
-                .collect::<Vec<_>>()
-                .join(" / ")
-        );
-        // Its summary must be there: a child whose filter matched no test would exit 0 having done nothing.
-        let reported = said
-            .iter()
-            .any(|l| l.starts_with(role) && !l.contains("launched"));
-        if !ok || !reported {
-            failed.push(role);
-        }
+    if !role_succeeded("long-grid", long_ok, &long_said) {
+        failed.push("long-grid");
+    }
+    if !role_succeeded("launches", out.status.success(), &stderr_lines(&out)) {
+        failed.push("launches");
     }
     assert!(failed.is_empty(), "processes failed: {failed:?}");
 }

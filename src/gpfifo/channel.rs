@@ -189,6 +189,19 @@ struct ChannelObjects {
 }
 
 impl ChannelObjects {
+    /// Schedules the channel by itself, in a group that already runs (the shared group, or CUDA's).
+    fn schedule_alone(&self) -> Result<()> {
+        let mut sched = sys::NVA06F_CTRL_GPFIFO_SCHEDULE_PARAMS {
+            bEnable: 1,
+            ..Default::default()
+        };
+        Ok(self.channel.control(
+            sys::NVA06F_CTRL_CMD_GPFIFO_SCHEDULE,
+            &mut sched,
+            "NVA06F_CTRL_CMD_GPFIFO_SCHEDULE",
+        )?)
+    }
+
     /// A subcontext on `vaspace` in `tsg`, the channel with its engine objects, its work-submit token and its UVM
     /// registration. `debugger`: also a GT200_DEBUGGER for fault reports (not in a group shared with CUDA, whose
     /// own debugger session must not be disturbed).
@@ -337,15 +350,7 @@ fn join_group(
         false,
         engine_type,
     )?;
-    let mut sched = sys::NVA06F_CTRL_GPFIFO_SCHEDULE_PARAMS {
-        bEnable: 1,
-        ..Default::default()
-    };
-    o.channel.control(
-        sys::NVA06F_CTRL_CMD_GPFIFO_SCHEDULE,
-        &mut sched,
-        "NVA06F_CTRL_CMD_GPFIFO_SCHEDULE",
-    )?;
+    o.schedule_alone()?;
     Ok(o)
 }
 
@@ -618,15 +623,7 @@ impl Channel {
                         ));
                     }
                 };
-                let mut sched = sys::NVA06F_CTRL_GPFIFO_SCHEDULE_PARAMS {
-                    bEnable: 1,
-                    ..Default::default()
-                };
-                o.channel.control(
-                    sys::NVA06F_CTRL_CMD_GPFIFO_SCHEDULE,
-                    &mut sched,
-                    "NVA06F_CTRL_CMD_GPFIFO_SCHEDULE",
-                )?;
+                o.schedule_alone()?;
                 (o, None)
             }
         };
