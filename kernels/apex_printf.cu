@@ -24,7 +24,9 @@ struct ApexFifo {
     unsigned long long head;      // bytes ever consumed (host)
     unsigned long long capacity;  // bytes of the ring, a power of two
     unsigned long long dropped;   // records that did not fit
-    unsigned long long reserved[4];
+    unsigned long long flags;     // APEX_FIFO_ASSERT_ENDS_THREAD: a failed assert ends its thread instead of trapping
+    unsigned long long assert_flag; // 0, or the address of a word (host memory) set nonzero by every failed assert
+    unsigned long long reserved[2];
     unsigned long long data[1];   // the ring follows the 64-byte header
 };
 
@@ -34,6 +36,9 @@ extern "C" __device__ ApexFifo apex_fifo;
 #define APEX_MAX_STRING 4096u
 #define KIND_PRINTF 1u
 #define KIND_ASSERT 2u
+// Set by the host (src/launch/printf.rs, AssertAction::EndThread) where the context must not fault on an assert: an
+// LD_PRELOAD host reports it through the CUDA driver instead, so the channel group it shares with CUDA stays alive.
+#define APEX_FIFO_ASSERT_ENDS_THREAD 1ull
 
 static __device__ __forceinline__ unsigned str_len(const char *s) {
     unsigned n = 0;
@@ -214,6 +219,16 @@ extern "C" __device__ __noinline__ void apex_assertfail(const char *message, con
         at = put_string(at, file);
         at = put_string(at, function);
         publish(pos, KIND_ASSERT, len);
+    }
+    if (*(volatile unsigned long long *)&apex_fifo.flags & APEX_FIFO_ASSERT_ENDS_THREAD) {
+        unsigned long long *seen = *(unsigned long long *volatile *)&apex_fifo.assert_flag;
+        if (seen != nullptr) {
+            // After the record (publish fenced it): the host reads the flag, then drains the ring.
+            __threadfence_system();
+            *(volatile unsigned long long *)seen = 1;
+            __threadfence_system();
+        }
+        asm volatile("exit;");
     }
     __trap();
 }

@@ -52,5 +52,6 @@ pub use api::{
     Selection, Ticket, choose,
 };
 pub use api::{Graph, GraphExec, GraphLaunch, GraphNode};
+pub use launch::printf::{AssertAction, AssertFailure};
 pub use launch::{Arg, LaunchConfig, LaunchMemory, VariableHome};
 pub use report::error_report;

@@ -1,9 +1,10 @@
 //! `apex`: what a launch library needs to know about the GPUs here, the launch-latency benchmark, the CUDA
-//! tracer and the occupancy advisor, from the command line.
+//! tracer, a runner for programs under the APEX preload and the occupancy advisor, from the command line.
 
 use std::error::Error;
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode};
+use std::process::{Command, ExitCode, ExitStatus};
 use std::time::Instant;
 
 use apex::launch::cubin::Cubin;
@@ -15,15 +16,17 @@ use serde_json::{Value, json};
 /// The test kernels' sm_90 cubin, whose `empty` kernel the benchmark launches.
 const BENCH_CUBIN: &[u8] = include_bytes!("../../kernels/apex_test_kernels.sm_90.cubin");
 
+/// The exit codes, shown after every subcommand's help.
 const EXIT_CODES: &str = "\
 Exit codes:
   0  success
   1  the command failed (the message says what was tried, what failed and what to do)
   2  usage error (unknown option, missing argument)
   3  no usable NVIDIA GPU or driver here (no device nodes, no libcuda, unsupported driver branch, no such GPU)
-  `apex trace` exits with the traced program's status.";
+  `apex trace` and `apex run` exit with the program's status (128 + the signal when a signal killed it).";
 
-/// Launch work on NVIDIA GPUs through the kernel driver: facts, benchmark, tracer and occupancy advisor.
+/// Launch work on NVIDIA GPUs through the kernel driver: facts, benchmark, tracer, preload runner and
+/// occupancy advisor.
 #[derive(Parser, Debug)]
 #[command(name = "apex", version, after_help = EXIT_CODES)]
 struct Cli {
@@ -87,6 +90,32 @@ enum Cmd {
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         command: Vec<String>,
     },
+    /// Run a program under the APEX LD_PRELOAD library (libapex_preload.so), which sends its CUDA kernel
+    /// launches through APEX, and print at exit what went through APEX, what fell back to libcuda and why,
+    /// and the ordering hops between the two.
+    #[command(after_help = EXIT_CODES)]
+    Run {
+        /// libapex_preload.so (default: $APEX_PRELOAD_LIB, else beside the apex binary or one directory up;
+        /// build it with `cargo build --release -p apex-preload`).
+        #[arg(long)]
+        lib: Option<PathBuf>,
+        /// Keep the preload's statistics (JSON) in this file (default: $APEX_PRELOAD_STATS if set, else a
+        /// temporary file, removed after the report).
+        #[arg(long)]
+        stats: Option<PathBuf>,
+        /// Forward everything to libcuda (APEX_PRELOAD=off; launches are still counted), for A/B comparisons.
+        #[arg(long)]
+        off: bool,
+        /// Print the preload's statistics as JSON on stdout after the program exits.
+        #[arg(long)]
+        json: bool,
+        /// The preload's log level on stderr (APEX_PRELOAD_LOG: error, warn, info, debug, trace).
+        #[arg(long, value_name = "LEVEL")]
+        log: Option<String>,
+        /// The program and its arguments (after `--`).
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        command: Vec<String>,
+    },
     /// Occupancy and launch advice for a kernel of a cubin or fatbin, from the GPU here or, with --sm,
     /// without one.
     #[command(after_help = EXIT_CODES)]
@@ -133,17 +162,18 @@ impl std::fmt::Display for Msg {
 
 impl Error for Msg {}
 
+/// Boxes a sentence as the command's error.
 fn msg(s: impl Into<String>) -> Box<dyn Error> {
     Box::new(Msg(s.into()))
 }
 
-/// A program `apex trace` ran, which exited with this status.
+/// A program `apex trace` or `apex run` ran, which exited with this status; `main` exits with it too.
 #[derive(Debug)]
 struct ChildExit(u8);
 
 impl std::fmt::Display for ChildExit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "the traced program exited with status {}", self.0)
+        write!(f, "the program exited with status {}", self.0)
     }
 }
 
@@ -168,6 +198,23 @@ fn main() -> ExitCode {
             json,
             command,
         } => trace(lib, &out, sm_count, json, &command),
+        Cmd::Run {
+            lib,
+            stats,
+            off,
+            json,
+            log,
+            command,
+        } => run(
+            lib,
+            &RunOptions {
+                stats,
+                off,
+                json,
+                log,
+            },
+            &command,
+        ),
         Cmd::Occupancy {
             cubin,
             kernel,
@@ -514,42 +561,139 @@ fn bench(
     Ok(())
 }
 
-// --------------------------------------------------------------------------------------------- trace
+// ---------------------------------------------------------------------- programs under a preload library
 
-/// The tracer library: `--lib`, `$APEX_TRACE_LIB`, beside this binary, or one directory up (cargo's
+/// An LD_PRELOAD library of this workspace that `apex` runs programs under: how to find it and how to build it.
+struct PreloadLib {
+    /// Its file name.
+    file: &'static str,
+    /// The environment variable that may name it.
+    env: &'static str,
+    /// What it is, for messages.
+    what: &'static str,
+    /// The package that builds it, for the build hint.
+    package: &'static str,
+}
+
+/// apex-trace's library, for `apex trace`.
+const TRACER: PreloadLib = PreloadLib {
+    file: "libapex_trace.so",
+    env: "APEX_TRACE_LIB",
+    what: "the tracer library",
+    package: "apex-trace",
+};
+
+/// apex-preload's library, for `apex run`.
+const PRELOAD: PreloadLib = PreloadLib {
+    file: "libapex_preload.so",
+    env: "APEX_PRELOAD_LIB",
+    what: "the preload library",
+    package: "apex-preload",
+};
+
+/// `lib`'s file: `given` (`--lib`), its environment variable, beside this binary, or one directory up (cargo's
 /// `target/release/` when this binary is under `deps/`).
-fn find_tracer(lib: Option<PathBuf>) -> Res<PathBuf> {
-    const NAME: &str = "libapex_trace.so";
-    if let Some(p) = lib.or_else(|| std::env::var_os("APEX_TRACE_LIB").map(PathBuf::from)) {
+fn find_lib(lib: &PreloadLib, given: Option<PathBuf>) -> Res<PathBuf> {
+    let named = given.map(|p| (p, "--lib".to_string())).or_else(|| {
+        std::env::var_os(lib.env)
+            .filter(|v| !v.is_empty())
+            .map(|v| (PathBuf::from(v), format!("${}", lib.env)))
+    });
+    if let Some((p, from)) = named {
         return if p.is_file() {
             Ok(std::fs::canonicalize(&p).unwrap_or(p))
         } else {
             Err(msg(format!(
-                "the tracer library {} does not exist; build it with `cargo build --release -p apex-trace` and pass its path with --lib",
-                p.display()
+                "{} {} (from {from}) does not exist; build it with `cargo build --release -p {}` and pass its path with --lib",
+                lib.what,
+                p.display(),
+                lib.package
             )))
         };
     }
     let exe = std::env::current_exe()?;
     let dir = exe.parent().unwrap_or(Path::new("."));
-    let candidates = [dir.join(NAME), dir.join("..").join(NAME)];
+    let candidates = [dir.join(lib.file), dir.join("..").join(lib.file)];
     candidates
         .iter()
         .find(|p| p.is_file())
         .map(|p| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone()))
         .ok_or_else(|| {
             msg(format!(
-                "{NAME} was not found beside the apex binary ({}); build it with `cargo build --release -p apex-trace` \
+                "{} was not found beside the apex binary ({}); build it with `cargo build --release -p {}` \
                  (it lands in target/release/) or pass its path with --lib",
+                lib.file,
                 candidates
                     .iter()
                     .map(|p| p.display().to_string())
                     .collect::<Vec<_>>()
-                    .join(", ")
+                    .join(", "),
+                lib.package
             ))
         })
 }
 
+/// The program and its arguments; clap requires one, this keeps an empty list an error rather than a panic.
+fn split_command(command: &[String]) -> Res<(&str, &[String])> {
+    command
+        .split_first()
+        .map(|(p, a)| (p.as_str(), a))
+        .ok_or_else(|| msg("no program to run; give one after `--`"))
+}
+
+/// Removes what an earlier run left at `path`: the library writes the file only when the program touches the
+/// GPU, so a stale one must not pass for this run's. `flag` is the option that chooses another file.
+fn remove_stale(path: &Path, flag: &str) -> Res<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(msg(format!(
+            "cannot replace {}: {e}; choose another file with {flag}",
+            path.display()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Runs `program` with `lib` first in LD_PRELOAD (before any library the user preloads already) and `env` set.
+fn run_preloaded(
+    lib: &Path,
+    program: &str,
+    args: &[String],
+    env: &[(&str, OsString)],
+) -> Res<ExitStatus> {
+    let preload = match std::env::var("LD_PRELOAD") {
+        Ok(p) if !p.is_empty() => format!("{}:{p}", lib.display()),
+        _ => lib.display().to_string(),
+    };
+    Command::new(program)
+        .args(args)
+        .env("LD_PRELOAD", preload)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .status()
+        .map_err(|e| {
+            msg(format!(
+                "cannot run {program}: {e}; check the program's path and that it is executable"
+            ))
+        })
+}
+
+/// The program's exit status as this command's: its code, or 128 + the signal that killed it (the shell's
+/// convention), said on stderr after `tool:` since no code of the program's own explains it.
+fn pass_status(tool: &str, program: &str, status: ExitStatus) -> Res<()> {
+    match status.code() {
+        Some(0) => Ok(()),
+        Some(c) => Err(Box::new(ChildExit(u8::try_from(c).unwrap_or(1)))),
+        None => {
+            use std::os::unix::process::ExitStatusExt;
+            let sig = status.signal().unwrap_or(0);
+            eprintln!("{tool}: {program} was killed by signal {sig}");
+            Err(Box::new(ChildExit(u8::try_from(128 + sig).unwrap_or(1))))
+        }
+    }
+}
+
+// --------------------------------------------------------------------------------------------- trace
+
+/// `apex trace`: runs the program under the tracer, then says where the records and summary are.
 fn trace(
     lib: Option<PathBuf>,
     out: &Path,
@@ -557,41 +701,19 @@ fn trace(
     json: bool,
     command: &[String],
 ) -> Res<()> {
-    let lib = find_tracer(lib)?;
-    let (program, args) = command
-        .split_first()
-        .ok_or_else(|| msg("no program to trace; give one after `--`"))?;
-    let preload = match std::env::var("LD_PRELOAD") {
-        Ok(p) if !p.is_empty() => format!("{}:{p}", lib.display()),
-        _ => lib.display().to_string(),
-    };
-    // The tracer writes the file only once the program touches the GPU: a stale one must not pass for this run's.
-    match std::fs::remove_file(out) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            return Err(msg(format!(
-                "cannot replace {}: {e}; choose another file with --out",
-                out.display()
-            )));
-        }
-        _ => {}
-    }
-    let mut cmd = Command::new(program);
-    cmd.args(args)
-        .env("LD_PRELOAD", preload)
-        .env("APEX_TRACE_FILE", out);
+    let lib = find_lib(&TRACER, lib)?;
+    let (program, args) = split_command(command)?;
+    remove_stale(out, "--out")?;
+    let mut env = vec![("APEX_TRACE_FILE", out.as_os_str().to_owned())];
     if let Some(n) = sm_count {
-        cmd.env("APEX_TRACE_SM_COUNT", n.to_string());
+        env.push(("APEX_TRACE_SM_COUNT", n.to_string().into()));
     }
     eprintln!(
         "apex trace: running {program} under {} (records to {})",
         lib.display(),
         out.display()
     );
-    let status = cmd.status().map_err(|e| {
-        msg(format!(
-            "cannot run {program}: {e}; check the program's path and that it is executable"
-        ))
-    })?;
+    let status = run_preloaded(&lib, program, args, &env)?;
     let summary = std::fs::read_to_string(out)
         .ok()
         .and_then(|t| t.lines().last().map(str::to_owned))
@@ -608,17 +730,213 @@ fn trace(
             out.display()
         ),
     }
-    match status.code() {
-        Some(0) => Ok(()),
-        Some(c) => Err(Box::new(ChildExit(u8::try_from(c).unwrap_or(1)))),
-        // Killed by a signal: the shell's convention, 128 + signal.
-        None => {
-            use std::os::unix::process::ExitStatusExt;
-            let sig = status.signal().unwrap_or(0);
-            eprintln!("apex trace: {program} was killed by signal {sig}");
-            Err(Box::new(ChildExit(u8::try_from(128 + sig).unwrap_or(1))))
+    pass_status("apex trace", program, status)
+}
+
+// ----------------------------------------------------------------------------------------------- run
+
+/// `apex run`'s options besides the library and the program.
+struct RunOptions {
+    /// `--stats`: where the statistics go, kept.
+    stats: Option<PathBuf>,
+    /// `--off`: APEX_PRELOAD=off.
+    off: bool,
+    /// `--json`: the statistics on stdout.
+    json: bool,
+    /// `--log`: APEX_PRELOAD_LOG.
+    log: Option<String>,
+}
+
+/// `apex run`: runs the program under the preload, reports its statistics on stderr and passes its exit status
+/// through.
+fn run(lib: Option<PathBuf>, o: &RunOptions, command: &[String]) -> Res<()> {
+    let lib = find_lib(&PRELOAD, lib)?;
+    let (program, args) = split_command(command)?;
+    // --stats, else the user's own APEX_PRELOAD_STATS (both kept), else a file of ours removed after the report.
+    let kept = o.stats.clone().or_else(|| {
+        std::env::var_os("APEX_PRELOAD_STATS")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    });
+    let temporary = kept.is_none();
+    let stats = kept.unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("apex-run-{}.json", std::process::id()))
+    });
+    remove_stale(&stats, "--stats")?;
+    if temporary {
+        // Made here, empty, owner-only and refusing an existing path (a link someone planted included), so the
+        // preload truncates a file of ours; empty afterwards means it wrote nothing.
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&stats)
+            .map_err(|e| {
+                msg(format!(
+                    "cannot create the statistics file {}: {e}; choose one with --stats",
+                    stats.display()
+                ))
+            })?;
+    }
+    let mut env = vec![("APEX_PRELOAD_STATS", stats.as_os_str().to_owned())];
+    if o.off {
+        env.push(("APEX_PRELOAD", "off".into()));
+    }
+    if let Some(level) = &o.log {
+        env.push(("APEX_PRELOAD_LOG", level.into()));
+    }
+    eprintln!(
+        "apex run: running {program} under {}{}{}",
+        lib.display(),
+        if o.off {
+            " with APEX_PRELOAD=off (every launch forwarded to libcuda, still counted)"
+        } else {
+            ""
+        },
+        if temporary {
+            String::new()
+        } else {
+            format!(" (statistics kept in {})", stats.display())
+        }
+    );
+    let status = run_preloaded(&lib, program, args, &env);
+    let read = std::fs::read_to_string(&stats);
+    if temporary {
+        // Nothing to do if it is already gone; the report does not depend on it.
+        let _ = std::fs::remove_file(&stats);
+    }
+    let status = status?;
+    match read {
+        Ok(text) if !text.trim().is_empty() => match serde_json::from_str::<Value>(&text) {
+            Ok(v) => {
+                if o.json {
+                    println!("{}", serde_json::to_string_pretty(&v)?);
+                }
+                for line in stats_report(&v) {
+                    eprintln!("apex run: {line}");
+                }
+            }
+            Err(e) => eprintln!(
+                "apex run: {} does not hold the preload's JSON statistics ({e})",
+                stats.display()
+            ),
+        },
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => eprintln!(
+            "apex run: cannot read the statistics in {}: {e}",
+            stats.display()
+        ),
+        // The preload writes them at exit, and only once the program used CUDA.
+        _ if status.code().is_none() => eprintln!(
+            "apex run: no statistics: the program was killed before the preload could write them"
+        ),
+        _ => eprintln!(
+            "apex run: the program made no CUDA launch the preload saw (or the preload was not loaded), so there are no statistics"
+        ),
+    }
+    pass_status("apex run", program, status)
+}
+
+/// `n` with the singular or plural noun.
+fn count(n: u64, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
+/// The preload's statistics as lines: the fields this version knows in sentences, then every other top-level
+/// field as `name: value`, so fields added to the preload show without a change here. A known field of an
+/// unexpected type is shown as an unknown one rather than dropped.
+fn stats_report(v: &Value) -> Vec<String> {
+    let Some(obj) = v.as_object() else {
+        return vec![format!(
+            "the statistics are {v}, not the JSON object the preload writes"
+        )];
+    };
+    let num = |k: &str| obj.get(k).and_then(Value::as_u64);
+    let mut used: Vec<&str> = Vec::new();
+    let mut lines = Vec::new();
+    if let (Some(total), Some(apex), Some(fallback)) =
+        (num("launches"), num("apex"), num("fallback"))
+    {
+        used.extend(["launches", "apex", "fallback"]);
+        lines.push(if total == 0 {
+            "no kernel launches".to_string()
+        } else {
+            let pct = apex as f64 * 100.0 / total as f64;
+            format!(
+                "{}: {apex} through APEX ({pct:.1}%), {fallback} fell back to libcuda",
+                count(total, "kernel launch", "kernel launches")
+            )
+        });
+    }
+    if let Some(reasons) = obj.get("reasons").and_then(Value::as_object) {
+        used.push("reasons");
+        let mut rs: Vec<(&String, &Value)> = reasons.iter().collect();
+        let n = |r: &Value| r.get("launches").and_then(Value::as_u64);
+        // Largest first; ties by label, so the order is the same every run.
+        rs.sort_by(|a, b| n(b.1).cmp(&n(a.1)).then_with(|| a.0.cmp(b.0)));
+        if !rs.is_empty() {
+            lines.push("fell back, by reason:".to_string());
+        }
+        for (label, r) in rs {
+            lines.push(match (n(r), r.get("example").and_then(Value::as_str)) {
+                (Some(k), Some(ex)) => {
+                    format!("  {label}: {}, e.g. {ex}", count(k, "launch", "launches"))
+                }
+                (Some(k), None) => format!("  {label}: {}", count(k, "launch", "launches")),
+                _ => format!("  {label}: {r}"),
+            });
         }
     }
+    let hops = [
+        (
+            "hops_to_cuda",
+            "to CUDA (a stream waited for an APEX queue)",
+        ),
+        ("hops_to_apex", "to APEX (a queue waited for a CUDA stream)"),
+        ("hops_between_queues", "between APEX queues on the GPU"),
+        ("cpu_syncs", "waited on the CPU (the GPU-side wait failed)"),
+    ];
+    let parts: Vec<String> = hops
+        .iter()
+        .filter_map(|&(k, words)| {
+            let n = num(k)?;
+            used.push(k);
+            Some(format!("{n} {words}"))
+        })
+        .collect();
+    if !parts.is_empty() {
+        lines.push(format!("hops: {}", parts.join(", ")));
+    }
+    let sizes = [
+        ("queues", "APEX queues built"),
+        ("modules_seen", "modules seen"),
+        ("modules_loaded", "modules loaded by APEX"),
+    ];
+    let parts: Vec<String> = sizes
+        .iter()
+        .filter_map(|&(k, words)| {
+            let n = num(k)?;
+            used.push(k);
+            Some(format!("{words}: {n}"))
+        })
+        .collect();
+    if !parts.is_empty() {
+        lines.push(parts.join(", "));
+    }
+    if let Some(a) = obj.get("attach").and_then(Value::as_str) {
+        used.push("attach");
+        lines.push(format!("attach to the CUDA context: {a}"));
+    }
+    for (k, val) in obj {
+        if used.contains(&k.as_str()) {
+            continue;
+        }
+        lines.push(match val {
+            Value::String(s) => format!("{k}: {s}"),
+            other => format!("{k}: {other}"),
+        });
+    }
+    lines
 }
 
 // ----------------------------------------------------------------------------------------- occupancy
@@ -720,4 +1038,56 @@ fn occupancy_cmd(
     }
     // A shape that cannot launch at all is the command's failure.
     occ.map(|_| ()).map_err(Into::into)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_report_words_known_fields_and_lists_unknown_ones() {
+        let v = json!({
+            "launches": 4, "apex": 3, "fallback": 1,
+            "reasons": {
+                "capturing": {"launches": 1, "example": "the stream is capturing"},
+                "device_runtime": {"launches": 1, "example": "vprintf"},
+            },
+            "hops_to_cuda": 2, "hops_to_apex": 1, "cpu_syncs": 0, "hops_between_queues": 5,
+            "queues": 1, "modules_seen": 2, "modules_loaded": 1, "attach": "direct",
+            "asserts": 7, "note": "new", "contexts": [{"attach": "direct"}],
+        });
+        assert_eq!(
+            stats_report(&v),
+            [
+                "4 kernel launches: 3 through APEX (75.0%), 1 fell back to libcuda",
+                "fell back, by reason:",
+                "  capturing: 1 launch, e.g. the stream is capturing",
+                "  device_runtime: 1 launch, e.g. vprintf",
+                "hops: 2 to CUDA (a stream waited for an APEX queue), 1 to APEX (a queue waited for a CUDA \
+                 stream), 5 between APEX queues on the GPU, 0 waited on the CPU (the GPU-side wait failed)",
+                "APEX queues built: 1, modules seen: 2, modules loaded by APEX: 1",
+                "attach to the CUDA context: direct",
+                "asserts: 7",
+                "contexts: [{\"attach\":\"direct\"}]",
+                "note: new",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_known_field_of_another_type_is_shown_not_dropped() {
+        let v = json!({"launches": "many", "apex": 1, "fallback": 0, "queues": -1});
+        assert_eq!(
+            stats_report(&v),
+            ["apex: 1", "fallback: 0", "launches: many", "queues: -1"]
+        );
+        assert_eq!(
+            stats_report(&json!({"launches": 0, "apex": 0, "fallback": 0})),
+            ["no kernel launches"]
+        );
+        assert_eq!(
+            stats_report(&json!([1])),
+            ["the statistics are [1], not the JSON object the preload writes"]
+        );
+    }
 }

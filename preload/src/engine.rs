@@ -1,36 +1,55 @@
-//! The preload's state and decisions: the attach, one APEX queue per taken-over stream, the function cache, and
-//! the ordering of queues with CUDA streams ([`crate::order`]). Every entry point takes the one lock; hooks call them
-//! only from the outermost hook of a thread (never from APEX's own calls into libcuda).
+//! The preload's state and decisions: one attachment per CUDA context, one APEX queue per taken-over stream, the
+//! function cache, the ordering of queues with CUDA streams ([`crate::order`]), synchronizations answered from APEX's
+//! fences, events recorded after APEX's work, and device asserts. Every entry point takes the one lock; hooks call
+//! them only from the outermost hook of a thread (never from APEX's own calls into libcuda).
+//!
+//! The launch path is one lock, one `cuCtxGetCurrent`, three lookups (context, function, stream) and APEX's
+//! prepared launch, which returns a ticket rather than a reference-counted fence.
 
 use std::collections::{HashMap, HashSet};
-use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+use std::ffi::{CStr, c_char, c_int, c_void};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use apex::{
-    Arg, Backend, Fence, Gpu, Kernel, LaunchConfig, Module, PreparedLaunch, Queue, VariableHome,
+    Arg, Backend, Fence, Gpu, Kernel, LaunchConfig, LaunchMemory, Module, PreparedLaunch, Queue,
+    QueueOptions, Ticket,
 };
 use tracing::{debug, info, warn};
 
 use crate::attrs::Extras;
+use crate::cuda::{
+    CUDA_ERROR_ASSERT, CUDA_ERROR_NOT_READY, CUDA_SUCCESS, CudaSide, Libcuda, Pointer,
+};
+use crate::lock::StoreLock;
 use crate::order::{Hops, Order, Stream, StreamKey, Target};
 use crate::registry::{ImageBytes, Owner, Registry};
 use crate::stats::Summary;
 use crate::{Refusal, check, image};
 
-/// Prepared launch shapes kept per function (the oldest is replaced beyond this).
-const PREPARED_PER_FUNCTION: usize = 8;
+/// Prepared launch shapes kept per function (the least recently used is replaced beyond this).
+const PREPARED_PER_FUNCTION: usize = 16;
 /// The stack CUDA gives each thread unless the program raises `CU_LIMIT_STACK_SIZE` (APEX's queues start alike).
 const DEFAULT_STACK: usize = 1024;
+/// How long one CPU wait on a queue looks before it checks again (a synchronize waits as long as the work runs).
+const WAIT_SLICE: Duration = Duration::from_secs(3600);
+/// Copies between the host and the device up to this size run on the stream's queue (the `.item()` and small
+/// upload patterns); larger ones go to libcuda, whose copy engines and pinned staging suit them. Copies between
+/// device buffers run on the queue at any size.
+pub(crate) const COPY_MAX: usize = 256 << 10;
+/// Each context's pinned staging ring for copies from and to pageable host memory.
+const STAGING_BYTES: u64 = 1 << 20;
 
 /// Settings from the environment.
 #[derive(Clone, Debug)]
-struct Config {
-    enabled: bool,
-    max_queues: usize,
-    stats: Option<PathBuf>,
+pub(crate) struct Config {
+    pub enabled: bool,
+    pub max_queues: usize,
+    pub stats: Option<PathBuf>,
+    /// Where the queues keep their rings and launch slots (`APEX_PRELOAD_LAUNCH_MEMORY=video|host`).
+    pub launch_memory: LaunchMemory,
 }
 
 impl Config {
@@ -44,10 +63,15 @@ impl Config {
             .and_then(|v| v.parse().ok())
             .unwrap_or(8);
         let stats = std::env::var_os("APEX_PRELOAD_STATS").map(PathBuf::from);
+        let launch_memory = match std::env::var("APEX_PRELOAD_LAUNCH_MEMORY").as_deref() {
+            Ok("host") => LaunchMemory::Host,
+            _ => LaunchMemory::Video,
+        };
         Config {
             enabled,
             max_queues,
             stats,
+            launch_memory,
         }
     }
 }
@@ -97,6 +121,147 @@ pub(crate) enum Site {
     Device,
 }
 
+/// Which way a program's copy goes, as its entry point says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CopyDir {
+    /// `cuMemcpyDtoH*`.
+    DeviceToHost,
+    /// `cuMemcpyHtoD*`.
+    HostToDevice,
+    /// `cuMemcpyDtoD*`.
+    DeviceToDevice,
+    /// `cuMemcpy` / `cuMemcpyAsync`: told by the pointers.
+    Any,
+}
+
+/// A copy the program asked for (`cuMemcpy*`), which the engine may run on the stream's queue.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CopyOp {
+    pub dst: u64,
+    pub src: u64,
+    pub bytes: usize,
+    pub site: Site,
+    pub dir: CopyDir,
+    /// The synchronous entry point (`cuMemcpyDtoH`, not `...Async`): it returns once the copy is done, except from
+    /// pageable host memory to the device, which returns once the data is staged (as CUDA does).
+    pub blocking: bool,
+}
+
+/// A memset the program asked for (`cuMemsetD8/16/32*`), which the engine may run on the stream's queue.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SetOp {
+    pub dst: u64,
+    pub value: u32,
+    /// Bytes per element: 1, 2 or 4.
+    pub width: u32,
+    pub count: usize,
+    pub site: Site,
+}
+
+/// How the engine runs a copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CopyPlan {
+    /// Between two GPU addresses (device memory, pinned host memory's device pointer).
+    Direct { src: u64, dst: u64 },
+    /// Device memory to pageable host memory, through the staging ring (waited for, then read by the CPU).
+    StageOut { src: u64 },
+    /// Pageable host memory to device memory, through the staging ring (written by the CPU first).
+    StageIn { dst: u64 },
+}
+
+impl CopyPlan {
+    fn new(dir: CopyDir, src: Pointer, dst: Pointer, op: &CopyOp) -> Option<CopyPlan> {
+        let n = op.bytes as u64;
+        let host = matches!(src, Pointer::Pinned { .. } | Pointer::Pageable)
+            || matches!(dst, Pointer::Pinned { .. } | Pointer::Pageable);
+        if host && op.bytes > COPY_MAX {
+            return None;
+        }
+        let fits = |p: Pointer| match p {
+            Pointer::Device { bytes } | Pointer::Pinned { bytes, .. } => bytes >= n,
+            Pointer::Pageable => true,
+            Pointer::Other => false,
+        };
+        if !fits(src) || !fits(dst) {
+            return None;
+        }
+        let to_host = matches!(dir, CopyDir::DeviceToHost | CopyDir::Any);
+        let to_device = matches!(dir, CopyDir::HostToDevice | CopyDir::Any);
+        let between = matches!(dir, CopyDir::DeviceToDevice | CopyDir::Any);
+        match (src, dst) {
+            // Between device buffers at any size: the SMs copy at the HBM's bandwidth.
+            (Pointer::Device { .. }, Pointer::Device { .. }) if between => Some(CopyPlan::Direct {
+                src: op.src,
+                dst: op.dst,
+            }),
+            (Pointer::Device { .. }, Pointer::Pinned { device, .. }) if to_host => {
+                Some(CopyPlan::Direct {
+                    src: op.src,
+                    dst: device,
+                })
+            }
+            (Pointer::Device { .. }, Pointer::Pageable) if to_host => {
+                Some(CopyPlan::StageOut { src: op.src })
+            }
+            (Pointer::Pinned { device, .. }, Pointer::Device { .. }) if to_device => {
+                Some(CopyPlan::Direct {
+                    src: device,
+                    dst: op.dst,
+                })
+            }
+            (Pointer::Pageable, Pointer::Device { .. }) if to_device => {
+                Some(CopyPlan::StageIn { dst: op.dst })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// A context's pinned staging memory for copies from and to pageable host memory: a ring used in laps; each lap
+/// starts once every copy of the last one is complete.
+struct Staging {
+    buffer: apex::HostBuffer,
+    head: u64,
+    /// Copies in flight that read or write the ring.
+    inflight: Vec<Fence>,
+}
+
+impl Staging {
+    /// `bytes` of the ring for the next copy (at most [`STAGING_BYTES`]).
+    fn take(&mut self, bytes: u64) -> Result<u64, String> {
+        let bytes = bytes.next_multiple_of(64);
+        if self.head + bytes > self.buffer.size() {
+            for f in self.inflight.drain(..) {
+                wait_fence(&f)?;
+            }
+            self.head = 0;
+        }
+        let at = self.head;
+        self.head += bytes;
+        self.inflight.retain(|f| !f.is_done());
+        Ok(at)
+    }
+}
+
+/// What a synchronizing hook asks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SyncKind {
+    /// `cuStreamSynchronize`: wait.
+    Wait,
+    /// `cuStreamQuery`: look.
+    Query,
+}
+
+/// What the engine made of a call: answered (the hook returns this code without calling libcuda), or libcuda must
+/// run it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Answer {
+    /// Return this `CUresult`; libcuda is not called.
+    Done(c_int),
+    /// Call libcuda.
+    Forward,
+}
+
 /// A prepared launch of one function on one slot's queue.
 struct Prepared {
     slot: usize,
@@ -104,12 +269,13 @@ struct Prepared {
     launch: Result<PreparedLaunch, Refusal>,
 }
 
-/// A function the preload launches itself.
+/// A function the preload launches itself, in one context.
 struct Ready {
     kernel: Kernel,
     /// Parameter sizes in order, from the cubin's table.
     sizes: Box<[usize]>,
     owner: Owner,
+    /// Most recently used first.
     prepared: Vec<Prepared>,
 }
 
@@ -118,31 +284,74 @@ enum FuncState {
     Refused(Refusal),
 }
 
-enum Attach {
-    NotYet,
-    Failed(Refusal),
-    Ready { gpu: Gpu, ctx: usize },
+/// A queue's last launch: a ticket (plain launches, no reference count) or a fence.
+enum Last {
+    Ticket(Ticket),
+    Fence(Fence),
 }
 
-pub(crate) struct Engine {
-    config: Config,
-    attach: Attach,
-    registry: Registry,
-    /// Image errors by module or library handle.
-    unreadable: HashMap<usize, String>,
+impl Last {
+    fn fence(&self, q: &Queue) -> Result<Fence, String> {
+        match self {
+            Last::Ticket(t) => q.fence(*t).map_err(|e| e.to_string()),
+            Last::Fence(f) => Ok(f.clone()),
+        }
+    }
+}
+
+/// An event the program recorded after a queue's work, kept by the preload instead of libcuda until something
+/// only libcuda can answer needs it.
+struct VirtualEvent {
+    slot: usize,
+    /// The queue's last launch when the event was recorded.
+    fence: Fence,
+}
+
+/// APEX inside one CUDA context.
+struct Ctx {
+    handle: usize,
+    gpu: Gpu,
+    /// Failed asserts end their thread, so kernels that call `__assertfail` run on APEX.
+    asserts_on_apex: bool,
     modules: HashMap<Owner, Result<Module, Refusal>>,
     /// Modules unloaded by the program while APEX launches of theirs may still run: kept until the end.
     retired: Vec<Module>,
     funcs: Handles<FuncState>,
-    /// Functions whose attributes the program set to something APEX does not apply.
-    func_attrs: Handles<i32>,
     queues: Vec<Option<Queue>>,
-    /// The fence of each slot's last launch, for other queues to wait for.
-    last: Vec<Option<Fence>>,
+    /// Each slot's last launch.
+    last: Vec<Option<Last>>,
     spare: Vec<Queue>,
     order: Order,
     /// Stream handle → blocking (not `CU_STREAM_NON_BLOCKING`).
     blocking: Handles<bool>,
+    events: Handles<VirtualEvent>,
+    /// The preload's own stream for recording events (0 until first used).
+    side: usize,
+    /// Pinned memory for copies from and to pageable host memory (made on first use).
+    staging: Option<Staging>,
+    /// CUDA work was submitted in this context since its last `cuCtxSynchronize` (launches left to libcuda, copies,
+    /// hops): a context synchronize must then reach libcuda.
+    cuda_work: bool,
+    /// Set when APEX stops in this context (a replayed assert, a fault): launches go to libcuda.
+    failed: Option<Refusal>,
+}
+
+pub(crate) struct Engine {
+    config: Config,
+    cuda: Box<dyn CudaSide>,
+    registry: Registry,
+    /// Image errors by module or library handle.
+    unreadable: HashMap<usize, String>,
+    /// Functions whose attributes the program set to something APEX does not apply.
+    func_attrs: Handles<i32>,
+    contexts: Vec<Ctx>,
+    /// The context of the last launch (an index into `contexts`).
+    recent: usize,
+    /// Contexts APEX could not attach to, and why.
+    unattached: Handles<Refusal>,
+    /// Event handle → created with `CU_EVENT_DISABLE_TIMING` (only those are recorded by the preload itself).
+    event_untimed: Handles<bool>,
+    /// Streams being captured into a CUDA graph.
     capturing: HashSet<StreamKey>,
     stack_raised: bool,
     /// Set when the takeover stops for good (an entry point it cannot order with, an internal error, the end).
@@ -150,11 +359,13 @@ pub(crate) struct Engine {
     /// The launch path's argument list, reused (empty between launches).
     args: Vec<Arg<'static>>,
     summary: Summary,
+    /// `APEX_PRELOAD_PROFILE`'s sums.
+    phases: crate::profile::Phases,
     logged: HashSet<(usize, &'static str)>,
     exit_hook: bool,
 }
 
-static ENGINE: Mutex<Option<Engine>> = Mutex::new(None);
+static ENGINE: StoreLock<Option<Engine>> = StoreLock::new(None);
 
 /// Set in a forked child: its copy of the engine names channels and a CUDA context that are the parent's, so the
 /// child forwards everything and never touches them (CUDA itself is unusable in a fork child).
@@ -169,18 +380,9 @@ fn with<R>(f: impl FnOnce(&mut Engine) -> R) -> Option<R> {
     if FORKED.load(Ordering::Relaxed) {
         return None;
     }
-    let mut guard: MutexGuard<'_, Option<Engine>> = match ENGINE.lock() {
-        Ok(g) => g,
-        Err(poisoned) => {
-            let mut g = poisoned.into_inner();
-            if let Some(e) = g.as_mut() {
-                e.off.get_or_insert(Refusal::Internal);
-            }
-            ENGINE.clear_poison();
-            g
-        }
-    };
-    let engine = guard.get_or_insert_with(Engine::new);
+    // A panic inside `f` is contained below and turns the takeover off: there is no poisoning to undo.
+    let mut guard = ENGINE.lock();
+    let engine = guard.get_or_insert_with(|| Engine::new(Config::from_env(), Box::new(Libcuda)));
     let _busy = crate::watchdog::busy();
     let r = apex_interpose::quietly(|| f(engine));
     if r.is_none() {
@@ -190,123 +392,12 @@ fn with<R>(f: impl FnOnce(&mut Engine) -> R) -> Option<R> {
     r
 }
 
-// ---- the driver functions the engine asks (libcuda's own, never a wrapper) ----
-
-macro_rules! driver_fn {
-    ($getter:ident, $name:literal, $ty:ty) => {
-        fn $getter() -> Option<$ty> {
-            static SLOT: AtomicUsize = AtomicUsize::new(0);
-            let mut p = SLOT.load(Ordering::Relaxed);
-            if p == 0 {
-                p = apex_interpose::libcuda_symbol($name).unwrap_or(0);
-                SLOT.store(p, Ordering::Relaxed);
-            }
-            // SAFETY: libcuda exports this function with this signature.
-            (p != 0).then(|| unsafe { std::mem::transmute::<usize, $ty>(p) })
-        }
-    };
-}
-
-driver_fn!(
-    cu_ctx_get_current,
-    c"cuCtxGetCurrent",
-    unsafe extern "C" fn(*mut usize) -> c_int
-);
-driver_fn!(
-    cu_stream_get_flags,
-    c"cuStreamGetFlags",
-    unsafe extern "C" fn(usize, *mut c_uint) -> c_int
-);
-driver_fn!(
-    cu_func_get_name,
-    c"cuFuncGetName",
-    unsafe extern "C" fn(*mut *const c_char, usize) -> c_int
-);
-driver_fn!(
-    cu_kernel_get_name,
-    c"cuKernelGetName",
-    unsafe extern "C" fn(*mut *const c_char, usize) -> c_int
-);
-driver_fn!(
-    cu_func_get_module,
-    c"cuFuncGetModule",
-    unsafe extern "C" fn(*mut usize, usize) -> c_int
-);
-driver_fn!(
-    cu_kernel_get_library,
-    c"cuKernelGetLibrary",
-    unsafe extern "C" fn(*mut usize, usize) -> c_int
-);
-
-driver_fn!(
-    cu_module_get_global,
-    c"cuModuleGetGlobal_v2",
-    unsafe extern "C" fn(*mut u64, *mut usize, usize, *const c_char) -> c_int
-);
-driver_fn!(
-    cu_library_get_global,
-    c"cuLibraryGetGlobal",
-    unsafe extern "C" fn(*mut u64, *mut usize, usize, *const c_char) -> c_int
-);
-
-/// Where CUDA's instance of module or library `owner` keeps its variable `name`, in the current context.
-fn cuda_global(owner: Owner, library: bool, name: &str) -> Option<VariableHome> {
-    let get = if library {
-        cu_library_get_global()
-    } else {
-        cu_module_get_global()
-    }?;
-    let name = std::ffi::CString::new(name).ok()?;
-    let (mut address, mut size) = (0u64, 0usize);
-    // SAFETY: live out-parameters and a NUL-terminated name; the driver validates the handle.
-    let r = unsafe { get(&mut address, &mut size, owner, name.as_ptr()) };
-    (r == 0 && address != 0).then_some(VariableHome {
-        address,
-        size: size as u64,
-    })
-}
-
-fn current_context() -> Option<usize> {
-    let get = cu_ctx_get_current()?;
-    let mut ctx = 0usize;
-    // SAFETY: a live out-parameter.
-    (unsafe { get(&mut ctx) } == 0).then_some(ctx)
-}
-
-/// A function's name through `get` (cuFuncGetName or cuKernelGetName).
-fn driver_name(
-    get: Option<unsafe extern "C" fn(*mut *const c_char, usize) -> c_int>,
-    f: usize,
-) -> Option<String> {
-    let get = get?;
-    let mut name: *const c_char = std::ptr::null();
-    // SAFETY: a live out-parameter; the driver validates the handle.
-    if unsafe { get(&mut name, f) } != 0 || name.is_null() {
-        return None;
-    }
-    // SAFETY: the driver returns a NUL-terminated name it owns.
-    Some(
-        unsafe { CStr::from_ptr(name) }
-            .to_string_lossy()
-            .into_owned(),
-    )
-}
-
-fn driver_owner(
-    get: Option<unsafe extern "C" fn(*mut usize, usize) -> c_int>,
-    f: usize,
-) -> Option<usize> {
-    let get = get?;
-    let mut h = 0usize;
-    // SAFETY: a live out-parameter; the driver validates the handle.
-    (unsafe { get(&mut h, f) } == 0 && h != 0).then_some(h)
-}
-
-/// The GPU-side hops on the engine's queues.
+/// The GPU-side hops on one context's queues.
 struct QueueHops<'a> {
+    cuda: &'a dyn CudaSide,
     queues: &'a mut [Option<Queue>],
-    /// The fence of each slot's last launch.
-    last: &'a [Option<Fence>],
+    last: &'a [Option<Last>],
+    cuda_work: &'a mut bool,
 }
 
 impl QueueHops<'_> {
@@ -320,28 +411,64 @@ impl QueueHops<'_> {
 
 impl Hops for QueueHops<'_> {
     fn cuda_waits_for_apex(&mut self, slot: usize, stream: StreamKey) -> Result<(), String> {
+        let cuda = self.cuda;
         let q = self.queue(slot)?;
-        // SAFETY: the stream is the program's, live (destroyed streams are handed over and forgotten first).
-        unsafe { q.make_cuda_stream_wait(stream.raw() as _) }.map_err(|e| e.to_string())
+        cuda.cuda_waits_for_apex(q, stream)?;
+        *self.cuda_work = true;
+        Ok(())
     }
 
     fn apex_waits_for_cuda(&mut self, slot: usize, stream: StreamKey) -> Result<(), String> {
+        let cuda = self.cuda;
         let q = self.queue(slot)?;
-        // SAFETY: as above.
-        unsafe { q.wait_for_cuda_stream(stream.raw() as _) }.map_err(|e| e.to_string())
+        cuda.apex_waits_for_cuda(q, stream)?;
+        *self.cuda_work = true;
+        Ok(())
     }
 
     fn apex_waits_for_apex(&mut self, slot: usize, other: usize) -> Result<(), String> {
-        let fence = self
+        let last = self
             .last
             .get(other)
             .and_then(Option::as_ref)
             .ok_or_else(|| format!("no launch on slot {other}"))?;
-        self.queue(slot)?.wait_for(fence).map_err(|e| e.to_string())
+        let fence = {
+            let q = self
+                .queues
+                .get(other)
+                .and_then(Option::as_ref)
+                .ok_or_else(|| format!("no queue in slot {other}"))?;
+            last.fence(q)?
+        };
+        self.queue(slot)?
+            .wait_for(&fence)
+            .map_err(|e| e.to_string())
     }
 
     fn cpu_sync(&mut self, slot: usize) -> Result<(), String> {
         self.queue(slot)?.synchronize().map_err(|e| e.to_string())
+    }
+
+    fn apex_done(&mut self, slot: usize) -> bool {
+        let (Some(Some(last)), Some(Some(q))) = (self.last.get(slot), self.queues.get(slot)) else {
+            return false;
+        };
+        last.fence(q).is_ok_and(|f| f.is_done())
+    }
+}
+
+/// Waits on the CPU for `fence` (as long as the work runs: a CUDA synchronize has no timeout), without draining
+/// the printf FIFO (the engine reports asserts itself).
+fn wait_fence(fence: &Fence) -> Result<(), String> {
+    let Some(f) = fence.direct() else {
+        return fence.wait(WAIT_SLICE).map_err(|e| e.to_string());
+    };
+    loop {
+        match f.wait(WAIT_SLICE) {
+            Ok(()) => return Ok(()),
+            Err(apex::pushbuf::Error::Channel(apex::gpfifo::Error::Timeout { .. })) => continue,
+            Err(e) => return Err(e.to_string()),
+        }
     }
 }
 
@@ -353,8 +480,56 @@ extern "C" fn at_exit() {
     }
 }
 
+impl Ctx {
+    /// The queue of `slot`'s last launch, as a fence.
+    fn last_fence(&self, slot: usize) -> Option<Result<Fence, String>> {
+        let last = self.last.get(slot)?.as_ref()?;
+        let q = self.queues.get(slot)?.as_ref()?;
+        Some(last.fence(q))
+    }
+
+    /// Waits on the CPU for the last launch of `slot`'s queue; then CUDA needs no hop for it.
+    fn wait_slot(&mut self, slot: usize) -> Result<(), String> {
+        if let Some(f) = self.last_fence(slot) {
+            wait_fence(&f?)?;
+        }
+        self.order.apex_complete(slot);
+        Ok(())
+    }
+
+    /// Whether the last launch of `slot`'s queue is complete (no waiting).
+    fn slot_done(&self, slot: usize) -> bool {
+        self.last_fence(slot)
+            .is_none_or(|f| f.is_ok_and(|f| f.is_done()))
+    }
+
+    fn stream(&mut self, cuda: &dyn CudaSide, raw: usize, per_thread: bool) -> Stream {
+        let key = StreamKey::of(raw, per_thread);
+        let blocking = match key {
+            StreamKey::Legacy | StreamKey::PerThread => true,
+            StreamKey::Handle(h) => *self
+                .blocking
+                .entry(h)
+                .or_insert_with(|| cuda.stream_blocking(h)),
+        };
+        Stream { key, blocking }
+    }
+
+    fn hops<'a>(&'a mut self, cuda: &'a dyn CudaSide) -> (QueueHops<'a>, &'a mut Order) {
+        (
+            QueueHops {
+                cuda,
+                queues: &mut self.queues,
+                last: &self.last,
+                cuda_work: &mut self.cuda_work,
+            },
+            &mut self.order,
+        )
+    }
+}
+
 impl Engine {
-    fn new() -> Engine {
+    pub(crate) fn new(config: Config, cuda: Box<dyn CudaSide>) -> Engine {
         if let Some(level) = std::env::var("APEX_PRELOAD_LOG")
             .ok()
             .and_then(|l| l.parse::<tracing::Level>().ok())
@@ -366,23 +541,19 @@ impl Engine {
                 .finish();
             let _ = tracing::subscriber::set_global_default(crate::exit_safe::ExitSafe(fmt));
         }
-        let config = Config::from_env();
         crate::watchdog::start();
+        crate::profile::start();
         Engine {
             off: (!config.enabled).then_some(Refusal::Disabled),
             config,
-            attach: Attach::NotYet,
+            cuda,
             registry: Registry::new(),
             unreadable: HashMap::new(),
-            modules: HashMap::new(),
-            retired: Vec::new(),
-            funcs: Handles::default(),
             func_attrs: Handles::default(),
-            queues: Vec::new(),
-            last: Vec::new(),
-            spare: Vec::new(),
-            order: Order::new(),
-            blocking: Handles::default(),
+            contexts: Vec::new(),
+            recent: 0,
+            unattached: Handles::default(),
+            event_untimed: Handles::default(),
             capturing: HashSet::new(),
             stack_raised: false,
             args: Vec::new(),
@@ -390,106 +561,313 @@ impl Engine {
                 attach: "not attempted".into(),
                 ..Summary::default()
             },
+            phases: crate::profile::Phases::default(),
             logged: HashSet::new(),
             exit_hook: false,
         }
     }
 
-    fn stream(&mut self, raw: usize, per_thread: bool) -> Stream {
-        let key = StreamKey::of(raw, per_thread);
-        let blocking = match key {
-            StreamKey::Legacy | StreamKey::PerThread => true,
-            StreamKey::Handle(h) => *self.blocking.entry(h).or_insert_with(|| {
-                let mut flags: c_uint = 0;
-                // SAFETY: a live out-parameter; the driver validates the handle. Unknown: taken as blocking, which
-                // relates it to more streams (more hops, never fewer).
-                cu_stream_get_flags()
-                    .is_none_or(|get| unsafe { get(h, &mut flags) } != 0 || flags & 1 == 0)
-            }),
-        };
-        Stream { key, blocking }
+    /// The summary so far (hop counts included).
+    pub(crate) fn summary(&self) -> Summary {
+        let mut s = self.summary.clone();
+        for c in &self.contexts {
+            s.add_hops(c.order.counts());
+        }
+        s.modules_seen = s.modules_seen.max(self.registry.len() as u64);
+        s.profile = self.phases.report().into_iter().collect();
+        s
     }
 
-    fn target(&mut self, site: Site) -> Target {
-        match site {
-            Site::Stream(raw, pt) => Target::Stream(self.stream(raw, pt)),
-            Site::Device => Target::Device,
+    // ---- contexts ----
+
+    /// The index of the attached context `handle`, if APEX attached to it.
+    fn find_context(&mut self, handle: usize) -> Option<usize> {
+        if self
+            .contexts
+            .get(self.recent)
+            .is_some_and(|c| c.handle == handle)
+        {
+            return Some(self.recent);
         }
+        let i = self.contexts.iter().position(|c| c.handle == handle)?;
+        self.recent = i;
+        Some(i)
     }
 
-    fn before(&mut self, site: Site) {
-        if self.order.live() == 0 {
-            return;
+    /// The context current on this thread, attached to on first use.
+    fn context(&mut self) -> Result<usize, Refusal> {
+        let handle = self.cuda.current_context().ok_or(Refusal::NoContext)?;
+        if let Some(i) = self.find_context(handle) {
+            return Ok(i);
         }
-        let target = self.target(site);
-        let mut hops = QueueHops {
-            queues: &mut self.queues,
-            last: &self.last,
-        };
-        if let Err(e) = self.order.before_cuda(target, &mut hops) {
-            warn!(error = %e, "cannot order a CUDA operation after APEX's queue");
+        if let Some(r) = self.unattached.get(&handle) {
+            return Err(r.clone());
         }
+        self.attach(handle)
     }
 
-    fn after(&mut self, site: Site) {
-        if self.order.live() == 0 {
-            return;
-        }
-        if let Site::Stream(raw, pt) = site {
-            let s = self.stream(raw, pt);
-            self.order.after_cuda(s);
-        }
-    }
-
-    fn ensure_attached(&mut self) -> Result<(&Gpu, usize), Refusal> {
-        if let Attach::NotYet = self.attach {
-            if !self.exit_hook {
-                // Registered after the CUDA runtime's own exit handler, so it runs before the context goes away.
-                // SAFETY: plain `extern "C" fn()` callbacks.
-                unsafe {
-                    libc::atexit(at_exit);
-                    libc::pthread_atfork(None, None, Some(in_fork_child));
-                }
-                self.exit_hook = true;
+    fn attach(&mut self, handle: usize) -> Result<usize, Refusal> {
+        if !self.exit_hook {
+            // Registered after the CUDA runtime's own exit handler, so it runs before the context goes away.
+            // SAFETY: plain `extern "C" fn()` callbacks.
+            unsafe {
+                libc::atexit(at_exit);
+                libc::pthread_atfork(None, None, Some(in_fork_child));
             }
-            self.attach = match (Gpu::attach_cuda(), current_context()) {
-                (Ok(gpu), Some(ctx)) if gpu.backend() == Backend::Direct => {
-                    info!(selection = %gpu.selection(), "apex-preload attached to the CUDA context");
-                    self.summary.attach = "direct".into();
-                    Attach::Ready { gpu, ctx }
-                }
-                (Ok(gpu), _) => {
-                    let r = Refusal::DriverBackend(gpu.selection().to_string());
-                    self.summary.attach = r.to_string();
-                    Attach::Failed(r)
-                }
-                (Err(e), _) => {
-                    let r = Refusal::AttachFailed(e.to_string());
-                    warn!(reason = %r, "apex-preload leaves every launch to libcuda");
-                    self.summary.attach = r.to_string();
-                    Attach::Failed(r)
-                }
-            };
+            self.exit_hook = true;
         }
-        match &self.attach {
-            Attach::Ready { gpu, ctx } => Ok((gpu, *ctx)),
-            Attach::Failed(r) => Err(r.clone()),
-            Attach::NotYet => Err(Refusal::Internal),
+        let result = match self.cuda.attach() {
+            Ok((gpu, asserts)) if gpu.backend() == Backend::Direct => {
+                info!(selection = %gpu.selection(), asserts_on_apex = asserts, "apex-preload attached to the CUDA context");
+                Ok((gpu, asserts))
+            }
+            Ok((gpu, _)) => Err(Refusal::DriverBackend(gpu.selection().to_string())),
+            Err(e) => Err(Refusal::AttachFailed(e)),
+        };
+        let outcome = match &result {
+            Ok(_) => "direct".to_string(),
+            Err(r) => r.to_string(),
+        };
+        self.summary.attach = outcome.clone();
+        self.summary.contexts.push(outcome);
+        match result {
+            Ok((gpu, asserts_on_apex)) => {
+                self.contexts.push(Ctx {
+                    handle,
+                    gpu,
+                    asserts_on_apex,
+                    modules: HashMap::new(),
+                    retired: Vec::new(),
+                    funcs: Handles::default(),
+                    queues: Vec::new(),
+                    last: Vec::new(),
+                    spare: Vec::new(),
+                    order: Order::new(),
+                    blocking: Handles::default(),
+                    events: Handles::default(),
+                    side: 0,
+                    staging: None,
+                    cuda_work: true,
+                    failed: None,
+                });
+                self.recent = self.contexts.len() - 1;
+                Ok(self.recent)
+            }
+            Err(r) => {
+                warn!(reason = %r, "apex-preload leaves this context's launches to libcuda");
+                self.unattached.insert(handle, r.clone());
+                Err(r)
+            }
         }
     }
 
-    /// The image an owner's kernels come from, loaded by APEX once.
-    fn module(&mut self, owner: Owner) -> Result<Module, Refusal> {
-        if let Some(m) = self.modules.get(&owner) {
+    /// The attached context a CUDA operation at `site` belongs to: a stream's (searched among taken-over streams),
+    /// else the current one's. `None` when APEX has no queue that could be involved.
+    fn site_context(&mut self, site: Site) -> Option<usize> {
+        if let Site::Stream(raw, pt) = site {
+            let key = StreamKey::of(raw, pt);
+            if let StreamKey::Handle(_) = key
+                && let Some(i) = self
+                    .contexts
+                    .iter()
+                    .position(|c| c.order.find(key).is_some())
+            {
+                return Some(i);
+            }
+        }
+        let handle = self.cuda.current_context()?;
+        self.find_context(handle)
+    }
+
+    // ---- launches ----
+
+    /// Takes launch `l` over; `s` gets the profile's stamps (see [`crate::profile::Phases::add`]).
+    fn try_launch(&mut self, l: &Launch, s: &mut [u64; 6]) -> Result<(), Refusal> {
+        if let Some(r) = &self.off {
+            return Err(r.clone());
+        }
+        if !self.capturing.is_empty() {
+            return Err(Refusal::Capturing);
+        }
+        let extras = match &l.extras {
+            Ok(e) => *e,
+            Err(r) => return Err(r.clone()),
+        };
+        let key = StreamKey::of(l.stream, l.per_thread);
+        if key == StreamKey::PerThread {
+            return Err(Refusal::PerThreadStream);
+        }
+        if !l.extra.is_null() {
+            return Err(Refusal::ExtraParams);
+        }
+        if self.stack_raised {
+            return Err(Refusal::ContextLimit);
+        }
+        let ci = self.context()?;
+        s[2] = crate::profile::stamp();
+        if let Some(r) = &self.contexts[ci].failed {
+            return Err(r.clone());
+        }
+        if !self.contexts[ci].funcs.contains_key(&l.f) {
+            // A slow path: not profiled.
+            s[0] = 0;
+            let state = match self.resolve(ci, l.f) {
+                Ok(r) => FuncState::Ready(Box::new(r)),
+                Err(r) if r.is_per_function() => FuncState::Refused(r),
+                // Not the function's fault (an internal error): decided again next time.
+                Err(r) => return Err(r),
+            };
+            self.contexts[ci].funcs.insert(l.f, state);
+        }
+        let slot = match self.contexts[ci].order.find(key) {
+            Some(slot) => slot,
+            None => {
+                s[0] = 0;
+                self.slot_for(ci, key, l.stream, l.per_thread)?
+            }
+        };
+        let Engine {
+            contexts,
+            args,
+            cuda,
+            summary,
+            ..
+        } = self;
+        let Ctx {
+            funcs,
+            queues,
+            last,
+            order,
+            cuda_work,
+            ..
+        } = &mut contexts[ci];
+        let ready = match funcs.get_mut(&l.f) {
+            Some(FuncState::Ready(r)) => r,
+            Some(FuncState::Refused(r)) => return Err(r.clone()),
+            None => return Err(Refusal::Internal),
+        };
+        if l.params.is_null() && !ready.sizes.is_empty() {
+            return Err(Refusal::ExtraParams);
+        }
+        let cfg = LaunchConfig {
+            grid: l.grid,
+            block: l.block,
+            shared_bytes: l.shared,
+            cluster: extras.cluster,
+        };
+        let prepared = if extras.cooperative {
+            None
+        } else {
+            match ready
+                .prepared
+                .iter()
+                .position(|p| p.slot == slot && p.cfg == cfg)
+            {
+                // Most recently used first: a loop of a few shapes finds its own at the front.
+                Some(i) => ready.prepared[..=i].rotate_right(1),
+                None => {
+                    s[0] = 0;
+                    summary.prepared_shapes += 1;
+                    let queue = queues[slot].as_mut().ok_or(Refusal::Internal)?;
+                    let launch = queue
+                        .prepare(&ready.kernel, &cfg)
+                        .map_err(|e| Refusal::LaunchRefused(e.to_string()));
+                    ready.prepared.truncate(PREPARED_PER_FUNCTION - 1);
+                    ready.prepared.insert(0, Prepared { slot, cfg, launch });
+                }
+            }
+            Some(ready.prepared[0].launch.as_ref().map_err(Clone::clone)?)
+        };
+        // The arguments: one pointer per parameter, each to a value of the parameter's size.
+        args.clear();
+        for (i, &size) in ready.sizes.iter().enumerate() {
+            // SAFETY: the driver API passes one pointer per kernel parameter in `kernelParams`; the parameter table
+            // says how many there are.
+            let p = unsafe { *l.params.add(i) } as *const u8;
+            if p.is_null() {
+                args.clear();
+                return Err(Refusal::ExtraParams);
+            }
+            // SAFETY: the program passes a value of the parameter's size at `p`, readable during this call; the
+            // slice is removed from `args` before this function returns, so the 'static it is given never escapes.
+            args.push(Arg::Bytes(unsafe { std::slice::from_raw_parts(p, size) }));
+        }
+        s[3] = crate::profile::stamp();
+        let mut hops = QueueHops {
+            cuda: cuda.as_ref(),
+            queues,
+            last,
+            cuda_work,
+        };
+        if let Err(e) = order.before_apex(slot, &mut hops) {
+            args.clear();
+            return Err(Refusal::LaunchFailed(format!(
+                "ordering with the CUDA stream: {e}"
+            )));
+        }
+        s[4] = crate::profile::stamp();
+        let queue = queues[slot].as_mut().ok_or(Refusal::Internal)?;
+        // SAFETY: the program launches this kernel with these arguments on this stream; CUDA would run it the same
+        // way, and the queue is ordered with the stream.
+        let result = unsafe {
+            match prepared {
+                Some(p) if extras.programmatic => {
+                    queue.launch_prepared_programmatic(p, args).map(Last::Fence)
+                }
+                Some(p) => queue.launch_prepared_ticket(p, args).map(Last::Ticket),
+                // A cooperative launch runs in plain stream order, which programmatic serialization allows.
+                None => queue
+                    .launch_cooperative(&ready.kernel, &cfg, args)
+                    .map(Last::Fence),
+            }
+        };
+        args.clear();
+        match result {
+            Ok(l) => {
+                order.after_apex(slot);
+                last[slot] = Some(l);
+                s[5] = crate::profile::stamp();
+                Ok(())
+            }
+            Err(e) => Err(Refusal::LaunchFailed(e.to_string())),
+        }
+    }
+
+    /// Takes launch `l` over if it can; `Some(stamp)` when it did (`t0`: the profile's stamp at the hook's entry; the
+    /// stamp returned starts the profile's last phase).
+    pub(crate) fn launch(&mut self, l: &Launch, t0: u64) -> Option<u64> {
+        let mut s = [t0, crate::profile::stamp(), 0, 0, 0, 0];
+        match self.try_launch(l, &mut s) {
+            Ok(()) => {
+                self.summary.taken();
+                self.phases.add(&s);
+                // 0 when the launch took a slow path: its last phase is not counted either.
+                Some(if s[0] == 0 { 0 } else { s[5] })
+            }
+            Err(r) => {
+                if self.logged.insert((l.f, r.label())) {
+                    info!(function = format_args!("{:#x}", l.f), reason = %r, "launch left to libcuda");
+                }
+                self.summary.refused(&r);
+                None
+            }
+        }
+    }
+
+    /// The image an owner's kernels come from, loaded by APEX once per context.
+    fn module(&mut self, ci: usize, owner: Owner) -> Result<Module, Refusal> {
+        if let Some(m) = self.contexts[ci].modules.get(&owner) {
             return m.clone();
         }
         let image = self.registry.image(owner).ok_or(Refusal::UnknownModule)?;
         let library = self.registry.is_library(owner);
-        let (gpu, _) = self.ensure_attached()?;
+        let cuda = self.cuda.as_ref();
+        let ctx = &mut self.contexts[ci];
         // The module's `__device__` variables are CUDA's instance's: kernels on both sides share them.
         let unplaced = std::cell::RefCell::new(Vec::new());
         let place = |name: &str, size: u64| {
-            let home = cuda_global(owner, library, name)
+            let home = cuda
+                .global(owner, library, name)
                 // The same variable in both instances: the sizes agree.
                 .filter(|h| h.size == size);
             if home.is_none() {
@@ -497,14 +875,16 @@ impl Engine {
             }
             home
         };
-        let loaded = gpu
+        let asserts = ctx.asserts_on_apex;
+        let loaded = ctx
+            .gpu
             .load_module_sharing(image.bytes(), &place)
             .map_err(|e| Refusal::ModuleRefused(e.to_string()))
             .and_then(|m| {
                 if let Some(name) = unplaced.borrow().first() {
                     return Err(Refusal::ModuleGlobals(name.clone()));
                 }
-                match m.cubin().and_then(check::module_refusal) {
+                match m.cubin().and_then(|c| check::module_refusal(c, asserts)) {
                     Some(r) => Err(r),
                     None => Ok(m),
                 }
@@ -517,11 +897,11 @@ impl Engine {
             ok = loaded.is_ok(),
             "module loaded for APEX"
         );
-        self.modules.insert(owner, loaded.clone());
+        ctx.modules.insert(owner, loaded.clone());
         loaded
     }
 
-    fn resolve(&mut self, f: usize) -> Result<Ready, Refusal> {
+    fn resolve(&mut self, ci: usize, f: usize) -> Result<Ready, Refusal> {
         if let Some(&attr) = self.func_attrs.get(&f) {
             return Err(Refusal::FunctionAttribute(attr));
         }
@@ -529,12 +909,11 @@ impl Engine {
             Some(o) => o.clone(),
             None => {
                 // A handle the program got some other way (enumeration, cudart's own lookups): ask the driver.
-                let name = driver_name(cu_func_get_name(), f)
-                    .or_else(|| driver_name(cu_kernel_get_name(), f))
-                    .ok_or(Refusal::UnknownFunction)?;
-                let handle = driver_owner(cu_func_get_module(), f)
-                    .filter(|&m| self.registry.owner(m).is_some())
-                    .or_else(|| driver_owner(cu_kernel_get_library(), f))
+                let name = self.cuda.function_name(f).ok_or(Refusal::UnknownFunction)?;
+                let registry = &self.registry;
+                let handle = self
+                    .cuda
+                    .function_owner(f, &|m| registry.owner(m).is_some())
                     .ok_or(Refusal::UnknownFunction)?;
                 if let Some(e) = self.unreadable.get(&handle) {
                     return Err(Refusal::UnreadableImage(e.clone()));
@@ -546,7 +925,7 @@ impl Engine {
                     .ok_or(Refusal::UnknownModule)?
             }
         };
-        let module = self.module(origin.owner)?;
+        let module = self.module(ci, origin.owner)?;
         // `__device__` variables are shared with CUDA's instance; `__constant__` ones are APEX's own copy, which a
         // write through the address the program took would miss.
         let constant_escaped = self.registry.escaped(origin.owner).iter().any(|name| {
@@ -563,7 +942,7 @@ impl Engine {
         let info = kernel
             .info()
             .ok_or_else(|| Refusal::KernelRefused("no parameter table".into()))?;
-        if let Some(r) = check::kernel_refusal(info) {
+        if let Some(r) = check::kernel_refusal(info, self.contexts[ci].asserts_on_apex) {
             return Err(r);
         }
         let sizes = info.params.iter().map(|p| p.size as usize).collect();
@@ -575,182 +954,540 @@ impl Engine {
         })
     }
 
-    /// The slot (and queue) of a stream, taking it over on first use.
-    fn slot_for(&mut self, key: StreamKey, stream: Stream) -> Result<usize, Refusal> {
-        if let Some(s) = self.order.find(key) {
+    /// The slot (and queue) of a stream in context `ci`, taking it over on first use.
+    fn slot_for(
+        &mut self,
+        ci: usize,
+        key: StreamKey,
+        raw: usize,
+        per_thread: bool,
+    ) -> Result<usize, Refusal> {
+        if let Some(s) = self.contexts[ci].order.find(key) {
             return Ok(s);
         }
-        if self.order.live() >= self.config.max_queues {
+        let cuda = self.cuda.as_ref();
+        let ctx = &mut self.contexts[ci];
+        if ctx.order.live() >= self.config.max_queues {
             return Err(Refusal::TooManyStreams(self.config.max_queues));
         }
-        let queue = match self.spare.pop() {
+        let queue = match ctx.spare.pop() {
             Some(q) => q,
             None => {
-                let (gpu, _) = self.ensure_attached()?;
-                let q = gpu
-                    .queue()
+                let options = QueueOptions::default().launch_memory(self.config.launch_memory);
+                let q = ctx
+                    .gpu
+                    .queue_with(options)
                     .map_err(|e| Refusal::QueueFailed(e.to_string()))?;
                 self.summary.queues += 1;
                 q
             }
         };
-        let slot = self.order.add(stream);
-        if self.queues.len() <= slot {
-            self.queues.resize_with(slot + 1, || None);
-            self.last.resize_with(slot + 1, || None);
+        let stream = ctx.stream(cuda, raw, per_thread);
+        let slot = ctx.order.add(stream);
+        if ctx.queues.len() <= slot {
+            ctx.queues.resize_with(slot + 1, || None);
+            ctx.last.resize_with(slot + 1, || None);
         }
-        self.queues[slot] = Some(queue);
-        self.last[slot] = None;
+        ctx.queues[slot] = Some(queue);
+        ctx.last[slot] = None;
         info!(stream = ?key, slot, "stream taken over by an APEX queue");
         Ok(slot)
     }
 
-    fn try_launch(&mut self, l: &Launch) -> Result<(), Refusal> {
-        if let Some(r) = &self.off {
-            return Err(r.clone());
-        }
-        if !self.capturing.is_empty() {
-            return Err(Refusal::Capturing);
-        }
-        let extras = l.extras.clone()?;
-        let key = StreamKey::of(l.stream, l.per_thread);
-        if key == StreamKey::PerThread {
-            return Err(Refusal::PerThreadStream);
-        }
-        if !l.extra.is_null() {
-            return Err(Refusal::ExtraParams);
-        }
-        if self.stack_raised {
-            return Err(Refusal::ContextLimit);
-        }
-        let (_, ctx) = self.ensure_attached()?;
-        if current_context() != Some(ctx) {
-            return Err(Refusal::OtherContext);
-        }
-        if !self.funcs.contains_key(&l.f) {
-            let state = match self.resolve(l.f) {
-                Ok(r) => FuncState::Ready(Box::new(r)),
-                Err(r) if r.is_per_function() => FuncState::Refused(r),
-                // Not the function's fault (the attach, an internal error): decided again next time.
-                Err(r) => return Err(r),
-            };
-            self.funcs.insert(l.f, state);
-        }
-        let stream = self.stream(l.stream, l.per_thread);
-        let slot = self.slot_for(key, stream)?;
-        let Engine {
-            funcs,
-            queues,
-            last,
-            order,
-            args,
-            ..
-        } = self;
-        let ready = match funcs.get_mut(&l.f) {
-            Some(FuncState::Ready(r)) => r,
-            Some(FuncState::Refused(r)) => return Err(r.clone()),
-            None => return Err(Refusal::Internal),
+    // ---- ordering with CUDA ----
+
+    /// Before a CUDA operation that adds work at `site`: related queues' work is handed to CUDA (a hop, unless it
+    /// is complete already).
+    pub(crate) fn before(&mut self, site: Site) {
+        let Some(ci) = self.site_context(site) else {
+            return;
         };
-        if l.params.is_null() && !ready.sizes.is_empty() {
-            return Err(Refusal::ExtraParams);
+        let cuda = self.cuda.as_ref();
+        let ctx = &mut self.contexts[ci];
+        ctx.cuda_work = true;
+        if ctx.order.live() == 0 {
+            return;
         }
-        let cfg = LaunchConfig {
-            grid: l.grid,
-            block: l.block,
-            shared_bytes: l.shared,
-            cluster: extras.cluster,
+        let target = match site {
+            Site::Stream(raw, pt) => Target::Stream(ctx.stream(cuda, raw, pt)),
+            Site::Device => Target::Device,
         };
-        let queue = queues
-            .get_mut(slot)
-            .and_then(Option::as_mut)
-            .ok_or(Refusal::Internal)?;
-        let prepared = if extras.cooperative {
-            None
+        let (mut hops, order) = ctx.hops(cuda);
+        if let Err(e) = order.before_cuda(target, &mut hops) {
+            warn!(error = %e, "cannot order a CUDA operation after APEX's queue");
+        }
+    }
+
+    /// After a CUDA operation that added work at `site` (`completed`: the call returned only once the stream's work
+    /// was done, as a synchronous copy to the host does).
+    pub(crate) fn after(&mut self, site: Site, completed: bool) {
+        let Site::Stream(raw, pt) = site else { return };
+        let Some(ci) = self.site_context(site) else {
+            return;
+        };
+        let cuda = self.cuda.as_ref();
+        let ctx = &mut self.contexts[ci];
+        ctx.cuda_work = true;
+        if ctx.order.live() == 0 {
+            return;
+        }
+        let s = ctx.stream(cuda, raw, pt);
+        ctx.order.after_cuda(s);
+        if completed {
+            ctx.order.cuda_synchronized(s);
+        }
+    }
+
+    /// Before a CUDA call that frees or unloads what work may use, or needs the whole device idle: every queue's
+    /// work is waited for on the CPU (libcuda's own call waits for CUDA's), so no hop is needed.
+    pub(crate) fn device_quiet(&mut self) {
+        let Some(ci) = self.site_context(Site::Device) else {
+            return;
+        };
+        self.wait_all(ci);
+    }
+
+    fn wait_all(&mut self, ci: usize) {
+        let ctx = &mut self.contexts[ci];
+        let slots: Vec<usize> = ctx.order.slots().collect();
+        for slot in slots {
+            if let Err(e) = ctx.wait_slot(slot) {
+                warn!(error = %e, slot, "an APEX queue failed while the preload waited for it");
+                // Its work cannot be waited for: let CUDA order after it on the GPU instead.
+                let cuda = self.cuda.as_ref();
+                let (mut hops, order) = ctx.hops(cuda);
+                let _ = order.before_cuda(Target::Device, &mut hops);
+            }
+        }
+    }
+
+    // ---- synchronization ----
+
+    /// `cuStreamSynchronize` / `cuStreamQuery` at `site`: answered from APEX's fences where everything the stream
+    /// holds is APEX's, else left to libcuda without a hop (the queue's work is waited for on the CPU first).
+    pub(crate) fn stream_sync(&mut self, site: Site, kind: SyncKind) -> Answer {
+        let Site::Stream(raw, pt) = site else {
+            return Answer::Forward;
+        };
+        let Some(ci) = self.site_context(site) else {
+            return Answer::Forward;
+        };
+        let cuda = self.cuda.as_ref();
+        let ctx = &mut self.contexts[ci];
+        // A failed context answers through libcuda, which keeps its error (sticky, as libcuda makes it).
+        if ctx.order.live() == 0 || ctx.failed.is_some() {
+            return Answer::Forward;
+        }
+        let stream = ctx.stream(cuda, raw, pt);
+        let own = ctx.order.find(stream.key);
+        // The slots whose work the stream's synchronize covers: its own queue, and for the legacy stream every
+        // blocking stream's queue (conservative: CUDA's legacy stream orders itself after their work).
+        let slots: Vec<usize> = if stream.key == StreamKey::Legacy {
+            ctx.order.related(stream).collect()
         } else {
-            let i = match ready
-                .prepared
-                .iter()
-                .position(|p| p.slot == slot && p.cfg == cfg)
-            {
-                Some(i) => i,
-                None => {
-                    if ready.prepared.len() >= PREPARED_PER_FUNCTION {
-                        ready.prepared.remove(0);
-                    }
-                    let launch = queue
-                        .prepare(&ready.kernel, &cfg)
-                        .map_err(|e| Refusal::LaunchRefused(e.to_string()));
-                    ready.prepared.push(Prepared { slot, cfg, launch });
-                    ready.prepared.len() - 1
-                }
-            };
-            Some(ready.prepared[i].launch.as_ref().map_err(Clone::clone)?)
+            own.into_iter().collect()
         };
-        // The arguments: one pointer per parameter, each to a value of the parameter's size.
-        args.clear();
-        for (i, &size) in ready.sizes.iter().enumerate() {
-            // SAFETY: the driver API passes one pointer per kernel parameter in `kernelParams`; the parameter table
-            // says how many there are.
-            let p = unsafe { *l.params.add(i) } as *const u8;
-            if p.is_null() {
-                args.clear();
-                return Err(Refusal::ExtraParams);
-            }
-            // SAFETY: the program passes a value of the parameter's size at `p`, readable during this call; the
-            // slice is removed from `args` before this function returns, so the 'static it is given never escapes.
-            args.push(Arg::Bytes(unsafe { std::slice::from_raw_parts(p, size) }));
+        if kind == SyncKind::Query && !slots.iter().all(|&s| ctx.slot_done(s)) {
+            self.summary.syncs_on_cpu += 1;
+            return Answer::Done(CUDA_ERROR_NOT_READY);
         }
-        let mut hops = QueueHops {
-            queues,
-            last: last.as_slice(),
-        };
-        if let Err(e) = order.before_apex(slot, &mut hops) {
-            args.clear();
-            return Err(Refusal::LaunchFailed(format!(
-                "ordering with the CUDA stream: {e}"
-            )));
+        for &s in &slots {
+            if let Err(e) = ctx.wait_slot(s) {
+                // A fault: libcuda reports the context's error (the queues are in its channel group).
+                debug!(error = %e, "an APEX queue faulted; the synchronize goes to libcuda");
+                return self.forward_after_asserts(ci);
+            }
         }
-        let queue = hops.queue(slot).map_err(|_| Refusal::Internal)?;
-        // SAFETY: the program launches this kernel with these arguments on this stream; CUDA would run it the same
-        // way, and the queue is ordered with the stream.
-        let result = unsafe {
-            match prepared {
-                Some(p) if extras.programmatic => queue.launch_prepared_programmatic(p, args),
-                Some(p) => queue.launch_prepared(p, args),
-                // A cooperative launch runs in plain stream order, which programmatic serialization allows.
-                None => queue.launch_cooperative(&ready.kernel, &cfg, args),
+        if let Some(code) = self.report_asserts(ci) {
+            return code;
+        }
+        let ctx = &self.contexts[ci];
+        match own {
+            Some(slot) if ctx.order.cuda_clean(slot) => {
+                self.summary.syncs_on_cpu += 1;
+                Answer::Done(CUDA_SUCCESS)
             }
-        };
-        args.clear();
-        match result {
-            Ok(fence) => {
-                order.after_apex(slot);
-                if let Some(l) = last.get_mut(slot) {
-                    *l = Some(fence);
-                }
-                Ok(())
+            _ => {
+                self.summary.syncs_forwarded += 1;
+                Answer::Forward
             }
-            Err(e) => Err(Refusal::LaunchFailed(e.to_string())),
         }
     }
 
-    fn launch(&mut self, l: &Launch) -> bool {
-        match self.try_launch(l) {
+    /// After a forwarded stream synchronize returned `result`.
+    pub(crate) fn stream_synced(&mut self, site: Site, result: c_int) {
+        let Site::Stream(raw, pt) = site else { return };
+        if result != CUDA_SUCCESS {
+            return;
+        }
+        let Some(ci) = self.site_context(site) else {
+            return;
+        };
+        let cuda = self.cuda.as_ref();
+        let ctx = &mut self.contexts[ci];
+        let s = ctx.stream(cuda, raw, pt);
+        ctx.order.cuda_synchronized(s);
+    }
+
+    /// `cuCtxSynchronize`: every queue of the current context waited for on the CPU; libcuda only if CUDA has had
+    /// work since the context's last synchronize.
+    pub(crate) fn context_sync(&mut self) -> Answer {
+        let Some(ci) = self.site_context(Site::Device) else {
+            return Answer::Forward;
+        };
+        self.wait_all(ci);
+        if let Some(code) = self.report_asserts(ci) {
+            return code;
+        }
+        if self.contexts[ci].cuda_work || self.contexts[ci].failed.is_some() {
+            self.summary.syncs_forwarded += 1;
+            Answer::Forward
+        } else {
+            self.summary.syncs_on_cpu += 1;
+            Answer::Done(CUDA_SUCCESS)
+        }
+    }
+
+    /// After a forwarded `cuCtxSynchronize` returned `result`.
+    pub(crate) fn context_synced(&mut self, result: c_int) {
+        if result != CUDA_SUCCESS {
+            return;
+        }
+        if let Some(ci) = self.site_context(Site::Device) {
+            let ctx = &mut self.contexts[ci];
+            ctx.order.context_synchronized();
+            ctx.cuda_work = false;
+        }
+    }
+
+    /// Failed asserts of APEX's kernels in context `ci`, reported as libcuda reports its own. `Some` when one was:
+    /// what the synchronizing call returns.
+    fn report_asserts(&mut self, ci: usize) -> Option<Answer> {
+        let ctx = &mut self.contexts[ci];
+        if !ctx.asserts_on_apex || !ctx.gpu.device_assert_pending() {
+            return None;
+        }
+        let failures = match ctx.gpu.take_device_asserts() {
+            Ok(f) => f,
+            Err(e) => {
+                warn!(error = %e, "cannot read the failed device asserts");
+                Vec::new()
+            }
+        };
+        self.summary.asserts += failures.len() as u64;
+        ctx.failed = Some(Refusal::AssertReported);
+        // The context is unusable from here on, as libcuda makes it: the program's call reaches libcuda, which
+        // answers CUDA_ERROR_ASSERT once the replay has run.
+        match self.cuda.replay_asserts(&failures) {
+            Ok(()) => Some(Answer::Forward),
+            Err(e) => {
+                // libcuda could not replay (its context already failed): print CUDA's lines ourselves and answer
+                // CUDA_ERROR_ASSERT.
+                warn!(error = %e, "device asserts could not be replayed through libcuda");
+                for f in &failures {
+                    eprintln!("{f}");
+                }
+                Some(Answer::Done(CUDA_ERROR_ASSERT))
+            }
+        }
+    }
+
+    fn forward_after_asserts(&mut self, ci: usize) -> Answer {
+        self.summary.syncs_forwarded += 1;
+        self.report_asserts(ci).unwrap_or(Answer::Forward)
+    }
+
+    // ---- copies ----
+
+    /// Runs a program's copy between the host and the device on the stream's APEX queue, in its order, when the
+    /// stream is taken over and the pointers are memory the queue reaches (`Some(CUresult)`); `None` leaves it to
+    /// libcuda (ordered with the queues like any CUDA work).
+    pub(crate) fn copy(&mut self, op: &CopyOp) -> Option<c_int> {
+        if self.off.is_some() || !self.capturing.is_empty() || op.bytes == 0 {
+            return None;
+        }
+        let Site::Stream(raw, pt) = op.site else {
+            return None;
+        };
+        let key = StreamKey::of(raw, pt);
+        let ci = self.site_context(op.site)?;
+        let cuda = self.cuda.as_ref();
+        let ctx = &mut self.contexts[ci];
+        if ctx.failed.is_some() {
+            return None;
+        }
+        let slot = ctx.order.find(key)?;
+        let plan = CopyPlan::new(
+            op.dir,
+            cuda.pointer(op.src, ctx.handle),
+            cuda.pointer(op.dst, ctx.handle),
+            op,
+        )?;
+        match Self::run_copy(cuda, ctx, slot, plan, op) {
             Ok(()) => {
-                self.summary.taken();
-                true
+                self.summary.copies_on_apex += 1;
+                Some(CUDA_SUCCESS)
             }
-            Err(r) => {
-                if self.logged.insert((l.f, r.label())) {
-                    info!(function = format_args!("{:#x}", l.f), reason = %r, "launch left to libcuda");
-                }
-                self.summary.refused(&r);
-                false
+            Err(e) => {
+                debug!(error = %e, "a copy goes to libcuda");
+                None
             }
         }
     }
 
-    fn loaded(&mut self, owner: usize, image: Result<ImageBytes, String>, library: bool) {
+    /// Runs a program's memset of device memory on the stream's APEX queue, in its order, when the stream is taken
+    /// over (`Some(CUresult)`); `None` leaves it to libcuda.
+    pub(crate) fn fill(&mut self, op: &SetOp) -> Option<c_int> {
+        if self.off.is_some() || !self.capturing.is_empty() || op.count == 0 {
+            return None;
+        }
+        let Site::Stream(raw, pt) = op.site else {
+            return None;
+        };
+        let key = StreamKey::of(raw, pt);
+        let ci = self.site_context(op.site)?;
+        let cuda = self.cuda.as_ref();
+        let ctx = &mut self.contexts[ci];
+        if ctx.failed.is_some() || !op.dst.is_multiple_of(u64::from(op.width)) {
+            return None;
+        }
+        let slot = ctx.order.find(key)?;
+        let bytes = (op.count as u64).checked_mul(u64::from(op.width))?;
+        match cuda.pointer(op.dst, ctx.handle) {
+            Pointer::Device { bytes: room } if room >= bytes => {}
+            _ => return None,
+        }
+        let run = |ctx: &mut Ctx| -> Result<(), String> {
+            let (mut hops, order) = ctx.hops(cuda);
+            order.before_apex(slot, &mut hops)?;
+            let queue = ctx.queues[slot]
+                .as_mut()
+                .ok_or_else(|| format!("no queue in slot {slot}"))?;
+            // SAFETY: libcuda says `dst` is device memory of this context for `bytes` bytes, aligned to the width.
+            let fence =
+                unsafe { queue.fill_addresses(op.dst, op.value, op.width, op.count as u64) }
+                    .map_err(|e| e.to_string())?;
+            ctx.order.after_apex(slot);
+            ctx.last[slot] = Some(Last::Fence(fence));
+            Ok(())
+        };
+        match run(ctx) {
+            Ok(()) => {
+                self.summary.sets_on_apex += 1;
+                Some(CUDA_SUCCESS)
+            }
+            Err(e) => {
+                debug!(error = %e, "a memset goes to libcuda");
+                None
+            }
+        }
+    }
+
+    fn run_copy(
+        cuda: &dyn CudaSide,
+        ctx: &mut Ctx,
+        slot: usize,
+        plan: CopyPlan,
+        op: &CopyOp,
+    ) -> Result<(), String> {
+        let n = op.bytes as u64;
+        if !matches!(plan, CopyPlan::Direct { .. }) && ctx.staging.is_none() {
+            let buffer = ctx
+                .gpu
+                .alloc_host(STAGING_BYTES)
+                .map_err(|e| e.to_string())?;
+            ctx.staging = Some(Staging {
+                buffer,
+                head: 0,
+                inflight: Vec::new(),
+            });
+        }
+        // The queue waits for the stream's CUDA work first, as a launch does.
+        let (mut hops, order) = ctx.hops(cuda);
+        order.before_apex(slot, &mut hops)?;
+        let queue = ctx.queues[slot]
+            .as_mut()
+            .ok_or_else(|| format!("no queue in slot {slot}"))?;
+        let fence = match plan {
+            CopyPlan::Direct { src, dst } => {
+                // SAFETY: libcuda says both are memory of this context the GPU reaches, for `n` bytes; the program
+                // keeps them until the copy is done, as it must for CUDA's.
+                let f = unsafe { queue.copy_addresses(src, dst, n) }.map_err(|e| e.to_string())?;
+                // A synchronous entry point returns once the copy is done (from pinned memory too).
+                if op.blocking {
+                    wait_fence(&f)?;
+                }
+                f
+            }
+            CopyPlan::StageOut { src } => {
+                let staging = ctx.staging.as_mut().ok_or("no staging memory")?;
+                let at = staging.take(n)?;
+                let base = staging.buffer.device_ptr();
+                // SAFETY: as above for `src`; the staging ring is ours.
+                let f = unsafe { queue.copy_addresses(src, base + at, n) }
+                    .map_err(|e| e.to_string())?;
+                // To pageable memory CUDA returns once the data is there: so does this.
+                wait_fence(&f)?;
+                // SAFETY: the program passed `dst` as host memory of `n` writable bytes.
+                let out = unsafe { std::slice::from_raw_parts_mut(op.dst as *mut u8, op.bytes) };
+                staging.buffer.read(at, out).map_err(|e| e.to_string())?;
+                f
+            }
+            CopyPlan::StageIn { dst } => {
+                let staging = ctx.staging.as_mut().ok_or("no staging memory")?;
+                let at = staging.take(n)?;
+                // SAFETY: the program passed `src` as host memory of `n` readable bytes.
+                let data = unsafe { std::slice::from_raw_parts(op.src as *const u8, op.bytes) };
+                staging.buffer.write(at, data).map_err(|e| e.to_string())?;
+                let base = staging.buffer.device_ptr();
+                // SAFETY: as above for `dst`; the staging ring's bytes stay until the copy is done.
+                let f = unsafe { queue.copy_addresses(base + at, dst, n) }
+                    .map_err(|e| e.to_string())?;
+                // From pageable memory CUDA returns once the data is staged, also for the synchronous entry point.
+                staging.inflight.push(f.clone());
+                f
+            }
+        };
+        ctx.order.after_apex(slot);
+        ctx.last[slot] = Some(Last::Fence(fence));
+        Ok(())
+    }
+
+    // ---- events ----
+
+    /// `cuEventCreate` made `event` with `flags`.
+    pub(crate) fn event_created(&mut self, event: usize, flags: u32) {
+        // CU_EVENT_DISABLE_TIMING
+        self.event_untimed.insert(event, flags & 2 != 0);
+    }
+
+    /// `cuEventDestroy`.
+    pub(crate) fn event_destroyed(&mut self, event: usize) {
+        self.event_untimed.remove(&event);
+        for c in &mut self.contexts {
+            c.events.remove(&event);
+        }
+    }
+
+    /// `cuEventRecord(event, site)`: recorded by the preload itself when everything it stands for is an APEX
+    /// queue's work and the event does not time; otherwise the stream's queues are handed over and libcuda records
+    /// it.
+    pub(crate) fn event_record(&mut self, event: usize, site: Site) -> Answer {
+        // A new record replaces the last one, wherever it was kept.
+        for c in &mut self.contexts {
+            c.events.remove(&event);
+        }
+        let Site::Stream(raw, pt) = site else {
+            return Answer::Forward;
+        };
+        let untimed = self.event_untimed.get(&event).copied().unwrap_or(false);
+        if untimed
+            && self.capturing.is_empty()
+            && let Some(ci) = self.site_context(site)
+            && self.contexts[ci].failed.is_none()
+        {
+            let cuda = self.cuda.as_ref();
+            let ctx = &mut self.contexts[ci];
+            let stream = ctx.stream(cuda, raw, pt);
+            // Only a taken-over stream whose CUDA side holds nothing the queue did not wait for: then the queue's
+            // last launch stands for all of it. (The legacy stream also orders after blocking streams: not kept.)
+            if stream.key != StreamKey::Legacy
+                && let Some(slot) = ctx.order.find(stream.key)
+                && ctx.order.cuda_clean(slot)
+                && let Some(Ok(fence)) = ctx.last_fence(slot)
+            {
+                ctx.events.insert(event, VirtualEvent { slot, fence });
+                self.summary.events_on_apex += 1;
+                return Answer::Done(CUDA_SUCCESS);
+            }
+        }
+        self.before(site);
+        Answer::Forward
+    }
+
+    fn event_home(&self, event: usize) -> Option<usize> {
+        self.contexts
+            .iter()
+            .position(|c| c.events.contains_key(&event))
+    }
+
+    /// `cuEventSynchronize` / `cuEventQuery` of an event the preload recorded: answered from the fence.
+    pub(crate) fn event_sync(&mut self, event: usize, kind: SyncKind) -> Answer {
+        let Some(ci) = self.event_home(event) else {
+            return Answer::Forward;
+        };
+        let ctx = &mut self.contexts[ci];
+        if ctx.failed.is_some() {
+            return Answer::Forward;
+        }
+        let Some(v) = ctx.events.get(&event) else {
+            return Answer::Forward;
+        };
+        if kind == SyncKind::Query && !v.fence.is_done() {
+            self.summary.syncs_on_cpu += 1;
+            return Answer::Done(CUDA_ERROR_NOT_READY);
+        }
+        if let Err(e) = wait_fence(&v.fence) {
+            debug!(error = %e, "an APEX queue faulted; the event goes to libcuda");
+            ctx.events.remove(&event);
+            return self.forward_after_asserts(ci);
+        }
+        if let Some(code) = self.report_asserts(ci) {
+            return code;
+        }
+        self.summary.syncs_on_cpu += 1;
+        Answer::Done(CUDA_SUCCESS)
+    }
+
+    /// Before libcuda looks at `event` (a stream waits for it, elapsed time, IPC): an event the preload kept is
+    /// recorded in libcuda now, on the preload's own stream, after the queue's work it stands for.
+    pub(crate) fn materialize(&mut self, event: usize) {
+        let Some(ci) = self.event_home(event) else {
+            return;
+        };
+        let cuda = self.cuda.as_ref();
+        let ctx = &mut self.contexts[ci];
+        let Some(v) = ctx.events.remove(&event) else {
+            return;
+        };
+        self.summary.events_materialized += 1;
+        let result = if v.fence.is_done() {
+            cuda.record_event_now(event, &mut ctx.side)
+        } else {
+            match ctx.queues.get_mut(v.slot).and_then(Option::as_mut) {
+                Some(q) => cuda.record_event_after(q, event, &mut ctx.side),
+                None => Err("the event's queue is gone".into()),
+            }
+        };
+        ctx.cuda_work = true;
+        if let Err(e) = result {
+            // Last resort: the work is waited for on the CPU, and libcuda records the event with nothing pending.
+            warn!(error = %e, "cannot record an event after APEX's queue; waiting for the queue instead");
+            let _ = wait_fence(&v.fence);
+            let _ = cuda.record_event_now(event, &mut ctx.side);
+        }
+    }
+
+    /// Every event the preload kept, recorded in libcuda (before a capture begins or a graph launches).
+    pub(crate) fn materialize_all(&mut self) {
+        let events: Vec<usize> = self
+            .contexts
+            .iter()
+            .flat_map(|c| c.events.keys().copied())
+            .collect();
+        for e in events {
+            self.materialize(e);
+        }
+    }
+
+    // ---- what the program loaded ----
+
+    pub(crate) fn loaded(
+        &mut self,
+        owner: usize,
+        image: Result<ImageBytes, String>,
+        library: bool,
+    ) {
         self.summary.modules_seen += 1;
         self.forget_owner(owner);
         match image {
@@ -767,62 +1504,108 @@ impl Engine {
 
     /// Drops everything cached for `owner` (unloaded, or a handle reused by a new load).
     fn forget_owner(&mut self, owner: Owner) {
-        if let Some(Ok(m)) = self.modules.remove(&owner) {
-            self.retired.push(m);
+        for c in &mut self.contexts {
+            if let Some(Ok(m)) = c.modules.remove(&owner) {
+                c.retired.push(m);
+            }
+            // Refusals are cheap to recompute; any of them may name a reused handle.
+            c.funcs
+                .retain(|_, s| matches!(s, FuncState::Ready(r) if r.owner != owner));
         }
-        // Refusals are cheap to recompute; any of them may name a reused handle.
-        self.funcs
-            .retain(|_, s| matches!(s, FuncState::Ready(r) if r.owner != owner));
     }
 
-    fn unloaded(&mut self, handle: usize) {
+    pub(crate) fn unloaded(&mut self, handle: usize) {
         self.unreadable.remove(&handle);
         if let Some(owner) = self.registry.unloaded(handle) {
             self.forget_owner(owner);
         }
     }
 
-    fn escape(&mut self, handle: usize, name: Option<String>) {
+    pub(crate) fn function(&mut self, function: usize, handle: usize, name: &str) {
+        self.registry.function(function, handle, name);
+    }
+
+    pub(crate) fn same_function(&mut self, function: usize, kernel: usize) {
+        self.registry.same_function(function, kernel);
+    }
+
+    pub(crate) fn library_module(&mut self, module: usize, library: usize) {
+        self.registry.library_module(module, library);
+    }
+
+    pub(crate) fn escape(&mut self, handle: usize, name: Option<String>) {
         self.registry.escape(handle, name);
         if let Some(owner) = self.registry.owner(handle) {
-            self.funcs
-                .retain(|_, s| !matches!(s, FuncState::Ready(r) if r.owner == owner));
+            for c in &mut self.contexts {
+                c.funcs
+                    .retain(|_, s| !matches!(s, FuncState::Ready(r) if r.owner == owner));
+            }
         }
     }
 
-    fn stream_destroyed(&mut self, raw: usize) {
+    pub(crate) fn func_attribute(&mut self, f: usize, attr: c_int) {
+        self.func_attrs.insert(f, attr);
+        for c in &mut self.contexts {
+            c.funcs.remove(&f);
+        }
+    }
+
+    pub(crate) fn raise_stack(&mut self) {
+        self.stack_raised = true;
+    }
+
+    pub(crate) fn stream_destroyed(&mut self, raw: usize) {
         let key = StreamKey::of(raw, false);
-        if let Some(slot) = self.order.find(key) {
-            self.order.remove(slot);
-            for s in self.funcs.values_mut() {
-                if let FuncState::Ready(r) = s {
-                    r.prepared.retain(|p| p.slot != slot);
+        for c in &mut self.contexts {
+            if let Some(slot) = c.order.find(key) {
+                c.order.remove(slot);
+                for s in c.funcs.values_mut() {
+                    if let FuncState::Ready(r) = s {
+                        r.prepared.retain(|p| p.slot != slot);
+                    }
                 }
+                c.last[slot] = None;
+                if let Some(q) = c.queues.get_mut(slot).and_then(Option::take) {
+                    c.spare.push(q);
+                }
+                c.events.retain(|_, v| v.slot != slot);
             }
-            if let Some(q) = self.queues.get_mut(slot).and_then(Option::take) {
-                self.spare.push(q);
-            }
+            c.blocking.remove(&raw);
         }
-        self.blocking.remove(&raw);
     }
 
-    fn shutdown(&mut self, why: &str) {
-        self.before(Site::Device);
-        for q in self
-            .queues
-            .iter_mut()
-            .flatten()
-            .chain(self.spare.iter_mut())
-        {
-            if let Err(e) = q.synchronize() {
-                warn!(error = %e, "an APEX queue did not drain at shutdown");
-            }
+    pub(crate) fn capture(&mut self, raw: usize, per_thread: bool, begins: bool) {
+        let key = StreamKey::of(raw, per_thread);
+        if begins {
+            self.capturing.insert(key);
+        } else {
+            self.capturing.remove(&key);
         }
-        let counts = self.order.counts();
-        self.summary.hops(counts);
-        self.summary.modules_seen = self.summary.modules_seen.max(self.registry.len() as u64);
+    }
+
+    pub(crate) fn unknown_entry(&mut self, name: &str) {
+        for ci in 0..self.contexts.len() {
+            self.wait_all(ci);
+        }
+        if self.off.is_none() {
+            warn!(
+                entry = name,
+                "unknown driver entry point variant: apex-preload stops taking launches over"
+            );
+            self.off = Some(Refusal::UnknownEntryPoint(name.to_string()));
+        }
+    }
+
+    pub(crate) fn shutdown(&mut self, why: &str) {
+        self.materialize_all();
+        for ci in 0..self.contexts.len() {
+            self.wait_all(ci);
+            // A failed assert nobody synchronized for: CUDA reports it when the context goes; so does the replay.
+            let _ = self.report_asserts(ci);
+        }
+        let summary = self.summary();
         if let Some(path) = &self.config.stats {
-            match serde_json::to_vec_pretty(&self.summary) {
+            match serde_json::to_vec_pretty(&summary) {
                 Ok(json) => {
                     if let Err(e) = std::fs::write(path, json) {
                         warn!(path = %path.display(), error = %e, "cannot write the apex-preload summary");
@@ -833,32 +1616,33 @@ impl Engine {
         }
         info!(
             why,
-            launches = self.summary.launches,
-            apex = self.summary.apex,
-            fallback = self.summary.fallback,
+            launches = summary.launches,
+            apex = summary.apex,
+            fallback = summary.fallback,
             "apex-preload stops"
         );
-        // Queues and modules go before the context does.
-        self.funcs.clear();
-        self.last.clear();
-        self.queues.clear();
-        self.spare.clear();
-        self.order = Order::new();
-        self.modules.clear();
-        self.retired.clear();
-        self.attach = Attach::Failed(Refusal::AttachFailed(format!(
-            "apex-preload stopped: {why}"
-        )));
+        // Queues and modules go before the contexts do.
+        for c in &mut self.contexts {
+            c.funcs.clear();
+            c.events.clear();
+            c.last.clear();
+            c.queues.clear();
+            c.spare.clear();
+            c.modules.clear();
+            c.retired.clear();
+        }
+        self.contexts.clear();
         self.off = Some(Refusal::Disabled);
     }
 }
 
 // ---- the entry points the hooks call ----
 
-/// Launches through APEX if it can; `false` when the caller must forward the launch to libcuda (ordered by
-/// [`before`] and [`after`] like any CUDA operation).
-pub(crate) fn launch(l: &Launch) -> bool {
-    with(|e| e.launch(l)).unwrap_or(false)
+/// Launches through APEX if it can (`Some`: the profile's stamp where the hook's last phase starts); `None` when the
+/// caller must forward the launch to libcuda (ordered by [`before`] and [`after`] like any CUDA operation). `t0`:
+/// the profile's stamp at the hook's entry.
+pub(crate) fn launch(l: &Launch, t0: u64) -> Option<u64> {
+    with(|e| e.launch(l, t0)).flatten()
 }
 
 /// A launch made through an entry point the preload always leaves to libcuda.
@@ -871,9 +1655,79 @@ pub(crate) fn before(site: Site) {
     with(|e| e.before(site));
 }
 
-/// After a CUDA operation that added work at `site`.
-pub(crate) fn after(site: Site) {
-    with(|e| e.after(site));
+/// After a CUDA operation that added work at `site` (`completed`: the stream's work is done when it returns).
+pub(crate) fn after(site: Site, completed: bool) {
+    with(|e| e.after(site, completed));
+}
+
+/// Before a call that frees, unloads or otherwise needs every queue's work done.
+pub(crate) fn device_quiet() {
+    with(|e| e.device_quiet());
+}
+
+/// A stream synchronize or query.
+pub(crate) fn stream_sync(site: Site, kind: SyncKind) -> Answer {
+    with(|e| e.stream_sync(site, kind)).unwrap_or(Answer::Forward)
+}
+
+/// After a forwarded stream synchronize.
+pub(crate) fn stream_synced(site: Site, result: c_int) {
+    with(|e| e.stream_synced(site, result));
+}
+
+/// A context synchronize.
+pub(crate) fn context_sync() -> Answer {
+    with(|e| e.context_sync()).unwrap_or(Answer::Forward)
+}
+
+/// After a forwarded context synchronize.
+pub(crate) fn context_synced(result: c_int) {
+    with(|e| e.context_synced(result));
+}
+
+/// The program submits CUDA work through driver function `name` (counted in the stats, by name).
+pub(crate) fn cuda_work(name: &'static str) {
+    with(|e| *e.summary.cuda_work.entry(name.to_string()).or_default() += 1);
+}
+
+/// A memset: run on APEX's queue (`Some(CUresult)`), or `None` for libcuda.
+pub(crate) fn fill(op: &SetOp) -> Option<c_int> {
+    with(|e| e.fill(op)).flatten()
+}
+
+/// A copy: run on APEX's queue (`Some(CUresult)`), or `None` for libcuda.
+pub(crate) fn copy(op: &CopyOp) -> Option<c_int> {
+    with(|e| e.copy(op)).flatten()
+}
+
+/// An event was created.
+pub(crate) fn event_created(event: usize, flags: u32) {
+    with(|e| e.event_created(event, flags));
+}
+
+/// An event was destroyed.
+pub(crate) fn event_destroyed(event: usize) {
+    with(|e| e.event_destroyed(event));
+}
+
+/// An event record.
+pub(crate) fn event_record(event: usize, site: Site) -> Answer {
+    with(|e| e.event_record(event, site)).unwrap_or(Answer::Forward)
+}
+
+/// An event synchronize or query.
+pub(crate) fn event_sync(event: usize, kind: SyncKind) -> Answer {
+    with(|e| e.event_sync(event, kind)).unwrap_or(Answer::Forward)
+}
+
+/// Before libcuda looks at `event`.
+pub(crate) fn materialize(event: usize) {
+    with(|e| e.materialize(event));
+}
+
+/// Before libcuda looks at any event (a capture, a graph launch).
+pub(crate) fn materialize_all() {
+    with(|e| e.materialize_all());
 }
 
 /// A module or library was loaded from the image at `p`.
@@ -929,17 +1783,17 @@ pub(crate) fn function(function: usize, handle: usize, name: *const c_char) {
     }
     // SAFETY: the driver accepted it as a NUL-terminated name.
     let name = unsafe { CStr::from_ptr(name) }.to_string_lossy();
-    with(|e| e.registry.function(function, handle, &name));
+    with(|e| e.function(function, handle, &name));
 }
 
 /// `function` is the same kernel as `kernel`.
 pub(crate) fn same_function(function: usize, kernel: usize) {
-    with(|e| e.registry.same_function(function, kernel));
+    with(|e| e.same_function(function, kernel));
 }
 
 /// `module` is `library`'s.
 pub(crate) fn library_module(module: usize, library: usize) {
-    with(|e| e.registry.library_module(module, library));
+    with(|e| e.library_module(module, library));
 }
 
 /// The program took the address of a global of module or library `handle`.
@@ -960,17 +1814,14 @@ pub(crate) fn func_attribute(f: usize, attr: c_int) {
     if attr == 8 || attr == 9 {
         return;
     }
-    with(|e| {
-        e.func_attrs.insert(f, attr);
-        e.funcs.remove(&f);
-    });
+    with(|e| e.func_attribute(f, attr));
 }
 
 /// `cuCtxSetLimit`.
 pub(crate) fn limit(limit: c_int, value: usize) {
     // CU_LIMIT_STACK_SIZE
     if limit == 0 && value > DEFAULT_STACK {
-        with(|e| e.stack_raised = true);
+        with(|e| e.raise_stack());
     }
 }
 
@@ -981,29 +1832,13 @@ pub(crate) fn stream_destroyed(raw: usize) {
 
 /// A stream capture began (`true`) or ended on the stream at `site`.
 pub(crate) fn capture(raw: usize, per_thread: bool, begins: bool) {
-    with(|e| {
-        let key = StreamKey::of(raw, per_thread);
-        if begins {
-            e.capturing.insert(key);
-        } else {
-            e.capturing.remove(&key);
-        }
-    });
+    with(|e| e.capture(raw, per_thread, begins));
 }
 
 /// The program asked for a driver entry point in a variant the preload does not interpose: hand everything to CUDA
 /// and stop taking launches over.
 pub(crate) fn unknown_entry(name: &str) {
-    with(|e| {
-        e.before(Site::Device);
-        if e.off.is_none() {
-            warn!(
-                entry = name,
-                "unknown driver entry point variant: apex-preload stops taking launches over"
-            );
-            e.off = Some(Refusal::UnknownEntryPoint(name.to_string()));
-        }
-    });
+    with(|e| e.unknown_entry(name));
 }
 
 /// Hands everything to CUDA, drains the queues, writes the summary and drops APEX's objects (before the CUDA context
@@ -1011,3 +1846,7 @@ pub(crate) fn unknown_entry(name: &str) {
 pub(crate) fn shutdown(why: &str) {
     with(|e| e.shutdown(why));
 }
+
+#[cfg(test)]
+#[path = "engine_tests.rs"]
+mod tests;

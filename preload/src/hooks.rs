@@ -14,42 +14,180 @@ use apex_interpose::{CUDA_ERROR_STUB_LIBRARY, GpaFn, GpaV2Fn, enter, install, ne
 
 use crate::Refusal;
 use crate::attrs::{self, LaunchConfig};
-use crate::engine::{self, Launch, Site};
+use crate::engine::{self, Answer, CopyDir, CopyOp, Launch, SetOp, Site, SyncKind};
 
 /// How a wrapped call is ordered with APEX's queues.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
     /// Adds work at its site: related queues are handed to CUDA before, and wait for it before their next launch.
     Work,
-    /// Waits for or looks at work at its site (synchronize, query, event record): queues are handed over before.
-    Sync,
-    /// Frees or unloads what work may use, or synchronizes the context: every queue is handed over before.
+    /// As `Work`, and the call returns only once the stream's work is complete (a synchronous copy to the host): the
+    /// stream's queue needs no hop for it afterwards.
+    WorkDone,
+    /// `cuStreamWaitEvent`: as `Work`, after an event the preload kept is recorded in libcuda.
+    WaitEvent,
+    /// A graph launch or upload: as `Work`, after every event the preload kept is recorded in libcuda.
+    Graph,
+    /// `cuStreamSynchronize`: answered from APEX's fences where the stream holds only APEX's work.
+    StreamSync,
+    /// `cuStreamQuery`: likewise, without waiting.
+    StreamQuery,
+    /// `cuEventRecord`: kept by the preload after an APEX queue's work, or handed to libcuda after a hand-over.
+    EventRecord,
+    /// `cuCtxSynchronize`: APEX's queues waited for on the CPU; libcuda only if CUDA had work.
+    CtxSync,
+    /// A copy between the host and the device, run on the stream's APEX queue where it can be (else `Work`):
+    /// `cuMemcpyDtoHAsync`, `cuMemcpyHtoDAsync`, `cuMemcpyAsync`, and their synchronous forms.
+    CopyDtoHAsync,
+    CopyHtoDAsync,
+    CopyAnyAsync,
+    CopyDtoH,
+    CopyHtoD,
+    CopyAny,
+    /// `cuMemcpyDtoDAsync` / `cuMemcpyDtoD` (no host-side synchronization in either form, as in CUDA).
+    CopyDtoD,
+    /// `cuMemsetD8/16/32(Async)`: run on the stream's APEX queue where it can be (else `Work`).
+    Set8,
+    Set16,
+    Set32,
+    /// Frees or unloads what work may use: every queue's work is waited for on the CPU first.
     Device,
     /// Destroys the context APEX attached to: APEX's objects go first.
     Teardown,
 }
 
-fn around(kind: Kind, site: Site, call: impl FnOnce() -> c_int) -> c_int {
+/// A wrapped call's name and pointers, for the rows that need them.
+#[derive(Clone, Copy, Debug, Default)]
+struct Args {
+    /// The driver function's name (the stats count CUDA work by it).
+    name: &'static str,
+    event: usize,
+    /// A copy's destination, source and size.
+    copy: (u64, u64, usize),
+    /// A memset's destination, value and element count.
+    set: (u64, u32, usize),
+}
+
+fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_int {
     let Some(_g) = enter() else { return call() };
+    let event = a.event;
+    let copy = |dir: CopyDir, blocking: bool| {
+        let (dst, src, bytes) = a.copy;
+        CopyOp {
+            dst,
+            src,
+            bytes,
+            site,
+            dir,
+            blocking,
+        }
+    };
+    let copy_op = match kind {
+        Kind::CopyDtoHAsync => Some(copy(CopyDir::DeviceToHost, false)),
+        Kind::CopyHtoDAsync => Some(copy(CopyDir::HostToDevice, false)),
+        Kind::CopyAnyAsync => Some(copy(CopyDir::Any, false)),
+        Kind::CopyDtoH => Some(copy(CopyDir::DeviceToHost, true)),
+        Kind::CopyHtoD => Some(copy(CopyDir::HostToDevice, true)),
+        Kind::CopyAny => Some(copy(CopyDir::Any, true)),
+        Kind::CopyDtoD => Some(copy(CopyDir::DeviceToDevice, false)),
+        _ => None,
+    };
+    let width = match kind {
+        Kind::Set8 => 1,
+        Kind::Set16 => 2,
+        Kind::Set32 => 4,
+        _ => 0,
+    };
+    if width != 0 {
+        let (dst, value, count) = a.set;
+        let op = SetOp {
+            dst,
+            value,
+            width,
+            count,
+            site,
+        };
+        if let Some(code) = engine::fill(&op) {
+            return code;
+        }
+        engine::cuda_work(a.name);
+        engine::before(site);
+        let r = call();
+        engine::after(site, false);
+        return r;
+    }
+    if let Some(op) = copy_op {
+        if let Some(code) = engine::copy(&op) {
+            return code;
+        }
+        engine::cuda_work(a.name);
+        engine::before(site);
+        let r = call();
+        // A synchronous copy to the host returns once the stream's work is done.
+        let done = op.blocking && op.dir == CopyDir::DeviceToHost && r == 0;
+        engine::after(site, done);
+        return r;
+    }
     match kind {
-        Kind::Work => {
+        Kind::Work | Kind::WorkDone | Kind::WaitEvent | Kind::Graph => {
+            engine::cuda_work(a.name);
+            match kind {
+                Kind::WaitEvent => engine::materialize(event),
+                Kind::Graph => engine::materialize_all(),
+                _ => {}
+            }
             engine::before(site);
             let r = call();
-            engine::after(site);
+            engine::after(site, kind == Kind::WorkDone && r == 0);
             r
         }
-        Kind::Sync => {
-            engine::before(site);
-            call()
+        Kind::StreamSync | Kind::StreamQuery => {
+            let how = if kind == Kind::StreamSync {
+                SyncKind::Wait
+            } else {
+                SyncKind::Query
+            };
+            match engine::stream_sync(site, how) {
+                Answer::Done(code) => code,
+                Answer::Forward => {
+                    let r = call();
+                    if kind == Kind::StreamSync {
+                        engine::stream_synced(site, r);
+                    }
+                    r
+                }
+            }
         }
+        Kind::EventRecord => match engine::event_record(event, site) {
+            Answer::Done(code) => code,
+            Answer::Forward => call(),
+        },
+        Kind::CtxSync => match engine::context_sync() {
+            Answer::Done(code) => code,
+            Answer::Forward => {
+                let r = call();
+                engine::context_synced(r);
+                r
+            }
+        },
         Kind::Device => {
-            engine::before(Site::Device);
+            engine::device_quiet();
             call()
         }
         Kind::Teardown => {
             engine::shutdown("the program destroys the CUDA context");
             call()
         }
+        Kind::CopyDtoHAsync
+        | Kind::CopyHtoDAsync
+        | Kind::CopyAnyAsync
+        | Kind::CopyDtoH
+        | Kind::CopyHtoD
+        | Kind::CopyAny
+        | Kind::CopyDtoD
+        | Kind::Set8
+        | Kind::Set16
+        | Kind::Set32 => unreachable!("copies and memsets are handled above"),
     }
 }
 
@@ -73,7 +211,7 @@ type P = *mut c_void;
 type Dptr = u64;
 
 macro_rules! hooks {
-    ($( $sym:ident, $base:literal, $pt:literal, $versioned:literal, $kind:ident, ($($a:ident: $t:ty),*) => $site:expr; )*) => {
+    ($( $sym:ident, $base:literal, $pt:literal, $versioned:literal, $kind:ident, ($($a:ident: $t:ty),*) => $site:expr $(, event $ev:ident)? $(, copy $cd:ident $cs:ident $cn:ident)? $(, set $sd:ident $sv:ident $sn:ident)?; )*) => {
         $(
             #[allow(non_snake_case)]
             mod $sym {
@@ -99,8 +237,16 @@ macro_rules! hooks {
                 // SAFETY: libcuda's function of this name (or what cuGetProcAddress returned for it), this signature.
                 let real = unsafe { std::mem::transmute::<usize, F>(p) };
                 let site: Site = $site;
+                #[allow(unused_mut)]
+                let mut args = Args {
+                    name: stringify!($sym),
+                    ..Args::default()
+                };
+                $( args.event = $ev as usize; )?
+                $( args.copy = ($cd as u64, $cs as u64, $cn); )?
+                $( args.set = ($sd, u32::from($sv), $sn); )?
                 // SAFETY: forwarded unchanged.
-                around(Kind::$kind, site, || unsafe { real($($a),*) })
+                around(Kind::$kind, site, args, || unsafe { real($($a),*) })
             }
         )*
 
@@ -129,14 +275,14 @@ fn default(per_thread: bool) -> Site {
 
 hooks! {
     // Asynchronous copies and sets.
-    cuMemcpyAsync, "cuMemcpyAsync", false, false, Work, (d: Dptr, src: Dptr, n: usize, st: P) => s(st, false);
-    cuMemcpyAsync_ptsz, "cuMemcpyAsync", true, false, Work, (d: Dptr, src: Dptr, n: usize, st: P) => s(st, true);
-    cuMemcpyHtoDAsync_v2, "cuMemcpyHtoDAsync", false, false, Work, (d: Dptr, src: P, n: usize, st: P) => s(st, false);
-    cuMemcpyHtoDAsync_v2_ptsz, "cuMemcpyHtoDAsync", true, false, Work, (d: Dptr, src: P, n: usize, st: P) => s(st, true);
-    cuMemcpyDtoHAsync_v2, "cuMemcpyDtoHAsync", false, false, Work, (d: P, src: Dptr, n: usize, st: P) => s(st, false);
-    cuMemcpyDtoHAsync_v2_ptsz, "cuMemcpyDtoHAsync", true, false, Work, (d: P, src: Dptr, n: usize, st: P) => s(st, true);
-    cuMemcpyDtoDAsync_v2, "cuMemcpyDtoDAsync", false, false, Work, (d: Dptr, src: Dptr, n: usize, st: P) => s(st, false);
-    cuMemcpyDtoDAsync_v2_ptsz, "cuMemcpyDtoDAsync", true, false, Work, (d: Dptr, src: Dptr, n: usize, st: P) => s(st, true);
+    cuMemcpyAsync, "cuMemcpyAsync", false, false, CopyAnyAsync, (d: Dptr, src: Dptr, n: usize, st: P) => s(st, false), copy d src n;
+    cuMemcpyAsync_ptsz, "cuMemcpyAsync", true, false, CopyAnyAsync, (d: Dptr, src: Dptr, n: usize, st: P) => s(st, true), copy d src n;
+    cuMemcpyHtoDAsync_v2, "cuMemcpyHtoDAsync", false, false, CopyHtoDAsync, (d: Dptr, src: P, n: usize, st: P) => s(st, false), copy d src n;
+    cuMemcpyHtoDAsync_v2_ptsz, "cuMemcpyHtoDAsync", true, false, CopyHtoDAsync, (d: Dptr, src: P, n: usize, st: P) => s(st, true), copy d src n;
+    cuMemcpyDtoHAsync_v2, "cuMemcpyDtoHAsync", false, false, CopyDtoHAsync, (d: P, src: Dptr, n: usize, st: P) => s(st, false), copy d src n;
+    cuMemcpyDtoHAsync_v2_ptsz, "cuMemcpyDtoHAsync", true, false, CopyDtoHAsync, (d: P, src: Dptr, n: usize, st: P) => s(st, true), copy d src n;
+    cuMemcpyDtoDAsync_v2, "cuMemcpyDtoDAsync", false, false, CopyDtoD, (d: Dptr, src: Dptr, n: usize, st: P) => s(st, false), copy d src n;
+    cuMemcpyDtoDAsync_v2_ptsz, "cuMemcpyDtoDAsync", true, false, CopyDtoD, (d: Dptr, src: Dptr, n: usize, st: P) => s(st, true), copy d src n;
     cuMemcpy2DAsync_v2, "cuMemcpy2DAsync", false, false, Work, (c: P, st: P) => s(st, false);
     cuMemcpy2DAsync_v2_ptsz, "cuMemcpy2DAsync", true, false, Work, (c: P, st: P) => s(st, true);
     cuMemcpy3DAsync_v2, "cuMemcpy3DAsync", false, false, Work, (c: P, st: P) => s(st, false);
@@ -145,12 +291,12 @@ hooks! {
     cuMemcpy3DPeerAsync_ptsz, "cuMemcpy3DPeerAsync", true, false, Work, (c: P, st: P) => s(st, true);
     cuMemcpyPeerAsync, "cuMemcpyPeerAsync", false, false, Work, (d: Dptr, dc: P, src: Dptr, sc: P, n: usize, st: P) => s(st, false);
     cuMemcpyPeerAsync_ptsz, "cuMemcpyPeerAsync", true, false, Work, (d: Dptr, dc: P, src: Dptr, sc: P, n: usize, st: P) => s(st, true);
-    cuMemsetD8Async, "cuMemsetD8Async", false, false, Work, (d: Dptr, v: u8, n: usize, st: P) => s(st, false);
-    cuMemsetD8Async_ptsz, "cuMemsetD8Async", true, false, Work, (d: Dptr, v: u8, n: usize, st: P) => s(st, true);
-    cuMemsetD16Async, "cuMemsetD16Async", false, false, Work, (d: Dptr, v: u16, n: usize, st: P) => s(st, false);
-    cuMemsetD16Async_ptsz, "cuMemsetD16Async", true, false, Work, (d: Dptr, v: u16, n: usize, st: P) => s(st, true);
-    cuMemsetD32Async, "cuMemsetD32Async", false, false, Work, (d: Dptr, v: u32, n: usize, st: P) => s(st, false);
-    cuMemsetD32Async_ptsz, "cuMemsetD32Async", true, false, Work, (d: Dptr, v: u32, n: usize, st: P) => s(st, true);
+    cuMemsetD8Async, "cuMemsetD8Async", false, false, Set8, (d: Dptr, v: u8, n: usize, st: P) => s(st, false), set d v n;
+    cuMemsetD8Async_ptsz, "cuMemsetD8Async", true, false, Set8, (d: Dptr, v: u8, n: usize, st: P) => s(st, true), set d v n;
+    cuMemsetD16Async, "cuMemsetD16Async", false, false, Set16, (d: Dptr, v: u16, n: usize, st: P) => s(st, false), set d v n;
+    cuMemsetD16Async_ptsz, "cuMemsetD16Async", true, false, Set16, (d: Dptr, v: u16, n: usize, st: P) => s(st, true), set d v n;
+    cuMemsetD32Async, "cuMemsetD32Async", false, false, Set32, (d: Dptr, v: u32, n: usize, st: P) => s(st, false), set d v n;
+    cuMemsetD32Async_ptsz, "cuMemsetD32Async", true, false, Set32, (d: Dptr, v: u32, n: usize, st: P) => s(st, true), set d v n;
     cuMemsetD2D8Async, "cuMemsetD2D8Async", false, false, Work, (d: Dptr, p: usize, v: u8, w: usize, h: usize, st: P) => s(st, false);
     cuMemsetD2D8Async_ptsz, "cuMemsetD2D8Async", true, false, Work, (d: Dptr, p: usize, v: u8, w: usize, h: usize, st: P) => s(st, true);
     cuMemsetD2D16Async, "cuMemsetD2D16Async", false, false, Work, (d: Dptr, p: usize, v: u16, w: usize, h: usize, st: P) => s(st, false);
@@ -178,22 +324,22 @@ hooks! {
     cuMemMapArrayAsync, "cuMemMapArrayAsync", false, false, Work, (m: P, c: c_uint, st: P) => s(st, false);
     cuMemMapArrayAsync_ptsz, "cuMemMapArrayAsync", true, false, Work, (m: P, c: c_uint, st: P) => s(st, true);
     // Synchronous copies and sets: on the default stream.
-    cuMemcpy, "cuMemcpy", false, false, Work, (d: Dptr, src: Dptr, n: usize) => default(false);
-    cuMemcpy_ptds, "cuMemcpy", true, false, Work, (d: Dptr, src: Dptr, n: usize) => default(true);
-    cuMemcpyHtoD_v2, "cuMemcpyHtoD", false, false, Work, (d: Dptr, src: P, n: usize) => default(false);
-    cuMemcpyHtoD_v2_ptds, "cuMemcpyHtoD", true, false, Work, (d: Dptr, src: P, n: usize) => default(true);
-    cuMemcpyDtoH_v2, "cuMemcpyDtoH", false, false, Work, (d: P, src: Dptr, n: usize) => default(false);
-    cuMemcpyDtoH_v2_ptds, "cuMemcpyDtoH", true, false, Work, (d: P, src: Dptr, n: usize) => default(true);
-    cuMemcpyDtoD_v2, "cuMemcpyDtoD", false, false, Work, (d: Dptr, src: Dptr, n: usize) => default(false);
-    cuMemcpyDtoD_v2_ptds, "cuMemcpyDtoD", true, false, Work, (d: Dptr, src: Dptr, n: usize) => default(true);
+    cuMemcpy, "cuMemcpy", false, false, CopyAny, (d: Dptr, src: Dptr, n: usize) => default(false), copy d src n;
+    cuMemcpy_ptds, "cuMemcpy", true, false, CopyAny, (d: Dptr, src: Dptr, n: usize) => default(true), copy d src n;
+    cuMemcpyHtoD_v2, "cuMemcpyHtoD", false, false, CopyHtoD, (d: Dptr, src: P, n: usize) => default(false), copy d src n;
+    cuMemcpyHtoD_v2_ptds, "cuMemcpyHtoD", true, false, CopyHtoD, (d: Dptr, src: P, n: usize) => default(true), copy d src n;
+    cuMemcpyDtoH_v2, "cuMemcpyDtoH", false, false, CopyDtoH, (d: P, src: Dptr, n: usize) => default(false), copy d src n;
+    cuMemcpyDtoH_v2_ptds, "cuMemcpyDtoH", true, false, CopyDtoH, (d: P, src: Dptr, n: usize) => default(true), copy d src n;
+    cuMemcpyDtoD_v2, "cuMemcpyDtoD", false, false, CopyDtoD, (d: Dptr, src: Dptr, n: usize) => default(false), copy d src n;
+    cuMemcpyDtoD_v2_ptds, "cuMemcpyDtoD", true, false, CopyDtoD, (d: Dptr, src: Dptr, n: usize) => default(true), copy d src n;
     cuMemcpy2D_v2, "cuMemcpy2D", false, false, Work, (c: P) => default(false);
     cuMemcpy2D_v2_ptds, "cuMemcpy2D", true, false, Work, (c: P) => default(true);
     cuMemcpy2DUnaligned_v2, "cuMemcpy2DUnaligned", false, false, Work, (c: P) => default(false);
     cuMemcpy2DUnaligned_v2_ptds, "cuMemcpy2DUnaligned", true, false, Work, (c: P) => default(true);
     cuMemcpy3D_v2, "cuMemcpy3D", false, false, Work, (c: P) => default(false);
     cuMemcpy3D_v2_ptds, "cuMemcpy3D", true, false, Work, (c: P) => default(true);
-    cuMemcpyAtoH_v2, "cuMemcpyAtoH", false, false, Work, (h: P, a: P, o: usize, n: usize) => default(false);
-    cuMemcpyAtoH_v2_ptds, "cuMemcpyAtoH", true, false, Work, (h: P, a: P, o: usize, n: usize) => default(true);
+    cuMemcpyAtoH_v2, "cuMemcpyAtoH", false, false, WorkDone, (h: P, a: P, o: usize, n: usize) => default(false);
+    cuMemcpyAtoH_v2_ptds, "cuMemcpyAtoH", true, false, WorkDone, (h: P, a: P, o: usize, n: usize) => default(true);
     cuMemcpyHtoA_v2, "cuMemcpyHtoA", false, false, Work, (a: P, o: usize, h: P, n: usize) => default(false);
     cuMemcpyHtoA_v2_ptds, "cuMemcpyHtoA", true, false, Work, (a: P, o: usize, h: P, n: usize) => default(true);
     cuMemcpyDtoA_v2, "cuMemcpyDtoA", false, false, Work, (a: P, o: usize, d: Dptr, n: usize) => default(false);
@@ -206,12 +352,12 @@ hooks! {
     cuMemcpy3DPeer_ptds, "cuMemcpy3DPeer", true, false, Work, (c: P) => default(true);
     cuMemcpyPeer, "cuMemcpyPeer", false, false, Work, (d: Dptr, dc: P, src: Dptr, sc: P, n: usize) => default(false);
     cuMemcpyPeer_ptds, "cuMemcpyPeer", true, false, Work, (d: Dptr, dc: P, src: Dptr, sc: P, n: usize) => default(true);
-    cuMemsetD8_v2, "cuMemsetD8", false, false, Work, (d: Dptr, v: u8, n: usize) => default(false);
-    cuMemsetD8_v2_ptds, "cuMemsetD8", true, false, Work, (d: Dptr, v: u8, n: usize) => default(true);
-    cuMemsetD16_v2, "cuMemsetD16", false, false, Work, (d: Dptr, v: u16, n: usize) => default(false);
-    cuMemsetD16_v2_ptds, "cuMemsetD16", true, false, Work, (d: Dptr, v: u16, n: usize) => default(true);
-    cuMemsetD32_v2, "cuMemsetD32", false, false, Work, (d: Dptr, v: u32, n: usize) => default(false);
-    cuMemsetD32_v2_ptds, "cuMemsetD32", true, false, Work, (d: Dptr, v: u32, n: usize) => default(true);
+    cuMemsetD8_v2, "cuMemsetD8", false, false, Set8, (d: Dptr, v: u8, n: usize) => default(false), set d v n;
+    cuMemsetD8_v2_ptds, "cuMemsetD8", true, false, Set8, (d: Dptr, v: u8, n: usize) => default(true), set d v n;
+    cuMemsetD16_v2, "cuMemsetD16", false, false, Set16, (d: Dptr, v: u16, n: usize) => default(false), set d v n;
+    cuMemsetD16_v2_ptds, "cuMemsetD16", true, false, Set16, (d: Dptr, v: u16, n: usize) => default(true), set d v n;
+    cuMemsetD32_v2, "cuMemsetD32", false, false, Set32, (d: Dptr, v: u32, n: usize) => default(false), set d v n;
+    cuMemsetD32_v2_ptds, "cuMemsetD32", true, false, Set32, (d: Dptr, v: u32, n: usize) => default(true), set d v n;
     cuMemsetD2D8_v2, "cuMemsetD2D8", false, false, Work, (d: Dptr, p: usize, v: u8, w: usize, h: usize) => default(false);
     cuMemsetD2D8_v2_ptds, "cuMemsetD2D8", true, false, Work, (d: Dptr, p: usize, v: u8, w: usize, h: usize) => default(true);
     cuMemsetD2D16_v2, "cuMemsetD2D16", false, false, Work, (d: Dptr, p: usize, v: u16, w: usize, h: usize) => default(false);
@@ -219,8 +365,8 @@ hooks! {
     cuMemsetD2D32_v2, "cuMemsetD2D32", false, false, Work, (d: Dptr, p: usize, v: u32, w: usize, h: usize) => default(false);
     cuMemsetD2D32_v2_ptds, "cuMemsetD2D32", true, false, Work, (d: Dptr, p: usize, v: u32, w: usize, h: usize) => default(true);
     // Stream work other than copies.
-    cuStreamWaitEvent, "cuStreamWaitEvent", false, false, Work, (st: P, ev: P, f: c_uint) => s(st, false);
-    cuStreamWaitEvent_ptsz, "cuStreamWaitEvent", true, false, Work, (st: P, ev: P, f: c_uint) => s(st, true);
+    cuStreamWaitEvent, "cuStreamWaitEvent", false, false, WaitEvent, (st: P, ev: P, f: c_uint) => s(st, false), event ev;
+    cuStreamWaitEvent_ptsz, "cuStreamWaitEvent", true, false, WaitEvent, (st: P, ev: P, f: c_uint) => s(st, true), event ev;
     cuStreamAddCallback, "cuStreamAddCallback", false, false, Work, (st: P, cb: P, ud: P, f: c_uint) => s(st, false);
     cuStreamAddCallback_ptsz, "cuStreamAddCallback", true, false, Work, (st: P, cb: P, ud: P, f: c_uint) => s(st, true);
     cuLaunchHostFunc, "cuLaunchHostFunc", false, true, Work, (st: P, cb: P, ud: P) => s(st, false);
@@ -249,10 +395,10 @@ hooks! {
     cuStreamWriteValue64_ptsz, "cuStreamWriteValue64", true, true, Work, (st: P, a: Dptr, v: u64, f: c_uint) => s(st, true);
     cuStreamBatchMemOp, "cuStreamBatchMemOp", false, true, Work, (st: P, n: c_uint, ops: P, f: c_uint) => s(st, false);
     cuStreamBatchMemOp_ptsz, "cuStreamBatchMemOp", true, true, Work, (st: P, n: c_uint, ops: P, f: c_uint) => s(st, true);
-    cuGraphLaunch, "cuGraphLaunch", false, false, Work, (g: P, st: P) => s(st, false);
-    cuGraphLaunch_ptsz, "cuGraphLaunch", true, false, Work, (g: P, st: P) => s(st, true);
-    cuGraphUpload, "cuGraphUpload", false, false, Work, (g: P, st: P) => s(st, false);
-    cuGraphUpload_ptsz, "cuGraphUpload", true, false, Work, (g: P, st: P) => s(st, true);
+    cuGraphLaunch, "cuGraphLaunch", false, false, Graph, (g: P, st: P) => s(st, false);
+    cuGraphLaunch_ptsz, "cuGraphLaunch", true, false, Graph, (g: P, st: P) => s(st, true);
+    cuGraphUpload, "cuGraphUpload", false, false, Graph, (g: P, st: P) => s(st, false);
+    cuGraphUpload_ptsz, "cuGraphUpload", true, false, Graph, (g: P, st: P) => s(st, true);
     cuMemAllocAsync, "cuMemAllocAsync", false, false, Work, (d: P, n: usize, st: P) => s(st, false);
     cuMemAllocAsync_ptsz, "cuMemAllocAsync", true, false, Work, (d: P, n: usize, st: P) => s(st, true);
     cuMemAllocFromPoolAsync, "cuMemAllocFromPoolAsync", false, false, Work, (d: P, n: usize, pool: P, st: P) => s(st, false);
@@ -265,17 +411,29 @@ hooks! {
     cuMemPrefetchAsync_ptsz, "cuMemPrefetchAsync", true, true, Work, (d: Dptr, n: usize, dev: c_int, st: P) => s(st, true);
     cuMemPrefetchAsync_v2, "cuMemPrefetchAsync", false, true, Work, (d: Dptr, n: usize, loc: u64, f: c_uint, st: P) => s(st, false);
     cuMemPrefetchAsync_v2_ptsz, "cuMemPrefetchAsync", true, true, Work, (d: Dptr, n: usize, loc: u64, f: c_uint, st: P) => s(st, true);
-    // Event records and stream synchronization: the stream's queue is handed over first.
-    cuEventRecord, "cuEventRecord", false, false, Sync, (ev: P, st: P) => s(st, false);
-    cuEventRecord_ptsz, "cuEventRecord", true, false, Sync, (ev: P, st: P) => s(st, true);
-    cuEventRecordWithFlags, "cuEventRecordWithFlags", false, false, Sync, (ev: P, st: P, f: c_uint) => s(st, false);
-    cuEventRecordWithFlags_ptsz, "cuEventRecordWithFlags", true, false, Sync, (ev: P, st: P, f: c_uint) => s(st, true);
-    cuStreamSynchronize, "cuStreamSynchronize", false, false, Sync, (st: P) => s(st, false);
-    cuStreamSynchronize_ptsz, "cuStreamSynchronize", true, false, Sync, (st: P) => s(st, true);
-    cuStreamQuery, "cuStreamQuery", false, false, Sync, (st: P) => s(st, false);
-    cuStreamQuery_ptsz, "cuStreamQuery", true, false, Sync, (st: P) => s(st, true);
+    // Stream work of newer or rarer entry points (CUDA 12.8-13): ordered like any CUDA work, so that no stream work
+    // escapes the preload's count of what libcuda holds.
+    cuGraphicsMapResources, "cuGraphicsMapResources", false, false, Work, (n: c_uint, r: P, st: P) => s(st, false);
+    cuGraphicsUnmapResources, "cuGraphicsUnmapResources", false, false, Work, (n: c_uint, r: P, st: P) => s(st, false);
+    cuLaunchGridAsync, "cuLaunchGridAsync", false, false, Work, (f: P, w: c_int, h: c_int, st: P) => s(st, false);
+    cuMemBatchDecompressAsync, "cuMemBatchDecompressAsync", false, false, Work, (p: P, n: usize, fl: c_uint, ei: P, st: P) => s(st, false);
+    cuMemDiscardAndPrefetchBatchAsync, "cuMemDiscardAndPrefetchBatchAsync", false, false, Work, (d: P, z: P, n: usize, l: P, li: P, nl: usize, fl: u64, st: P) => s(st, false);
+    cuMemDiscardBatchAsync, "cuMemDiscardBatchAsync", false, false, Work, (d: P, z: P, n: usize, fl: u64, st: P) => s(st, false);
+    cuMemPrefetchBatchAsync, "cuMemPrefetchBatchAsync", false, false, Work, (d: P, z: P, n: usize, l: P, li: P, nl: usize, fl: u64, st: P) => s(st, false);
+    cuMemcpy3DWithAttributesAsync, "cuMemcpy3DWithAttributesAsync", false, false, Work, (op: P, fl: u64, st: P) => s(st, false);
+    cuMemcpyWithAttributesAsync, "cuMemcpyWithAttributesAsync", false, false, Work, (d: Dptr, src: Dptr, n: usize, at: P, st: P) => s(st, false);
+    // Event records and synchronization: answered from APEX's fences where they can be.
+    cuEventRecord, "cuEventRecord", false, false, EventRecord, (ev: P, st: P) => s(st, false), event ev;
+    cuEventRecord_ptsz, "cuEventRecord", true, false, EventRecord, (ev: P, st: P) => s(st, true), event ev;
+    cuEventRecordWithFlags, "cuEventRecordWithFlags", false, false, EventRecord, (ev: P, st: P, f: c_uint) => s(st, false), event ev;
+    cuEventRecordWithFlags_ptsz, "cuEventRecordWithFlags", true, false, EventRecord, (ev: P, st: P, f: c_uint) => s(st, true), event ev;
+    cuStreamSynchronize, "cuStreamSynchronize", false, false, StreamSync, (st: P) => s(st, false);
+    cuStreamSynchronize_ptsz, "cuStreamSynchronize", true, false, StreamSync, (st: P) => s(st, true);
+    cuStreamQuery, "cuStreamQuery", false, false, StreamQuery, (st: P) => s(st, false);
+    cuStreamQuery_ptsz, "cuStreamQuery", true, false, StreamQuery, (st: P) => s(st, true);
     // The whole context.
-    cuCtxSynchronize, "cuCtxSynchronize", false, true, Device, () => Site::Device;
+    cuCtxSynchronize, "cuCtxSynchronize", false, true, CtxSync, () => Site::Device;
+    // A context that may not be the current one: its queues are waited for, and libcuda always synchronizes it.
     cuCtxSynchronize_v2, "cuCtxSynchronize", false, true, Device, (c: P) => Site::Device;
     cuMemFree_v2, "cuMemFree", false, false, Device, (d: Dptr) => Site::Device;
     cuMemFreeHost, "cuMemFreeHost", false, false, Device, (p: P) => Site::Device;
@@ -520,8 +678,8 @@ pub unsafe extern "C" fn cuLibraryLoadFromFile(
 fn unload(handle: P, call: impl FnOnce() -> c_int) -> c_int {
     let g = enter();
     if g.is_some() {
-        // APEX launches of the module's kernels stay ordered before whatever reuses its memory.
-        engine::before(Site::Device);
+        // APEX launches of the module's kernels complete before whatever reuses its memory.
+        engine::device_quiet();
     }
     let r = call();
     if r == 0 && g.is_some() {
@@ -737,11 +895,128 @@ pub unsafe extern "C" fn cuStreamDestroy_v2(stream: P) -> c_int {
     r
 }
 
+real_fn!(REAL_EVENT_CREATE, c"cuEventCreate");
+real_fn!(REAL_EVENT_DESTROY, c"cuEventDestroy_v2");
+real_fn!(REAL_EVENT_SYNCHRONIZE, c"cuEventSynchronize");
+real_fn!(REAL_EVENT_QUERY, c"cuEventQuery");
+real_fn!(REAL_EVENT_ELAPSED, c"cuEventElapsedTime");
+real_fn!(REAL_EVENT_ELAPSED_V2, c"cuEventElapsedTime_v2");
+real_fn!(REAL_IPC_EVENT_HANDLE, c"cuIpcGetEventHandle");
+
+/// # Safety
+/// `cuEventCreate`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuEventCreate(event: *mut P, flags: c_uint) -> c_int {
+    type F = unsafe extern "C" fn(*mut P, c_uint) -> c_int;
+    recorded(
+        || forward!(REAL_EVENT_CREATE, c"cuEventCreate", F, (event, flags)),
+        // SAFETY: the driver filled `event`.
+        || engine::event_created(unsafe { out(event) }, flags),
+    )
+}
+
+/// # Safety
+/// `cuEventDestroy_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuEventDestroy_v2(event: P) -> c_int {
+    type F = unsafe extern "C" fn(P) -> c_int;
+    if let Some(_g) = enter() {
+        engine::event_destroyed(event as usize);
+    }
+    forward!(REAL_EVENT_DESTROY, c"cuEventDestroy_v2", F, (event))
+}
+
+/// An event wait or query: answered from APEX's fence for an event the preload kept, else libcuda's.
+fn event_sync(event: P, kind: SyncKind, call: impl FnOnce() -> c_int) -> c_int {
+    let Some(_g) = enter() else { return call() };
+    match engine::event_sync(event as usize, kind) {
+        Answer::Done(code) => code,
+        Answer::Forward => call(),
+    }
+}
+
+/// # Safety
+/// `cuEventSynchronize`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuEventSynchronize(event: P) -> c_int {
+    type F = unsafe extern "C" fn(P) -> c_int;
+    event_sync(event, SyncKind::Wait, || {
+        forward!(REAL_EVENT_SYNCHRONIZE, c"cuEventSynchronize", F, (event))
+    })
+}
+
+/// # Safety
+/// `cuEventQuery`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuEventQuery(event: P) -> c_int {
+    type F = unsafe extern "C" fn(P) -> c_int;
+    event_sync(event, SyncKind::Query, || {
+        forward!(REAL_EVENT_QUERY, c"cuEventQuery", F, (event))
+    })
+}
+
+/// Before libcuda reads `events`: the ones the preload kept are recorded in libcuda first.
+fn reads_events(events: &[P], call: impl FnOnce() -> c_int) -> c_int {
+    if let Some(_g) = enter() {
+        for &e in events {
+            engine::materialize(e as usize);
+        }
+    }
+    call()
+}
+
+/// # Safety
+/// `cuEventElapsedTime`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuEventElapsedTime(ms: *mut f32, start: P, end: P) -> c_int {
+    type F = unsafe extern "C" fn(*mut f32, P, P) -> c_int;
+    reads_events(&[start, end], || {
+        forward!(
+            REAL_EVENT_ELAPSED,
+            c"cuEventElapsedTime",
+            F,
+            (ms, start, end)
+        )
+    })
+}
+
+/// # Safety
+/// `cuEventElapsedTime_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuEventElapsedTime_v2(ms: *mut f32, start: P, end: P) -> c_int {
+    type F = unsafe extern "C" fn(*mut f32, P, P) -> c_int;
+    reads_events(&[start, end], || {
+        forward!(
+            REAL_EVENT_ELAPSED_V2,
+            c"cuEventElapsedTime_v2",
+            F,
+            (ms, start, end)
+        )
+    })
+}
+
+/// # Safety
+/// `cuIpcGetEventHandle`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuIpcGetEventHandle(handle: P, event: P) -> c_int {
+    type F = unsafe extern "C" fn(P, P) -> c_int;
+    reads_events(&[event], || {
+        forward!(
+            REAL_IPC_EVENT_HANDLE,
+            c"cuIpcGetEventHandle",
+            F,
+            (handle, event)
+        )
+    })
+}
+
 /// Begins a capture: every queue is handed to CUDA first (nothing of APEX's may be pending in a captured stream),
 /// and launches stay on libcuda until it ends.
 fn capture_begins(stream: P, per_thread: bool, call: impl FnOnce() -> c_int) -> c_int {
     let g = enter();
     if g.is_some() {
+        // A captured stream may wait for an event the preload kept: libcuda must hold it first.
+        engine::materialize_all();
         engine::before(Site::Device);
     }
     let r = call();
@@ -835,6 +1110,61 @@ pub unsafe extern "C" fn cuStreamBeginCaptureToGraph_ptsz(
     })
 }
 
+real_fn!(REAL_BEGIN_CAPTURE_CIG, c"cuStreamBeginCaptureToCig");
+real_fn!(REAL_BEGIN_RECAPTURE, c"cuStreamBeginRecaptureToGraph");
+real_fn!(REAL_END_CAPTURE_CIG, c"cuStreamEndCaptureToCig");
+
+/// # Safety
+/// `cuStreamBeginCaptureToCig`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamBeginCaptureToCig(stream: P, params: P) -> c_int {
+    type F = unsafe extern "C" fn(P, P) -> c_int;
+    capture_begins(stream, false, || {
+        forward!(
+            REAL_BEGIN_CAPTURE_CIG,
+            c"cuStreamBeginCaptureToCig",
+            F,
+            (stream, params)
+        )
+    })
+}
+
+/// # Safety
+/// `cuStreamBeginRecaptureToGraph`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamBeginRecaptureToGraph(
+    stream: P,
+    mode: c_int,
+    graph: P,
+    callback: P,
+    data: P,
+) -> c_int {
+    type F = unsafe extern "C" fn(P, c_int, P, P, P) -> c_int;
+    capture_begins(stream, false, || {
+        forward!(
+            REAL_BEGIN_RECAPTURE,
+            c"cuStreamBeginRecaptureToGraph",
+            F,
+            (stream, mode, graph, callback, data)
+        )
+    })
+}
+
+/// # Safety
+/// `cuStreamEndCaptureToCig`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamEndCaptureToCig(stream: P) -> c_int {
+    type F = unsafe extern "C" fn(P) -> c_int;
+    capture_ends(stream, false, || {
+        forward!(
+            REAL_END_CAPTURE_CIG,
+            c"cuStreamEndCaptureToCig",
+            F,
+            (stream)
+        )
+    })
+}
+
 /// # Safety
 /// `cuStreamEndCapture`.
 #[unsafe(no_mangle)]
@@ -891,14 +1221,16 @@ type CoopFn = unsafe extern "C" fn(
 
 /// Takes the launch over, or forwards it ordered with APEX's queues.
 fn launch(l: Launch, forward: impl FnOnce() -> c_int) -> c_int {
+    let t0 = crate::profile::stamp();
     let Some(_g) = enter() else { return forward() };
-    if engine::launch(&l) {
+    if let Some(since) = engine::launch(&l, t0) {
+        crate::profile::tail(since);
         return 0;
     }
     let site = Site::Stream(l.stream, l.per_thread);
     engine::before(site);
     let r = forward();
-    engine::after(site);
+    engine::after(site, false);
     r
 }
 
@@ -1049,7 +1381,7 @@ fn cooperative(stream: P, per_thread: bool, forward: impl FnOnce() -> c_int) -> 
     let site = Site::Stream(stream as usize, per_thread);
     engine::before(site);
     let r = forward();
-    engine::after(site);
+    engine::after(site, false);
     r
 }
 
@@ -1356,6 +1688,76 @@ fn hooks() -> &'static [Hook] {
             &REAL_END_CAPTURE_PT,
             cuStreamEndCapture_ptsz as *const () as usize,
         );
+        add(
+            c"cuStreamBeginCaptureToCig",
+            "cuStreamBeginCaptureToCig",
+            false,
+            &REAL_BEGIN_CAPTURE_CIG,
+            cuStreamBeginCaptureToCig as *const () as usize,
+        );
+        add(
+            c"cuStreamBeginRecaptureToGraph",
+            "cuStreamBeginRecaptureToGraph",
+            false,
+            &REAL_BEGIN_RECAPTURE,
+            cuStreamBeginRecaptureToGraph as *const () as usize,
+        );
+        add(
+            c"cuStreamEndCaptureToCig",
+            "cuStreamEndCaptureToCig",
+            false,
+            &REAL_END_CAPTURE_CIG,
+            cuStreamEndCaptureToCig as *const () as usize,
+        );
+        add(
+            c"cuEventCreate",
+            "cuEventCreate",
+            false,
+            &REAL_EVENT_CREATE,
+            cuEventCreate as *const () as usize,
+        );
+        add(
+            c"cuEventDestroy_v2",
+            "cuEventDestroy",
+            false,
+            &REAL_EVENT_DESTROY,
+            cuEventDestroy_v2 as *const () as usize,
+        );
+        add(
+            c"cuEventSynchronize",
+            "cuEventSynchronize",
+            false,
+            &REAL_EVENT_SYNCHRONIZE,
+            cuEventSynchronize as *const () as usize,
+        );
+        add(
+            c"cuEventQuery",
+            "cuEventQuery",
+            false,
+            &REAL_EVENT_QUERY,
+            cuEventQuery as *const () as usize,
+        );
+        add(
+            c"cuEventElapsedTime",
+            "cuEventElapsedTime",
+            false,
+            &REAL_EVENT_ELAPSED,
+            cuEventElapsedTime as *const () as usize,
+        );
+        add(
+            c"cuEventElapsedTime_v2",
+            "cuEventElapsedTime",
+            false,
+            &REAL_EVENT_ELAPSED_V2,
+            cuEventElapsedTime_v2 as *const () as usize,
+        );
+        add(
+            c"cuIpcGetEventHandle",
+            "cuIpcGetEventHandle",
+            false,
+            &REAL_IPC_EVENT_HANDLE,
+            cuIpcGetEventHandle as *const () as usize,
+        );
         v
     })
 }
@@ -1500,6 +1902,78 @@ mod tests {
             by_symbol(b"cuMemAlloc_v2").is_none(),
             "allocations need no ordering"
         );
+    }
+
+    /// Every driver function of CUDA 13 that puts work on a stream (or begins or ends a capture) is wrapped, so the
+    /// engine knows what libcuda holds: a context synchronize skips libcuda only when nothing went there.
+    #[test]
+    fn every_stream_work_entry_point_is_wrapped() {
+        const STREAM_WORK: &[&str] = &[
+            "cuLaunchKernel",
+            "cuLaunchKernelEx",
+            "cuLaunchCooperativeKernel",
+            "cuLaunchHostFunc",
+            "cuLaunchGridAsync",
+            "cuStreamAddCallback",
+            "cuStreamWaitEvent",
+            "cuEventRecord",
+            "cuEventRecordWithFlags",
+            "cuStreamWaitValue32",
+            "cuStreamWaitValue64",
+            "cuStreamWriteValue32",
+            "cuStreamWriteValue64",
+            "cuStreamBatchMemOp",
+            "cuGraphLaunch",
+            "cuGraphUpload",
+            "cuMemcpyAsync",
+            "cuMemcpyHtoDAsync_v2",
+            "cuMemcpyDtoHAsync_v2",
+            "cuMemcpyDtoDAsync_v2",
+            "cuMemcpy2DAsync_v2",
+            "cuMemcpy3DAsync_v2",
+            "cuMemcpy3DPeerAsync",
+            "cuMemcpyPeerAsync",
+            "cuMemcpyHtoAAsync_v2",
+            "cuMemcpyAtoHAsync_v2",
+            "cuMemcpyBatchAsync_v2",
+            "cuMemcpy3DBatchAsync_v2",
+            "cuMemcpyWithAttributesAsync",
+            "cuMemcpy3DWithAttributesAsync",
+            "cuMemsetD8Async",
+            "cuMemsetD16Async",
+            "cuMemsetD32Async",
+            "cuMemsetD2D8Async",
+            "cuMemsetD2D16Async",
+            "cuMemsetD2D32Async",
+            "cuMemAllocAsync",
+            "cuMemAllocFromPoolAsync",
+            "cuMemFreeAsync",
+            "cuMemPrefetchAsync_v2",
+            "cuMemPrefetchBatchAsync",
+            "cuMemDiscardBatchAsync",
+            "cuMemDiscardAndPrefetchBatchAsync",
+            "cuMemBatchDecompressAsync",
+            "cuMemMapArrayAsync",
+            "cuStreamAttachMemAsync",
+            "cuSignalExternalSemaphoresAsync",
+            "cuWaitExternalSemaphoresAsync",
+            "cuGraphicsMapResources",
+            "cuGraphicsUnmapResources",
+            "cuStreamBeginCapture_v2",
+            "cuStreamBeginCaptureToGraph",
+            "cuStreamBeginCaptureToCig",
+            "cuStreamBeginRecaptureToGraph",
+            "cuStreamEndCapture",
+            "cuStreamEndCaptureToCig",
+            "cuStreamSynchronize",
+            "cuStreamQuery",
+        ];
+        for name in STREAM_WORK {
+            assert!(
+                by_symbol(name.as_bytes()).is_some(),
+                "{name} is not wrapped"
+            );
+        }
     }
 
     #[test]

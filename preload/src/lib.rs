@@ -2,28 +2,36 @@
 //!
 //! Preloaded into a program (the CUDA runtime, the driver API, PyTorch), it records every module and library the
 //! program loads (`cuModuleLoad*`, `cuLibraryLoad*`) and the functions and kernels it takes from them, attaches APEX
-//! to the program's CUDA context at the first launch ([`apex::Gpu::attach_cuda`]), and sends each `cuLaunchKernel`
-//! (and `cuLaunchKernelEx` whose attributes it can honour) on a stream it has taken over through an APEX queue of
-//! its own in that context. Everything else — and every launch it refuses, with a typed [`Refusal`] — goes to
-//! libcuda, after a sync point: the CUDA stream waits on the GPU for the queue's work first, and the queue waits for
-//! the stream's work before its next launch ([`order`]), so the program sees the order it asked for.
+//! to each CUDA context at its first launch there ([`apex::Gpu::attach_cuda`]), and sends each `cuLaunchKernel` (and
+//! `cuLaunchKernelEx` whose attributes it can honour) on a stream it has taken over through an APEX queue of its own
+//! in that context. Copies between the host and the device, device-to-device copies and memsets on those streams run
+//! on the queues too; synchronizations are answered from APEX's fences where everything they wait for is APEX's
+//! ([`order`]); kernels that call `assert` run on APEX, and a failed assert is replayed through libcuda so the
+//! program sees CUDA's own report ([`asserts`]). Everything else — and every launch it refuses, with a typed
+//! [`Refusal`] — goes to libcuda, ordered with the queues: the program sees the order it asked for.
 //!
 //! ```sh
-//! APEX_PRELOAD_STATS=stats.json LD_PRELOAD=target/release/libapex_preload.so ./program
+//! apex run -- ./program          # or: APEX_PRELOAD_STATS=stats.json LD_PRELOAD=target/release/libapex_preload.so ./program
 //! ```
 //!
 //! Environment: `APEX_PRELOAD=off` forwards everything (and still counts); `APEX_PRELOAD_STATS=FILE` writes a JSON
-//! summary at exit (launches through APEX, fallbacks per reason, ordering hops); `APEX_PRELOAD_QUEUES=N` (default 8)
-//! bounds the streams taken over; `APEX_PRELOAD_LOG=LEVEL` (`info`, `debug`, ...) sends the library's `tracing`
-//! events to stderr. How it works and what it refuses: docs/attach-cuda.md, step 5.
+//! summary at exit ([`stats::Summary`]); `APEX_PRELOAD_QUEUES=N` (default 8) bounds the streams taken over;
+//! `APEX_PRELOAD_LOG=LEVEL` (`info`, `debug`, ...) sends the library's `tracing` events to stderr;
+//! `APEX_PRELOAD_PROFILE=1` adds where a launch's time goes to the summary; `APEX_PRELOAD_LAUNCH_MEMORY=host` puts
+//! the queues' launch memory in host memory; `APEX_PRELOAD_WATCHDOG=SECONDS` dumps every thread's stack when one call
+//! into the preload hangs. How it works and what it refuses: docs/attach-cuda.md, section 8.
 
+pub mod asserts;
 pub mod attrs;
 pub mod check;
+mod cuda;
 mod engine;
 mod exit_safe;
 mod hooks;
 pub mod image;
+mod lock;
 pub mod order;
+mod profile;
 pub mod refusal;
 pub mod registry;
 pub mod stats;

@@ -21,6 +21,12 @@
 //! Between two taken-over related streams no CUDA call is needed: before a launch, the queue waits on the GPU for
 //! the last launch of each related queue it has not yet waited for ([`Hops::apex_waits_for_apex`], a semaphore
 //! acquire in its own pushbuffer). Only when that fails does the order go through the CUDA streams.
+//!
+//! Hops are avoided where the CPU already knows the answer: a queue whose last launch is complete (the engine saw it
+//! on the CPU: [`Order::apex_complete`]) needs no hop before CUDA work, and a CUDA stream the program synchronized
+//! ([`Order::cuda_synchronized`], [`Order::context_synchronized`]) needs none before the queue's next launch. CUDA
+//! work on the slot's own stream and on a related one are told apart, because synchronizing a stream completes only
+//! its own work.
 
 /// A CUDA stream as the driver API names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -89,16 +95,36 @@ pub trait Hops {
     fn apex_waits_for_apex(&mut self, slot: usize, other: usize) -> Result<(), String>;
     /// The last resort when a hop fails: waits on the CPU until the queue of `slot` is idle.
     fn cpu_sync(&mut self, slot: usize) -> Result<(), String>;
+    /// Whether the last launch of the queue of `slot` is already complete (no waiting): then CUDA needs no hop
+    /// to wait for it.
+    fn apex_done(&mut self, _slot: usize) -> bool {
+        false
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
 struct Slot {
     stream: Stream,
     apex_dirty: bool,
-    cuda_dirty: bool,
+    /// CUDA work on the slot's own stream the queue has not waited for.
+    cuda_own: bool,
+    /// CUDA work on a related stream (the legacy stream for a blocking one, or the reverse) the queue has not
+    /// waited for.
+    cuda_related: bool,
     live: bool,
     /// The launch number (counted over all queues, from 1) of the queue's last launch; 0 before any.
     last: u64,
+}
+
+impl Slot {
+    /// CUDA work ordered with `stream` was added: on the slot's own stream, or a related one.
+    fn mark_cuda(&mut self, stream: Stream) {
+        if stream.key == self.stream.key {
+            self.cuda_own = true;
+        } else {
+            self.cuda_related = true;
+        }
+    }
 }
 
 /// Hop counts, for the summary.
@@ -112,6 +138,8 @@ pub struct HopCounts {
     pub cpu_syncs: u64,
     /// Queues made to wait for another queue (no CUDA call).
     pub between_queues: u64,
+    /// Hops to CUDA not made because the queue's work was already complete.
+    pub avoided: u64,
 }
 
 /// The ordering state of every taken-over stream, indexed by slot.
@@ -153,7 +181,8 @@ impl Order {
         let slot = Slot {
             stream,
             apex_dirty: false,
-            cuda_dirty: true,
+            cuda_own: true,
+            cuda_related: true,
             live: true,
             last: 0,
         };
@@ -198,7 +227,66 @@ impl Order {
 
     /// Whether the queue of `slot` must wait for its CUDA stream before its next launch.
     pub fn cuda_dirty(&self, slot: usize) -> bool {
-        self.slots.get(slot).is_some_and(|s| s.cuda_dirty)
+        self.slots
+            .get(slot)
+            .is_some_and(|s| s.cuda_own || s.cuda_related)
+    }
+
+    /// The stream of `slot`.
+    pub fn stream(&self, slot: usize) -> Option<Stream> {
+        self.slots.get(slot).filter(|s| s.live).map(|s| s.stream)
+    }
+
+    /// Live slots whose streams are related to `stream` (itself included).
+    pub fn related(&self, stream: Stream) -> impl Iterator<Item = usize> + '_ {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(move |(_, s)| s.live && s.stream.related(stream))
+            .map(|(i, _)| i)
+    }
+
+    /// Every live slot.
+    pub fn slots(&self) -> impl Iterator<Item = usize> + '_ {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.live)
+            .map(|(i, _)| i)
+    }
+
+    /// The queue of `slot` was seen complete on the CPU (its last launch, and with it everything that launch
+    /// waited for): CUDA needs no hop to wait for it.
+    pub fn apex_complete(&mut self, slot: usize) {
+        if let Some(s) = self.slots.get_mut(slot) {
+            s.apex_dirty = false;
+        }
+    }
+
+    /// A synchronization of `stream` through libcuda returned success: its own CUDA work is complete, so its queue
+    /// needs no hop for it. (Work on related streams is not covered: a stream's synchronize waits for its own.)
+    pub fn cuda_synchronized(&mut self, stream: Stream) {
+        for s in self.slots.iter_mut() {
+            if s.live && s.stream.key == stream.key {
+                s.cuda_own = false;
+            }
+        }
+    }
+
+    /// The context was synchronized: every CUDA stream's work is complete, and so is every queue's (the caller
+    /// waited for them).
+    pub fn context_synchronized(&mut self) {
+        for s in self.slots.iter_mut() {
+            s.cuda_own = false;
+            s.cuda_related = false;
+            s.apex_dirty = false;
+        }
+    }
+
+    /// Whether CUDA has work on the slot's stream, or on a related one, that the queue's launches have not waited
+    /// for: if not, the queue's last launch completing means the stream's work is complete.
+    pub fn cuda_clean(&self, slot: usize) -> bool {
+        !self.cuda_dirty(slot)
     }
 
     /// The hop counts so far.
@@ -208,6 +296,12 @@ impl Order {
 
     fn hand_over(&mut self, slot: usize, hops: &mut dyn Hops) -> Result<(), String> {
         if !self.slots[slot].apex_dirty {
+            return Ok(());
+        }
+        if hops.apex_done(slot) {
+            // Complete already: nothing for CUDA to wait for, and no CUDA work added.
+            self.counts.avoided += 1;
+            self.slots[slot].apex_dirty = false;
             return Ok(());
         }
         match hops.cuda_waits_for_apex(slot, self.slots[slot].stream.key) {
@@ -224,7 +318,7 @@ impl Order {
         let stream = self.slots[slot].stream;
         for (i, s) in self.slots.iter_mut().enumerate() {
             if i != slot && s.live && s.stream.related(stream) {
-                s.cuda_dirty = true;
+                s.mark_cuda(stream);
             }
         }
         Ok(())
@@ -254,7 +348,7 @@ impl Order {
     pub fn after_cuda(&mut self, stream: Stream) {
         for s in self.slots.iter_mut() {
             if s.live && s.stream.related(stream) {
-                s.cuda_dirty = true;
+                s.mark_cuda(stream);
             }
         }
     }
@@ -275,14 +369,15 @@ impl Order {
                     self.hand_over(i, hops)?;
                 }
                 // Already handed to CUDA since its last launch: this queue's wait for its stream covers it.
-                Err(_) => self.slots[slot].cuda_dirty = true,
+                Err(_) => self.slots[slot].cuda_related = true,
             }
             self.seen[slot][i] = s.last;
         }
-        if self.slots[slot].cuda_dirty {
+        if self.cuda_dirty(slot) {
             hops.apex_waits_for_cuda(slot, stream.key)?;
             self.counts.to_apex += 1;
-            self.slots[slot].cuda_dirty = false;
+            self.slots[slot].cuda_own = false;
+            self.slots[slot].cuda_related = false;
         }
         Ok(())
     }

@@ -14,9 +14,13 @@ pub enum Refusal {
     /// APEX attached, but on the CUDA driver backend: launching through it would only add a layer.
     #[error("APEX attached on the CUDA driver backend ({0}); launches stay on libcuda")]
     DriverBackend(String),
-    /// The launch is made in another CUDA context than the one APEX attached to.
-    #[error("the launch is made in a CUDA context other than the one APEX attached to")]
-    OtherContext,
+    /// No CUDA context is current on the launching thread.
+    #[error("no CUDA context is current on the launching thread")]
+    NoContext,
+    /// A kernel of APEX's failed a device assert in this context, which was reported as CUDA reports it: the context
+    /// is unusable from then on, and libcuda answers every call.
+    #[error("a device assert failed in this context; libcuda answers from then on")]
+    AssertReported,
     /// A launch on the per-thread default stream (`_ptsz` entry points, `CU_STREAM_PER_THREAD`): not taken over.
     #[error("launches on the per-thread default stream are not taken over")]
     PerThreadStream,
@@ -64,11 +68,9 @@ pub enum Refusal {
     /// APEX refused the kernel (an external it does not provide, a name it does not find, ...).
     #[error("APEX refused the kernel: {0}")]
     KernelRefused(String),
-    /// The kernel calls the device runtime (`printf`, `assert`, `malloc`): APEX prints and reports those only when
-    /// its own queue is synchronized, which the program never does.
-    #[error(
-        "the kernel calls `{0}`, whose output or error APEX reports only at its own synchronize"
-    )]
+    /// The kernel calls the device runtime (`printf`, `malloc`, or `assert` where asserts could not be set to end
+    /// their thread), whose output or error APEX cannot report as CUDA does.
+    #[error("the kernel calls `{0}`, whose output or error APEX cannot report as CUDA does")]
     DeviceRuntime(String),
     /// Parameters passed through `extra` (`CU_LAUNCH_PARAM_BUFFER_POINTER`) or not at all.
     #[error("kernel parameters are passed through `extra` or missing")]
@@ -110,7 +112,8 @@ impl Refusal {
             Refusal::Disabled => "disabled",
             Refusal::AttachFailed(_) => "attach_failed",
             Refusal::DriverBackend(_) => "driver_backend",
-            Refusal::OtherContext => "other_context",
+            Refusal::NoContext => "no_context",
+            Refusal::AssertReported => "assert_reported",
             Refusal::PerThreadStream => "per_thread_stream",
             Refusal::Capturing => "capturing",
             Refusal::TooManyStreams(_) => "too_many_streams",
@@ -163,7 +166,8 @@ mod tests {
             Refusal::Disabled,
             Refusal::AttachFailed("x".into()),
             Refusal::DriverBackend("x".into()),
-            Refusal::OtherContext,
+            Refusal::NoContext,
+            Refusal::AssertReported,
             Refusal::PerThreadStream,
             Refusal::Capturing,
             Refusal::TooManyStreams(8),

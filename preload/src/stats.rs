@@ -17,7 +17,7 @@ pub struct ReasonCount {
 }
 
 /// The summary written at exit.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
     /// Kernel launches the program made (`cuLaunchKernel*`, `cuLaunchCooperativeKernel`).
     pub launches: u64,
@@ -42,8 +42,47 @@ pub struct Summary {
     pub modules_seen: u64,
     /// Of those, loaded by APEX for a launch.
     pub modules_loaded: u64,
-    /// How the attach went: `not attempted`, `direct`, or the error.
+    /// How the attach went: `not attempted`, `direct`, or the error (the last context's).
     pub attach: String,
+    /// How the attach went in each context, in the order they were met.
+    #[serde(default)]
+    pub contexts: Vec<String>,
+    /// Hops to CUDA not made because the queue's work was already complete.
+    #[serde(default)]
+    pub hops_avoided: u64,
+    /// Synchronizations (`cuStreamSynchronize`, `cuStreamQuery`, `cuCtxSynchronize`, `cuEventSynchronize`,
+    /// `cuEventQuery`) answered from APEX's fences without calling libcuda.
+    #[serde(default)]
+    pub syncs_on_cpu: u64,
+    /// Synchronizations libcuda had to answer (CUDA had work of its own), with no hop before them.
+    #[serde(default)]
+    pub syncs_forwarded: u64,
+    /// Events recorded by the preload after an APEX queue's work instead of by libcuda.
+    #[serde(default)]
+    pub events_on_apex: u64,
+    /// Of those, recorded in libcuda later because libcuda had to read them.
+    #[serde(default)]
+    pub events_materialized: u64,
+    /// Launch shapes (function, stream, grid, block, shared memory) prepared: each one once, unless more than 16
+    /// shapes of one function alternate.
+    #[serde(default)]
+    pub prepared_shapes: u64,
+    /// Copies between the host and the device the program asked for on a taken-over stream, run by its APEX queue.
+    #[serde(default)]
+    pub copies_on_apex: u64,
+    /// Memsets of device memory on a taken-over stream, run by its APEX queue.
+    #[serde(default)]
+    pub sets_on_apex: u64,
+    /// Work the program gave libcuda (copies, sets, waits, host functions, graph launches: every call but the
+    /// launches, which `reasons` counts), by driver function: what still needs hops between libcuda and APEX.
+    #[serde(default)]
+    pub cuda_work: BTreeMap<String, u64>,
+    /// Failed device asserts of APEX's kernels, reported through libcuda.
+    #[serde(default)]
+    pub asserts: u64,
+    /// With `APEX_PRELOAD_PROFILE=1`: mean nanoseconds per launch through APEX of each phase of the hook.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub profile: BTreeMap<String, f64>,
 }
 
 impl Summary {
@@ -64,12 +103,13 @@ impl Summary {
         e.launches += 1;
     }
 
-    /// Takes the hop counts.
-    pub fn hops(&mut self, h: HopCounts) {
-        self.hops_to_cuda = h.to_cuda;
-        self.hops_to_apex = h.to_apex;
-        self.cpu_syncs = h.cpu_syncs;
-        self.hops_between_queues = h.between_queues;
+    /// Adds one context's hop counts.
+    pub fn add_hops(&mut self, h: HopCounts) {
+        self.hops_to_cuda += h.to_cuda;
+        self.hops_to_apex += h.to_apex;
+        self.cpu_syncs += h.cpu_syncs;
+        self.hops_between_queues += h.between_queues;
+        self.hops_avoided += h.avoided;
     }
 }
 
@@ -85,12 +125,16 @@ mod tests {
         s.refused(&Refusal::DeviceRuntime("vprintf".into()));
         s.refused(&Refusal::DeviceRuntime("__assertfail".into()));
         s.refused(&Refusal::Capturing);
-        s.hops(HopCounts {
+        let h = HopCounts {
             to_cuda: 3,
             to_apex: 4,
             cpu_syncs: 0,
             between_queues: 0,
-        });
+            avoided: 2,
+        };
+        s.add_hops(h);
+        s.add_hops(h);
+        assert_eq!((s.hops_to_cuda, s.hops_avoided), (6, 4), "contexts add up");
         assert_eq!((s.launches, s.apex, s.fallback), (5, 2, 3));
         let d = &s.reasons["device_runtime"];
         assert_eq!(d.launches, 2);

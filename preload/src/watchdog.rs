@@ -22,10 +22,17 @@ fn now() -> u64 {
     START.get_or_init(Instant::now).elapsed().as_nanos() as u64 + 1
 }
 
-/// Marks an engine call's start; the returned token ends it.
-pub(crate) fn busy() -> Busy {
+/// Whether the watchdog runs (`APEX_PRELOAD_WATCHDOG`): only then do engine calls read the clock.
+static ENABLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Marks an engine call's start; the returned token ends it. Free when the watchdog is off (the launch path takes
+/// it once per launch).
+pub(crate) fn busy() -> Option<Busy> {
+    if !ENABLED.load(Ordering::Relaxed) {
+        return None;
+    }
     let _ = BUSY_SINCE.compare_exchange(0, now(), Ordering::Relaxed, Ordering::Relaxed);
-    Busy
+    Some(Busy)
 }
 
 /// An engine call in progress (see [`busy`]).
@@ -59,6 +66,7 @@ pub(crate) fn start() {
         return;
     };
     now();
+    ENABLED.store(true, Ordering::Relaxed);
     // SAFETY: installs a plain handler for SIGUSR2; loads libgcc's unwinder now, outside any signal handler.
     unsafe {
         libc::signal(libc::SIGUSR2, dump as extern "C" fn(libc::c_int) as usize);

@@ -155,12 +155,9 @@ impl Compared {
     }
 }
 
-/// Builds `source` with nvcc (sm_90) in a scratch directory named after `name`, runs it once to warm the driver's
-/// caches, then without and with the preload (`APEX_PRELOAD_ITERS` iterations, 2000 by default), and checks that
-/// both runs succeed with identical `result` lines, no CUDA error, and every launch seen by the preload (its
-/// `launches` line), at least nine in ten of them through APEX.
-fn compare_cuda_program(name: &str, source: &str) -> Compared {
-    let lib = preload_lib();
+/// Builds `source` with nvcc (sm_90) into a scratch directory named after `name`; returns the directory and the
+/// executable.
+fn build_cuda(name: &str, source: &str) -> (PathBuf, PathBuf) {
     let dir = scratch(name);
     let src = dir.join(format!("{name}.cu"));
     std::fs::write(&src, source).unwrap();
@@ -176,6 +173,16 @@ fn compare_cuda_program(name: &str, source: &str) -> Compared {
         "nvcc: {}",
         String::from_utf8_lossy(&built.stderr)
     );
+    (dir, exe)
+}
+
+/// Builds `source` with nvcc (sm_90) in a scratch directory named after `name`, runs it once to warm the driver's
+/// caches, then without and with the preload (`APEX_PRELOAD_ITERS` iterations, 2000 by default), and checks that
+/// both runs succeed with identical `result` lines, no CUDA error, and every launch seen by the preload (its
+/// `launches` line), at least nine in ten of them through APEX.
+fn compare_cuda_program(name: &str, source: &str) -> Compared {
+    let lib = preload_lib();
+    let (dir, exe) = build_cuda(name, source);
     let iters = std::env::var("APEX_PRELOAD_ITERS").unwrap_or_else(|_| "2000".into());
     let cmd = || {
         let mut c = Command::new(&exe);
@@ -493,4 +500,188 @@ fn pytorch_eager_gives_identical_results_through_apex() {
         "outputs differ:\nwithout:\n{a}\nwith:\n{b}"
     );
     assert!(s.launches > 0, "no launch reached the preload: {s:?}");
+}
+
+/// Lines of `text` that report a failed device assert, sorted (threads report in any order, on both sides).
+fn assert_lines(text: &str) -> Vec<String> {
+    let mut v: Vec<String> = text
+        .lines()
+        .filter(|l| l.contains("Assertion"))
+        .map(str::to_owned)
+        .collect();
+    v.sort();
+    v
+}
+
+fn stderr(r: &Run) -> String {
+    String::from_utf8_lossy(&r.out.stderr).into_owned()
+}
+
+/// A kernel that fails a device assert runs through APEX, and the program sees what CUDA shows: the same messages on
+/// stderr (CUDA's format, the same blocks and threads), `cudaErrorAssert` at the next synchronize, and every call
+/// after it failing the same way. Kernels whose asserts pass run through APEX with no error.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn device_asserts_run_on_apex_and_are_reported_as_cuda_reports_them() {
+    let lib = preload_lib();
+    let (dir, exe) = build_cuda("asserts", include_str!("programs/asserts.cu"));
+    for mode in ["pass", "fail"] {
+        let cmd = || {
+            let mut c = Command::new(&exe);
+            c.arg(mode);
+            c
+        };
+        let plain = run(cmd(), None, &dir, &format!("{mode}-plain"));
+        let pre = run(cmd(), Some(&lib), &dir, &format!("{mode}-preload"));
+        let (a, b) = (stdout(&plain), stdout(&pre));
+        let s = pre.summary.clone().expect("summary");
+        report(&format!("asserts ({mode})"), &s);
+        assert_eq!(
+            results(&a),
+            results(&b),
+            "outputs differ:\nwithout:\n{a}\nwith:\n{b}\nstderr with:\n{}",
+            stderr(&pre)
+        );
+        assert_eq!(
+            assert_lines(&stderr(&plain)),
+            assert_lines(&stderr(&pre)),
+            "assert messages differ"
+        );
+        assert!(
+            !s.reasons.contains_key("device_runtime"),
+            "assert kernels were refused: {:?}",
+            s.reasons
+        );
+        if mode == "fail" {
+            assert!(a.contains("result sync cudaErrorAssert"), "{a}");
+            assert!(
+                !assert_lines(&stderr(&plain)).is_empty(),
+                "{}",
+                stderr(&plain)
+            );
+            assert_eq!(
+                s.asserts as usize,
+                assert_lines(&stderr(&pre)).len(),
+                "every recorded failure was replayed"
+            );
+            assert!(s.apex >= 21, "{s:?}");
+        } else {
+            assert!(a.contains("result sync cudaSuccess"), "{a}");
+            assert_eq!(s.asserts, 0);
+            assert_eq!(s.apex, s.launches, "{s:?}");
+        }
+    }
+}
+
+/// Every way a program waits (stream, device, event, queries, the legacy stream, an untimed event between two
+/// streams, a copy to the host) waits for the kernels APEX ran before it: kernels write to mapped host memory after
+/// spinning, and no wait may return before the write. Most waits are answered from APEX's fences without libcuda, and
+/// a printf kernel left to libcuda keeps its place between dependent APEX kernels.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn every_synchronization_waits_for_the_work_apex_ran() {
+    let lib = preload_lib();
+    let (dir, exe) = build_cuda("syncs", include_str!("programs/syncs.cu"));
+    let plain = run(Command::new(&exe), None, &dir, "plain");
+    let pre = run(Command::new(&exe), Some(&lib), &dir, "preload");
+    let (a, b) = (stdout(&plain), stdout(&pre));
+    let s = pre.summary.clone().expect("summary");
+    report("synchronizations", &s);
+    println!(
+        "synchronizations: answered on the CPU {}, by libcuda {}, events kept {} (recorded in libcuda later {}), hops \
+         avoided {}; copies {} and memsets {} on APEX; CUDA work left: {:?}",
+        s.syncs_on_cpu,
+        s.syncs_forwarded,
+        s.events_on_apex,
+        s.events_materialized,
+        s.hops_avoided,
+        s.copies_on_apex,
+        s.sets_on_apex,
+        s.cuda_work
+    );
+    assert!(
+        a.contains("result stale stream 0 device 0 event 0 query 0 eventquery 0 legacy 0"),
+        "{a}"
+    );
+    assert_eq!(
+        results(&a),
+        results(&b),
+        "outputs differ:\nwithout:\n{a}\nwith:\n{b}\nstderr with:\n{}",
+        stderr(&pre)
+    );
+    let printed = |t: &str| -> Vec<String> {
+        t.lines()
+            .filter(|l| l.starts_with("printf from libcuda"))
+            .map(str::to_owned)
+            .collect()
+    };
+    assert_eq!(printed(&a), printed(&b));
+    assert_eq!(printed(&a).len(), 4, "{a}");
+    assert!(s.apex * 10 >= s.launches * 9, "{s:?}");
+    assert!(s.syncs_on_cpu >= 800, "most waits answered by APEX: {s:?}");
+    assert!(s.events_on_apex >= 200, "{s:?}");
+    assert!(s.copies_on_apex >= 800, "copies on APEX's queues: {s:?}");
+    assert!(s.sets_on_apex >= 200, "memsets on APEX's queues: {s:?}");
+}
+
+const TORCH_ASSERT: &str = r#"
+import sys
+try:
+    import torch
+except Exception as e:
+    print(f"SKIP torch cannot be imported: {e}"); sys.exit(0)
+x = torch.arange(1000, device="cuda", dtype=torch.float32)
+ok = torch.tensor([3, 999, 0], device="cuda")
+print("result ok", x[ok].sum().item())
+bad = torch.tensor([3, 1200, 7, -2000], device="cuda")
+try:
+    y = x[bad]
+    print("result value", y.sum().item())
+except Exception as e:
+    print("result exception", type(e).__name__, str(e).splitlines()[0])
+try:
+    torch.cuda.synchronize()
+    print("result after ok")
+except Exception as e:
+    print("result after", type(e).__name__, str(e).splitlines()[0])
+"#;
+
+/// PyTorch's indexing kernels (which assert their indices) run through APEX; an index out of bounds shows as it
+/// does on libcuda: the same assert lines on stderr and the same exception.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn pytorch_index_asserts_show_as_on_libcuda() {
+    let lib = preload_lib();
+    let dir = scratch("torch-assert");
+    let script = dir.join("oob.py");
+    std::fs::write(&script, TORCH_ASSERT).unwrap();
+    let cmd = || {
+        let mut c = Command::new("python3");
+        c.arg(&script);
+        c
+    };
+    let plain = run(cmd(), None, &dir, "plain");
+    let a = stdout(&plain);
+    if let Some(why) = a.lines().find(|l| l.starts_with("SKIP")) {
+        println!("PyTorch test skipped: {why}");
+        return;
+    }
+    let pre = run(cmd(), Some(&lib), &dir, "preload");
+    let b = stdout(&pre);
+    let s = pre.summary.clone().expect("summary");
+    report("PyTorch index assert", &s);
+    assert_eq!(
+        results(&a),
+        results(&b),
+        "outputs differ:\nwithout:\n{a}\nwith:\n{b}\nstderr with:\n{}",
+        stderr(&pre)
+    );
+    assert!(a.contains("device-side assert"), "{a}");
+    assert_eq!(assert_lines(&stderr(&plain)), assert_lines(&stderr(&pre)));
+    assert!(s.asserts >= 1, "{s:?}");
+    assert!(
+        !s.reasons.contains_key("device_runtime"),
+        "index kernels refused: {:?}",
+        s.reasons
+    );
 }

@@ -12,7 +12,7 @@ use super::{
     Selection, choose,
 };
 use crate::driver;
-use crate::launch::printf::PrintfFifoCell;
+use crate::launch::printf::{AssertAction, AssertFailure, PrintfFifoCell};
 use crate::launch::{self, ComputeQueue, ComputeQueueConfig, LaunchMemory, Limits};
 use crate::rm::{GpuCore, Memory, MemoryDesc, Placement};
 
@@ -310,6 +310,45 @@ impl Gpu {
                 .set_size(bytes)
                 .map_err(|current| launch::Error::PrintfFifoFixed { current }.into()),
             GpuInner::Driver(ctx) => Ok(ctx.set_printf_fifo_size(bytes)?),
+        }
+    }
+
+    /// Sets how a failed device-side `assert` ends in kernels this GPU's direct-path queues launch (modules loaded
+    /// before or after): [`AssertAction::Trap`] (the default, as CUDA: the channel group faults and the wait that
+    /// sees it returns the assertion) or [`AssertAction::EndThread`] (the failing thread records the failure and
+    /// ends, nothing faults, and the next wait returns the assertion, or [`take_device_asserts`] collects it).
+    /// On the driver backend asserts are CUDA's own and only `Trap` is accepted.
+    ///
+    /// [`take_device_asserts`]: Gpu::take_device_asserts
+    pub fn set_assert_action(&self, action: AssertAction) -> Result<()> {
+        match (&self.inner, action) {
+            (GpuInner::Direct(_), _) => Ok(self
+                .printf
+                .set_assert_action(action)
+                .map_err(launch::Error::from)?),
+            (GpuInner::Driver(_), AssertAction::Trap) => Ok(()),
+            (GpuInner::Driver(_), _) => Err(Error::InvalidArgument(
+                "AssertAction::EndThread needs the direct path: on the CUDA driver backend a failed assert is \
+                 CUDA's own trap"
+                    .into(),
+            )),
+        }
+    }
+
+    /// Whether a kernel failed an `assert` that ended its thread ([`AssertAction::EndThread`]) since
+    /// [`take_device_asserts`](Gpu::take_device_asserts) last ran. One read of a CPU-cached word: cheap enough for
+    /// every synchronization. Ask once the work that may have failed is known complete.
+    pub fn device_assert_pending(&self) -> bool {
+        self.printf.get().is_some_and(|f| f.assert_seen())
+    }
+
+    /// The failed device asserts recorded since the last call ([`AssertAction::EndThread`]), taken out of the
+    /// printf FIFO without printing them (`printf` output found with them is printed as usual), for a caller that
+    /// reports them its own way.
+    pub fn take_device_asserts(&self) -> Result<Vec<AssertFailure>> {
+        match self.printf.get() {
+            Some(f) => Ok(f.take_asserts().map_err(launch::Error::from)?.asserts),
+            None => Ok(Vec::new()),
         }
     }
 

@@ -623,6 +623,60 @@ impl Queue {
         Ok(f)
     }
 
+    /// Copies `bytes` from GPU address `src` to GPU address `dst` in this queue's order (asynchronous: the fence
+    /// completes with the copy), for memory APEX did not allocate: on a GPU attached to a CUDA context
+    /// ([`Gpu::attach_cuda`](super::Gpu::attach_cuda)), a `CUdeviceptr` or pinned host memory's device pointer. On
+    /// the direct path the SMs copy (the built-in copy kernel, launched like any kernel: a small copy completes in
+    /// a launch's time, a large one at the HBM's bandwidth); on the driver backend, `cuMemcpyAsync`. An error for 0
+    /// bytes.
+    ///
+    /// # Safety
+    /// Both ranges must be memory the queue's GPU reaches at these addresses (device memory, or host memory mapped
+    /// for it) for `bytes` bytes, and stay so until the fence completes; nothing else may write `dst` meanwhile.
+    pub unsafe fn copy_addresses(&mut self, src: u64, dst: u64, bytes: u64) -> Result<Fence> {
+        self.driver_chain = 0;
+        match &mut self.inner {
+            QueueInner::Direct(q) if bytes > 0 => {
+                // SAFETY: forwarded to the caller.
+                let f = unsafe { q.copy_device(src, dst, bytes)? };
+                let f = Fence::from_direct(f, q);
+                self.prune();
+                Ok(f)
+            }
+            _ => self.copy_raw(src, dst, bytes),
+        }
+    }
+
+    /// Sets `count` elements of `width` bytes (1, 2 or 4) at GPU address `dst` to the low bytes of `value`, in this
+    /// queue's order (asynchronous), as `cuMemsetD8Async`/`D16`/`D32` do: on the direct path with the built-in fill
+    /// kernel, on the driver backend with those functions. For memory APEX did not allocate, as
+    /// [`copy_addresses`](Self::copy_addresses).
+    ///
+    /// # Safety
+    /// `dst` must be memory the queue's GPU reaches for `count * width` bytes, aligned to `width`, and stay so until
+    /// the fence completes.
+    pub unsafe fn fill_addresses(
+        &mut self,
+        dst: u64,
+        value: u32,
+        width: u32,
+        count: u64,
+    ) -> Result<Fence> {
+        self.driver_chain = 0;
+        match &mut self.inner {
+            QueueInner::Direct(q) => {
+                // SAFETY: forwarded to the caller.
+                let f = unsafe { q.fill(dst, value, width, count)? };
+                Ok(Fence::from_direct(f, q))
+            }
+            QueueInner::Driver { stream, .. } => {
+                // SAFETY: forwarded to the caller.
+                unsafe { stream.fill(dst, value, width, count)? };
+                Ok(Fence::from_driver(stream))
+            }
+        }
+    }
+
     fn copy_raw(&mut self, src: u64, dst: u64, bytes: u64) -> Result<Fence> {
         if bytes == 0 {
             return Err(Error::InvalidArgument("a copy of 0 bytes".into()));

@@ -987,6 +987,38 @@ impl Stream {
         })
     }
 
+    /// Asynchronous memset of `count` elements of `width` bytes (1, 2 or 4) at `dst` to `value`'s low bytes
+    /// (`cuMemsetD8Async`, `cuMemsetD16Async`, `cuMemsetD32Async`).
+    ///
+    /// # Safety
+    /// The range must stay valid until the stream has executed the memset.
+    pub unsafe fn fill(&mut self, dst: u64, value: u32, width: u32, count: u64) -> Result<()> {
+        self.ctx.bind()?;
+        let n = count as usize;
+        // SAFETY: forwarded to the caller.
+        unsafe {
+            match width {
+                1 => check(
+                    "cuMemsetD8Async",
+                    cu::cuMemsetD8Async(dst, value as u8, n, self.stream),
+                ),
+                2 => check(
+                    "cuMemsetD16Async",
+                    cu::cuMemsetD16Async(dst, value as u16, n, self.stream),
+                ),
+                4 => check(
+                    "cuMemsetD32Async",
+                    cu::cuMemsetD32Async(dst, value, n, self.stream),
+                ),
+                _ => Err(Error::Call {
+                    call: "cuMemsetD*Async",
+                    code: 1,
+                    name: format!("an element width of {width} bytes (1, 2 or 4)"),
+                }),
+            }
+        }
+    }
+
     /// Asynchronous copy from `src` in `src_ctx`'s device memory to `dst` in `dst_ctx`'s (`cuMemcpyPeerAsync`):
     /// over the peer link where there is one, staged by the driver where not.
     ///

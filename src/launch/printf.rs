@@ -17,7 +17,10 @@
 //! dropped, and prints each record to standard output formatted as C's `printf` would (the C library formats each
 //! conversion). Records that do not fit are dropped, as CUDA drops output past a full buffer; the count is logged.
 //! A failed `assert` writes its record and traps: the channel faults, and the wait that sees the fault returns
-//! [`super::Error::Assert`] naming the message, file, line, function, block and thread.
+//! [`super::Error::Assert`] naming the message, file, line, function, block and thread. With
+//! [`AssertAction::EndThread`] it writes its record, sets a word in host memory and ends its thread instead, so the
+//! channel (and the channel group it shares, a CUDA context's when attached) lives on; the next wait returns the
+//! same error, or a host that reports asserts itself takes the records ([`PrintfFifo::take_asserts`]).
 //!
 //! Record layout (little-endian, 8-byte fields, each record a multiple of 8 bytes):
 //! - `u32 kind` (1 printf, 2 assert; written last, after a fence), `u32 bytes of the record`;
@@ -38,7 +41,7 @@ use object::elf;
 use object::read::elf::{FileHeader, Rela as _, SectionHeader, Sym as _};
 use tracing::{debug, warn};
 
-use crate::rm::{GpuCore, Memory, MemoryDesc};
+use crate::rm::{GpuCore, Memory, MemoryDesc, Placement};
 
 use super::cubin::{self, CubinError, EM_CUDA, reloc};
 
@@ -52,6 +55,12 @@ const TAIL: u64 = 0;
 const HEAD: u64 = 8;
 const CAPACITY: u64 = 16;
 const DROPPED: u64 = 24;
+/// Header word the runtime reads at a failed `assert`: [`FLAG_ASSERT_ENDS_THREAD`].
+const FLAGS: u64 = 32;
+/// Header word holding the GPU address of the host word a failed `assert` sets (0: none).
+const ASSERT_FLAG: u64 = 40;
+/// In [`FLAGS`]: a failed `assert` ends its thread instead of trapping ([`AssertAction::EndThread`]).
+const FLAG_ASSERT_ENDS_THREAD: u64 = 1;
 /// Smallest ring: a record with a long format string must fit.
 const MIN_FIFO_BYTES: u64 = 4096;
 /// Largest ring: the record size field is 32 bits.
@@ -542,17 +551,56 @@ impl fmt::Display for AssertFailure {
     }
 }
 
-/// A failed device `assert`, and the channel fault its trap caused.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "device assertion failed: {failure} The queue's channel faulted on the trap ({fault}); make a new queue to go on"
-)]
+/// A failed device `assert`, and the channel fault its trap caused (none when it ended its thread:
+/// [`AssertAction::EndThread`]).
+#[derive(Debug)]
 pub struct AssertError {
     /// What the `assert` reported.
     pub failure: AssertFailure,
-    /// The fault the assert's trap raised on the queue's channel.
-    #[source]
-    pub fault: crate::pushbuf::Error,
+    /// The fault the assert's trap raised on the queue's channel; `None` when the failing thread ended without
+    /// one ([`AssertAction::EndThread`]) and the queue can go on.
+    pub fault: Option<crate::pushbuf::Error>,
+}
+
+impl fmt::Display for AssertError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.fault {
+            Some(fault) => write!(
+                f,
+                "device assertion failed: {} The queue's channel faulted on the trap ({fault}); make a new queue to \
+                 go on",
+                self.failure
+            ),
+            None => write!(
+                f,
+                "device assertion failed: {} The failing thread ended; the rest of its grid ran on, so the results \
+                 of that launch cannot be trusted",
+                self.failure
+            ),
+        }
+    }
+}
+
+impl std::error::Error for AssertError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.fault.as_ref().map(|e| e as _)
+    }
+}
+
+/// How a failed device-side `assert` ends, in kernels launched on the direct path.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AssertAction {
+    /// The failing thread traps, as in CUDA: its channel faults (and with it the channel group the queue shares),
+    /// and the wait that sees the fault returns [`super::Error::Assert`]. The default.
+    #[default]
+    Trap,
+    /// The failing thread records the failure, sets a word in host memory and ends; the rest of the grid and the
+    /// queue go on, and no channel faults. The next wait that drains the FIFO returns [`super::Error::Assert`]
+    /// (without a fault), or a host that reports asserts its own way checks
+    /// [`PrintfFifo::assert_seen`] and takes them with [`PrintfFifo::take_asserts`] (apex-preload replays them
+    /// through the CUDA driver, so that the program sees CUDA's own report).
+    EndThread,
 }
 
 /// One argument of a device `printf`, as the record holds it.
@@ -990,6 +1038,11 @@ pub struct PrintfFifo {
     capacity: u64,
     /// Serializes drains; holds the drop count already reported.
     drain: Mutex<u64>,
+    /// The host word a failed `assert` sets under [`AssertAction::EndThread`] (CPU-cached system memory: reading
+    /// it costs what reading any cached word costs).
+    seen: Memory,
+    /// The [`AssertAction`] in force, as its [`FLAGS`] word.
+    flags: AtomicU64,
 }
 
 impl PrintfFifo {
@@ -1001,6 +1054,14 @@ impl PrintfFifo {
         let memory = Memory::alloc(gpu, MemoryDesc::video(HEADER_BYTES + capacity).with_cpu())?;
         memory.fill(0, HEADER_BYTES + capacity, 0)?;
         memory.write(CAPACITY, &capacity.to_le_bytes())?;
+        let seen = Memory::alloc(
+            gpu,
+            MemoryDesc::video(8)
+                .placement(Placement::SystemCached)
+                .with_cpu(),
+        )?;
+        seen.write_u64_volatile(0, 0)?;
+        memory.write(ASSERT_FLAG, &seen.va().to_le_bytes())?;
         debug!(
             capacity,
             va = format_args!("{:#x}", memory.va()),
@@ -1010,7 +1071,46 @@ impl PrintfFifo {
             memory,
             capacity,
             drain: Mutex::new(0),
+            seen,
+            flags: AtomicU64::new(0),
         })
+    }
+
+    /// Sets how a failed `assert` ends from now on (kernels already running may still see the previous action).
+    pub fn set_assert_action(&self, action: AssertAction) -> crate::rm::Result<()> {
+        let flags = match action {
+            AssertAction::Trap => 0,
+            AssertAction::EndThread => FLAG_ASSERT_ENDS_THREAD,
+        };
+        self.memory.write_u64_volatile(FLAGS, flags)?;
+        self.flags.store(flags, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// How a failed `assert` ends.
+    pub fn assert_action(&self) -> AssertAction {
+        if self.flags.load(Ordering::Relaxed) & FLAG_ASSERT_ENDS_THREAD != 0 {
+            AssertAction::EndThread
+        } else {
+            AssertAction::Trap
+        }
+    }
+
+    /// Whether a kernel failed an `assert` that ended its thread ([`AssertAction::EndThread`]) since
+    /// [`take_asserts`](Self::take_asserts) last ran: one read of a CPU-cached word, cheap enough for every
+    /// synchronization. Read it after the work that may have failed is known complete.
+    pub fn assert_seen(&self) -> bool {
+        self.seen.read_u64_volatile(0).is_ok_and(|v| v != 0)
+    }
+
+    /// Takes every complete record out of the ring: prints `printf` output to standard output, as
+    /// [`drain`](Self::drain) does, and returns the failed assertions without printing them, for a host that
+    /// reports them its own way. Clears the word [`assert_seen`](Self::assert_seen) reads first, so an assert that
+    /// lands during the call is seen next time.
+    pub fn take_asserts(&self) -> crate::rm::Result<Drained> {
+        self.seen.write_u64_volatile(0, 0)?;
+        std::sync::atomic::fence(Ordering::SeqCst);
+        self.drain_with(false)
     }
 
     /// GPU address of the ring's header (what the runtime's `apex_fifo` resolves to).
@@ -1026,6 +1126,10 @@ impl PrintfFifo {
     /// Takes every complete record out of the ring, prints `printf` output to standard output and failed
     /// assertions to standard error, and returns what it found.
     pub fn drain(&self) -> crate::rm::Result<Drained> {
+        self.drain_with(true)
+    }
+
+    fn drain_with(&self, print_asserts: bool) -> crate::rm::Result<Drained> {
         let records = self.take()?;
         let mut drained = Drained::default();
         let mut stdout = std::io::stdout().lock();
@@ -1036,8 +1140,10 @@ impl PrintfFifo {
                     drained.printed += 1;
                 }
                 DeviceRecord::Assert(a) => {
-                    let _ = stdout.flush();
-                    let _ = writeln!(std::io::stderr(), "{a}");
+                    if print_asserts {
+                        let _ = stdout.flush();
+                        let _ = writeln!(std::io::stderr(), "{a}");
+                    }
                     drained.asserts.push(a);
                 }
             }
@@ -1169,6 +1275,8 @@ pub fn take_records(
 pub struct PrintfFifoCell {
     fifo: OnceLock<Arc<PrintfFifo>>,
     bytes: AtomicU64,
+    /// [`AssertAction::EndThread`] asked for (applied when the FIFO is made, or at once if it exists).
+    end_thread: std::sync::atomic::AtomicBool,
 }
 
 impl PrintfFifoCell {
@@ -1188,6 +1296,16 @@ impl PrintfFifoCell {
         }
     }
 
+    /// Sets how a failed `assert` ends, for the FIFO now or when it is made.
+    pub fn set_assert_action(&self, action: AssertAction) -> crate::rm::Result<()> {
+        self.end_thread
+            .store(action == AssertAction::EndThread, Ordering::SeqCst);
+        match self.fifo.get() {
+            Some(f) => f.set_assert_action(action),
+            None => Ok(()),
+        }
+    }
+
     /// The FIFO, created now if it does not exist yet.
     pub fn get_or_create(&self, gpu: &Arc<GpuCore>) -> crate::rm::Result<Arc<PrintfFifo>> {
         if let Some(f) = self.fifo.get() {
@@ -1199,7 +1317,11 @@ impl PrintfFifoCell {
         };
         let fifo = Arc::new(PrintfFifo::new(gpu, bytes)?);
         // Two threads may race here: the loser's ring is dropped unused.
-        Ok(self.fifo.get_or_init(|| fifo).clone())
+        let fifo = self.fifo.get_or_init(|| fifo).clone();
+        if self.end_thread.load(Ordering::SeqCst) {
+            fifo.set_assert_action(AssertAction::EndThread)?;
+        }
+        Ok(fifo)
     }
 
     /// The FIFO, if it exists.

@@ -437,8 +437,8 @@ pub struct ComputeQueue {
     /// How a launch waits for the previous one: the acquire comparison and whether the scheduler may switch
     /// channel groups while it waits.
     ordering: StreamOrder,
-    /// The built-in device-to-device copy kernel, loaded on first use.
-    copy_kernel: Option<Kernel>,
+    /// The built-in kernels' module (copy, fill), loaded on first use.
+    builtin: Option<Arc<super::Module>>,
     /// The QMD of the last launch shape, patched per launch instead of rebuilt.
     template: Option<(TemplateKey, [u32; QMD_WORDS])>,
     /// What each slot's QMD and driver words hold now (the slots are write-only device memory).
@@ -622,7 +622,7 @@ impl ComputeQueue {
                 cmp: Acquire::CircularGeq,
                 switch_tsg: false,
             },
-            copy_kernel: None,
+            builtin: None,
             template: None,
             qmd_shadow: vec![[0; QMD_WORDS]; config.slots],
             cb_shadow: vec![[0; CBANK_DRIVER_WORDS]; config.slots],
@@ -1262,17 +1262,62 @@ impl ComputeQueue {
         unsafe { self.launch(&k, &cfg, &[Arg::Ptr(src), Arg::Ptr(dst), Arg::U64(bytes)]) }
     }
 
+    /// Sets `count` elements of `width` bytes (1, 2 or 4) at `dst` to the low bytes of `value`
+    /// (`cuMemsetD8/16/32`) with a fill kernel on the SMs, ordered like a launch.
+    ///
+    /// # Safety
+    /// `dst` must be memory mapped in this GPU's address space for `count * width` bytes, aligned to `width`; the
+    /// kernel writes it as any kernel would.
+    pub unsafe fn fill(&mut self, dst: u64, value: u32, width: u32, count: u64) -> Result<Fence> {
+        let bad = |why: String| Error::InvalidLaunch {
+            kernel: "apex_fill".into(),
+            why,
+        };
+        if !matches!(width, 1 | 2 | 4) {
+            return Err(bad(format!(
+                "an element width of {width} bytes (1, 2 or 4)"
+            )));
+        }
+        if !dst.is_multiple_of(u64::from(width)) {
+            return Err(bad(format!("{dst:#x} is not aligned to {width} bytes")));
+        }
+        let bytes = count
+            .checked_mul(u64::from(width))
+            .filter(|&b| b > 0)
+            .ok_or_else(|| bad(format!("{count} elements of {width} bytes")))?;
+        let (k, cfg) = self.builtin_launch("apex_fill", bytes)?;
+        // SAFETY: forwarded to the caller.
+        unsafe {
+            self.launch(
+                &k,
+                &cfg,
+                &[
+                    Arg::Ptr(dst),
+                    Arg::U32(value),
+                    Arg::U32(width),
+                    Arg::U64(count),
+                ],
+            )
+        }
+    }
+
     /// The built-in copy kernel (loaded on first use) and the launch shape that copies `bytes` bytes with it:
     /// 16 bytes per thread per pass, at most 8 blocks per SM (grid-stride beyond).
     fn copy_launch(&mut self, bytes: u64) -> Result<(Kernel, LaunchConfig)> {
-        if self.copy_kernel.is_none() {
-            let m = super::Module::load(&self.gpu, BUILTIN_CUBIN)?;
-            self.copy_kernel = Some(m.kernel("apex_copy")?);
+        self.builtin_launch("apex_copy", bytes)
+    }
+
+    /// Built-in kernel `name` (its module loaded on first use) and the launch shape that covers `bytes` bytes with
+    /// it: 16 bytes per thread per pass, at most 8 blocks per SM (grid-stride beyond).
+    fn builtin_launch(&mut self, name: &str, bytes: u64) -> Result<(Kernel, LaunchConfig)> {
+        if self.builtin.is_none() {
+            self.builtin = Some(super::Module::load(&self.gpu, BUILTIN_CUBIN)?);
         }
-        let k = self
-            .copy_kernel
-            .clone()
-            .ok_or(Error::Unsupported("the built-in copy kernel".into()))?;
+        let module = self
+            .builtin
+            .as_ref()
+            .ok_or(Error::Unsupported("the built-in kernels".into()))?;
+        let k = module.kernel(name)?;
         let threads = 256u64;
         let blocks = bytes
             .div_ceil(16 * threads)
@@ -1949,12 +1994,22 @@ pub fn settle(
     };
     let drained = fifo.drain();
     match (waited, drained) {
+        // An assert that ended its thread faults nothing: the drain is where it shows.
+        (Ok(()), Ok(mut d))
+            if !d.asserts.is_empty()
+                && fifo.assert_action() == super::printf::AssertAction::EndThread =>
+        {
+            Err(Error::Assert(Box::new(super::printf::AssertError {
+                failure: d.asserts.swap_remove(0),
+                fault: None,
+            })))
+        }
         (Ok(()), Ok(_)) => Ok(()),
         (Ok(()), Err(e)) => Err(e.into()),
         (Err(fault), Ok(mut d)) if !d.asserts.is_empty() => {
             Err(Error::Assert(Box::new(super::printf::AssertError {
                 failure: d.asserts.swap_remove(0),
-                fault,
+                fault: Some(fault),
             })))
         }
         (Err(fault), _) => Err(fault.into()),

@@ -1,0 +1,443 @@
+//! What the engine asks of the CUDA driver, behind one seam ([`CudaSide`]): the current context, stream flags,
+//! function names and owners, module variables, the attach itself, the GPU-side hops between a queue and a CUDA
+//! stream, recording a program's event after a queue's work, and replaying device asserts. [`Libcuda`] asks
+//! libcuda's own functions (never a wrapper); tests plug in a double that runs APEX on the simulated GPU.
+
+use std::ffi::{CStr, CString, c_char, c_int, c_uint, c_void};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use apex::{AssertAction, AssertFailure, Gpu, Queue, VariableHome};
+
+use crate::order::StreamKey;
+use crate::registry::Owner;
+
+/// `CUDA_SUCCESS`.
+pub const CUDA_SUCCESS: c_int = 0;
+/// `CUDA_ERROR_NOT_READY`: what `cuStreamQuery` and `cuEventQuery` return for work still running.
+pub const CUDA_ERROR_NOT_READY: c_int = 600;
+/// `CUDA_ERROR_ASSERT`: a device-side assert failed; the context is unusable from then on.
+pub const CUDA_ERROR_ASSERT: c_int = 710;
+
+/// What a pointer given to a copy is, as libcuda's `cuPointerGetAttributes` tells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Pointer {
+    /// Device memory of the current context, not managed, with `bytes` of its allocation from the pointer on.
+    Device { bytes: u64 },
+    /// Pinned host memory the GPU reaches at `device` (from the pointer on: `bytes`).
+    Pinned { device: u64, bytes: u64 },
+    /// Host memory CUDA does not know (pageable).
+    Pageable,
+    /// Anything else (managed memory, another context's, a virtual-memory mapping): left to libcuda.
+    Other,
+}
+
+/// The CUDA driver as the engine sees it.
+pub(crate) trait CudaSide: Send {
+    /// The calling thread's current context (`cuCtxGetCurrent`), if any.
+    fn current_context(&self) -> Option<usize>;
+    /// APEX attached to the current context, with device asserts set to end their thread (`true`) or left to trap
+    /// (`false`: then kernels that call `__assertfail` stay on libcuda).
+    fn attach(&self) -> Result<(Gpu, bool), String>;
+    /// Whether a stream synchronizes with the legacy default stream (not `CU_STREAM_NON_BLOCKING`). Unknown:
+    /// `true`, which relates it to more streams (more hops, never fewer).
+    fn stream_blocking(&self, stream: usize) -> bool;
+    /// A function's or kernel's name, asked of the driver.
+    fn function_name(&self, f: usize) -> Option<String>;
+    /// A function's module, if `known` says the preload saw it loaded; else a kernel's library.
+    fn function_owner(&self, f: usize, known: &dyn Fn(usize) -> bool) -> Option<usize>;
+    /// Where CUDA's instance of module or library `owner` keeps its variable `name`, in the current context.
+    fn global(&self, owner: Owner, library: bool, name: &str) -> Option<VariableHome>;
+    /// Makes CUDA `stream` wait on the GPU for everything submitted to `queue` so far.
+    fn cuda_waits_for_apex(&self, queue: &mut Queue, stream: StreamKey) -> Result<(), String>;
+    /// Makes `queue` wait on the GPU for everything submitted to CUDA `stream` so far.
+    fn apex_waits_for_cuda(&self, queue: &mut Queue, stream: StreamKey) -> Result<(), String>;
+    /// Records the program's `event` so that it completes once everything submitted to `queue` so far has, on a
+    /// stream of the preload's own (`side`, made on first use), so no stream of the program is touched.
+    fn record_event_after(
+        &self,
+        queue: &mut Queue,
+        event: usize,
+        side: &mut usize,
+    ) -> Result<(), String>;
+    /// Records the program's `event` on the preload's own stream, with nothing before it (the work it stands for
+    /// is complete).
+    fn record_event_now(&self, event: usize, side: &mut usize) -> Result<(), String>;
+    /// Reports failed device asserts through libcuda, as libcuda reports its own: their messages on stderr, and
+    /// the current context left with `CUDA_ERROR_ASSERT`.
+    fn replay_asserts(&self, failures: &[AssertFailure]) -> Result<(), String>;
+    /// What `ptr` points at, for a copy in context `ctx`.
+    fn pointer(&self, ptr: u64, ctx: usize) -> Pointer;
+}
+
+// ---- libcuda's own functions (looked up with the real dlsym, never a wrapper) ----
+
+macro_rules! driver_fn {
+    ($getter:ident, $name:literal, $ty:ty) => {
+        fn $getter() -> Option<$ty> {
+            static SLOT: AtomicUsize = AtomicUsize::new(0);
+            let mut p = SLOT.load(Ordering::Relaxed);
+            if p == 0 {
+                p = apex_interpose::libcuda_symbol($name).unwrap_or(0);
+                SLOT.store(p, Ordering::Relaxed);
+            }
+            // SAFETY: libcuda exports this function with this signature.
+            (p != 0).then(|| unsafe { std::mem::transmute::<usize, $ty>(p) })
+        }
+    };
+}
+
+driver_fn!(
+    cu_ctx_get_current,
+    c"cuCtxGetCurrent",
+    unsafe extern "C" fn(*mut usize) -> c_int
+);
+driver_fn!(
+    cu_stream_get_flags,
+    c"cuStreamGetFlags",
+    unsafe extern "C" fn(usize, *mut c_uint) -> c_int
+);
+driver_fn!(
+    cu_func_get_name,
+    c"cuFuncGetName",
+    unsafe extern "C" fn(*mut *const c_char, usize) -> c_int
+);
+driver_fn!(
+    cu_kernel_get_name,
+    c"cuKernelGetName",
+    unsafe extern "C" fn(*mut *const c_char, usize) -> c_int
+);
+driver_fn!(
+    cu_func_get_module,
+    c"cuFuncGetModule",
+    unsafe extern "C" fn(*mut usize, usize) -> c_int
+);
+driver_fn!(
+    cu_kernel_get_library,
+    c"cuKernelGetLibrary",
+    unsafe extern "C" fn(*mut usize, usize) -> c_int
+);
+driver_fn!(
+    cu_module_get_global,
+    c"cuModuleGetGlobal_v2",
+    unsafe extern "C" fn(*mut u64, *mut usize, usize, *const c_char) -> c_int
+);
+driver_fn!(
+    cu_library_get_global,
+    c"cuLibraryGetGlobal",
+    unsafe extern "C" fn(*mut u64, *mut usize, usize, *const c_char) -> c_int
+);
+driver_fn!(
+    cu_stream_create,
+    c"cuStreamCreate",
+    unsafe extern "C" fn(*mut usize, c_uint) -> c_int
+);
+driver_fn!(
+    cu_event_record,
+    c"cuEventRecord",
+    unsafe extern "C" fn(usize, usize) -> c_int
+);
+driver_fn!(
+    cu_module_load_data,
+    c"cuModuleLoadData",
+    unsafe extern "C" fn(*mut usize, *const c_void) -> c_int
+);
+driver_fn!(
+    cu_module_get_function,
+    c"cuModuleGetFunction",
+    unsafe extern "C" fn(*mut usize, usize, *const c_char) -> c_int
+);
+driver_fn!(
+    cu_mem_alloc,
+    c"cuMemAlloc_v2",
+    unsafe extern "C" fn(*mut u64, usize) -> c_int
+);
+driver_fn!(
+    cu_memcpy_htod,
+    c"cuMemcpyHtoD_v2",
+    unsafe extern "C" fn(u64, *const c_void, usize) -> c_int
+);
+driver_fn!(
+    cu_launch_kernel,
+    c"cuLaunchKernel",
+    unsafe extern "C" fn(
+        usize,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        usize,
+        *mut *mut c_void,
+        *mut *mut c_void,
+    ) -> c_int
+);
+driver_fn!(
+    cu_pointer_get_attributes,
+    c"cuPointerGetAttributes",
+    unsafe extern "C" fn(c_uint, *const c_uint, *mut *mut c_void, u64) -> c_int
+);
+driver_fn!(
+    cu_ctx_synchronize,
+    c"cuCtxSynchronize",
+    unsafe extern "C" fn() -> c_int
+);
+
+/// `CU_STREAM_NON_BLOCKING`.
+const CU_STREAM_NON_BLOCKING: c_uint = 1;
+
+/// The replay kernel (preload/kernels/assert_replay.cu, built to PTX by preload/kernels/build.sh).
+const REPLAY_PTX: &str = include_str!("../kernels/assert_replay.ptx");
+
+fn call(what: &str, r: c_int) -> Result<(), String> {
+    if r == CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(format!("{what} returned CUresult {r}"))
+    }
+}
+
+fn missing(name: &str) -> String {
+    format!("libcuda has no {name}")
+}
+
+/// A function's name through `get` (cuFuncGetName or cuKernelGetName).
+fn driver_name(
+    get: Option<unsafe extern "C" fn(*mut *const c_char, usize) -> c_int>,
+    f: usize,
+) -> Option<String> {
+    let get = get?;
+    let mut name: *const c_char = std::ptr::null();
+    // SAFETY: a live out-parameter; the driver validates the handle.
+    if unsafe { get(&mut name, f) } != 0 || name.is_null() {
+        return None;
+    }
+    // SAFETY: the driver returns a NUL-terminated name it owns.
+    Some(
+        unsafe { CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned(),
+    )
+}
+
+fn driver_owner(
+    get: Option<unsafe extern "C" fn(*mut usize, usize) -> c_int>,
+    f: usize,
+) -> Option<usize> {
+    let get = get?;
+    let mut h = 0usize;
+    // SAFETY: a live out-parameter; the driver validates the handle.
+    (unsafe { get(&mut h, f) } == 0 && h != 0).then_some(h)
+}
+
+/// The CUDA driver of the process: libcuda's own functions.
+pub(crate) struct Libcuda;
+
+impl Libcuda {
+    fn side_stream(side: &mut usize) -> Result<usize, String> {
+        if *side == 0 {
+            let create = cu_stream_create().ok_or_else(|| missing("cuStreamCreate"))?;
+            let mut s = 0usize;
+            // SAFETY: a live out-parameter.
+            call("cuStreamCreate", unsafe {
+                create(&mut s, CU_STREAM_NON_BLOCKING)
+            })?;
+            *side = s;
+        }
+        Ok(*side)
+    }
+}
+
+/// `CUpointer_attribute`s asked of a copy's pointers.
+const POINTER_ATTRIBUTES: [c_uint; 6] = [
+    1,  // CONTEXT
+    2,  // MEMORY_TYPE
+    3,  // DEVICE_POINTER
+    8,  // IS_MANAGED
+    11, // RANGE_START_ADDR
+    12, // RANGE_SIZE
+];
+/// `CUmemorytype`.
+const MEMORYTYPE_HOST: u64 = 1;
+const MEMORYTYPE_DEVICE: u64 = 2;
+
+impl CudaSide for Libcuda {
+    fn current_context(&self) -> Option<usize> {
+        let get = cu_ctx_get_current()?;
+        let mut ctx = 0usize;
+        // SAFETY: a live out-parameter.
+        (unsafe { get(&mut ctx) } == 0 && ctx != 0).then_some(ctx)
+    }
+
+    fn attach(&self) -> Result<(Gpu, bool), String> {
+        let gpu = Gpu::attach_cuda().map_err(|e| e.to_string())?;
+        // A failed assert must end its thread, not fault the channel group: the group is the program's context,
+        // and CUDA's report of the assert comes from the replay (`replay_asserts`).
+        let ends_thread = gpu.set_assert_action(AssertAction::EndThread).is_ok();
+        Ok((gpu, ends_thread))
+    }
+
+    fn stream_blocking(&self, stream: usize) -> bool {
+        let mut flags: c_uint = 0;
+        // SAFETY: a live out-parameter; the driver validates the handle.
+        cu_stream_get_flags()
+            .is_none_or(|get| unsafe { get(stream, &mut flags) } != 0 || flags & 1 == 0)
+    }
+
+    fn function_name(&self, f: usize) -> Option<String> {
+        driver_name(cu_func_get_name(), f).or_else(|| driver_name(cu_kernel_get_name(), f))
+    }
+
+    fn function_owner(&self, f: usize, known: &dyn Fn(usize) -> bool) -> Option<usize> {
+        driver_owner(cu_func_get_module(), f)
+            .filter(|&m| known(m))
+            .or_else(|| driver_owner(cu_kernel_get_library(), f))
+    }
+
+    fn global(&self, owner: Owner, library: bool, name: &str) -> Option<VariableHome> {
+        let get = if library {
+            cu_library_get_global()
+        } else {
+            cu_module_get_global()
+        }?;
+        let name = CString::new(name).ok()?;
+        let (mut address, mut size) = (0u64, 0usize);
+        // SAFETY: live out-parameters and a NUL-terminated name; the driver validates the handle.
+        let r = unsafe { get(&mut address, &mut size, owner, name.as_ptr()) };
+        (r == 0 && address != 0).then_some(VariableHome {
+            address,
+            size: size as u64,
+        })
+    }
+
+    fn cuda_waits_for_apex(&self, queue: &mut Queue, stream: StreamKey) -> Result<(), String> {
+        // SAFETY: the stream is the program's, live (destroyed streams are handed over and forgotten first).
+        unsafe { queue.make_cuda_stream_wait(stream.raw() as _) }.map_err(|e| e.to_string())
+    }
+
+    fn apex_waits_for_cuda(&self, queue: &mut Queue, stream: StreamKey) -> Result<(), String> {
+        // SAFETY: as above.
+        unsafe { queue.wait_for_cuda_stream(stream.raw() as _) }.map_err(|e| e.to_string())
+    }
+
+    fn record_event_after(
+        &self,
+        queue: &mut Queue,
+        event: usize,
+        side: &mut usize,
+    ) -> Result<(), String> {
+        let s = Self::side_stream(side)?;
+        // SAFETY: the preload's own stream, live.
+        unsafe { queue.make_cuda_stream_wait(s as _) }.map_err(|e| e.to_string())?;
+        self.record_event_now(event, side)
+    }
+
+    fn record_event_now(&self, event: usize, side: &mut usize) -> Result<(), String> {
+        let s = Self::side_stream(side)?;
+        let record = cu_event_record().ok_or_else(|| missing("cuEventRecord"))?;
+        // SAFETY: the program's event (the driver validates it) on the preload's stream.
+        call("cuEventRecord", unsafe { record(event, s) })
+    }
+
+    fn pointer(&self, ptr: u64, ctx: usize) -> Pointer {
+        let Some(get) = cu_pointer_get_attributes() else {
+            return Pointer::Other;
+        };
+        // Each value gets 8 zeroed bytes (the driver writes 4 or 8); unknown memory reads as zeros (no error).
+        let mut values = [0u64; POINTER_ATTRIBUTES.len()];
+        let mut slots: [*mut c_void; POINTER_ATTRIBUTES.len()] =
+            std::array::from_fn(|i| (&mut values[i] as *mut u64).cast());
+        // SAFETY: as many attributes as value slots, each slot 8 bytes.
+        let r = unsafe {
+            get(
+                POINTER_ATTRIBUTES.len() as c_uint,
+                POINTER_ATTRIBUTES.as_ptr(),
+                slots.as_mut_ptr(),
+                ptr,
+            )
+        };
+        if r != CUDA_SUCCESS {
+            return Pointer::Other;
+        }
+        let [context, kind, device, managed, start, size] = values;
+        let kind = kind & 0xffff_ffff;
+        let in_range = |base: u64| {
+            (start != 0 && size != 0 && ptr >= start && ptr - start < size)
+                .then(|| size - (ptr - start))
+                .filter(|_| base != 0)
+        };
+        match kind {
+            0 => Pointer::Pageable,
+            _ if managed & 0xff != 0 => Pointer::Other,
+            MEMORYTYPE_DEVICE if context as usize == ctx => match in_range(ptr) {
+                Some(bytes) => Pointer::Device { bytes },
+                None => Pointer::Other,
+            },
+            MEMORYTYPE_HOST if device != 0 => match in_range(device) {
+                Some(bytes) => Pointer::Pinned { device, bytes },
+                None => Pointer::Other,
+            },
+            _ => Pointer::Other,
+        }
+    }
+
+    fn replay_asserts(&self, failures: &[AssertFailure]) -> Result<(), String> {
+        let plan = crate::asserts::ReplayPlan::new(failures)
+            .ok_or_else(|| "no assert to replay".to_string())?;
+        let load = cu_module_load_data().ok_or_else(|| missing("cuModuleLoadData"))?;
+        let get = cu_module_get_function().ok_or_else(|| missing("cuModuleGetFunction"))?;
+        let alloc = cu_mem_alloc().ok_or_else(|| missing("cuMemAlloc_v2"))?;
+        let copy = cu_memcpy_htod().ok_or_else(|| missing("cuMemcpyHtoD_v2"))?;
+        let launch = cu_launch_kernel().ok_or_else(|| missing("cuLaunchKernel"))?;
+        let sync = cu_ctx_synchronize().ok_or_else(|| missing("cuCtxSynchronize"))?;
+        let ptx = CString::new(REPLAY_PTX).map_err(|e| e.to_string())?;
+        let (mut module, mut function, mut device) = (0usize, 0usize, 0u64);
+        // SAFETY: NUL-terminated PTX and live out-parameters.
+        call("cuModuleLoadData", unsafe {
+            load(&mut module, ptx.as_ptr().cast())
+        })?;
+        // SAFETY: the module just loaded, a NUL-terminated name.
+        call("cuModuleGetFunction", unsafe {
+            get(&mut function, module, c"apex_assert_replay".as_ptr())
+        })?;
+        let bytes = plan.blob_len();
+        // SAFETY: a live out-parameter.
+        call("cuMemAlloc", unsafe { alloc(&mut device, bytes) })?;
+        let blob = plan.blob(device);
+        // SAFETY: `blob` is `bytes` long and `device` holds that many.
+        call("cuMemcpyHtoD", unsafe {
+            copy(device, blob.as_ptr().cast(), blob.len())
+        })?;
+        let mut records = device;
+        let mut n = plan.records() as c_uint;
+        let mut args: [*mut c_void; 2] = [
+            (&mut records as *mut u64).cast(),
+            (&mut n as *mut c_uint).cast(),
+        ];
+        let (g, b) = (plan.grid(), plan.block());
+        // SAFETY: the replay kernel with its two parameters, on the legacy stream of the current context.
+        call("cuLaunchKernel", unsafe {
+            launch(
+                function,
+                g[0],
+                g[1],
+                g[2],
+                b[0],
+                b[1],
+                b[2],
+                0,
+                0,
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })?;
+        // SAFETY: no arguments. CUDA_ERROR_ASSERT is what the replay is for.
+        match unsafe { sync() } {
+            CUDA_ERROR_ASSERT => Ok(()),
+            r => Err(format!(
+                "the assert replay ended with CUresult {r}, not CUDA_ERROR_ASSERT"
+            )),
+        }
+    }
+}

@@ -1,0 +1,619 @@
+//! The engine's bookkeeping against the simulated GPU: APEX's side is a real [`apex::Gpu`] on the simulator (queues,
+//! prepared launches, fences the simulated front end releases), the CUDA side a double that records what the engine
+//! asked of libcuda. Each test checks what went through APEX, which hops were made, and which synchronizations were
+//! answered without libcuda.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use apex::launch::cubin::Cubin;
+use apex::rm::sim::SimConfig;
+use apex::sim::Simulator;
+use apex::{AssertFailure, Gpu, Queue, VariableHome};
+
+use super::*;
+
+const CUBIN: &[u8] = include_bytes!("../../kernels/apex_test_kernels.sm_90.cubin");
+const CTX: usize = 0xc0;
+const MODULE: usize = 0x10;
+const FUNC: usize = 0x100;
+const EVENT: usize = 0xe0;
+
+/// What the engine asked of "libcuda".
+#[derive(Default)]
+struct Calls(Vec<String>);
+
+struct FakeCuda {
+    gpu: Mutex<Option<Gpu>>,
+    calls: Arc<Mutex<Calls>>,
+    /// Address ranges that play CUDA's device memory (start, bytes).
+    device: Arc<Mutex<Vec<(u64, u64)>>>,
+}
+
+impl FakeCuda {
+    fn log(&self, s: impl Into<String>) {
+        self.calls.lock().unwrap().0.push(s.into());
+    }
+}
+
+impl CudaSide for FakeCuda {
+    fn current_context(&self) -> Option<usize> {
+        Some(CTX)
+    }
+    fn attach(&self) -> Result<(Gpu, bool), String> {
+        let gpu = self.gpu.lock().unwrap().take().ok_or("attached twice")?;
+        let asserts = gpu.set_assert_action(apex::AssertAction::EndThread).is_ok();
+        Ok((gpu, asserts))
+    }
+    fn stream_blocking(&self, _: usize) -> bool {
+        true
+    }
+    fn function_name(&self, _: usize) -> Option<String> {
+        None
+    }
+    fn function_owner(&self, _: usize, _: &dyn Fn(usize) -> bool) -> Option<usize> {
+        None
+    }
+    fn global(&self, _: Owner, _: bool, _: &str) -> Option<VariableHome> {
+        None
+    }
+    fn cuda_waits_for_apex(&self, _: &mut Queue, stream: StreamKey) -> Result<(), String> {
+        self.log(format!("cuda<-apex {stream:?}"));
+        Ok(())
+    }
+    fn apex_waits_for_cuda(&self, _: &mut Queue, stream: StreamKey) -> Result<(), String> {
+        self.log(format!("apex<-cuda {stream:?}"));
+        Ok(())
+    }
+    fn record_event_after(&self, _: &mut Queue, event: usize, _: &mut usize) -> Result<(), String> {
+        self.log(format!("record after {event:#x}"));
+        Ok(())
+    }
+    fn record_event_now(&self, event: usize, _: &mut usize) -> Result<(), String> {
+        self.log(format!("record now {event:#x}"));
+        Ok(())
+    }
+    fn replay_asserts(&self, failures: &[AssertFailure]) -> Result<(), String> {
+        self.log(format!("replay {}", failures.len()));
+        Ok(())
+    }
+    fn pointer(&self, ptr: u64, ctx: usize) -> crate::cuda::Pointer {
+        assert_eq!(ctx, CTX);
+        let device = self.device.lock().unwrap();
+        match device.iter().find(|&&(a, n)| ptr >= a && ptr < a + n) {
+            Some(&(a, n)) => crate::cuda::Pointer::Device { bytes: a + n - ptr },
+            None => crate::cuda::Pointer::Pageable,
+        }
+    }
+}
+
+struct Setup {
+    engine: Engine,
+    sim: Simulator,
+    calls: Arc<Mutex<Calls>>,
+    device: Arc<Mutex<Vec<(u64, u64)>>>,
+    /// Parameter values of vector_add: a, b, out, n.
+    params: [u64; 4],
+}
+
+impl Setup {
+    fn new() -> Setup {
+        let (gpu, sim) = Gpu::open_simulated(SimConfig::default()).unwrap();
+        let calls = Arc::new(Mutex::new(Calls::default()));
+        let device = Arc::new(Mutex::new(Vec::new()));
+        let cuda = FakeCuda {
+            gpu: Mutex::new(Some(gpu)),
+            calls: calls.clone(),
+            device: device.clone(),
+        };
+        let config = Config {
+            enabled: true,
+            max_queues: 8,
+            stats: None,
+            launch_memory: LaunchMemory::Video,
+        };
+        let mut engine = Engine::new(config, Box::new(cuda));
+        engine.loaded(MODULE, Ok(ImageBytes::Owned(CUBIN.into())), false);
+        let cubin = Cubin::parse(CUBIN).unwrap();
+        let name = cubin
+            .kernels()
+            .iter()
+            .find(|k| k.name.contains("vector_add"))
+            .unwrap()
+            .name
+            .clone();
+        engine.function(FUNC, MODULE, &name);
+        Setup {
+            engine,
+            sim,
+            calls,
+            device,
+            params: [0x1000, 0x2000, 0x3000, 64],
+        }
+    }
+
+    fn launch_on(&mut self, stream: usize, grid: u32) -> bool {
+        let mut ptrs: Vec<*mut c_void> = self
+            .params
+            .iter_mut()
+            .map(|p| (p as *mut u64).cast())
+            .collect();
+        let l = Launch {
+            f: FUNC,
+            grid: [grid, 1, 1],
+            block: [64, 1, 1],
+            shared: 0,
+            stream,
+            per_thread: false,
+            params: ptrs.as_mut_ptr(),
+            extra: std::ptr::null_mut(),
+            extras: Ok(Extras::default()),
+        };
+        self.engine.launch(&l, 0).is_some()
+    }
+
+    fn launch(&mut self) -> bool {
+        self.launch_on(0, 1)
+    }
+
+    fn calls(&self) -> Vec<String> {
+        std::mem::take(&mut self.calls.lock().unwrap().0)
+    }
+
+    /// Waits until every queue's last launch is complete, behind the engine's back (its state is not updated).
+    fn idle(&self) {
+        for ctx in &self.engine.contexts {
+            for slot in ctx.order.slots() {
+                if let Some(f) = ctx.last_fence(slot) {
+                    assert!(
+                        f.unwrap().wait(Duration::from_secs(10)).is_ok(),
+                        "the simulated GPU did not complete the launch"
+                    );
+                }
+            }
+        }
+    }
+}
+
+const LEGACY: Site = Site::Stream(0, false);
+
+#[test]
+fn a_launch_goes_to_the_gpu_and_a_synchronize_right_after_it_needs_no_libcuda() {
+    let mut s = Setup::new();
+    let before = s.sim.launches().len();
+    assert!(s.launch());
+    assert!(
+        s.sim
+            .wait_for(Duration::from_secs(10), |m| m.launches().len()
+                == before + 1),
+        "the simulated GPU ran the launch"
+    );
+    let l = s.sim.launches().last().cloned().unwrap();
+    assert_eq!((l.grid, l.block), ([1, 1, 1], [64, 1, 1]));
+    // The stream may have had CUDA work before it was taken over: one hop, before the first launch only.
+    assert_eq!(s.calls(), vec!["apex<-cuda Legacy"]);
+    assert!(s.launch());
+    assert!(s.calls().is_empty(), "back-to-back launches make no hop");
+    assert_eq!(
+        s.engine.stream_sync(LEGACY, SyncKind::Wait),
+        Answer::Done(0)
+    );
+    assert_eq!(
+        s.engine.stream_sync(LEGACY, SyncKind::Query),
+        Answer::Done(0)
+    );
+    assert!(s.calls().is_empty(), "answered from APEX's fence");
+    let sum = s.engine.summary();
+    assert_eq!((sum.apex, sum.syncs_on_cpu, sum.syncs_forwarded), (2, 2, 0));
+}
+
+#[test]
+fn cuda_work_after_a_launch_is_waited_for_by_libcuda_and_needs_no_hop_once_synchronized() {
+    let mut s = Setup::new();
+    assert!(s.launch());
+    s.idle();
+    s.calls();
+    // A copy on the stream (cudaMemcpyAsync): the queue's launch is complete, so CUDA waits for nothing.
+    s.engine.before(LEGACY);
+    s.engine.after(LEGACY, false);
+    assert!(
+        s.calls().is_empty(),
+        "no hop before CUDA work when APEX's is done"
+    );
+    assert_eq!(s.engine.summary().hops_avoided, 1);
+    // The synchronize must reach libcuda (CUDA has work of its own); the queue's work is waited for on the CPU.
+    assert_eq!(
+        s.engine.stream_sync(LEGACY, SyncKind::Wait),
+        Answer::Forward
+    );
+    s.engine.stream_synced(LEGACY, 0);
+    // Once libcuda said the stream is done, the next launch waits for nothing.
+    assert!(s.launch());
+    assert!(s.calls().is_empty(), "{:?}", s.calls());
+    assert_eq!(
+        s.engine.stream_sync(LEGACY, SyncKind::Wait),
+        Answer::Done(0)
+    );
+    // Without the synchronize, the next launch waits for the stream on the GPU.
+    s.engine.before(LEGACY);
+    s.engine.after(LEGACY, false);
+    assert!(s.launch());
+    assert_eq!(s.calls(), vec!["apex<-cuda Legacy"]);
+}
+
+#[test]
+fn a_failed_synchronize_leaves_the_stream_dirty() {
+    let mut s = Setup::new();
+    assert!(s.launch());
+    s.engine.before(LEGACY);
+    s.engine.after(LEGACY, false);
+    assert_eq!(
+        s.engine.stream_sync(LEGACY, SyncKind::Wait),
+        Answer::Forward
+    );
+    s.engine.stream_synced(LEGACY, 700);
+    s.calls();
+    assert!(s.launch());
+    assert_eq!(s.calls(), vec!["apex<-cuda Legacy"]);
+}
+
+#[test]
+fn a_synchronous_copy_to_the_host_completes_the_stream() {
+    let mut s = Setup::new();
+    assert!(s.launch());
+    s.engine.before(LEGACY);
+    s.engine.after(LEGACY, true);
+    s.calls();
+    assert!(s.launch());
+    assert!(s.calls().is_empty());
+}
+
+#[test]
+fn a_query_of_running_work_says_not_ready_without_libcuda() {
+    let mut s = Setup::new();
+    // The queue exists (making one waits for the GPU); then the GPU stops.
+    assert!(s.launch());
+    s.idle();
+    s.sim.pause();
+    assert!(s.launch());
+    assert_eq!(
+        s.engine.stream_sync(LEGACY, SyncKind::Query),
+        Answer::Done(CUDA_ERROR_NOT_READY)
+    );
+    s.sim.resume();
+    s.idle();
+    assert_eq!(
+        s.engine.stream_sync(LEGACY, SyncKind::Query),
+        Answer::Done(0)
+    );
+}
+
+#[test]
+fn a_context_synchronize_reaches_libcuda_only_when_cuda_had_work() {
+    let mut s = Setup::new();
+    assert!(s.launch());
+    // Attaching may follow CUDA work nobody synchronized: the first one goes to libcuda.
+    assert_eq!(s.engine.context_sync(), Answer::Forward);
+    s.engine.context_synced(0);
+    assert!(s.launch());
+    assert_eq!(s.engine.context_sync(), Answer::Done(0));
+    // A launch left to libcuda (or any CUDA work) makes the next one go to libcuda again.
+    s.engine.before(LEGACY);
+    s.engine.after(LEGACY, false);
+    assert_eq!(s.engine.context_sync(), Answer::Forward);
+    s.engine.context_synced(0);
+    // After it, the stream needs no hop.
+    s.calls();
+    assert!(s.launch());
+    assert!(s.calls().is_empty());
+}
+
+#[test]
+fn an_untimed_event_after_apex_work_is_kept_and_recorded_in_libcuda_only_when_read() {
+    let mut s = Setup::new();
+    let stream = Site::Stream(0x5000, false);
+    s.engine.event_created(EVENT, 2);
+    assert!(s.launch_on(0x5000, 1));
+    s.calls();
+    assert_eq!(s.engine.event_record(EVENT, stream), Answer::Done(0));
+    assert_eq!(s.engine.event_sync(EVENT, SyncKind::Wait), Answer::Done(0));
+    assert_eq!(s.engine.event_sync(EVENT, SyncKind::Query), Answer::Done(0));
+    assert!(s.calls().is_empty(), "no libcuda call for a kept event");
+    // A stream waits for it: libcuda records it now (the work is complete, so with nothing before it).
+    s.engine.materialize(EVENT);
+    assert_eq!(s.calls(), vec!["record now 0xe0"]);
+    // Recorded in libcuda now: libcuda answers from here on.
+    assert_eq!(s.engine.event_sync(EVENT, SyncKind::Wait), Answer::Forward);
+    let sum = s.engine.summary();
+    assert_eq!((sum.events_on_apex, sum.events_materialized), (1, 1));
+}
+
+#[test]
+fn a_kept_event_of_running_work_is_recorded_after_the_queue() {
+    let mut s = Setup::new();
+    let stream = Site::Stream(0x5000, false);
+    s.engine.event_created(EVENT, 2);
+    assert!(s.launch_on(0x5000, 1));
+    s.idle();
+    s.sim.pause();
+    assert!(s.launch_on(0x5000, 1));
+    s.calls();
+    assert_eq!(s.engine.event_record(EVENT, stream), Answer::Done(0));
+    assert_eq!(
+        s.engine.event_sync(EVENT, SyncKind::Query),
+        Answer::Done(CUDA_ERROR_NOT_READY)
+    );
+    s.engine.materialize(EVENT);
+    assert_eq!(s.calls(), vec!["record after 0xe0"]);
+    s.sim.resume();
+}
+
+#[test]
+fn timed_events_and_events_after_cuda_work_go_to_libcuda() {
+    let mut s = Setup::new();
+    let stream = Site::Stream(0x5000, false);
+    s.engine.event_created(EVENT, 0);
+    assert!(s.launch_on(0x5000, 1));
+    s.idle();
+    assert_eq!(s.engine.event_record(EVENT, stream), Answer::Forward);
+    s.engine.event_created(EVENT + 1, 2);
+    s.engine.before(stream);
+    s.engine.after(stream, false);
+    assert_eq!(s.engine.event_record(EVENT + 1, stream), Answer::Forward);
+    // Unknown events (created before the preload watched) time, as far as the preload knows.
+    assert_eq!(s.engine.event_record(EVENT + 2, stream), Answer::Forward);
+    assert_eq!(s.engine.summary().events_on_apex, 0);
+}
+
+#[test]
+fn refusals_are_counted_by_reason_and_shapes_are_prepared_once() {
+    let mut s = Setup::new();
+    for round in 0..3 {
+        for grid in 1..=20 {
+            assert!(s.launch_on(0, grid), "round {round} grid {grid}");
+        }
+    }
+    assert_eq!(s.engine.summary().apex, 60);
+    let mut l = Launch {
+        f: FUNC,
+        grid: [1, 1, 1],
+        block: [64, 1, 1],
+        shared: 0,
+        stream: 0,
+        per_thread: false,
+        params: std::ptr::null_mut(),
+        extra: std::ptr::null_mut(),
+        extras: Ok(Extras::default()),
+    };
+    assert!(s.engine.launch(&l, 0).is_none(), "missing parameters");
+    l.per_thread = true;
+    assert!(s.engine.launch(&l, 0).is_none());
+    l.per_thread = false;
+    l.f = 0xdead;
+    assert!(s.engine.launch(&l, 0).is_none());
+    let sum = s.engine.summary();
+    assert_eq!(sum.fallback, 3);
+    assert_eq!(sum.reasons["extra_params"].launches, 1);
+    assert_eq!(sum.reasons["per_thread_stream"].launches, 1);
+    assert_eq!(sum.reasons["unknown_function"].launches, 1);
+    assert_eq!(sum.contexts, vec!["direct".to_string()]);
+}
+
+#[test]
+fn a_device_wide_call_waits_for_every_queue_without_a_hop() {
+    let mut s = Setup::new();
+    assert!(s.launch_on(0x5000, 1));
+    assert!(s.launch_on(0x6000, 1));
+    s.calls();
+    s.engine.device_quiet();
+    assert!(s.calls().is_empty(), "waited on the CPU, not handed over");
+    // Complete: CUDA work after it needs no hop.
+    s.engine.before(Site::Stream(0x5000, false));
+    assert!(s.calls().is_empty());
+}
+
+#[test]
+fn a_context_that_reported_an_assert_answers_through_libcuda() {
+    let mut s = Setup::new();
+    assert!(s.launch());
+    s.engine.contexts[0].failed = Some(Refusal::AssertReported);
+    assert_eq!(
+        s.engine.stream_sync(LEGACY, SyncKind::Wait),
+        Answer::Forward
+    );
+    assert_eq!(
+        s.engine.stream_sync(LEGACY, SyncKind::Query),
+        Answer::Forward
+    );
+    assert_eq!(s.engine.context_sync(), Answer::Forward);
+    assert!(
+        !s.launch(),
+        "launches go to libcuda, which fails them as CUDA does"
+    );
+    assert_eq!(s.engine.summary().reasons["assert_reported"].launches, 1);
+}
+
+/// Memory the simulated GPU reaches, registered with the double as CUDA device memory.
+fn device_memory(s: &Setup, bytes: u64) -> apex::HostBuffer {
+    let b = s.engine.contexts[0].gpu.alloc_host(bytes).unwrap();
+    s.device.lock().unwrap().push((b.device_ptr(), bytes));
+    b
+}
+
+/// Runs `op` through the engine (which must take it) and returns the parameters of the copy kernel launch it made:
+/// source, destination, bytes.
+fn copy_seen(s: &mut Setup, op: &CopyOp) -> (u64, u64, u64) {
+    s.idle();
+    assert_eq!(s.engine.copy(op), Some(0));
+    // The copy is its queue's last launch: complete once the queue is idle.
+    s.idle();
+    let l = s.sim.launches().last().cloned().unwrap();
+    let word = |i: usize| u64::from_le_bytes(l.params[i * 8..i * 8 + 8].try_into().unwrap());
+    (word(0), word(1), word(2))
+}
+
+#[test]
+fn small_copies_on_a_taken_over_stream_run_on_its_queue_in_order() {
+    let mut s = Setup::new();
+    assert!(s.launch());
+    let dev = device_memory(&s, 4096);
+    s.calls();
+    // The .item() pattern: a copy to pageable host memory (through the staging ring, waited for), then a
+    // synchronize. (The simulator runs no kernel: the copy kernel's launch is what is checked.)
+    let mut out = vec![0u8; 200];
+    let op = CopyOp {
+        dst: out.as_mut_ptr() as u64,
+        src: dev.device_ptr() + 64,
+        bytes: 200,
+        site: LEGACY,
+        dir: CopyDir::DeviceToHost,
+        blocking: false,
+    };
+    let (src, dst, n) = copy_seen(&mut s, &op);
+    let staging = s.engine.contexts[0]
+        .staging
+        .as_ref()
+        .unwrap()
+        .buffer
+        .device_ptr();
+    assert_eq!((src, n), (dev.device_ptr() + 64, 200));
+    assert!(
+        dst >= staging && dst < staging + STAGING_BYTES,
+        "into the staging ring"
+    );
+    assert_eq!(
+        s.engine.stream_sync(LEGACY, SyncKind::Wait),
+        Answer::Done(0)
+    );
+    // An upload from pageable memory: staged by the CPU, then copied in stream order.
+    let data: Vec<u8> = (0..100u8).rev().collect();
+    let up = CopyOp {
+        dst: dev.device_ptr() + 1024,
+        src: data.as_ptr() as u64,
+        bytes: 100,
+        site: LEGACY,
+        dir: CopyDir::Any,
+        blocking: true,
+    };
+    let (src, dst, n) = copy_seen(&mut s, &up);
+    assert_eq!((dst, n), (dev.device_ptr() + 1024, 100));
+    let mut staged = vec![0u8; 100];
+    s.engine.contexts[0]
+        .staging
+        .as_ref()
+        .unwrap()
+        .buffer
+        .read(src - staging, &mut staged)
+        .unwrap();
+    assert_eq!(staged, data, "the bytes were staged before the copy");
+    assert_eq!(
+        s.engine.stream_sync(LEGACY, SyncKind::Wait),
+        Answer::Done(0)
+    );
+    assert!(s.calls().is_empty(), "no hop, no libcuda call");
+    assert_eq!(s.engine.summary().copies_on_apex, 2);
+}
+
+#[test]
+fn copies_apex_cannot_run_go_to_libcuda() {
+    let mut s = Setup::new();
+    assert!(s.launch_on(0x5000, 1));
+    let dev = device_memory(&s, 4096);
+    let mut out = vec![0u8; 64];
+    let mut op = CopyOp {
+        dst: out.as_mut_ptr() as u64,
+        src: dev.device_ptr(),
+        bytes: 64,
+        site: LEGACY,
+        dir: CopyDir::DeviceToHost,
+        blocking: false,
+    };
+    assert_eq!(s.engine.copy(&op), None, "the stream is not taken over yet");
+    assert!(s.launch());
+    op.bytes = 8192;
+    assert_eq!(s.engine.copy(&op), None, "past the allocation");
+    op.bytes = 64;
+    op.dir = CopyDir::HostToDevice;
+    assert_eq!(s.engine.copy(&op), None, "the pointers say the other way");
+    op.dir = CopyDir::DeviceToHost;
+    op.site = Site::Stream(0x7000, false);
+    assert_eq!(s.engine.copy(&op), None, "another stream, not taken over");
+    op.site = LEGACY;
+    op.bytes = COPY_MAX + 1;
+    assert_eq!(s.engine.copy(&op), None, "large copies stay on libcuda");
+    assert_eq!(s.engine.summary().copies_on_apex, 0);
+}
+
+#[test]
+fn copies_between_device_buffers_run_on_the_queue_at_any_size() {
+    let mut s = Setup::new();
+    assert!(s.launch());
+    let bytes = (COPY_MAX + 4096) as u64;
+    let a = device_memory(&s, bytes);
+    let b = device_memory(&s, bytes);
+    let pattern: Vec<u8> = (0..bytes).map(|i| (i % 251) as u8).collect();
+    a.write(0, &pattern).unwrap();
+    let op = CopyOp {
+        dst: b.device_ptr(),
+        src: a.device_ptr(),
+        bytes: bytes as usize,
+        site: LEGACY,
+        dir: CopyDir::DeviceToDevice,
+        blocking: false,
+    };
+    assert_eq!(
+        copy_seen(&mut s, &op),
+        (a.device_ptr(), b.device_ptr(), bytes)
+    );
+    assert_eq!(
+        s.engine.stream_sync(LEGACY, SyncKind::Wait),
+        Answer::Done(0)
+    );
+    assert_eq!(s.engine.summary().copies_on_apex, 1);
+}
+
+#[test]
+fn memsets_of_device_memory_run_on_the_queue() {
+    let mut s = Setup::new();
+    assert!(s.launch());
+    let dev = device_memory(&s, 4096);
+    s.idle();
+    let op = SetOp {
+        dst: dev.device_ptr() + 16,
+        value: 0xabcd,
+        width: 2,
+        count: 100,
+        site: LEGACY,
+    };
+    assert_eq!(s.engine.fill(&op), Some(0));
+    s.idle();
+    let l = s.sim.launches().last().cloned().unwrap();
+    let word = |i: usize| u64::from_le_bytes(l.params[i..i + 8].try_into().unwrap());
+    let word32 = |i: usize| u32::from_le_bytes(l.params[i..i + 4].try_into().unwrap());
+    // apex_fill(dst, value, width, count)
+    assert_eq!(word(0), dev.device_ptr() + 16);
+    assert_eq!((word32(8), word32(12)), (0xabcd, 2));
+    assert_eq!(word(16), 100);
+    assert_eq!(
+        s.engine.stream_sync(LEGACY, SyncKind::Wait),
+        Answer::Done(0)
+    );
+    // Misaligned, past the allocation, or host memory: libcuda's.
+    assert_eq!(
+        s.engine.fill(&SetOp {
+            dst: op.dst + 1,
+            ..op
+        }),
+        None
+    );
+    assert_eq!(s.engine.fill(&SetOp { count: 4096, ..op }), None);
+    let host = [0u8; 64];
+    assert_eq!(
+        s.engine.fill(&SetOp {
+            dst: host.as_ptr() as u64,
+            ..op
+        }),
+        None
+    );
+    assert_eq!(s.engine.summary().sets_on_apex, 1);
+}
