@@ -52,19 +52,21 @@ pub(crate) trait CudaSide: Send {
     /// Makes `queue` wait on the GPU for everything submitted to CUDA `stream` so far.
     fn apex_waits_for_cuda(&self, queue: &mut Queue, stream: StreamKey) -> Result<(), String>;
     /// Records the program's `event` so that it completes once everything submitted to `queue` so far has, on a
-    /// stream of the preload's own (`side`, made on first use), so no stream of the program is touched.
+    /// stream of the preload's own in context `ctx` (`side`, made on first use), so no stream of the program is
+    /// touched.
     fn record_event_after(
         &self,
+        ctx: usize,
         queue: &mut Queue,
         event: usize,
         side: &mut usize,
     ) -> Result<(), String>;
-    /// Records the program's `event` on the preload's own stream, with nothing before it (the work it stands for
-    /// is complete).
-    fn record_event_now(&self, event: usize, side: &mut usize) -> Result<(), String>;
+    /// Records the program's `event` on the preload's own stream of context `ctx`, with nothing before it (the work
+    /// it stands for is complete).
+    fn record_event_now(&self, ctx: usize, event: usize, side: &mut usize) -> Result<(), String>;
     /// Reports failed device asserts through libcuda, as libcuda reports its own: their messages on stderr, and
-    /// the current context left with `CUDA_ERROR_ASSERT`.
-    fn replay_asserts(&self, failures: &[AssertFailure]) -> Result<(), String>;
+    /// context `ctx` left with `CUDA_ERROR_ASSERT`.
+    fn replay_asserts(&self, ctx: usize, failures: &[AssertFailure]) -> Result<(), String>;
     /// What `ptr` points at, for a copy in context `ctx`.
     fn pointer(&self, ptr: u64, ctx: usize) -> Pointer;
 }
@@ -179,6 +181,16 @@ driver_fn!(
     unsafe extern "C" fn(c_uint, *const c_uint, *mut *mut c_void, u64) -> c_int
 );
 driver_fn!(
+    cu_ctx_push_current,
+    c"cuCtxPushCurrent_v2",
+    unsafe extern "C" fn(usize) -> c_int
+);
+driver_fn!(
+    cu_ctx_pop_current,
+    c"cuCtxPopCurrent_v2",
+    unsafe extern "C" fn(*mut usize) -> c_int
+);
+driver_fn!(
     cu_ctx_synchronize,
     c"cuCtxSynchronize",
     unsafe extern "C" fn() -> c_int
@@ -235,6 +247,26 @@ fn driver_owner(
 pub(crate) struct Libcuda;
 
 impl Libcuda {
+    /// Runs `f` with context `ctx` current on this thread (pushed and popped when another one is).
+    fn in_context<R>(
+        &self,
+        ctx: usize,
+        f: impl FnOnce() -> Result<R, String>,
+    ) -> Result<R, String> {
+        if self.current_context() == Some(ctx) {
+            return f();
+        }
+        let push = cu_ctx_push_current().ok_or_else(|| missing("cuCtxPushCurrent_v2"))?;
+        let pop = cu_ctx_pop_current().ok_or_else(|| missing("cuCtxPopCurrent_v2"))?;
+        // SAFETY: a context handle the engine attached to, live.
+        call("cuCtxPushCurrent", unsafe { push(ctx) })?;
+        let r = f();
+        let mut popped = 0usize;
+        // SAFETY: pops what was pushed above.
+        let _ = unsafe { pop(&mut popped) };
+        r
+    }
+
     fn side_stream(side: &mut usize) -> Result<usize, String> {
         if *side == 0 {
             let create = cu_stream_create().ok_or_else(|| missing("cuStreamCreate"))?;
@@ -323,21 +355,26 @@ impl CudaSide for Libcuda {
 
     fn record_event_after(
         &self,
+        ctx: usize,
         queue: &mut Queue,
         event: usize,
         side: &mut usize,
     ) -> Result<(), String> {
-        let s = Self::side_stream(side)?;
-        // SAFETY: the preload's own stream, live.
-        unsafe { queue.make_cuda_stream_wait(s as _) }.map_err(|e| e.to_string())?;
-        self.record_event_now(event, side)
+        self.in_context(ctx, || {
+            let s = Self::side_stream(side)?;
+            // SAFETY: the preload's own stream, live.
+            unsafe { queue.make_cuda_stream_wait(s as _) }.map_err(|e| e.to_string())
+        })?;
+        self.record_event_now(ctx, event, side)
     }
 
-    fn record_event_now(&self, event: usize, side: &mut usize) -> Result<(), String> {
-        let s = Self::side_stream(side)?;
-        let record = cu_event_record().ok_or_else(|| missing("cuEventRecord"))?;
-        // SAFETY: the program's event (the driver validates it) on the preload's stream.
-        call("cuEventRecord", unsafe { record(event, s) })
+    fn record_event_now(&self, ctx: usize, event: usize, side: &mut usize) -> Result<(), String> {
+        self.in_context(ctx, || {
+            let s = Self::side_stream(side)?;
+            let record = cu_event_record().ok_or_else(|| missing("cuEventRecord"))?;
+            // SAFETY: the program's event (the driver validates it) on the preload's stream.
+            call("cuEventRecord", unsafe { record(event, s) })
+        })
     }
 
     fn pointer(&self, ptr: u64, ctx: usize) -> Pointer {
@@ -382,7 +419,14 @@ impl CudaSide for Libcuda {
         }
     }
 
-    fn replay_asserts(&self, failures: &[AssertFailure]) -> Result<(), String> {
+    fn replay_asserts(&self, ctx: usize, failures: &[AssertFailure]) -> Result<(), String> {
+        self.in_context(ctx, || replay_in_current(failures))
+    }
+}
+
+/// Launches the replay of `failures` in the current context and waits for the `CUDA_ERROR_ASSERT` it leaves.
+fn replay_in_current(failures: &[AssertFailure]) -> Result<(), String> {
+    {
         let plan = crate::asserts::ReplayPlan::new(failures)
             .ok_or_else(|| "no assert to replay".to_string())?;
         let load = cu_module_load_data().ok_or_else(|| missing("cuModuleLoadData"))?;

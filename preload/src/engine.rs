@@ -231,8 +231,15 @@ impl Staging {
     fn take(&mut self, bytes: u64) -> Result<u64, String> {
         let bytes = bytes.next_multiple_of(64);
         if self.head + bytes > self.buffer.size() {
+            // Every copy of the lap is waited for, also after one fails (they may still read the ring).
+            let mut failed = None;
             for f in self.inflight.drain(..) {
-                wait_fence(&f)?;
+                if let Err(e) = wait_fence(&f) {
+                    failed.get_or_insert(e);
+                }
+            }
+            if let Some(e) = failed {
+                return Err(e);
             }
             self.head = 0;
         }
@@ -260,6 +267,72 @@ pub(crate) enum Answer {
     Done(c_int),
     /// Call libcuda.
     Forward,
+}
+
+/// What the first step of a synchronization decided: the answer, or the fences to wait for first.
+pub(crate) enum Step {
+    /// Answered (or to be answered by libcuda) without waiting.
+    Answer(Answer),
+    /// Wait for these, outside the engine's lock, then take the last step.
+    Wait(Waits),
+}
+
+/// Fences of one context's queues to wait for outside the engine's lock.
+pub(crate) struct Waits {
+    /// The context's index, and its handle (checked again after the wait).
+    ctx: usize,
+    handle: usize,
+    /// (slot, the fence of its last launch when the wait began).
+    items: Vec<(usize, Fence)>,
+}
+
+impl Waits {
+    /// Waits for every fence (as long as the work runs), without draining the printf FIFO.
+    pub(crate) fn wait(&self) -> Result<(), String> {
+        for (_, f) in &self.items {
+            wait_fence(f)?;
+        }
+        Ok(())
+    }
+}
+
+/// Where a queue's last launch stands, looked at without waiting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SlotState {
+    Done,
+    Running,
+    /// The queue's channel faulted: libcuda must answer (with the context's error).
+    Failed,
+}
+
+/// Where the work before `fence` stands: complete, running, or never to complete (a fault).
+fn fence_state(fence: &Fence) -> SlotState {
+    if fence.is_done() {
+        return SlotState::Done;
+    }
+    let Some(f) = fence.direct() else {
+        return SlotState::Running;
+    };
+    // A zero-length wait looks at the channel's error notifier as well.
+    match f.wait(Duration::ZERO) {
+        Ok(()) => SlotState::Done,
+        Err(apex::pushbuf::Error::Channel(apex::gpfifo::Error::Timeout { .. })) => {
+            SlotState::Running
+        }
+        Err(_) => SlotState::Failed,
+    }
+}
+
+/// Set when a failed assert could not be replayed through libcuda: every call through the preload then answers
+/// this (`CUDA_ERROR_ASSERT`), as libcuda's failed context would.
+pub(crate) static STICKY: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+/// The sticky error the preload answers every call with, if any.
+pub(crate) fn sticky() -> Option<c_int> {
+    match STICKY.load(Ordering::Relaxed) {
+        0 => None,
+        e => Some(e),
+    }
 }
 
 /// A prepared launch of one function on one slot's queue.
@@ -334,6 +407,9 @@ struct Ctx {
     cuda_work: bool,
     /// Set when APEX stops in this context (a replayed assert, a fault): launches go to libcuda.
     failed: Option<Refusal>,
+    /// Bumped by every piece of work submitted in the context (APEX's or CUDA's): a synchronization through libcuda
+    /// clears what it completed only if no work came in while it ran (from another thread).
+    epoch: u64,
 }
 
 pub(crate) struct Engine {
@@ -446,7 +522,13 @@ impl Hops for QueueHops<'_> {
     }
 
     fn cpu_sync(&mut self, slot: usize) -> Result<(), String> {
-        self.queue(slot)?.synchronize().map_err(|e| e.to_string())
+        // The last launch's fence, not `Queue::synchronize`: that would drain the printf FIFO and take the failed
+        // asserts the engine replays through libcuda.
+        let fence = match (self.last.get(slot), self.queues.get(slot)) {
+            (Some(Some(last)), Some(Some(q))) => last.fence(q)?,
+            _ => return Ok(()),
+        };
+        wait_fence(&fence)
     }
 
     fn apex_done(&mut self, slot: usize) -> bool {
@@ -488,19 +570,13 @@ impl Ctx {
         Some(last.fence(q))
     }
 
-    /// Waits on the CPU for the last launch of `slot`'s queue; then CUDA needs no hop for it.
-    fn wait_slot(&mut self, slot: usize) -> Result<(), String> {
-        if let Some(f) = self.last_fence(slot) {
-            wait_fence(&f?)?;
+    /// Where the last launch of `slot`'s queue stands (no waiting).
+    fn slot_state(&self, slot: usize) -> SlotState {
+        match self.last_fence(slot) {
+            None => SlotState::Done,
+            Some(Err(_)) => SlotState::Failed,
+            Some(Ok(f)) => fence_state(&f),
         }
-        self.order.apex_complete(slot);
-        Ok(())
-    }
-
-    /// Whether the last launch of `slot`'s queue is complete (no waiting).
-    fn slot_done(&self, slot: usize) -> bool {
-        self.last_fence(slot)
-            .is_none_or(|f| f.is_ok_and(|f| f.is_done()))
     }
 
     fn stream(&mut self, cuda: &dyn CudaSide, raw: usize, per_thread: bool) -> Stream {
@@ -649,6 +725,7 @@ impl Engine {
                     staging: None,
                     cuda_work: true,
                     failed: None,
+                    epoch: 1,
                 });
                 self.recent = self.contexts.len() - 1;
                 Ok(self.recent)
@@ -708,6 +785,12 @@ impl Engine {
         if let Some(r) = &self.contexts[ci].failed {
             return Err(r.clone());
         }
+        // A failed assert of an earlier launch stops the context's work here, as CUDA's trap stops it (one cached
+        // word read): the assert is reported, and the launch goes to libcuda, which fails it.
+        if self.contexts[ci].asserts_on_apex && self.contexts[ci].gpu.device_assert_pending() {
+            let _ = self.report_asserts(ci);
+            return Err(Refusal::AssertReported);
+        }
         if !self.contexts[ci].funcs.contains_key(&l.f) {
             // A slow path: not profiled.
             s[0] = 0;
@@ -739,6 +822,7 @@ impl Engine {
             last,
             order,
             cuda_work,
+            epoch,
             ..
         } = &mut contexts[ci];
         let ready = match funcs.get_mut(&l.f) {
@@ -806,14 +890,20 @@ impl Engine {
             )));
         }
         s[4] = crate::profile::stamp();
-        let queue = queues[slot].as_mut().ok_or(Refusal::Internal)?;
+        // The slot's previous last launch goes before the doorbell: dropping a fence is a locked instruction, which
+        // after the doorbell would wait for it to leave the core.
+        drop(last[slot].take());
+        let Some(queue) = queues[slot].as_mut() else {
+            args.clear();
+            return Err(Refusal::Internal);
+        };
         // SAFETY: the program launches this kernel with these arguments on this stream; CUDA would run it the same
         // way, and the queue is ordered with the stream.
         let result = unsafe {
             match prepared {
-                Some(p) if extras.programmatic => {
-                    queue.launch_prepared_programmatic(p, args).map(Last::Fence)
-                }
+                Some(p) if extras.programmatic => queue
+                    .launch_prepared_programmatic_ticket(p, args)
+                    .map(Last::Ticket),
                 Some(p) => queue.launch_prepared_ticket(p, args).map(Last::Ticket),
                 // A cooperative launch runs in plain stream order, which programmatic serialization allows.
                 None => queue
@@ -822,6 +912,7 @@ impl Engine {
             }
         };
         args.clear();
+        *epoch += 1;
         match result {
             Ok(l) => {
                 order.after_apex(slot);
@@ -997,30 +1088,32 @@ impl Engine {
     // ---- ordering with CUDA ----
 
     /// Before a CUDA operation that adds work at `site`: related queues' work is handed to CUDA (a hop, unless it
-    /// is complete already).
-    pub(crate) fn before(&mut self, site: Site) {
+    /// is complete already). Returns the context's generation after it, for [`after`](Self::after).
+    pub(crate) fn before(&mut self, site: Site) -> u64 {
         let Some(ci) = self.site_context(site) else {
-            return;
+            return 0;
         };
         let cuda = self.cuda.as_ref();
         let ctx = &mut self.contexts[ci];
         ctx.cuda_work = true;
-        if ctx.order.live() == 0 {
-            return;
+        ctx.epoch += 1;
+        if ctx.order.live() > 0 {
+            let target = match site {
+                Site::Stream(raw, pt) => Target::Stream(ctx.stream(cuda, raw, pt)),
+                Site::Device => Target::Device,
+            };
+            let (mut hops, order) = ctx.hops(cuda);
+            if let Err(e) = order.before_cuda(target, &mut hops) {
+                warn!(error = %e, "cannot order a CUDA operation after APEX's queue");
+            }
         }
-        let target = match site {
-            Site::Stream(raw, pt) => Target::Stream(ctx.stream(cuda, raw, pt)),
-            Site::Device => Target::Device,
-        };
-        let (mut hops, order) = ctx.hops(cuda);
-        if let Err(e) = order.before_cuda(target, &mut hops) {
-            warn!(error = %e, "cannot order a CUDA operation after APEX's queue");
-        }
+        ctx.epoch
     }
 
-    /// After a CUDA operation that added work at `site` (`completed`: the call returned only once the stream's work
-    /// was done, as a synchronous copy to the host does).
-    pub(crate) fn after(&mut self, site: Site, completed: bool) {
+    /// After a CUDA operation that added work at `site`. `completed`: the call returned only once the stream's work
+    /// was done (a synchronous copy to the host), with the generation [`before`](Self::before) returned: the stream
+    /// then needs no hop, unless other work came in between.
+    pub(crate) fn after(&mut self, site: Site, completed: Option<u64>) {
         let Site::Stream(raw, pt) = site else { return };
         let Some(ci) = self.site_context(site) else {
             return;
@@ -1028,55 +1121,83 @@ impl Engine {
         let cuda = self.cuda.as_ref();
         let ctx = &mut self.contexts[ci];
         ctx.cuda_work = true;
+        let unchanged = completed == Some(ctx.epoch);
+        ctx.epoch += 1;
         if ctx.order.live() == 0 {
             return;
         }
         let s = ctx.stream(cuda, raw, pt);
         ctx.order.after_cuda(s);
-        if completed {
+        if unchanged {
             ctx.order.cuda_synchronized(s);
         }
     }
 
-    /// Before a CUDA call that frees or unloads what work may use, or needs the whole device idle: every queue's
-    /// work is waited for on the CPU (libcuda's own call waits for CUDA's), so no hop is needed.
-    pub(crate) fn device_quiet(&mut self) {
-        let Some(ci) = self.site_context(Site::Device) else {
-            return;
-        };
-        self.wait_all(ci);
+    // ---- synchronization ----
+    //
+    // A synchronization runs in two steps around a wait that holds no lock: `*_begin` decides under the engine's lock
+    // and returns the fences to wait for, the caller waits for them without the lock (other threads keep launching,
+    // and a kernel that waits for another thread's CUDA call still gets it), and `*_end` applies what the wait
+    // showed under the lock again. The single-threaded forms (`stream_sync`, ...) run the three in a row.
+
+    /// The fences of `slots` in context `ci`, to wait for.
+    fn waits(&self, ci: usize, slots: impl IntoIterator<Item = usize>) -> Step {
+        let ctx = &self.contexts[ci];
+        let items = slots
+            .into_iter()
+            .filter_map(|s| Some((s, ctx.last_fence(s)?.ok()?)))
+            .collect();
+        Step::Wait(Waits {
+            ctx: ci,
+            handle: ctx.handle,
+            items,
+        })
     }
 
-    fn wait_all(&mut self, ci: usize) {
+    /// After the waits of `w` (`waited`): the queues whose last launch is still the one waited for are complete;
+    /// `None` when the context is gone or a queue failed (libcuda then answers).
+    fn waited(&mut self, w: &Waits, waited: &Result<(), String>) -> Option<usize> {
+        let ci = w.ctx;
+        if self.contexts.get(ci).is_none_or(|c| c.handle != w.handle) {
+            return None;
+        }
+        if let Err(e) = waited {
+            // A fault: libcuda reports the context's error (the queues are in its channel group).
+            debug!(error = %e, "an APEX queue faulted; libcuda answers");
+            return None;
+        }
         let ctx = &mut self.contexts[ci];
-        let slots: Vec<usize> = ctx.order.slots().collect();
-        for slot in slots {
-            if let Err(e) = ctx.wait_slot(slot) {
-                warn!(error = %e, slot, "an APEX queue failed while the preload waited for it");
-                // Its work cannot be waited for: let CUDA order after it on the GPU instead.
-                let cuda = self.cuda.as_ref();
-                let (mut hops, order) = ctx.hops(cuda);
-                let _ = order.before_cuda(Target::Device, &mut hops);
+        for (slot, fence) in &w.items {
+            // A launch another thread made meanwhile is not complete.
+            let same = ctx
+                .last_fence(*slot)
+                .and_then(Result::ok)
+                .and_then(|f| Some(f.direct()?.value()))
+                == fence.direct().map(|f| f.value());
+            if same {
+                ctx.order.apex_complete(*slot);
             }
         }
+        Some(ci)
     }
 
-    // ---- synchronization ----
-
-    /// `cuStreamSynchronize` / `cuStreamQuery` at `site`: answered from APEX's fences where everything the stream
-    /// holds is APEX's, else left to libcuda without a hop (the queue's work is waited for on the CPU first).
-    pub(crate) fn stream_sync(&mut self, site: Site, kind: SyncKind) -> Answer {
+    /// `cuStreamSynchronize` / `cuStreamQuery` at `site`, first step: the queue's work is waited for (or looked at)
+    /// on the CPU; libcuda is called only where the stream holds CUDA work of its own, with no hop before it.
+    pub(crate) fn stream_sync_begin(&mut self, site: Site, kind: SyncKind) -> Step {
         let Site::Stream(raw, pt) = site else {
-            return Answer::Forward;
+            return Step::Answer(Answer::Forward);
         };
         let Some(ci) = self.site_context(site) else {
-            return Answer::Forward;
+            return Step::Answer(Answer::Forward);
         };
+        if let Some(a) = self.report_asserts(ci) {
+            return Step::Answer(a);
+        }
         let cuda = self.cuda.as_ref();
         let ctx = &mut self.contexts[ci];
-        // A failed context answers through libcuda, which keeps its error (sticky, as libcuda makes it).
-        if ctx.order.live() == 0 || ctx.failed.is_some() {
-            return Answer::Forward;
+        // A failed context answers through libcuda, which keeps its error; a capture makes libcuda's answer an error.
+        if ctx.order.live() == 0 || ctx.failed.is_some() || !self.capturing.is_empty() {
+            return Step::Answer(Answer::Forward);
         }
         let stream = ctx.stream(cuda, raw, pt);
         let own = ctx.order.find(stream.key);
@@ -1087,37 +1208,70 @@ impl Engine {
         } else {
             own.into_iter().collect()
         };
-        if kind == SyncKind::Query && !slots.iter().all(|&s| ctx.slot_done(s)) {
-            self.summary.syncs_on_cpu += 1;
-            return Answer::Done(CUDA_ERROR_NOT_READY);
-        }
-        for &s in &slots {
-            if let Err(e) = ctx.wait_slot(s) {
-                // A fault: libcuda reports the context's error (the queues are in its channel group).
-                debug!(error = %e, "an APEX queue faulted; the synchronize goes to libcuda");
-                return self.forward_after_asserts(ci);
+        if kind == SyncKind::Query {
+            for &s in &slots {
+                match ctx.slot_state(s) {
+                    SlotState::Done => {}
+                    SlotState::Running => {
+                        self.summary.syncs_on_cpu += 1;
+                        return Step::Answer(Answer::Done(CUDA_ERROR_NOT_READY));
+                    }
+                    SlotState::Failed => return Step::Answer(Answer::Forward),
+                }
             }
         }
-        if let Some(code) = self.report_asserts(ci) {
-            return code;
+        self.waits(ci, slots)
+    }
+
+    /// `cuStreamSynchronize` / `cuStreamQuery`, last step: the answer, and the generation to give
+    /// [`stream_synced`](Self::stream_synced) after a forwarded call.
+    pub(crate) fn stream_sync_end(
+        &mut self,
+        site: Site,
+        w: &Waits,
+        waited: &Result<(), String>,
+    ) -> (Answer, u64) {
+        let Some(ci) = self.waited(w, waited) else {
+            return (self.forward_after_asserts(w.ctx, w.handle), 0);
+        };
+        if let Some(a) = self.report_asserts(ci) {
+            return (a, 0);
         }
-        let ctx = &self.contexts[ci];
-        match own {
+        let Site::Stream(raw, pt) = site else {
+            return (Answer::Forward, 0);
+        };
+        let cuda = self.cuda.as_ref();
+        let ctx = &mut self.contexts[ci];
+        let stream = ctx.stream(cuda, raw, pt);
+        match ctx.order.find(stream.key) {
             Some(slot) if ctx.order.cuda_clean(slot) => {
                 self.summary.syncs_on_cpu += 1;
-                Answer::Done(CUDA_SUCCESS)
+                (Answer::Done(CUDA_SUCCESS), 0)
             }
             _ => {
                 self.summary.syncs_forwarded += 1;
-                Answer::Forward
+                (Answer::Forward, ctx.epoch)
             }
         }
     }
 
-    /// After a forwarded stream synchronize returned `result`.
-    pub(crate) fn stream_synced(&mut self, site: Site, result: c_int) {
+    /// `cuStreamSynchronize` / `cuStreamQuery` in one thread (the steps in a row).
+    #[cfg(test)]
+    pub(crate) fn stream_sync(&mut self, site: Site, kind: SyncKind) -> Answer {
+        match self.stream_sync_begin(site, kind) {
+            Step::Answer(a) => a,
+            Step::Wait(w) => {
+                let waited = w.wait();
+                self.stream_sync_end(site, &w, &waited).0
+            }
+        }
+    }
+
+    /// After a forwarded stream synchronize returned `result`; `epoch`: what [`stream_sync_end`](Self::stream_sync_end)
+    /// returned (0: nothing to do).
+    pub(crate) fn stream_synced(&mut self, site: Site, result: c_int, epoch: u64) {
         let Site::Stream(raw, pt) = site else { return };
-        if result != CUDA_SUCCESS {
+        if result != CUDA_SUCCESS || epoch == 0 {
             return;
         }
         let Some(ci) = self.site_context(site) else {
@@ -1125,45 +1279,125 @@ impl Engine {
         };
         let cuda = self.cuda.as_ref();
         let ctx = &mut self.contexts[ci];
-        let s = ctx.stream(cuda, raw, pt);
-        ctx.order.cuda_synchronized(s);
+        // Only if no work came in while libcuda synchronized (another thread's): that work is not complete.
+        if ctx.epoch == epoch {
+            let s = ctx.stream(cuda, raw, pt);
+            ctx.order.cuda_synchronized(s);
+        }
     }
 
-    /// `cuCtxSynchronize`: every queue of the current context waited for on the CPU; libcuda only if CUDA has had
-    /// work since the context's last synchronize.
-    pub(crate) fn context_sync(&mut self) -> Answer {
+    /// `cuCtxSynchronize`, first step: every queue of the current context waited for on the CPU.
+    pub(crate) fn context_sync_begin(&mut self) -> Step {
         let Some(ci) = self.site_context(Site::Device) else {
-            return Answer::Forward;
+            return Step::Answer(Answer::Forward);
         };
-        self.wait_all(ci);
-        if let Some(code) = self.report_asserts(ci) {
-            return code;
+        if let Some(a) = self.report_asserts(ci) {
+            return Step::Answer(a);
         }
-        if self.contexts[ci].cuda_work || self.contexts[ci].failed.is_some() {
+        let slots: Vec<usize> = self.contexts[ci].order.slots().collect();
+        self.waits(ci, slots)
+    }
+
+    /// `cuCtxSynchronize`, last step: libcuda only if CUDA has had work since the context's last synchronize. The
+    /// generation is for [`context_synced`](Self::context_synced).
+    pub(crate) fn context_sync_end(
+        &mut self,
+        w: &Waits,
+        waited: &Result<(), String>,
+    ) -> (Answer, u64) {
+        let Some(ci) = self.waited(w, waited) else {
+            return (self.forward_after_asserts(w.ctx, w.handle), 0);
+        };
+        if let Some(a) = self.report_asserts(ci) {
+            return (a, 0);
+        }
+        let ctx = &self.contexts[ci];
+        if ctx.cuda_work || ctx.failed.is_some() || !self.capturing.is_empty() {
             self.summary.syncs_forwarded += 1;
-            Answer::Forward
+            (Answer::Forward, ctx.epoch)
         } else {
             self.summary.syncs_on_cpu += 1;
-            Answer::Done(CUDA_SUCCESS)
+            (Answer::Done(CUDA_SUCCESS), 0)
         }
     }
 
-    /// After a forwarded `cuCtxSynchronize` returned `result`.
-    pub(crate) fn context_synced(&mut self, result: c_int) {
-        if result != CUDA_SUCCESS {
+    /// `cuCtxSynchronize` in one thread.
+    #[cfg(test)]
+    pub(crate) fn context_sync(&mut self) -> Answer {
+        match self.context_sync_begin() {
+            Step::Answer(a) => a,
+            Step::Wait(w) => {
+                let waited = w.wait();
+                self.context_sync_end(&w, &waited).0
+            }
+        }
+    }
+
+    /// After a forwarded `cuCtxSynchronize` returned `result` (`epoch`: what `context_sync_end` returned).
+    pub(crate) fn context_synced(&mut self, result: c_int, epoch: u64) {
+        if result != CUDA_SUCCESS || epoch == 0 {
             return;
         }
         if let Some(ci) = self.site_context(Site::Device) {
             let ctx = &mut self.contexts[ci];
-            ctx.order.context_synchronized();
-            ctx.cuda_work = false;
+            // Work another thread submitted while libcuda synchronized is not complete.
+            if ctx.epoch == epoch {
+                ctx.order.context_synchronized();
+                ctx.cuda_work = false;
+            }
+        }
+    }
+
+    /// Before a CUDA call that frees or unloads what work may use, or needs the whole device idle, first step:
+    /// every queue's work is waited for on the CPU (libcuda's own call waits for CUDA's), so no hop is needed.
+    pub(crate) fn device_quiet_begin(&mut self) -> Step {
+        let Some(ci) = self.site_context(Site::Device) else {
+            return Step::Answer(Answer::Forward);
+        };
+        let slots: Vec<usize> = self.contexts[ci].order.slots().collect();
+        self.waits(ci, slots)
+    }
+
+    /// Last step of [`device_quiet_begin`](Self::device_quiet_begin): a queue that could not be waited for is
+    /// handed to CUDA instead; a failed assert is reported (libcuda's call then returns it).
+    pub(crate) fn device_quiet_end(&mut self, w: &Waits, waited: &Result<(), String>) -> Answer {
+        match self.waited(w, waited) {
+            Some(ci) => self.report_asserts(ci).unwrap_or(Answer::Forward),
+            None => {
+                if let Some(ctx) = self
+                    .contexts
+                    .get_mut(w.ctx)
+                    .filter(|c| c.handle == w.handle)
+                {
+                    let cuda = self.cuda.as_ref();
+                    let (mut hops, order) = ctx.hops(cuda);
+                    let _ = order.before_cuda(Target::Device, &mut hops);
+                }
+                self.report_asserts(w.ctx).unwrap_or(Answer::Forward)
+            }
+        }
+    }
+
+    /// Every queue of context `ci` waited for on the CPU, under the lock (at shutdown and when the takeover stops:
+    /// nothing runs beside it then).
+    fn wait_all(&mut self, ci: usize) {
+        if let Step::Wait(w) = self.waits(ci, self.contexts[ci].order.slots().collect::<Vec<_>>()) {
+            let waited = w.wait();
+            if self.waited(&w, &waited).is_none()
+                && let Some(ctx) = self.contexts.get_mut(ci)
+            {
+                warn!("an APEX queue failed while the preload waited for it");
+                let cuda = self.cuda.as_ref();
+                let (mut hops, order) = ctx.hops(cuda);
+                let _ = order.before_cuda(Target::Device, &mut hops);
+            }
         }
     }
 
     /// Failed asserts of APEX's kernels in context `ci`, reported as libcuda reports its own. `Some` when one was:
-    /// what the synchronizing call returns.
+    /// what the call that found it returns.
     fn report_asserts(&mut self, ci: usize) -> Option<Answer> {
-        let ctx = &mut self.contexts[ci];
+        let ctx = self.contexts.get_mut(ci)?;
         if !ctx.asserts_on_apex || !ctx.gpu.device_assert_pending() {
             return None;
         }
@@ -1178,23 +1412,38 @@ impl Engine {
         ctx.failed = Some(Refusal::AssertReported);
         // The context is unusable from here on, as libcuda makes it: the program's call reaches libcuda, which
         // answers CUDA_ERROR_ASSERT once the replay has run.
-        match self.cuda.replay_asserts(&failures) {
+        match self.cuda.replay_asserts(ctx.handle, &failures) {
             Ok(()) => Some(Answer::Forward),
             Err(e) => {
-                // libcuda could not replay (its context already failed): print CUDA's lines ourselves and answer
-                // CUDA_ERROR_ASSERT.
+                // libcuda could not replay (its context already failed, or no record survived): CUDA's lines printed
+                // here, and every call through the preload answers CUDA_ERROR_ASSERT from now on.
                 warn!(error = %e, "device asserts could not be replayed through libcuda");
                 for f in &failures {
                     eprintln!("{f}");
                 }
+                STICKY.store(CUDA_ERROR_ASSERT, Ordering::Relaxed);
                 Some(Answer::Done(CUDA_ERROR_ASSERT))
             }
         }
     }
 
-    fn forward_after_asserts(&mut self, ci: usize) -> Answer {
+    /// A failed assert of APEX's kernels in context `ci`, reported: what a call that found it returns
+    /// (`CUDA_ERROR_ASSERT`, libcuda's context failed by the replay).
+    fn assert_answer(&mut self, ci: usize) -> Option<c_int> {
+        match self.report_asserts(ci)? {
+            Answer::Done(code) => Some(code),
+            Answer::Forward => Some(CUDA_ERROR_ASSERT),
+        }
+    }
+
+    /// libcuda answers, after a failed assert of the context (`ci`, if it is still `handle`) is reported.
+    fn forward_after_asserts(&mut self, ci: usize, handle: usize) -> Answer {
         self.summary.syncs_forwarded += 1;
-        self.report_asserts(ci).unwrap_or(Answer::Forward)
+        if self.contexts.get(ci).is_some_and(|c| c.handle == handle) {
+            self.report_asserts(ci).unwrap_or(Answer::Forward)
+        } else {
+            Answer::Forward
+        }
     }
 
     // ---- copies ----
@@ -1223,9 +1472,15 @@ impl Engine {
             cuda.pointer(op.dst, ctx.handle),
             op,
         )?;
+        let waits = matches!(plan, CopyPlan::StageOut { .. }) || op.blocking;
+        ctx.epoch += 1;
         match Self::run_copy(cuda, ctx, slot, plan, op) {
             Ok(()) => {
                 self.summary.copies_on_apex += 1;
+                // A copy that returned once done reports a failed assert of an earlier kernel, as libcuda's would.
+                if waits && let Some(code) = self.assert_answer(ci) {
+                    return Some(code);
+                }
                 Some(CUDA_SUCCESS)
             }
             Err(e) => {
@@ -1257,6 +1512,7 @@ impl Engine {
             Pointer::Device { bytes: room } if room >= bytes => {}
             _ => return None,
         }
+        ctx.epoch += 1;
         let run = |ctx: &mut Ctx| -> Result<(), String> {
             let (mut hops, order) = ctx.hops(cuda);
             order.before_apex(slot, &mut hops)?;
@@ -1357,8 +1613,10 @@ impl Engine {
 
     /// `cuEventCreate` made `event` with `flags`.
     pub(crate) fn event_created(&mut self, event: usize, flags: u32) {
-        // CU_EVENT_DISABLE_TIMING
-        self.event_untimed.insert(event, flags & 2 != 0);
+        // Kept by the preload only with CU_EVENT_DISABLE_TIMING (2), never with CU_EVENT_INTERPROCESS (4): another
+        // process reads an interprocess event's state from libcuda.
+        self.event_untimed
+            .insert(event, flags & 2 != 0 && flags & 4 == 0);
     }
 
     /// `cuEventDestroy`.
@@ -1389,11 +1647,14 @@ impl Engine {
             let cuda = self.cuda.as_ref();
             let ctx = &mut self.contexts[ci];
             let stream = ctx.stream(cuda, raw, pt);
-            // Only a taken-over stream whose CUDA side holds nothing the queue did not wait for: then the queue's
-            // last launch stands for all of it. (The legacy stream also orders after blocking streams: not kept.)
+            // Only a taken-over stream whose CUDA side holds nothing the queue did not wait for, and whose queue
+            // waited for every related queue's last launch (CUDA orders a record on a blocking stream after the
+            // legacy stream's earlier work): then the queue's last launch stands for all of it. (The legacy stream
+            // orders after every blocking stream's work: not kept.)
             if stream.key != StreamKey::Legacy
                 && let Some(slot) = ctx.order.find(stream.key)
                 && ctx.order.cuda_clean(slot)
+                && ctx.order.covers_related(slot)
                 && let Some(Ok(fence)) = ctx.last_fence(slot)
             {
                 ctx.events.insert(event, VirtualEvent { slot, fence });
@@ -1411,60 +1672,136 @@ impl Engine {
             .position(|c| c.events.contains_key(&event))
     }
 
-    /// `cuEventSynchronize` / `cuEventQuery` of an event the preload recorded: answered from the fence.
-    pub(crate) fn event_sync(&mut self, event: usize, kind: SyncKind) -> Answer {
+    /// `cuEventSynchronize` / `cuEventQuery`, first step: an event the preload kept is answered from its fence;
+    /// any other goes to libcuda, after a failed assert of APEX's is reported (libcuda then answers with it).
+    pub(crate) fn event_sync_begin(&mut self, event: usize, kind: SyncKind) -> Step {
         let Some(ci) = self.event_home(event) else {
-            return Answer::Forward;
+            let current = self.site_context(Site::Device);
+            return Step::Answer(
+                current
+                    .and_then(|ci| self.report_asserts(ci))
+                    .unwrap_or(Answer::Forward),
+            );
         };
+        if let Some(a) = self.report_asserts(ci) {
+            return Step::Answer(a);
+        }
         let ctx = &mut self.contexts[ci];
-        if ctx.failed.is_some() {
-            return Answer::Forward;
-        }
         let Some(v) = ctx.events.get(&event) else {
-            return Answer::Forward;
+            return Step::Answer(Answer::Forward);
         };
-        if kind == SyncKind::Query && !v.fence.is_done() {
-            self.summary.syncs_on_cpu += 1;
-            return Answer::Done(CUDA_ERROR_NOT_READY);
+        if ctx.failed.is_some() {
+            return Step::Answer(Answer::Forward);
         }
-        if let Err(e) = wait_fence(&v.fence) {
-            debug!(error = %e, "an APEX queue faulted; the event goes to libcuda");
-            ctx.events.remove(&event);
-            return self.forward_after_asserts(ci);
+        if kind == SyncKind::Query {
+            match fence_state(&v.fence) {
+                SlotState::Done => {}
+                SlotState::Running => {
+                    self.summary.syncs_on_cpu += 1;
+                    return Step::Answer(Answer::Done(CUDA_ERROR_NOT_READY));
+                }
+                SlotState::Failed => {
+                    ctx.events.remove(&event);
+                    return Step::Answer(Answer::Forward);
+                }
+            }
         }
-        if let Some(code) = self.report_asserts(ci) {
-            return code;
+        Step::Wait(Waits {
+            ctx: ci,
+            handle: ctx.handle,
+            items: vec![(v.slot, v.fence.clone())],
+        })
+    }
+
+    /// `cuEventSynchronize` / `cuEventQuery`, last step.
+    pub(crate) fn event_sync_end(
+        &mut self,
+        event: usize,
+        w: &Waits,
+        waited: &Result<(), String>,
+    ) -> Answer {
+        if waited.is_err() {
+            // The queue faulted: libcuda's event (never recorded) would say nothing; libcuda's context error is
+            // what the program must see, from a call that reaches libcuda with the event recorded.
+            if let Some(ctx) = self
+                .contexts
+                .get_mut(w.ctx)
+                .filter(|c| c.handle == w.handle)
+            {
+                ctx.events.remove(&event);
+            }
+            return self.forward_after_asserts(w.ctx, w.handle);
+        }
+        if let Some(a) = self.report_asserts(w.ctx) {
+            return a;
         }
         self.summary.syncs_on_cpu += 1;
         Answer::Done(CUDA_SUCCESS)
     }
 
-    /// Before libcuda looks at `event` (a stream waits for it, elapsed time, IPC): an event the preload kept is
-    /// recorded in libcuda now, on the preload's own stream, after the queue's work it stands for.
-    pub(crate) fn materialize(&mut self, event: usize) {
-        let Some(ci) = self.event_home(event) else {
+    /// `cuEventSynchronize` / `cuEventQuery` in one thread.
+    #[cfg(test)]
+    pub(crate) fn event_sync(&mut self, event: usize, kind: SyncKind) -> Answer {
+        match self.event_sync_begin(event, kind) {
+            Step::Answer(a) => a,
+            Step::Wait(w) => {
+                let waited = w.wait();
+                self.event_sync_end(event, &w, &waited)
+            }
+        }
+    }
+
+    /// Before libcuda looks at `event` (a stream waits for it, elapsed time, IPC), first step: an event the preload
+    /// kept is recorded in libcuda now, on the preload's own stream. Its work complete: with nothing before it. Its
+    /// queue has launched nothing since: after the queue's work. Otherwise its fence is returned to wait for first
+    /// (waiting for the queue's later work too could wait for work that itself waits for what follows).
+    pub(crate) fn materialize_begin(&mut self, event: usize) -> Option<(Fence, usize)> {
+        let ci = self.event_home(event)?;
+        let cuda = self.cuda.as_ref();
+        let ctx = &mut self.contexts[ci];
+        let v = ctx.events.remove(&event)?;
+        self.summary.events_materialized += 1;
+        ctx.cuda_work = true;
+        ctx.epoch += 1;
+        let latest = ctx
+            .last_fence(v.slot)
+            .and_then(Result::ok)
+            .and_then(|f| Some(f.direct()?.value()));
+        let result = if v.fence.is_done() {
+            cuda.record_event_now(ctx.handle, event, &mut ctx.side)
+        } else if latest == v.fence.direct().map(|f| f.value()) {
+            match ctx.queues.get_mut(v.slot).and_then(Option::as_mut) {
+                Some(q) => cuda.record_event_after(ctx.handle, q, event, &mut ctx.side),
+                None => Err("the event's queue is gone".into()),
+            }
+        } else {
+            return Some((v.fence, ctx.handle));
+        };
+        if let Err(e) = result {
+            warn!(error = %e, "cannot record an event after APEX's queue; waiting for the queue instead");
+            return Some((v.fence, ctx.handle));
+        }
+        None
+    }
+
+    /// After the fence [`materialize_begin`](Self::materialize_begin) returned was waited for: libcuda records the
+    /// event with nothing pending.
+    pub(crate) fn materialize_end(&mut self, event: usize, handle: usize) {
+        let Some(ci) = self.find_context(handle) else {
             return;
         };
         let cuda = self.cuda.as_ref();
         let ctx = &mut self.contexts[ci];
-        let Some(v) = ctx.events.remove(&event) else {
-            return;
-        };
-        self.summary.events_materialized += 1;
-        let result = if v.fence.is_done() {
-            cuda.record_event_now(event, &mut ctx.side)
-        } else {
-            match ctx.queues.get_mut(v.slot).and_then(Option::as_mut) {
-                Some(q) => cuda.record_event_after(q, event, &mut ctx.side),
-                None => Err("the event's queue is gone".into()),
-            }
-        };
-        ctx.cuda_work = true;
-        if let Err(e) = result {
-            // Last resort: the work is waited for on the CPU, and libcuda records the event with nothing pending.
-            warn!(error = %e, "cannot record an event after APEX's queue; waiting for the queue instead");
-            let _ = wait_fence(&v.fence);
-            let _ = cuda.record_event_now(event, &mut ctx.side);
+        if let Err(e) = cuda.record_event_now(ctx.handle, event, &mut ctx.side) {
+            warn!(error = %e, "cannot record an event in libcuda");
+        }
+    }
+
+    /// [`materialize_begin`](Self::materialize_begin), the wait and the end in one thread.
+    pub(crate) fn materialize(&mut self, event: usize) {
+        if let Some((f, handle)) = self.materialize_begin(event) {
+            let _ = wait_fence(&f);
+            self.materialize_end(event, handle);
         }
     }
 
@@ -1556,6 +1893,21 @@ impl Engine {
 
     pub(crate) fn stream_destroyed(&mut self, raw: usize) {
         let key = StreamKey::of(raw, false);
+        // Events kept after the stream's queue are recorded in libcuda while the queue still serves it.
+        let kept: Vec<usize> = self
+            .contexts
+            .iter()
+            .flat_map(|c| {
+                let slot = c.order.find(key);
+                c.events
+                    .iter()
+                    .filter(move |(_, v)| Some(v.slot) == slot)
+                    .map(|(&e, _)| e)
+            })
+            .collect();
+        for e in kept {
+            self.materialize(e);
+        }
         for c in &mut self.contexts {
             if let Some(slot) = c.order.find(key) {
                 c.order.remove(slot);
@@ -1600,6 +1952,12 @@ impl Engine {
         self.materialize_all();
         for ci in 0..self.contexts.len() {
             self.wait_all(ci);
+            // Queues of destroyed streams: their work was handed to CUDA, and may still run.
+            for q in &mut self.contexts[ci].spare {
+                if let Err(e) = q.synchronize() {
+                    warn!(error = %e, "an APEX queue did not drain at shutdown");
+                }
+            }
             // A failed assert nobody synchronized for: CUDA reports it when the context goes; so does the replay.
             let _ = self.report_asserts(ci);
         }
@@ -1650,39 +2008,84 @@ pub(crate) fn refused(why: Refusal) {
     with(|e| e.summary.refused(&why));
 }
 
-/// Before a CUDA operation at `site`: related queues' work is handed to CUDA.
-pub(crate) fn before(site: Site) {
-    with(|e| e.before(site));
+/// Before a CUDA operation at `site`: related queues' work is handed to CUDA. Returns the context's generation, for
+/// [`after`].
+pub(crate) fn before(site: Site) -> u64 {
+    with(|e| e.before(site)).unwrap_or(0)
 }
 
-/// After a CUDA operation that added work at `site` (`completed`: the stream's work is done when it returns).
-pub(crate) fn after(site: Site, completed: bool) {
+/// After a CUDA operation that added work at `site` (`completed`: the generation [`before`] returned, when the
+/// stream's work is done as the call returns).
+pub(crate) fn after(site: Site, completed: Option<u64>) {
     with(|e| e.after(site, completed));
 }
 
-/// Before a call that frees, unloads or otherwise needs every queue's work done.
-pub(crate) fn device_quiet() {
-    with(|e| e.device_quiet());
+/// Runs a synchronization's first step under the lock, waits without it, and its last step under it again.
+fn two_steps<R>(
+    begin: impl FnOnce(&mut Engine) -> Step,
+    end: impl FnOnce(&mut Engine, &Waits, &Result<(), String>) -> R,
+    forward: R,
+    answer: impl FnOnce(Answer) -> R,
+) -> R {
+    match with(begin) {
+        None => forward,
+        Some(Step::Answer(a)) => answer(a),
+        Some(Step::Wait(w)) => {
+            let waited = w.wait();
+            with(|e| end(e, &w, &waited)).unwrap_or(forward)
+        }
+    }
 }
 
-/// A stream synchronize or query.
-pub(crate) fn stream_sync(site: Site, kind: SyncKind) -> Answer {
-    with(|e| e.stream_sync(site, kind)).unwrap_or(Answer::Forward)
+/// Before a call that frees, unloads or otherwise needs every queue's work done: waited for on the CPU, without
+/// the lock. `Done` when a failed assert could not be replayed (the call answers that).
+pub(crate) fn device_quiet() -> Answer {
+    two_steps(
+        |e| e.device_quiet_begin(),
+        |e, w, r| e.device_quiet_end(w, r),
+        Answer::Forward,
+        |a| a,
+    )
+}
+
+/// A failed assert of APEX's kernels in the current context, reported before a call that returns only once its
+/// work is done reaches libcuda: `Some` is what the call returns (the replay has failed libcuda's context).
+pub(crate) fn pending_assert() -> Option<c_int> {
+    with(|e| {
+        let ci = e.site_context(Site::Device)?;
+        e.assert_answer(ci)
+    })
+    .flatten()
+}
+
+/// A stream synchronize or query; the epoch is for [`stream_synced`] after a forwarded call.
+pub(crate) fn stream_sync(site: Site, kind: SyncKind) -> (Answer, u64) {
+    two_steps(
+        |e| e.stream_sync_begin(site, kind),
+        |e, w, r| e.stream_sync_end(site, w, r),
+        (Answer::Forward, 0),
+        |a| (a, 0),
+    )
 }
 
 /// After a forwarded stream synchronize.
-pub(crate) fn stream_synced(site: Site, result: c_int) {
-    with(|e| e.stream_synced(site, result));
+pub(crate) fn stream_synced(site: Site, result: c_int, epoch: u64) {
+    with(|e| e.stream_synced(site, result, epoch));
 }
 
-/// A context synchronize.
-pub(crate) fn context_sync() -> Answer {
-    with(|e| e.context_sync()).unwrap_or(Answer::Forward)
+/// A context synchronize; the epoch is for [`context_synced`].
+pub(crate) fn context_sync() -> (Answer, u64) {
+    two_steps(
+        |e| e.context_sync_begin(),
+        |e, w, r| e.context_sync_end(w, r),
+        (Answer::Forward, 0),
+        |a| (a, 0),
+    )
 }
 
 /// After a forwarded context synchronize.
-pub(crate) fn context_synced(result: c_int) {
-    with(|e| e.context_synced(result));
+pub(crate) fn context_synced(result: c_int, epoch: u64) {
+    with(|e| e.context_synced(result, epoch));
 }
 
 /// The program submits CUDA work through driver function `name` (counted in the stats, by name).
@@ -1717,12 +2120,20 @@ pub(crate) fn event_record(event: usize, site: Site) -> Answer {
 
 /// An event synchronize or query.
 pub(crate) fn event_sync(event: usize, kind: SyncKind) -> Answer {
-    with(|e| e.event_sync(event, kind)).unwrap_or(Answer::Forward)
+    two_steps(
+        |e| e.event_sync_begin(event, kind),
+        |e, w, r| e.event_sync_end(event, w, r),
+        Answer::Forward,
+        |a| a,
+    )
 }
 
-/// Before libcuda looks at `event`.
+/// Before libcuda looks at `event` (a wait for its work, if any, runs without the lock).
 pub(crate) fn materialize(event: usize) {
-    with(|e| e.materialize(event));
+    if let Some((fence, handle)) = with(|e| e.materialize_begin(event)).flatten() {
+        let _ = wait_fence(&fence);
+        with(|e| e.materialize_end(event, handle));
+    }
 }
 
 /// Before libcuda looks at any event (a capture, a graph launch).

@@ -65,15 +65,21 @@ impl CudaSide for FakeCuda {
         self.log(format!("apex<-cuda {stream:?}"));
         Ok(())
     }
-    fn record_event_after(&self, _: &mut Queue, event: usize, _: &mut usize) -> Result<(), String> {
+    fn record_event_after(
+        &self,
+        _: usize,
+        _: &mut Queue,
+        event: usize,
+        _: &mut usize,
+    ) -> Result<(), String> {
         self.log(format!("record after {event:#x}"));
         Ok(())
     }
-    fn record_event_now(&self, event: usize, _: &mut usize) -> Result<(), String> {
+    fn record_event_now(&self, _: usize, event: usize, _: &mut usize) -> Result<(), String> {
         self.log(format!("record now {event:#x}"));
         Ok(())
     }
-    fn replay_asserts(&self, failures: &[AssertFailure]) -> Result<(), String> {
+    fn replay_asserts(&self, _: usize, failures: &[AssertFailure]) -> Result<(), String> {
         self.log(format!("replay {}", failures.len()));
         Ok(())
     }
@@ -177,6 +183,29 @@ impl Setup {
 
 const LEGACY: Site = Site::Stream(0, false);
 
+/// A synchronize of the legacy stream that must reach libcuda: the epoch it returns.
+fn forwarded_stream_sync(s: &mut Setup) -> u64 {
+    let Step::Wait(w) = s.engine.stream_sync_begin(LEGACY, SyncKind::Wait) else {
+        panic!("the queue's work is waited for first");
+    };
+    let waited = w.wait();
+    let (answer, epoch) = s.engine.stream_sync_end(LEGACY, &w, &waited);
+    assert_eq!(answer, Answer::Forward);
+    assert_ne!(epoch, 0);
+    epoch
+}
+
+/// A context synchronize that must reach libcuda: the epoch it returns.
+fn forwarded_context_sync(s: &mut Setup) -> u64 {
+    let Step::Wait(w) = s.engine.context_sync_begin() else {
+        panic!("the queues' work is waited for first");
+    };
+    let waited = w.wait();
+    let (answer, epoch) = s.engine.context_sync_end(&w, &waited);
+    assert_eq!(answer, Answer::Forward);
+    epoch
+}
+
 #[test]
 fn a_launch_goes_to_the_gpu_and_a_synchronize_right_after_it_needs_no_libcuda() {
     let mut s = Setup::new();
@@ -215,18 +244,15 @@ fn cuda_work_after_a_launch_is_waited_for_by_libcuda_and_needs_no_hop_once_synch
     s.calls();
     // A copy on the stream (cudaMemcpyAsync): the queue's launch is complete, so CUDA waits for nothing.
     s.engine.before(LEGACY);
-    s.engine.after(LEGACY, false);
+    s.engine.after(LEGACY, None);
     assert!(
         s.calls().is_empty(),
         "no hop before CUDA work when APEX's is done"
     );
     assert_eq!(s.engine.summary().hops_avoided, 1);
     // The synchronize must reach libcuda (CUDA has work of its own); the queue's work is waited for on the CPU.
-    assert_eq!(
-        s.engine.stream_sync(LEGACY, SyncKind::Wait),
-        Answer::Forward
-    );
-    s.engine.stream_synced(LEGACY, 0);
+    let epoch = forwarded_stream_sync(&mut s);
+    s.engine.stream_synced(LEGACY, 0, epoch);
     // Once libcuda said the stream is done, the next launch waits for nothing.
     assert!(s.launch());
     assert!(s.calls().is_empty(), "{:?}", s.calls());
@@ -236,7 +262,7 @@ fn cuda_work_after_a_launch_is_waited_for_by_libcuda_and_needs_no_hop_once_synch
     );
     // Without the synchronize, the next launch waits for the stream on the GPU.
     s.engine.before(LEGACY);
-    s.engine.after(LEGACY, false);
+    s.engine.after(LEGACY, None);
     assert!(s.launch());
     assert_eq!(s.calls(), vec!["apex<-cuda Legacy"]);
 }
@@ -246,12 +272,9 @@ fn a_failed_synchronize_leaves_the_stream_dirty() {
     let mut s = Setup::new();
     assert!(s.launch());
     s.engine.before(LEGACY);
-    s.engine.after(LEGACY, false);
-    assert_eq!(
-        s.engine.stream_sync(LEGACY, SyncKind::Wait),
-        Answer::Forward
-    );
-    s.engine.stream_synced(LEGACY, 700);
+    s.engine.after(LEGACY, None);
+    let epoch = forwarded_stream_sync(&mut s);
+    s.engine.stream_synced(LEGACY, 700, epoch);
     s.calls();
     assert!(s.launch());
     assert_eq!(s.calls(), vec!["apex<-cuda Legacy"]);
@@ -261,8 +284,8 @@ fn a_failed_synchronize_leaves_the_stream_dirty() {
 fn a_synchronous_copy_to_the_host_completes_the_stream() {
     let mut s = Setup::new();
     assert!(s.launch());
-    s.engine.before(LEGACY);
-    s.engine.after(LEGACY, true);
+    let epoch = s.engine.before(LEGACY);
+    s.engine.after(LEGACY, Some(epoch));
     s.calls();
     assert!(s.launch());
     assert!(s.calls().is_empty());
@@ -293,15 +316,15 @@ fn a_context_synchronize_reaches_libcuda_only_when_cuda_had_work() {
     let mut s = Setup::new();
     assert!(s.launch());
     // Attaching may follow CUDA work nobody synchronized: the first one goes to libcuda.
-    assert_eq!(s.engine.context_sync(), Answer::Forward);
-    s.engine.context_synced(0);
+    let epoch = forwarded_context_sync(&mut s);
+    s.engine.context_synced(0, epoch);
     assert!(s.launch());
     assert_eq!(s.engine.context_sync(), Answer::Done(0));
     // A launch left to libcuda (or any CUDA work) makes the next one go to libcuda again.
     s.engine.before(LEGACY);
-    s.engine.after(LEGACY, false);
-    assert_eq!(s.engine.context_sync(), Answer::Forward);
-    s.engine.context_synced(0);
+    s.engine.after(LEGACY, None);
+    let epoch = forwarded_context_sync(&mut s);
+    s.engine.context_synced(0, epoch);
     // After it, the stream needs no hop.
     s.calls();
     assert!(s.launch());
@@ -358,7 +381,7 @@ fn timed_events_and_events_after_cuda_work_go_to_libcuda() {
     assert_eq!(s.engine.event_record(EVENT, stream), Answer::Forward);
     s.engine.event_created(EVENT + 1, 2);
     s.engine.before(stream);
-    s.engine.after(stream, false);
+    s.engine.after(stream, None);
     assert_eq!(s.engine.event_record(EVENT + 1, stream), Answer::Forward);
     // Unknown events (created before the preload watched) time, as far as the preload knows.
     assert_eq!(s.engine.event_record(EVENT + 2, stream), Answer::Forward);
@@ -402,14 +425,26 @@ fn refusals_are_counted_by_reason_and_shapes_are_prepared_once() {
 #[test]
 fn a_device_wide_call_waits_for_every_queue_without_a_hop() {
     let mut s = Setup::new();
+    let b = Site::Stream(0x5000, false);
     assert!(s.launch_on(0x5000, 1));
     assert!(s.launch_on(0x6000, 1));
+    s.idle();
+    s.sim.pause();
+    assert!(s.launch_on(0x5000, 1));
     s.calls();
-    s.engine.device_quiet();
+    // The running launch is waited for (outside the engine's lock), not handed over.
+    let Step::Wait(w) = s.engine.device_quiet_begin() else {
+        panic!("the queues are waited for");
+    };
+    assert!(w.items.iter().any(|(_, f)| !f.is_done()), "one is running");
+    s.sim.resume();
+    let waited = w.wait();
+    assert_eq!(s.engine.device_quiet_end(&w, &waited), Answer::Forward);
     assert!(s.calls().is_empty(), "waited on the CPU, not handed over");
-    // Complete: CUDA work after it needs no hop.
-    s.engine.before(Site::Stream(0x5000, false));
+    // Complete and known so: CUDA work after it needs no hop, and none was avoided (nothing was pending).
+    s.engine.before(b);
     assert!(s.calls().is_empty());
+    assert_eq!(s.engine.summary().hops_avoided, 0);
 }
 
 #[test]
@@ -532,6 +567,15 @@ fn copies_apex_cannot_run_go_to_libcuda() {
     assert!(s.launch());
     op.bytes = 8192;
     assert_eq!(s.engine.copy(&op), None, "past the allocation");
+    let big = device_memory(&s, (COPY_MAX * 2) as u64);
+    op.src = big.device_ptr();
+    op.bytes = COPY_MAX;
+    let mut large = vec![0u8; COPY_MAX + 1];
+    op.dst = large.as_mut_ptr() as u64;
+    assert_eq!(s.engine.copy(&op), Some(0), "up to COPY_MAX on APEX");
+    op.src = dev.device_ptr();
+    op.bytes = 64;
+    op.dst = out.as_mut_ptr() as u64;
     op.bytes = 64;
     op.dir = CopyDir::HostToDevice;
     assert_eq!(s.engine.copy(&op), None, "the pointers say the other way");
@@ -539,9 +583,15 @@ fn copies_apex_cannot_run_go_to_libcuda() {
     op.site = Site::Stream(0x7000, false);
     assert_eq!(s.engine.copy(&op), None, "another stream, not taken over");
     op.site = LEGACY;
+    op.src = big.device_ptr();
+    op.dst = large.as_mut_ptr() as u64;
     op.bytes = COPY_MAX + 1;
-    assert_eq!(s.engine.copy(&op), None, "large copies stay on libcuda");
-    assert_eq!(s.engine.summary().copies_on_apex, 0);
+    assert_eq!(
+        s.engine.copy(&op),
+        None,
+        "large host copies stay on libcuda"
+    );
+    assert_eq!(s.engine.summary().copies_on_apex, 1);
 }
 
 #[test]
@@ -616,4 +666,99 @@ fn memsets_of_device_memory_run_on_the_queue() {
         None
     );
     assert_eq!(s.engine.summary().sets_on_apex, 1);
+}
+
+#[test]
+fn an_event_on_a_blocking_stream_is_kept_only_after_the_legacy_queue_is_waited_for() {
+    let mut s = Setup::new();
+    let b = Site::Stream(0x5000, false);
+    s.engine.event_created(EVENT, 2);
+    assert!(s.launch_on(0, 1));
+    assert!(s.launch_on(0x5000, 1));
+    s.idle();
+    s.sim.pause();
+    // A legacy-stream kernel after B's: a record on B is ordered after it by CUDA.
+    assert!(s.launch_on(0, 1));
+    assert_eq!(s.engine.event_record(EVENT, b), Answer::Forward);
+    s.sim.resume();
+    s.idle();
+    // Once B's queue has waited for it (a launch on B), the record is B's queue's alone again.
+    assert!(s.launch_on(0x5000, 1));
+    assert_eq!(s.engine.event_record(EVENT, b), Answer::Done(0));
+}
+
+#[test]
+fn interprocess_events_are_never_kept() {
+    let mut s = Setup::new();
+    s.engine.event_created(EVENT, 2 | 4);
+    assert!(s.launch_on(0x5000, 1));
+    s.idle();
+    assert_eq!(
+        s.engine.event_record(EVENT, Site::Stream(0x5000, false)),
+        Answer::Forward
+    );
+}
+
+#[test]
+fn destroying_a_stream_records_its_kept_events_in_libcuda() {
+    let mut s = Setup::new();
+    s.engine.event_created(EVENT, 2);
+    assert!(s.launch_on(0x5000, 1));
+    s.idle();
+    assert_eq!(
+        s.engine.event_record(EVENT, Site::Stream(0x5000, false)),
+        Answer::Done(0)
+    );
+    s.calls();
+    s.engine.stream_destroyed(0x5000);
+    assert_eq!(s.calls(), vec!["record now 0xe0"]);
+    assert_eq!(s.engine.event_sync(EVENT, SyncKind::Wait), Answer::Forward);
+}
+
+#[test]
+fn work_submitted_while_libcuda_synchronizes_keeps_its_hop() {
+    let mut s = Setup::new();
+    assert!(s.launch());
+    s.engine.before(LEGACY);
+    s.engine.after(LEGACY, None);
+    let epoch = forwarded_stream_sync(&mut s);
+    // Another thread adds CUDA work on the stream before this thread's synchronize returns.
+    s.engine.before(LEGACY);
+    s.engine.after(LEGACY, None);
+    s.engine.stream_synced(LEGACY, 0, epoch);
+    s.calls();
+    assert!(s.launch());
+    assert_eq!(
+        s.calls(),
+        vec!["apex<-cuda Legacy"],
+        "that work is not complete"
+    );
+    // The same for a context synchronize.
+    let epoch = forwarded_context_sync(&mut s);
+    s.engine.before(LEGACY);
+    s.engine.after(LEGACY, None);
+    s.engine.context_synced(0, epoch);
+    assert_eq!(s.engine.context_sync(), Answer::Forward);
+}
+
+#[test]
+fn a_synchronize_during_a_capture_goes_to_libcuda() {
+    let mut s = Setup::new();
+    assert!(s.launch());
+    s.idle();
+    s.engine.capture(0x9000, false, true);
+    assert_eq!(
+        s.engine.stream_sync(LEGACY, SyncKind::Query),
+        Answer::Forward
+    );
+    assert_eq!(
+        s.engine.stream_sync(LEGACY, SyncKind::Wait),
+        Answer::Forward
+    );
+    assert_eq!(s.engine.context_sync(), Answer::Forward);
+    s.engine.capture(0x9000, false, false);
+    assert_eq!(
+        s.engine.stream_sync(LEGACY, SyncKind::Wait),
+        Answer::Done(0)
+    );
 }

@@ -70,6 +70,10 @@ struct Args {
 
 fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_int {
     let Some(_g) = enter() else { return call() };
+    // A failed assert that could not be replayed through libcuda: every call answers it, as a failed context does.
+    if let Some(e) = engine::sticky() {
+        return e;
+    }
     let event = a.event;
     let copy = |dir: CopyDir, blocking: bool| {
         let (dst, src, bytes) = a.copy;
@@ -113,7 +117,7 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
         engine::cuda_work(a.name);
         engine::before(site);
         let r = call();
-        engine::after(site, false);
+        engine::after(site, None);
         return r;
     }
     if let Some(op) = copy_op {
@@ -121,11 +125,21 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
             return code;
         }
         engine::cuda_work(a.name);
-        engine::before(site);
+        // A copy that returns once done (to the host, or a synchronous form) reports a failed assert of APEX's
+        // first, as libcuda's would (the replay fails libcuda's context, and the call returns its error).
+        if (op.blocking || op.dir == CopyDir::DeviceToHost)
+            && let Some(code) = engine::pending_assert()
+        {
+            return code;
+        }
+        let epoch = engine::before(site);
         let r = call();
         // A synchronous copy to the host returns once the stream's work is done.
         let done = op.blocking && op.dir == CopyDir::DeviceToHost && r == 0;
-        engine::after(site, done);
+        engine::after(site, done.then_some(epoch));
+        if op.blocking || op.dir == CopyDir::DeviceToHost {
+            return after_waiting(r);
+        }
         return r;
     }
     match kind {
@@ -136,9 +150,17 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
                 Kind::Graph => engine::materialize_all(),
                 _ => {}
             }
-            engine::before(site);
+            if kind == Kind::WorkDone
+                && let Some(code) = engine::pending_assert()
+            {
+                return code;
+            }
+            let epoch = engine::before(site);
             let r = call();
-            engine::after(site, kind == Kind::WorkDone && r == 0);
+            engine::after(site, (kind == Kind::WorkDone && r == 0).then_some(epoch));
+            if kind == Kind::WorkDone {
+                return after_waiting(r);
+            }
             r
         }
         Kind::StreamSync | Kind::StreamQuery => {
@@ -148,13 +170,13 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
                 SyncKind::Query
             };
             match engine::stream_sync(site, how) {
-                Answer::Done(code) => code,
-                Answer::Forward => {
+                (Answer::Done(code), _) => code,
+                (Answer::Forward, epoch) => {
                     let r = call();
                     if kind == Kind::StreamSync {
-                        engine::stream_synced(site, r);
+                        engine::stream_synced(site, r, epoch);
                     }
-                    r
+                    after_waiting(r)
                 }
             }
         }
@@ -163,17 +185,17 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
             Answer::Forward => call(),
         },
         Kind::CtxSync => match engine::context_sync() {
-            Answer::Done(code) => code,
-            Answer::Forward => {
+            (Answer::Done(code), _) => code,
+            (Answer::Forward, epoch) => {
                 let r = call();
-                engine::context_synced(r);
-                r
+                engine::context_synced(r, epoch);
+                after_waiting(r)
             }
         },
-        Kind::Device => {
-            engine::device_quiet();
-            call()
-        }
+        Kind::Device => match engine::device_quiet() {
+            Answer::Done(code) => code,
+            Answer::Forward => after_waiting(call()),
+        },
         Kind::Teardown => {
             engine::shutdown("the program destroys the CUDA context");
             call()
@@ -189,6 +211,12 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
         | Kind::Set16
         | Kind::Set32 => unreachable!("copies and memsets are handled above"),
     }
+}
+
+/// After a call that waited for work libcuda ran after APEX's (through a hop): a failed assert of APEX's kernels it
+/// waited for is reported, and the call answers it, as libcuda's would after its own kernel's.
+fn after_waiting(r: c_int) -> c_int {
+    engine::pending_assert().unwrap_or(r)
 }
 
 /// One wrapped driver function.
@@ -929,9 +957,12 @@ pub unsafe extern "C" fn cuEventDestroy_v2(event: P) -> c_int {
 /// An event wait or query: answered from APEX's fence for an event the preload kept, else libcuda's.
 fn event_sync(event: P, kind: SyncKind, call: impl FnOnce() -> c_int) -> c_int {
     let Some(_g) = enter() else { return call() };
+    if let Some(e) = engine::sticky() {
+        return e;
+    }
     match engine::event_sync(event as usize, kind) {
         Answer::Done(code) => code,
-        Answer::Forward => call(),
+        Answer::Forward => after_waiting(call()),
     }
 }
 
@@ -1223,6 +1254,9 @@ type CoopFn = unsafe extern "C" fn(
 fn launch(l: Launch, forward: impl FnOnce() -> c_int) -> c_int {
     let t0 = crate::profile::stamp();
     let Some(_g) = enter() else { return forward() };
+    if let Some(e) = engine::sticky() {
+        return e;
+    }
     if let Some(since) = engine::launch(&l, t0) {
         crate::profile::tail(since);
         return 0;
@@ -1230,7 +1264,7 @@ fn launch(l: Launch, forward: impl FnOnce() -> c_int) -> c_int {
     let site = Site::Stream(l.stream, l.per_thread);
     engine::before(site);
     let r = forward();
-    engine::after(site, false);
+    engine::after(site, None);
     r
 }
 
@@ -1381,7 +1415,7 @@ fn cooperative(stream: P, per_thread: bool, forward: impl FnOnce() -> c_int) -> 
     let site = Site::Stream(stream as usize, per_thread);
     engine::before(site);
     let r = forward();
-    engine::after(site, false);
+    engine::after(site, None);
     r
 }
 

@@ -283,6 +283,17 @@ impl Order {
         }
     }
 
+    /// Whether the queue of `slot` has waited (on the GPU) for the last launch of every related live queue: then its
+    /// own last launch completes after all of them.
+    pub fn covers_related(&self, slot: usize) -> bool {
+        let Some(me) = self.slots.get(slot) else {
+            return false;
+        };
+        self.slots.iter().enumerate().all(|(i, s)| {
+            i == slot || !s.live || !s.stream.related(me.stream) || s.last <= self.seen[slot][i]
+        })
+    }
+
     /// Whether CUDA has work on the slot's stream, or on a related one, that the queue's launches have not waited
     /// for: if not, the queue's last launch completing means the stream's work is complete.
     pub fn cuda_clean(&self, slot: usize) -> bool {

@@ -525,7 +525,7 @@ fn stderr(r: &Run) -> String {
 fn device_asserts_run_on_apex_and_are_reported_as_cuda_reports_them() {
     let lib = preload_lib();
     let (dir, exe) = build_cuda("asserts", include_str!("programs/asserts.cu"));
-    for mode in ["pass", "fail"] {
+    for mode in ["pass", "fail", "fail-memcpy", "fail-event"] {
         let cmd = || {
             let mut c = Command::new(&exe);
             c.arg(mode);
@@ -552,7 +552,7 @@ fn device_asserts_run_on_apex_and_are_reported_as_cuda_reports_them() {
             "assert kernels were refused: {:?}",
             s.reasons
         );
-        if mode == "fail" {
+        if mode != "pass" {
             assert!(a.contains("result sync cudaErrorAssert"), "{a}");
             assert!(
                 !assert_lines(&stderr(&plain)).is_empty(),

@@ -340,6 +340,39 @@ impl Queue {
         }
     }
 
+    /// As [`launch_prepared_programmatic`](Self::launch_prepared_programmatic), returning a [`Ticket`] instead of a
+    /// [`Fence`] (see [`launch_prepared_ticket`](Self::launch_prepared_ticket)).
+    ///
+    /// # Safety
+    /// As for [`launch_programmatic`](Self::launch_programmatic).
+    #[inline]
+    pub unsafe fn launch_prepared_programmatic_ticket(
+        &mut self,
+        prepared: &PreparedLaunch,
+        args: &[Arg<'_>],
+    ) -> Result<Ticket> {
+        match (&mut self.inner, &prepared.0) {
+            (QueueInner::Direct(q), PreparedInner::Direct(p)) => {
+                self.driver_chain = 0;
+                // SAFETY: forwarded to the caller.
+                let value = unsafe { q.launch_prepared_programmatic_value(p, args)? };
+                Ok(Ticket {
+                    queue: self.id,
+                    value,
+                })
+            }
+            (QueueInner::Driver { .. }, PreparedInner::Driver { .. }) => {
+                // SAFETY: forwarded to the caller.
+                unsafe { self.submit_prepared(prepared, args, How::Programmatic)? };
+                Ok(Ticket {
+                    queue: self.id,
+                    value: 0,
+                })
+            }
+            _ => Err(Error::Mismatch),
+        }
+    }
+
     /// A fence that completes once the launch `ticket` stands for has (on the driver backend, once the queue's
     /// stream has done everything submitted so far). An error for a ticket of another queue.
     pub fn fence(&self, ticket: Ticket) -> Result<Fence> {

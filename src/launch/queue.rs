@@ -1063,6 +1063,22 @@ impl ComputeQueue {
         Ok(self.queue.fence_for(value))
     }
 
+    /// As [`launch_prepared_programmatic`](Self::launch_prepared_programmatic), returning the launch's value on
+    /// the queue's timeline instead of a fence (see [`launch_prepared_value`](Self::launch_prepared_value)).
+    ///
+    /// # Safety
+    /// As for [`launch_programmatic`](Self::launch_programmatic).
+    #[inline]
+    pub unsafe fn launch_prepared_programmatic_value(
+        &mut self,
+        prepared: &PreparedLaunch,
+        args: &[Arg<'_>],
+    ) -> Result<u64> {
+        let value = self.record_prepared_as(prepared, args, Order::Programmatic)?;
+        self.send_launch_now();
+        Ok(value)
+    }
+
     fn record_prepared_as(
         &mut self,
         prepared: &PreparedLaunch,
