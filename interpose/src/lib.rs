@@ -7,7 +7,7 @@
 //! Each preloaded library links its own copy of this crate, so its guard and caches are its own.
 
 use std::cell::Cell;
-use std::ffi::{CStr, c_char, c_int, c_void};
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -197,6 +197,22 @@ pub unsafe fn replace_proc_address(
         unsafe { *pfn = ours as *mut c_void };
     }
 }
+
+/// `cuLaunchKernel` (and `cuLaunchKernel_ptsz`): function, grid x y z, block x y z, shared bytes, stream,
+/// `kernelParams`, `extra`.
+pub type LaunchKernelFn = unsafe extern "C" fn(
+    *mut c_void,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    *mut c_void,
+    *mut *mut c_void,
+    *mut *mut c_void,
+) -> c_int;
 
 /// `cuGetProcAddress_v2` (CUDA 12+).
 pub type GpaV2Fn =

@@ -13,58 +13,26 @@ stdout: `result <key> <sha256>` lines, then `steps`, `step_us` (median per step)
 Everything else goes to stderr.
 """
 
+import argparse
 import os
+import shutil
+import statistics
 import sys
+import time
+import traceback
 
-# PyTorch's deterministic-algorithms mode is off unless --deterministic-algorithms is given: programs people run
-# leave it off, and with it PyTorch 2.11 reads CUBLAS_WORKSPACE_CONFIG with a regex on every cuBLAS handle fetch
-# (~60 us of host time each, ~130-200 us per nn.Linear call), which would swamp what is measured. The kernels this
-# program runs are deterministic without it (the runner checks every run's results against the first).
-if "--deterministic-algorithms" in sys.argv[1:]:
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+import common  # first: sets what must be set before torch loads (common.py)
+from common import deterministic, pick_device, sha256, sync, tensor_bytes
+import torch
+from torch import nn
 
-import argparse  # noqa: E402
-import hashlib  # noqa: E402
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
 
 UNUSABLE = 3
 
 
-def deterministic(seed):
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    if "--deterministic-algorithms" in sys.argv[1:]:
-        torch.use_deterministic_algorithms(True)
-    torch.manual_seed(seed)
 
 
-def pick_device(name):
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print(f"compile.py: device {name} asked for but torch.cuda.is_available() is False", file=sys.stderr)
-        sys.exit(2)
-    return device
 
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def tensor_bytes(t):
-    return t.detach().cpu().contiguous().numpy().tobytes()
-
-
-def sha256(data):
-    return hashlib.sha256(data).hexdigest()
 
 
 def unusable(why):

@@ -161,19 +161,7 @@ driver_fn!(
 driver_fn!(
     cu_launch_kernel,
     c"cuLaunchKernel",
-    unsafe extern "C" fn(
-        usize,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        usize,
-        *mut *mut c_void,
-        *mut *mut c_void,
-    ) -> c_int
+    apex_interpose::LaunchKernelFn
 );
 driver_fn!(
     cu_pointer_get_attributes,
@@ -463,7 +451,7 @@ fn replay_in_current(failures: &[AssertFailure]) -> Result<(), String> {
         // SAFETY: the replay kernel with its two parameters, on the legacy stream of the current context.
         call("cuLaunchKernel", unsafe {
             launch(
-                function,
+                function as *mut c_void,
                 g[0],
                 g[1],
                 g[2],
@@ -471,7 +459,7 @@ fn replay_in_current(failures: &[AssertFailure]) -> Result<(), String> {
                 b[1],
                 b[2],
                 0,
-                0,
+                std::ptr::null_mut(),
                 args.as_mut_ptr(),
                 std::ptr::null_mut(),
             )

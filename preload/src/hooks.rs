@@ -114,8 +114,7 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
         if let Some(code) = engine::fill(&op) {
             return code;
         }
-        engine::cuda_work(a.name);
-        engine::before(site);
+        engine::before_work(site, a.name);
         let r = call();
         engine::after(site, None);
         return r;
@@ -124,7 +123,6 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
         if let Some(code) = engine::copy(&op) {
             return code;
         }
-        engine::cuda_work(a.name);
         // A copy that returns once done (to the host, or a synchronous form) reports a failed assert of APEX's
         // first, as libcuda's would (the replay fails libcuda's context, and the call returns its error).
         if (op.blocking || op.dir == CopyDir::DeviceToHost)
@@ -132,7 +130,7 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
         {
             return code;
         }
-        let epoch = engine::before(site);
+        let epoch = engine::before_work(site, a.name);
         let r = call();
         // A synchronous copy to the host returns once the stream's work is done.
         let done = op.blocking && op.dir == CopyDir::DeviceToHost && r == 0;
@@ -144,7 +142,6 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
     }
     match kind {
         Kind::Work | Kind::WorkDone | Kind::WaitEvent | Kind::Graph => {
-            engine::cuda_work(a.name);
             match kind {
                 Kind::WaitEvent => engine::materialize(event),
                 Kind::Graph => engine::materialize_all(),
@@ -155,7 +152,7 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
             {
                 return code;
             }
-            let epoch = engine::before(site);
+            let epoch = engine::before_work(site, a.name);
             let r = call();
             engine::after(site, (kind == Kind::WorkDone && r == 0).then_some(epoch));
             if kind == Kind::WorkDone {
@@ -1223,19 +1220,7 @@ pub unsafe extern "C" fn cuStreamEndCapture_ptsz(stream: P, graph: *mut P) -> c_
 
 // ---- launches ----
 
-type LaunchFn = unsafe extern "C" fn(
-    P,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    P,
-    *mut P,
-    *mut P,
-) -> c_int;
+type LaunchFn = apex_interpose::LaunchKernelFn;
 type LaunchExFn = unsafe extern "C" fn(*const LaunchConfig, P, *mut P, *mut P) -> c_int;
 type CoopFn = unsafe extern "C" fn(
     P,

@@ -303,41 +303,8 @@ impl Queue {
         prepared: &PreparedLaunch,
         args: &[Arg<'_>],
     ) -> Result<Ticket> {
-        match (&mut self.inner, &prepared.0) {
-            (QueueInner::Direct(q), PreparedInner::Direct(p)) => {
-                self.driver_chain = 0;
-                // SAFETY: forwarded to the caller.
-                let value = unsafe { q.launch_prepared_value(p, args)? };
-                Ok(Ticket {
-                    queue: self.id,
-                    value,
-                })
-            }
-            (QueueInner::Driver { stream, ptrs }, PreparedInner::Driver { kernel, cfg }) => {
-                self.driver_chain = 0;
-                let KernelInner::Driver { func, info } = kernel.inner() else {
-                    return Err(Error::Mismatch);
-                };
-                // SAFETY: forwarded to the caller.
-                unsafe {
-                    driver_launch_how(
-                        stream,
-                        ptrs,
-                        &self.limits,
-                        How::Launch,
-                        func,
-                        info,
-                        cfg,
-                        args,
-                    )?
-                };
-                Ok(Ticket {
-                    queue: self.id,
-                    value: 0,
-                })
-            }
-            _ => Err(Error::Mismatch),
-        }
+        // SAFETY: forwarded to the caller.
+        unsafe { self.submit_prepared_ticket(prepared, args, How::Launch) }
     }
 
     /// As [`launch_prepared_programmatic`](Self::launch_prepared_programmatic), returning a [`Ticket`] instead of a
@@ -351,26 +318,51 @@ impl Queue {
         prepared: &PreparedLaunch,
         args: &[Arg<'_>],
     ) -> Result<Ticket> {
-        match (&mut self.inner, &prepared.0) {
+        // SAFETY: forwarded to the caller.
+        unsafe { self.submit_prepared_ticket(prepared, args, How::Programmatic) }
+    }
+
+    /// A prepared launch, plain (`How::Launch`) or programmatic (`How::Programmatic`), returning a ticket.
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch), and for a programmatic one as for
+    /// [`launch_programmatic`](Self::launch_programmatic).
+    #[inline]
+    unsafe fn submit_prepared_ticket(
+        &mut self,
+        prepared: &PreparedLaunch,
+        args: &[Arg<'_>],
+        how: How,
+    ) -> Result<Ticket> {
+        let value = match (&mut self.inner, &prepared.0) {
             (QueueInner::Direct(q), PreparedInner::Direct(p)) => {
                 self.driver_chain = 0;
                 // SAFETY: forwarded to the caller.
-                let value = unsafe { q.launch_prepared_programmatic_value(p, args)? };
-                Ok(Ticket {
-                    queue: self.id,
-                    value,
-                })
+                unsafe {
+                    if how == How::Programmatic {
+                        q.launch_prepared_programmatic_value(p, args)?
+                    } else {
+                        q.launch_prepared_value(p, args)?
+                    }
+                }
             }
-            (QueueInner::Driver { .. }, PreparedInner::Driver { .. }) => {
+            (QueueInner::Driver { stream, ptrs }, PreparedInner::Driver { kernel, cfg }) => {
+                self.driver_chain = 0;
+                let KernelInner::Driver { func, info } = kernel.inner() else {
+                    return Err(Error::Mismatch);
+                };
                 // SAFETY: forwarded to the caller.
-                unsafe { self.submit_prepared(prepared, args, How::Programmatic)? };
-                Ok(Ticket {
-                    queue: self.id,
-                    value: 0,
-                })
+                unsafe {
+                    driver_launch_how(stream, ptrs, &self.limits, how, func, info, cfg, args)?
+                };
+                0
             }
-            _ => Err(Error::Mismatch),
-        }
+            _ => return Err(Error::Mismatch),
+        };
+        Ok(Ticket {
+            queue: self.id,
+            value,
+        })
     }
 
     /// A fence that completes once the launch `ticket` stands for has (on the driver backend, once the queue's

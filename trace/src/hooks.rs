@@ -473,19 +473,7 @@ unsafe fn record_ioctl(
 
 // ---- dlsym and the CUDA driver API ----
 
-type LaunchFn = unsafe extern "C" fn(
-    *mut c_void,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    *mut c_void,
-    *mut *mut c_void,
-    *mut *mut c_void,
-) -> c_int;
+type LaunchFn = apex_interpose::LaunchKernelFn;
 type LaunchExFn = unsafe extern "C" fn(
     *const LaunchConfig,
     *mut c_void,

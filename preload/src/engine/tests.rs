@@ -13,7 +13,7 @@ use apex::{AssertFailure, Gpu, Queue, VariableHome};
 
 use super::*;
 
-const CUBIN: &[u8] = include_bytes!("../../kernels/apex_test_kernels.sm_90.cubin");
+const CUBIN: &[u8] = include_bytes!("../../../kernels/apex_test_kernels.sm_90.cubin");
 const CTX: usize = 0xc0;
 const MODULE: usize = 0x10;
 const FUNC: usize = 0x100;

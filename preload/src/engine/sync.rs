@@ -1,0 +1,665 @@
+//! Synchronization without hops: the ordering of CUDA work with APEX's queues, stream and context synchronizes,
+//! queries and events answered from APEX's fences, and device asserts reported as libcuda reports its own.
+//!
+//! A synchronization runs in two steps around a wait that holds no lock: `*_begin` decides under the engine's lock
+//! and returns the fences to wait for, the caller waits for them without the lock (other threads keep launching, and
+//! a kernel that waits for another thread's CUDA call still gets it), and `*_end` applies what the wait showed under
+//! the lock again. The single-threaded forms (`stream_sync`, ...) run the three in a row, for the tests.
+
+use super::*;
+
+/// What a synchronizing hook asks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SyncKind {
+    /// `cuStreamSynchronize`: wait.
+    Wait,
+    /// `cuStreamQuery`: look.
+    Query,
+}
+
+/// What the engine made of a call: answered (the hook returns this code without calling libcuda), or libcuda must
+/// run it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Answer {
+    /// Return this `CUresult`; libcuda is not called.
+    Done(c_int),
+    /// Call libcuda.
+    Forward,
+}
+
+/// What the first step of a synchronization decided: the answer, or the fences to wait for first.
+pub(crate) enum Step {
+    /// Answered (or to be answered by libcuda) without waiting.
+    Answer(Answer),
+    /// Wait for these, outside the engine's lock, then take the last step.
+    Wait(Waits),
+}
+
+/// Fences of one context's queues to wait for outside the engine's lock.
+pub(crate) struct Waits {
+    /// The context's index, and its handle (checked again after the wait).
+    pub(super) ctx: usize,
+    pub(super) handle: usize,
+    /// (slot, the fence of its last launch when the wait began).
+    pub(super) items: Vec<(usize, Fence)>,
+}
+
+impl Waits {
+    /// Waits for every fence (as long as the work runs), without draining the printf FIFO.
+    pub(crate) fn wait(&self) -> Result<(), String> {
+        for (_, f) in &self.items {
+            wait_fence(f)?;
+        }
+        Ok(())
+    }
+}
+
+/// Where a queue's last launch stands, looked at without waiting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum SlotState {
+    Done,
+    Running,
+    /// The queue's channel faulted: libcuda must answer (with the context's error).
+    Failed,
+}
+
+/// Where the work before `fence` stands: complete, running, or never to complete (a fault).
+pub(super) fn fence_state(fence: &Fence) -> SlotState {
+    if fence.is_done() {
+        return SlotState::Done;
+    }
+    let Some(f) = fence.direct() else {
+        return SlotState::Running;
+    };
+    // A zero-length wait looks at the channel's error notifier as well.
+    match f.wait(Duration::ZERO) {
+        Ok(()) => SlotState::Done,
+        Err(apex::pushbuf::Error::Channel(apex::gpfifo::Error::Timeout { .. })) => {
+            SlotState::Running
+        }
+        Err(_) => SlotState::Failed,
+    }
+}
+
+/// Set when a failed assert could not be replayed through libcuda: every call through the preload then answers
+/// this (`CUDA_ERROR_ASSERT`), as libcuda's failed context would.
+pub(crate) static STICKY: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+/// The sticky error the preload answers every call with, if any.
+pub(crate) fn sticky() -> Option<c_int> {
+    match STICKY.load(Ordering::Relaxed) {
+        0 => None,
+        e => Some(e),
+    }
+}
+
+impl Engine {
+    // ---- ordering with CUDA ----
+
+    /// Before a CUDA operation that adds work at `site`: related queues' work is handed to CUDA (a hop, unless it
+    /// is complete already). Returns the context's generation after it, for [`after`](Self::after).
+    pub(crate) fn before(&mut self, site: Site) -> u64 {
+        let Some(ci) = self.site_context(site) else {
+            return 0;
+        };
+        let cuda = self.cuda.as_ref();
+        let ctx = &mut self.contexts[ci];
+        ctx.cuda_work = true;
+        ctx.epoch += 1;
+        if ctx.order.live() > 0 {
+            let target = match site {
+                Site::Stream(raw, pt) => Target::Stream(ctx.stream(cuda, raw, pt)),
+                Site::Device => Target::Device,
+            };
+            let (mut hops, order) = ctx.hops(cuda);
+            if let Err(e) = order.before_cuda(target, &mut hops) {
+                warn!(error = %e, "cannot order a CUDA operation after APEX's queue");
+            }
+        }
+        ctx.epoch
+    }
+
+    /// After a CUDA operation that added work at `site`. `completed`: the call returned only once the stream's work
+    /// was done (a synchronous copy to the host), with the generation [`before`](Self::before) returned: the stream
+    /// then needs no hop, unless other work came in between.
+    pub(crate) fn after(&mut self, site: Site, completed: Option<u64>) {
+        let Site::Stream(raw, pt) = site else { return };
+        let Some(ci) = self.site_context(site) else {
+            return;
+        };
+        let cuda = self.cuda.as_ref();
+        let ctx = &mut self.contexts[ci];
+        ctx.cuda_work = true;
+        let unchanged = completed == Some(ctx.epoch);
+        ctx.epoch += 1;
+        if ctx.order.live() == 0 {
+            return;
+        }
+        let s = ctx.stream(cuda, raw, pt);
+        ctx.order.after_cuda(s);
+        if unchanged {
+            ctx.order.cuda_synchronized(s);
+        }
+    }
+
+    // ---- synchronization ----
+    //
+    // A synchronization runs in two steps around a wait that holds no lock: `*_begin` decides under the engine's lock
+    // and returns the fences to wait for, the caller waits for them without the lock (other threads keep launching,
+    // and a kernel that waits for another thread's CUDA call still gets it), and `*_end` applies what the wait
+    // showed under the lock again. The single-threaded forms (`stream_sync`, ...) run the three in a row.
+
+    /// The fences of `slots` in context `ci`, to wait for.
+    pub(super) fn waits(&self, ci: usize, slots: impl IntoIterator<Item = usize>) -> Step {
+        let ctx = &self.contexts[ci];
+        let items = slots
+            .into_iter()
+            .filter_map(|s| Some((s, ctx.last_fence(s)?.ok()?)))
+            .collect();
+        Step::Wait(Waits {
+            ctx: ci,
+            handle: ctx.handle,
+            items,
+        })
+    }
+
+    /// After the waits of `w` (`waited`): the queues whose last launch is still the one waited for are complete;
+    /// `None` when the context is gone or a queue failed (libcuda then answers).
+    pub(super) fn waited(&mut self, w: &Waits, waited: &Result<(), String>) -> Option<usize> {
+        let ci = w.ctx;
+        if self.contexts.get(ci).is_none_or(|c| c.handle != w.handle) {
+            return None;
+        }
+        if let Err(e) = waited {
+            // A fault: libcuda reports the context's error (the queues are in its channel group).
+            debug!(error = %e, "an APEX queue faulted; libcuda answers");
+            return None;
+        }
+        let ctx = &mut self.contexts[ci];
+        for (slot, fence) in &w.items {
+            // A launch another thread made meanwhile is not complete.
+            let same = ctx
+                .last_fence(*slot)
+                .and_then(Result::ok)
+                .and_then(|f| Some(f.direct()?.value()))
+                == fence.direct().map(|f| f.value());
+            if same {
+                ctx.order.apex_complete(*slot);
+            }
+        }
+        Some(ci)
+    }
+
+    /// `cuStreamSynchronize` / `cuStreamQuery` at `site`, first step: the queue's work is waited for (or looked at)
+    /// on the CPU; libcuda is called only where the stream holds CUDA work of its own, with no hop before it.
+    pub(crate) fn stream_sync_begin(&mut self, site: Site, kind: SyncKind) -> Step {
+        let Site::Stream(raw, pt) = site else {
+            return Step::Answer(Answer::Forward);
+        };
+        let Some(ci) = self.site_context(site) else {
+            return Step::Answer(Answer::Forward);
+        };
+        if let Some(a) = self.report_asserts(ci) {
+            return Step::Answer(a);
+        }
+        let cuda = self.cuda.as_ref();
+        let ctx = &mut self.contexts[ci];
+        // A failed context answers through libcuda, which keeps its error; a capture makes libcuda's answer an error.
+        if ctx.order.live() == 0 || ctx.failed.is_some() || !self.capturing.is_empty() {
+            return Step::Answer(Answer::Forward);
+        }
+        let stream = ctx.stream(cuda, raw, pt);
+        let own = ctx.order.find(stream.key);
+        // The slots whose work the stream's synchronize covers: its own queue, and for the legacy stream every
+        // blocking stream's queue (conservative: CUDA's legacy stream orders itself after their work).
+        let slots: Vec<usize> = if stream.key == StreamKey::Legacy {
+            ctx.order.related(stream).collect()
+        } else {
+            own.into_iter().collect()
+        };
+        if kind == SyncKind::Query {
+            for &s in &slots {
+                match ctx.slot_state(s) {
+                    SlotState::Done => {}
+                    SlotState::Running => {
+                        self.summary.syncs_on_cpu += 1;
+                        return Step::Answer(Answer::Done(CUDA_ERROR_NOT_READY));
+                    }
+                    SlotState::Failed => return Step::Answer(Answer::Forward),
+                }
+            }
+        }
+        self.waits(ci, slots)
+    }
+
+    /// `cuStreamSynchronize` / `cuStreamQuery`, last step: the answer, and the generation to give
+    /// [`stream_synced`](Self::stream_synced) after a forwarded call.
+    pub(crate) fn stream_sync_end(
+        &mut self,
+        site: Site,
+        w: &Waits,
+        waited: &Result<(), String>,
+    ) -> (Answer, u64) {
+        let Some(ci) = self.waited(w, waited) else {
+            return (self.forward_after_asserts(w.ctx, w.handle), 0);
+        };
+        if let Some(a) = self.report_asserts(ci) {
+            return (a, 0);
+        }
+        let Site::Stream(raw, pt) = site else {
+            return (Answer::Forward, 0);
+        };
+        let cuda = self.cuda.as_ref();
+        let ctx = &mut self.contexts[ci];
+        let stream = ctx.stream(cuda, raw, pt);
+        match ctx.order.find(stream.key) {
+            Some(slot) if ctx.order.cuda_clean(slot) => {
+                self.summary.syncs_on_cpu += 1;
+                (Answer::Done(CUDA_SUCCESS), 0)
+            }
+            _ => {
+                self.summary.syncs_forwarded += 1;
+                (Answer::Forward, ctx.epoch)
+            }
+        }
+    }
+
+    /// `cuStreamSynchronize` / `cuStreamQuery` in one thread (the steps in a row).
+    #[cfg(test)]
+    pub(crate) fn stream_sync(&mut self, site: Site, kind: SyncKind) -> Answer {
+        match self.stream_sync_begin(site, kind) {
+            Step::Answer(a) => a,
+            Step::Wait(w) => {
+                let waited = w.wait();
+                self.stream_sync_end(site, &w, &waited).0
+            }
+        }
+    }
+
+    /// After a forwarded stream synchronize returned `result`; `epoch`: what [`stream_sync_end`](Self::stream_sync_end)
+    /// returned (0: nothing to do).
+    pub(crate) fn stream_synced(&mut self, site: Site, result: c_int, epoch: u64) {
+        let Site::Stream(raw, pt) = site else { return };
+        if result != CUDA_SUCCESS || epoch == 0 {
+            return;
+        }
+        let Some(ci) = self.site_context(site) else {
+            return;
+        };
+        let cuda = self.cuda.as_ref();
+        let ctx = &mut self.contexts[ci];
+        // Only if no work came in while libcuda synchronized (another thread's): that work is not complete.
+        if ctx.epoch == epoch {
+            let s = ctx.stream(cuda, raw, pt);
+            ctx.order.cuda_synchronized(s);
+        }
+    }
+
+    /// `cuCtxSynchronize`, first step: every queue of the current context waited for on the CPU.
+    pub(crate) fn context_sync_begin(&mut self) -> Step {
+        let Some(ci) = self.site_context(Site::Device) else {
+            return Step::Answer(Answer::Forward);
+        };
+        if let Some(a) = self.report_asserts(ci) {
+            return Step::Answer(a);
+        }
+        let slots: Vec<usize> = self.contexts[ci].order.slots().collect();
+        self.waits(ci, slots)
+    }
+
+    /// `cuCtxSynchronize`, last step: libcuda only if CUDA has had work since the context's last synchronize. The
+    /// generation is for [`context_synced`](Self::context_synced).
+    pub(crate) fn context_sync_end(
+        &mut self,
+        w: &Waits,
+        waited: &Result<(), String>,
+    ) -> (Answer, u64) {
+        let Some(ci) = self.waited(w, waited) else {
+            return (self.forward_after_asserts(w.ctx, w.handle), 0);
+        };
+        if let Some(a) = self.report_asserts(ci) {
+            return (a, 0);
+        }
+        let ctx = &self.contexts[ci];
+        if ctx.cuda_work || ctx.failed.is_some() || !self.capturing.is_empty() {
+            self.summary.syncs_forwarded += 1;
+            (Answer::Forward, ctx.epoch)
+        } else {
+            self.summary.syncs_on_cpu += 1;
+            (Answer::Done(CUDA_SUCCESS), 0)
+        }
+    }
+
+    /// `cuCtxSynchronize` in one thread.
+    #[cfg(test)]
+    pub(crate) fn context_sync(&mut self) -> Answer {
+        match self.context_sync_begin() {
+            Step::Answer(a) => a,
+            Step::Wait(w) => {
+                let waited = w.wait();
+                self.context_sync_end(&w, &waited).0
+            }
+        }
+    }
+
+    /// After a forwarded `cuCtxSynchronize` returned `result` (`epoch`: what `context_sync_end` returned).
+    pub(crate) fn context_synced(&mut self, result: c_int, epoch: u64) {
+        if result != CUDA_SUCCESS || epoch == 0 {
+            return;
+        }
+        if let Some(ci) = self.site_context(Site::Device) {
+            let ctx = &mut self.contexts[ci];
+            // Work another thread submitted while libcuda synchronized is not complete.
+            if ctx.epoch == epoch {
+                ctx.order.context_synchronized();
+                ctx.cuda_work = false;
+            }
+        }
+    }
+
+    /// Before a CUDA call that frees or unloads what work may use, or needs the whole device idle, first step:
+    /// every queue's work is waited for on the CPU (libcuda's own call waits for CUDA's), so no hop is needed.
+    pub(crate) fn device_quiet_begin(&mut self) -> Step {
+        let Some(ci) = self.site_context(Site::Device) else {
+            return Step::Answer(Answer::Forward);
+        };
+        let slots: Vec<usize> = self.contexts[ci].order.slots().collect();
+        self.waits(ci, slots)
+    }
+
+    /// Last step of [`device_quiet_begin`](Self::device_quiet_begin): a queue that could not be waited for is
+    /// handed to CUDA instead; a failed assert is reported (libcuda's call then returns it).
+    pub(crate) fn device_quiet_end(&mut self, w: &Waits, waited: &Result<(), String>) -> Answer {
+        match self.waited(w, waited) {
+            Some(ci) => self.report_asserts(ci).unwrap_or(Answer::Forward),
+            None => {
+                if let Some(ctx) = self
+                    .contexts
+                    .get_mut(w.ctx)
+                    .filter(|c| c.handle == w.handle)
+                {
+                    let cuda = self.cuda.as_ref();
+                    let (mut hops, order) = ctx.hops(cuda);
+                    let _ = order.before_cuda(Target::Device, &mut hops);
+                }
+                self.report_asserts(w.ctx).unwrap_or(Answer::Forward)
+            }
+        }
+    }
+
+    /// Every queue of context `ci` waited for on the CPU, under the lock (at shutdown and when the takeover stops:
+    /// nothing runs beside it then).
+    pub(super) fn wait_all(&mut self, ci: usize) {
+        if let Step::Wait(w) = self.waits(ci, self.contexts[ci].order.slots().collect::<Vec<_>>()) {
+            let waited = w.wait();
+            if self.waited(&w, &waited).is_none()
+                && let Some(ctx) = self.contexts.get_mut(ci)
+            {
+                warn!("an APEX queue failed while the preload waited for it");
+                let cuda = self.cuda.as_ref();
+                let (mut hops, order) = ctx.hops(cuda);
+                let _ = order.before_cuda(Target::Device, &mut hops);
+            }
+        }
+    }
+
+    /// Failed asserts of APEX's kernels in context `ci`, reported as libcuda reports its own. `Some` when one was:
+    /// what the call that found it returns.
+    pub(super) fn report_asserts(&mut self, ci: usize) -> Option<Answer> {
+        let ctx = self.contexts.get_mut(ci)?;
+        if !ctx.asserts_on_apex || !ctx.gpu.device_assert_pending() {
+            return None;
+        }
+        let failures = match ctx.gpu.take_device_asserts() {
+            Ok(f) => f,
+            Err(e) => {
+                warn!(error = %e, "cannot read the failed device asserts");
+                Vec::new()
+            }
+        };
+        self.summary.asserts += failures.len() as u64;
+        ctx.failed = Some(Refusal::AssertReported);
+        // The context is unusable from here on, as libcuda makes it: the program's call reaches libcuda, which
+        // answers CUDA_ERROR_ASSERT once the replay has run.
+        match self.cuda.replay_asserts(ctx.handle, &failures) {
+            Ok(()) => Some(Answer::Forward),
+            Err(e) => {
+                // libcuda could not replay (its context already failed, or no record survived): CUDA's lines printed
+                // here, and every call through the preload answers CUDA_ERROR_ASSERT from now on.
+                warn!(error = %e, "device asserts could not be replayed through libcuda");
+                for f in &failures {
+                    eprintln!("{f}");
+                }
+                STICKY.store(CUDA_ERROR_ASSERT, Ordering::Relaxed);
+                Some(Answer::Done(CUDA_ERROR_ASSERT))
+            }
+        }
+    }
+
+    /// A failed assert of APEX's kernels in context `ci`, reported: what a call that found it returns
+    /// (`CUDA_ERROR_ASSERT`, libcuda's context failed by the replay).
+    pub(super) fn assert_answer(&mut self, ci: usize) -> Option<c_int> {
+        match self.report_asserts(ci)? {
+            Answer::Done(code) => Some(code),
+            Answer::Forward => Some(CUDA_ERROR_ASSERT),
+        }
+    }
+
+    /// libcuda answers, after a failed assert of the context (`ci`, if it is still `handle`) is reported.
+    pub(super) fn forward_after_asserts(&mut self, ci: usize, handle: usize) -> Answer {
+        self.summary.syncs_forwarded += 1;
+        if self.contexts.get(ci).is_some_and(|c| c.handle == handle) {
+            self.report_asserts(ci).unwrap_or(Answer::Forward)
+        } else {
+            Answer::Forward
+        }
+    }
+
+    // ---- events ----
+
+    /// `cuEventCreate` made `event` with `flags`.
+    pub(crate) fn event_created(&mut self, event: usize, flags: u32) {
+        // Kept by the preload only with CU_EVENT_DISABLE_TIMING (2), never with CU_EVENT_INTERPROCESS (4): another
+        // process reads an interprocess event's state from libcuda.
+        self.event_untimed
+            .insert(event, flags & 2 != 0 && flags & 4 == 0);
+    }
+
+    /// `cuEventDestroy`.
+    pub(crate) fn event_destroyed(&mut self, event: usize) {
+        self.event_untimed.remove(&event);
+        for c in &mut self.contexts {
+            c.events.remove(&event);
+        }
+    }
+
+    /// `cuEventRecord(event, site)`: recorded by the preload itself when everything it stands for is an APEX
+    /// queue's work and the event does not time; otherwise the stream's queues are handed over and libcuda records
+    /// it.
+    pub(crate) fn event_record(&mut self, event: usize, site: Site) -> Answer {
+        // A new record replaces the last one, wherever it was kept.
+        for c in &mut self.contexts {
+            c.events.remove(&event);
+        }
+        let Site::Stream(raw, pt) = site else {
+            return Answer::Forward;
+        };
+        let untimed = self.event_untimed.get(&event).copied().unwrap_or(false);
+        if untimed
+            && self.capturing.is_empty()
+            && let Some(ci) = self.site_context(site)
+            && self.contexts[ci].failed.is_none()
+        {
+            let cuda = self.cuda.as_ref();
+            let ctx = &mut self.contexts[ci];
+            let stream = ctx.stream(cuda, raw, pt);
+            // Only a taken-over stream whose CUDA side holds nothing the queue did not wait for, and whose queue
+            // waited for every related queue's last launch (CUDA orders a record on a blocking stream after the
+            // legacy stream's earlier work): then the queue's last launch stands for all of it. (The legacy stream
+            // orders after every blocking stream's work: not kept.)
+            if stream.key != StreamKey::Legacy
+                && let Some(slot) = ctx.order.find(stream.key)
+                && ctx.order.cuda_clean(slot)
+                && ctx.order.covers_related(slot)
+                && let Some(Ok(fence)) = ctx.last_fence(slot)
+            {
+                ctx.events.insert(event, VirtualEvent { slot, fence });
+                self.summary.events_on_apex += 1;
+                return Answer::Done(CUDA_SUCCESS);
+            }
+        }
+        self.before(site);
+        Answer::Forward
+    }
+
+    pub(super) fn event_home(&self, event: usize) -> Option<usize> {
+        self.contexts
+            .iter()
+            .position(|c| c.events.contains_key(&event))
+    }
+
+    /// `cuEventSynchronize` / `cuEventQuery`, first step: an event the preload kept is answered from its fence;
+    /// any other goes to libcuda, after a failed assert of APEX's is reported (libcuda then answers with it).
+    pub(crate) fn event_sync_begin(&mut self, event: usize, kind: SyncKind) -> Step {
+        let Some(ci) = self.event_home(event) else {
+            let current = self.site_context(Site::Device);
+            return Step::Answer(
+                current
+                    .and_then(|ci| self.report_asserts(ci))
+                    .unwrap_or(Answer::Forward),
+            );
+        };
+        if let Some(a) = self.report_asserts(ci) {
+            return Step::Answer(a);
+        }
+        let ctx = &mut self.contexts[ci];
+        let Some(v) = ctx.events.get(&event) else {
+            return Step::Answer(Answer::Forward);
+        };
+        if ctx.failed.is_some() {
+            return Step::Answer(Answer::Forward);
+        }
+        if kind == SyncKind::Query {
+            match fence_state(&v.fence) {
+                SlotState::Done => {}
+                SlotState::Running => {
+                    self.summary.syncs_on_cpu += 1;
+                    return Step::Answer(Answer::Done(CUDA_ERROR_NOT_READY));
+                }
+                SlotState::Failed => {
+                    ctx.events.remove(&event);
+                    return Step::Answer(Answer::Forward);
+                }
+            }
+        }
+        Step::Wait(Waits {
+            ctx: ci,
+            handle: ctx.handle,
+            items: vec![(v.slot, v.fence.clone())],
+        })
+    }
+
+    /// `cuEventSynchronize` / `cuEventQuery`, last step.
+    pub(crate) fn event_sync_end(
+        &mut self,
+        event: usize,
+        w: &Waits,
+        waited: &Result<(), String>,
+    ) -> Answer {
+        if waited.is_err() {
+            // The queue faulted: libcuda's event (never recorded) would say nothing; libcuda's context error is
+            // what the program must see, from a call that reaches libcuda with the event recorded.
+            if let Some(ctx) = self
+                .contexts
+                .get_mut(w.ctx)
+                .filter(|c| c.handle == w.handle)
+            {
+                ctx.events.remove(&event);
+            }
+            return self.forward_after_asserts(w.ctx, w.handle);
+        }
+        if let Some(a) = self.report_asserts(w.ctx) {
+            return a;
+        }
+        self.summary.syncs_on_cpu += 1;
+        Answer::Done(CUDA_SUCCESS)
+    }
+
+    /// `cuEventSynchronize` / `cuEventQuery` in one thread.
+    #[cfg(test)]
+    pub(crate) fn event_sync(&mut self, event: usize, kind: SyncKind) -> Answer {
+        match self.event_sync_begin(event, kind) {
+            Step::Answer(a) => a,
+            Step::Wait(w) => {
+                let waited = w.wait();
+                self.event_sync_end(event, &w, &waited)
+            }
+        }
+    }
+
+    /// Before libcuda looks at `event` (a stream waits for it, elapsed time, IPC), first step: an event the preload
+    /// kept is recorded in libcuda now, on the preload's own stream. Its work complete: with nothing before it. Its
+    /// queue has launched nothing since: after the queue's work. Otherwise its fence is returned to wait for first
+    /// (waiting for the queue's later work too could wait for work that itself waits for what follows).
+    pub(crate) fn materialize_begin(&mut self, event: usize) -> Option<(Fence, usize)> {
+        let ci = self.event_home(event)?;
+        let cuda = self.cuda.as_ref();
+        let ctx = &mut self.contexts[ci];
+        let v = ctx.events.remove(&event)?;
+        self.summary.events_materialized += 1;
+        ctx.cuda_work = true;
+        ctx.epoch += 1;
+        let latest = ctx
+            .last_fence(v.slot)
+            .and_then(Result::ok)
+            .and_then(|f| Some(f.direct()?.value()));
+        let result = if v.fence.is_done() {
+            cuda.record_event_now(ctx.handle, event, &mut ctx.side)
+        } else if latest == v.fence.direct().map(|f| f.value()) {
+            match ctx.queues.get_mut(v.slot).and_then(Option::as_mut) {
+                Some(q) => cuda.record_event_after(ctx.handle, q, event, &mut ctx.side),
+                None => Err("the event's queue is gone".into()),
+            }
+        } else {
+            return Some((v.fence, ctx.handle));
+        };
+        if let Err(e) = result {
+            warn!(error = %e, "cannot record an event after APEX's queue; waiting for the queue instead");
+            return Some((v.fence, ctx.handle));
+        }
+        None
+    }
+
+    /// After the fence [`materialize_begin`](Self::materialize_begin) returned was waited for: libcuda records the
+    /// event with nothing pending.
+    pub(crate) fn materialize_end(&mut self, event: usize, handle: usize) {
+        let Some(ci) = self.find_context(handle) else {
+            return;
+        };
+        let cuda = self.cuda.as_ref();
+        let ctx = &mut self.contexts[ci];
+        if let Err(e) = cuda.record_event_now(ctx.handle, event, &mut ctx.side) {
+            warn!(error = %e, "cannot record an event in libcuda");
+        }
+    }
+
+    /// [`materialize_begin`](Self::materialize_begin), the wait and the end in one thread.
+    pub(crate) fn materialize(&mut self, event: usize) {
+        if let Some((f, handle)) = self.materialize_begin(event) {
+            let _ = wait_fence(&f);
+            self.materialize_end(event, handle);
+        }
+    }
+
+    /// Every event the preload kept, recorded in libcuda (before a capture begins or a graph launches).
+    pub(crate) fn materialize_all(&mut self) {
+        let events: Vec<usize> = self
+            .contexts
+            .iter()
+            .flat_map(|c| c.events.keys().copied())
+            .collect();
+        for e in events {
+            self.materialize(e);
+        }
+    }
+}
