@@ -32,6 +32,8 @@ const ONE: LaunchConfig = LaunchConfig {
     block: [1, 1, 1],
     shared_bytes: 0,
     cluster: None,
+    sync_domain: 0,
+    cluster_policy: apex::ClusterPolicy::Default,
 };
 
 struct Paths {

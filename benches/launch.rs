@@ -76,6 +76,8 @@ const ONE: LaunchConfig = LaunchConfig {
     block: [1, 1, 1],
     shared_bytes: 0,
     cluster: None,
+    sync_domain: 0,
+    cluster_policy: apex::ClusterPolicy::Default,
 };
 
 impl Paths {

@@ -18,6 +18,8 @@ const ONE: LaunchConfig = LaunchConfig {
     block: [1, 1, 1],
     shared_bytes: 0,
     cluster: None,
+    sync_domain: 0,
+    cluster_policy: crate::launch::ClusterPolicy::Default,
 };
 
 /// What to measure, and how much.

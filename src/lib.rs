@@ -53,5 +53,5 @@ pub use api::{
 };
 pub use api::{Graph, GraphExec, GraphLaunch, GraphNode};
 pub use launch::printf::{AssertAction, AssertFailure};
-pub use launch::{Arg, LaunchConfig, LaunchMemory, VariableHome};
+pub use launch::{Arg, ClusterPolicy, LaunchConfig, LaunchMemory, VariableHome};
 pub use report::error_report;

@@ -174,18 +174,24 @@ fn bad_input(b: Backend) {
             block: [1, 1, 1],
             shared_bytes: 0,
             cluster: None,
+            sync_domain: 0,
+            cluster_policy: apex::ClusterPolicy::Default,
         },
         LaunchConfig {
             grid: [1, 1, 1],
             block: [2048, 1, 1],
             shared_bytes: 0,
             cluster: None,
+            sync_domain: 0,
+            cluster_policy: apex::ClusterPolicy::Default,
         },
         LaunchConfig {
             grid: [1, 1, 1],
             block: [1, 1, 1],
             shared_bytes: 1 << 20,
             cluster: None,
+            sync_domain: 0,
+            cluster_policy: apex::ClusterPolicy::Default,
         },
     ] {
         // SAFETY: refused before launch.

@@ -232,6 +232,25 @@ fn clusters(b: Backend) {
             "{b:?} {grid:?} in {c:?}"
         );
     }
+    // Every cluster scheduling policy and memory sync domain runs the same clusters (NCCL launches "spread" in
+    // domain 1); the policy places them, the domain scopes fences.
+    for policy in [
+        apex::ClusterPolicy::Default,
+        apex::ClusterPolicy::Spread,
+        apex::ClusterPolicy::LoadBalancing,
+    ] {
+        for domain in 0..4 {
+            let cfg = LaunchConfig::linear(24, 64)
+                .with_cluster([4, 1, 1])
+                .with_cluster_policy(policy)
+                .with_sync_domain(domain);
+            assert_eq!(
+                run(&mut q, &runtime, cfg),
+                cluster_expected(cfg.grid, [4, 1, 1]),
+                "{b:?} {policy:?} domain {domain}"
+            );
+        }
+    }
 
     // Refused with a typed error before anything is submitted; the queue keeps working.
     for (k, cfg) in [

@@ -230,6 +230,8 @@ fn block_and_grid_dimensions_read_back() {
                 block,
                 shared_bytes: 0,
                 cluster: None,
+                sync_domain: 0,
+                cluster_policy: apex::ClusterPolicy::Default,
             },
             &[Arg::Ptr(out.va()), Arg::U64(probe)],
         );
@@ -268,6 +270,8 @@ fn block_and_grid_dimensions_read_back() {
                 block,
                 shared_bytes: 0,
                 cluster: None,
+                sync_domain: 0,
+                cluster_policy: apex::ClusterPolicy::Default,
             },
             &[Arg::Ptr(counter.va())],
         );
@@ -294,6 +298,8 @@ fn dynamic_shared_memory_up_to_the_device_maximum() {
                 block: [256, 1, 1],
                 shared_bytes: dynamic,
                 cluster: None,
+                sync_domain: 0,
+                cluster_policy: apex::ClusterPolicy::Default,
             },
             &[Arg::Ptr(out.va()), Arg::U32(words)],
         );
@@ -310,6 +316,8 @@ fn dynamic_shared_memory_up_to_the_device_maximum() {
         block: [32, 1, 1],
         shared_bytes: max_dynamic + 1,
         cluster: None,
+        sync_domain: 0,
+        cluster_policy: apex::ClusterPolicy::Default,
     };
     // SAFETY: rejected before launch.
     assert!(
@@ -428,36 +436,48 @@ fn bad_launches_are_refused_before_the_ring() {
             block: [1, 1, 1],
             shared_bytes: 0,
             cluster: None,
+            sync_domain: 0,
+            cluster_policy: apex::ClusterPolicy::Default,
         },
         LaunchConfig {
             grid: [1, 65536, 1],
             block: [1, 1, 1],
             shared_bytes: 0,
             cluster: None,
+            sync_domain: 0,
+            cluster_policy: apex::ClusterPolicy::Default,
         },
         LaunchConfig {
             grid: [1, 1, 1],
             block: [1025, 1, 1],
             shared_bytes: 0,
             cluster: None,
+            sync_domain: 0,
+            cluster_policy: apex::ClusterPolicy::Default,
         },
         LaunchConfig {
             grid: [1, 1, 1],
             block: [32, 32, 2],
             shared_bytes: 0,
             cluster: None,
+            sync_domain: 0,
+            cluster_policy: apex::ClusterPolicy::Default,
         },
         LaunchConfig {
             grid: [1, 1, 1],
             block: [1, 1, 65],
             shared_bytes: 0,
             cluster: None,
+            sync_domain: 0,
+            cluster_policy: apex::ClusterPolicy::Default,
         },
         LaunchConfig {
             grid: [1, 1, 1],
             block: [1, 1, 1],
             shared_bytes: 1 << 20,
             cluster: None,
+            sync_domain: 0,
+            cluster_policy: apex::ClusterPolicy::Default,
         },
     ];
     for cfg in bad {
@@ -523,6 +543,8 @@ fn completion_covers_the_kernels_writes_to_host_memory() {
         block: [256, 1, 1],
         shared_bytes: 0,
         cluster: None,
+        sync_domain: 0,
+        cluster_policy: apex::ClusterPolicy::Default,
     };
     let args = [
         Arg::F32(1.0),

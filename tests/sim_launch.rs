@@ -137,6 +137,8 @@ fn raw_qmd(
         const_buffers: cbs,
         release: Some(release),
         cluster: None,
+        sync_domain: 0,
+        cluster_load_balancing: false,
     };
     let mut words = [0u32; QMD_WORDS];
     qmd::build(version, &p, &mut words).unwrap();

@@ -99,8 +99,9 @@ enum Cmd {
         /// build it with `cargo build --release -p apex-preload`).
         #[arg(long)]
         lib: Option<PathBuf>,
-        /// Keep the preload's statistics (JSON) in this file (default: $APEX_PRELOAD_STATS if set, else a
-        /// temporary file, removed after the report).
+        /// Keep the preload's statistics (JSON) in this file (default: $APEX_PRELOAD_STATS if set, else
+        /// temporary files, removed after the report). `%p` in the name: one file per process (its pid), for
+        /// programs that start processes (torchrun); every process that launched is reported.
         #[arg(long)]
         stats: Option<PathBuf>,
         /// Forward everything to libcuda (APEX_PRELOAD=off; launches are still counted), for A/B comparisons.
@@ -759,25 +760,26 @@ fn run(lib: Option<PathBuf>, o: &RunOptions, command: &[String]) -> Res<()> {
             .map(PathBuf::from)
     });
     let temporary = kept.is_none();
-    let stats = kept.unwrap_or_else(|| {
-        std::env::temp_dir().join(format!("apex-run-{}.json", std::process::id()))
-    });
-    remove_stale(&stats, "--stats")?;
+    // Ours: a private directory with one summary per process (`%p`), so every process of a job started under
+    // the program (torchrun's ranks, multiprocessing workers) is reported, not whichever wrote last.
+    let dir = std::env::temp_dir().join(format!("apex-run-{}", std::process::id()));
+    let stats = kept.unwrap_or_else(|| dir.join("stats-%p.json"));
     if temporary {
-        // Made here, empty, owner-only and refusing an existing path (a link someone planted included), so the
-        // preload truncates a file of ours; empty afterwards means it wrote nothing.
-        use std::os::unix::fs::OpenOptionsExt;
-        std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&stats)
+        use std::os::unix::fs::DirBuilderExt;
+        // Made here, owner-only and refusing an existing path (a link someone planted included).
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
             .map_err(|e| {
                 msg(format!(
-                    "cannot create the statistics file {}: {e}; choose one with --stats",
-                    stats.display()
+                    "cannot create the statistics directory {}: {e}; choose a file with --stats",
+                    dir.display()
                 ))
             })?;
+    } else {
+        for stale in summary_files(&stats) {
+            remove_stale(&stale, "--stats")?;
+        }
     }
     let mut env = vec![("APEX_PRELOAD_STATS", stats.as_os_str().to_owned())];
     if o.off {
@@ -801,40 +803,106 @@ fn run(lib: Option<PathBuf>, o: &RunOptions, command: &[String]) -> Res<()> {
         }
     );
     let status = run_preloaded(&lib, program, args, &env);
-    let read = std::fs::read_to_string(&stats);
+    let mut read = Vec::new();
+    for file in summary_files(&stats) {
+        match std::fs::read_to_string(&file) {
+            Ok(text) if text.trim().is_empty() => {}
+            Ok(text) => match serde_json::from_str::<Value>(&text) {
+                Ok(v) => read.push((file, v)),
+                Err(e) => eprintln!(
+                    "apex run: {} does not hold the preload's JSON statistics ({e})",
+                    file.display()
+                ),
+            },
+            Err(e) => eprintln!(
+                "apex run: cannot read the statistics in {}: {e}",
+                file.display()
+            ),
+        }
+    }
     if temporary {
         // Nothing to do if it is already gone; the report does not depend on it.
-        let _ = std::fs::remove_file(&stats);
+        let _ = std::fs::remove_dir_all(&dir);
     }
     let status = status?;
-    match read {
-        Ok(text) if !text.trim().is_empty() => match serde_json::from_str::<Value>(&text) {
-            Ok(v) => {
-                if o.json {
-                    println!("{}", serde_json::to_string_pretty(&v)?);
-                }
-                for line in stats_report(&v) {
-                    eprintln!("apex run: {line}");
-                }
-            }
-            Err(e) => eprintln!(
-                "apex run: {} does not hold the preload's JSON statistics ({e})",
-                stats.display()
-            ),
-        },
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => eprintln!(
-            "apex run: cannot read the statistics in {}: {e}",
-            stats.display()
-        ),
-        // The preload writes them at exit, and only once the program used CUDA.
-        _ if status.code().is_none() => eprintln!(
+    // Processes that made no launch (a launcher such as torchrun's) are reported only when nothing else is.
+    let launched = |v: &Value| v.get("launches").and_then(Value::as_u64).unwrap_or(0) > 0;
+    if read.iter().any(|(_, v)| launched(v)) {
+        read.retain(|(_, v)| launched(v));
+    }
+    match read.as_slice() {
+        [] if status.code().is_none() => eprintln!(
             "apex run: no statistics: the program was killed before the preload could write them"
         ),
-        _ => eprintln!(
+        // The preload writes them at exit, and only once the program used CUDA.
+        [] => eprintln!(
             "apex run: the program made no CUDA launch the preload saw (or the preload was not loaded), so there are no statistics"
         ),
+        [(_, v)] => {
+            if o.json {
+                println!("{}", serde_json::to_string_pretty(v)?);
+            }
+            for line in stats_report(v) {
+                eprintln!("apex run: {line}");
+            }
+        }
+        several => {
+            if o.json {
+                let all: Vec<&Value> = several.iter().map(|(_, v)| v).collect();
+                println!("{}", serde_json::to_string_pretty(&all)?);
+            }
+            eprintln!("apex run: {} processes made CUDA launches", several.len());
+            for (file, v) in several {
+                let name = file
+                    .file_stem()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                eprintln!("apex run: process {}:", name.trim_start_matches("stats-"));
+                for line in stats_report(v) {
+                    eprintln!("apex run:   {line}");
+                }
+            }
+        }
     }
     pass_status("apex run", program, status)
+}
+
+/// The summary files the preload writes for `APEX_PRELOAD_STATS=pattern`: `pattern` itself, or, where its file name
+/// holds `%p` (one file per process), every file of its directory that the name matches with `%p` standing for
+/// anything, in name order.
+fn summary_files(pattern: &Path) -> Vec<PathBuf> {
+    let name = pattern
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let Some((prefix, suffix)) = name.split_once("%p") else {
+        return if pattern.exists() {
+            vec![pattern.to_path_buf()]
+        } else {
+            Vec::new()
+        };
+    };
+    let dir = match pattern.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return Vec::new();
+    };
+    let mut files: Vec<PathBuf> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name().is_some_and(|n| {
+                let n = n.to_string_lossy();
+                n.len() >= prefix.len() + suffix.len()
+                    && n.starts_with(prefix)
+                    && n.ends_with(suffix)
+            })
+        })
+        .collect();
+    files.sort();
+    files
 }
 
 /// `n` with the singular or plural noun.

@@ -235,3 +235,42 @@ fn the_environment_reaches_the_program() {
         "the library goes first, before what the user preloads"
     );
 }
+
+/// A program that starts processes (torchrun, multiprocessing): each writes its own summary (`%p` in
+/// `APEX_PRELOAD_STATS`), and each one that launched is reported; a launcher without launches is left out.
+#[test]
+fn every_process_of_a_job_is_reported() {
+    let Some(libc) = libc() else { return };
+    let tmp = scratch("processes");
+    let script = r#"for p in 11 12; do printf '%s' "$0" > "$(echo "$APEX_PRELOAD_STATS" | sed "s/%p/$p/")"; done
+printf '{"launches": 0, "apex": 0, "fallback": 0}' > "$(echo "$APEX_PRELOAD_STATS" | sed "s/%p/13/")""#;
+    let o = apex(&tmp)
+        .args(["run", "--lib", libc, "--", "sh", "-c", script, STATS])
+        .output()
+        .unwrap();
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{e}");
+    assert!(
+        e.contains("apex run: 2 processes made CUDA launches\n"),
+        "{e}"
+    );
+    for line in [
+        "apex run: process 11:\n",
+        "apex run: process 12:\n",
+        "apex run:   200 kernel launches: 150 through APEX (75.0%), 50 fell back to libcuda\n",
+    ] {
+        assert!(e.contains(line), "missing {line:?} in:\n{e}");
+    }
+    assert!(!e.contains("process 13"), "the launcher was reported:\n{e}");
+    let left: Vec<_> = std::fs::read_dir(&tmp).unwrap().collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    // --json: one summary per process that launched, as an array.
+    let o = apex(&tmp)
+        .args([
+            "run", "--json", "--lib", libc, "--", "sh", "-c", script, STATS,
+        ])
+        .output()
+        .unwrap();
+    let printed: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON on stdout");
+    assert_eq!(printed.as_array().map(Vec::len), Some(2), "{printed}");
+}

@@ -6,8 +6,9 @@
         [--metric step_us|mean_us] [programs ...] [-- program args ...]
 
 Each pair is one process with no LD_PRELOAD at all (plain libcuda) and one with LD_PRELOAD=<lib> and
-APEX_PRELOAD_STATS=<a temporary JSON per run>; the order inside a pair alternates (pair 0 plain first, pair 1
-preload first, ...) so drift favours neither side. Every process is pinned to one core. Every run's `result`
+APEX_PRELOAD_STATS=<a temporary JSON per process>; the order inside a pair alternates (pair 0 plain first, pair 1
+preload first, ...) so drift favours neither side. Every process is pinned to one core (or to a list of cores, for
+programs that start several processes, whose summaries are merged with a per-process list). Every run's `result`
 lines must equal the first plain run's; a mismatch, or a run that fails, makes the runner exit 1 (after all the
 programs ran). Only the standard library is used, so the statistics and the table can be tested anywhere
 (test_pairs.py).
@@ -488,8 +489,17 @@ def build_run(python, program, prog_args, side, lib, stats_path, core, taskset, 
         env.update(preload_vars)
         if core is not None:
             def preexec(c=core):
-                os.sched_setaffinity(0, {c})
+                os.sched_setaffinity(0, parse_cores(c))
     return cmd, env, preexec, preload_vars
+
+
+def parse_cores(spec):
+    """The cores of a taskset-style list ("3", "3,5", "2-5")."""
+    cores = set()
+    for part in str(spec).split(","):
+        lo, _, hi = part.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return cores
 
 
 def execute(cmd, env, preexec, timeout):
@@ -524,6 +534,56 @@ def execute(cmd, env, preexec, timeout):
     )
 
 
+def merge_process_stats(per_process):
+    """One run's summary from the summaries its processes wrote (torchrun ranks, multiprocessing workers).
+
+    Processes that made no launch (a launcher, a spawning parent) are left out. One process: its summary
+    unchanged. Several: numbers summed, reasons merged (launches summed, the first example kept), other values
+    from the first process, and "processes": [{"launches", "apex", "fallback", "attach"} per process], so a
+    per-rank share can be checked.
+    """
+    active = [s for s in per_process if isinstance(s, dict) and s.get("launches")]
+    if not active:
+        return per_process[0] if per_process else None
+    if len(active) == 1:
+        return active[0]
+    merged = {}
+    for s in active:
+        for k, v in s.items():
+            if k == "reasons" and isinstance(v, dict):
+                rs = merged.setdefault("reasons", {})
+                for label, info in v.items():
+                    e = rs.setdefault(label, {"launches": 0, "example": None})
+                    n = info.get("launches", 0) if isinstance(info, dict) else info
+                    e["launches"] += n if _is_number(n) else 0
+                    if e["example"] is None and isinstance(info, dict):
+                        e["example"] = info.get("example")
+            elif _is_number(v) and not isinstance(v, bool):
+                merged[k] = merged.get(k, 0) + v
+            else:
+                merged.setdefault(k, v)
+    merged["processes"] = [
+        {k: s.get(k) for k in ("launches", "apex", "fallback", "attach")} for s in active
+    ]
+    return merged
+
+
+def read_process_stats(pattern_path):
+    """The summaries written for `pattern_path` (a path with `%p`, one file per process), merged."""
+    pattern_path = Path(pattern_path)
+    prefix, suffix = pattern_path.name.split("%p", 1)
+    found = []
+    for f in sorted(pattern_path.parent.glob(f"{prefix}*{suffix}")):
+        data, err = read_stats(f)
+        if err:
+            return None, err
+        if data is not None:
+            found.append(data)
+    if not found:
+        return None, None
+    return merge_process_stats(found), None
+
+
 def read_stats(path):
     try:
         with open(path, encoding="utf-8") as f:
@@ -539,9 +599,9 @@ def read_stats(path):
 
 def one_run(ctx, program, pair, side, order_index):
     name = program_name(program)
-    stats_path = Path(ctx["tmp"]) / f"stats-{name}-pair{pair}.json"
-    if stats_path.exists():
-        stats_path.unlink()
+    stats_path = Path(ctx["tmp"]) / f"stats-{name}-pair{pair}-%p.json"
+    for old in Path(ctx["tmp"]).glob(f"stats-{name}-pair{pair}-*.json"):
+        old.unlink()
     cmd, env, preexec, preload_vars = build_run(
         ctx["python"], program, ctx["prog_args"], side, ctx["lib"], stats_path, ctx["core"], ctx["taskset"],
         ctx["env_tool"], os.environ, ctx["extra_env"], ctx["preload_env"],
@@ -559,7 +619,7 @@ def one_run(ctx, program, pair, side, order_index):
         error = "printed no result lines"
     stats, stats_error = (None, None)
     if side == "preload":
-        stats, stats_error = read_stats(stats_path)
+        stats, stats_error = read_process_stats(stats_path)
     notable, notable_total = notable_stderr(stderr) if side == "preload" else ([], 0)
     run = {
         "program": name,
@@ -617,7 +677,8 @@ def parse_args(argv):
     )
     ap.add_argument("--lib", required=True, help="the preload library (libapex_preload.so)")
     ap.add_argument("--pairs", type=int, default=5, help="alternating pairs per program (>= 5 advised)")
-    ap.add_argument("--core", type=int, default=3, help="the core every run is pinned to")
+    ap.add_argument("--core", default="3",
+                    help="the core every run is pinned to, or a list for multi-process programs (\"2-5\", \"3,5\")")
     ap.add_argument("--no-pin", action="store_true", help="do not pin the runs to a core")
     ap.add_argument("--out", help="write all raw data here as JSON (default: a file in a temporary folder)")
     ap.add_argument("--extra-env", nargs="*", default=[], metavar="K=V", help="environment for both sides")
@@ -652,7 +713,11 @@ def main(argv=None):
     core = None if args.no_pin else args.core
     if core is not None:
         allowed = sorted(os.sched_getaffinity(0))
-        if core not in allowed:
+        try:
+            wanted = parse_cores(core)
+        except ValueError:
+            raise SystemExit(f"pairs.py: --core {core} is not a core list (3, 3,5 or 2-5)")
+        if not wanted or not wanted <= set(allowed):
             raise SystemExit(f"pairs.py: core {core} is not one this process may use ({allowed}); pass --core")
     taskset = shutil.which("taskset")
     env_tool = shutil.which("env") or "/usr/bin/env"

@@ -91,7 +91,15 @@ FAKE = textwrap.dedent(
             "hops_to_cuda": 7, "hops_to_apex": 8, "cpu_syncs": 0,
             "queues": 1, "attach": "direct",
         }
-        Path(os.environ["APEX_PRELOAD_STATS"]).write_text(json.dumps(stats))
+        path = os.environ["APEX_PRELOAD_STATS"]
+        ranks = config.get("ranks", 0)
+        if not ranks:
+            Path(path.replace("%p", str(os.getpid()))).write_text(json.dumps(stats))
+        else:
+            # A launcher that made no launch, and one summary per rank, as torchrun's processes write them.
+            Path(path.replace("%p", "1")).write_text(json.dumps({"launches": 0, "apex": 0, "fallback": 0}))
+            for r in range(ranks):
+                Path(path.replace("%p", str(100 + r))).write_text(json.dumps(stats))
     '''
 )
 
@@ -169,6 +177,16 @@ class EndToEnd(unittest.TestCase):
         self.assertIn("hops_to_cuda 7, hops_to_apex 8, cpu_syncs 0", proc.stdout)
         self.assertIn("queues 1, attach direct", proc.stdout)
 
+    def test_processes_of_a_run_each_write_a_summary(self):
+        prog = self.fake("ranks", {"plain": [100] * 5, "preload": [50] * 5, "ranks": 2})
+        proc, data = self.run_pairs([prog], 1, "--core", f"{self.core},{self.core}")
+        self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+        runs = [r for r in data["programs"]["ranks"]["runs"] if r["side"] == "preload"]
+        stats = runs[0]["stats"]
+        self.assertEqual((stats["launches"], stats["apex"]), (2000, 1800))
+        self.assertEqual(len(stats["processes"]), 2, "the launcher without launches is left out")
+        self.assertEqual(stats["reasons"]["device_runtime"]["launches"], 200)
+
     def test_mean_us_metric(self):
         prog = self.fake("fake", {"plain": [100, 200], "preload": [50, 400]})
         proc, data = self.run_pairs([prog], 2, "--metric", "mean_us")
@@ -244,6 +262,28 @@ class EndToEnd(unittest.TestCase):
 
 
 class Functions(unittest.TestCase):
+    def test_parse_cores(self):
+        self.assertEqual(pairs.parse_cores("3"), {3})
+        self.assertEqual(pairs.parse_cores("3,5"), {3, 5})
+        self.assertEqual(pairs.parse_cores("2-4,7"), {2, 3, 4, 7})
+        with self.assertRaises(ValueError):
+            pairs.parse_cores("x")
+
+    def test_merge_process_stats(self):
+        a = {"launches": 10, "apex": 9, "fallback": 1, "attach": "direct",
+             "reasons": {"launch_attribute": {"launches": 1, "example": "launch attribute 10"}}}
+        b = {"launches": 20, "apex": 20, "fallback": 0, "attach": "direct", "reasons": {}}
+        launcher = {"launches": 0, "apex": 0, "fallback": 0, "attach": "not attempted"}
+        self.assertIs(pairs.merge_process_stats([a]), a)
+        self.assertIs(pairs.merge_process_stats([launcher, a]), a)
+        m = pairs.merge_process_stats([launcher, a, b])
+        self.assertEqual((m["launches"], m["apex"], m["fallback"]), (30, 29, 1))
+        self.assertEqual(m["attach"], "direct")
+        self.assertEqual(m["reasons"]["launch_attribute"], {"launches": 1, "example": "launch attribute 10"})
+        self.assertEqual([p["apex"] for p in m["processes"]], [9, 20])
+        self.assertEqual(pairs.merge_process_stats([launcher]), launcher)
+        self.assertIsNone(pairs.merge_process_stats([]))
+
     def test_parse_output(self):
         p = pairs.parse_output("result a 01\nresult b 02\nsteps 5\nstep_us 12.5\nmean_us 13\nnoise here\n\n")
         self.assertEqual(p["results"], {"a": "01", "b": "02"})

@@ -67,6 +67,11 @@ pub struct Extras {
     /// previous kernel completes (it waits for it itself with `griddepcontrol.wait`). Running it in plain stream
     /// order is always correct, so a queue that cannot start it early runs it as an ordinary launch.
     pub programmatic: bool,
+    /// The memory sync domain the kernel runs in, after the launch's domain map
+    /// (`CU_LAUNCH_ATTRIBUTE_MEM_SYNC_DOMAIN` and `..._MAP`; NCCL's kernels ask for "remote", domain 1).
+    pub sync_domain: u8,
+    /// `CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE`.
+    pub cluster_policy: apex::ClusterPolicy,
 }
 
 const IGNORE: u32 = 0;
@@ -104,12 +109,16 @@ fn name(id: u32) -> &'static str {
 }
 
 /// The attributes of one `cuLaunchKernelEx`, or why an APEX queue cannot run it. Honoured: a cluster shape, the
-/// cooperative flag, programmatic stream serialization, and attributes set to their default (a zero value: default
-/// scheduling policy, no carveout preference). Everything else — programmatic events, priorities, memory sync
-/// domains, access policy windows, ids this library does not know — is refused: the launch runs on libcuda, which
-/// honours them.
+/// cooperative flag, programmatic stream serialization, the cluster scheduling policy, the memory sync domain and
+/// its map (written into the QMD as libcuda writes them), and a carveout preference left at its default.
+/// Everything else — programmatic events, priorities, access policy windows, launch completion events, ids this
+/// library does not know — is refused: the launch runs on libcuda, which honours them.
 pub fn extras(attrs: &[LaunchAttribute]) -> Result<Extras, Refusal> {
     let mut out = Extras::default();
+    let mut refused: Option<Refusal> = None;
+    // CUDA's default map (measured: "remote" launches carry SYNC_DOMAIN_ID 1, default ones 0).
+    let mut map: [u8; 2] = [0, 1];
+    let mut domain = 0usize;
     for a in attrs {
         match a.id {
             IGNORE => {}
@@ -120,17 +129,44 @@ pub fn extras(attrs: &[LaunchAttribute]) -> Result<Extras, Refusal> {
                 // A 1x1x1 cluster is a plain launch.
                 out.cluster = (shape != [1, 1, 1]).then_some(shape);
             }
-            CLUSTER_SCHEDULING_POLICY_PREFERENCE | PREFERRED_SHARED_MEMORY_CARVEOUT
-                if a.word(0) == 0 => {}
-            id => {
-                return Err(Refusal::LaunchAttribute { id, name: name(id) });
+            CLUSTER_SCHEDULING_POLICY_PREFERENCE if a.word(0) <= 2 => {
+                out.cluster_policy = match a.word(0) {
+                    0 => apex::ClusterPolicy::Default,
+                    1 => apex::ClusterPolicy::Spread,
+                    _ => apex::ClusterPolicy::LoadBalancing,
+                };
             }
+            MEM_SYNC_DOMAIN if a.word(0) <= 1 => domain = a.word(0) as usize,
+            // `CUlaunchMemSyncDomainMap`: two bytes, the domain of "default" and of "remote" launches.
+            MEM_SYNC_DOMAIN_MAP if a.value[0] < 4 && a.value[1] < 4 => {
+                map = [a.value[0], a.value[1]];
+            }
+            PREFERRED_SHARED_MEMORY_CARVEOUT if a.word(0) == 0 => {}
+            id => match &mut refused {
+                // The first is named; the others are listed, so that one run shows everything a program's
+                // launches ask for.
+                Some(Refusal::LaunchAttribute { others, .. }) => *others |= 1u64 << id.min(63),
+                _ => {
+                    refused = Some(Refusal::LaunchAttribute {
+                        id,
+                        name: name(id),
+                        value: a.word(0),
+                        others: 0,
+                    })
+                }
+            },
         }
     }
+    if let Some(r) = refused {
+        return Err(r);
+    }
+    out.sync_domain = map[domain];
     if out.cooperative && out.cluster.is_some() {
         return Err(Refusal::LaunchAttribute {
             id: COOPERATIVE,
             name: "cooperative with a cluster shape",
+            value: 1,
+            others: 0,
         });
     }
     Ok(out)
@@ -212,7 +248,7 @@ mod tests {
             ACCESS_POLICY_WINDOW,
             PROGRAMMATIC_EVENT,
             PRIORITY,
-            MEM_SYNC_DOMAIN,
+            LAUNCH_COMPLETION_EVENT,
             99,
         ] {
             let e = extras(&[LaunchAttribute::new(id, &[1])]).unwrap_err();
@@ -221,11 +257,77 @@ mod tests {
                 "{id}: {e}"
             );
         }
+        // Every attribute that cannot be honoured is named: the first with its value, the others by id.
+        let many = extras(&[
+            LaunchAttribute::new(ACCESS_POLICY_WINDOW, &[1]),
+            LaunchAttribute::new(CLUSTER_DIMENSION, &[2, 1, 1]),
+            LaunchAttribute::new(PRIORITY, &[3]),
+            LaunchAttribute::new(LAUNCH_COMPLETION_EVENT, &[9]),
+        ])
+        .unwrap_err();
+        assert_eq!(
+            many,
+            Refusal::LaunchAttribute {
+                id: ACCESS_POLICY_WINDOW,
+                name: "access policy window",
+                value: 1,
+                others: (1 << PRIORITY) | (1 << LAUNCH_COMPLETION_EVENT),
+            }
+        );
+        assert_eq!(
+            many.to_string(),
+            "launch attribute 1 (access policy window) = 1 cannot be honoured (also refused in this launch: 8, 12)"
+        );
         let both = extras(&[
             LaunchAttribute::new(COOPERATIVE, &[1]),
             LaunchAttribute::new(CLUSTER_DIMENSION, &[2, 1, 1]),
         ]);
         assert!(both.is_err());
+    }
+
+    /// NCCL's launches: a cluster with the "spread" policy, in the "remote" memory sync domain. The domain goes
+    /// through the launch's domain map (CUDA's default: default 0, remote 1), as libcuda writes it.
+    #[test]
+    fn sync_domains_and_cluster_policies_are_honoured() {
+        let nccl = extras(&[
+            LaunchAttribute::new(CLUSTER_DIMENSION, &[4, 1, 1]),
+            LaunchAttribute::new(CLUSTER_SCHEDULING_POLICY_PREFERENCE, &[1]),
+            LaunchAttribute::new(MEM_SYNC_DOMAIN, &[1]),
+        ])
+        .unwrap();
+        assert_eq!(nccl.cluster, Some([4, 1, 1]));
+        assert_eq!(nccl.cluster_policy, apex::ClusterPolicy::Spread);
+        assert_eq!(nccl.sync_domain, 1);
+        let balanced = extras(&[LaunchAttribute::new(
+            CLUSTER_SCHEDULING_POLICY_PREFERENCE,
+            &[2],
+        )])
+        .unwrap();
+        assert_eq!(balanced.cluster_policy, apex::ClusterPolicy::LoadBalancing);
+        // A map that swaps the domains, given before or after the domain.
+        let swapped = LaunchAttribute::new(MEM_SYNC_DOMAIN_MAP, &[0x0001]);
+        assert_eq!(swapped.value[..2], [1, 0]);
+        let remote = LaunchAttribute::new(MEM_SYNC_DOMAIN, &[1]);
+        let default = LaunchAttribute::new(MEM_SYNC_DOMAIN, &[0]);
+        assert_eq!(extras(&[swapped, remote]).unwrap().sync_domain, 0);
+        assert_eq!(extras(&[default, swapped]).unwrap().sync_domain, 1);
+        assert_eq!(
+            extras(&[remote, default]).unwrap().sync_domain,
+            0,
+            "the last one counts"
+        );
+        // Values CUDA does not define are refused with their value.
+        for (id, v) in [
+            (MEM_SYNC_DOMAIN, 2),
+            (CLUSTER_SCHEDULING_POLICY_PREFERENCE, 3),
+            (MEM_SYNC_DOMAIN_MAP, 0x0004),
+        ] {
+            let e = extras(&[LaunchAttribute::new(id, &[v])]).unwrap_err();
+            assert!(
+                matches!(e, Refusal::LaunchAttribute { id: i, value, .. } if i == id && value == v),
+                "{id}: {e}"
+            );
+        }
     }
 
     #[test]

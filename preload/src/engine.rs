@@ -84,6 +84,71 @@ impl Config {
     }
 }
 
+/// `CU_LAUNCH_PARAM_END`, `CU_LAUNCH_PARAM_BUFFER_POINTER`, `CU_LAUNCH_PARAM_BUFFER_SIZE` (cuda.h).
+const PARAM_END: usize = 0;
+const PARAM_BUFFER_POINTER: usize = 1;
+const PARAM_BUFFER_SIZE: usize = 2;
+/// Entries of an `extra` array read before it is taken as unterminated.
+const EXTRA_ENTRIES: usize = 16;
+
+/// The arguments a launch passes in `extra` as one packed buffer: `Some((buffer, bytes))`, or `None` when `extra` is
+/// null (arguments in `kernelParams`). Anything else the driver would refuse or that the preload does not know — both
+/// `kernelParams` and `extra`, a key other than the buffer's pointer and size, no pointer, no size, an unterminated
+/// array — is left to libcuda, which answers for it.
+///
+/// # Safety
+/// `extra` must be null or the program's `extra` array as `cuLaunchKernel` reads it: key/value pairs ending in
+/// `CU_LAUNCH_PARAM_END`, the size's value pointing at a `size_t`.
+unsafe fn packed_params(
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> Result<Option<(*const u8, usize)>, Refusal> {
+    if extra.is_null() {
+        return Ok(None);
+    }
+    if !params.is_null() {
+        return Err(Refusal::ExtraParams);
+    }
+    let mut buffer: Option<*const u8> = None;
+    let mut size: Option<usize> = None;
+    for i in 0..EXTRA_ENTRIES {
+        // SAFETY: the array's entries up to its END, per the contract.
+        let key = unsafe { *extra.add(2 * i) } as usize;
+        match key {
+            PARAM_END => {
+                return match (buffer, size) {
+                    (Some(b), Some(n)) if !b.is_null() => Ok(Some((b, n))),
+                    _ => Err(Refusal::ExtraParams),
+                };
+            }
+            PARAM_BUFFER_POINTER => {
+                // SAFETY: a key's value follows it.
+                buffer = Some(unsafe { *extra.add(2 * i + 1) } as *const u8);
+            }
+            PARAM_BUFFER_SIZE => {
+                // SAFETY: the value follows its key and points at a `size_t`.
+                let p = unsafe { *extra.add(2 * i + 1) } as *const usize;
+                if p.is_null() {
+                    return Err(Refusal::ExtraParams);
+                }
+                // SAFETY: as above.
+                size = Some(unsafe { p.read_unaligned() });
+            }
+            _ => return Err(Refusal::ExtraParams),
+        }
+    }
+    Err(Refusal::ExtraParams)
+}
+
+/// The file the summary is written to: `path` with every `%p` replaced by the process id, so that the processes
+/// of one job (torchrun's ranks, multiprocessing workers) each keep their own summary.
+fn stats_path(path: &std::path::Path, pid: u32) -> PathBuf {
+    match path.to_str() {
+        Some(s) if s.contains("%p") => PathBuf::from(s.replace("%p", &pid.to_string())),
+        _ => path.to_path_buf(),
+    }
+}
+
 /// Hashes pointer-sized handles with one multiplication (the launch path looks one up per launch).
 #[derive(Default)]
 struct HandleHasher(u64);
@@ -141,6 +206,8 @@ struct Ready {
     kernel: Kernel,
     /// Parameter sizes in order, from the cubin's table.
     sizes: Box<[usize]>,
+    /// Their offsets in the parameter block (where a packed `extra` buffer holds them).
+    offsets: Box<[usize]>,
     owner: Owner,
     /// Most recently used first.
     prepared: Vec<Prepared>,
@@ -597,9 +664,8 @@ impl Engine {
         if key == StreamKey::PerThread {
             return Err(Refusal::PerThreadStream);
         }
-        if !l.extra.is_null() {
-            return Err(Refusal::ExtraParams);
-        }
+        // SAFETY: `extra` is the program's `extra` array, as the driver would read it.
+        let packed = unsafe { packed_params(l.params, l.extra) }?;
         if self.stack_raised {
             return Err(Refusal::ContextLimit);
         }
@@ -653,7 +719,7 @@ impl Engine {
             Some(FuncState::Refused(r)) => return Err(r.clone()),
             None => return Err(Refusal::Internal),
         };
-        if l.params.is_null() && !ready.sizes.is_empty() {
+        if packed.is_none() && l.params.is_null() && !ready.sizes.is_empty() {
             return Err(Refusal::ExtraParams);
         }
         let cfg = LaunchConfig {
@@ -661,6 +727,8 @@ impl Engine {
             block: l.block,
             shared_bytes: l.shared,
             cluster: extras.cluster,
+            sync_domain: extras.sync_domain,
+            cluster_policy: extras.cluster_policy,
         };
         let prepared = if extras.cooperative {
             None
@@ -687,17 +755,33 @@ impl Engine {
         };
         // The arguments: one pointer per parameter, each to a value of the parameter's size.
         args.clear();
-        for (i, &size) in ready.sizes.iter().enumerate() {
-            // SAFETY: the driver API passes one pointer per kernel parameter in `kernelParams`; the parameter table
-            // says how many there are.
-            let p = unsafe { *l.params.add(i) } as *const u8;
-            if p.is_null() {
-                args.clear();
-                return Err(Refusal::ExtraParams);
+        if let Some((buffer, len)) = packed {
+            // One packed buffer (`CU_LAUNCH_PARAM_BUFFER_POINTER`, as NCCL passes its arguments): each parameter at
+            // its offset in the parameter table, as the driver lays the buffer into constant bank 0.
+            for (&offset, &size) in ready.offsets.iter().zip(ready.sizes.iter()) {
+                if offset + size > len {
+                    args.clear();
+                    return Err(Refusal::ExtraParams);
+                }
+                // SAFETY: the program's buffer holds `len` readable bytes during this call; the slice is removed
+                // from `args` before this function returns.
+                args.push(Arg::Bytes(unsafe {
+                    std::slice::from_raw_parts(buffer.add(offset), size)
+                }));
             }
-            // SAFETY: the program passes a value of the parameter's size at `p`, readable during this call; the
-            // slice is removed from `args` before this function returns, so the 'static it is given never escapes.
-            args.push(Arg::Bytes(unsafe { std::slice::from_raw_parts(p, size) }));
+        } else {
+            for (i, &size) in ready.sizes.iter().enumerate() {
+                // SAFETY: the driver API passes one pointer per kernel parameter in `kernelParams`; the parameter table
+                // says how many there are.
+                let p = unsafe { *l.params.add(i) } as *const u8;
+                if p.is_null() {
+                    args.clear();
+                    return Err(Refusal::ExtraParams);
+                }
+                // SAFETY: the program passes a value of the parameter's size at `p`, readable during this call; the
+                // slice is removed from `args` before this function returns, so the 'static it is given never escapes.
+                args.push(Arg::Bytes(unsafe { std::slice::from_raw_parts(p, size) }));
+            }
         }
         s[3] = crate::profile::stamp();
         let mut hops = QueueHops {
@@ -860,9 +944,11 @@ impl Engine {
             return Err(r);
         }
         let sizes = info.params.iter().map(|p| p.size as usize).collect();
+        let offsets = info.params.iter().map(|p| p.offset as usize).collect();
         Ok(Ready {
             kernel,
             sizes,
+            offsets,
             owner: origin.owner,
             prepared: Vec::new(),
         })
@@ -1054,9 +1140,10 @@ impl Engine {
         }
         let summary = self.summary();
         if let Some(path) = &self.config.stats {
+            let path = stats_path(path, std::process::id());
             match serde_json::to_vec_pretty(&summary) {
                 Ok(json) => {
-                    if let Err(e) = std::fs::write(path, json) {
+                    if let Err(e) = std::fs::write(&path, json) {
                         warn!(path = %path.display(), error = %e, "cannot write the apex-preload summary");
                     }
                 }

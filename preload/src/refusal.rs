@@ -72,16 +72,23 @@ pub enum Refusal {
     /// their thread), whose output or error APEX cannot report as CUDA does.
     #[error("the kernel calls `{0}`, whose output or error APEX cannot report as CUDA does")]
     DeviceRuntime(String),
-    /// Parameters passed through `extra` (`CU_LAUNCH_PARAM_BUFFER_POINTER`) or not at all.
-    #[error("kernel parameters are passed through `extra` or missing")]
+    /// Parameters missing, or passed through an `extra` array other than one packed buffer
+    /// (`CU_LAUNCH_PARAM_BUFFER_POINTER` and `..._SIZE`, which is taken), or given both ways.
+    #[error(
+        "kernel parameters are missing, or passed in an `extra` array other than one packed buffer large enough          for the kernel's parameters"
+    )]
     ExtraParams,
     /// A `cuLaunchKernelEx` attribute the preload cannot honour.
-    #[error("launch attribute {id} ({name}) cannot be honoured")]
+    #[error("launch attribute {id} ({name}) = {value} cannot be honoured{}", others_text(*others))]
     LaunchAttribute {
         /// `CUlaunchAttributeID`.
         id: u32,
         /// Its name.
         name: &'static str,
+        /// The first word of its value.
+        value: u32,
+        /// The ids (below 64, a bit each) of the launch's other attributes that cannot be honoured either.
+        others: u64,
     },
     /// The program set a function attribute APEX does not apply (cluster shape, non-portable cluster size, ...).
     #[error("the program set function attribute {0}, which APEX does not apply")]
@@ -103,6 +110,18 @@ pub enum Refusal {
     /// The preload's own state was lost to an internal error; it forwards everything from then on.
     #[error("an internal error turned the takeover off")]
     Internal,
+}
+
+/// ", also 5, 12" for the other attribute ids set in `others` (empty when there are none).
+fn others_text(others: u64) -> String {
+    if others == 0 {
+        return String::new();
+    }
+    let ids: Vec<String> = (0..64)
+        .filter(|b| others & (1 << b) != 0)
+        .map(|b| b.to_string())
+        .collect();
+    format!(" (also refused in this launch: {})", ids.join(", "))
 }
 
 impl Refusal {
@@ -185,6 +204,8 @@ mod tests {
             Refusal::LaunchAttribute {
                 id: 6,
                 name: "programmatic stream serialization",
+                value: 1,
+                others: 1 << 12,
             },
             Refusal::FunctionAttribute(13),
             Refusal::ContextLimit,

@@ -96,10 +96,13 @@ impl Summary {
     pub fn refused(&mut self, why: &Refusal) {
         self.launches += 1;
         self.fallback += 1;
-        let e = self.reasons.entry(why.label().to_string()).or_default();
-        if e.launches == 0 {
-            e.example = why.to_string();
+        // Counted without allocating once the reason has been seen (every launch of a refused kernel comes here).
+        if let Some(e) = self.reasons.get_mut(why.label()) {
+            e.launches += 1;
+            return;
         }
+        let e = self.reasons.entry(why.label().to_string()).or_default();
+        e.example = why.to_string();
         e.launches += 1;
     }
 

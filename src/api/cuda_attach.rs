@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::sys::CUstream;
+use cudarc::driver::sys::{CUcontext, CUstream};
 use tracing::{info, warn};
 
 use super::gpu::GpuInner;
@@ -65,7 +65,38 @@ impl Gpu {
     /// # Ok(()) }
     /// ```
     pub fn attach_cuda() -> Result<Gpu> {
-        let ctx = driver::CudaContext::current()?;
+        Gpu::attach_to(driver::CudaContext::current()?)
+    }
+
+    /// Attaches APEX to the primary context of CUDA device `ordinal` (CUDA's numbering, after
+    /// `CUDA_VISIBLE_DEVICES`): the context the CUDA runtime and PyTorch use for `cuda:<ordinal>`, retained (made,
+    /// if the process has not made it yet) for as long as the returned GPU lives. Works on any GPU of a process
+    /// that holds contexts on several; as [`Gpu::attach_cuda`] otherwise, whatever context is current.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// // A process that works on two GPUs: one attached GPU per CUDA device.
+    /// let first = apex::Gpu::attach_cuda_device(0)?;
+    /// let second = apex::Gpu::attach_cuda_device(1)?;
+    /// assert_ne!(first.uuid()?, second.uuid()?);
+    /// # Ok(()) }
+    /// ```
+    pub fn attach_cuda_device(ordinal: usize) -> Result<Gpu> {
+        Gpu::attach_to(driver::CudaContext::primary(ordinal)?)
+    }
+
+    /// Attaches APEX to the CUDA context `ctx`, current on this thread or not: as [`Gpu::attach_cuda`] for that
+    /// context (a context made with `cuCtxCreate`, or one a library hands out).
+    ///
+    /// # Safety
+    /// `ctx` must be a live CUDA context of this process that outlives the returned GPU and everything made from
+    /// it (a primary context is kept alive by a retain).
+    pub unsafe fn attach_cuda_context(ctx: CUcontext) -> Result<Gpu> {
+        // SAFETY: the caller's promise.
+        Gpu::attach_to(unsafe { driver::CudaContext::from_raw(ctx) }?)
+    }
+
+    fn attach_to(ctx: Arc<driver::CudaContext>) -> Result<Gpu> {
         let direct = (|| -> std::result::Result<Arc<GpuCore>, crate::launch::Error> {
             let core = GpuCore::attach_cuda(ctx.uuid())?;
             // A queue proves the attached channel runs (as `Gpu::open` proves the direct path).
@@ -192,6 +223,30 @@ mod tests {
         );
         assert!(
             e.to_string().contains("CUDA") || e.to_string().contains("libcuda"),
+            "{e}"
+        );
+    }
+
+    /// Naming a device or a context is checked before anything is attached: without libcuda that is the error;
+    /// with it, a device past the last one and a null context are refused by name.
+    #[test]
+    fn attaching_a_named_device_or_context_checks_the_name() {
+        let e = Gpu::attach_cuda_device(usize::MAX).expect_err("no such device");
+        assert!(
+            matches!(
+                e,
+                Error::Driver(driver::Error::NoLibrary | driver::Error::InvalidArgument(_))
+            ),
+            "{e}"
+        );
+        // SAFETY: a null context is refused before it is used.
+        let e =
+            unsafe { Gpu::attach_cuda_context(std::ptr::null_mut()) }.expect_err("null context");
+        assert!(
+            matches!(
+                e,
+                Error::Driver(driver::Error::NoLibrary | driver::Error::InvalidArgument(_))
+            ),
             "{e}"
         );
     }

@@ -8,7 +8,9 @@ use super::cuda_attach;
 use super::module::KernelInner;
 use super::{Backend, Buffer, Error, Fence, Global, Gpu, HostBuffer, Kernel, Module, Result};
 use crate::driver;
-use crate::launch::{self, Arg, ComputeQueue, LaunchConfig, Limits, cubin::KernelInfo};
+use crate::launch::{
+    self, Arg, ClusterPolicy, ComputeQueue, LaunchConfig, Limits, cubin::KernelInfo,
+};
 
 pub(super) enum QueueInner {
     Direct(Box<ComputeQueue>),
@@ -962,7 +964,20 @@ unsafe fn driver_launch_how(
     cfg: &LaunchConfig,
     args: &[Arg<'_>],
 ) -> Result<()> {
+    let scheduled = cfg.sync_domain != 0 || cfg.cluster_policy != ClusterPolicy::Default;
     let kind = match (how, cfg.cluster) {
+        // A memory sync domain or a cluster policy: every attribute through one cuLaunchKernelEx.
+        _ if scheduled => driver::LaunchKind::Attributed(driver::LaunchAttributes {
+            cluster: cfg.cluster,
+            programmatic: matches!(how, How::Programmatic | How::ChainedProgrammatic),
+            cooperative: how == How::Cooperative,
+            sync_domain: cfg.sync_domain,
+            cluster_policy: match cfg.cluster_policy {
+                ClusterPolicy::Default => 0,
+                ClusterPolicy::Spread => 1,
+                ClusterPolicy::LoadBalancing => 2,
+            },
+        }),
         (How::Cooperative, Some(_)) => {
             return Err(Error::InvalidArgument(
                 "a run-time cluster shape on a cooperative launch (the driver backend launches \

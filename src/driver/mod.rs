@@ -729,14 +729,30 @@ pub enum LaunchKind {
     /// `cuLaunchKernelEx` with `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION` set (programmatic dependent
     /// launch after the stream's previous kernel), and a run-time cluster shape if one is given.
     Programmatic(Option<[u32; 3]>),
+    /// `cuLaunchKernelEx` with every attribute APEX's launch configuration can ask for.
+    Attributed(LaunchAttributes),
 }
 
-/// `cuLaunchKernelEx` with a run-time cluster shape and/or programmatic stream serialization.
+/// What a [`LaunchKind::Attributed`] launch asks `cuLaunchKernelEx` for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LaunchAttributes {
+    /// A run-time cluster shape, in blocks.
+    pub cluster: Option<[u32; 3]>,
+    /// Programmatic stream serialization.
+    pub programmatic: bool,
+    /// Every block resident at once (`CU_LAUNCH_ATTRIBUTE_COOPERATIVE`).
+    pub cooperative: bool,
+    /// The memory sync domain the kernel runs in (0 to 3): sent as the default domain mapped to it.
+    pub sync_domain: u8,
+    /// `CUclusterSchedulingPolicy` (0: default, 1: spread, 2: load balancing).
+    pub cluster_policy: u32,
+}
+
+/// `cuLaunchKernelEx` with the attributes `a` asks for.
 ///
 /// # Safety
 /// `func` is a live function of the current context, `stream` a live stream of it, and `args` the kernel's
 /// parameter pointers, valid for the call.
-#[allow(clippy::too_many_arguments)]
 unsafe fn launch_ex(
     func: cu::CUfunction,
     [gx, gy, gz]: [u32; 3],
@@ -744,35 +760,63 @@ unsafe fn launch_ex(
     shared: u32,
     stream: cu::CUstream,
     args: *mut *mut c_void,
-    cluster: Option<[u32; 3]>,
-    programmatic: bool,
+    a: LaunchAttributes,
 ) -> Result<()> {
+    use cu::CUlaunchAttributeID as Id;
     let none = cu::CUlaunchAttribute {
-        id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_IGNORE,
+        id: Id::CU_LAUNCH_ATTRIBUTE_IGNORE,
         pad: [0; 4],
         value: cu::CUlaunchAttributeValue { pad: [0; 64] },
     };
-    let mut attrs = [none, none];
+    let mut attrs = [none; 6];
     let mut n = 0;
-    if let Some([x, y, z]) = cluster {
+    let mut push = |id: Id, value: cu::CUlaunchAttributeValue| {
+        attrs[n] = cu::CUlaunchAttribute {
+            id,
+            pad: [0; 4],
+            value,
+        };
+        n += 1;
+    };
+    if let Some([x, y, z]) = a.cluster {
         let mut value = cu::CUlaunchAttributeValue { pad: [0; 64] };
         value.clusterDim = cu::CUlaunchAttributeValue_union__bindgen_ty_1 { x, y, z };
-        attrs[n] = cu::CUlaunchAttribute {
-            id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-            pad: [0; 4],
-            value,
-        };
-        n += 1;
+        push(Id::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, value);
     }
-    if programmatic {
+    if a.programmatic {
         let mut value = cu::CUlaunchAttributeValue { pad: [0; 64] };
         value.programmaticStreamSerializationAllowed = 1;
-        attrs[n] = cu::CUlaunchAttribute {
-            id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
+        push(
+            Id::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
             value,
+        );
+    }
+    if a.cooperative {
+        let mut value = cu::CUlaunchAttributeValue { pad: [0; 64] };
+        value.cooperative = 1;
+        push(Id::CU_LAUNCH_ATTRIBUTE_COOPERATIVE, value);
+    }
+    if a.sync_domain != 0 {
+        // The launch's own map sends the default domain to the physical one asked for.
+        let mut value = cu::CUlaunchAttributeValue { pad: [0; 64] };
+        value.memSyncDomainMap = cu::CUlaunchMemSyncDomainMap {
+            default_: a.sync_domain,
+            remote: a.sync_domain,
         };
-        n += 1;
+        push(Id::CU_LAUNCH_ATTRIBUTE_MEM_SYNC_DOMAIN_MAP, value);
+    }
+    if a.cluster_policy != 0 {
+        use cu::CUclusterSchedulingPolicy as P;
+        let mut value = cu::CUlaunchAttributeValue { pad: [0; 64] };
+        value.clusterSchedulingPolicyPreference = match a.cluster_policy {
+            1 => P::CU_CLUSTER_SCHEDULING_POLICY_SPREAD,
+            2 => P::CU_CLUSTER_SCHEDULING_POLICY_LOAD_BALANCING,
+            _ => P::CU_CLUSTER_SCHEDULING_POLICY_DEFAULT,
+        };
+        push(
+            Id::CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE,
+            value,
+        );
     }
     let config = cu::CUlaunchConfig {
         gridDimX: gx,
@@ -934,24 +978,26 @@ impl Stream {
                 cu::cuLaunchCooperativeKernel(f.func, gx, gy, gz, bx, by, bz, shared, stream, args)
             }),
             LaunchKind::Cluster(cluster) => {
+                let a = LaunchAttributes {
+                    cluster: Some(cluster),
+                    ..LaunchAttributes::default()
+                };
                 // SAFETY: forwarded.
-                unsafe {
-                    launch_ex(
-                        f.func,
-                        grid,
-                        block,
-                        shared,
-                        stream,
-                        args,
-                        Some(cluster),
-                        false,
-                    )
-                }
+                unsafe { launch_ex(f.func, grid, block, shared, stream, args, a) }
             }
             LaunchKind::Programmatic(cluster) => {
+                let a = LaunchAttributes {
+                    cluster,
+                    programmatic: true,
+                    ..LaunchAttributes::default()
+                };
                 // SAFETY: forwarded.
-                unsafe { launch_ex(f.func, grid, block, shared, stream, args, cluster, true) }
+                unsafe { launch_ex(f.func, grid, block, shared, stream, args, a) }
             }
+            // SAFETY: forwarded.
+            LaunchKind::Attributed(a) => unsafe {
+                launch_ex(f.func, grid, block, shared, stream, args, a)
+            },
         }
     }
 
@@ -1295,6 +1341,60 @@ impl CudaContext {
             primary_retained,
             uuid: uuid.bytes.map(|b| b as u8),
         }))
+    }
+
+    /// The primary context of device `ordinal` (CUDA's order, after `CUDA_VISIBLE_DEVICES`), retained (and so
+    /// created, if nothing in the process made it yet) for as long as the returned value lives: the context the
+    /// CUDA runtime and PyTorch use on that device.
+    pub fn primary(ordinal: usize) -> Result<Arc<CudaContext>> {
+        if !is_available() {
+            return Err(Error::NoLibrary);
+        }
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(Error::InvalidArgument(format!(
+                "CUDA device {ordinal} (this process sees {count})"
+            )));
+        }
+        let mut device = 0;
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: out-pointers to locals; `ordinal` is below the device count. The retain is released in Drop.
+        unsafe {
+            check("cuDeviceGet", cu::cuDeviceGet(&mut device, ordinal as i32))?;
+            check(
+                "cuDevicePrimaryCtxRetain",
+                cu::cuDevicePrimaryCtxRetain(&mut ctx, device),
+            )?;
+        }
+        let made = CudaContext {
+            ctx,
+            device,
+            primary_retained: true,
+            uuid: device_uuid(device)?,
+        };
+        Ok(Arc::new(made))
+    }
+
+    /// The context `ctx` of this process (made by `cuCtxCreate`, the runtime, PyTorch...): its device is asked of
+    /// CUDA with the context pushed on this thread for the call. A primary context is retained, as in
+    /// [`CudaContext::current`].
+    ///
+    /// # Safety
+    /// `ctx` must be a live CUDA context of this process, and must outlive the returned value unless it is a
+    /// primary context.
+    pub unsafe fn from_raw(ctx: cu::CUcontext) -> Result<Arc<CudaContext>> {
+        if !is_available() {
+            return Err(Error::NoLibrary);
+        }
+        if ctx.is_null() {
+            return Err(Error::InvalidArgument("a null CUDA context".into()));
+        }
+        // SAFETY: the caller's promise that `ctx` is live; popped by `Pushed` before this returns.
+        check("cuCtxPushCurrent", unsafe { cu::cuCtxPushCurrent_v2(ctx) })?;
+        let pushed = Pushed;
+        let current = CudaContext::current();
+        drop(pushed);
+        current
     }
 
     /// The raw handle.

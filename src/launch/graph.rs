@@ -665,6 +665,8 @@ mod tests {
         block: [1, 1, 1],
         shared_bytes: 0,
         cluster: None,
+        sync_domain: 0,
+        cluster_policy: crate::launch::ClusterPolicy::Default,
     };
 
     #[test]

@@ -19,9 +19,9 @@ pub use copies::{ALL_LCES, CopyEngines, MAX_COPY_ENGINES};
 pub use module::{Global, Kernel, Module, VariableHome};
 pub use params::{Arg, ParamError};
 pub use queue::{
-    ComputeQueue, ComputeQueueConfig, FIRST_CHAIN_PART, GraphExec, GraphSchedule, GraphStats,
-    LaunchConfig, LaunchMemory, Limits, MAX_CLUSTER_BLOCKS, PreparedLaunch, StreamOrder,
-    cluster_shape, settle, validate as queue_validate,
+    ClusterPolicy, ComputeQueue, ComputeQueueConfig, FIRST_CHAIN_PART, GraphExec, GraphSchedule,
+    GraphStats, LaunchConfig, LaunchMemory, Limits, MAX_CLUSTER_BLOCKS, PreparedLaunch,
+    StreamOrder, cluster_shape, settle, validate as queue_validate,
 };
 
 /// Errors of the launch layer. Everything about a launch is checked before anything reaches the ring.

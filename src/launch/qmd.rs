@@ -89,6 +89,23 @@ pub struct QmdParams {
     /// Thread block cluster shape (sm_90+): the grid runs as clusters of this many blocks per axis, each cluster's
     /// blocks co-scheduled on one GPC. `grid` stays in blocks and must be a multiple of it.
     pub cluster: Option<[u32; 3]>,
+    /// Memory synchronization domain (0 to 3; sm_90+), see `LaunchConfig::sync_domain`.
+    pub sync_domain: u8,
+    /// Clusters' blocks balanced by load instead of multicast to one GPC (`ClusterPolicy::LoadBalancing`).
+    pub cluster_load_balancing: bool,
+}
+
+/// Memory sync domains a QMD names (a 2-bit field; Hopper and Blackwell have four).
+const SYNC_DOMAINS: u8 = 4;
+
+fn sync_domain(p: &QmdParams) -> Result<u8, QmdError> {
+    if p.sync_domain >= SYNC_DOMAINS {
+        return Err(QmdError {
+            field: "SYNC_DOMAIN_ID (0 to 3)",
+            value: u64::from(p.sync_domain),
+        });
+    }
+    Ok(p.sync_domain)
 }
 
 /// The QMD's grid: in clusters for a cluster launch (libcuda's GRID_WIDTH is 4 for 8 blocks in clusters of 2), in
@@ -251,9 +268,16 @@ pub fn build(
                 set!(
                     w,
                     v04::CGA_CTA_DISTRIBUTION_MODE,
-                    v04::CGA_CTA_DISTRIBUTION_MODE_MULTI_CAST
+                    if p.cluster_load_balancing {
+                        v04::CGA_CTA_DISTRIBUTION_MODE_LOAD_BALANCING
+                    } else {
+                        v04::CGA_CTA_DISTRIBUTION_MODE_MULTI_CAST
+                    }
                 );
             }
+            // libcuda writes the domain after its map (apex-trace of probes/launch_attrs.cu, H100, driver 580:
+            // NCCL's "remote" domain is SYNC_DOMAIN_ID 1, the default domain leaves the field 0).
+            set!(w, v04::SYNC_DOMAIN_ID, sync_domain(p)?);
             set!(w, v04::QMD_MAJOR_VERSION, 4);
             set!(w, v04::QMD_MINOR_VERSION, 0);
             set!(w, v04::SASS_VERSION, sass);
@@ -333,9 +357,16 @@ pub fn build(
                 set!(
                     w,
                     v05::CGA_CTA_DISTRIBUTION_MODE,
-                    v05::CGA_CTA_DISTRIBUTION_MODE_MULTI_CAST
+                    if p.cluster_load_balancing {
+                        v05::CGA_CTA_DISTRIBUTION_MODE_LOAD_BALANCING
+                    } else {
+                        v05::CGA_CTA_DISTRIBUTION_MODE_MULTI_CAST
+                    }
                 );
             }
+            // libcuda writes the domain after its map (apex-trace of probes/launch_attrs.cu, H100, driver 580:
+            // NCCL's "remote" domain is SYNC_DOMAIN_ID 1, the default domain leaves the field 0).
+            set!(w, v05::SYNC_DOMAIN_ID, sync_domain(p)?);
             set!(w, v05::QMD_MAJOR_VERSION, 5);
             set!(w, v05::QMD_MINOR_VERSION, 0);
             set!(w, v05::SASS_VERSION, sass);
@@ -413,6 +444,12 @@ pub fn build(
             }
         }
         QmdVersion::V03 => {
+            if p.sync_domain != 0 {
+                return Err(QmdError {
+                    field: "SYNC_DOMAIN_ID (V03 QMDs, for GPUs before sm_90, have no memory sync domains)",
+                    value: u64::from(p.sync_domain),
+                });
+            }
             if let Some(c) = p.cluster {
                 // Ampere and Ada have no thread block clusters.
                 return Err(QmdError {
@@ -1171,6 +1208,48 @@ mod tests {
         build(QmdVersion::V04, &p, &mut fresh).unwrap();
         assert!(patch_launch(QmdVersion::V04, &mut t, 0x7fee_ae2b_0000, Some(1 << 40)).unwrap());
         assert_eq!(t, fresh);
+    }
+
+    #[test]
+    fn sync_domain_and_cluster_policy_match_libcuda() {
+        // apex-trace of probes/launch_attrs.cu on an H100 (driver 580.159.04): the "remote" memory sync domain
+        // through the default map is SYNC_DOMAIN_ID 1, the only field that differs from the plain launch; the
+        // default domain leaves it 0.
+        let get = |q: &[u32; QMD_WORDS], f: Field| f.get(q).unwrap();
+        let mut p = add_kernel();
+        let mut plain = [0u32; QMD_WORDS];
+        build(QmdVersion::V04, &p, &mut plain).unwrap();
+        assert_eq!(get(&plain, v04::SYNC_DOMAIN_ID), 0);
+        p.sync_domain = 1;
+        let mut remote = [0u32; QMD_WORDS];
+        build(QmdVersion::V04, &p, &mut remote).unwrap();
+        assert_eq!(get(&remote, v04::SYNC_DOMAIN_ID), 1);
+        let differing: Vec<usize> = (0..QMD_WORDS).filter(|&i| plain[i] != remote[i]).collect();
+        assert_eq!(differing, [1148 / 32], "only the domain's word differs");
+        let mut q5 = [0u32; QMD_WORDS];
+        build(QmdVersion::V05, &p, &mut q5).unwrap();
+        assert_eq!(get(&q5, v05::SYNC_DOMAIN_ID), 1);
+        // Two bits: domain 4 does not exist; GPUs before Hopper have no domains.
+        p.sync_domain = 4;
+        assert!(build(QmdVersion::V04, &p, &mut q5).is_err());
+        p.sync_domain = 1;
+        assert!(build(QmdVersion::V03, &p, &mut q5).is_err());
+        // Clusters: multicast by default (and for "spread"), load balancing when asked.
+        p.sync_domain = 0;
+        p.grid = [8, 1, 1];
+        p.cluster = Some([2, 1, 1]);
+        let mut c = [0u32; QMD_WORDS];
+        build(QmdVersion::V04, &p, &mut c).unwrap();
+        assert_eq!(
+            get(&c, v04::CGA_CTA_DISTRIBUTION_MODE),
+            u64::from(v04::CGA_CTA_DISTRIBUTION_MODE_MULTI_CAST)
+        );
+        p.cluster_load_balancing = true;
+        build(QmdVersion::V04, &p, &mut c).unwrap();
+        assert_eq!(
+            get(&c, v04::CGA_CTA_DISTRIBUTION_MODE),
+            u64::from(v04::CGA_CTA_DISTRIBUTION_MODE_LOAD_BALANCING)
+        );
     }
 
     #[test]

@@ -41,6 +41,27 @@ pub struct LaunchConfig {
     /// distributed shared memory and `cluster.sync()`. `None`: the kernel's compile-time `__cluster_dims__`, if
     /// any. The grid must be a multiple of the shape, and a cluster at most 8 blocks.
     pub cluster: Option<[u32; 3]>,
+    /// The memory synchronization domain the kernel runs in (sm_90+, 0 to 3; as `cudaLaunchAttributeMemSyncDomain`
+    /// after the domain map): a fence in the kernel orders memory only with kernels of its own domain, so
+    /// communication kernels (NCCL's run in domain 1, "remote") do not make compute kernels' fences wait for
+    /// their traffic. 0, the default, is the domain every kernel shares.
+    pub sync_domain: u8,
+    /// How the clusters of a cluster launch are spread over the GPU (`cudaLaunchAttributeClusterSchedulingPolicy
+    /// Preference`); ignored without a cluster shape.
+    pub cluster_policy: ClusterPolicy,
+}
+
+/// How the thread block clusters of a launch are placed on the GPU's SMs (CUDA's cluster scheduling policy).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ClusterPolicy {
+    /// The hardware's default, what libcuda sends without a preference: each cluster's blocks multicast to the SMs
+    /// of one GPC.
+    #[default]
+    Default,
+    /// Spread a cluster's blocks over the GPC's SMs (libcuda encodes it as the default).
+    Spread,
+    /// Let the hardware balance blocks of clusters across SMs by load.
+    LoadBalancing,
 }
 
 impl LaunchConfig {
@@ -51,6 +72,8 @@ impl LaunchConfig {
             block: [threads, 1, 1],
             shared_bytes: 0,
             cluster: None,
+            sync_domain: 0,
+            cluster_policy: ClusterPolicy::Default,
         }
     }
 
@@ -58,6 +81,22 @@ impl LaunchConfig {
     pub fn with_cluster(self, shape: [u32; 3]) -> LaunchConfig {
         LaunchConfig {
             cluster: Some(shape),
+            ..self
+        }
+    }
+
+    /// The same launch in memory synchronization domain `domain` (see [`LaunchConfig::sync_domain`]).
+    pub fn with_sync_domain(self, domain: u8) -> LaunchConfig {
+        LaunchConfig {
+            sync_domain: domain,
+            ..self
+        }
+    }
+
+    /// The same launch with cluster scheduling policy `policy` (see [`LaunchConfig::cluster_policy`]).
+    pub fn with_cluster_policy(self, policy: ClusterPolicy) -> LaunchConfig {
+        LaunchConfig {
+            cluster_policy: policy,
             ..self
         }
     }
@@ -348,6 +387,8 @@ struct TemplateKey {
     cbank_size: u32,
     ordered: bool,
     cluster: Option<[u32; 3]>,
+    sync_domain: u8,
+    cluster_policy: ClusterPolicy,
 }
 
 /// Writes the words of `new` that differ from `shadow` (runs of them at once) and updates the shadow.
@@ -1534,6 +1575,8 @@ impl ComputeQueue {
             cbank_size: k.param_cbank_size,
             ordered: release.is_some(),
             cluster,
+            sync_domain: cfg.sync_domain,
+            cluster_policy: cfg.cluster_policy,
         };
         let release_va = self.queue.timeline().va();
         let mut q = [0u32; QMD_WORDS];
@@ -1996,6 +2039,8 @@ fn qmd_params(
         const_buffers: cbs,
         release,
         cluster,
+        sync_domain: cfg.sync_domain,
+        cluster_load_balancing: cfg.cluster_policy == ClusterPolicy::LoadBalancing,
     })
 }
 

@@ -132,6 +132,37 @@ pub fn pick_context_objects(
     })
 }
 
+/// The devices of a client's object table that could hold a CUDA context, in handle order: every
+/// `NV01_DEVICE_0` directly under the client, and `first` (the one RM's child lookup found, listed even if the scan
+/// missed it). libcuda's client holds a device object for every GPU it can see, not only the GPUs that have a
+/// context, so the device of a context on a GPU other than the first is found here, never by the child lookup alone.
+pub fn client_devices(objects: &[RmObject], client: Handle, first: Handle) -> Vec<Handle> {
+    let mut devices: Vec<Handle> = objects
+        .iter()
+        .filter(|o| o.parent == client && o.class == sys::NV01_DEVICE_0)
+        .map(|o| o.handle)
+        .chain(std::iter::once(first))
+        .collect();
+    devices.sort_unstable();
+    devices.dedup();
+    devices
+}
+
+/// Every context candidate of a client's object table: for each of its devices (see [`client_devices`]), the
+/// compute channel group, subdevice and VA spaces, where that device has a compute channel group. Which GPU each
+/// one runs on is asked of RM through its subdevice by the caller.
+pub fn context_candidates(
+    objects: &[RmObject],
+    client: Handle,
+    first: Handle,
+    compute_classes: &[u32],
+) -> Vec<ContextObjects> {
+    client_devices(objects, client, first)
+        .into_iter()
+        .filter_map(|d| pick_context_objects(objects, d, compute_classes))
+        .collect()
+}
+
 /// CUDA's RM client in this process, reachable through a duplicate of the descriptor it is bound to.
 #[derive(Debug)]
 pub struct ForeignClient {
@@ -193,7 +224,8 @@ impl ForeignClient {
         })
     }
 
-    /// The client's objects: a scan of handles from its device handle's base, ended by a long run of misses.
+    /// The client's objects and the first device RM's child lookup finds: a scan of handles from that device
+    /// handle's base (libcuda numbers all its objects, of every GPU, from one base), ended by a long run of misses.
     pub fn objects(&self) -> Result<(Handle, Vec<RmObject>)> {
         let mut q = GetChildHandle {
             h_parent: self.handle,
@@ -278,6 +310,9 @@ pub fn foreign_clients(own: &Client) -> Result<Vec<ForeignClient>> {
     let index = own.handle() & CLIENT_INDEX_MASK;
     for k in 1..=CLIENT_WINDOW.min(index) {
         let h = CLIENT_BASE | ((index - k) & CLIENT_INDEX_MASK);
+        if super::client::is_own_client(h) {
+            continue;
+        }
         let mut p = GetAccessRights {
             h_object: h,
             h_client: h,
@@ -405,6 +440,63 @@ mod tests {
         let got = pick_context_objects(&two, dev, &[sys::HOPPER_COMPUTE_A]).unwrap();
         assert_eq!(got.compute_group, 0x5c00_0015);
         assert_eq!(got.compute_groups, [0x5c00_0015, 0x5c00_009f]);
+    }
+
+    /// A client with a device object per GPU and a context only on the second (a process whose device is
+    /// `cuda:1`): the child lookup finds the first device, which has no compute group; the candidates are found by
+    /// the scan, one per device with a context, each with its own subdevice and VA spaces.
+    #[test]
+    fn a_context_on_a_later_gpu_is_found_beside_devices_without_one() {
+        let client = 0xc1d0_0040;
+        let (d0, d1) = (0x5c00_0002, 0x5c00_0020);
+        let gpu0 = [
+            o(d0, client, sys::NV01_DEVICE_0),
+            o(0x5c00_0003, d0, sys::NV20_SUBDEVICE_0),
+            o(0x5c00_0004, d0, sys::FERMI_VASPACE_A),
+        ];
+        let gpu1 = [
+            o(d1, client, sys::NV01_DEVICE_0),
+            o(0x5c00_0021, d1, sys::NV20_SUBDEVICE_0),
+            o(0x5c00_0030, d1, sys::FERMI_VASPACE_A),
+            o(0x5c00_0031, d1, sys::FERMI_VASPACE_A),
+            o(0x5c00_0040, d1, sys::KEPLER_CHANNEL_GROUP_A),
+            o(0x5c00_0041, 0x5c00_0040, sys::HOPPER_CHANNEL_GPFIFO_A),
+            o(0x5c00_0042, 0x5c00_0041, sys::HOPPER_COMPUTE_A),
+        ];
+        let table: Vec<RmObject> = gpu1.iter().chain(&gpu0).copied().collect();
+        // A sub-object's class equal to a device's does not make it one: only objects under the client count.
+        let mut with_noise = table.clone();
+        with_noise.push(o(0x5c00_0050, d1, sys::NV01_DEVICE_0));
+        assert_eq!(client_devices(&with_noise, client, d0), [d0, d1]);
+        // The lookup's device is kept even when the scan missed it.
+        assert_eq!(client_devices(&gpu1, client, d0), [d0, d1]);
+        let got = context_candidates(&table, client, d0, &[sys::HOPPER_COMPUTE_A]);
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].device, d1);
+        assert_eq!(got[0].subdevice, 0x5c00_0021);
+        assert_eq!(got[0].compute_group, 0x5c00_0040);
+        assert_eq!(got[0].vaspaces, [0x5c00_0030, 0x5c00_0031]);
+        // Contexts on both GPUs: one candidate each, in device order, none mixing the other's objects.
+        let mut both = table.clone();
+        both.extend([
+            o(0x5c00_0060, d0, sys::KEPLER_CHANNEL_GROUP_A),
+            o(0x5c00_0061, 0x5c00_0060, sys::HOPPER_CHANNEL_GPFIFO_A),
+            o(0x5c00_0062, 0x5c00_0061, sys::HOPPER_COMPUTE_A),
+        ]);
+        let got = context_candidates(&both, client, d0, &[sys::HOPPER_COMPUTE_A]);
+        let shape: Vec<_> = got
+            .iter()
+            .map(|c| (c.device, c.subdevice, c.compute_group, c.vaspaces.clone()))
+            .collect();
+        assert_eq!(
+            shape,
+            [
+                (d0, 0x5c00_0003, 0x5c00_0060, vec![0x5c00_0004]),
+                (d1, 0x5c00_0021, 0x5c00_0040, vec![0x5c00_0030, 0x5c00_0031]),
+            ]
+        );
+        // No device with a context: nothing to attach to.
+        assert!(context_candidates(&gpu0, client, d0, &[sys::HOPPER_COMPUTE_A]).is_empty());
     }
 
     #[test]

@@ -27,6 +27,7 @@ impl Client {
         let handle = transport.alloc_root()?;
         // Counted from here: dropping the client frees it again.
         LIVE_OBJECTS.fetch_add(1, Ordering::Relaxed);
+        own_clients().push(handle);
         Ok(Client { handle, transport })
     }
 
@@ -133,7 +134,26 @@ impl Drop for Client {
             }
             Err(e) => warn!(error = %e, "freeing the RM root client failed"),
         }
+        let mut own = own_clients();
+        if let Some(i) = own.iter().position(|&h| h == self.handle) {
+            own.swap_remove(i);
+        }
     }
+}
+
+/// Root clients of this process that APEX allocated and has not freed. A search for CUDA's client skips them:
+/// an earlier attachment's client holds duplicates of CUDA's channel group and VA spaces, which would otherwise
+/// pass for a CUDA context.
+static OWN_CLIENTS: std::sync::Mutex<Vec<Handle>> = std::sync::Mutex::new(Vec::new());
+
+fn own_clients() -> std::sync::MutexGuard<'static, Vec<Handle>> {
+    // A panic while holding the list cannot leave it inconsistent (single push or swap_remove).
+    OWN_CLIENTS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Whether `handle` is a root client APEX allocated in this process and still holds.
+pub fn is_own_client(handle: Handle) -> bool {
+    own_clients().contains(&handle)
 }
 
 /// RM objects (root clients included) this process allocated through APEX and has not freed.

@@ -321,26 +321,32 @@ impl GpuCore {
                     .join(" "),
                 "a same-process client's objects (handle<parent:class)"
             );
-            let Some(objs) = super::attach::pick_context_objects(
+            // One candidate per device of the client that has a context: the GPU asked for is told by RM's id of
+            // each candidate's subdevice, so a context on any GPU of the process is found, not only the first's.
+            let mut hit = None;
+            for objs in super::attach::context_candidates(
                 &objects,
+                c.handle,
                 device,
                 super::attach::COMPUTE_OBJECT_CLASSES,
-            ) else {
-                continue;
-            };
-            let Ok(gpu_id) = c.gpu_id(objs.subdevice) else {
-                continue;
-            };
-            let Some((index, card)) = cards.iter().enumerate().find(|(_, k)| k.gpu_id == gpu_id)
-            else {
-                continue;
-            };
-            // Another context of this process may run on another GPU: only the one asked for counts.
-            if gpu_uuid(&client, gpu_id).is_ok_and(|u| u != uuid) {
-                continue;
+            ) {
+                let Ok(gpu_id) = c.gpu_id(objs.subdevice) else {
+                    continue;
+                };
+                let Some((index, card)) =
+                    cards.iter().enumerate().find(|(_, k)| k.gpu_id == gpu_id)
+                else {
+                    continue;
+                };
+                if !gpu_uuid(&client, gpu_id).is_ok_and(|u| u != uuid) {
+                    hit = Some((objs, index, *card));
+                    break;
+                }
             }
-            found = Some((c, objs, index, *card));
-            break;
+            if let Some((objs, index, card)) = hit {
+                found = Some((c, objs, index, card));
+                break;
+            }
         }
         if let Some((_, objs, _, _)) = &found
             && objs.compute_groups.len() > 1

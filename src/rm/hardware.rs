@@ -25,29 +25,26 @@ pub(crate) struct Hardware {
     /// A second UVM descriptor, bound to this process's mm by `UVM_MM_INITIALIZE`; held open for the VA space's
     /// life.
     uvm_mm: OnceLock<OwnedFd>,
-    /// Whether `uvm` is a VA space APEX initialised (not one it borrows, as an attached GPU does): attaching to
-    /// CUDA looks for the process's other ones.
-    own_uvm: bool,
 }
 
 impl Hardware {
-    fn new(ctl: OwnedFd, uvm: OwnedFd, own_uvm: bool) -> Arc<Hardware> {
-        if own_uvm {
-            let raw = uvm.as_raw_fd();
-            own_uvm_fds(|fds| fds.push(raw));
-        }
+    /// Listed among APEX's UVM descriptors (see [`own_uvm_fds`]) for as long as it lives, whether APEX initialised
+    /// the VA space or borrows one (a duplicate of CUDA's, for an attached GPU): a later attachment's search for
+    /// CUDA's descriptor must not take APEX's duplicate for a second VA space with the GPU.
+    fn new(ctl: OwnedFd, uvm: OwnedFd) -> Arc<Hardware> {
+        let raw = uvm.as_raw_fd();
+        own_uvm_fds(|fds| fds.push(raw));
         Arc::new(Hardware {
             ctl,
             uvm,
             uvm_mm: OnceLock::new(),
-            own_uvm,
         })
     }
 
     /// A root client on `ctl` with a UVM VA space of its own, initialised on `uvm` (`uvm_mm` binds it to this
     /// process's mm where UVM allows).
     pub(crate) fn client(ctl: OwnedFd, uvm: OwnedFd, uvm_mm: OwnedFd) -> Result<Client> {
-        let hw = Hardware::new(ctl, uvm, true);
+        let hw = Hardware::new(ctl, uvm);
         let client = Client::over(hw.clone())?;
         debug!(
             client = format_args!("{:#x}", client.handle()),
@@ -84,22 +81,20 @@ impl Hardware {
     /// A root client on `ctl` whose UVM calls go to `uvm`, a UVM VA space someone else initialised (CUDA's, for
     /// an attached GPU): nothing is initialised or registered with UVM here.
     pub(crate) fn client_with_foreign_uvm(ctl: OwnedFd, uvm: OwnedFd) -> Result<Client> {
-        Client::over(Hardware::new(ctl, uvm, false))
+        Client::over(Hardware::new(ctl, uvm))
     }
 
     /// A root client on `ctl` that shares the UVM VA space behind `uvm` (a duplicate of another APEX client's
     /// descriptor): GPUs of one peer domain register in one VA space, so they can map each other's memory.
     pub(crate) fn client_sharing_uvm(ctl: OwnedFd, uvm: OwnedFd) -> Result<Client> {
-        Client::over(Hardware::new(ctl, uvm, true))
+        Client::over(Hardware::new(ctl, uvm))
     }
 }
 
 impl Drop for Hardware {
     fn drop(&mut self) {
-        if self.own_uvm {
-            let raw = self.uvm.as_raw_fd();
-            own_uvm_fds(|fds| fds.retain(|&fd| fd != raw));
-        }
+        let raw = self.uvm.as_raw_fd();
+        own_uvm_fds(|fds| fds.retain(|&fd| fd != raw));
     }
 }
 
@@ -273,10 +268,11 @@ impl Transport for Hardware {
     }
 }
 
-/// UVM descriptors APEX opened and initialised itself: attaching to CUDA looks for the process's other ones.
+/// UVM descriptors APEX holds (opened and initialised itself, or duplicated from CUDA's): attaching to CUDA looks
+/// for the process's other ones.
 static OWN_UVM_FDS: Mutex<Vec<i32>> = Mutex::new(Vec::new());
 
-/// Runs `f` on the list of UVM descriptors APEX initialised itself.
+/// Runs `f` on the list of UVM descriptors APEX holds.
 pub(crate) fn own_uvm_fds<T>(f: impl FnOnce(&mut Vec<i32>) -> T) -> T {
     f(&mut OWN_UVM_FDS.lock().unwrap_or_else(|p| p.into_inner()))
 }

@@ -794,6 +794,8 @@ mod tests {
             const_buffers: cbs,
             release: Some((SEM, 6)),
             cluster: None,
+            sync_domain: 0,
+            cluster_load_balancing: false,
         }
     }
 

@@ -762,3 +762,86 @@ fn a_synchronize_during_a_capture_goes_to_libcuda() {
         Answer::Done(0)
     );
 }
+
+/// `%p` in `APEX_PRELOAD_STATS` gives every process of a job its own summary file; a path without it is kept.
+#[test]
+fn the_stats_path_names_the_process_where_asked() {
+    use std::path::Path;
+    assert_eq!(
+        stats_path(Path::new("/tmp/run/stats-%p.json"), 4242),
+        PathBuf::from("/tmp/run/stats-4242.json")
+    );
+    assert_eq!(
+        stats_path(Path::new("/tmp/%p/%p.json"), 7),
+        PathBuf::from("/tmp/7/7.json")
+    );
+    assert_eq!(
+        stats_path(Path::new("/tmp/stats.json"), 7),
+        PathBuf::from("/tmp/stats.json")
+    );
+}
+
+/// NCCL passes its kernels' arguments as one packed buffer in `extra`: such launches run on APEX; an `extra` the
+/// driver would refuse, or one with keys the preload does not know, goes to libcuda.
+#[test]
+fn arguments_in_one_packed_buffer_run_on_apex() {
+    let mut s = Setup::new();
+    // vector_add(a, b, out, n): three pointers and a 32-bit count, at their parameter-table offsets.
+    let mut buffer = [0u8; 28];
+    for (i, v) in s.params[..3].iter().enumerate() {
+        buffer[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
+    }
+    buffer[24..28].copy_from_slice(&64u32.to_le_bytes());
+    // Changed below through raw pointers, as the engine reads them through the array.
+    let size: *mut usize = Box::into_raw(Box::new(buffer.len()));
+    let extra: *mut [*mut c_void; 5] = Box::into_raw(Box::new([
+        PARAM_BUFFER_POINTER as *mut c_void,
+        buffer.as_mut_ptr().cast(),
+        PARAM_BUFFER_SIZE as *mut c_void,
+        size.cast(),
+        PARAM_END as *mut c_void,
+    ]));
+    // SAFETY: both boxes live until the end of the test (freed there); no reference to them is held.
+    let set_size = |n: usize| unsafe { *size = n };
+    // SAFETY: as above.
+    let set_key = |k: usize| unsafe { (*extra)[2] = k as *mut c_void };
+    let mut l = Launch {
+        f: FUNC,
+        grid: [1, 1, 1],
+        block: [64, 1, 1],
+        shared: 0,
+        stream: 0,
+        per_thread: false,
+        params: std::ptr::null_mut(),
+        extra: extra.cast(),
+        extras: Ok(Extras::default()),
+    };
+    assert!(
+        s.engine.launch(&l, 0).is_some(),
+        "a packed buffer runs on APEX"
+    );
+    // Too small for the parameter table: left to libcuda, which refuses it.
+    set_size(20);
+    assert!(s.engine.launch(&l, 0).is_none());
+    set_size(buffer.len());
+    // An unknown key.
+    set_key(7);
+    assert!(s.engine.launch(&l, 0).is_none());
+    set_key(PARAM_BUFFER_SIZE);
+    // Both kernelParams and extra.
+    let mut p = [std::ptr::null_mut::<c_void>(); 4];
+    l.params = p.as_mut_ptr();
+    assert!(s.engine.launch(&l, 0).is_none());
+    l.params = std::ptr::null_mut();
+    // No size.
+    set_key(PARAM_END);
+    assert!(s.engine.launch(&l, 0).is_none());
+    let sum = s.engine.summary();
+    assert_eq!((sum.apex, sum.fallback), (1, 4));
+    assert_eq!(sum.reasons["extra_params"].launches, 4);
+    // SAFETY: made by Box::into_raw above, no longer used.
+    unsafe {
+        drop(Box::from_raw(extra));
+        drop(Box::from_raw(size));
+    }
+}
