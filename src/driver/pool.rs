@@ -52,7 +52,9 @@ impl PoolAttribute {
 
 impl MemPool {
     /// A new pool of `ctx`'s device memory (`cuMemPoolCreate`), holding at most `max_bytes` when given (the
-    /// pool's `maxSize`; CUDA rounds it to its own granularity).
+    /// pool's `maxSize`; CUDA rounds it to its own granularity). Memory freed on a stream is reused by another
+    /// stream only once the free has completed (`CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES` off): an
+    /// allocation never makes its stream wait for another.
     pub fn new(ctx: &Arc<Context>, max_bytes: Option<u64>) -> Result<MemPool> {
         ctx.bind()?;
         // SAFETY: an all-zero CUmemPoolProps is valid (no handle types, no security attributes, maxSize 0 = the
@@ -70,11 +72,23 @@ impl MemPool {
         check("cuMemPoolCreate", unsafe {
             cu::cuMemPoolCreate(&mut pool, &props)
         })?;
-        Ok(MemPool {
+        let pool = MemPool {
             ctx: ctx.clone(),
             pool,
             default: false,
-        })
+        };
+        // Memory freed on one stream goes to another only once the free has completed, as on APEX's direct path:
+        // CUDA would otherwise make the allocating stream wait for the freeing one (an internal dependency).
+        let mut no = 0i32;
+        // SAFETY: the attribute takes a pointer to an int, which `no` is, live across the call.
+        check("cuMemPoolSetAttribute", unsafe {
+            cu::cuMemPoolSetAttribute(
+                pool.pool,
+                cu::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+                (&mut no as *mut i32).cast::<c_void>(),
+            )
+        })?;
+        Ok(pool)
     }
 
     /// The device's default pool (`cuDeviceGetDefaultMemPool`), the one `cuMemAllocAsync` allocates from.

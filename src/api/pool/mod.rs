@@ -170,7 +170,7 @@ impl fmt::Display for PoolOutOfMemory {
         match (&self.limit, &self.source) {
             (Some(limit), _) => write!(f, "the pool's reserve limit is {limit} bytes")?,
             (None, Some(e)) => write!(f, "the device has no more memory: {e}")?,
-            (None, None) => write!(f, "the device has no more memory")?,
+            (None, None) => write!(f, "the device does not have that much memory")?,
         }
         write!(
             f,
@@ -257,11 +257,21 @@ impl Clock for QueueClock {
 
 type Core = Suballocator<Memory, QueueClock>;
 
-#[derive(Debug)]
 struct DirectPool {
     gpu: Arc<GpuCore>,
     options: PoolOptions,
     core: Mutex<Core>,
+}
+
+impl fmt::Debug for DirectPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The counters, not every block's metadata; never waits for the lock.
+        let stats = self.core.try_lock().ok().map(|c| c.stats());
+        f.debug_struct("DirectPool")
+            .field("options", &self.options)
+            .field("stats", &stats)
+            .finish_non_exhaustive()
+    }
 }
 
 #[derive(Debug)]
@@ -320,6 +330,9 @@ impl DirectPool {
                 Ok(Alloc::Need(need)) => need,
                 Err(over) => return Err(self.out_of_memory(bytes, Some(over.limit), None)),
             };
+            if need.bytes > self.gpu.info().memory_bytes {
+                return Err(self.out_of_memory(bytes, None, None));
+            }
             // The chunk is allocated outside the lock: other queues' hits go on meanwhile.
             match Memory::alloc(&self.gpu, MemoryDesc::video(need.bytes)) {
                 Ok(mem) => {
