@@ -233,12 +233,11 @@ fn a_million_cycles_return_to_the_baseline(b: Backend) {
             // SAFETY: count_threads adds one per thread to the u32 at the block's start (at least 4 bytes).
             unsafe { q.launch(&count, &LaunchConfig::linear(1, 32), &[buf.arg()]) }.unwrap()
         });
-        // Every fourth block is freed on the other queue, after it waited for the work that used the block.
-        if i % 4 == 0 {
+        // A block a kernel used is freed on the other queue, once that queue waits for the kernel (stream order
+        // from the allocation, the use and the free, as cuMemFreeAsync on another stream needs).
+        if let Some(f) = &used {
             let other = if i % 3 == 0 { &mut qa } else { &mut qb };
-            if let Some(f) = &used {
-                other.wait_for(f).unwrap();
-            }
+            other.wait_for(f).unwrap();
             other.free_async(buf).unwrap();
         } else {
             q.free_async(buf).unwrap();
