@@ -48,8 +48,9 @@ pub mod sim;
 
 pub use api::{
     Backend, BackendRequest, Buffer, DeviceInfo, Error, FallbackReason, Fence, Global, Gpu,
-    HostBuffer, Kernel, Module, PeerAccess, PeerLink, PreparedLaunch, Queue, QueueOptions, Result,
-    Selection, Ticket, choose,
+    HostBuffer, Kernel, MemoryPool, Module, PeerAccess, PeerLink, PoolBuffer, PoolOptions,
+    PoolOutOfMemory, PoolStats, PreparedLaunch, Queue, QueueOptions, Result, Selection, Ticket,
+    choose,
 };
 pub use api::{Graph, GraphExec, GraphLaunch, GraphNode};
 pub use launch::printf::{AssertAction, AssertFailure};

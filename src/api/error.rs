@@ -61,6 +61,10 @@ pub enum Error {
          their own), on GPUs with a peer link (`nvidia-smi topo -m`)"
     )]
     NotPeers(#[source] rm::Error),
+    /// A memory pool found no room for an allocation ([`Queue::alloc_async`](super::Queue::alloc_async)): the
+    /// device's memory or the pool's reserve limit ran out. Says what the pool holds and which queues hold it.
+    #[error(transparent)]
+    PoolOutOfMemory(Box<super::PoolOutOfMemory>),
     /// A module file could not be read.
     #[error("cannot read the module file {}: {source}", path.display())]
     ReadModule {

@@ -11,6 +11,7 @@ mod graph;
 mod memory;
 mod module;
 mod multi_gpu;
+mod pool;
 mod queue;
 mod selection;
 mod sim_gpu;
@@ -23,6 +24,7 @@ pub use graph::{Graph, GraphExec, GraphLaunch, GraphNode};
 pub use memory::{Buffer, HostBuffer};
 pub use module::{Global, Kernel, Module};
 pub use multi_gpu::PeerAccess;
+pub use pool::{MemoryPool, PoolBuffer, PoolOptions, PoolOutOfMemory, PoolStats};
 pub use queue::{PreparedLaunch, Queue, Ticket};
 pub use selection::{Backend, BackendRequest, FallbackReason, Selection, choose};
 
@@ -40,6 +42,9 @@ mod tests {
         send_sync::<Module>();
         send_sync::<Kernel>();
         send_sync::<Fence>();
+        send_sync::<MemoryPool>();
+        send_sync::<PoolBuffer>();
+        send_sync::<Error>();
         send::<Queue>();
         send_sync::<crate::rm::GpuCore>();
         send_sync::<crate::rm::Memory>();

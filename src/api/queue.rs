@@ -128,6 +128,12 @@ impl fmt::Debug for Queue {
 }
 
 impl Queue {
+    /// This queue's number, unique in the process (what [`PoolOutOfMemory::held_by`](crate::PoolOutOfMemory)
+    /// names queues by).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
     /// The backend this queue submits to.
     pub fn backend(&self) -> Backend {
         match self.inner {

@@ -11,7 +11,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use cudarc::driver::sys as cu;
 
 mod graph;
+mod pool;
 pub use graph::{GraphExec, GraphNode};
+pub use pool::{MemPool, PoolAttribute, free_async_unordered};
 
 /// A failed CUDA driver call.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

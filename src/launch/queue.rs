@@ -1206,6 +1206,17 @@ impl ComputeQueue {
         prev == self.front_settled || self.queue.timeline().is_reached(prev)
     }
 
+    /// The timeline value that, once reached, means every launch and copy submitted to this queue so far is
+    /// complete: what a stream-ordered free records. Sends an open chain and joins unordered launches first; with
+    /// neither (the usual case) it reads one field and submits nothing.
+    #[inline]
+    pub fn completion_value(&mut self) -> Result<u64> {
+        if self.chain.is_none() && !self.unordered_pending {
+            return Ok(self.queue.last_submitted());
+        }
+        self.settle_earlier()
+    }
+
     fn settle_earlier(&mut self) -> Result<u64> {
         self.end_open_chain()?;
         if self.unordered_pending {
