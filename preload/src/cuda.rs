@@ -93,6 +93,14 @@ driver_fn!(
     c"cuCtxGetCurrent",
     unsafe extern "C" fn(*mut usize) -> c_int
 );
+/// The context current on this thread, asked of libcuda directly (`None`: none, or no libcuda).
+pub(crate) fn current_context() -> Option<usize> {
+    let get = cu_ctx_get_current()?;
+    let mut ctx = 0usize;
+    // SAFETY: a live out-parameter.
+    (unsafe { get(&mut ctx) } == 0 && ctx != 0).then_some(ctx)
+}
+
 driver_fn!(
     cu_stream_get_flags,
     c"cuStreamGetFlags",

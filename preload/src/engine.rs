@@ -535,6 +535,13 @@ impl Engine {
             s.add_hops(c.order.counts());
         }
         s.modules_seen = s.modules_seen.max(self.registry.len() as u64);
+        if let Some(c) = crate::alloc_cache::lock() {
+            let a = c.stats();
+            s.alloc_cache_hits = a.hits;
+            s.alloc_cache_misses = a.misses;
+            s.alloc_cache_peak_bytes = a.peak_bytes;
+            s.alloc_cache_held_bytes = a.held_bytes;
+        }
         s.profile = self.phases.report().into_iter().collect();
         s.cuda_work = self
             .cuda_work

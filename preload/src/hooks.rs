@@ -195,6 +195,10 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
         },
         Kind::Teardown => {
             engine::shutdown("the program destroys the CUDA context");
+            // libcuda frees the context's memory with it, the cached blocks too.
+            if let Some(mut c) = crate::alloc_cache::lock() {
+                c.forget(None);
+            }
             call()
         }
         Kind::CopyDtoHAsync
@@ -460,7 +464,6 @@ hooks! {
     cuCtxSynchronize, "cuCtxSynchronize", false, true, CtxSync, () => Site::Device;
     // A context that may not be the current one: its queues are waited for, and libcuda always synchronizes it.
     cuCtxSynchronize_v2, "cuCtxSynchronize", false, true, Device, (c: P) => Site::Device;
-    cuMemFree_v2, "cuMemFree", false, false, Device, (d: Dptr) => Site::Device;
     cuMemFreeHost, "cuMemFreeHost", false, false, Device, (p: P) => Site::Device;
     cuMemHostUnregister, "cuMemHostUnregister", false, false, Device, (p: P) => Site::Device;
     cuMemUnmap, "cuMemUnmap", false, false, Device, (d: Dptr, n: usize) => Site::Device;
@@ -480,7 +483,13 @@ macro_rules! real_fn {
 /// Forwards to `slot`'s function (looked up as `name`), as type `F`, or returns the stub-library error.
 macro_rules! forward {
     ($slot:ident, $name:literal, $ty:ty, ($($a:expr),*)) => {{
-        let p = next(&$slot, $name);
+        let mut p = next(&$slot, $name);
+        if p == 0 {
+            // A function the program never looked up itself (the preload calls it on its own account, as the
+            // allocation cache does cuCtxSynchronize): libcuda's own, where the program loaded libcuda privately.
+            p = apex_interpose::libcuda_symbol($name).unwrap_or(0);
+            $slot.store(p, std::sync::atomic::Ordering::Relaxed);
+        }
         if p == 0 {
             return CUDA_ERROR_STUB_LIBRARY;
         }
@@ -520,6 +529,10 @@ real_fn!(REAL_MODULE_GET_GLOBAL, c"cuModuleGetGlobal_v2");
 real_fn!(REAL_LIBRARY_GET_GLOBAL, c"cuLibraryGetGlobal");
 real_fn!(REAL_LIBRARY_GET_MANAGED, c"cuLibraryGetManaged");
 real_fn!(REAL_FUNC_SET_ATTRIBUTE, c"cuFuncSetAttribute");
+real_fn!(REAL_MEM_ALLOC, c"cuMemAlloc_v2");
+real_fn!(REAL_MEM_FREE, c"cuMemFree_v2");
+real_fn!(REAL_MEM_GET_INFO, c"cuMemGetInfo_v2");
+real_fn!(REAL_CTX_SYNCHRONIZE, c"cuCtxSynchronize");
 real_fn!(REAL_KERNEL_SET_ATTRIBUTE, c"cuKernelSetAttribute");
 real_fn!(REAL_CTX_SET_LIMIT, c"cuCtxSetLimit");
 real_fn!(REAL_STREAM_DESTROY, c"cuStreamDestroy_v2");
@@ -851,6 +864,117 @@ variable_lookup!(
     c"cuLibraryGetManaged",
     |library, _name| std::ptr::null()
 );
+
+/// `CUDA_ERROR_OUT_OF_MEMORY`.
+const CUDA_ERROR_OUT_OF_MEMORY: c_int = 2;
+
+type MemAllocFn = unsafe extern "C" fn(*mut Dptr, usize) -> c_int;
+type MemFreeFn = unsafe extern "C" fn(Dptr) -> c_int;
+
+/// # Safety
+/// `cuMemAlloc_v2`: served from the preload's cache of CUDA's own allocations where a block of this size was kept
+/// ([`crate::alloc_cache`]).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut Dptr, bytes: usize) -> c_int {
+    let Some(_g) = enter() else {
+        return forward!(REAL_MEM_ALLOC, c"cuMemAlloc_v2", MemAllocFn, (dptr, bytes));
+    };
+    let cached = (!dptr.is_null() && bytes > 0)
+        .then(crate::cuda::current_context)
+        .flatten()
+        .and_then(|ctx| Some((ctx, crate::alloc_cache::lock()?)));
+    let Some((ctx, mut cache)) = cached else {
+        return forward!(REAL_MEM_ALLOC, c"cuMemAlloc_v2", MemAllocFn, (dptr, bytes));
+    };
+    if let Some(p) = cache.take(ctx, bytes) {
+        // SAFETY: the program's out-parameter, checked non-null.
+        unsafe { *dptr = p };
+        return 0;
+    }
+    drop(cache);
+    let mut r = forward!(REAL_MEM_ALLOC, c"cuMemAlloc_v2", MemAllocFn, (dptr, bytes));
+    if r == CUDA_ERROR_OUT_OF_MEMORY {
+        // The cache holds memory the program freed: give it back to libcuda and ask again.
+        let blocks = crate::alloc_cache::lock().map(|mut c| c.drain(ctx));
+        for p in blocks.unwrap_or_default() {
+            let _ = forward!(REAL_MEM_FREE, c"cuMemFree_v2", MemFreeFn, (p));
+        }
+        r = forward!(REAL_MEM_ALLOC, c"cuMemAlloc_v2", MemAllocFn, (dptr, bytes));
+    }
+    if r == 0
+        && let Some(mut c) = crate::alloc_cache::lock()
+    {
+        // SAFETY: libcuda filled the out-parameter.
+        c.allocated(ctx, bytes, unsafe { *dptr });
+    }
+    r
+}
+
+/// # Safety
+/// `cuMemFree_v2`: every APEX queue's work is waited for first, as for any free. A block the cache may keep is kept
+/// after the whole context's work is complete (what libcuda's free waits for), so no later allocation of it can
+/// overlap its last use.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemFree_v2(d: Dptr) -> c_int {
+    let Some(_g) = enter() else {
+        return forward!(REAL_MEM_FREE, c"cuMemFree_v2", MemFreeFn, (d));
+    };
+    if let Some(e) = engine::sticky() {
+        return e;
+    }
+    let ctx = crate::cuda::current_context();
+    let known = crate::alloc_cache::lock().is_some_and(|c| c.knows(d));
+    if let (true, Some(ctx)) = (known, ctx) {
+        let waited = match engine::context_sync() {
+            (Answer::Done(code), _) => code,
+            (Answer::Forward, epoch) => {
+                type F = unsafe extern "C" fn() -> c_int;
+                let r = forward!(REAL_CTX_SYNCHRONIZE, c"cuCtxSynchronize", F, ());
+                engine::context_synced(r, epoch);
+                after_waiting(r)
+            }
+        };
+        // An error of earlier work: libcuda's free reports it (and decides what becomes of the block).
+        let kept = waited == 0
+            && crate::alloc_cache::lock()
+                .is_some_and(|mut c| c.freed(ctx, d) == crate::alloc_cache::Freed::Kept);
+        if kept {
+            return 0;
+        }
+        if waited != 0
+            && let Some(mut c) = crate::alloc_cache::lock()
+        {
+            let _ = c.freed(ctx, d);
+        }
+        return forward!(REAL_MEM_FREE, c"cuMemFree_v2", MemFreeFn, (d));
+    }
+    match engine::device_quiet() {
+        Answer::Done(code) => code,
+        Answer::Forward => after_waiting(forward!(REAL_MEM_FREE, c"cuMemFree_v2", MemFreeFn, (d))),
+    }
+}
+
+/// # Safety
+/// `cuMemGetInfo_v2`: bytes the preload's cache keeps for the current context count as free, as they are to the
+/// program.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> c_int {
+    type F = unsafe extern "C" fn(*mut usize, *mut usize) -> c_int;
+    let r = forward!(REAL_MEM_GET_INFO, c"cuMemGetInfo_v2", F, (free, total));
+    if r != 0 || free.is_null() {
+        return r;
+    }
+    let Some(_g) = enter() else { return r };
+    let held = crate::cuda::current_context()
+        .and_then(|ctx| Some(crate::alloc_cache::lock()?.held_in(ctx)))
+        .unwrap_or(0);
+    // SAFETY: libcuda filled both out-parameters (total may be null: then it is not read).
+    unsafe {
+        let limit = if total.is_null() { usize::MAX } else { *total };
+        *free = (*free).saturating_add(held).min(limit);
+    }
+    r
+}
 
 /// # Safety
 /// `cuFuncSetAttribute`.
@@ -1645,6 +1769,13 @@ fn hooks() -> &'static [Hook] {
             cuFuncSetAttribute as *const () as usize,
         );
         add(
+            c"cuMemFree_v2",
+            "cuMemFree",
+            false,
+            &REAL_MEM_FREE,
+            cuMemFree_v2 as *const () as usize,
+        );
+        add(
             c"cuKernelSetAttribute",
             "cuKernelSetAttribute",
             false,
@@ -1777,6 +1908,23 @@ fn hooks() -> &'static [Hook] {
             &REAL_IPC_EVENT_HANDLE,
             cuIpcGetEventHandle as *const () as usize,
         );
+        // cuMemAlloc and cuMemGetInfo had 32-bit forms under the same names: taken only for the _v2 symbols.
+        v.push(Hook {
+            symbol: c"cuMemAlloc_v2",
+            base: b"cuMemAlloc",
+            per_thread: false,
+            versioned: true,
+            slot: &REAL_MEM_ALLOC,
+            ours: cuMemAlloc_v2 as *const () as usize,
+        });
+        v.push(Hook {
+            symbol: c"cuMemGetInfo_v2",
+            base: b"cuMemGetInfo",
+            per_thread: false,
+            versioned: true,
+            slot: &REAL_MEM_GET_INFO,
+            ours: cuMemGetInfo_v2 as *const () as usize,
+        });
         v
     })
 }
@@ -1917,10 +2065,9 @@ mod tests {
         }
         assert!(by_symbol(b"cuLaunchKernel").is_some());
         assert!(by_symbol(b"cuMemcpyHtoDAsync_v2").is_some());
-        assert!(
-            by_symbol(b"cuMemAlloc_v2").is_none(),
-            "allocations need no ordering"
-        );
+        // Allocations need no ordering, but the preload's allocation cache serves them.
+        assert!(by_symbol(b"cuMemAlloc_v2").is_some_and(|h| h.versioned));
+        assert!(by_symbol(b"cuMemAllocPitch_v2").is_none());
     }
 
     /// Every driver function of CUDA 13 that puts work on a stream (or begins or ends a capture) is wrapped, so the
@@ -2004,7 +2151,7 @@ mod tests {
         // No per-thread variant: the flag does not matter.
         let h = by_base(b"cuMemFree", 1, true).unwrap().unwrap();
         assert_eq!(h.symbol, c"cuMemFree_v2");
-        assert!(by_base(b"cuMemAlloc", 1, false).unwrap().is_none());
+        assert!(by_base(b"cuModuleGetTexRef", 1, false).unwrap().is_none());
     }
 
     #[test]

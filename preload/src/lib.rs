@@ -15,12 +15,14 @@
 //! ```
 //!
 //! Environment: `APEX_PRELOAD=off` forwards everything (and still counts); `APEX_PRELOAD_STATS=FILE` writes a JSON
-//! summary at exit ([`stats::Summary`]; `%p` in FILE becomes the process id, one file per process of a job); `APEX_PRELOAD_QUEUES=N` (default 8) bounds the streams taken over;
-//! `APEX_PRELOAD_LOG=LEVEL` (`info`, `debug`, ...) sends the library's `tracing` events to stderr;
-//! `APEX_PRELOAD_PROFILE=1` adds where a launch's time goes to the summary; `APEX_PRELOAD_LAUNCH_MEMORY=host` puts
+//! summary at exit ([`stats::Summary`]; `%p` in FILE becomes the process id, one file per process of a job);
+//! `APEX_PRELOAD_QUEUES=N` (default 8) bounds the streams taken over; `APEX_PRELOAD_ALLOC_CACHE=MIB|off` bounds the
+//! allocation cache ([`alloc_cache`], default 1024 MiB); `APEX_PRELOAD_LOG=LEVEL` (`info`, `debug`, ...) sends the
+//! library's `tracing` events to stderr; `APEX_PRELOAD_PROFILE=1` adds where a launch's time goes to the summary; `APEX_PRELOAD_LAUNCH_MEMORY=host` puts
 //! the queues' launch memory in host memory; `APEX_PRELOAD_WATCHDOG=SECONDS` dumps every thread's stack when one call
 //! into the preload hangs. How it works and what it refuses: docs/attach-cuda.md, section 8.
 
+pub mod alloc_cache;
 pub mod asserts;
 pub mod attrs;
 pub mod check;

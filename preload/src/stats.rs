@@ -80,6 +80,18 @@ pub struct Summary {
     /// Failed device asserts of APEX's kernels, reported through libcuda.
     #[serde(default)]
     pub asserts: u64,
+    /// `cuMemAlloc` calls answered from the allocation cache ([`crate::alloc_cache`]).
+    #[serde(default)]
+    pub alloc_cache_hits: u64,
+    /// `cuMemAlloc` calls that went to libcuda.
+    #[serde(default)]
+    pub alloc_cache_misses: u64,
+    /// The most bytes the allocation cache held at once.
+    #[serde(default)]
+    pub alloc_cache_peak_bytes: u64,
+    /// Bytes it held at exit (freed by libcuda with the context).
+    #[serde(default)]
+    pub alloc_cache_held_bytes: u64,
     /// With `APEX_PRELOAD_PROFILE=1`: mean nanoseconds per launch through APEX of each phase of the hook.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub profile: BTreeMap<String, f64>,

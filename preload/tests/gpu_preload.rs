@@ -685,3 +685,71 @@ fn pytorch_index_asserts_show_as_on_libcuda() {
         s.reasons
     );
 }
+
+/// The allocation cache (issue 30): a CUDA C program that cudaMallocs and cudaFrees buffers of three sizes in its
+/// loop (two of one size alive at once) gives the same bits with the preload, nearly every allocation after the
+/// first iterations is answered from the cache, `cudaMemGetInfo` stays consistent, and with the cache off
+/// (`APEX_PRELOAD_ALLOC_CACHE=off`) the program still runs the same.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn allocations_in_a_loop_are_served_from_the_cache() {
+    let lib = preload_lib();
+    let (dir, exe) = build_cuda("alloc_loop", include_str!("../corpus/alloc_loop.cu"));
+    let iters = 300;
+    let cmd = || {
+        let mut c = Command::new(&exe);
+        c.arg(iters.to_string());
+        c
+    };
+    let _ = run(cmd(), None, &dir, "warm");
+    let plain = run(cmd(), None, &dir, "plain");
+    let pre = run(cmd(), Some(&lib), &dir, "preload");
+    let mut off_cmd = cmd();
+    off_cmd.env("APEX_PRELOAD_ALLOC_CACHE", "off");
+    let off = run(off_cmd, Some(&lib), &dir, "cache-off");
+    let (a, b, c) = (stdout(&plain), stdout(&pre), stdout(&off));
+    for (what, r, text) in [
+        ("plain", &plain, &a),
+        ("preload", &pre, &b),
+        ("cache off", &off, &c),
+    ] {
+        assert!(
+            r.out.status.success(),
+            "{what}: {:?}\n{text}\n{}",
+            r.out.status,
+            String::from_utf8_lossy(&r.out.stderr)
+        );
+    }
+    assert_eq!(results(&a), results(&b), "with the cache:\n{a}\n{b}");
+    assert_eq!(results(&a), results(&c), "with the cache off:\n{a}\n{c}");
+    assert!(
+        results(&b)
+            .iter()
+            .any(|l| l.contains("meminfo follows allocations")),
+        "{b}"
+    );
+    let s = pre.summary.clone().expect("summary");
+    report("alloc_loop", &s);
+    // Two untimed iterations and the timed ones, six allocations each.
+    let allocs = (iters + 2) * 6;
+    let hits = s.alloc_cache_hits;
+    println!(
+        "alloc_loop: {hits} of {} cudaMalloc calls from the cache (of {allocs} made), {} misses, peak {} bytes held; \
+         cudaMalloc {:.0} vs {:.0} ns, cudaFree {:.0} vs {:.0} ns, iteration {:.0} vs {:.0} ns (libcuda vs preload)",
+        hits + s.alloc_cache_misses,
+        s.alloc_cache_misses,
+        s.alloc_cache_peak_bytes,
+        value(&a, "metric cudaMalloc "),
+        value(&b, "metric cudaMalloc "),
+        value(&a, "metric cudaFree "),
+        value(&b, "metric cudaFree "),
+        value(&a, "metric iteration "),
+        value(&b, "metric iteration "),
+    );
+    assert!(
+        hits as usize + 24 >= allocs,
+        "only {hits} of {allocs} allocations came from the cache"
+    );
+    let off_summary = off.summary.expect("summary");
+    assert_eq!(off_summary.alloc_cache_hits, 0, "the cache was off");
+}
