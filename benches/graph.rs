@@ -19,9 +19,8 @@ use std::time::{Duration, Instant};
 
 use apex::driver;
 use apex::launch::graph::Graph;
-use apex::launch::{
-    Arg, ComputeQueue, ComputeQueueConfig, GraphExec, GraphSchedule, Kernel, LaunchConfig, Module,
-};
+use apex::launch::{Arg, ComputeQueue, ComputeQueueConfig, GraphExec, GraphSchedule, LaunchConfig};
+use apex::module::{Kernel, Module};
 use apex::rm::{GpuCore, Memory, MemoryDesc};
 use criterion::{Criterion, criterion_group, criterion_main};
 

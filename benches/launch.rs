@@ -17,7 +17,8 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use apex::driver;
-use apex::launch::{ComputeQueue, ComputeQueueConfig, Kernel, LaunchConfig, LaunchMemory, Module};
+use apex::launch::{ComputeQueue, ComputeQueueConfig, LaunchConfig, LaunchMemory};
+use apex::module::{Kernel, Module};
 use apex::rm::GpuCore;
 use criterion::{Criterion, criterion_group, criterion_main};
 

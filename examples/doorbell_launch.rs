@@ -8,7 +8,8 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use apex::launch::{Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig, Module};
+use apex::launch::{Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig};
+use apex::module::Module;
 use apex::pushbuf::Signal;
 use apex::rm::{GpuCore, Memory, MemoryDesc};
 

@@ -7,7 +7,8 @@ mod support;
 use std::time::{Duration, Instant};
 
 use apex::driver;
-use apex::launch::{ComputeQueue, ComputeQueueConfig, LaunchConfig, Module};
+use apex::launch::{ComputeQueue, ComputeQueueConfig, LaunchConfig};
+use apex::module::Module;
 use apex::pushbuf::Acquire;
 use apex::rm::GpuCore;
 

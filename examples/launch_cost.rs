@@ -36,8 +36,9 @@ use std::time::{Duration, Instant};
 
 use apex::driver;
 use apex::launch::{
-    Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig, LaunchMemory, Module, StreamOrder,
+    Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig, LaunchMemory, StreamOrder,
 };
+use apex::module::Module;
 use apex::pushbuf::{Acquire, Armed, Submission};
 use apex::rm::{GpuCore, Memory, MemoryDesc};
 

@@ -20,7 +20,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use apex::launch::{ComputeQueue, ComputeQueueConfig, CopyEngines, LaunchConfig, Module};
+use apex::launch::{ComputeQueue, ComputeQueueConfig, CopyEngines, LaunchConfig};
+use apex::module::Module;
 use apex::rm::{GpuCore, Memory, MemoryDesc};
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");

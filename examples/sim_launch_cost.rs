@@ -8,7 +8,8 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use apex::launch::{ComputeQueue, ComputeQueueConfig, LaunchConfig, Module};
+use apex::launch::{ComputeQueue, ComputeQueueConfig, LaunchConfig};
+use apex::module::Module;
 use apex::pushbuf::{Armed, Submission};
 use apex::rm::sim::SimConfig;
 use apex::sim::Simulator;

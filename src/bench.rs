@@ -8,7 +8,8 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use crate::driver;
-use crate::launch::{ComputeQueue, ComputeQueueConfig, LaunchConfig, Module};
+use crate::launch::{ComputeQueue, ComputeQueueConfig, LaunchConfig};
+use crate::module::Module;
 use crate::rm::GpuCore;
 use crate::{Error, Result};
 

@@ -1,7 +1,8 @@
 //! APEX: launch work on NVIDIA GPUs by talking to the kernel driver directly.
 //!
 //! Layers, lowest first: [`rm`] (RM client over ioctls) → [`gpfifo`] (our own channel, ring and doorbell)
-//! → [`pushbuf`] (method encoding and decoding) → [`launch`] (cubins, QMDs, kernel launches).
+//! → [`pushbuf`] (method encoding and decoding) → [`launch`] (parameters, QMDs, kernel launches). Beside them,
+//! [`module`] (cubins, fatbins, PTX, modules loaded into GPU memory) sits on [`rm`] alone and [`launch`] uses it.
 //! [`hw`] holds the class tables generated from NVIDIA's headers; it is data, not a layer.
 //! The public API ([`Gpu`], [`Queue`], [`Module`], [`Buffer`], [`Fence`]) sits on top and runs on the direct
 //! path when it can, else on the CUDA driver ([`driver`]); [`sim`] is a software GPU front end for tests.
@@ -41,6 +42,7 @@ pub mod driver;
 pub mod gpfifo;
 pub mod hw;
 pub mod launch;
+pub mod module;
 pub mod pushbuf;
 mod report;
 pub mod rm;
@@ -53,6 +55,7 @@ pub use api::{
     choose,
 };
 pub use api::{Graph, GraphExec, GraphLaunch, GraphNode};
-pub use launch::printf::{AssertAction, AssertFailure};
-pub use launch::{Arg, ClusterPolicy, LaunchConfig, LaunchMemory, VariableHome};
+pub use launch::{Arg, ClusterPolicy, LaunchConfig, LaunchMemory};
+pub use module::VariableHome;
+pub use module::printf::{AssertAction, AssertFailure};
 pub use report::error_report;

@@ -2,11 +2,12 @@
 //! shapes from `.nv.info` and their validation, and cluster launches by the real compute queue against the
 //! simulator (QMD fields and cbank0 cluster words as recorded). tests/gpu_globals_clusters.rs runs them on a GPU.
 
-use apex::launch::cubin::Cubin;
 use apex::launch::{
-    Arg, ComputeQueue, ComputeQueueConfig, Error, LaunchConfig, Limits, Module, cluster_shape,
+    Arg, ComputeQueue, ComputeQueueConfig, Error, LaunchConfig, Limits, cluster_shape,
     queue_validate,
 };
+use apex::module::Module;
+use apex::module::cubin::Cubin;
 use apex::rm::sim::SimConfig;
 use apex::rm::{Memory, MemoryDesc};
 use apex::sim::Simulator;
@@ -76,7 +77,7 @@ fn module_variables_match_cuobjdump() {
 /// from another variable's initializer, goes to the placed address; the rest of the image is linked as before.
 #[test]
 fn placed_variables_redirect_every_reference_into_them() {
-    use apex::launch::cubin::PlacedGlobal;
+    use apex::module::cubin::PlacedGlobal;
     let c = Cubin::parse(MODULE_DATA).unwrap();
     let base = 0x1_0000_0000u64;
     let mut own = vec![0u8; c.image_size() as usize];
@@ -331,7 +332,7 @@ fn module_globals_have_their_image_addresses() {
     let bank3 = k.info().const_bank(3).unwrap().image_offset.unwrap();
     assert_eq!(m.base_va() + bank3, table.va);
     match m.global("missing") {
-        Err(e @ Error::NoSuchGlobal { .. }) => {
+        Err(e @ apex::module::Error::NoSuchGlobal { .. }) => {
             let s = e.to_string();
             assert!(
                 s.contains("missing") && s.contains("dev_value") && s.contains("table"),
@@ -343,7 +344,7 @@ fn module_globals_have_their_image_addresses() {
     assert!(table.check_range(8, 8).is_ok());
     assert!(matches!(
         table.check_range(12, 8),
-        Err(Error::GlobalRange { .. })
+        Err(apex::module::Error::GlobalRange { .. })
     ));
     assert!(table.check_range(u64::MAX, 2).is_err());
 }

@@ -5,7 +5,8 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use apex::launch::{Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig, Module};
+use apex::launch::{Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig};
+use apex::module::Module;
 use apex::rm::{GpuCore, Memory, MemoryDesc};
 
 struct Counting;

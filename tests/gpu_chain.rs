@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use apex::launch::qmd::ChainAction;
-use apex::launch::{Arg, ComputeQueue, ComputeQueueConfig, Kernel, LaunchConfig, Module};
+use apex::launch::{Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig};
+use apex::module::{Kernel, Module};
 use apex::rm::{GpuCore, Memory, MemoryDesc};
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");

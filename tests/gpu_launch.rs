@@ -4,7 +4,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use apex::launch::{Arg, ComputeQueue, ComputeQueueConfig, Kernel, LaunchConfig, Module};
+use apex::launch::{Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig};
+use apex::module::{Kernel, Module};
 use apex::rm::{GpuCore, Memory, MemoryDesc};
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
@@ -498,12 +499,12 @@ fn bad_launches_are_refused_before_the_ring() {
     );
     assert!(matches!(
         c.module.kernel("nope"),
-        Err(apex::launch::Error::NoSuchKernel { .. })
+        Err(apex::module::Error::NoSuchKernel { .. })
     ));
     let sm80 = include_bytes!("../kernels/apex_test_kernels.sm_80.cubin");
     assert!(matches!(
         Module::load(&c.gpu, sm80),
-        Err(apex::launch::Error::Cubin(_))
+        Err(apex::module::Error::Cubin(_))
     ));
     assert!(Module::load(&c.gpu, &CUBIN[..CUBIN.len() / 3]).is_err());
     // A fatbin gives the sm_90 cubin.

@@ -3,7 +3,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use apex::launch::{Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig, Module};
+use apex::launch::{Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig};
+use apex::module::Module;
 use apex::pushbuf::{Queue, QueueConfig, Signal};
 use apex::rm::{GpuCore, Memory, MemoryDesc};
 

@@ -6,9 +6,9 @@
 
 use std::time::Duration;
 
-use apex::launch::fatbin;
-use apex::launch::jit::{self, Compiler, InputKind};
-use apex::launch::select;
+use apex::module::fatbin;
+use apex::module::jit::{self, Compiler, InputKind};
+use apex::module::select;
 use apex::{Arg, Backend, BackendRequest, Gpu, LaunchConfig, Module};
 
 macro_rules! fixture {
@@ -257,7 +257,7 @@ fn nvjitlink_compiles_ptx_and_links_relocatable_code() {
         let a = select::cubin_arch(&cubin).unwrap();
         assert_eq!(a.name(), arch);
         assert!(!a.relocatable);
-        let parsed = apex::launch::cubin::Cubin::parse(&cubin).unwrap();
+        let parsed = apex::module::cubin::Cubin::parse(&cubin).unwrap();
         assert_eq!(parsed.kernels().len(), 4, "{arch}");
     }
     let e = linker
@@ -286,6 +286,6 @@ fn nvjitlink_compiles_ptx_and_links_relocatable_code() {
     let linked = linker
         .compile(InputKind::RelocatableCubin, &relocatable, "sm_90")
         .unwrap();
-    let parsed = apex::launch::cubin::Cubin::parse(&linked).unwrap();
+    let parsed = apex::module::cubin::Cubin::parse(&linked).unwrap();
     assert!(parsed.kernel("embedded_scale").is_ok());
 }

@@ -7,8 +7,8 @@
 use std::ffi::CString;
 use std::ptr;
 
-use apex::launch::cubin::Cubin;
 use apex::launch::occupancy::{DeviceLimits, KernelResources, Occupancy, occupancy};
+use apex::module::cubin::Cubin;
 use cudarc::driver::sys as cu;
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");

@@ -282,7 +282,8 @@ fn a_prepared_launch_is_refused_on_another_queue() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn inline_qmd_launches_compute_in_order() {
-    use apex::launch::{ComputeQueue, ComputeQueueConfig, Module};
+    use apex::launch::{ComputeQueue, ComputeQueueConfig};
+    use apex::module::Module;
     use apex::rm::{GpuCore, Memory, MemoryDesc};
     log();
     let gpu = GpuCore::open(0).unwrap();
@@ -328,7 +329,8 @@ fn inline_qmd_launches_compute_in_order() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn wait_for_idle_stream_order_keeps_launches_in_order() {
-    use apex::launch::{ComputeQueue, ComputeQueueConfig, Module, StreamOrder};
+    use apex::launch::{ComputeQueue, ComputeQueueConfig, StreamOrder};
+    use apex::module::Module;
     use apex::rm::{GpuCore, Memory, MemoryDesc};
     log();
     let gpu = GpuCore::open(0).unwrap();

@@ -6,8 +6,9 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use apex::launch::printf::{DeviceRecord, PrintfFifoCell, format_printf};
-use apex::launch::{self, ComputeQueue, ComputeQueueConfig, Module};
+use apex::launch::{self, ComputeQueue, ComputeQueueConfig};
+use apex::module::Module;
+use apex::module::printf::{DeviceRecord, PrintfFifoCell, format_printf};
 use apex::rm::{GpuCore, Memory, MemoryDesc};
 use apex::{Arg, Backend, BackendRequest, Error, Gpu, LaunchConfig};
 

@@ -8,11 +8,11 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use apex::launch::cubin::Cubin;
-use apex::launch::fatbin::{self, Compression, FatbinEntry, FatbinEntryKind, FatbinError, Origin};
-use apex::launch::image::{self, Code, ImageError, PtxHandling};
-use apex::launch::jit::{self, Cache, Compiler, InputKind, Jit, JitError};
-use apex::launch::select::{self, Fit};
+use apex::module::cubin::Cubin;
+use apex::module::fatbin::{self, Compression, FatbinEntry, FatbinEntryKind, FatbinError, Origin};
+use apex::module::image::{self, Code, ImageError, PtxHandling};
+use apex::module::jit::{self, Cache, Compiler, InputKind, Jit, JitError};
+use apex::module::select::{self, Fit};
 
 macro_rules! fixture {
     ($name:literal) => {
@@ -289,10 +289,10 @@ fn selection_for_each_device() {
         assert_eq!(chosen(bytes, 120), c("compute_90", Fit::Ptx), "{name}");
         assert_eq!(chosen(bytes, 75), None, "{name}");
         // select_cubin: the SASS alone.
-        let sm90a = fatbin::select_cubin(bytes, 90).unwrap();
+        let sm90a = select::select_cubin(bytes, 90).unwrap();
         assert_eq!(select::cubin_arch(&sm90a).unwrap().name(), "sm_90a");
         assert!(matches!(
-            fatbin::select_cubin(bytes, 100),
+            select::select_cubin(bytes, 100),
             Err(FatbinError::NoCubinForSm { device_sm: 100, .. })
         ));
     }

@@ -292,7 +292,8 @@ fn the_model_runs_a_prefetched_segment_as_it_was_fetched() {
 
 #[test]
 fn missed_doorbells_are_rung_again_on_an_armed_queue() {
-    use apex::launch::{ComputeQueue, ComputeQueueConfig, LaunchConfig, LaunchMemory, Module};
+    use apex::launch::{ComputeQueue, ComputeQueueConfig, LaunchConfig, LaunchMemory};
+    use apex::module::Module;
     let (gpu, sim) = Simulator::open(SimConfig {
         lost_doorbells: 3,
         ..SimConfig::default()

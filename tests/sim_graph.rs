@@ -13,9 +13,10 @@ use apex::hw::compute::cbc0 as compute;
 use apex::hw::host::c86f as host;
 use apex::launch::graph::{Dependencies, Graph, GraphError, NodeId, Op, Range};
 use apex::launch::{
-    Arg, ComputeQueue, ComputeQueueConfig, Error, GraphExec, GraphSchedule, Kernel, LaunchConfig,
-    Module, ParamError,
+    Arg, ComputeQueue, ComputeQueueConfig, Error, GraphExec, GraphSchedule, LaunchConfig,
+    ParamError,
 };
+use apex::module::{Kernel, Module};
 use apex::pushbuf::decode::{SubchannelClasses, decode};
 use apex::rm::sim::SimConfig;
 use apex::rm::{GpuCore, Memory, MemoryDesc};

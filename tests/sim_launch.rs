@@ -5,9 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use apex::launch::qmd::{self, ConstBuffer, QMD_WORDS, QmdParams, QmdVersion};
-use apex::launch::{
-    Arg, ComputeQueue, ComputeQueueConfig, Error, FIRST_CHAIN_PART, LaunchConfig, Module,
-};
+use apex::launch::{Arg, ComputeQueue, ComputeQueueConfig, Error, FIRST_CHAIN_PART, LaunchConfig};
+use apex::module::Module;
 use apex::pushbuf::Signal;
 use apex::rm::{GpuCore, Memory, MemoryDesc};
 use apex::sim::{QmdViolation, SimErrorKind, Simulator, XID_GRAPHICS};

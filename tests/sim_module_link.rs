@@ -5,9 +5,10 @@
 
 use std::time::Duration;
 
-use apex::launch::cubin::{CONST_BANK_ALIGN, Cubin};
-use apex::launch::printf::DeviceRuntime;
-use apex::launch::{Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig, Module};
+use apex::launch::{Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig};
+use apex::module::Module;
+use apex::module::cubin::{CONST_BANK_ALIGN, Cubin};
+use apex::module::printf::DeviceRuntime;
 use apex::rm::sim::SimConfig;
 use apex::rm::{Memory, MemoryDesc};
 use apex::sim::Simulator;
@@ -244,7 +245,7 @@ fn kernels_are_found_by_mangled_and_demangled_names() {
     );
     assert!(matches!(
         c.kernel("scale_n"),
-        Err(apex::launch::cubin::CubinError::NoSuchKernel(_))
+        Err(apex::module::cubin::CubinError::NoSuchKernel(_))
     ));
 }
 
@@ -298,7 +299,7 @@ fn unsupported_externals_refuse_only_the_kernels_that_call_them() {
     let m = Module::load(&gpu, EXTERNS).unwrap();
     let e = m.kernel("uses_malloc").unwrap_err();
     assert!(
-        matches!(&e, apex::launch::Error::KernelRefused { kernel, .. } if kernel == "uses_malloc"),
+        matches!(&e, apex::module::Error::KernelRefused { kernel, .. } if kernel == "uses_malloc"),
         "{e}"
     );
     let text = e.to_string();

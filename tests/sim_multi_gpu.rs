@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use apex::gpfifo::{Channel, ChannelConfig};
-use apex::launch::{ComputeQueue, ComputeQueueConfig, CopyEngines, Error, LaunchConfig, Module};
+use apex::launch::{ComputeQueue, ComputeQueueConfig, CopyEngines, Error, LaunchConfig};
+use apex::module::Module;
 use apex::rm::sim::SimConfig;
 use apex::rm::{GpuCore, Memory, MemoryDesc, NvStatus, PeerLink, Placement, sys};
 use apex::sim::Simulator;

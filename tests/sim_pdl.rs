@@ -9,7 +9,8 @@ use apex::hw::qmd::v04::{
     CONSTANT_BUFFER_PREFETCH_PREFETCH_POST as PREFETCH_POST,
     CONSTANT_BUFFER_PREFETCH_PREFETCH_PRE as PREFETCH_PRE,
 };
-use apex::launch::{Arg, ComputeQueueConfig, LaunchConfig, LaunchMemory, Module};
+use apex::launch::{Arg, ComputeQueueConfig, LaunchConfig, LaunchMemory};
+use apex::module::Module;
 use apex::pushbuf::decode::decode_qmd;
 use apex::sim::{Launch, Simulator};
 

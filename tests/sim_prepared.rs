@@ -6,9 +6,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use apex::launch::{
-    Arg, ComputeQueue, ComputeQueueConfig, Error, LaunchConfig, LaunchMemory, Module,
-};
+use apex::launch::{Arg, ComputeQueue, ComputeQueueConfig, Error, LaunchConfig, LaunchMemory};
+use apex::module::Module;
 use apex::pushbuf::{Armed, Submission};
 use apex::rm::GpuCore;
 use apex::sim::Simulator;

@@ -387,7 +387,8 @@ fn a_manual_model_only_moves_when_stepped() {
 /// ring, shows that the missed doorbell really held the work back.
 #[test]
 fn missed_doorbells_are_rung_again_by_the_queue_owner() {
-    use apex::launch::{ComputeQueue, ComputeQueueConfig, LaunchConfig, Module};
+    use apex::launch::{ComputeQueue, ComputeQueueConfig, LaunchConfig};
+    use apex::module::Module;
     let (gpu, sim) = Simulator::open(SimConfig {
         lost_doorbells: 3,
         ..SimConfig::default()

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, ExitStatus};
 use std::time::Instant;
 
-use apex::launch::cubin::Cubin;
 use apex::launch::occupancy::{DeviceLimits, KernelResources, advise, occupancy};
+use apex::module::cubin::Cubin;
 use apex::{Backend, Gpu, driver, launch, rm};
 use clap::{Parser, Subcommand};
 use serde_json::{Value, json};
@@ -1039,8 +1039,8 @@ fn occupancy_cmd(
             "the occupancy tables do not know sm_{sm}; give --sm 80, 86, 87, 89 or 90"
         ))
     })?;
-    let cubin_bytes = if apex::launch::fatbin::is_fatbin(&bytes) {
-        apex::launch::fatbin::select_cubin(&bytes, sm)?
+    let cubin_bytes = if apex::module::fatbin::is_fatbin(&bytes) {
+        apex::module::select::select_cubin(&bytes, sm)?
     } else {
         bytes
     };

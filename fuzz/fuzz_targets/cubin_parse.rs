@@ -3,7 +3,7 @@
 //! invariants the launch layer relies on are checked.
 #![no_main]
 
-use apex::launch::cubin::Cubin;
+use apex::module::cubin::Cubin;
 use libfuzzer_sys::fuzz_target;
 
 /// Largest image linked: NOBITS sections can claim any size without bytes in the file.

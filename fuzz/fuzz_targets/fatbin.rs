@@ -3,8 +3,8 @@
 //! `Cubin::parse` on what it selects. `module_image` fuzzes the whole loader.
 #![no_main]
 
-use apex::launch::cubin::Cubin;
-use apex::launch::fatbin;
+use apex::module::cubin::Cubin;
+use apex::module::{fatbin, select};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -20,7 +20,7 @@ fuzz_target!(|data: &[u8]| {
         }
     }
     for sm in [80, 90, 100] {
-        match fatbin::select_cubin(data, sm) {
+        match select::select_cubin(data, sm) {
             Ok(cubin) => {
                 let _ = Cubin::parse(&cubin);
             }

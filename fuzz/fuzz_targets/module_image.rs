@@ -7,11 +7,11 @@
 
 use std::sync::{Arc, OnceLock};
 
-use apex::launch::cubin::Cubin;
-use apex::launch::fatbin::{self, FatbinEntryKind};
-use apex::launch::image::{self, PtxHandling};
-use apex::launch::jit::{Cache, Compiler, InputKind, Jit, JitError};
-use apex::launch::select;
+use apex::module::cubin::Cubin;
+use apex::module::fatbin::{self, FatbinEntryKind};
+use apex::module::image::{self, PtxHandling};
+use apex::module::jit::{Cache, Compiler, InputKind, Jit, JitError};
+use apex::module::select;
 use libfuzzer_sys::fuzz_target;
 
 /// A real cubin for every compile, so resolution runs to the end.

@@ -2,7 +2,7 @@
 //! record or a typed error, and formatting any decoded record must not panic or read past its arguments.
 #![no_main]
 
-use apex::launch::printf::{DeviceRecord, DeviceRuntime, decode_record, format_printf};
+use apex::module::printf::{DeviceRecord, DeviceRuntime, decode_record, format_printf};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

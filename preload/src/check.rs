@@ -3,7 +3,7 @@
 //! `__assertfail` is not one of them once the attach set failed asserts to end their thread (the preload replays
 //! them through libcuda: [`crate::asserts`]).
 
-use apex::launch::cubin::{Cubin, KernelInfo};
+use apex::module::cubin::{Cubin, KernelInfo};
 
 use crate::Refusal;
 

@@ -4,7 +4,7 @@
 
 /// ELF's magic, `\x7fELF`, little-endian.
 const ELF_MAGIC: u32 = 0x464C_457F;
-/// A fatbin container (`apex::launch::fatbin::FATBIN_MAGIC`).
+/// A fatbin container (`apex::module::fatbin::FATBIN_MAGIC`).
 const FATBIN_MAGIC: u32 = 0xBA55_ED50;
 /// nvcc's `__fatBinC_Wrapper_t`: `{ int magic, int version, const unsigned long long *data, void *filename }`.
 const WRAPPER_MAGIC: u32 = 0x466_243B1;

@@ -3,6 +3,7 @@
 use super::FallbackReason;
 use crate::driver;
 use crate::launch;
+use crate::module;
 use crate::pushbuf;
 use crate::rm;
 
@@ -74,6 +75,13 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+}
+
+impl From<module::Error> for Error {
+    /// As the launch layer reports it ([`launch::Error::Module`], or [`launch::Error::Queue`] for RM errors).
+    fn from(e: module::Error) -> Error {
+        Error::Direct(e.into())
+    }
 }
 
 impl From<rm::Error> for Error {

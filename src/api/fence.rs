@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use super::{Backend, Error, Result};
 use crate::driver;
-use crate::launch::printf::PrintfFifo;
 use crate::launch::{self, ComputeQueue};
+use crate::module::printf::PrintfFifo;
 use crate::pushbuf;
 
 /// A completion point on a queue. Waiting on it also prints what the queue's kernels `printf`ed so far, and

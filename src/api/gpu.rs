@@ -12,8 +12,9 @@ use super::{
     Selection, choose,
 };
 use crate::driver;
-use crate::launch::printf::{AssertAction, AssertFailure, PrintfFifoCell};
 use crate::launch::{self, ComputeQueue, ComputeQueueConfig, LaunchMemory, Limits};
+use crate::module;
+use crate::module::printf::{AssertAction, AssertFailure, PrintfFifoCell};
 use crate::rm::{GpuCore, Memory, MemoryDesc, Placement};
 
 /// What both backends report about the device.
@@ -217,39 +218,39 @@ impl Gpu {
     }
 
     /// Loads a cubin, a fatbin, a host executable or shared library built by nvcc (its embedded fatbins), or
-    /// PTX. The best code for this GPU is picked (see [`launch::select`]); PTX, and relocatable code
+    /// PTX. The best code for this GPU is picked (see [`module::select`]); PTX, and relocatable code
     /// (`nvcc -rdc=true`) that nothing else replaces, are compiled for it by nvJitLink on the direct path (see
-    /// [`launch::jit`]) and by the driver on the driver backend.
+    /// [`module::jit`]) and by the driver on the driver backend.
     pub fn load_module(&self, image: &[u8]) -> Result<Module> {
         match &self.inner {
-            GpuInner::Direct(c) => Ok(Module::from_direct(launch::Module::load_with(
+            GpuInner::Direct(c) => Ok(Module::from_direct(module::Module::load_with(
                 c,
                 image,
                 &self.printf,
             )?)),
             GpuInner::Driver(ctx) => {
-                use launch::image::{self, Code, PtxHandling};
+                use module::image::{self, Code, PtxHandling};
                 // The driver reads cubins, fatbins and PTX itself; code in host binaries is taken out, and
                 // relocatable cubins linked, here first. The code picked also gives the cubin's attributes, so
                 // launches are checked as on the direct path.
                 let resolved = image::resolve(
                     image,
                     self.info.sm_version,
-                    launch::jit::Jit::system(),
+                    module::jit::Jit::system(),
                     PtxHandling::Keep,
                 );
-                let prepare = match launch::select::cubin_arch(image) {
+                let prepare = match module::select::cubin_arch(image) {
                     Some(arch) => arch.relocatable,
                     None => image.starts_with(b"\x7fELF"),
                 };
                 let m = match (&resolved, prepare) {
                     (Ok(r), true) => driver::Module::load(ctx, r.code.bytes())?,
-                    (Err(e), true) => return Err(launch::Error::from(e.clone()).into()),
+                    (Err(e), true) => return Err(module::Error::from(e.clone()).into()),
                     (_, false) => driver::Module::load(ctx, image)?,
                 };
                 let cubin = match &resolved {
                     Ok(r) => match &r.code {
-                        Code::Cubin(b) => launch::cubin::Cubin::parse(b).ok(),
+                        Code::Cubin(b) => module::cubin::Cubin::parse(b).ok(),
                         Code::Ptx(_) => None,
                     },
                     Err(_) => None,
@@ -274,7 +275,7 @@ impl Gpu {
         place: &dyn Fn(&str, u64) -> Option<crate::VariableHome>,
     ) -> Result<Module> {
         match &self.inner {
-            GpuInner::Direct(c) => Ok(Module::from_direct(launch::Module::load_placed(
+            GpuInner::Direct(c) => Ok(Module::from_direct(module::Module::load_placed(
                 c,
                 image,
                 &self.printf,

@@ -48,8 +48,8 @@ mod tests {
         send::<Queue>();
         send_sync::<crate::rm::GpuCore>();
         send_sync::<crate::rm::Memory>();
-        send_sync::<crate::launch::Module>();
-        send_sync::<crate::launch::Kernel>();
+        send_sync::<crate::module::Module>();
+        send_sync::<crate::module::Kernel>();
         send::<crate::launch::ComputeQueue>();
         send::<crate::gpfifo::Channel>();
     }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use super::queue::{Endpoint, KeepAlive};
 use super::{Backend, Result};
 use crate::driver;
-use crate::launch::{self, cubin::KernelInfo};
+use crate::module::{self, cubin::KernelInfo};
 
 /// A loaded module: a cubin, fatbin, PTX or nvcc-built program, ready to hand out its kernels and globals.
 ///
@@ -27,23 +27,23 @@ pub struct Module(ModuleInner);
 #[derive(Clone, Debug)]
 enum ModuleInner {
     /// Loaded by APEX onto the direct path.
-    Direct(Arc<launch::Module>),
+    Direct(Arc<module::Module>),
     /// Loaded by libcuda; the cubin parsed from the same bytes, when APEX could read it, checks arguments before
     /// launching and resolves demangled names.
     Driver {
         module: Arc<driver::Module>,
-        cubin: Option<Arc<launch::cubin::Cubin>>,
+        cubin: Option<Arc<module::cubin::Cubin>>,
     },
 }
 
 impl Module {
-    pub(super) fn from_direct(module: Arc<launch::Module>) -> Module {
+    pub(super) fn from_direct(module: Arc<module::Module>) -> Module {
         Module(ModuleInner::Direct(module))
     }
 
     pub(super) fn from_driver(
         module: Arc<driver::Module>,
-        cubin: Option<Arc<launch::cubin::Cubin>>,
+        cubin: Option<Arc<module::cubin::Cubin>>,
     ) -> Module {
         Module(ModuleInner::Driver { module, cubin })
     }
@@ -57,7 +57,7 @@ impl Module {
     }
 
     /// The direct path's module, when that backend loaded it.
-    pub fn direct(&self) -> Option<&Arc<launch::Module>> {
+    pub fn direct(&self) -> Option<&Arc<module::Module>> {
         match &self.0 {
             ModuleInner::Direct(m) => Some(m),
             ModuleInner::Driver { .. } => None,
@@ -74,7 +74,7 @@ impl Module {
 
     /// The cubin the module's code came from, as APEX parsed it: always on the direct path; on the driver
     /// backend when the code was a cubin APEX could read (not PTX).
-    pub fn cubin(&self) -> Option<&launch::cubin::Cubin> {
+    pub fn cubin(&self) -> Option<&module::cubin::Cubin> {
         match &self.0 {
             ModuleInner::Direct(m) => Some(m.cubin()),
             ModuleInner::Driver { cubin, .. } => cubin.as_deref(),
@@ -87,7 +87,7 @@ impl Module {
             ModuleInner::Direct(m) => Ok(Kernel(KernelInner::Direct(m.kernel(name)?))),
             ModuleInner::Driver { module, cubin } => {
                 let info = match cubin {
-                    Some(c) => Some(c.kernel(name).map_err(launch::Error::from)?.clone()),
+                    Some(c) => Some(c.kernel(name).map_err(module::Error::from)?.clone()),
                     None => None,
                 };
                 // The driver looks kernels up by symbol: a demangled name is resolved through the cubin.
@@ -125,7 +125,7 @@ impl Module {
                         let available = cubin.as_ref().map_or_else(Vec::new, |c| {
                             c.globals().iter().map(|g| g.name.clone()).collect()
                         });
-                        return Err(launch::Error::NoSuchGlobal {
+                        return Err(module::Error::NoSuchGlobal {
                             name: name.to_string(),
                             available,
                         }
@@ -175,7 +175,7 @@ impl Global {
     /// The device address of `bytes` at `offset`, checked against the variable.
     pub(super) fn range(&self, offset: u64, bytes: u64) -> Result<u64> {
         if offset.checked_add(bytes).is_none_or(|end| end > self.size) {
-            return Err(launch::Error::GlobalRange {
+            return Err(module::Error::GlobalRange {
                 name: self.name.clone(),
                 size: self.size,
                 offset,
@@ -204,7 +204,7 @@ pub struct Kernel(KernelInner);
 #[derive(Clone, Debug)]
 pub(super) enum KernelInner {
     /// A kernel of a direct-path module.
-    Direct(launch::Kernel),
+    Direct(module::Kernel),
     /// A kernel of a libcuda module, with its parameter table and resources when the cubin could be read.
     Driver {
         func: driver::Function,
@@ -226,7 +226,7 @@ impl Kernel {
     }
 
     /// The direct path's kernel, when that backend loaded its module.
-    pub fn direct(&self) -> Option<&launch::Kernel> {
+    pub fn direct(&self) -> Option<&module::Kernel> {
         match &self.0 {
             KernelInner::Direct(k) => Some(k),
             KernelInner::Driver { .. } => None,

@@ -8,9 +8,8 @@ use super::cuda_attach;
 use super::module::KernelInner;
 use super::{Backend, Buffer, Error, Fence, Global, Gpu, HostBuffer, Kernel, Module, Result};
 use crate::driver;
-use crate::launch::{
-    self, Arg, ClusterPolicy, ComputeQueue, LaunchConfig, Limits, cubin::KernelInfo,
-};
+use crate::launch::{self, Arg, ClusterPolicy, ComputeQueue, LaunchConfig, Limits};
+use crate::module::cubin::KernelInfo;
 
 pub(super) enum QueueInner {
     Direct(Box<ComputeQueue>),

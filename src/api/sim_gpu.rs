@@ -3,7 +3,7 @@
 use super::gpu::GpuInner;
 use super::{Backend, BackendRequest, DeviceInfo, Gpu, Result, Selection};
 use crate::launch::Limits;
-use crate::launch::printf::PrintfFifoCell;
+use crate::module::printf::PrintfFifoCell;
 use crate::rm::sim::SimConfig;
 use crate::sim::Simulator;
 

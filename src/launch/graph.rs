@@ -16,8 +16,9 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 
+use super::LaunchConfig;
 use super::params::{Arg, ParamError, pack};
-use super::{Kernel, LaunchConfig};
+use crate::module::Kernel;
 
 /// A half-open range of device addresses, `[va, va + len)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -1,22 +1,23 @@
-//! Cubins, modules, QMDs and kernel launches on our own channel, rung by doorbell.
+//! Kernel launches on our own channel, rung by doorbell: parameters, constant banks, QMDs, the compute queue
+//! (slots, stream order, chains, copies), graphs and the occupancy calculator.
+//!
+//! The kernels come from the module layer ([`module`](crate::module)), which this layer uses and which uses
+//! nothing of it; the queue drains the printf FIFO ([`settle`]) and reports a failed device `assert` as
+//! [`Error::Assert`].
 
 pub mod cbank;
 mod copies;
-pub mod cubin;
-pub mod fatbin;
 pub mod graph;
-pub mod image;
-pub mod jit;
-mod module;
 pub mod occupancy;
 pub mod params;
-pub mod printf;
 pub mod qmd;
 mod queue;
-pub mod select;
+
+use std::fmt;
+
+use crate::module::printf::AssertFailure;
 
 pub use copies::{ALL_LCES, CopyEngines, MAX_COPY_ENGINES};
-pub use module::{Global, Kernel, Module, VariableHome};
 pub use params::{Arg, ParamError};
 pub use queue::{
     ClusterPolicy, ComputeQueue, ComputeQueueConfig, FIRST_CHAIN_PART, GraphExec, GraphSchedule,
@@ -31,67 +32,17 @@ pub enum Error {
     /// The queue (channel, pushbuffer, RM) under the launch failed.
     #[error(transparent)]
     Queue(#[from] crate::pushbuf::Error),
-    /// The cubin could not be parsed or loaded.
+    /// Loading a module or looking up its kernels and variables failed (a cubin, fatbin or image that cannot be
+    /// had, no kernel or variable of that name, a refused kernel, a copy outside a variable). RM errors of the
+    /// module layer come as [`Error::Queue`], as the launch layer's own do.
     #[error(transparent)]
-    Cubin(#[from] cubin::CubinError),
-    /// The fatbin could not be parsed.
-    #[error(transparent)]
-    Fatbin(#[from] fatbin::FatbinError),
-    /// No cubin for the device could be had from a module's bytes (nothing fits, PTX did not compile, ...).
-    /// Boxed: compiler logs make it the largest error, and launches return this type.
-    #[error(transparent)]
-    Image(Box<image::ImageError>),
+    Module(crate::module::Error),
     /// The arguments do not match the kernel's parameter table.
     #[error(transparent)]
     Params(#[from] ParamError),
     /// A launch value does not fit its QMD field.
     #[error(transparent)]
     Qmd(#[from] qmd::QmdError),
-    /// The kernel calls an external device function the direct path does not provide (`malloc`, dynamic
-    /// parallelism); the module's other kernels run.
-    #[error("kernel `{kernel}` cannot run on the direct path: {reason}")]
-    KernelRefused {
-        /// The kernel.
-        kernel: String,
-        /// What it calls.
-        reason: cubin::CubinError,
-    },
-    /// [`Module::kernel`] found no kernel of that name.
-    #[error(
-        "no kernel `{name}` in the module (it has: {}); use one of those names (mangled or demangled)",
-        available.join(", ")
-    )]
-    NoSuchKernel {
-        /// The name asked for.
-        name: String,
-        /// The module's kernels.
-        available: Vec<String>,
-    },
-    /// [`Module::global`] found no variable of that name.
-    #[error(
-        "no global variable `{name}` in the module ({})",
-        globals_list(available)
-    )]
-    NoSuchGlobal {
-        /// The name asked for.
-        name: String,
-        /// The module's `__device__` and `__constant__` variables.
-        available: Vec<String>,
-    },
-    /// A copy to or from a module variable outside it.
-    #[error(
-        "{bytes} bytes at offset {offset} of the global `{name}`, which has {size} bytes: the copy would leave the variable"
-    )]
-    GlobalRange {
-        /// The variable.
-        name: String,
-        /// Its size.
-        size: u64,
-        /// Where the copy starts inside it.
-        offset: u64,
-        /// Bytes copied.
-        bytes: u64,
-    },
     /// A launch the kernel or the device cannot run (grid, block, shared memory, cluster, ...).
     #[error("invalid launch of `{kernel}`: {why}")]
     InvalidLaunch {
@@ -134,7 +85,7 @@ pub enum Error {
     NoChain,
     /// A kernel's `assert` failed: the GPU trapped, and the queue's channel is faulted (make a new queue).
     #[error(transparent)]
-    Assert(Box<printf::AssertError>),
+    Assert(Box<AssertError>),
     /// The printf FIFO's size was set after it had been allocated.
     #[error(
         "the printf FIFO is already {current} bytes: set its size before loading a module that uses printf or assert"
@@ -145,18 +96,12 @@ pub enum Error {
     },
 }
 
-/// The variable list of [`Error::NoSuchGlobal`].
-fn globals_list(available: &[String]) -> String {
-    if available.is_empty() {
-        "it has no `__device__` or `__constant__` variables".into()
-    } else {
-        format!("it has: {}", available.join(", "))
-    }
-}
-
-impl From<image::ImageError> for Error {
-    fn from(e: image::ImageError) -> Error {
-        Error::Image(Box::new(e))
+impl From<crate::module::Error> for Error {
+    fn from(e: crate::module::Error) -> Error {
+        match e {
+            crate::module::Error::Rm(e) => Error::Queue(e.into()),
+            e => Error::Module(e),
+        }
     }
 }
 
@@ -174,3 +119,39 @@ impl From<crate::gpfifo::Error> for Error {
 
 /// The launch layer's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A failed device `assert`, and the channel fault its trap caused (none when it ended its thread:
+/// [`AssertAction::EndThread`](crate::module::printf::AssertAction::EndThread)).
+#[derive(Debug)]
+pub struct AssertError {
+    /// What the `assert` reported.
+    pub failure: AssertFailure,
+    /// The fault the assert's trap raised on the queue's channel; `None` when the failing thread ended without
+    /// one ([`AssertAction::EndThread`](crate::module::printf::AssertAction::EndThread)) and the queue can go on.
+    pub fault: Option<crate::pushbuf::Error>,
+}
+
+impl fmt::Display for AssertError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.fault {
+            Some(fault) => write!(
+                f,
+                "device assertion failed: {} The queue's channel faulted on the trap ({fault}); make a new queue to \
+                 go on",
+                self.failure
+            ),
+            None => write!(
+                f,
+                "device assertion failed: {} The failing thread ended; the rest of its grid ran on, so the results \
+                 of that launch cannot be trusted",
+                self.failure
+            ),
+        }
+    }
+}
+
+impl std::error::Error for AssertError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.fault.as_ref().map(|e| e as _)
+    }
+}

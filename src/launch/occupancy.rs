@@ -126,7 +126,7 @@ pub struct KernelResources {
 
 impl KernelResources {
     /// Resources of a cubin kernel; `cubin_sm` is the cubin's SM version (`Cubin::sm_version`).
-    pub fn from_kernel(kernel: &crate::launch::cubin::KernelInfo, cubin_sm: u32) -> Self {
+    pub fn from_kernel(kernel: &crate::module::cubin::KernelInfo, cubin_sm: u32) -> Self {
         let static_shared = u32::try_from(kernel.static_shared).unwrap_or(u32::MAX);
         KernelResources {
             registers: kernel.registers,

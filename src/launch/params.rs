@@ -1,6 +1,6 @@
 //! Kernel parameters, packed into constant bank 0 by the kernel's own parameter table (EIATTR_KPARAM_INFO).
 
-use super::cubin::KernelInfo;
+use crate::module::cubin::KernelInfo;
 
 /// One kernel argument. Scalars and pointers are checked against the size the kernel declares; `Bytes` carries
 /// a by-value struct (or anything else) as its raw bytes.
@@ -186,7 +186,7 @@ fn pack_by(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::launch::cubin::Cubin;
+    use crate::module::cubin::Cubin;
 
     fn kernels() -> Cubin {
         Cubin::parse(include_bytes!(

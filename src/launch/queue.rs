@@ -20,12 +20,12 @@ use super::cbank::{
     write_grid_barrier,
 };
 use super::copies::{COPY_SEMAPHORE_SLOT, record_copy};
-use super::cubin::KernelInfo;
-use super::module::{Kernel, newest_generation};
 use super::params::{Arg, pack};
-use super::printf::{Drained, PrintfFifo};
 use super::qmd::{self, ChainAction, ConstBuffer, QMD_WORDS, QmdParams, QmdVersion};
 use super::{Error, Result};
+use crate::module::cubin::KernelInfo;
+use crate::module::printf::{Drained, PrintfFifo};
+use crate::module::{Kernel, newest_generation};
 
 /// Grid and block shape, dynamic shared memory and thread block cluster shape of one launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -479,7 +479,7 @@ pub struct ComputeQueue {
     /// channel groups while it waits.
     ordering: StreamOrder,
     /// The built-in kernels' module (copy, fill), loaded on first use.
-    builtin: Option<Arc<super::Module>>,
+    builtin: Option<Arc<crate::module::Module>>,
     /// The QMD of the last launch shape, patched per launch instead of rebuilt.
     template: Option<(TemplateKey, [u32; QMD_WORDS])>,
     /// What each slot's QMD and driver words hold now (the slots are write-only device memory).
@@ -1379,7 +1379,7 @@ impl ComputeQueue {
     /// it: 16 bytes per thread per pass, at most 8 blocks per SM (grid-stride beyond).
     fn builtin_launch(&mut self, name: &str, bytes: u64) -> Result<(Kernel, LaunchConfig)> {
         if self.builtin.is_none() {
-            self.builtin = Some(super::Module::load(&self.gpu, BUILTIN_CUBIN)?);
+            self.builtin = Some(crate::module::Module::load(&self.gpu, BUILTIN_CUBIN)?);
         }
         let module = self
             .builtin
@@ -2069,9 +2069,9 @@ pub fn settle(
         // An assert that ended its thread faults nothing: the drain is where it shows.
         (Ok(()), Ok(mut d))
             if !d.asserts.is_empty()
-                && fifo.assert_action() == super::printf::AssertAction::EndThread =>
+                && fifo.assert_action() == crate::module::printf::AssertAction::EndThread =>
         {
-            Err(Error::Assert(Box::new(super::printf::AssertError {
+            Err(Error::Assert(Box::new(super::AssertError {
                 failure: d.asserts.swap_remove(0),
                 fault: None,
             })))
@@ -2079,7 +2079,7 @@ pub fn settle(
         (Ok(()), Ok(_)) => Ok(()),
         (Ok(()), Err(e)) => Err(e.into()),
         (Err(fault), Ok(mut d)) if !d.asserts.is_empty() => {
-            Err(Error::Assert(Box::new(super::printf::AssertError {
+            Err(Error::Assert(Box::new(super::AssertError {
                 failure: d.asserts.swap_remove(0),
                 fault: Some(fault),
             })))

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use apex::gpfifo::ChannelConfig;
-use apex::launch::{ComputeQueue, ComputeQueueConfig, Module};
+use apex::launch::{ComputeQueue, ComputeQueueConfig};
+use apex::module::Module;
 use apex::pushbuf::{QueueConfig, Submission};
 use apex::rm::sim::SimConfig;
 use apex::rm::{GpuCore, Memory, MemoryDesc, Placement};

@@ -6,7 +6,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use apex::launch::cubin::Cubin;
+use apex::module::cubin::Cubin;
 use apex::rm::sim::SimConfig;
 use apex::sim::Simulator;
 use apex::{AssertFailure, Gpu, Queue, VariableHome};

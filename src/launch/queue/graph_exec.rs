@@ -12,13 +12,13 @@ use crate::launch::cbank::{
     CLUSTER_WORDS, CLUSTER_WORDS_START, DRIVER_BYTES, write_cluster_words, write_driver_words,
 };
 use crate::launch::graph::{Graph, GraphError, NodeId, Op};
-use crate::launch::module::{Kernel, newest_generation};
 use crate::launch::params::{Arg, pack};
-use crate::launch::printf::PrintfFifo;
 use crate::launch::qmd::{
     self, ChainAction, DependentAction, GraphNodeForm, QMD_WORDS, QmdParams, QmdVersion,
 };
 use crate::launch::{Error, Result};
+use crate::module::printf::PrintfFifo;
+use crate::module::{Kernel, newest_generation};
 use crate::pushbuf::{Acquire, Fence, Push, Queue, Release, Signal};
 use crate::rm::{Memory, MemoryDesc};
 

@@ -16,7 +16,7 @@
 //! compresses PTX by default, `--compress-mode=size` and `-Xfatbin -compress-all` cubins too), 0x10_0000
 //! architecture-specific code (`sm_90a`: nvcc 13.0 writes the same `sm` and the same cubin `e_flags` as for
 //! `sm_90`; only this flag and the cubin's `.nv.compat` attribute 9 tell them apart, see
-//! [`select`]). Payloads are decompressed here, never past [`MAX_PAYLOAD`] bytes whatever the
+//! [`select`](super::select)). Payloads are decompressed here, never past [`MAX_PAYLOAD`] bytes whatever the
 //! entry claims.
 //!
 //! Host binaries: `.nv_fatbin` holds linked (executable) code; `__nv_relfatbin` (`nvcc -rdc=true`) holds the
@@ -28,8 +28,6 @@ use std::fmt;
 use object::LittleEndian;
 use object::elf;
 use object::read::elf::{FileHeader, SectionHeader};
-
-use super::select::{self, Candidate};
 
 /// First four bytes of a fatbin container.
 pub const FATBIN_MAGIC: u32 = 0xBA55_ED50;
@@ -180,7 +178,7 @@ pub enum FatbinError {
         /// What is wrong, and where.
         what: String,
     },
-    /// [`select_cubin`] found no SASS the device runs.
+    /// [`select_cubin`](super::select::select_cubin) found no SASS the device runs.
     #[error(
         "no cubin for sm_{device_sm} in the fatbin; it holds: {}; rebuild with -gencode for sm_{device_sm} or include PTX",
         list(available)
@@ -526,25 +524,6 @@ fn zstd_frame(src: &[u8], stated: Option<usize>) -> Result<Vec<u8>, String> {
         return Err(format!("it decodes to more than {limit} bytes"));
     }
     Ok(out)
-}
-
-/// The SASS to run on an `sm_<device_sm>` GPU, decompressed: the best executable cubin by [`select::select`]
-/// (arch-specific SASS for exactly that SM, then SASS for exactly that SM, then the newest older minor version of
-/// the same major). PTX and `__nv_relfatbin` entries are left out; [`super::image::resolve`] takes them too.
-pub fn select_cubin(bytes: &[u8], device_sm: u32) -> Result<Vec<u8>, FatbinError> {
-    let all = entries(bytes)?;
-    let chosen = select::select(&all, device_sm)
-        .candidates
-        .iter()
-        .map(|c: &Candidate| &all[c.index])
-        .find(|e| e.kind == FatbinEntryKind::Cubin && e.origin != Origin::NvRelFatbin);
-    match chosen {
-        Some(entry) => payload(bytes, entry),
-        None => Err(FatbinError::NoCubinForSm {
-            device_sm,
-            available: all.iter().map(|e| e.to_string()).collect(),
-        }),
-    }
 }
 
 #[cfg(test)]

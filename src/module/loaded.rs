@@ -250,7 +250,7 @@ impl Module {
 
     /// The module-scope variable (`__device__` or `__constant__`) called `name` (its symbol, or the demangled
     /// name of a C++ variable in a namespace): its GPU address and size, what `cuModuleGetGlobal` gives. Copies
-    /// through a queue ([`ComputeQueue::copy`](super::ComputeQueue::copy)) are ordered with its launches; a
+    /// through a queue ([`ComputeQueue::copy`](crate::launch::ComputeQueue::copy)) are ordered with its launches; a
     /// `__constant__` variable lives in the constant bank launches bind, and every launch's QMD invalidates the
     /// SMs' constant caches, so launches after the copy read the new value.
     pub fn global(&self, name: &str) -> Result<Global> {

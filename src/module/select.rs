@@ -31,7 +31,7 @@ use object::elf;
 use object::read::elf::{FileHeader, SectionHeader};
 
 use super::cubin::{sass_compatible, sm_from_e_flags};
-use super::fatbin::{FatbinEntry, FatbinEntryKind, Origin};
+use super::fatbin::{self, FatbinEntry, FatbinEntryKind, FatbinError, Origin};
 
 /// How a usable entry fits the device, best first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -177,7 +177,7 @@ pub fn fit(
     }
 }
 
-/// Ranks `entries` (from [`fatbin::entries`](super::fatbin::entries)) for an `sm_<device_sm>` GPU: see the
+/// Ranks `entries` (from [`fatbin::entries`]) for an `sm_<device_sm>` GPU: see the
 /// module's documentation for the order.
 pub fn select(entries: &[FatbinEntry], device_sm: u32) -> Selection {
     let mut out = Selection::default();
@@ -345,6 +345,25 @@ fn directive<'a>(text: &'a [u8], name: &str) -> Option<&'a [u8]> {
             .is_some_and(|b| b.is_ascii_whitespace())
             .then(|| rest.trim_ascii())
     })
+}
+
+/// The SASS to run on an `sm_<device_sm>` GPU, decompressed: the best executable cubin by [`select`]
+/// (arch-specific SASS for exactly that SM, then SASS for exactly that SM, then the newest older minor version of
+/// the same major). PTX and `__nv_relfatbin` entries are left out; [`super::image::resolve`] takes them too.
+pub fn select_cubin(bytes: &[u8], device_sm: u32) -> Result<Vec<u8>, FatbinError> {
+    let all = fatbin::entries(bytes)?;
+    let chosen = select(&all, device_sm)
+        .candidates
+        .iter()
+        .map(|c: &Candidate| &all[c.index])
+        .find(|e| e.kind == FatbinEntryKind::Cubin && e.origin != Origin::NvRelFatbin);
+    match chosen {
+        Some(entry) => fatbin::payload(bytes, entry),
+        None => Err(FatbinError::NoCubinForSm {
+            device_sm,
+            available: all.iter().map(|e| e.to_string()).collect(),
+        }),
+    }
 }
 
 #[cfg(test)]

@@ -17,10 +17,16 @@
 //! dropped, and prints each record to standard output formatted as C's `printf` would (the C library formats each
 //! conversion). Records that do not fit are dropped, as CUDA drops output past a full buffer; the count is logged.
 //! A failed `assert` writes its record and traps: the channel faults, and the wait that sees the fault returns
-//! [`super::Error::Assert`] naming the message, file, line, function, block and thread. With
-//! [`AssertAction::EndThread`] it writes its record, sets a word in host memory and ends its thread instead, so the
-//! channel (and the channel group it shares, a CUDA context's when attached) lives on; the next wait returns the
-//! same error, or a host that reports asserts itself takes the records ([`PrintfFifo::take_asserts`]).
+//! [`launch::Error::Assert`](crate::launch::Error::Assert) naming the message, file, line, function, block and
+//! thread. With [`AssertAction::EndThread`] it writes its record, sets a word in host memory and ends its thread
+//! instead, so the channel (and the channel group it shares, a CUDA context's when attached) lives on; the next wait
+//! returns the same error, or a host that reports asserts itself takes the records ([`PrintfFifo::take_asserts`]).
+//!
+//! This file is one unit: the runtime linked into a module at load time, the FIFO its code writes to (created when
+//! the first module that needs it loads, so it lives here, beside the loader, on `rm` memory only), and the host's
+//! reading of the records. The launch layer decides when to drain: `launch::settle` (on a synchronize, a wait, a
+//! dropped queue) drains the FIFO and turns a fault caused by an assertion into
+//! [`launch::AssertError`](crate::launch::AssertError), which holds the channel's fault and so lives in `launch`.
 //!
 //! Record layout (little-endian, 8-byte fields, each record a multiple of 8 bytes):
 //! - `u32 kind` (1 printf, 2 assert; written last, after a fence), `u32 bytes of the record`;
@@ -551,53 +557,19 @@ impl fmt::Display for AssertFailure {
     }
 }
 
-/// A failed device `assert`, and the channel fault its trap caused (none when it ended its thread:
-/// [`AssertAction::EndThread`]).
-#[derive(Debug)]
-pub struct AssertError {
-    /// What the `assert` reported.
-    pub failure: AssertFailure,
-    /// The fault the assert's trap raised on the queue's channel; `None` when the failing thread ended without
-    /// one ([`AssertAction::EndThread`]) and the queue can go on.
-    pub fault: Option<crate::pushbuf::Error>,
-}
-
-impl fmt::Display for AssertError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.fault {
-            Some(fault) => write!(
-                f,
-                "device assertion failed: {} The queue's channel faulted on the trap ({fault}); make a new queue to \
-                 go on",
-                self.failure
-            ),
-            None => write!(
-                f,
-                "device assertion failed: {} The failing thread ended; the rest of its grid ran on, so the results \
-                 of that launch cannot be trusted",
-                self.failure
-            ),
-        }
-    }
-}
-
-impl std::error::Error for AssertError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.fault.as_ref().map(|e| e as _)
-    }
-}
-
 /// How a failed device-side `assert` ends, in kernels launched on the direct path.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum AssertAction {
     /// The failing thread traps, as in CUDA: its channel faults (and with it the channel group the queue shares),
-    /// and the wait that sees the fault returns [`super::Error::Assert`]. The default.
+    /// and the wait that sees the fault returns [`launch::Error::Assert`](crate::launch::Error::Assert). The
+    /// default.
     #[default]
     Trap,
     /// The failing thread records the failure, sets a word in host memory and ends; the rest of the grid and the
-    /// queue go on, and no channel faults. The next wait that drains the FIFO returns [`super::Error::Assert`]
-    /// (without a fault), or a host that reports asserts its own way checks
+    /// queue go on, and no channel faults. The next wait that drains the FIFO returns
+    /// [`launch::Error::Assert`](crate::launch::Error::Assert) (without a fault), or a host that reports asserts its
+    /// own way checks
     /// [`PrintfFifo::assert_seen`] and takes them with [`PrintfFifo::take_asserts`] (apex-preload replays them
     /// through the CUDA driver, so that the program sees CUDA's own report).
     EndThread,
