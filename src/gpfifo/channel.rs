@@ -8,8 +8,8 @@ use tracing::{debug, warn};
 
 use crate::hw::host::c361;
 use crate::rm::{
-    COPY_ALLOC_VERSION_ENGINE_TYPE, CopyAllocParams, GpuCore, MAX_LCES, Memory, MemoryDesc, Object,
-    Placement, copy_engine_type, sys,
+    COPY_ALLOC_VERSION_ENGINE_TYPE, ChannelGroupSchedule, CopyAllocParams, GpuCore, MAX_LCES,
+    Memory, MemoryDesc, Object, Placement, copy_engine_type, sys,
 };
 
 use super::timeline::{Semaphores, Timeline, wait_until};
@@ -195,11 +195,7 @@ impl ChannelObjects {
             bEnable: 1,
             ..Default::default()
         };
-        Ok(self.channel.control(
-            sys::NVA06F_CTRL_CMD_GPFIFO_SCHEDULE,
-            &mut sched,
-            "NVA06F_CTRL_CMD_GPFIFO_SCHEDULE",
-        )?)
+        Ok(self.channel.ctrl(&mut sched)?)
     }
 
     /// A subcontext on `vaspace` in `tsg`, the channel with its engine objects, its work-submit token and its UVM
@@ -304,11 +300,7 @@ impl ChannelObjects {
         let mut tok = sys::NVC36F_CTRL_CMD_GPFIFO_GET_WORK_SUBMIT_TOKEN_PARAMS {
             workSubmitToken: u32::MAX,
         };
-        channel.control(
-            sys::NVC36F_CTRL_CMD_GPFIFO_GET_WORK_SUBMIT_TOKEN,
-            &mut tok,
-            "NVC36F_CTRL_CMD_GPFIFO_GET_WORK_SUBMIT_TOKEN",
-        )?;
+        channel.ctrl(&mut tok)?;
 
         // RM schedules no graphics channel on a UVM-owned VA space before UVM has bound its context buffers
         // (kchannelIsSchedulable). Copy channels, as libcuda's, stay unregistered: UVM_REGISTER_CHANNEL refuses
@@ -569,15 +561,11 @@ impl Channel {
                     true,
                     engine_type,
                 )?;
-                let mut sched = sys::NVA06C_CTRL_GPFIFO_SCHEDULE_PARAMS {
+                let mut sched = ChannelGroupSchedule(sys::NVA06C_CTRL_GPFIFO_SCHEDULE_PARAMS {
                     bEnable: 1,
                     ..Default::default()
-                };
-                tsg.control(
-                    sys::NVA06C_CTRL_CMD_GPFIFO_SCHEDULE,
-                    &mut sched,
-                    "NVA06C_CTRL_CMD_GPFIFO_SCHEDULE",
-                )?;
+                });
+                tsg.ctrl(&mut sched)?;
                 if engine_type == sys::NV2080_ENGINE_TYPE_GRAPHICS {
                     set_compute_preemption_cilp(core, &tsg);
                 }
@@ -767,11 +755,7 @@ impl Channel {
     /// it once read. An RM call: for after a fault, not for the launch path.
     pub fn mmu_fault(&self) -> Result<Option<MmuFault>> {
         let mut p = sys::NV906F_CTRL_GET_MMU_FAULT_INFO_PARAMS::default();
-        self.channel.control(
-            sys::NV906F_CTRL_CMD_GET_MMU_FAULT_INFO,
-            &mut p,
-            "NV906F_CTRL_CMD_GET_MMU_FAULT_INFO",
-        )?;
+        self.channel.ctrl(&mut p)?;
         let address = (u64::from(p.addrHi) << 32) | u64::from(p.addrLo);
         let kind: String = p
             .faultString
@@ -1003,21 +987,12 @@ impl FaultWatch {
         if f.info32 == XID_MMU_FAULT {
             f.mmu = *self.0.mmu.get_or_init(|| {
                 let mut p = sys::NV906F_CTRL_GET_MMU_FAULT_INFO_PARAMS::default();
-                self.0
-                    .channel
-                    .upgrade()?
-                    .control(
-                        sys::NV906F_CTRL_CMD_GET_MMU_FAULT_INFO,
-                        &mut p,
-                        "NV906F_CTRL_CMD_GET_MMU_FAULT_INFO",
+                self.0.channel.upgrade()?.ctrl(&mut p).ok().map(|()| {
+                    (
+                        (u64::from(p.addrHi) << 32) | u64::from(p.addrLo),
+                        p.faultType,
                     )
-                    .ok()
-                    .map(|()| {
-                        (
-                            (u64::from(p.addrHi) << 32) | u64::from(p.addrLo),
-                            p.faultType,
-                        )
-                    })
+                })
             });
         }
         if f.info32 == XID_GRAPHICS_EXCEPTION {
@@ -1038,13 +1013,7 @@ impl FaultWatch {
                 startingSM: start,
                 ..Default::default()
             });
-            debugger
-                .control(
-                    sys::NV83DE_CTRL_CMD_DEBUG_READ_ALL_SM_ERROR_STATES,
-                    &mut *p,
-                    "NV83DE_CTRL_CMD_DEBUG_READ_ALL_SM_ERROR_STATES",
-                )
-                .ok()?;
+            debugger.ctrl(&mut *p).ok()?;
             let n = p.numSMsToRead.min(per_call) as usize;
             if let Some((i, r)) = p.smErrorStateArray[..n]
                 .iter()
@@ -1080,11 +1049,7 @@ fn set_compute_preemption_cilp(core: &GpuCore, group: &Object) {
         cilpPreemptMode: sys::NV2080_CTRL_SET_CTXSW_PREEMPTION_MODE_COMPUTE_CILP,
         ..Default::default()
     };
-    if let Err(e) = core.subdevice().control(
-        sys::NV2080_CTRL_CMD_GR_SET_CTXSW_PREEMPTION_MODE,
-        &mut p,
-        "NV2080_CTRL_CMD_GR_SET_CTXSW_PREEMPTION_MODE",
-    ) {
+    if let Err(e) = core.subdevice().ctrl(&mut p) {
         warn!(error = %e, "compute preemption at instruction level refused; the channel group keeps RM's default");
     }
 }

@@ -13,16 +13,11 @@ use std::path::PathBuf;
 use tracing::debug;
 
 use super::client::{Client, Handle};
+use super::control::{ClientGetAccessRights, ClientGetChildHandle, ClientGetHandleInfo, RmControl};
 use super::error::check;
 use super::ioctl::{nv_escape, uvm_ioctl};
 use super::{Error, Result, sys};
 
-/// `NV0000_CTRL_CMD_CLIENT_GET_HANDLE_INFO` (ctrl0000client.h, not among the vendored headers).
-const CLIENT_GET_HANDLE_INFO: u32 = 0xd02;
-/// `NV0000_CTRL_CMD_CLIENT_GET_ACCESS_RIGHTS`.
-const CLIENT_GET_ACCESS_RIGHTS: u32 = 0xd03;
-/// `NV0000_CTRL_CMD_CLIENT_GET_CHILD_HANDLE`.
-const CLIENT_GET_CHILD_HANDLE: u32 = 0xd05;
 /// `NV0000_CTRL_CMD_CLIENT_GET_HANDLE_INFO_INDEX_PARENT` and `..._CLASSID`.
 const HANDLE_INFO_PARENT: u32 = 1;
 const HANDLE_INFO_CLASSID: u32 = 2;
@@ -39,31 +34,6 @@ const ACCESS_DUP: u32 = 1;
 /// Handles scanned from the base of CUDA's device handle, and how many misses in a row end the scan.
 const HANDLE_SCAN: u32 = 0x1_0000;
 const HANDLE_SCAN_GAP: u32 = 0x1000;
-
-#[repr(C)]
-#[derive(Default)]
-struct GetHandleInfo {
-    h_object: Handle,
-    index: u32,
-    /// `hResult` (parent) or `iResult` (class), a union aligned to 8.
-    result: u64,
-}
-
-#[repr(C)]
-#[derive(Default)]
-struct GetAccessRights {
-    h_object: Handle,
-    h_client: Handle,
-    mask: u32,
-}
-
-#[repr(C)]
-#[derive(Default)]
-struct GetChildHandle {
-    h_parent: Handle,
-    class_id: u32,
-    h_object: Handle,
-}
 
 /// Compute engine classes (Ampere to Blackwell): a channel with one of these under it runs kernels.
 pub const COMPUTE_OBJECT_CLASSES: &[u32] = &[0xcec0, 0xcdc0, 0xcbc0, 0xc9c0, 0xc7c0, 0xc6c0];
@@ -172,51 +142,37 @@ pub struct ForeignClient {
 }
 
 impl ForeignClient {
-    /// RM control on one of the client's objects, through the client's own open file.
-    fn control<P>(
-        &self,
-        object: Handle,
-        cmd: u32,
-        params: &mut P,
-        what: &'static str,
-    ) -> Result<()> {
+    /// NV_ESC_RM_CONTROL on one of the client's objects, through the client's own open file: the command `P` is
+    /// bound to ([`RmControl`]), with `params`.
+    fn ctrl<P: RmControl>(&self, object: Handle, params: &mut P) -> Result<()> {
+        let what = P::NAME;
         let mut p = sys::NVOS54_PARAMETERS {
             hClient: self.handle,
             hObject: object,
-            cmd,
+            cmd: P::CMD,
             params: (params as *mut P).cast(),
             paramsSize: size_of::<P>() as u32,
             ..Default::default()
         };
-        // SAFETY: NVOS54_PARAMETERS is the RM_CONTROL argument; params points to a live `P` of paramsSize bytes,
-        // the parameter struct of `cmd`.
+        // SAFETY: NVOS54_PARAMETERS is the RM_CONTROL argument; params points to a live, exclusively borrowed `P`
+        // of paramsSize bytes, which `P: RmControl` makes the parameter struct of `P::CMD`.
         unsafe { nv_escape(&self.ctl, sys::NV_ESC_RM_CONTROL, &mut p, what)? };
         check("RM_CONTROL", what, p.status)
     }
 
     fn handle_info(&self, h: Handle) -> Result<RmObject> {
-        let mut c = GetHandleInfo {
+        let mut c = ClientGetHandleInfo {
             h_object: h,
             index: HANDLE_INFO_CLASSID,
             result: 0,
         };
-        self.control(
-            self.handle,
-            CLIENT_GET_HANDLE_INFO,
-            &mut c,
-            "GET_HANDLE_INFO",
-        )?;
-        let mut p = GetHandleInfo {
+        self.ctrl(self.handle, &mut c)?;
+        let mut p = ClientGetHandleInfo {
             h_object: h,
             index: HANDLE_INFO_PARENT,
             result: 0,
         };
-        self.control(
-            self.handle,
-            CLIENT_GET_HANDLE_INFO,
-            &mut p,
-            "GET_HANDLE_INFO",
-        )?;
+        self.ctrl(self.handle, &mut p)?;
         Ok(RmObject {
             handle: h,
             parent: p.result as u32,
@@ -227,17 +183,12 @@ impl ForeignClient {
     /// The client's objects and the first device RM's child lookup finds: a scan of handles from that device
     /// handle's base (libcuda numbers all its objects, of every GPU, from one base), ended by a long run of misses.
     pub fn objects(&self) -> Result<(Handle, Vec<RmObject>)> {
-        let mut q = GetChildHandle {
+        let mut q = ClientGetChildHandle {
             h_parent: self.handle,
             class_id: NVOC_ID_DEVICE,
             h_object: 0,
         };
-        self.control(
-            self.handle,
-            CLIENT_GET_CHILD_HANDLE,
-            &mut q,
-            "GET_CHILD_HANDLE",
-        )?;
+        self.ctrl(self.handle, &mut q)?;
         let device = q.h_object;
         let base = device & 0xffff_0000;
         let mut out = Vec::new();
@@ -263,12 +214,7 @@ impl ForeignClient {
     /// The RM GPU id of a subdevice of this client (to match it with APEX's own view of the GPU).
     pub fn gpu_id(&self, subdevice: Handle) -> Result<u32> {
         let mut p = sys::NV2080_CTRL_GPU_GET_ID_PARAMS::default();
-        self.control(
-            subdevice,
-            sys::NV2080_CTRL_CMD_GPU_GET_ID,
-            &mut p,
-            "NV2080_CTRL_CMD_GPU_GET_ID",
-        )?;
+        self.ctrl(subdevice, &mut p)?;
         Ok(p.gpuId)
     }
 }
@@ -313,22 +259,13 @@ pub fn foreign_clients(own: &Client) -> Result<Vec<ForeignClient>> {
         if super::client::is_own_client(h) {
             continue;
         }
-        let mut p = GetAccessRights {
+        let mut p = ClientGetAccessRights {
             h_object: h,
             h_client: h,
             mask: 0,
         };
         // Asked of our own client: it looks the other client up without checking our descriptor against it.
-        if own
-            .control(
-                own.handle(),
-                CLIENT_GET_ACCESS_RIGHTS,
-                &mut p,
-                "GET_ACCESS_RIGHTS",
-            )
-            .is_err()
-            || p.mask & ACCESS_DUP == 0
-        {
+        if own.ctrl(own.handle(), &mut p).is_err() || p.mask & ACCESS_DUP == 0 {
             continue;
         }
         // Only the descriptor the client was created on answers for it (strict client validation).
@@ -497,12 +434,5 @@ mod tests {
         );
         // No device with a context: nothing to attach to.
         assert!(context_candidates(&gpu0, client, d0, &[sys::HOPPER_COMPUTE_A]).is_empty());
-    }
-
-    #[test]
-    fn parameter_structs_have_rm_sizes() {
-        assert_eq!(size_of::<GetHandleInfo>(), 16);
-        assert_eq!(size_of::<GetAccessRights>(), 12);
-        assert_eq!(size_of::<GetChildHandle>(), 12);
     }
 }

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use tracing::warn;
 
 use super::Result;
+use super::control::RmControl;
 use super::error::check;
 use super::mapping::CpuMapping;
 pub use super::transport::Handle;
@@ -78,24 +79,18 @@ impl Client {
         }
     }
 
-    /// NV_ESC_RM_CONTROL `cmd` on `object` with its parameter struct.
-    pub fn control<P>(
-        &self,
-        object: Handle,
-        cmd: u32,
-        params: &mut P,
-        what: &'static str,
-    ) -> Result<()> {
-        // SAFETY: `params` is a live, exclusively borrowed `P` of `size_of::<P>()` bytes; the caller picks `P` to
-        // be the control's parameter struct.
+    /// NV_ESC_RM_CONTROL on `object`: the command `P` is bound to ([`RmControl`]), with `params`.
+    pub fn ctrl<P: RmControl>(&self, object: Handle, params: &mut P) -> Result<()> {
+        // SAFETY: `params` is a live, exclusively borrowed `P` of `size_of::<P>()` bytes, and `P: RmControl` makes
+        // it the parameter struct of `P::CMD`.
         unsafe {
             self.transport.control(
                 self.handle,
                 object,
-                cmd,
+                P::CMD,
                 (params as *mut P).cast(),
                 size_of::<P>(),
-                what,
+                P::NAME,
             )
         }
     }
@@ -233,9 +228,9 @@ impl Object {
         &self.client
     }
 
-    /// RM control on this object.
-    pub fn control<P>(&self, cmd: u32, params: &mut P, what: &'static str) -> Result<()> {
-        self.client.control(self.handle, cmd, params, what)
+    /// NV_ESC_RM_CONTROL on this object: the command `P` is bound to ([`RmControl`]), with `params`.
+    pub fn ctrl<P: RmControl>(&self, params: &mut P) -> Result<()> {
+        self.client.ctrl(self.handle, params)
     }
 }
 

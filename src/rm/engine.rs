@@ -68,17 +68,3 @@ mod tests {
         assert_eq!(size_of::<CopyAllocParams>(), 8);
     }
 }
-
-/// `NV2080_CTRL_CMD_CE_GET_CE_PCE_MASK` (ctrl2080ce.h, not among the vendored headers): which physical copy engines
-/// (PCEs) back a logical one.
-pub(crate) const CE_GET_CE_PCE_MASK: u32 = 0x2080_2a02;
-
-/// `NV2080_CTRL_CE_GET_CE_PCE_MASK_PARAMS`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct CePceMaskParams {
-    /// In: `NV2080_ENGINE_TYPE_COPY(n)`.
-    pub(crate) ce_engine_type: u32,
-    /// Out: the PCEs assigned to it, a bit each.
-    pub(crate) pce_mask: u32,
-}

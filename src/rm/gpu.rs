@@ -167,12 +167,7 @@ impl GpuCore {
             gpuId: card.gpu_id,
             ..Default::default()
         };
-        client.control(
-            client.handle(),
-            sys::NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2,
-            &mut id,
-            "NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2",
-        )?;
+        client.ctrl(client.handle(), &mut id)?;
 
         let (device, subdevice, classes) = device_objects(&client, id.deviceInstance)?;
 
@@ -376,12 +371,7 @@ impl GpuCore {
             gpuId: card.gpu_id,
             ..Default::default()
         };
-        client.control(
-            client.handle(),
-            sys::NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2,
-            &mut id,
-            "NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2",
-        )?;
+        client.ctrl(client.handle(), &mut id)?;
         let (device, subdevice, classes) = device_objects(&client, id.deviceInstance)?;
         let info = gpu_info(&subdevice, index, &card, driver_version)?;
         if info.uuid_bytes != uuid {
@@ -452,12 +442,7 @@ impl GpuCore {
     /// virtual GPU, a policy) is logged, not an error: the boost is a hint.
     pub fn request_max_performance(&self) {
         let mut p = perf_boost_params();
-        match self.client.control(
-            self.subdevice.handle(),
-            sys::NV2080_CTRL_CMD_PERF_BOOST,
-            &mut p,
-            "NV2080_CTRL_CMD_PERF_BOOST",
-        ) {
+        match self.client.ctrl(self.subdevice.handle(), &mut p) {
             Ok(()) => debug!(
                 gpu = self.info.index,
                 "performance boost requested, as CUDA does"
@@ -521,11 +506,7 @@ impl GpuCore {
     /// absent one).
     pub fn copy_engines_present(&self) -> Result<u64> {
         let mut p = sys::NV2080_CTRL_GPU_GET_ENGINES_V2_PARAMS::default();
-        self.subdevice.control(
-            sys::NV2080_CTRL_CMD_GPU_GET_ENGINES_V2,
-            &mut p,
-            "NV2080_CTRL_CMD_GPU_GET_ENGINES_V2",
-        )?;
+        self.subdevice.ctrl(&mut p)?;
         let n = (p.engineCount as usize).min(p.engineList.len());
         Ok(p.engineList[..n]
             .iter()
@@ -543,15 +524,11 @@ impl GpuCore {
                 super::engine::MAX_LCES - 1
             ))
         })?;
-        let mut p = super::engine::CePceMaskParams {
+        let mut p = super::control::CePceMaskParams {
             ce_engine_type,
             pce_mask: 0,
         };
-        self.subdevice.control(
-            super::engine::CE_GET_CE_PCE_MASK,
-            &mut p,
-            "NV2080_CTRL_CMD_CE_GET_CE_PCE_MASK",
-        )?;
+        self.subdevice.ctrl(&mut p)?;
         Ok(p.pce_mask)
     }
 
@@ -756,11 +733,7 @@ pub(crate) fn device_objects(
         "NV20_SUBDEVICE_0",
     )?);
     let mut cl = sys::NV0080_CTRL_GPU_GET_CLASSLIST_V2_PARAMS::default();
-    device.control(
-        sys::NV0080_CTRL_CMD_GPU_GET_CLASSLIST_V2,
-        &mut cl,
-        "NV0080_CTRL_CMD_GPU_GET_CLASSLIST_V2",
-    )?;
+    device.ctrl(&mut cl)?;
     let n = (cl.numClasses as usize).min(cl.classList.len());
     Ok((device, subdevice, cl.classList[..n].to_vec()))
 }
@@ -784,12 +757,7 @@ fn gpu_uuid(client: &Client, gpu_id: u32) -> Result<[u8; 16]> {
         flags: sys::NV0000_CTRL_CMD_GPU_GET_UUID_FROM_GPU_ID_FLAGS_FORMAT_BINARY,
         ..Default::default()
     };
-    client.control(
-        client.handle(),
-        sys::NV0000_CTRL_CMD_GPU_GET_UUID_FROM_GPU_ID,
-        &mut p,
-        "NV0000_CTRL_CMD_GPU_GET_UUID_FROM_GPU_ID",
-    )?;
+    client.ctrl(client.handle(), &mut p)?;
     let mut u = [0u8; 16];
     u.copy_from_slice(&p.gpuUuid[..16]);
     Ok(u)
@@ -818,11 +786,7 @@ pub(super) fn gpu_info(
     driver_version: String,
 ) -> Result<GpuInfo> {
     let mut name = sys::NV2080_CTRL_GPU_GET_NAME_STRING_PARAMS::default();
-    sub.control(
-        sys::NV2080_CTRL_CMD_GPU_GET_NAME_STRING,
-        &mut name,
-        "NV2080_CTRL_CMD_GPU_GET_NAME_STRING",
-    )?;
+    sub.ctrl(&mut name)?;
     // SAFETY: gpuNameStringFlags = 0 asks for ASCII, so the `ascii` member of the union is the one written.
     let name = c_string(unsafe { &name.gpuNameString.ascii });
 
@@ -831,11 +795,7 @@ pub(super) fn gpu_info(
         length: 16,
         ..Default::default()
     };
-    sub.control(
-        sys::NV2080_CTRL_CMD_GPU_GET_GID_INFO,
-        &mut gid,
-        "NV2080_CTRL_CMD_GPU_GET_GID_INFO",
-    )?;
+    sub.ctrl(&mut gid)?;
     let mut uuid_bytes = [0u8; 16];
     uuid_bytes.copy_from_slice(&gid.data[..16]);
 
@@ -851,32 +811,20 @@ pub(super) fn gpu_info(
         grInfoList: list.as_mut_ptr().cast(),
         ..Default::default()
     };
-    sub.control(
-        sys::NV2080_CTRL_CMD_GR_GET_INFO,
-        &mut gr,
-        "NV2080_CTRL_CMD_GR_GET_INFO",
-    )?;
+    sub.ctrl(&mut gr)?;
     let [sm_raw, warps, tpcs_per_gpc_max, sms_per_tpc] = list.map(|i| i.data);
     // RM encodes the SM version as 0xMMmm (0x0900 = sm_90).
     let sm_version = ((sm_raw >> 8) & 0xff) * 10 + (sm_raw & 0xff).min(9);
 
     let mut gpc = sys::NV2080_CTRL_GR_GET_GPC_MASK_PARAMS::default();
-    sub.control(
-        sys::NV2080_CTRL_CMD_GR_GET_GPC_MASK,
-        &mut gpc,
-        "NV2080_CTRL_CMD_GR_GET_GPC_MASK",
-    )?;
+    sub.ctrl(&mut gpc)?;
     let mut tpc_count = 0;
     for gpc_id in (0..32).filter(|g| gpc.gpcMask & (1 << g) != 0) {
         let mut tpc = sys::NV2080_CTRL_GR_GET_TPC_MASK_PARAMS {
             gpcId: gpc_id,
             ..Default::default()
         };
-        sub.control(
-            sys::NV2080_CTRL_CMD_GR_GET_TPC_MASK,
-            &mut tpc,
-            "NV2080_CTRL_CMD_GR_GET_TPC_MASK",
-        )?;
+        sub.ctrl(&mut tpc)?;
         tpc_count += tpc.tpcMask.count_ones();
     }
 
@@ -885,11 +833,7 @@ pub(super) fn gpu_info(
         ..Default::default()
     };
     fb.fbInfoList[0].index = sys::NV2080_CTRL_FB_INFO_INDEX_TOTAL_RAM_SIZE;
-    sub.control(
-        sys::NV2080_CTRL_CMD_FB_GET_INFO_V2,
-        &mut fb,
-        "NV2080_CTRL_CMD_FB_GET_INFO_V2",
-    )?;
+    sub.ctrl(&mut fb)?;
     // Reported in KiB.
     let memory_bytes = u64::from(fb.fbInfoList[0].data) << 10;
 

@@ -7,6 +7,7 @@
 
 pub mod attach;
 mod client;
+mod control;
 mod domain;
 mod engine;
 mod error;
@@ -25,6 +26,7 @@ pub mod sys;
 mod va;
 
 pub use client::{Client, Handle, Object, live_objects};
+pub use control::{ChannelGroupSchedule, RmControl};
 pub use engine::{
     COPY_ALLOC_VERSION_ENGINE_TYPE, COPY_ALLOC_VERSION_INSTANCE, CopyAllocParams, MAX_LCES,
     copy_engine_type, lce_of_engine_type,

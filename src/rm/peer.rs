@@ -153,12 +153,7 @@ impl GpuCore {
         p.gpuIds[0] = self.gpu_id;
         p.gpuIds[1] = other.gpu_id;
         p.gpuCount = 2;
-        self.client.control(
-            self.client.handle(),
-            sys::NV0000_CTRL_CMD_SYSTEM_GET_P2P_CAPS_V2,
-            &mut *p,
-            "NV0000_CTRL_CMD_SYSTEM_GET_P2P_CAPS_V2",
-        )?;
+        self.client.ctrl(self.client.handle(), &mut *p)?;
         decode_caps(
             p.p2pCaps,
             &p.p2pCapsStatus,

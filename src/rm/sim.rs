@@ -466,8 +466,8 @@ impl SimShared {
                 }
                 p.engineCount = n as u32;
             }
-            super::engine::CE_GET_CE_PCE_MASK => {
-                let p = unsafe { params::<super::engine::CePceMaskParams>(ptr, size)? };
+            super::control::NV2080_CTRL_CMD_CE_GET_CE_PCE_MASK => {
+                let p = unsafe { params::<super::control::CePceMaskParams>(ptr, size)? };
                 // One PCE for each present LCE (the PCE of the same index): equal shares of a split copy.
                 let lce = super::engine::lce_of_engine_type(p.ce_engine_type)
                     .filter(|l| *l < 32 && c.copy_engines & (1 << l) != 0)
@@ -1129,7 +1129,7 @@ impl SimView<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rm::{Memory, MemoryDesc, Placement};
+    use crate::rm::{ChannelGroupSchedule, Memory, MemoryDesc, Placement, RmControl};
 
     #[test]
     fn opens_like_an_h200_and_checks_every_access() {
@@ -1256,11 +1256,11 @@ mod tests {
     }
 
     fn schedule(group: &Object) -> Result<()> {
-        let mut p = sys::NVA06C_CTRL_GPFIFO_SCHEDULE_PARAMS {
+        let mut p = ChannelGroupSchedule(sys::NVA06C_CTRL_GPFIFO_SCHEDULE_PARAMS {
             bEnable: 1,
             ..Default::default()
-        };
-        group.control(sys::NVA06C_CTRL_CMD_GPFIFO_SCHEDULE, &mut p, "schedule")
+        });
+        group.ctrl(&mut p)
     }
 
     fn by_engine(lce: u32) -> Option<CopyAllocParams> {
@@ -1366,11 +1366,16 @@ mod tests {
     #[test]
     fn unknown_controls_and_classes_are_refused() {
         let (core, _bus) = GpuCore::open_simulated(SimConfig::default()).unwrap();
-        let mut p = sys::NV2080_CTRL_GR_GET_GPC_MASK_PARAMS::default();
-        let e = core
-            .subdevice()
-            .control(0x2080_ffff, &mut p, "bogus")
-            .unwrap_err();
+        /// A command RM does not know, with GET_GPC_MASK's parameters.
+        #[repr(transparent)]
+        struct Bogus(sys::NV2080_CTRL_GR_GET_GPC_MASK_PARAMS);
+        // SAFETY: the struct is GET_GPC_MASK's parameters; the command is refused before they are read.
+        unsafe impl RmControl for Bogus {
+            const CMD: u32 = 0x2080_ffff;
+            const NAME: &'static str = "bogus";
+        }
+        let mut p = Bogus(Default::default());
+        let e = core.subdevice().ctrl(&mut p).unwrap_err();
         assert_eq!(e.status(), Some(NV_ERR_NOT_SUPPORTED));
         let e = Object::alloc::<()>(core.client(), Some(core.device()), 0xc56f, None, "ampere")
             .unwrap_err();
@@ -1392,18 +1397,13 @@ mod tests {
             flags: 0x3,
             duration: 10,
         };
-        let e = core
-            .subdevice()
-            .control(sys::NV2080_CTRL_CMD_PERF_BOOST, &mut bad, "boost")
-            .unwrap_err();
+        let e = core.subdevice().ctrl(&mut bad).unwrap_err();
         assert_eq!(e.status(), Some(NV_ERR_INVALID_ARGUMENT));
         let mut clear = sys::NV2080_CTRL_PERF_BOOST_PARAMS {
             flags: 0,
             duration: 0,
         };
-        core.subdevice()
-            .control(sys::NV2080_CTRL_CMD_PERF_BOOST, &mut clear, "boost")
-            .unwrap();
+        core.subdevice().ctrl(&mut clear).unwrap();
         assert_eq!(bus.lock().perf_boost(), Some((0, 0)));
     }
 }
