@@ -133,6 +133,12 @@ impl AllocCache {
         Freed::Kept
     }
 
+    /// `ptr` goes back to libcuda without being kept (freed while a graph capture runs, when the wait a kept block
+    /// needs could disturb the capture).
+    pub fn release(&mut self, ptr: u64) {
+        self.live.remove(&ptr);
+    }
+
     /// Takes every kept block of `ctx` out of the cache, for libcuda to free (it ran out of memory).
     pub fn drain(&mut self, ctx: usize) -> Vec<u64> {
         let keys: Vec<(usize, usize)> = self.free.keys().filter(|k| k.0 == ctx).copied().collect();
@@ -247,6 +253,9 @@ mod tests {
         assert!(!c.knows(0xa000));
         assert_eq!(c.take(CTX, 6000), Some(0xa000));
         assert!(c.knows(0xa000));
+        c.release(0xa000);
+        assert!(!c.knows(0xa000));
+        assert_eq!(c.freed(CTX, 0xa000), Freed::Unknown);
     }
 
     #[test]

@@ -1283,6 +1283,11 @@ pub(crate) fn before_work(site: Site, name: &'static str) -> u64 {
     .unwrap_or(0)
 }
 
+/// Whether a stream of the program is capturing a CUDA graph (a context synchronize could then invalidate it).
+pub(crate) fn capturing() -> bool {
+    with(|e| !e.capturing.is_empty()).unwrap_or(false)
+}
+
 /// A memset: run on APEX's queue (`Some(CUresult)`), or `None` for libcuda.
 pub(crate) fn fill(op: &SetOp) -> Option<c_int> {
     with(|e| e.fill(op)).flatten()

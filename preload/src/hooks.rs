@@ -924,7 +924,12 @@ pub unsafe extern "C" fn cuMemFree_v2(d: Dptr) -> c_int {
     }
     let ctx = crate::cuda::current_context();
     let known = crate::alloc_cache::lock().is_some_and(|c| c.knows(d));
-    if let (true, Some(ctx)) = (known, ctx) {
+    if known && engine::capturing() {
+        // The context synchronize a kept block needs is not allowed during a capture: libcuda frees it.
+        if let Some(mut c) = crate::alloc_cache::lock() {
+            c.release(d);
+        }
+    } else if let (true, Some(ctx)) = (known, ctx) {
         let waited = match engine::context_sync() {
             (Answer::Done(code), _) => code,
             (Answer::Forward, epoch) => {
