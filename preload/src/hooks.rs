@@ -532,6 +532,8 @@ real_fn!(REAL_FUNC_SET_ATTRIBUTE, c"cuFuncSetAttribute");
 real_fn!(REAL_MEM_ALLOC, c"cuMemAlloc_v2");
 real_fn!(REAL_MEM_FREE, c"cuMemFree_v2");
 real_fn!(REAL_MEM_GET_INFO, c"cuMemGetInfo_v2");
+real_fn!(REAL_MEM_CREATE, c"cuMemCreate");
+real_fn!(REAL_MEM_ALLOC_PITCH, c"cuMemAllocPitch_v2");
 real_fn!(REAL_CTX_SYNCHRONIZE, c"cuCtxSynchronize");
 real_fn!(REAL_KERNEL_SET_ATTRIBUTE, c"cuKernelSetAttribute");
 real_fn!(REAL_CTX_SET_LIMIT, c"cuCtxSetLimit");
@@ -893,12 +895,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut Dptr, bytes: usize) -> c_int {
     }
     drop(cache);
     let mut r = forward!(REAL_MEM_ALLOC, c"cuMemAlloc_v2", MemAllocFn, (dptr, bytes));
-    if r == CUDA_ERROR_OUT_OF_MEMORY {
-        // The cache holds memory the program freed: give it back to libcuda and ask again.
-        let blocks = crate::alloc_cache::lock().map(|mut c| c.drain(ctx));
-        for p in blocks.unwrap_or_default() {
-            let _ = forward!(REAL_MEM_FREE, c"cuMemFree_v2", MemFreeFn, (p));
-        }
+    if r == CUDA_ERROR_OUT_OF_MEMORY && give_back_cached(ctx) {
         r = forward!(REAL_MEM_ALLOC, c"cuMemAlloc_v2", MemAllocFn, (dptr, bytes));
     }
     if r == 0
@@ -908,6 +905,86 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut Dptr, bytes: usize) -> c_int {
         c.allocated(ctx, bytes, unsafe { *dptr });
     }
     r
+}
+
+/// Frees, through libcuda, every block the allocation cache keeps for context `ctx` (libcuda ran out of memory the
+/// program had freed); whether there was any.
+fn give_back_cached(ctx: usize) -> bool {
+    let blocks = crate::alloc_cache::lock()
+        .map(|mut c| c.drain(ctx))
+        .unwrap_or_default();
+    let any = !blocks.is_empty();
+    for p in blocks {
+        let free = next(&REAL_MEM_FREE, c"cuMemFree_v2");
+        if free != 0 {
+            // SAFETY: libcuda's cuMemFree_v2; `p` is a block libcuda allocated and the program freed, kept by the
+            // cache and now no one's.
+            let _ = unsafe { std::mem::transmute::<usize, MemFreeFn>(free)(p) };
+        }
+    }
+    any
+}
+
+/// # Safety
+/// `cuMemCreate`: as libcuda's; an out-of-memory answer is retried once the allocation cache gave back what it
+/// keeps for the current context, so memory the program freed never makes an allocation fail that would succeed
+/// without the preload.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemCreate(handle: P, bytes: usize, prop: P, flags: u64) -> c_int {
+    type F = unsafe extern "C" fn(P, usize, P, u64) -> c_int;
+    let r = forward!(
+        REAL_MEM_CREATE,
+        c"cuMemCreate",
+        F,
+        (handle, bytes, prop, flags)
+    );
+    if r != CUDA_ERROR_OUT_OF_MEMORY {
+        return r;
+    }
+    let Some(_g) = enter() else { return r };
+    match crate::cuda::current_context() {
+        Some(ctx) if give_back_cached(ctx) => {
+            forward!(
+                REAL_MEM_CREATE,
+                c"cuMemCreate",
+                F,
+                (handle, bytes, prop, flags)
+            )
+        }
+        _ => r,
+    }
+}
+
+/// # Safety
+/// `cuMemAllocPitch_v2`: as libcuda's, retried after the allocation cache gave memory back (see `cuMemCreate`).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocPitch_v2(
+    dptr: *mut Dptr,
+    pitch: *mut usize,
+    width: usize,
+    height: usize,
+    element: c_uint,
+) -> c_int {
+    type F = unsafe extern "C" fn(*mut Dptr, *mut usize, usize, usize, c_uint) -> c_int;
+    let r = forward!(
+        REAL_MEM_ALLOC_PITCH,
+        c"cuMemAllocPitch_v2",
+        F,
+        (dptr, pitch, width, height, element)
+    );
+    if r != CUDA_ERROR_OUT_OF_MEMORY {
+        return r;
+    }
+    let Some(_g) = enter() else { return r };
+    match crate::cuda::current_context() {
+        Some(ctx) if give_back_cached(ctx) => forward!(
+            REAL_MEM_ALLOC_PITCH,
+            c"cuMemAllocPitch_v2",
+            F,
+            (dptr, pitch, width, height, element)
+        ),
+        _ => r,
+    }
 }
 
 /// # Safety
@@ -1913,6 +1990,22 @@ fn hooks() -> &'static [Hook] {
             &REAL_IPC_EVENT_HANDLE,
             cuIpcGetEventHandle as *const () as usize,
         );
+        v.push(Hook {
+            symbol: c"cuMemCreate",
+            base: b"cuMemCreate",
+            per_thread: false,
+            versioned: false,
+            slot: &REAL_MEM_CREATE,
+            ours: cuMemCreate as *const () as usize,
+        });
+        v.push(Hook {
+            symbol: c"cuMemAllocPitch_v2",
+            base: b"cuMemAllocPitch",
+            per_thread: false,
+            versioned: true,
+            slot: &REAL_MEM_ALLOC_PITCH,
+            ours: cuMemAllocPitch_v2 as *const () as usize,
+        });
         // cuMemAlloc and cuMemGetInfo had 32-bit forms under the same names: taken only for the _v2 symbols.
         v.push(Hook {
             symbol: c"cuMemAlloc_v2",
@@ -2072,7 +2165,8 @@ mod tests {
         assert!(by_symbol(b"cuMemcpyHtoDAsync_v2").is_some());
         // Allocations need no ordering, but the preload's allocation cache serves them.
         assert!(by_symbol(b"cuMemAlloc_v2").is_some_and(|h| h.versioned));
-        assert!(by_symbol(b"cuMemAllocPitch_v2").is_none());
+        assert!(by_symbol(b"cuMemAllocPitch_v2").is_some_and(|h| h.versioned));
+        assert!(by_symbol(b"cuMemAllocManaged").is_none());
     }
 
     /// Every driver function of CUDA 13 that puts work on a stream (or begins or ends a capture) is wrapped, so the
