@@ -3,7 +3,8 @@
 //! Layers, lowest first: [`rm`] (RM client over ioctls) → [`gpfifo`] (our own channel, ring and doorbell)
 //! → [`pushbuf`] (method encoding and decoding) → [`launch`] (parameters, QMDs, kernel launches). Beside them,
 //! [`module`] (cubins, fatbins, PTX, modules loaded into GPU memory) sits on [`rm`] alone and [`launch`] uses it.
-//! [`hw`] holds the class tables generated from NVIDIA's headers; it is data, not a layer.
+//! [`hw`] holds the class tables generated from NVIDIA's headers and the GPU-generation table
+//! ([`hw::generation`]: classes, QMD layout, limits and carveouts per SM version); it is data, not a layer.
 //! The public API ([`Gpu`], [`Queue`], [`Module`], [`Buffer`], [`Fence`]) sits on top and runs on the direct
 //! path when it can, else on the CUDA driver ([`driver`]); [`sim`] is a software GPU front end for tests.
 //! `docs/architecture.md` in the repository follows a launch from [`Queue::launch`] to the doorbell.

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
 
+use crate::hw::Generation;
 use crate::hw::host::c361;
 use crate::rm::{
     COPY_ALLOC_VERSION_ENGINE_TYPE, ChannelGroupSchedule, CopyAllocParams, GpuCore, MAX_LCES,
@@ -13,7 +14,7 @@ use crate::rm::{
 };
 
 use super::timeline::{Semaphores, Timeline, wait_until};
-use super::{COMPUTE_CLASSES, COPY_CLASSES, Error, GPFIFO_CLASSES, GpEntry, Result, RingState};
+use super::{Error, GpEntry, Result, RingState};
 
 /// How to build a channel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -452,14 +453,20 @@ impl Channel {
                     .into(),
             ));
         }
-        let gpfifo = core.pick_class("GPFIFO channel", GPFIFO_CLASSES)?;
+        // The GPU's row of the generation table names the classes; an SM version without one is refused rather
+        // than driven with another generation's.
+        let generation = Generation::lookup(core.info().sm_version)?;
+        let classes = generation.classes.ok_or(Error::NoClasses {
+            generation: generation.chips,
+        })?;
+        let gpfifo = core.pick_class("GPFIFO channel", &[classes.gpfifo])?;
         let compute_class = if config.compute {
-            Some(core.pick_class("compute", COMPUTE_CLASSES)?)
+            Some(core.pick_class("compute", &[classes.compute])?)
         } else {
             None
         };
         let copy_class = if config.copy {
-            Some(core.pick_class("copy engine", COPY_CLASSES)?)
+            Some(core.pick_class("copy engine", &[classes.copy])?)
         } else {
             None
         };

@@ -1,4 +1,4 @@
-use crate::hw::host::c86f as host;
+use crate::hw::generation::encoder::host;
 
 use super::{Error, Result};
 

@@ -36,6 +36,15 @@ pub enum Error {
         /// Which limit it breaks.
         why: &'static str,
     },
+    /// The GPU's SM version has no row in the GPU-generation table ([`crate::hw::generation`]).
+    #[error(transparent)]
+    UnknownGeneration(#[from] crate::hw::UnknownGeneration),
+    /// The GPU's generation has no RM classes APEX knows (its GPU is not driven through RM's ioctls).
+    #[error("APEX knows no RM channel classes for {generation}; use the CUDA driver backend")]
+    NoClasses {
+        /// The chips of the generation's row.
+        generation: &'static str,
+    },
     /// A channel configuration value is out of range; the text says which.
     #[error("invalid channel configuration: {0}")]
     InvalidConfig(String),

@@ -15,6 +15,13 @@
 //! Each class module has `CLASS` (the class number), the named class define (e.g.
 //! `HOPPER_COMPUTE_A`) and `METHODS`, a [`MethodDesc`] table for decoders. Each QMD module has
 //! `SIZE_BYTES` and `FIELDS`.
+//!
+//! [`generation`] is the one GPU-generation table (classes, QMD layout, limits, shared-memory carveouts and what
+//! the launch recipe is verified on, per SM version) that rm, gpfifo, pushbuf, launch and the simulator read.
+
+pub mod generation;
+
+pub use generation::{Generation, QmdVersion, UnknownGeneration};
 
 include!(concat!(env!("OUT_DIR"), "/classes.rs"));
 

@@ -16,6 +16,8 @@
 
 use std::fmt;
 
+use crate::hw::Generation;
+
 /// What one SM of a compute capability offers (CUDA Programming Guide, "Technical Specifications per
 /// Compute Capability"; `cuda_occupancy.h` for the allocation units).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -59,40 +61,34 @@ pub struct DeviceLimits {
 const KIB: u32 = 1024;
 
 impl DeviceLimits {
-    /// Limits of compute capability `sm` (80, 86, 87, 89, 90) with `sm_count` SMs; `None` for one
-    /// this table does not know.
+    /// Limits of compute capability `sm` with `sm_count` SMs, from the GPU-generation table
+    /// ([`crate::hw::generation`]); `None` for one the table does not know.
     pub fn for_sm(sm: u32, sm_count: u32) -> Option<Self> {
-        // (max warps, max blocks, smem per SM KiB, opt-in per block KiB, carveouts KiB)
-        const GA100: &[u32] = &[0, 8, 16, 32, 64, 100, 132, 164];
-        const GA10X: &[u32] = &[0, 8, 16, 32, 64, 100];
-        const GH100: &[u32] = &[0, 8, 16, 32, 64, 100, 132, 164, 196, 228];
-        let (warps, blocks, smem_kib, optin_kib, carveouts) = match sm {
-            80 => (64, 32, 164, 163, GA100),
-            87 => (48, 16, 164, 163, GA100),
-            86 => (48, 16, 100, 99, GA10X),
-            89 => (48, 24, 100, 99, GA10X),
-            90 => (64, 32, 228, 227, GH100),
-            _ => return None,
-        };
-        Some(DeviceLimits {
-            sm,
+        Generation::for_sm(sm).map(|g| DeviceLimits::for_generation(g, sm_count))
+    }
+
+    /// Limits of generation `g` with `sm_count` SMs.
+    pub fn for_generation(g: &Generation, sm_count: u32) -> Self {
+        let l = &g.limits;
+        DeviceLimits {
+            sm: g.sm_version,
             sm_count,
             warp_size: 32,
-            max_threads_per_block: 1024,
-            max_warps_per_sm: warps,
-            max_blocks_per_sm: blocks,
-            regs_per_sm: 64 * KIB,
-            regs_per_block: 64 * KIB,
-            reg_alloc_unit: 256,
-            max_regs_per_thread: 255,
-            sub_partitions: 4,
-            smem_per_sm: smem_kib * KIB,
-            smem_per_block: 48 * KIB,
-            smem_per_block_optin: optin_kib * KIB,
-            reserved_smem_per_block: KIB,
-            smem_alloc_unit: 128,
-            carveouts_kib: carveouts,
-        })
+            max_threads_per_block: l.max_threads_per_block,
+            max_warps_per_sm: l.max_warps_per_sm,
+            max_blocks_per_sm: l.max_blocks_per_sm,
+            regs_per_sm: l.regs_per_sm,
+            regs_per_block: l.regs_per_block,
+            reg_alloc_unit: l.reg_alloc_unit,
+            max_regs_per_thread: l.max_regs_per_thread,
+            sub_partitions: l.sub_partitions,
+            smem_per_sm: g.smem_per_sm_kib() * KIB,
+            smem_per_block: l.smem_per_block_kib * KIB,
+            smem_per_block_optin: l.smem_per_block_optin_kib * KIB,
+            reserved_smem_per_block: l.reserved_smem_per_block,
+            smem_alloc_unit: l.smem_alloc_unit,
+            carveouts_kib: g.carveouts_kib,
+        }
     }
 
     /// Registers allocated to one warp of a kernel using `regs` registers per thread.
@@ -828,6 +824,48 @@ mod tests {
                 ..
             }
         )));
+    }
+
+    #[test]
+    fn limits_match_the_old_table() {
+        // (sm, max warps, max blocks, smem per SM KiB, opt-in per block KiB, largest carveout) as the occupancy
+        // table had them before the generation table.
+        for (sm, warps, blocks, smem, optin, carve) in [
+            (80, 64, 32, 164, 163, 164),
+            (87, 48, 16, 164, 163, 164),
+            (86, 48, 16, 100, 99, 100),
+            (89, 48, 24, 100, 99, 100),
+            (90, 64, 32, 228, 227, 228),
+        ] {
+            let l = DeviceLimits::for_sm(sm, 1).unwrap();
+            assert_eq!(
+                (
+                    l.max_warps_per_sm,
+                    l.max_blocks_per_sm,
+                    l.smem_per_sm,
+                    l.smem_per_block_optin
+                ),
+                (warps, blocks, smem * KIB, optin * KIB),
+                "sm_{sm}"
+            );
+            assert_eq!(l.carveouts_kib.last(), Some(&carve));
+            assert_eq!(
+                (l.regs_per_sm, l.regs_per_block, l.smem_per_block),
+                (64 * KIB, 64 * KIB, 48 * KIB)
+            );
+            assert_eq!(
+                (l.reg_alloc_unit, l.max_regs_per_thread, l.sub_partitions),
+                (256, 255, 4)
+            );
+            assert_eq!(
+                (
+                    l.reserved_smem_per_block,
+                    l.smem_alloc_unit,
+                    l.max_threads_per_block
+                ),
+                (KIB, 128, 1024)
+            );
+        }
     }
 
     #[test]

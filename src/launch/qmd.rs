@@ -2,51 +2,13 @@
 //! through the field tables generated from the class headers.
 //!
 //! V03 is the Ampere/Ada layout, V04 Hopper's, V05 Blackwell's. Hopper silently drops a V03 QMD (see
-//! research/hopper-launch.md), so the version must follow the compute class.
+//! research/hopper-launch.md), so the version must follow the compute class: [`QmdVersion`] and the
+//! shared-memory carveouts come from the GPU-generation table, [`crate::hw::generation`].
 
 use crate::hw::qmd::{v03, v04, v05};
-use crate::hw::{Field, FieldError};
+use crate::hw::{Field, FieldError, Generation};
 
-/// QMD layout versions.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum QmdVersion {
-    /// Ampere and Ada (`c6c0`, `c7c0`, `c9c0`); Hopper accepts it too.
-    V03,
-    /// Hopper (`cbc0`).
-    V04,
-    /// Blackwell (`cdc0`, `cec0`).
-    V05,
-}
-
-impl QmdVersion {
-    /// The layout a compute class consumes.
-    pub fn for_compute_class(class: u32) -> Option<QmdVersion> {
-        match class {
-            0xc6c0 | 0xc7c0 | 0xc9c0 => Some(QmdVersion::V03),
-            0xcbc0 => Some(QmdVersion::V04),
-            0xcdc0 | 0xcec0 => Some(QmdVersion::V05),
-            _ => None,
-        }
-    }
-
-    /// Bytes of a QMD of this layout.
-    pub fn size_bytes(self) -> usize {
-        match self {
-            QmdVersion::V03 => v03::SIZE_BYTES,
-            QmdVersion::V04 => v04::SIZE_BYTES,
-            QmdVersion::V05 => v05::SIZE_BYTES,
-        }
-    }
-
-    /// The layout's major version (the `QMD_MAJOR_VERSION` field).
-    pub fn major(self) -> u8 {
-        match self {
-            QmdVersion::V03 => 3,
-            QmdVersion::V04 => 4,
-            QmdVersion::V05 => 5,
-        }
-    }
-}
+pub use crate::hw::generation::QmdVersion;
 
 /// Words of the largest QMD (384 bytes).
 pub const QMD_WORDS: usize = 96;
@@ -207,13 +169,10 @@ impl Writer<'_> {
     }
 }
 
-/// Shared-memory carveouts (KiB) the SM can be configured with, by architecture.
+/// Shared-memory carveouts (KiB) the SM can be configured with: the generation table's row for `sm_version`, empty
+/// for an SM version the table does not know ([`build`] refuses those).
 pub fn shared_carveouts_kib(sm_version: u32) -> &'static [u32] {
-    match sm_version {
-        80 | 87 => &[0, 8, 16, 32, 64, 100, 132, 164],
-        86 | 89 => &[0, 8, 16, 32, 64, 100],
-        _ => &[0, 8, 16, 32, 64, 100, 132, 164, 196, 228],
-    }
+    Generation::for_sm(sm_version).map_or(&[], |g| g.carveouts_kib)
 }
 
 /// The SM_CONFIG_SHARED_MEM_SIZE encoding of a carveout: KiB / 4 + 1 (228 KiB is 0x3a, as libcuda sends).
@@ -242,6 +201,13 @@ pub fn build(
     out: &mut [u32; QMD_WORDS],
 ) -> Result<(), QmdError> {
     out.fill(0);
+    if Generation::for_sm(p.sm_version).is_none() {
+        // Its carveouts (and SASS version) would be another generation's guess.
+        return Err(QmdError {
+            field: "SASS_VERSION (an SM version with no row in the GPU-generation table, hw::generation)",
+            value: u64::from(p.sm_version),
+        });
+    }
     // V04 and V05 keep bank addresses in 64-byte units: a misaligned bank would silently be read from the
     // boundary below it.
     if let Some(cb) = p.const_buffers.iter().flatten().find(|cb| cb.va % 64 != 0) {
@@ -1346,5 +1312,17 @@ mod tests {
                 "{v:?} writes past its size"
             );
         }
+    }
+
+    #[test]
+    fn an_sm_version_without_a_generation_row_is_refused() {
+        let mut p = add_kernel();
+        p.sm_version = 75;
+        let mut q = [0u32; QMD_WORDS];
+        let e = build(QmdVersion::V04, &p, &mut q).unwrap_err();
+        assert_eq!(e.value, 75);
+        assert!(shared_carveouts_kib(75).is_empty());
+        // Blackwell GB20x gets its own (Ada-sized) carveouts, not Hopper's.
+        assert_eq!(shared_carveouts_kib(120).last(), Some(&100));
     }
 }

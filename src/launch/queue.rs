@@ -12,6 +12,7 @@ use tracing::debug;
 
 pub use graph_exec::{GraphExec, GraphSchedule, GraphStats};
 
+use crate::hw::Generation;
 use crate::pushbuf::{Acquire, Armed, Fence, Queue, QueueConfig, Signal, Submission};
 use crate::rm::{GpuCore, Memory, MemoryDesc, Placement};
 
@@ -126,21 +127,40 @@ pub struct Limits {
 }
 
 impl Limits {
-    /// The limits of a GPU with SM version `sm_version` (major × 10 + minor).
+    /// The limits of a GPU with SM version `sm_version` (major × 10 + minor), from its row of the GPU-generation
+    /// table ([`crate::hw::generation`]). An SM version without a row gets [`Limits::portable`], never another
+    /// generation's numbers.
     pub fn for_sm(sm_version: u32) -> Limits {
-        let carve = qmd::shared_carveouts_kib(sm_version);
+        Generation::for_sm(sm_version).map_or_else(Limits::portable, Limits::for_generation)
+    }
+
+    /// The limits of generation `g`: shared memory per block up to the largest carveout (the compiler's 1 KiB
+    /// included), clusters of at most [`MAX_CLUSTER_BLOCKS`] blocks where the generation has them.
+    pub fn for_generation(g: &Generation) -> Limits {
+        let l = &g.limits;
+        Limits {
+            max_grid: l.max_grid,
+            max_block: l.max_block,
+            max_threads_per_block: l.max_threads_per_block,
+            max_shared_per_block: g.smem_per_sm_kib() * 1024,
+            registers_per_sm: l.regs_per_sm,
+            max_param_bytes: MAX_PARAM_BYTES as u32,
+            max_cluster_blocks: MAX_CLUSTER_BLOCKS.min(l.max_cluster_blocks),
+        }
+    }
+
+    /// The documented fallback for a GPU the generation table does not know: what every CUDA GPU since Volta
+    /// offers a launch (1024 threads per block, 48 KiB of shared memory per block without opting in, 64 Ki
+    /// registers per SM) and no clusters. A launch beyond these on such a GPU is refused before it is submitted.
+    pub fn portable() -> Limits {
         Limits {
             max_grid: [i32::MAX as u32, 65535, 65535],
             max_block: [1024, 1024, 64],
             max_threads_per_block: 1024,
-            max_shared_per_block: carve.last().copied().unwrap_or(48) * 1024,
+            max_shared_per_block: 48 * 1024,
             registers_per_sm: 65536,
             max_param_bytes: MAX_PARAM_BYTES as u32,
-            max_cluster_blocks: if sm_version >= 90 {
-                MAX_CLUSTER_BLOCKS
-            } else {
-                0
-            },
+            max_cluster_blocks: 0,
         }
     }
 }
@@ -607,14 +627,20 @@ impl ComputeQueue {
             .classes()
             .compute
             .ok_or_else(|| Error::Unsupported("no compute class".into()))?;
-        let version = QmdVersion::for_compute_class(class).ok_or_else(|| {
-            Error::Unsupported(format!("compute class {class:#x} has no known QMD layout"))
-        })?;
         let sm = gpu.info().sm_version;
-        if version != QmdVersion::V04 || sm / 10 != 9 {
+        let generation = Generation::lookup(sm).map_err(|e| Error::Unsupported(e.to_string()))?;
+        let version = generation.qmd;
+        if generation.classes.map(|c| c.compute) != Some(class) {
+            return Err(Error::Unsupported(format!(
+                "compute class {class:#x} on sm_{sm}, whose row in the GPU-generation table names {:?}",
+                generation.classes
+            )));
+        }
+        if !generation.direct_launch() {
             // The cbank0 driver layout and QMD recipe are verified on Hopper; other generations use the driver.
             return Err(Error::Unsupported(format!(
-                "sm_{sm} (QMD {version:?}); the direct launch path runs on Hopper (sm_90)"
+                "sm_{sm} ({} {}, QMD {version:?}): {:?}; the direct launch path runs on Hopper (sm_90)",
+                generation.name, generation.chips, generation.verified
             )));
         }
         if config.slot_placement == Placement::Semaphores {
@@ -647,7 +673,7 @@ impl ComputeQueue {
             queue,
             gpu: gpu.clone(),
             version,
-            limits: Limits::for_sm(sm),
+            limits: Limits::for_generation(generation),
             slots,
             slot_values: vec![0; config.slots],
             next_slot: 0,
@@ -2221,7 +2247,7 @@ pub fn cluster_shape(k: &KernelInfo, cfg: &LaunchConfig, l: &Limits) -> Result<O
 
 #[cfg(test)]
 mod tests {
-    use super::{EAGER_LATCH_FIRST, EAGER_LATCH_SPAN, eager_latch};
+    use super::{EAGER_LATCH_FIRST, EAGER_LATCH_SPAN, Limits, MAX_CLUSTER_BLOCKS, eager_latch};
 
     #[test]
     fn eager_latches_stay_in_their_range_and_differ_for_consecutive_launches() {
@@ -2242,5 +2268,20 @@ mod tests {
             eager_latch(0u32.wrapping_add(EAGER_LATCH_SPAN)),
             EAGER_LATCH_FIRST
         );
+    }
+
+    #[test]
+    fn limits_come_from_the_generation_row_or_the_portable_fallback() {
+        // Hopper's as before the table: 228 KiB per block (the largest carveout), clusters of 8.
+        let h = Limits::for_sm(90);
+        assert_eq!(h.max_shared_per_block, 228 * 1024);
+        assert_eq!(h.max_cluster_blocks, MAX_CLUSTER_BLOCKS);
+        assert_eq!((h.max_threads_per_block, h.registers_per_sm), (1024, 65536));
+        assert_eq!(Limits::for_sm(89).max_shared_per_block, 100 * 1024);
+        assert_eq!(Limits::for_sm(80).max_cluster_blocks, 0);
+        // An SM version without a row gets the portable limits, not Hopper's.
+        assert_eq!(Limits::for_sm(75), Limits::portable());
+        assert_eq!(Limits::portable().max_shared_per_block, 48 * 1024);
+        assert_eq!(Limits::portable().max_cluster_blocks, 0);
     }
 }

@@ -7,7 +7,7 @@
 
 use std::fmt;
 
-use crate::hw::{self, MethodDesc, compute, copy, host, host::c56f};
+use crate::hw::{self, MethodDesc, host::c56f};
 
 /// How a method header spreads its data words over methods.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -109,11 +109,13 @@ impl SubchannelClasses {
         self.classes.get(usize::from(subchannel)).copied().flatten()
     }
 
-    /// The Hopper layout CUDA uses: 0 host (c86f), 1 compute (cbc0), 4 copy (c8b5).
+    /// The Hopper layout CUDA uses: 0 host (c86f), 1 compute (cbc0), 4 copy (c8b5), the encoder's classes
+    /// ([`crate::hw::generation::encoder`]).
     pub fn hopper() -> Self {
-        let mut s = SubchannelClasses::new(host::c86f::CLASS);
-        s.bind(1, compute::cbc0::CLASS);
-        s.bind(4, copy::c8b5::CLASS);
+        use crate::hw::generation::encoder;
+        let mut s = SubchannelClasses::new(encoder::host::CLASS);
+        s.bind(1, encoder::compute::CLASS);
+        s.bind(4, encoder::copy::CLASS);
         s
     }
 

@@ -1,9 +1,10 @@
 //! Method encoding: headers per subchannel (incrementing, non-incrementing, immediate, increment-once) and
-//! typed methods of the host, compute and copy classes. Every offset and field comes from [`crate::hw`].
+//! typed methods of the host, compute and copy classes. Every offset and field comes from [`crate::hw`]: the
+//! classes are the generation table's [`encoder`](crate::hw::generation::encoder) classes (Hopper's, whose methods
+//! sit at the same offsets in every row that has them), the method-header formats c56f's.
 
-use crate::hw::compute::cbc0 as compute;
-use crate::hw::copy::c8b5 as copy;
-use crate::hw::host::{c56f, c86f as host};
+use crate::hw::generation::encoder::{compute, copy, host};
+use crate::hw::host::c56f;
 
 /// Subchannels as libcuda and NVK bind them: host methods on 0, compute on 1, copy on 4.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -715,7 +716,7 @@ mod tests {
     fn encoded_methods_decode_back() {
         let mut buf = [0u32; 64];
         let mut p = Push::new(&mut buf);
-        p.set_object(Subchannel::COMPUTE, 0xcbc0);
+        p.set_object(Subchannel::COMPUTE, compute::CLASS);
         p.set_shader_windows(0x7293_0000_0000, 0x7294_0000_0000);
         p.send_pcas(0x2_04e0_d800);
         p.sem_release(0x2_0460_fff0, 5, Release::AFTER_IDLE_64);

@@ -35,8 +35,11 @@ const ACCESS_DUP: u32 = 1;
 const HANDLE_SCAN: u32 = 0x1_0000;
 const HANDLE_SCAN_GAP: u32 = 0x1000;
 
-/// Compute engine classes (Ampere to Blackwell): a channel with one of these under it runs kernels.
-pub const COMPUTE_OBJECT_CLASSES: &[u32] = &[0xcec0, 0xcdc0, 0xcbc0, 0xc9c0, 0xc7c0, 0xc6c0];
+/// Compute engine classes (every row of the GPU-generation table, newest first): a channel with one of these under
+/// it runs kernels.
+pub fn compute_object_classes() -> Vec<u32> {
+    crate::hw::generation::compute_classes().collect()
+}
 
 /// One object of a client: its handle, its parent and its class number.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -323,7 +323,7 @@ impl GpuCore {
                 &objects,
                 c.handle,
                 device,
-                super::attach::COMPUTE_OBJECT_CLASSES,
+                &super::attach::compute_object_classes(),
             ) {
                 let Ok(gpu_id) = c.gpu_id(objs.subdevice) else {
                     continue;

@@ -33,7 +33,8 @@ use super::{
     COPY_ALLOC_VERSION_ENGINE_TYPE, COPY_ALLOC_VERSION_INSTANCE, CopyAllocParams, Error, NvStatus,
     Result, copy_engine_type, lce_of_engine_type, sys,
 };
-use crate::hw::{compute, copy, host};
+use crate::hw::generation::{self, Generation};
+use crate::hw::host;
 
 /// The GPU a simulated RM describes. The default is an H200: sm_90, 8 GPCs, 66 TPCs, 132 SMs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -231,13 +232,15 @@ const NV_ERR_INVALID_PARAM_STRUCT: NvStatus = NvStatus(sys::NV_ERR_INVALID_PARAM
 const NV_ERR_INVALID_PARAMETER: NvStatus = NvStatus(sys::NV_ERR_INVALID_PARAMETER);
 const NV_ERR_INVALID_STATE: NvStatus = NvStatus(sys::NV_ERR_INVALID_STATE);
 
-/// The GPFIFO (host) classes RM registers channels for.
-const GPFIFO_CLASSES: [u32; 4] = [
-    host::c56f::CLASS,
-    host::c86f::CLASS,
-    host::c96f::CLASS,
-    host::ca6f::CLASS,
-];
+/// Whether RM registers a channel for `class`: a GPFIFO (host) class of the GPU-generation table.
+fn is_gpfifo_class(class: u32) -> bool {
+    generation::gpfifo_classes().any(|c| c == class)
+}
+
+/// Whether `class` is a copy-engine class of the GPU-generation table.
+fn is_copy_class(class: u32) -> bool {
+    generation::copy_classes().any(|c| c == class)
+}
 
 /// RM GPU ids of simulated GPUs: this prefix and the simulated GPU's number (RM's own ids are small numbers).
 const SIM_GPU_ID_BASE: u32 = 0x5100_0000;
@@ -288,7 +291,7 @@ impl SimShared {
             what: "simulated usermode page",
             source: std::io::Error::other("mmap returned null"),
         })?;
-        let classes = vec![
+        let mut classes = vec![
             sys::NV01_ROOT_CLIENT,
             sys::NV01_DEVICE_0,
             sys::NV20_SUBDEVICE_0,
@@ -298,10 +301,12 @@ impl SimShared {
             sys::FERMI_CONTEXT_SHARE_A,
             sys::KEPLER_CHANNEL_GROUP_A,
             sys::HOPPER_USERMODE_A,
-            host::c86f::CLASS,
-            compute::cbc0::CLASS,
-            copy::c8b5::CLASS,
         ];
+        // The engine classes of the simulated GPU's generation (Hopper's by default); none for an SM version
+        // without a row, so its channels are refused as on a GPU APEX does not know.
+        if let Some(c) = Generation::for_sm(config.sm_version).and_then(|g| g.classes) {
+            classes.extend([c.gpfifo, c.compute, c.copy]);
+        }
         Ok(SimShared {
             state: Mutex::new(State {
                 next_handle: 0xcaf0_0000,
@@ -360,7 +365,7 @@ impl SimShared {
             if !in_group || parent_obj.engine.and_then(lce_of_engine_type).is_some() {
                 return Err(NV_ERR_INVALID_ARGUMENT);
             }
-        } else if GPFIFO_CLASSES.contains(&class) {
+        } else if is_gpfifo_class(class) {
             // SAFETY: a GPFIFO class's parameters are NV_CHANNEL_ALLOC_PARAMS (checked by size), lent by the caller.
             let p = unsafe { params::<sys::NV_CHANNEL_ALLOC_PARAMS>(ptr, size)? };
             // A channel in a group takes its VA space from the group or its context share, never by itself.
@@ -393,8 +398,8 @@ impl SimShared {
                 false
             };
             st.usermode_bar1 = Some(bar1);
-        } else if class == copy::c8b5::CLASS {
-            if !GPFIFO_CLASSES.contains(&parent_obj.class) {
+        } else if is_copy_class(class) {
+            if !is_gpfifo_class(parent_obj.class) {
                 return Err(NV_ERR_INVALID_OBJECT_HANDLE);
             }
             let lce = copy_object_lce(ptr, size)?;
@@ -534,7 +539,7 @@ impl SimShared {
             }
             sys::NVA06F_CTRL_CMD_GPFIFO_SCHEDULE => {
                 // A channel scheduled by itself: one that joined a group already scheduled.
-                if !GPFIFO_CLASSES.contains(&obj.class) {
+                if !is_gpfifo_class(obj.class) {
                     return Err(NV_ERR_INVALID_OBJECT_HANDLE);
                 }
                 let p = unsafe { params::<sys::NVA06F_CTRL_GPFIFO_SCHEDULE_PARAMS>(ptr, size)? };
@@ -634,11 +639,11 @@ impl SimShared {
         let channels: Vec<Handle> = st
             .objects
             .iter()
-            .filter(|(_, o)| o.parent == group && GPFIFO_CLASSES.contains(&o.class))
+            .filter(|(_, o)| o.parent == group && is_gpfifo_class(o.class))
             .map(|(&h, _)| h)
             .collect();
         let mismatch = st.objects.values().any(|o| {
-            channels.contains(&o.parent) && o.class == copy::c8b5::CLASS && o.engine != Some(engine)
+            channels.contains(&o.parent) && is_copy_class(o.class) && o.engine != Some(engine)
         });
         if mismatch {
             return Err(NV_ERR_INVALID_STATE);

@@ -1,21 +1,15 @@
 //! QMD checks as Hopper's compute front end applies them. Split in two: [`check_fields`] looks only at the QMD's
 //! own words (pure, unit-tested), [`check_environment`] at what it points to (memory, cbank0, channel state).
+//! The limits and shared-memory carveouts a QMD is checked against are the GPU's row of the generation table
+//! ([`crate::hw::generation`]); the model reads V04 QMDs only.
 
 use crate::hw::qmd::v04;
+use crate::hw::{Generation, QmdVersion, UnknownGeneration};
 use crate::launch::cbank::{CLUSTER_WORDS, CLUSTER_WORDS_START, DRIVER_BYTES, INITIAL_STACK};
-use crate::launch::qmd::{shared_carveouts_kib, sm_config};
+use crate::launch::qmd::sm_config;
 
 /// Words of a V04 QMD.
 pub const QMD_WORDS_V04: usize = v04::SIZE_BYTES / 4;
-
-/// Largest grid and block Hopper accepts.
-const MAX_GRID: [u64; 3] = [(1 << 31) - 1, 65535, 65535];
-const MAX_BLOCK: [u64; 3] = [1024, 1024, 64];
-const MAX_THREADS: u64 = 1024;
-const REGISTERS_PER_SM: u64 = 65536;
-const MAX_REGISTERS_PER_THREAD: u64 = 255;
-/// Named barriers per CTA.
-const MAX_BARRIERS: u64 = 16;
 /// Release semaphores a V04 QMD carries.
 const RELEASES: u32 = 3;
 
@@ -26,6 +20,12 @@ pub enum QmdViolation {
     /// A QMD layout version other than the one the GPU runs.
     #[error("QMD_MAJOR_VERSION {0} (Hopper runs version 4)")]
     Version(u64),
+    /// The simulated GPU's SM version has no row in the GPU-generation table.
+    #[error(transparent)]
+    Generation(#[from] UnknownGeneration),
+    /// The simulated GPU's generation runs a QMD layout the model does not read (it reads V04, Hopper's).
+    #[error("the GPU runs QMD {0:?}; the simulator models V04 (Hopper) QMDs only")]
+    Layout(QmdVersion),
     /// A QMD type that is not a grid launch.
     #[error("QMD_TYPE {0} (only GRID_CTA and GRID_GPC_CGA are launched)")]
     Type(u64),
@@ -258,15 +258,21 @@ pub fn check_address(qmd_va: u64) -> Result<(), QmdViolation> {
     Ok(())
 }
 
-/// Checks everything a V04 QMD says about itself. `sm_version` is the GPU's (90).
+/// Checks everything a V04 QMD says about itself against the limits of the GPU's generation. `sm_version` is the
+/// GPU's (90).
 pub fn check_fields(words: &[u32], sm_version: u32) -> Result<QmdDesc, QmdViolation> {
+    let generation = Generation::lookup(sm_version)?;
+    if generation.qmd != QmdVersion::V04 {
+        return Err(QmdViolation::Layout(generation.qmd));
+    }
+    let limits = &generation.limits;
     let major = major_version(words);
-    if major != 4 {
+    if major != u64::from(generation.qmd.major()) {
         return Err(QmdViolation::Version(major));
     }
     let ty = get(words, v04::QMD_TYPE);
-    let cluster = check_cluster(words, ty)?;
-    let expected_sass = u64::from(((sm_version / 10) << 4) | (sm_version % 10));
+    let cluster = check_cluster(words, ty, u64::from(limits.max_cluster_blocks))?;
+    let expected_sass = u64::from(generation.sass_version());
     let sass = get(words, v04::SASS_VERSION);
     if sass != expected_sass {
         return Err(QmdViolation::SassVersion {
@@ -306,40 +312,42 @@ pub fn check_fields(words: &[u32], sm_version: u32) -> Result<QmdDesc, QmdViolat
         get(words, v04::CTA_THREAD_DIMENSION1),
         get(words, v04::CTA_THREAD_DIMENSION2),
     ];
+    let max_grid = limits.max_grid.map(u64::from);
+    let max_block = limits.max_block.map(u64::from);
     for i in 0..3 {
-        if grid[i] == 0 || grid[i] > MAX_GRID[i] {
+        if grid[i] == 0 || grid[i] > max_grid[i] {
             return Err(QmdViolation::Grid {
                 axis: axes[i],
                 value: grid[i],
-                max: MAX_GRID[i],
+                max: max_grid[i],
             });
         }
-        if block[i] == 0 || block[i] > MAX_BLOCK[i] {
+        if block[i] == 0 || block[i] > max_block[i] {
             return Err(QmdViolation::Block {
                 axis: axes[i],
                 value: block[i],
-                max: MAX_BLOCK[i],
+                max: max_block[i],
             });
         }
     }
     let threads: u64 = block.iter().product();
-    if threads > MAX_THREADS {
+    if threads > u64::from(limits.max_threads_per_block) {
         return Err(QmdViolation::Threads(threads));
     }
     let registers = get(words, v04::REGISTER_COUNT);
     // Registers are allocated per warp in units of 256.
     let per_warp = (registers * 32).next_multiple_of(256);
     if registers == 0
-        || registers > MAX_REGISTERS_PER_THREAD
-        || per_warp * threads.div_ceil(32) > REGISTERS_PER_SM
+        || registers > u64::from(limits.max_regs_per_thread)
+        || per_warp * threads.div_ceil(32) > u64::from(limits.regs_per_sm)
     {
         return Err(QmdViolation::Registers { registers, threads });
     }
     let barriers = get(words, v04::BARRIER_COUNT);
-    if barriers > MAX_BARRIERS {
+    if barriers > u64::from(limits.max_barriers) {
         return Err(QmdViolation::Barriers(barriers));
     }
-    let shared = check_shared(words, sm_version)?;
+    let shared = check_shared(words, generation.carveouts_kib)?;
 
     let mut const_banks = [None; 8];
     for (i, slot) in const_banks.iter_mut().enumerate() {
@@ -444,12 +452,14 @@ pub fn arming(words: &[u32]) -> (u32, bool) {
     )
 }
 
-/// Most blocks in a cluster Hopper runs (16 with the non-portable opt-in; 8 is the portable size).
-const MAX_CLUSTER_BLOCKS: u64 = 16;
-
-/// The QMD type and its cluster fields: GRID_CTA with no cluster shape, or GRID_GPC_CGA with a shape of 1..=16
-/// blocks (GPU-wide CGAs are not modelled).
-fn check_cluster(words: &[u32], ty: u64) -> Result<Option<[u32; 3]>, QmdViolation> {
+/// The QMD type and its cluster fields: GRID_CTA with no cluster shape, or GRID_GPC_CGA with a shape of 1 to
+/// `max_blocks` blocks (the generation's most, non-portable sizes included: 16 on Hopper; GPU-wide CGAs are not
+/// modelled).
+fn check_cluster(
+    words: &[u32],
+    ty: u64,
+    max_blocks: u64,
+) -> Result<Option<[u32; 3]>, QmdViolation> {
     let shape = [
         get(words, v04::GPC_CGA_WIDTH),
         get(words, v04::GPC_CGA_HEIGHT),
@@ -477,9 +487,9 @@ fn check_cluster(words: &[u32], ty: u64) -> Result<Option<[u32; 3]>, QmdViolatio
         return Err(QmdViolation::Type(ty));
     }
     let blocks: u64 = shape.iter().product();
-    if blocks == 0 || blocks > MAX_CLUSTER_BLOCKS {
+    if blocks == 0 || blocks > max_blocks {
         return Err(QmdViolation::Cluster(format!(
-            "GPC_CGA shape {shape:?} ({blocks} blocks; 1..={MAX_CLUSTER_BLOCKS})"
+            "GPC_CGA shape {shape:?} ({blocks} blocks; 1..={max_blocks})"
         )));
     }
     Ok(Some(shape.map(|v| v as u32)))
@@ -487,8 +497,7 @@ fn check_cluster(words: &[u32], ty: u64) -> Result<Option<[u32; 3]>, QmdViolatio
 
 /// Shared memory size against the SM configuration fields: valid carveout encodings, min <= target <= max,
 /// and a block that fits the smallest carveout it allows.
-fn check_shared(words: &[u32], sm_version: u32) -> Result<u64, QmdViolation> {
-    let carveouts = shared_carveouts_kib(sm_version);
+fn check_shared(words: &[u32], carveouts: &[u32]) -> Result<u64, QmdViolation> {
     let max_kib = u64::from(carveouts.last().copied().unwrap_or(0));
     let shared = get(words, v04::SHARED_MEMORY_SIZE);
     if shared > max_kib * 1024 {
@@ -1089,5 +1098,20 @@ mod tests {
             check_environment(&d, &small, &mem),
             Err(EnvFault::Violation(QmdViolation::LocalMemory(_)))
         ));
+    }
+
+    #[test]
+    fn the_generation_row_decides_what_is_checked() {
+        let q = qmd(&params(), QmdVersion::V04);
+        assert_eq!(
+            check_fields(&q, 75),
+            Err(QmdViolation::Generation(UnknownGeneration {
+                sm_version: 75
+            }))
+        );
+        assert_eq!(
+            check_fields(&q, 100),
+            Err(QmdViolation::Layout(QmdVersion::V05))
+        );
     }
 }
