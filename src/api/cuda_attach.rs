@@ -8,40 +8,10 @@ use std::sync::Arc;
 use cudarc::driver::sys::{CUcontext, CUstream};
 use tracing::{info, warn};
 
-use super::gpu::GpuInner;
-use super::queue::QueueInner;
+use super::backend::Backed;
 use super::{Backend, BackendRequest, Error, FallbackReason, Gpu, Queue, Result, Selection};
 use crate::driver;
 use crate::rm::GpuCore;
-
-/// A queue's counters for ordering with CUDA streams: word 0 counts CUDA → queue signals, word 1 queue → CUDA.
-#[derive(Debug)]
-pub(super) struct CudaOrder {
-    ctx: Arc<driver::CudaContext>,
-    words: Option<driver::SyncWords>,
-    to_queue: u64,
-    to_cuda: u64,
-}
-
-impl CudaOrder {
-    pub(super) fn new(ctx: Arc<driver::CudaContext>) -> CudaOrder {
-        CudaOrder {
-            ctx,
-            words: None,
-            to_queue: 0,
-            to_cuda: 0,
-        }
-    }
-
-    fn words(&mut self) -> Result<&driver::SyncWords> {
-        if self.words.is_none() {
-            self.words = Some(self.ctx.sync_words(64)?);
-        }
-        self.words
-            .as_ref()
-            .ok_or_else(|| Error::InvalidArgument("sync words".into()))
-    }
-}
 
 impl Gpu {
     /// Attaches APEX to the CUDA context current on this thread (from the CUDA runtime, the driver API, PyTorch or
@@ -108,7 +78,7 @@ impl Gpu {
         })();
         let (inner, selection) = match direct {
             Ok(core) => (
-                GpuInner::Direct(core),
+                Backed::Direct(core),
                 Selection {
                     backend: Backend::Direct,
                     requested: BackendRequest::Auto,
@@ -122,7 +92,7 @@ impl Gpu {
                     return Err(Error::DirectUnavailable(reason));
                 };
                 (
-                    GpuInner::Driver(driver::Context::new(ordinal)?),
+                    Backed::Driver(driver::Context::new(ordinal)?),
                     Selection {
                         backend: Backend::Driver,
                         requested: BackendRequest::Auto,
@@ -142,7 +112,7 @@ impl Gpu {
 }
 
 impl Queue {
-    fn cuda_order(&mut self) -> Result<&mut CudaOrder> {
+    fn cuda_order(&mut self) -> Result<&mut driver::CudaOrder> {
         self.cuda.as_mut().ok_or_else(|| {
             Error::InvalidArgument(
                 "this queue's GPU is not attached to a CUDA context (use Gpu::attach_cuda)".into(),
@@ -157,23 +127,14 @@ impl Queue {
     /// # Safety
     /// `stream` must be a valid CUDA stream of the attached context, or null.
     pub unsafe fn wait_for_cuda_stream(&mut self, stream: CUstream) -> Result<()> {
-        if let QueueInner::Driver { stream: own, .. } = &self.inner {
-            let ctx = own.context().clone();
-            // SAFETY: our own stream, and the caller's promise for `stream`.
-            return Ok(unsafe { driver::order_streams(&ctx, own.raw(), stream) }?);
+        if let Backed::Driver(q) = &mut self.inner {
+            // SAFETY: the caller's promise for `stream`.
+            return Ok(unsafe { q.wait_for_cuda_stream(stream) }?);
         }
-        let order = self.cuda_order()?;
-        order.to_queue += 1;
-        let value = order.to_queue;
-        let words = order.words()?;
-        let va = words.ptr();
         // SAFETY: the caller's promise for `stream`.
-        unsafe { words.write_after(stream, 0, value) }?;
-        match &mut self.inner {
-            QueueInner::Direct(q) => {
-                q.wait_value(va, value)?;
-            }
-            QueueInner::Driver { .. } => {}
+        let (va, value) = unsafe { self.cuda_order()?.signal_queue(stream) }?;
+        if let Backed::Direct(q) = &mut self.inner {
+            q.wait_value(va, value)?;
         }
         Ok(())
     }
@@ -184,24 +145,16 @@ impl Queue {
     /// # Safety
     /// `stream` must be a valid CUDA stream of the attached context, or null.
     pub unsafe fn make_cuda_stream_wait(&mut self, stream: CUstream) -> Result<()> {
-        if let QueueInner::Driver { stream: own, .. } = &self.inner {
-            let ctx = own.context().clone();
-            // SAFETY: our own stream, and the caller's promise for `stream`.
-            return Ok(unsafe { driver::order_streams(&ctx, stream, own.raw()) }?);
+        if let Backed::Driver(q) = &mut self.inner {
+            // SAFETY: the caller's promise for `stream`.
+            return Ok(unsafe { q.make_cuda_stream_wait(stream) }?);
         }
-        let order = self.cuda_order()?;
-        order.to_cuda += 1;
-        let value = order.to_cuda;
-        let va = order.words()?.ptr() + 8;
-        match &mut self.inner {
-            QueueInner::Direct(q) => {
-                q.release_value(va, value)?;
-            }
-            QueueInner::Driver { .. } => {}
+        let (va, value) = self.cuda_order()?.next_for_cuda()?;
+        if let Backed::Direct(q) = &mut self.inner {
+            q.release_value(va, value)?;
         }
-        let order = self.cuda_order()?;
         // SAFETY: the caller's promise for `stream`.
-        unsafe { order.words()?.wait_on(stream, 8, value) }?;
+        unsafe { self.cuda_order()?.cuda_waits(stream, value) }?;
         Ok(())
     }
 }

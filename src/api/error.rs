@@ -1,6 +1,8 @@
 //! The public API's error and result types.
 
-use super::FallbackReason;
+use std::fmt;
+
+use super::{Backend, FallbackReason};
 use crate::driver;
 use crate::launch;
 use crate::module;
@@ -65,7 +67,7 @@ pub enum Error {
     /// A memory pool found no room for an allocation ([`Queue::alloc_async`](super::Queue::alloc_async)): the
     /// device's memory or the pool's reserve limit ran out. Says what the pool holds and which queues hold it.
     #[error(transparent)]
-    PoolOutOfMemory(Box<super::PoolOutOfMemory>),
+    PoolOutOfMemory(Box<PoolOutOfMemory>),
     /// A module file could not be read.
     #[error("cannot read the module file {}: {source}", path.display())]
     ReadModule {
@@ -93,6 +95,85 @@ impl From<rm::Error> for Error {
 impl From<pushbuf::Error> for Error {
     fn from(e: pushbuf::Error) -> Error {
         Error::Direct(e.into())
+    }
+}
+
+impl From<driver::BackendError> for Error {
+    /// As the public API reported the same failures before the driver backend's objects held that logic.
+    fn from(e: driver::BackendError) -> Error {
+        match e {
+            driver::BackendError::Driver(e) => Error::Driver(e),
+            driver::BackendError::Launch(e) => Error::Direct(e),
+            driver::BackendError::InvalidArgument(why) => Error::InvalidArgument(why),
+            driver::BackendError::OtherQueue => Error::GraphQueue,
+        }
+    }
+}
+
+/// Why a pool allocation found no memory ([`Error::PoolOutOfMemory`]): what was asked, what the pool holds and
+/// which queues hold it.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct PoolOutOfMemory {
+    /// Bytes asked for.
+    pub requested: u64,
+    /// The backend of the pool.
+    pub backend: Backend,
+    /// Bytes of device memory the pool holds.
+    pub reserved_bytes: u64,
+    /// Bytes of those handed out and not freed.
+    pub used_bytes: u64,
+    /// Blocks handed out and not freed (direct path).
+    pub blocks: u64,
+    /// Bytes in use per queue that allocated them ([`Queue::id`](super::Queue::id), bytes), largest first (direct path).
+    pub held_by: Vec<(u64, u64)>,
+    /// The pool's reserve limit, when it was what refused ([`PoolOptions::reserve_limit`](super::PoolOptions::reserve_limit)).
+    pub limit: Option<u64>,
+    /// The driver's answer, when device memory itself ran out.
+    pub source: Option<Error>,
+}
+
+impl fmt::Display for PoolOutOfMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "out of memory: a pool allocation of {} bytes failed (",
+            self.requested
+        )?;
+        match (&self.limit, &self.source) {
+            (Some(limit), _) => write!(f, "the pool's reserve limit is {limit} bytes")?,
+            (None, Some(e)) => write!(f, "the device has no more memory: {e}")?,
+            (None, None) => write!(f, "the device does not have that much memory")?,
+        }
+        write!(
+            f,
+            "). The {:?} pool holds {} bytes reserved, {} bytes in use",
+            self.backend, self.reserved_bytes, self.used_bytes
+        )?;
+        if self.blocks > 0 {
+            write!(f, " in {} blocks", self.blocks)?;
+        }
+        if !self.held_by.is_empty() {
+            write!(f, " (")?;
+            for (i, (queue, bytes)) in self.held_by.iter().enumerate() {
+                let sep = if i == 0 { "" } else { ", " };
+                write!(f, "{sep}queue {queue}: {bytes} bytes")?;
+            }
+            write!(f, ")")?;
+        }
+        write!(
+            f,
+            "; free blocks (Queue::free_async), synchronize the queues that freed them and trim the pool \
+             (MemoryPool::trim), trim other pools, or raise PoolOptions::reserve_limit"
+        )
+    }
+}
+
+impl std::error::Error for PoolOutOfMemory {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_ref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
     }
 }
 

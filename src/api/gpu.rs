@@ -4,12 +4,10 @@ use std::sync::Arc;
 
 use tracing::info;
 
-use super::cuda_attach;
-use super::memory::{BufferInner, HostInner};
-use super::queue::QueueInner;
+use super::backend::Backed;
 use super::{
-    Backend, BackendRequest, Buffer, Error, FallbackReason, HostBuffer, Module, Queue, Result,
-    Selection, choose,
+    Backend, BackendRequest, Buffer, Error, FallbackReason, HostBuffer, Module, Result, Selection,
+    choose,
 };
 use crate::driver;
 use crate::launch::{self, ComputeQueue, ComputeQueueConfig, LaunchMemory, Limits};
@@ -43,11 +41,8 @@ fn driver_info(ctx: &driver::Context) -> Result<DeviceInfo> {
     })
 }
 
-#[derive(Debug)]
-pub(super) enum GpuInner {
-    Direct(Arc<GpuCore>),
-    Driver(Arc<driver::Context>),
-}
+/// An opened GPU: RM's objects or libcuda's context.
+pub(super) type GpuInner = Backed<Arc<GpuCore>, Arc<driver::Context>>;
 
 /// An opened GPU, on the backend chosen for it: the handle every buffer, module and queue is made from.
 ///
@@ -98,7 +93,7 @@ impl Gpu {
             Ok(core)
         });
         let inner = match core {
-            Some(core) => GpuInner::Direct(core),
+            Some(core) => Backed::Direct(core),
             None => {
                 let reason = selection
                     .fallback
@@ -108,7 +103,7 @@ impl Gpu {
                     return Err(Error::DirectUnavailable(reason));
                 }
                 match driver::Context::new(index) {
-                    Ok(ctx) => GpuInner::Driver(ctx),
+                    Ok(ctx) => Backed::Driver(ctx),
                     Err(e) => {
                         return Err(Error::NoBackend {
                             index,
@@ -130,7 +125,7 @@ impl Gpu {
         cuda: Option<Arc<driver::CudaContext>>,
     ) -> Result<Gpu> {
         let info = match &inner {
-            GpuInner::Direct(c) => {
+            Backed::Direct(c) => {
                 let i = c.info();
                 DeviceInfo {
                     name: i.name.clone(),
@@ -139,7 +134,7 @@ impl Gpu {
                     memory_bytes: i.memory_bytes,
                 }
             }
-            GpuInner::Driver(ctx) => driver_info(ctx)?,
+            Backed::Driver(ctx) => driver_info(ctx)?,
         };
         let limits = Limits::for_sm(info.sm_version);
         Ok(Gpu {
@@ -174,25 +169,19 @@ impl Gpu {
 
     /// The direct path's RM objects, when that is the backend.
     pub fn direct(&self) -> Option<&Arc<GpuCore>> {
-        match &self.inner {
-            GpuInner::Direct(c) => Some(c),
-            GpuInner::Driver(_) => None,
-        }
+        self.inner.direct()
     }
 
     /// The CUDA driver backend's context, when that is the backend.
     pub fn driver(&self) -> Option<&Arc<driver::Context>> {
-        match &self.inner {
-            GpuInner::Driver(ctx) => Some(ctx),
-            GpuInner::Direct(_) => None,
-        }
+        self.inner.driver()
     }
 
     /// Device memory.
     pub fn alloc(&self, bytes: u64) -> Result<Buffer> {
         let inner = match &self.inner {
-            GpuInner::Direct(c) => BufferInner::Direct(Memory::alloc(c, MemoryDesc::video(bytes))?),
-            GpuInner::Driver(ctx) => BufferInner::Driver(driver::DeviceMemory::alloc(ctx, bytes)?),
+            Backed::Direct(c) => Backed::Direct(Memory::alloc(c, MemoryDesc::video(bytes))?),
+            Backed::Driver(ctx) => Backed::Driver(driver::DeviceMemory::alloc(ctx, bytes)?),
         };
         Ok(Buffer {
             inner: Arc::new(inner),
@@ -203,13 +192,13 @@ impl Gpu {
     /// Pinned host memory the GPU can read and write.
     pub fn alloc_host(&self, bytes: u64) -> Result<HostBuffer> {
         let inner = match &self.inner {
-            GpuInner::Direct(c) => HostInner::Direct(Memory::alloc(
+            Backed::Direct(c) => Backed::Direct(Memory::alloc(
                 c,
                 MemoryDesc::video(bytes)
                     .placement(Placement::SystemCached)
                     .with_cpu(),
             )?),
-            GpuInner::Driver(ctx) => HostInner::Driver(driver::HostMemory::alloc(ctx, bytes)?),
+            Backed::Driver(ctx) => Backed::Driver(driver::HostMemory::alloc(ctx, bytes)?),
         };
         Ok(HostBuffer {
             inner: Arc::new(inner),
@@ -223,40 +212,16 @@ impl Gpu {
     /// [`module::jit`]) and by the driver on the driver backend.
     pub fn load_module(&self, image: &[u8]) -> Result<Module> {
         match &self.inner {
-            GpuInner::Direct(c) => Ok(Module::from_direct(module::Module::load_with(
+            Backed::Direct(c) => Ok(Module::from_direct(module::Module::load_with(
                 c,
                 image,
                 &self.printf,
             )?)),
-            GpuInner::Driver(ctx) => {
-                use module::image::{self, Code, PtxHandling};
-                // The driver reads cubins, fatbins and PTX itself; code in host binaries is taken out, and
-                // relocatable cubins linked, here first. The code picked also gives the cubin's attributes, so
-                // launches are checked as on the direct path.
-                let resolved = image::resolve(
-                    image,
-                    self.info.sm_version,
-                    module::jit::Jit::system(),
-                    PtxHandling::Keep,
-                );
-                let prepare = match module::select::cubin_arch(image) {
-                    Some(arch) => arch.relocatable,
-                    None => image.starts_with(b"\x7fELF"),
-                };
-                let m = match (&resolved, prepare) {
-                    (Ok(r), true) => driver::Module::load(ctx, r.code.bytes())?,
-                    (Err(e), true) => return Err(module::Error::from(e.clone()).into()),
-                    (_, false) => driver::Module::load(ctx, image)?,
-                };
-                let cubin = match &resolved {
-                    Ok(r) => match &r.code {
-                        Code::Cubin(b) => module::cubin::Cubin::parse(b).ok(),
-                        Code::Ptx(_) => None,
-                    },
-                    Err(_) => None,
-                };
-                Ok(Module::from_driver(m, cubin.map(Arc::new)))
-            }
+            Backed::Driver(ctx) => Ok(Module::from_driver(driver::LoadedModule::load(
+                ctx,
+                image,
+                self.info.sm_version,
+            )?)),
         }
     }
 
@@ -275,13 +240,13 @@ impl Gpu {
         place: &dyn Fn(&str, u64) -> Option<crate::VariableHome>,
     ) -> Result<Module> {
         match &self.inner {
-            GpuInner::Direct(c) => Ok(Module::from_direct(module::Module::load_placed(
+            Backed::Direct(c) => Ok(Module::from_direct(module::Module::load_placed(
                 c,
                 image,
                 &self.printf,
                 &|g| place(&g.name, g.size),
             )?)),
-            GpuInner::Driver(_) => Err(Error::InvalidArgument(
+            Backed::Driver(_) => Err(Error::InvalidArgument(
                 "placing a module's variables needs the direct path; on the driver backend load the module with \
                  load_module"
                     .into(),
@@ -306,11 +271,11 @@ impl Gpu {
     /// loaded.
     pub fn set_printf_fifo_size(&self, bytes: u64) -> Result<()> {
         match &self.inner {
-            GpuInner::Direct(_) => self
+            Backed::Direct(_) => self
                 .printf
                 .set_size(bytes)
                 .map_err(|current| launch::Error::PrintfFifoFixed { current }.into()),
-            GpuInner::Driver(ctx) => Ok(ctx.set_printf_fifo_size(bytes)?),
+            Backed::Driver(ctx) => Ok(ctx.set_printf_fifo_size(bytes)?),
         }
     }
 
@@ -323,12 +288,12 @@ impl Gpu {
     /// [`take_device_asserts`]: Gpu::take_device_asserts
     pub fn set_assert_action(&self, action: AssertAction) -> Result<()> {
         match (&self.inner, action) {
-            (GpuInner::Direct(_), _) => Ok(self
+            (Backed::Direct(_), _) => Ok(self
                 .printf
                 .set_assert_action(action)
                 .map_err(launch::Error::from)?),
-            (GpuInner::Driver(_), AssertAction::Trap) => Ok(()),
-            (GpuInner::Driver(_), _) => Err(Error::InvalidArgument(
+            (Backed::Driver(_), AssertAction::Trap) => Ok(()),
+            (Backed::Driver(_), _) => Err(Error::InvalidArgument(
                 "AssertAction::EndThread needs the direct path: on the CUDA driver backend a failed assert is \
                  CUDA's own trap"
                     .into(),
@@ -351,47 +316,6 @@ impl Gpu {
             Some(f) => Ok(f.take_asserts().map_err(launch::Error::from)?.asserts),
             None => Ok(Vec::new()),
         }
-    }
-
-    /// A queue: launches and copies on it run in order, like a CUDA stream.
-    pub fn queue(&self) -> Result<Queue> {
-        self.queue_with(QueueOptions::default())
-    }
-
-    /// A queue built as `options` say (the driver backend has nothing to choose and ignores them).
-    ///
-    /// ```no_run
-    /// use apex::{Gpu, LaunchMemory, QueueOptions};
-    /// # fn main() -> apex::Result<()> {
-    /// let gpu = Gpu::open(0)?;
-    /// // The lowest CPU cost per launch, for a launch-bound program that does not wait on each launch.
-    /// let q = gpu.queue_with(QueueOptions::default().launch_memory(LaunchMemory::Host))?;
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub fn queue_with(&self, options: QueueOptions) -> Result<Queue> {
-        let inner = match &self.inner {
-            GpuInner::Direct(c) => QueueInner::Direct(Box::new(ComputeQueue::new(
-                c,
-                ComputeQueueConfig::default()
-                    .with_memory(options.launch_memory)
-                    .with_polling(options.polled),
-            )?)),
-            GpuInner::Driver(ctx) => QueueInner::Driver {
-                stream: driver::Stream::new(ctx)?,
-                ptrs: driver::ParamPtrs::with_capacity(driver::MAX_PARAMS),
-            },
-        };
-        Ok(Queue {
-            inner,
-            id: super::queue::next_queue_id(),
-            driver_chain: 0,
-            limits: self.limits,
-            keep: Vec::new(),
-            staging: None,
-            cuda: self.cuda.clone().map(cuda_attach::CudaOrder::new),
-            peer_engines: Vec::new(),
-        })
     }
 }
 

@@ -2,32 +2,24 @@
 
 use std::collections::HashSet;
 
-use super::queue::{QueueInner, check_range};
+use super::backend::Backed;
+use super::queue::check_range;
 use super::{Backend, Buffer, Error, Fence, Kernel, Queue, Result};
-use crate::driver;
+use crate::driver::{self, MAX_PARAM_BYTES};
 use crate::launch::graph::{self, NodeId, Op, Range};
-use crate::launch::params::{Arg, pack, pack_table};
-use crate::launch::{self, LaunchConfig, Limits};
+use crate::launch::params::{Arg, pack};
+use crate::launch::{self, LaunchConfig};
 
 /// A node of a [`Graph`]: what [`Graph::launch`] and [`Graph::copy`] return, and what edges and updates name.
 pub type GraphNode = NodeId;
 
-/// Most bytes a parameter block takes on either backend (sm_90 kernels take up to 32764).
-const MAX_PARAM_BYTES: usize = 32 * 1024;
-
 /// Packs `args` for `kernel` into `out`: by the cubin's parameter table when APEX read it, else by the one libcuda
 /// reports. Checked as a launch's arguments are (count, sizes).
 fn pack_args(kernel: &Kernel, args: &[Arg<'_>], out: &mut [u8]) -> Result<usize> {
-    let n = match (kernel.info(), kernel.driver()) {
-        (Some(info), _) => pack(info, args, out),
-        (None, Some(func)) => pack_table(func.name(), func.params(), args, out),
-        (None, None) => {
-            return Err(Error::InvalidArgument(
-                "a kernel without a parameter table".into(),
-            ));
-        }
-    };
-    Ok(n.map_err(launch::Error::from)?)
+    match kernel.inner() {
+        Backed::Direct(k) => Ok(pack(k.info(), args, out).map_err(launch::Error::from)?),
+        Backed::Driver(k) => Ok(k.pack(args, out)?),
+    }
 }
 
 /// Kernel launches and copies, each with the device ranges it reads and writes, and explicit edges: recorded once,
@@ -289,43 +281,24 @@ impl Graph {
 /// [`GraphExec::update`]. Keeps the graph's buffers alive.
 #[derive(Debug)]
 pub struct GraphExec {
-    inner: ExecInner,
-    /// The queue it belongs to (the compute queue's id, or the driver stream's handle).
+    /// The direct path's exec, or the driver backend's CUDA graph (which knows its queue itself).
+    inner: Backed<Box<launch::GraphExec>, driver::QueueGraph>,
+    /// The direct-path queue it belongs to (the compute queue's id).
     owner: u64,
-    limits: Limits,
     /// Each node's kernel (`None` for copies).
     kernels: Vec<Option<Kernel>>,
     _keep: Vec<Buffer>,
 }
 
-#[derive(Debug)]
-enum ExecInner {
-    Direct(Box<launch::GraphExec>),
-    Driver {
-        exec: driver::GraphExec,
-        /// Each node's cluster shape, which an update may not change (as on the direct path).
-        clusters: Vec<Option<[u32; 3]>>,
-        /// Scratch for updates: parameter pointers and the packed block.
-        ptrs: driver::ParamPtrs,
-        params: Vec<u8>,
-    },
-}
-
 impl GraphExec {
     /// The backend it runs on.
     pub fn backend(&self) -> Backend {
-        match self.inner {
-            ExecInner::Direct(_) => Backend::Direct,
-            ExecInner::Driver { .. } => Backend::Driver,
-        }
+        self.inner.backend()
     }
 
     /// The direct path's exec (its schedule: [`launch::GraphExec::stats`]), when that is the backend.
     pub fn direct(&self) -> Option<&launch::GraphExec> {
-        match &self.inner {
-            ExecInner::Direct(e) => Some(e),
-            ExecInner::Driver { .. } => None,
-        }
+        self.inner.direct().map(|e| &**e)
     }
 
     /// Nodes.
@@ -345,58 +318,8 @@ impl GraphExec {
     /// graph, a different cluster shape. No allocation on the direct path.
     pub fn update(&mut self, node: GraphNode, cfg: &LaunchConfig, args: &[Arg<'_>]) -> Result<()> {
         match &mut self.inner {
-            ExecInner::Direct(e) => Ok(e.update_launch(node, cfg, args)?),
-            ExecInner::Driver {
-                exec,
-                clusters,
-                ptrs,
-                params,
-            } => {
-                let len = self.kernels.len();
-                let kernel = match self.kernels.get(node.index()) {
-                    Some(Some(k)) => k,
-                    Some(None) => {
-                        return Err(launch::Error::GraphUpdate {
-                            node: node.index(),
-                            why: "it is a copy; only kernel launches take new arguments (record a new graph to \
-                                  change a copy)"
-                                .into(),
-                        }
-                        .into());
-                    }
-                    None => {
-                        return Err(launch::Error::Graph(graph::GraphError::NoSuchNode {
-                            node: node.index(),
-                            len,
-                        })
-                        .into());
-                    }
-                };
-                let func = kernel.driver().ok_or(Error::Mismatch)?;
-                if let Some(info) = kernel.info() {
-                    launch::queue_validate(info, cfg, &self.limits)?;
-                }
-                let was = clusters[node.index()];
-                if cfg.cluster != was {
-                    return Err(launch::Error::GraphUpdate {
-                        node: node.index(),
-                        why: format!(
-                            "its cluster shape would change from {was:?} to {:?}; the cluster shape is fixed when \
-                             the graph is instantiated (record a new graph to change it)",
-                            cfg.cluster
-                        ),
-                    }
-                    .into());
-                }
-                let n = pack_args(kernel, args, params)?;
-                Ok(exec.set_kernel(
-                    node.index(),
-                    func,
-                    (cfg.grid, cfg.block, cfg.shared_bytes),
-                    &params[..n],
-                    ptrs,
-                )?)
-            }
+            Backed::Direct(e) => Ok(e.update_launch(node, cfg, args)?),
+            Backed::Driver(e) => Ok(e.update(node.index(), cfg, args)?),
         }
     }
 }
@@ -416,70 +339,22 @@ impl Queue {
             })
             .collect();
         let (inner, owner) = match &mut self.inner {
-            QueueInner::Direct(q) => {
+            Backed::Direct(q) => {
                 let g = graph
                     .inner
                     .map_kernels(|k| k.direct().cloned().ok_or(Error::Mismatch))?;
-                (
-                    ExecInner::Direct(Box::new(q.instantiate_graph(&g)?)),
-                    q.id(),
-                )
+                (Backed::Direct(Box::new(q.instantiate_graph(&g)?)), q.id())
             }
-            QueueInner::Driver { stream, .. } => {
-                let deps = graph.dependencies()?;
-                let mut nodes = Vec::with_capacity(graph.len());
-                let mut clusters = Vec::with_capacity(graph.len());
-                for n in graph.inner.nodes() {
-                    nodes.push(match n.op() {
-                        Op::Launch {
-                            kernel,
-                            cfg,
-                            params,
-                        } => {
-                            let func = kernel.driver().ok_or(Error::Mismatch)?;
-                            if let Some(info) = kernel.info() {
-                                launch::queue_validate(info, cfg, &self.limits)?;
-                            }
-                            clusters.push(cfg.cluster);
-                            driver::GraphNode::Kernel {
-                                func,
-                                grid: cfg.grid,
-                                block: cfg.block,
-                                shared: cfg.shared_bytes,
-                                cluster: cfg.cluster,
-                                params,
-                                programmatic: n.is_programmatic(),
-                            }
-                        }
-                        &Op::Copy { src, dst, bytes } => {
-                            clusters.push(None);
-                            driver::GraphNode::Copy { src, dst, bytes }
-                        }
-                    });
-                }
-                let mut ids = deps.order().to_vec();
-                ids.sort_unstable();
-                let preds: Vec<Vec<usize>> = ids
-                    .iter()
-                    .map(|&v| deps.preds(v).iter().map(|p| p.index()).collect())
-                    .collect();
-                let order: Vec<usize> = deps.order().iter().map(|v| v.index()).collect();
-                let exec = driver::GraphExec::build(stream.context(), &nodes, &preds, &order)?;
-                (
-                    ExecInner::Driver {
-                        exec,
-                        clusters,
-                        ptrs: driver::ParamPtrs::with_capacity(driver::MAX_PARAMS),
-                        params: vec![0; MAX_PARAM_BYTES],
-                    },
-                    stream.raw() as u64,
-                )
+            Backed::Driver(q) => {
+                let g = graph
+                    .inner
+                    .map_kernels(|k| k.driver_kernel().cloned().ok_or(Error::Mismatch))?;
+                (Backed::Driver(q.instantiate(&g)?), 0)
             }
         };
         Ok(GraphExec {
             inner,
             owner,
-            limits: self.limits,
             kernels,
             _keep: graph.keep.clone(),
         })
@@ -495,9 +370,9 @@ impl Queue {
     /// (the graph orders nothing else) and that memory the graph writes is not in use elsewhere until the fence
     /// completes.
     pub unsafe fn replay(&mut self, exec: &mut GraphExec) -> Result<Fence> {
-        self.driver_chain = 0;
-        match (&mut self.inner, &mut exec.inner) {
-            (QueueInner::Direct(q), ExecInner::Direct(e)) => {
+        self.other_work();
+        match self.inner.as_mut().with(exec.inner.as_mut())? {
+            Backed::Direct((q, e)) => {
                 if exec.owner != q.id() {
                     return Err(Error::GraphQueue);
                 }
@@ -505,15 +380,8 @@ impl Queue {
                 let f = unsafe { q.replay_graph(e)? };
                 Ok(Fence::from_direct(f, q))
             }
-            (QueueInner::Driver { stream, .. }, ExecInner::Driver { exec: e, .. }) => {
-                if exec.owner != stream.raw() as u64 {
-                    return Err(Error::GraphQueue);
-                }
-                // SAFETY: forwarded to the caller.
-                unsafe { e.launch(stream)? };
-                Ok(Fence::from_driver(stream))
-            }
-            _ => Err(Error::Mismatch),
+            // SAFETY: forwarded to the caller.
+            Backed::Driver((q, e)) => Ok(Fence::from_driver(unsafe { q.replay(e)? })),
         }
     }
 }

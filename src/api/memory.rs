@@ -2,16 +2,14 @@
 
 use std::sync::Arc;
 
+use super::backend::Backed;
 use super::{Backend, Result};
 use crate::driver;
 use crate::launch::Arg;
 use crate::rm::Memory;
 
-#[derive(Debug)]
-pub(super) enum BufferInner {
-    Direct(Memory),
-    Driver(driver::DeviceMemory),
-}
+/// A device buffer's memory: RM's or libcuda's.
+pub(super) type BufferInner = Backed<Memory, driver::DeviceMemory>;
 
 /// Device memory.
 #[derive(Clone, Debug)]
@@ -23,33 +21,24 @@ pub struct Buffer {
 impl Buffer {
     /// The backend that allocated this buffer.
     pub fn backend(&self) -> Backend {
-        match &*self.inner {
-            BufferInner::Direct(_) => Backend::Direct,
-            BufferInner::Driver(_) => Backend::Driver,
-        }
+        self.inner.backend()
     }
 
     /// The direct path's RM memory, when that backend allocated the buffer.
     pub fn direct(&self) -> Option<&Memory> {
-        match &*self.inner {
-            BufferInner::Direct(m) => Some(m),
-            BufferInner::Driver(_) => None,
-        }
+        self.inner.direct()
     }
 
     /// libcuda's allocation, when the driver backend allocated the buffer.
     pub fn driver(&self) -> Option<&driver::DeviceMemory> {
-        match &*self.inner {
-            BufferInner::Driver(m) => Some(m),
-            BufferInner::Direct(_) => None,
-        }
+        self.inner.driver()
     }
 
     /// The device address kernels use.
     pub fn device_ptr(&self) -> u64 {
         match &*self.inner {
-            BufferInner::Direct(m) => m.va(),
-            BufferInner::Driver(m) => m.ptr(),
+            Backed::Direct(m) => m.va(),
+            Backed::Driver(m) => m.ptr(),
         }
     }
 
@@ -64,11 +53,8 @@ impl Buffer {
     }
 }
 
-#[derive(Debug)]
-pub(super) enum HostInner {
-    Direct(Memory),
-    Driver(driver::HostMemory),
-}
+/// A pinned host buffer's memory: RM's or libcuda's.
+pub(super) type HostInner = Backed<Memory, driver::HostMemory>;
 
 /// Pinned host memory, readable and writable by the GPU.
 #[derive(Clone, Debug)]
@@ -80,33 +66,24 @@ pub struct HostBuffer {
 impl HostBuffer {
     /// The backend that allocated this buffer.
     pub fn backend(&self) -> Backend {
-        match &*self.inner {
-            HostInner::Direct(_) => Backend::Direct,
-            HostInner::Driver(_) => Backend::Driver,
-        }
+        self.inner.backend()
     }
 
     /// The direct path's RM memory (system memory mapped for the CPU), when that backend allocated the buffer.
     pub fn direct(&self) -> Option<&Memory> {
-        match &*self.inner {
-            HostInner::Direct(m) => Some(m),
-            HostInner::Driver(_) => None,
-        }
+        self.inner.direct()
     }
 
     /// libcuda's pinned allocation, when the driver backend allocated the buffer.
     pub fn driver(&self) -> Option<&driver::HostMemory> {
-        match &*self.inner {
-            HostInner::Driver(m) => Some(m),
-            HostInner::Direct(_) => None,
-        }
+        self.inner.driver()
     }
 
     /// The address the GPU uses for it.
     pub fn device_ptr(&self) -> u64 {
         match &*self.inner {
-            HostInner::Direct(m) => m.va(),
-            HostInner::Driver(m) => m.ptr(),
+            Backed::Direct(m) => m.va(),
+            Backed::Driver(m) => m.ptr(),
         }
     }
 
@@ -118,16 +95,16 @@ impl HostBuffer {
     /// Copies `data` into the buffer at `offset` by the CPU (the memory is mapped); range-checked.
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
         match &*self.inner {
-            HostInner::Direct(m) => Ok(m.write(offset, data)?),
-            HostInner::Driver(m) => Ok(m.write(offset, data)?),
+            Backed::Direct(m) => Ok(m.write(offset, data)?),
+            Backed::Driver(m) => Ok(m.write(offset, data)?),
         }
     }
 
     /// Copies from the buffer at `offset` into `out` by the CPU; range-checked.
     pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<()> {
         match &*self.inner {
-            HostInner::Direct(m) => Ok(m.read(offset, out)?),
-            HostInner::Driver(m) => Ok(m.read(offset, out)?),
+            Backed::Direct(m) => Ok(m.read(offset, out)?),
+            Backed::Driver(m) => Ok(m.read(offset, out)?),
         }
     }
 }

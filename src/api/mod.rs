@@ -3,28 +3,31 @@
 //!
 //! `APEX_BACKEND=direct|driver|auto` forces a choice (auto is the default).
 
+mod backend;
 mod cuda_attach;
 mod error;
 mod fence;
 mod gpu;
 mod graph;
+mod keep;
 mod memory;
 mod module;
 mod multi_gpu;
+mod peer;
 mod pool;
 mod queue;
 mod selection;
 mod sim_gpu;
 
 pub use crate::rm::PeerLink;
-pub use error::{Error, Result};
+pub use error::{Error, PoolOutOfMemory, Result};
 pub use fence::Fence;
 pub use gpu::{DeviceInfo, Gpu, QueueOptions};
 pub use graph::{Graph, GraphExec, GraphLaunch, GraphNode};
 pub use memory::{Buffer, HostBuffer};
 pub use module::{Global, Kernel, Module};
 pub use multi_gpu::PeerAccess;
-pub use pool::{MemoryPool, PoolBuffer, PoolOptions, PoolOutOfMemory, PoolStats};
+pub use pool::{MemoryPool, PoolBuffer, PoolOptions, PoolStats};
 pub use queue::{PreparedLaunch, Queue, Ticket};
 pub use selection::{Backend, BackendRequest, FallbackReason, Selection, choose};
 

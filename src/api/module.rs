@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use super::queue::{Endpoint, KeepAlive};
+use super::backend::Backed;
 use super::{Backend, Result};
 use crate::driver;
 use crate::module::{self, cubin::KernelInfo};
@@ -21,87 +21,49 @@ use crate::module::{self, cubin::KernelInfo};
 /// # }
 /// ```
 #[derive(Clone, Debug)]
-pub struct Module(ModuleInner);
-
-/// Which backend loaded the module; private so that a new backend is not a breaking change.
-#[derive(Clone, Debug)]
-enum ModuleInner {
-    /// Loaded by APEX onto the direct path.
-    Direct(Arc<module::Module>),
-    /// Loaded by libcuda; the cubin parsed from the same bytes, when APEX could read it, checks arguments before
-    /// launching and resolves demangled names.
-    Driver {
-        module: Arc<driver::Module>,
-        cubin: Option<Arc<module::cubin::Cubin>>,
-    },
-}
+pub struct Module(Backed<Arc<module::Module>, driver::LoadedModule>);
 
 impl Module {
     pub(super) fn from_direct(module: Arc<module::Module>) -> Module {
-        Module(ModuleInner::Direct(module))
+        Module(Backed::Direct(module))
     }
 
-    pub(super) fn from_driver(
-        module: Arc<driver::Module>,
-        cubin: Option<Arc<module::cubin::Cubin>>,
-    ) -> Module {
-        Module(ModuleInner::Driver { module, cubin })
+    pub(super) fn from_driver(module: driver::LoadedModule) -> Module {
+        Module(Backed::Driver(module))
     }
 
     /// The backend that loaded this module.
     pub fn backend(&self) -> Backend {
-        match self.0 {
-            ModuleInner::Direct(_) => Backend::Direct,
-            ModuleInner::Driver { .. } => Backend::Driver,
-        }
+        self.0.backend()
     }
 
     /// The direct path's module, when that backend loaded it.
     pub fn direct(&self) -> Option<&Arc<module::Module>> {
-        match &self.0 {
-            ModuleInner::Direct(m) => Some(m),
-            ModuleInner::Driver { .. } => None,
-        }
+        self.0.direct()
     }
 
     /// libcuda's module, when the driver backend loaded it.
     pub fn driver(&self) -> Option<&Arc<driver::Module>> {
-        match &self.0 {
-            ModuleInner::Driver { module, .. } => Some(module),
-            ModuleInner::Direct(_) => None,
-        }
+        self.0.driver().map(|m| m.module())
     }
 
     /// The cubin the module's code came from, as APEX parsed it: always on the direct path; on the driver
     /// backend when the code was a cubin APEX could read (not PTX).
     pub fn cubin(&self) -> Option<&module::cubin::Cubin> {
         match &self.0 {
-            ModuleInner::Direct(m) => Some(m.cubin()),
-            ModuleInner::Driver { cubin, .. } => cubin.as_deref(),
+            Backed::Direct(m) => Some(m.cubin()),
+            Backed::Driver(m) => m.cubin(),
         }
     }
 
     /// The kernel `name` (the mangled symbol, or the demangled name with or without its parameter list).
     pub fn kernel(&self, name: &str) -> Result<Kernel> {
-        match &self.0 {
-            ModuleInner::Direct(m) => Ok(Kernel(KernelInner::Direct(m.kernel(name)?))),
-            ModuleInner::Driver { module, cubin } => {
-                let info = match cubin {
-                    Some(c) => Some(c.kernel(name).map_err(module::Error::from)?.clone()),
-                    None => None,
-                };
-                // The driver looks kernels up by symbol: a demangled name is resolved through the cubin.
-                let symbol = info.as_ref().map_or(name, |i| i.name.as_str());
-                Ok(Kernel(KernelInner::Driver {
-                    func: module.function(symbol)?,
-                    info: info.map(Arc::new),
-                }))
-            }
-        }
+        Ok(Kernel(match &self.0 {
+            Backed::Direct(m) => Backed::Direct(m.kernel(name)?),
+            Backed::Driver(m) => Backed::Driver(m.kernel(name)?),
+        }))
     }
-}
 
-impl Module {
     /// The module variable (`__device__` or `__constant__`) called `name`: its device address and size, what
     /// `cuModuleGetGlobal` gives. On the direct path a C++ variable in a namespace also answers to its demangled
     /// name. Read and write it with [`Queue::copy_to_global`](super::Queue::copy_to_global) and
@@ -109,30 +71,11 @@ impl Module {
     /// order with the queue's launches.
     pub fn global(&self, name: &str) -> Result<Global> {
         let (symbol, device_ptr, size) = match &self.0 {
-            ModuleInner::Direct(m) => {
+            Backed::Direct(m) => {
                 let g = m.global(name)?;
                 (g.name, g.va, g.size)
             }
-            ModuleInner::Driver { module, cubin } => {
-                // The driver looks variables up by symbol: a demangled name is resolved through the cubin.
-                let symbol = cubin
-                    .as_ref()
-                    .and_then(|c| c.global(name))
-                    .map_or(name, |g| g.name.as_str());
-                match module.global(symbol)? {
-                    Some((ptr, size)) => (symbol.to_string(), ptr, size),
-                    None => {
-                        let available = cubin.as_ref().map_or_else(Vec::new, |c| {
-                            c.globals().iter().map(|g| g.name.clone()).collect()
-                        });
-                        return Err(module::Error::NoSuchGlobal {
-                            name: name.to_string(),
-                            available,
-                        }
-                        .into());
-                    }
-                }
-            }
+            Backed::Driver(m) => m.global(name)?,
         };
         Ok(Global {
             module: self.clone(),
@@ -146,10 +89,10 @@ impl Module {
 /// A module variable (`__device__` or `__constant__`): see [`Module::global`]. Keeps its module loaded.
 #[derive(Clone, Debug)]
 pub struct Global {
-    module: Module,
+    pub(super) module: Module,
     name: String,
-    device_ptr: u64,
-    size: u64,
+    pub(super) device_ptr: u64,
+    pub(super) size: u64,
 }
 
 impl Global {
@@ -185,75 +128,51 @@ impl Global {
         }
         Ok(self.device_ptr + offset)
     }
-
-    pub(super) fn endpoint(&self, offset: u64) -> Endpoint {
-        (
-            self.device_ptr,
-            self.size,
-            offset,
-            KeepAlive::Module(self.module.clone()),
-        )
-    }
 }
 
 /// A kernel of a loaded module.
 #[derive(Clone, Debug)]
-pub struct Kernel(KernelInner);
-
-/// Which backend the kernel belongs to; private so that a new backend is not a breaking change.
-#[derive(Clone, Debug)]
-pub(super) enum KernelInner {
-    /// A kernel of a direct-path module.
-    Direct(module::Kernel),
-    /// A kernel of a libcuda module, with its parameter table and resources when the cubin could be read.
-    Driver {
-        func: driver::Function,
-        info: Option<Arc<KernelInfo>>,
-    },
-}
+pub struct Kernel(Backed<module::Kernel, driver::Kernel>);
 
 impl Kernel {
-    pub(super) fn inner(&self) -> &KernelInner {
+    /// The backend's kernel, for the queue that launches it.
+    pub(super) fn inner(&self) -> &Backed<module::Kernel, driver::Kernel> {
         &self.0
     }
 
     /// The backend whose module holds this kernel.
     pub fn backend(&self) -> Backend {
-        match self.0 {
-            KernelInner::Direct(_) => Backend::Direct,
-            KernelInner::Driver { .. } => Backend::Driver,
-        }
+        self.0.backend()
     }
 
     /// The direct path's kernel, when that backend loaded its module.
     pub fn direct(&self) -> Option<&module::Kernel> {
-        match &self.0 {
-            KernelInner::Direct(k) => Some(k),
-            KernelInner::Driver { .. } => None,
-        }
+        self.0.direct()
     }
 
     /// libcuda's function, when the driver backend loaded its module.
     pub fn driver(&self) -> Option<&driver::Function> {
-        match &self.0 {
-            KernelInner::Driver { func, .. } => Some(func),
-            KernelInner::Direct(_) => None,
-        }
+        self.0.driver().map(|k| k.function())
+    }
+
+    /// The driver backend's kernel (its function and parameter table), when that backend loaded its module.
+    pub(super) fn driver_kernel(&self) -> Option<&driver::Kernel> {
+        self.0.driver()
     }
 
     /// The kernel's symbol (mangled, as the module names it).
     pub fn name(&self) -> &str {
         match &self.0 {
-            KernelInner::Direct(k) => k.name(),
-            KernelInner::Driver { func, .. } => func.name(),
+            Backed::Direct(k) => k.name(),
+            Backed::Driver(k) => k.name(),
         }
     }
 
     /// The cubin's attributes (absent for PTX loaded by the driver).
     pub fn info(&self) -> Option<&KernelInfo> {
         match &self.0 {
-            KernelInner::Direct(k) => Some(k.info()),
-            KernelInner::Driver { info, .. } => info.as_deref(),
+            Backed::Direct(k) => Some(k.info()),
+            Backed::Driver(k) => k.info(),
         }
     }
 }

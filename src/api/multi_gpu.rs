@@ -8,62 +8,13 @@
 //! across the engines and ordered with the queue's other work on the GPUs. On the driver backend the same calls
 //! use `cuCtxEnablePeerAccess`, `cuMemcpyPeerAsync` and events.
 
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 
-use super::gpu::GpuInner;
-use super::memory::BufferInner;
-use super::queue::{KeepAlive, QueueInner};
+use super::backend::Backed;
+use super::peer::peer_error;
 use super::{Backend, BackendRequest, Buffer, Error, Fence, Gpu, Queue, Result};
 use crate::driver;
-use crate::launch::CopyEngines;
 use crate::rm::{self, GpuCore, PeerLink};
-
-/// A queue's copy engines for copies from one GPU into another's memory (direct path).
-#[derive(Debug)]
-pub(super) struct PeerEngines {
-    /// The destination GPU (the source is the engines' own); dead once that GPU is closed.
-    dst: Weak<GpuCore>,
-    engines: CopyEngines,
-}
-
-/// The engines of `cache` for copies from `src` into `dst`, built on first use.
-fn peer_engines<'a>(
-    cache: &'a mut Vec<PeerEngines>,
-    src: &Arc<GpuCore>,
-    dst: &Arc<GpuCore>,
-) -> Result<&'a mut CopyEngines> {
-    // Engines whose destination GPU is gone are not used again (a new GpuCore may reuse its address).
-    cache.retain(|p| p.dst.strong_count() > 0);
-    let found = cache.iter().position(|p| {
-        Arc::ptr_eq(p.engines.gpu(), src) && std::ptr::eq(p.dst.as_ptr(), Arc::as_ptr(dst))
-    });
-    let i = match found {
-        Some(i) => i,
-        None => {
-            let engines = CopyEngines::for_peer(src, dst).map_err(peer_error)?;
-            tracing::debug!(src = %src.info().uuid, dst = %dst.info().uuid,
-                lces = ?engines.lces().collect::<Vec<_>>(), "copy engines for copies between GPUs");
-            cache.push(PeerEngines {
-                dst: Arc::downgrade(dst),
-                engines,
-            });
-            cache.len() - 1
-        }
-    };
-    Ok(&mut cache[i].engines)
-}
-
-/// [`Error::NotPeers`] for RM's refusals of a pair of GPUs, the error as it is otherwise.
-fn peer_error(e: impl Into<Error>) -> Error {
-    match e.into() {
-        Error::Direct(crate::launch::Error::Queue(crate::pushbuf::Error::Channel(
-            crate::gpfifo::Error::Rm(
-                e @ (rm::Error::NotPeers { .. } | rm::Error::NoPeerPath { .. }),
-            ),
-        ))) => Error::NotPeers(e),
-        e => e,
-    }
-}
 
 /// How two GPUs reach each other's memory, as [`Gpu::peer_access`] reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -146,8 +97,8 @@ impl Gpu {
 
     fn uuid_bytes(&self) -> Result<[u8; 16]> {
         match &self.inner {
-            GpuInner::Direct(c) => Ok(c.info().uuid_bytes),
-            GpuInner::Driver(ctx) => Ok(ctx.uuid()?),
+            Backed::Direct(c) => Ok(c.info().uuid_bytes),
+            Backed::Driver(ctx) => Ok(ctx.uuid()?),
         }
     }
 
@@ -155,7 +106,7 @@ impl Gpu {
     /// in different address spaces, or different backends).
     pub fn peer_access(&self, other: &Gpu) -> Result<PeerAccess> {
         match (&self.inner, &other.inner) {
-            (GpuInner::Direct(a), GpuInner::Direct(b)) => {
+            (Backed::Direct(a), Backed::Direct(b)) => {
                 let caps = a.peer_caps(b)?;
                 if caps.link != PeerLink::Same {
                     a.check_same_domain(b)?;
@@ -165,7 +116,7 @@ impl Gpu {
                     atomics: caps.atomics,
                 })
             }
-            (GpuInner::Driver(a), GpuInner::Driver(b)) => {
+            (Backed::Driver(a), Backed::Driver(b)) => {
                 if !a.can_access_peer(b)? {
                     return Err(Error::InvalidArgument(format!(
                         "{} cannot access the memory of {}: CUDA reports no peer access between them \
@@ -189,8 +140,8 @@ impl Gpu {
     /// peer access from this GPU's context to the buffer's (`cuCtxEnablePeerAccess`), which covers all of it.
     pub fn map_peer(&self, buffer: &Buffer) -> Result<()> {
         match (&self.inner, &*buffer.inner) {
-            (GpuInner::Direct(g), BufferInner::Direct(m)) => m.map_on(g).map_err(peer_error),
-            (GpuInner::Driver(g), BufferInner::Driver(m)) => Ok(g.enable_peer_access(m.context())?),
+            (Backed::Direct(g), Backed::Direct(m)) => m.map_on(g).map_err(peer_error),
+            (Backed::Driver(g), Backed::Driver(m)) => Ok(g.enable_peer_access(m.context())?),
             _ => Err(Error::Mismatch),
         }
     }
@@ -201,8 +152,8 @@ impl Buffer {
     /// [`Gpu::map_peer`] (on the driver backend: whether peer access is possible, as CUDA maps all or nothing).
     pub fn is_accessible_from(&self, gpu: &Gpu) -> bool {
         match (&gpu.inner, &*self.inner) {
-            (GpuInner::Direct(g), BufferInner::Direct(m)) => m.is_mapped_on(g),
-            (GpuInner::Driver(g), BufferInner::Driver(m)) => {
+            (Backed::Direct(g), Backed::Direct(m)) => m.is_mapped_on(g),
+            (Backed::Driver(g), Backed::Driver(m)) => {
                 Arc::ptr_eq(g, m.context()) || g.can_access_peer(m.context()).unwrap_or(false)
             }
             _ => false,
@@ -215,89 +166,12 @@ impl Queue {
     /// from any queue: of this GPU, or of another GPU of the process (no CPU in between: the queue acquires the
     /// other queue's semaphore; on the driver backend, an event). Returns once the wait is queued.
     pub fn wait_for(&mut self, fence: &Fence) -> Result<()> {
-        self.driver_chain = 0;
+        self.other_work();
         match (&mut self.inner, fence.direct(), fence.driver_part()) {
-            (QueueInner::Direct(q), Some(f), _) => {
-                q.wait_fence(f)?;
-                Ok(())
-            }
-            (QueueInner::Driver { stream, .. }, _, Some(w)) => {
-                // SAFETY: both are live streams of their (retained) contexts.
-                unsafe {
-                    driver::order_streams_across(
-                        stream.context(),
-                        stream.raw(),
-                        w.context(),
-                        w.stream().raw(),
-                    )?
-                };
-                Ok(())
-            }
+            (Backed::Direct(q), Some(f), _) => Ok(q.wait_fence(f).map(drop)?),
+            (Backed::Driver(q), _, Some(f)) => Ok(q.wait_for(f)?),
             _ => Err(Error::Mismatch),
         }
-    }
-
-    /// A copy where a buffer belongs to another GPU than the queue's: on the driver backend, `cuMemcpyPeerAsync`;
-    /// on the direct path, the source GPU's copy engines writing into the destination's memory mapped on the
-    /// source, after the queue's earlier work (the engines wait for the queue's timeline, the queue for theirs).
-    /// [`Error::NotPeers`] when the GPUs cannot reach each other. `None` when both buffers are the queue's own.
-    pub(super) fn copy_between_gpus(
-        &mut self,
-        src: &Buffer,
-        src_offset: u64,
-        dst: &Buffer,
-        dst_offset: u64,
-        bytes: u64,
-    ) -> Result<Option<Fence>> {
-        let f = match (&mut self.inner, &*src.inner, &*dst.inner) {
-            (QueueInner::Direct(q), BufferInner::Direct(s), BufferInner::Direct(d)) => {
-                let gpu = q.gpu();
-                if Arc::ptr_eq(s.gpu(), gpu) && Arc::ptr_eq(d.gpu(), gpu) {
-                    return Ok(None);
-                }
-                super::queue::check_range(src.size, src_offset, bytes)?;
-                super::queue::check_range(dst.size, dst_offset, bytes)?;
-                if bytes == 0 {
-                    return Err(Error::InvalidArgument("a copy of 0 bytes".into()));
-                }
-                let (from, to) = (s.gpu().clone(), d.gpu().clone());
-                // The source GPU's engines write the destination's memory through its mapping there (what RM's
-                // optimal write CEs are for); a no-op after the first copy.
-                d.map_on(&from).map_err(peer_error)?;
-                let engines = peer_engines(&mut self.peer_engines, &from, &to)?;
-                let f = q
-                    .copy_on(engines, s.va() + src_offset, d.va() + dst_offset, bytes)
-                    .map_err(peer_error)?;
-                Fence::from_direct(f, q)
-            }
-            (QueueInner::Driver { stream, .. }, BufferInner::Driver(s), BufferInner::Driver(d)) => {
-                let ctx = stream.context().clone();
-                if Arc::ptr_eq(s.context(), &ctx) && Arc::ptr_eq(d.context(), &ctx) {
-                    return Ok(None);
-                }
-                super::queue::check_range(src.size, src_offset, bytes)?;
-                super::queue::check_range(dst.size, dst_offset, bytes)?;
-                if bytes == 0 {
-                    return Err(Error::InvalidArgument("a copy of 0 bytes".into()));
-                }
-                // SAFETY: both ranges were checked; the queue keeps both buffers alive until the copy completes.
-                unsafe {
-                    stream.copy_peer(
-                        d.ptr() + dst_offset,
-                        d.context(),
-                        s.ptr() + src_offset,
-                        s.context(),
-                        bytes,
-                    )?
-                };
-                Fence::from_driver(stream)
-            }
-            _ => return Err(Error::Mismatch),
-        };
-        self.prune();
-        self.keep.push((f.clone(), KeepAlive::Device(src.clone())));
-        self.keep.push((f.clone(), KeepAlive::Device(dst.clone())));
-        Ok(Some(f))
     }
 }
 

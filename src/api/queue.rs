@@ -4,20 +4,15 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::cuda_attach;
-use super::module::KernelInner;
-use super::{Backend, Buffer, Error, Fence, Global, Gpu, HostBuffer, Kernel, Module, Result};
-use crate::driver;
-use crate::launch::{self, Arg, ClusterPolicy, ComputeQueue, LaunchConfig, Limits};
-use crate::module::cubin::KernelInfo;
+use super::backend::Backed;
+use super::keep::{Endpoint, KeepAlive};
+use super::peer::{PeerEngines, peer_engines, peer_error};
+use super::{Backend, Buffer, Error, Fence, Global, Gpu, HostBuffer, Kernel, QueueOptions, Result};
+use crate::driver::{self, LaunchMode as How};
+use crate::launch::{self, Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig};
 
-pub(super) enum QueueInner {
-    Direct(Box<ComputeQueue>),
-    Driver {
-        stream: driver::Stream,
-        ptrs: driver::ParamPtrs,
-    },
-}
+/// A queue's backend: the direct path's compute queue or the driver backend's stream queue.
+pub(super) type QueueInner = Backed<Box<ComputeQueue>, Box<driver::Queue>>;
 
 /// Launches and copies in order on one GPU, like a CUDA stream; each returns a [`Fence`] or waits.
 ///
@@ -41,78 +36,33 @@ pub struct Queue {
     pub(super) inner: QueueInner,
     /// This queue's number, which its [`Ticket`]s carry.
     pub(super) id: u64,
-    /// Chained launches made on the driver backend since the chain last ended.
-    pub(super) driver_chain: usize,
-    pub(super) limits: Limits,
     /// Buffers used by copies in flight, released when their fences complete.
     pub(super) keep: Vec<(Fence, KeepAlive)>,
     pub(super) staging: Option<HostBuffer>,
     /// Ordering with the attached CUDA context's streams.
-    pub(super) cuda: Option<cuda_attach::CudaOrder>,
+    pub(super) cuda: Option<driver::CudaOrder>,
     /// The direct path's copy engines for copies between GPUs, one set per (source, destination) pair, built on
     /// first use. Last: dropped after the compute queue, which waits for their copies first.
-    pub(super) peer_engines: Vec<super::multi_gpu::PeerEngines>,
+    pub(super) peer_engines: Vec<PeerEngines>,
 }
 
 /// A launch checked once by [`Queue::prepare`], launched again and again with new arguments by
 /// [`Queue::launch_prepared`] on the queue that prepared it.
 #[derive(Clone, Debug)]
-pub struct PreparedLaunch(PreparedInner);
-
-#[derive(Clone, Debug)]
-enum PreparedInner {
-    Direct(launch::PreparedLaunch),
-    Driver { kernel: Kernel, cfg: LaunchConfig },
-}
+pub struct PreparedLaunch(Backed<launch::PreparedLaunch, driver::Prepared>);
 
 impl PreparedLaunch {
     /// The direct path's prepared launch, when a direct-path queue prepared it.
     pub fn direct(&self) -> Option<&launch::PreparedLaunch> {
-        match &self.0 {
-            PreparedInner::Direct(p) => Some(p),
-            PreparedInner::Driver { .. } => None,
-        }
+        self.0.direct()
     }
 
     /// The grid, block, shared memory and cluster shape it launches with.
     pub fn config(&self) -> &LaunchConfig {
         match &self.0 {
-            PreparedInner::Direct(p) => p.config(),
-            PreparedInner::Driver { cfg, .. } => cfg,
+            Backed::Direct(p) => p.config(),
+            Backed::Driver(p) => p.config(),
         }
-    }
-}
-
-#[derive(Debug)]
-#[allow(dead_code)]
-pub(super) enum KeepAlive {
-    Device(Buffer),
-    Host(HostBuffer),
-    Module(Module),
-}
-
-/// One side of a copy: device address, buffer size, offset, and the buffer, kept alive while the copy runs.
-pub(super) type Endpoint = (u64, u64, u64, KeepAlive);
-
-impl Buffer {
-    pub(super) fn endpoint(&self, offset: u64) -> Endpoint {
-        (
-            self.device_ptr(),
-            self.size,
-            offset,
-            KeepAlive::Device(self.clone()),
-        )
-    }
-}
-
-impl HostBuffer {
-    pub(super) fn endpoint(&self, offset: u64) -> Endpoint {
-        (
-            self.device_ptr(),
-            self.size,
-            offset,
-            KeepAlive::Host(self.clone()),
-        )
     }
 }
 
@@ -135,26 +85,17 @@ impl Queue {
 
     /// The backend this queue submits to.
     pub fn backend(&self) -> Backend {
-        match self.inner {
-            QueueInner::Direct(_) => Backend::Direct,
-            QueueInner::Driver { .. } => Backend::Driver,
-        }
+        self.inner.backend()
     }
 
     /// The direct path's compute queue, when that is the backend.
     pub fn direct(&mut self) -> Option<&mut ComputeQueue> {
-        match &mut self.inner {
-            QueueInner::Direct(q) => Some(q),
-            QueueInner::Driver { .. } => None,
-        }
+        self.inner.direct_mut().map(|q| &mut **q)
     }
 
     /// The CUDA driver backend's stream, when that is the backend (to order it with other CUDA streams).
     pub fn driver(&self) -> Option<&driver::Stream> {
-        match &self.inner {
-            QueueInner::Driver { stream, .. } => Some(stream),
-            QueueInner::Direct(_) => None,
-        }
+        self.inner.driver().map(|q| q.stream())
     }
 
     /// Launches `kernel` with `args`, checked against the kernel's parameter table and the device limits before
@@ -170,7 +111,7 @@ impl Queue {
         args: &[Arg<'_>],
     ) -> Result<Fence> {
         // SAFETY: forwarded to the caller.
-        unsafe { self.submit(How::Launch, kernel, cfg, args) }.and_then(fenced)
+        unsafe { self.submit(How::Plain, kernel, cfg, args) }.and_then(fenced)
     }
 
     /// Launches `kernel` as a programmatic dependent of the launch right before it on this queue (CUDA's
@@ -252,22 +193,12 @@ impl Queue {
     /// # }
     /// ```
     pub fn prepare(&mut self, kernel: &Kernel, cfg: &LaunchConfig) -> Result<PreparedLaunch> {
-        match (&mut self.inner, kernel.inner()) {
-            (QueueInner::Direct(q), KernelInner::Direct(k)) => Ok(PreparedLaunch(
-                PreparedInner::Direct(q.prepare_launch(k, cfg)?),
-            )),
-            (QueueInner::Driver { .. }, KernelInner::Driver { info, .. }) => {
-                if let Some(info) = info {
-                    launch::queue_validate(info, cfg, &self.limits)?;
-                    launch::cluster_shape(info, cfg, &self.limits)?;
-                }
-                Ok(PreparedLaunch(PreparedInner::Driver {
-                    kernel: kernel.clone(),
-                    cfg: *cfg,
-                }))
-            }
-            _ => Err(Error::Mismatch),
-        }
+        Ok(PreparedLaunch(
+            match self.inner.as_mut().with(kernel.inner().as_ref())? {
+                Backed::Direct((q, k)) => Backed::Direct(q.prepare_launch(k, cfg)?),
+                Backed::Driver((q, k)) => Backed::Driver(q.prepare(k, cfg)?),
+            },
+        ))
     }
 
     /// Launches a launch [`prepare`](Self::prepare)d on this queue, with `args` checked against the kernel's
@@ -281,7 +212,7 @@ impl Queue {
         args: &[Arg<'_>],
     ) -> Result<Fence> {
         // SAFETY: forwarded to the caller.
-        unsafe { self.submit_prepared(prepared, args, How::Launch) }
+        unsafe { self.submit_prepared(prepared, args, How::Plain) }
     }
 
     /// Launches a launch [`prepare`](Self::prepare)d on this queue as a programmatic dependent of the launch right
@@ -311,7 +242,7 @@ impl Queue {
         args: &[Arg<'_>],
     ) -> Result<Ticket> {
         // SAFETY: forwarded to the caller.
-        unsafe { self.submit_prepared_ticket(prepared, args, How::Launch) }
+        unsafe { self.submit_prepared_ticket(prepared, args, How::Plain) }
     }
 
     /// As [`launch_prepared_programmatic`](Self::launch_prepared_programmatic), returning a [`Ticket`] instead of a
@@ -329,7 +260,7 @@ impl Queue {
         unsafe { self.submit_prepared_ticket(prepared, args, How::Programmatic) }
     }
 
-    /// A prepared launch, plain (`How::Launch`) or programmatic (`How::Programmatic`), returning a ticket.
+    /// A prepared launch, plain (`How::Plain`) or programmatic (`How::Programmatic`), returning a ticket.
     ///
     /// # Safety
     /// As for [`launch`](Self::launch), and for a programmatic one as for
@@ -341,30 +272,21 @@ impl Queue {
         args: &[Arg<'_>],
         how: How,
     ) -> Result<Ticket> {
-        let value = match (&mut self.inner, &prepared.0) {
-            (QueueInner::Direct(q), PreparedInner::Direct(p)) => {
-                self.driver_chain = 0;
-                // SAFETY: forwarded to the caller.
-                unsafe {
-                    if how == How::Programmatic {
-                        q.launch_prepared_programmatic_value(p, args)?
-                    } else {
-                        q.launch_prepared_value(p, args)?
-                    }
+        let programmatic = how == How::Programmatic;
+        let value = match self.inner.as_mut().with(prepared.0.as_ref())? {
+            // SAFETY: forwarded to the caller.
+            Backed::Direct((q, p)) => unsafe {
+                if programmatic {
+                    q.launch_prepared_programmatic_value(p, args)?
+                } else {
+                    q.launch_prepared_value(p, args)?
                 }
-            }
-            (QueueInner::Driver { stream, ptrs }, PreparedInner::Driver { kernel, cfg }) => {
-                self.driver_chain = 0;
-                let KernelInner::Driver { func, info } = kernel.inner() else {
-                    return Err(Error::Mismatch);
-                };
+            },
+            Backed::Driver((q, p)) => {
                 // SAFETY: forwarded to the caller.
-                unsafe {
-                    driver_launch_how(stream, ptrs, &self.limits, how, func, info, cfg, args)?
-                };
+                unsafe { q.launch_prepared(p, programmatic, args)? };
                 0
             }
-            _ => return Err(Error::Mismatch),
         };
         Ok(Ticket {
             queue: self.id,
@@ -382,12 +304,12 @@ impl Queue {
             )));
         }
         Ok(match &self.inner {
-            QueueInner::Direct(q) => Fence::from_direct(q.fence_for(ticket.value), q),
-            QueueInner::Driver { stream, .. } => Fence::from_driver(stream),
+            Backed::Direct(q) => Fence::from_direct(q.fence_for(ticket.value), q),
+            Backed::Driver(q) => Fence::from_driver(q.fence()),
         })
     }
 
-    /// A prepared launch, plain (`How::Launch`) or programmatic (`How::Programmatic`).
+    /// A prepared launch, plain (`How::Plain`) or programmatic (`How::Programmatic`).
     ///
     /// # Safety
     /// As for [`launch`](Self::launch), and for a programmatic one as for
@@ -398,12 +320,12 @@ impl Queue {
         args: &[Arg<'_>],
         how: How,
     ) -> Result<Fence> {
-        match (&mut self.inner, &prepared.0) {
-            (QueueInner::Direct(q), PreparedInner::Direct(p)) => {
-                self.driver_chain = 0;
+        let programmatic = how == How::Programmatic;
+        match self.inner.as_mut().with(prepared.0.as_ref())? {
+            Backed::Direct((q, p)) => {
                 // SAFETY: forwarded to the caller.
                 let f = unsafe {
-                    if how == How::Programmatic {
+                    if programmatic {
                         q.launch_prepared_programmatic(p, args)?
                     } else {
                         q.launch_prepared(p, args)?
@@ -411,11 +333,11 @@ impl Queue {
                 };
                 Ok(Fence::from_direct(f, q))
             }
-            (QueueInner::Driver { .. }, PreparedInner::Driver { kernel, cfg }) => {
+            Backed::Driver((q, p)) => {
                 // SAFETY: forwarded to the caller.
-                unsafe { self.submit(how, kernel, cfg, args) }.and_then(fenced)
+                unsafe { q.launch_prepared(p, programmatic, args)? };
+                Ok(Fence::from_driver(q.fence()))
             }
-            _ => Err(Error::Mismatch),
         }
     }
 
@@ -496,17 +418,17 @@ impl Queue {
         cfg: &LaunchConfig,
         args: &[Arg<'_>],
     ) -> Result<Option<Fence>> {
-        // Any launch but a chained link ends the driver backend's chain.
-        let chained = matches!(how, How::Chained | How::ChainedProgrammatic);
+        let chained = how.is_chained();
         if !chained {
-            self.driver_chain = 0;
+            // Any launch but a chained link ends the driver backend's chain, whatever the kernel.
+            self.other_work();
         }
-        match (&mut self.inner, kernel.inner()) {
-            (QueueInner::Direct(q), KernelInner::Direct(k)) => {
+        match self.inner.as_mut().with(kernel.inner().as_ref())? {
+            Backed::Direct((q, k)) => {
                 // SAFETY: forwarded to the caller.
                 let f = unsafe {
                     match how {
-                        How::Launch => q.launch(k, cfg, args)?,
+                        How::Plain => q.launch(k, cfg, args)?,
                         How::Cooperative => q.launch_cooperative(k, cfg, args)?,
                         How::Programmatic => q.launch_programmatic(k, cfg, args)?,
                         How::Chained => {
@@ -521,18 +443,11 @@ impl Queue {
                 };
                 Ok(Some(Fence::from_direct(f, q)))
             }
-            (QueueInner::Driver { stream, ptrs }, KernelInner::Driver { func, info }) => {
+            Backed::Driver((q, k)) => {
                 // SAFETY: forwarded to the caller.
-                unsafe {
-                    driver_launch_how(stream, ptrs, &self.limits, how, func, info, cfg, args)?
-                };
-                if chained {
-                    self.driver_chain += 1;
-                    return Ok(None);
-                }
-                Ok(Some(Fence::from_driver(stream)))
+                unsafe { q.launch(how, k, cfg, args)? };
+                Ok((!chained).then(|| Fence::from_driver(q.fence())))
             }
-            _ => Err(Error::Mismatch),
         }
     }
 
@@ -540,28 +455,30 @@ impl Queue {
     /// its last launch has. An error if no chained launch was recorded since the chain last ended.
     pub fn end_chain(&mut self) -> Result<Fence> {
         match &mut self.inner {
-            QueueInner::Direct(q) => {
+            Backed::Direct(q) => {
                 let f = q.end_chain()?;
                 Ok(Fence::from_direct(f, q))
             }
-            QueueInner::Driver { stream, .. } => {
-                if std::mem::take(&mut self.driver_chain) == 0 {
-                    return Err(launch::Error::NoChain.into());
-                }
-                Ok(Fence::from_driver(stream))
-            }
+            Backed::Driver(q) => Ok(Fence::from_driver(q.end_chain()?)),
         }
     }
 
     /// Waits until everything submitted so far is complete.
     pub fn synchronize(&mut self) -> Result<()> {
-        self.driver_chain = 0;
         match &mut self.inner {
-            QueueInner::Direct(q) => q.synchronize()?,
-            QueueInner::Driver { stream, .. } => stream.synchronize()?,
+            Backed::Direct(q) => q.synchronize()?,
+            Backed::Driver(q) => q.synchronize()?,
         }
         self.keep.clear();
         Ok(())
+    }
+
+    /// Work other than a chained launch ends the driver backend's chain, even work refused before it reaches the
+    /// backend (a mismatched fence, a range outside a buffer); the direct path's queue ends its own.
+    pub(super) fn other_work(&mut self) {
+        if let Backed::Driver(q) = &mut self.inner {
+            q.end_chain_silently();
+        }
     }
 
     pub(super) fn prune(&mut self) {
@@ -627,6 +544,57 @@ impl Queue {
         )
     }
 
+    /// A copy where a buffer belongs to another GPU than the queue's: on the driver backend, `cuMemcpyPeerAsync`;
+    /// on the direct path, the source GPU's copy engines writing into the destination's memory mapped on the
+    /// source, after the queue's earlier work (the engines wait for the queue's timeline, the queue for theirs).
+    /// [`Error::NotPeers`] when the GPUs cannot reach each other. `None` when both buffers are the queue's own.
+    fn copy_between_gpus(
+        &mut self,
+        src: &Buffer,
+        src_offset: u64,
+        dst: &Buffer,
+        dst_offset: u64,
+        bytes: u64,
+    ) -> Result<Option<Fence>> {
+        let local = match (&self.inner, &*src.inner, &*dst.inner) {
+            (Backed::Direct(q), Backed::Direct(s), Backed::Direct(d)) => {
+                Arc::ptr_eq(s.gpu(), q.gpu()) && Arc::ptr_eq(d.gpu(), q.gpu())
+            }
+            (Backed::Driver(q), Backed::Driver(s), Backed::Driver(d)) => q.owns(s) && q.owns(d),
+            _ => return Err(Error::Mismatch),
+        };
+        if local {
+            return Ok(None);
+        }
+        check_range(src.size, src_offset, bytes)?;
+        check_range(dst.size, dst_offset, bytes)?;
+        if bytes == 0 {
+            return Err(Error::InvalidArgument("a copy of 0 bytes".into()));
+        }
+        let f = match (&mut self.inner, &*src.inner, &*dst.inner) {
+            (Backed::Direct(q), Backed::Direct(s), Backed::Direct(d)) => {
+                let (from, to) = (s.gpu().clone(), d.gpu().clone());
+                // The source GPU's engines write the destination's memory through its mapping there (what RM's
+                // optimal write CEs are for); a no-op after the first copy.
+                d.map_on(&from).map_err(peer_error)?;
+                let engines = peer_engines(&mut self.peer_engines, &from, &to)?;
+                let f = q
+                    .copy_on(engines, s.va() + src_offset, d.va() + dst_offset, bytes)
+                    .map_err(peer_error)?;
+                Fence::from_direct(f, q)
+            }
+            // SAFETY: both ranges were checked; the queue keeps both buffers alive until the copy completes.
+            (Backed::Driver(q), Backed::Driver(s), Backed::Driver(d)) => {
+                Fence::from_driver(unsafe { q.copy_peer(s, src_offset, d, dst_offset, bytes)? })
+            }
+            _ => return Err(Error::Mismatch),
+        };
+        self.prune();
+        self.keep.push((f.clone(), KeepAlive::Device(src.clone())));
+        self.keep.push((f.clone(), KeepAlive::Device(dst.clone())));
+        Ok(Some(f))
+    }
+
     /// Checks both ranges, copies, and keeps both buffers alive until the copy's fence completes.
     fn copy_kept(
         &mut self,
@@ -636,12 +604,12 @@ impl Queue {
         device_to_device: bool,
     ) -> Result<Fence> {
         // Other work ends a chain, on both backends.
-        self.driver_chain = 0;
+        self.other_work();
         check_range(src_size, src_offset, bytes)?;
         check_range(dst_size, dst_offset, bytes)?;
         let (s, d) = (src + src_offset, dst + dst_offset);
         let f = match &mut self.inner {
-            QueueInner::Direct(q) if device_to_device && bytes > 0 => {
+            Backed::Direct(q) if device_to_device && bytes > 0 => {
                 // SAFETY: both ranges were checked against their device buffers, which stay alive until done.
                 let f = unsafe { q.copy_device(s, d, bytes)? };
                 let f = Fence::from_direct(f, q);
@@ -666,9 +634,9 @@ impl Queue {
     /// Both ranges must be memory the queue's GPU reaches at these addresses (device memory, or host memory mapped
     /// for it) for `bytes` bytes, and stay so until the fence completes; nothing else may write `dst` meanwhile.
     pub unsafe fn copy_addresses(&mut self, src: u64, dst: u64, bytes: u64) -> Result<Fence> {
-        self.driver_chain = 0;
+        self.other_work();
         match &mut self.inner {
-            QueueInner::Direct(q) if bytes > 0 => {
+            Backed::Direct(q) if bytes > 0 => {
                 // SAFETY: forwarded to the caller.
                 let f = unsafe { q.copy_device(src, dst, bytes)? };
                 let f = Fence::from_direct(f, q);
@@ -694,18 +662,16 @@ impl Queue {
         width: u32,
         count: u64,
     ) -> Result<Fence> {
-        self.driver_chain = 0;
         match &mut self.inner {
-            QueueInner::Direct(q) => {
+            Backed::Direct(q) => {
                 // SAFETY: forwarded to the caller.
                 let f = unsafe { q.fill(dst, value, width, count)? };
                 Ok(Fence::from_direct(f, q))
             }
-            QueueInner::Driver { stream, .. } => {
-                // SAFETY: forwarded to the caller.
-                unsafe { stream.fill(dst, value, width, count)? };
-                Ok(Fence::from_driver(stream))
-            }
+            // SAFETY: forwarded to the caller.
+            Backed::Driver(q) => Ok(Fence::from_driver(unsafe {
+                q.fill(dst, value, width, count)?
+            })),
         }
     }
 
@@ -715,15 +681,12 @@ impl Queue {
         }
         self.prune();
         match &mut self.inner {
-            QueueInner::Direct(q) => {
+            Backed::Direct(q) => {
                 let f = q.copy(src, dst, bytes)?;
                 Ok(Fence::from_direct(f, q))
             }
-            QueueInner::Driver { stream, .. } => {
-                // SAFETY: the queue keeps both buffers alive until the copy's fence completes.
-                unsafe { stream.copy(dst, src, bytes)? };
-                Ok(Fence::from_driver(stream))
-            }
+            // SAFETY: the queue keeps both buffers alive until the copy's fence completes.
+            Backed::Driver(q) => Ok(Fence::from_driver(unsafe { q.copy(src, dst, bytes)? })),
         }
     }
 
@@ -815,8 +778,8 @@ impl Queue {
         if data.is_empty() {
             return Ok(());
         }
-        if let QueueInner::Driver { stream, .. } = &mut self.inner {
-            return Ok(stream.upload(dst, data)?);
+        if let Backed::Driver(q) = &mut self.inner {
+            return Ok(q.upload(dst, data)?);
         }
         let staging = self.staging(gpu)?;
         let half = STAGING_BYTES / 2;
@@ -858,8 +821,8 @@ impl Queue {
         if out.is_empty() {
             return Ok(());
         }
-        if let QueueInner::Driver { stream, .. } = &mut self.inner {
-            return Ok(stream.download(src, out)?);
+        if let Backed::Driver(q) = &mut self.inner {
+            return Ok(q.download(src, out)?);
         }
         let staging = self.staging(gpu)?;
         let half = STAGING_BYTES / 2;
@@ -939,67 +902,9 @@ pub struct Ticket {
 }
 
 /// Numbers queues for their [`Ticket`]s.
-pub(super) fn next_queue_id() -> u64 {
+fn next_queue_id() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-}
-
-/// What [`Queue::submit`] makes of a kernel: a launch, a cooperative launch, or the next link of a chain.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum How {
-    Launch,
-    Cooperative,
-    Chained,
-    ChainedProgrammatic,
-    Programmatic,
-}
-
-/// Launches `func` on the driver backend's stream with the driver call `how` asks for.
-///
-/// # Safety
-/// As for [`Queue::launch`].
-#[allow(clippy::too_many_arguments)]
-unsafe fn driver_launch_how(
-    stream: &mut driver::Stream,
-    ptrs: &mut driver::ParamPtrs,
-    limits: &Limits,
-    how: How,
-    func: &driver::Function,
-    info: &Option<Arc<KernelInfo>>,
-    cfg: &LaunchConfig,
-    args: &[Arg<'_>],
-) -> Result<()> {
-    let scheduled = cfg.sync_domain != 0 || cfg.cluster_policy != ClusterPolicy::Default;
-    let kind = match (how, cfg.cluster) {
-        // A memory sync domain or a cluster policy: every attribute through one cuLaunchKernelEx.
-        _ if scheduled => driver::LaunchKind::Attributed(driver::LaunchAttributes {
-            cluster: cfg.cluster,
-            programmatic: matches!(how, How::Programmatic | How::ChainedProgrammatic),
-            cooperative: how == How::Cooperative,
-            sync_domain: cfg.sync_domain,
-            cluster_policy: match cfg.cluster_policy {
-                ClusterPolicy::Default => 0,
-                ClusterPolicy::Spread => 1,
-                ClusterPolicy::LoadBalancing => 2,
-            },
-        }),
-        (How::Cooperative, Some(_)) => {
-            return Err(Error::InvalidArgument(
-                "a run-time cluster shape on a cooperative launch (the driver backend launches \
-                     cooperative kernels with cuLaunchCooperativeKernel, which takes none)"
-                    .into(),
-            ));
-        }
-        (How::Cooperative, None) => driver::LaunchKind::Cooperative,
-        (How::Programmatic | How::ChainedProgrammatic, cluster) => {
-            driver::LaunchKind::Programmatic(cluster)
-        }
-        // A run-time cluster shape goes through cuLaunchKernelEx; a compile-time one needs nothing.
-        (_, Some(cluster)) => driver::LaunchKind::Cluster(cluster),
-        (_, None) => driver::LaunchKind::Plain,
-    };
-    // SAFETY: forwarded to the caller.
-    unsafe { driver_launch(stream, ptrs, limits, kind, func, info, cfg, args) }
 }
 
 /// The fence of a launch that is not a chained link (only a chained link returns none, so the error is never
@@ -1017,93 +922,40 @@ pub(super) fn check_range(size: u64, offset: u64, len: u64) -> Result<()> {
     Ok(())
 }
 
-/// Checks and launches one kernel on the driver backend's stream with the driver call `kind` names.
-///
-/// # Safety
-/// As for [`Queue::launch`].
-#[allow(clippy::too_many_arguments)]
-unsafe fn driver_launch(
-    stream: &mut driver::Stream,
-    ptrs: &mut driver::ParamPtrs,
-    limits: &Limits,
-    kind: driver::LaunchKind,
-    func: &driver::Function,
-    info: &Option<Arc<KernelInfo>>,
-    cfg: &LaunchConfig,
-    args: &[Arg<'_>],
-) -> Result<()> {
-    if let Some(info) = info {
-        launch::queue_validate(info, cfg, limits)?;
+impl Gpu {
+    /// A queue: launches and copies on it run in order, like a CUDA stream.
+    pub fn queue(&self) -> Result<Queue> {
+        self.queue_with(QueueOptions::default())
     }
-    check_driver_args(func, info.as_deref(), args)?;
-    ptrs.clear();
-    for a in args {
-        ptrs.push(arg_ptr(a));
-    }
-    // SAFETY: each pointer refers into `args`, alive for the call, with the size the kernel declares (checked
-    // above); the rest is the caller's contract.
-    unsafe {
-        stream.launch_as(
-            kind,
-            func,
-            cfg.grid,
-            cfg.block,
-            cfg.shared_bytes,
-            ptrs.as_mut_slice(),
-        )?
-    };
-    Ok(())
-}
 
-fn check_driver_args(
-    func: &driver::Function,
-    info: Option<&KernelInfo>,
-    args: &[Arg<'_>],
-) -> Result<()> {
-    // Named only when an error needs it: nothing is allocated on the launch path.
-    let name = || info.map_or_else(|| func.name().to_string(), |i| i.name.clone());
-    let params = func.params();
-    if args.len() != params.len() {
-        return Err(launch::Error::Params(launch::ParamError::Count {
-            kernel: name(),
-            expected: params.len(),
-            given: args.len(),
+    /// A queue built as `options` say (the driver backend has nothing to choose and ignores them).
+    ///
+    /// ```no_run
+    /// use apex::{Gpu, LaunchMemory, QueueOptions};
+    /// # fn main() -> apex::Result<()> {
+    /// let gpu = Gpu::open(0)?;
+    /// // The lowest CPU cost per launch, for a launch-bound program that does not wait on each launch.
+    /// let q = gpu.queue_with(QueueOptions::default().launch_memory(LaunchMemory::Host))?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn queue_with(&self, options: QueueOptions) -> Result<Queue> {
+        let inner: QueueInner = match &self.inner {
+            Backed::Direct(c) => Backed::Direct(Box::new(ComputeQueue::new(
+                c,
+                ComputeQueueConfig::default()
+                    .with_memory(options.launch_memory)
+                    .with_polling(options.polled),
+            )?)),
+            Backed::Driver(ctx) => Backed::Driver(Box::new(driver::Queue::new(ctx, self.limits)?)),
+        };
+        Ok(Queue {
+            inner,
+            id: next_queue_id(),
+            keep: Vec::new(),
+            staging: None,
+            cuda: self.cuda.clone().map(driver::CudaOrder::new),
+            peer_engines: Vec::new(),
         })
-        .into());
-    }
-    if args.len() > driver::MAX_PARAMS {
-        return Err(Error::InvalidArgument(format!(
-            "{} parameters (at most {})",
-            args.len(),
-            driver::MAX_PARAMS
-        )));
-    }
-    for (index, (a, &(_, size))) in args.iter().zip(params).enumerate() {
-        if a.size() != size as usize {
-            return Err(launch::Error::Params(launch::ParamError::Size {
-                kernel: name(),
-                index,
-                expected: size,
-                given: a.size(),
-            })
-            .into());
-        }
-    }
-    Ok(())
-}
-
-fn arg_ptr(a: &Arg<'_>) -> *mut std::ffi::c_void {
-    match a {
-        Arg::I8(v) => v as *const i8 as *mut _,
-        Arg::U8(v) => v as *const u8 as *mut _,
-        Arg::I16(v) => v as *const i16 as *mut _,
-        Arg::U16(v) => v as *const u16 as *mut _,
-        Arg::I32(v) => v as *const i32 as *mut _,
-        Arg::U32(v) => v as *const u32 as *mut _,
-        Arg::I64(v) => v as *const i64 as *mut _,
-        Arg::U64(v) | Arg::Ptr(v) => v as *const u64 as *mut _,
-        Arg::F32(v) => v as *const f32 as *mut _,
-        Arg::F64(v) => v as *const f64 as *mut _,
-        Arg::Bytes(b) => b.as_ptr() as *mut _,
     }
 }

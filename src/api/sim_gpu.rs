@@ -1,6 +1,6 @@
 //! A simulated GPU behind the public API: the entry point for tests and CI machines without a GPU.
 
-use super::gpu::GpuInner;
+use super::backend::Backed;
 use super::{Backend, BackendRequest, DeviceInfo, Gpu, Result, Selection};
 use crate::launch::Limits;
 use crate::module::printf::PrintfFifoCell;
@@ -25,7 +25,7 @@ impl Gpu {
         };
         let limits = Limits::for_sm(info.sm_version);
         let gpu = Gpu {
-            inner: GpuInner::Direct(core),
+            inner: Backed::Direct(core),
             selection: Selection {
                 backend: Backend::Direct,
                 requested: BackendRequest::Direct,

@@ -3,6 +3,12 @@
 //! This is the fallback behind the same public API when the direct path cannot run, and the reference the
 //! benchmarks measure against. Like `rm/` for the direct path, it is the one place where this backend's FFI
 //! `unsafe` lives; everything it hands out is safe to use.
+//!
+//! Beside the driver's objects (contexts, memory, modules, functions, streams, graphs, pools) it holds this
+//! backend's side of every public type, as `launch`, `module` and `rm` hold the direct path's: [`Queue`] (every
+//! launch kind, copies, fills, waits, graph replays), [`Prepared`], [`StreamFence`], [`QueueGraph`],
+//! [`LoadedModule`] and [`Kernel`]. They check launches with the launch layer's own checks and report failures as
+//! [`BackendError`].
 
 use std::ffi::{CStr, c_void};
 use std::sync::Arc;
@@ -11,9 +17,16 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use cudarc::driver::sys as cu;
 
 mod graph;
+mod loaded;
 mod pool;
+mod queue;
 pub use graph::{GraphExec, GraphNode};
+pub use loaded::{Kernel, LoadedModule};
 pub use pool::{MemPool, PoolAttribute, free_async_unordered};
+pub use queue::{
+    BackendError, BackendResult, CudaOrder, LaunchMode, MAX_PARAM_BYTES, Prepared, Queue,
+    QueueGraph, StreamFence,
+};
 
 /// A failed CUDA driver call.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

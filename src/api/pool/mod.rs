@@ -15,9 +15,8 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
 
-use super::gpu::GpuInner;
-use super::queue::QueueInner;
-use super::{Backend, Error, Gpu, Queue, Result};
+use super::backend::Backed;
+use super::{Backend, Error, Gpu, PoolOutOfMemory, Queue, Result};
 use crate::driver;
 use crate::launch::{Arg, ComputeQueue};
 use crate::pushbuf;
@@ -137,73 +136,6 @@ pub struct PoolStats {
     pub chunks: u64,
 }
 
-/// Why a pool allocation found no memory ([`Error::PoolOutOfMemory`]): what was asked, what the pool holds and
-/// which queues hold it.
-#[derive(Debug)]
-#[non_exhaustive]
-pub struct PoolOutOfMemory {
-    /// Bytes asked for.
-    pub requested: u64,
-    /// The backend of the pool.
-    pub backend: Backend,
-    /// Bytes of device memory the pool holds.
-    pub reserved_bytes: u64,
-    /// Bytes of those handed out and not freed.
-    pub used_bytes: u64,
-    /// Blocks handed out and not freed (direct path).
-    pub blocks: u64,
-    /// Bytes in use per queue that allocated them ([`Queue::id`], bytes), largest first (direct path).
-    pub held_by: Vec<(u64, u64)>,
-    /// The pool's reserve limit, when it was what refused ([`PoolOptions::reserve_limit`]).
-    pub limit: Option<u64>,
-    /// The driver's answer, when device memory itself ran out.
-    pub source: Option<Error>,
-}
-
-impl fmt::Display for PoolOutOfMemory {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "out of memory: a pool allocation of {} bytes failed (",
-            self.requested
-        )?;
-        match (&self.limit, &self.source) {
-            (Some(limit), _) => write!(f, "the pool's reserve limit is {limit} bytes")?,
-            (None, Some(e)) => write!(f, "the device has no more memory: {e}")?,
-            (None, None) => write!(f, "the device does not have that much memory")?,
-        }
-        write!(
-            f,
-            "). The {:?} pool holds {} bytes reserved, {} bytes in use",
-            self.backend, self.reserved_bytes, self.used_bytes
-        )?;
-        if self.blocks > 0 {
-            write!(f, " in {} blocks", self.blocks)?;
-        }
-        if !self.held_by.is_empty() {
-            write!(f, " (")?;
-            for (i, (queue, bytes)) in self.held_by.iter().enumerate() {
-                let sep = if i == 0 { "" } else { ", " };
-                write!(f, "{sep}queue {queue}: {bytes} bytes")?;
-            }
-            write!(f, ")")?;
-        }
-        write!(
-            f,
-            "; free blocks (Queue::free_async), synchronize the queues that freed them and trim the pool \
-             (MemoryPool::trim), trim other pools, or raise PoolOptions::reserve_limit"
-        )
-    }
-}
-
-impl std::error::Error for PoolOutOfMemory {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.source
-            .as_ref()
-            .map(|e| e as &(dyn std::error::Error + 'static))
-    }
-}
-
 /// A stream-ordered memory pool: device memory that [`Queue::alloc_async`] takes and [`Queue::free_async`] gives
 /// back in the queue's order, for programs that allocate per step. A block freed on a queue is reused by later
 /// work on that queue at once, and by another queue once the work submitted before the free has completed; a hit
@@ -238,11 +170,8 @@ pub struct MemoryPool {
     inner: PoolInner,
 }
 
-#[derive(Clone, Debug)]
-enum PoolInner {
-    Direct(Arc<DirectPool>),
-    Driver(Arc<DriverPool>),
-}
+/// The direct path's suballocator or the driver backend's CUDA pool.
+type PoolInner = Backed<Arc<DirectPool>, Arc<DriverPool>>;
 
 /// A queue's timeline, as the pool sees it.
 #[derive(Debug)]
@@ -417,35 +346,29 @@ impl DriverPool {
 impl MemoryPool {
     /// The backend whose memory the pool holds.
     pub fn backend(&self) -> Backend {
-        match self.inner {
-            PoolInner::Direct(_) => Backend::Direct,
-            PoolInner::Driver(_) => Backend::Driver,
-        }
+        self.inner.backend()
     }
 
     /// The options the pool was built with (the release threshold as last set).
     pub fn options(&self) -> PoolOptions {
         match &self.inner {
-            PoolInner::Direct(p) => {
+            Backed::Direct(p) => {
                 let threshold = p.locked(|c| c.config().release_threshold);
                 p.options.release_threshold(threshold)
             }
-            PoolInner::Driver(p) => p.options,
+            Backed::Driver(p) => p.options,
         }
     }
 
     /// The CUDA memory pool behind this one, on the driver backend.
     pub fn driver(&self) -> Option<&driver::MemPool> {
-        match &self.inner {
-            PoolInner::Driver(p) => Some(&p.pool),
-            PoolInner::Direct(_) => None,
-        }
+        self.inner.driver().map(|p| &p.pool)
     }
 
     /// What the pool holds and how it served its requests (on the driver backend, CUDA's pool attributes).
     pub fn stats(&self) -> Result<PoolStats> {
         match &self.inner {
-            PoolInner::Direct(p) => {
+            Backed::Direct(p) => {
                 let s = p.locked(|c| c.stats());
                 Ok(PoolStats {
                     reserved_bytes: s.reserved,
@@ -459,7 +382,7 @@ impl MemoryPool {
                     chunks: s.chunks,
                 })
             }
-            PoolInner::Driver(p) => p.stats(),
+            Backed::Driver(p) => p.stats(),
         }
     }
 
@@ -467,11 +390,11 @@ impl MemoryPool {
     /// given back at once.
     pub fn set_release_threshold(&self, bytes: u64) -> Result<()> {
         match &self.inner {
-            PoolInner::Direct(p) => {
+            Backed::Direct(p) => {
                 p.locked(|c| c.set_release_threshold(bytes));
                 Ok(())
             }
-            PoolInner::Driver(p) => Ok(p.pool.set_release_threshold(bytes)?),
+            Backed::Driver(p) => Ok(p.pool.set_release_threshold(bytes)?),
         }
     }
 
@@ -481,11 +404,11 @@ impl MemoryPool {
     /// (synchronize the queues first to give back everything). Returns the bytes the pool holds afterwards.
     pub fn trim(&self, keep_bytes: u64) -> Result<u64> {
         match &self.inner {
-            PoolInner::Direct(p) => Ok(p.locked(|c| {
+            Backed::Direct(p) => Ok(p.locked(|c| {
                 c.release_over(keep_bytes);
                 c.stats().reserved
             })),
-            PoolInner::Driver(p) => {
+            Backed::Driver(p) => {
                 p.pool.trim_to(keep_bytes)?;
                 Ok(p.pool.attribute(driver::PoolAttribute::ReservedCurrent)?)
             }
@@ -571,7 +494,7 @@ impl Gpu {
     pub fn pool(&self, options: PoolOptions) -> Result<MemoryPool> {
         options.check()?;
         let inner = match &self.inner {
-            GpuInner::Direct(c) => PoolInner::Direct(Arc::new(DirectPool {
+            Backed::Direct(c) => Backed::Direct(Arc::new(DirectPool {
                 gpu: c.clone(),
                 options,
                 core: Mutex::new(Suballocator::new(Config {
@@ -581,10 +504,10 @@ impl Gpu {
                     reserve_limit: options.reserve_limit,
                 })),
             })),
-            GpuInner::Driver(ctx) => {
+            Backed::Driver(ctx) => {
                 let pool = driver::MemPool::new(ctx, options.reserve_limit)?;
                 pool.set_release_threshold(options.release_threshold)?;
-                PoolInner::Driver(Arc::new(DriverPool {
+                Backed::Driver(Arc::new(DriverPool {
                     pool,
                     options,
                     allocations: AtomicU64::new(0),
@@ -611,18 +534,18 @@ impl Queue {
                 "a pool allocation of 0 bytes".into(),
             ));
         }
-        match (&mut self.inner, &pool.inner) {
-            (QueueInner::Direct(q), PoolInner::Direct(p)) => {
+        match self.inner.as_mut().with(pool.inner.as_ref())? {
+            Backed::Direct((q, p)) => {
                 if !Arc::ptr_eq(q.gpu(), &p.gpu) {
                     return Err(Error::Mismatch);
                 }
                 p.alloc(q, self.id, bytes)
             }
-            (QueueInner::Driver { stream, .. }, PoolInner::Driver(p)) => {
-                if !p.pool.serves(stream) {
+            Backed::Driver((q, p)) => {
+                if !p.pool.serves(q.stream()) {
                     return Err(Error::Mismatch);
                 }
-                let ptr = match p.pool.alloc_async(stream, bytes) {
+                let ptr = match p.pool.alloc_async(q.stream(), bytes) {
                     Ok(ptr) => ptr,
                     Err(e) if is_cuda_oom(&e) => {
                         let stats = p.stats().unwrap_or_default();
@@ -646,7 +569,6 @@ impl Queue {
                     size: bytes,
                 })
             }
-            _ => Err(Error::Mismatch),
         }
     }
 
@@ -660,7 +582,7 @@ impl Queue {
     /// [`PoolBuffer`]).
     pub fn free_async(&mut self, mut buffer: PoolBuffer) -> Result<()> {
         match (&mut self.inner, buffer.inner.take()) {
-            (QueueInner::Direct(q), Some(BufferHome::Direct { pool, block }))
+            (Backed::Direct(q), Some(BufferHome::Direct { pool, block }))
                 if Arc::ptr_eq(q.gpu(), &pool.gpu) =>
             {
                 let value = match q.completion_value() {
@@ -678,12 +600,12 @@ impl Queue {
                 });
                 Ok(())
             }
-            (QueueInner::Driver { stream, .. }, Some(BufferHome::Driver { pool }))
-                if pool.pool.serves(stream) =>
+            (Backed::Driver(q), Some(BufferHome::Driver { pool }))
+                if pool.pool.serves(q.stream()) =>
             {
                 // SAFETY: an allocation of this pool not freed yet (the buffer is consumed here); the caller orders
                 // other streams' use of it before this stream's later work.
-                unsafe { stream.free_async(buffer.ptr) }?;
+                unsafe { q.stream().free_async(buffer.ptr) }?;
                 Ok(())
             }
             (_, home) => {
