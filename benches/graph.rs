@@ -26,14 +26,7 @@ use criterion::{Criterion, criterion_group, criterion_main};
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
 const T: Duration = Duration::from_secs(10);
-const ONE: LaunchConfig = LaunchConfig {
-    grid: [1, 1, 1],
-    block: [1, 1, 1],
-    shared_bytes: 0,
-    cluster: None,
-    sync_domain: 0,
-    cluster_policy: apex::ClusterPolicy::Default,
-};
+const ONE: LaunchConfig = LaunchConfig::new([1, 1, 1], [1, 1, 1]);
 
 struct Paths {
     q: ComputeQueue,

@@ -72,14 +72,7 @@ fn setup() -> Option<Paths> {
     })
 }
 
-const ONE: LaunchConfig = LaunchConfig {
-    grid: [1, 1, 1],
-    block: [1, 1, 1],
-    shared_bytes: 0,
-    cluster: None,
-    sync_domain: 0,
-    cluster_policy: apex::ClusterPolicy::Default,
-};
+const ONE: LaunchConfig = LaunchConfig::new([1, 1, 1], [1, 1, 1]);
 
 impl Paths {
     fn direct(&mut self) -> apex::pushbuf::Fence {

@@ -13,14 +13,7 @@ use apex::pushbuf::Acquire;
 use apex::rm::GpuCore;
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
-const ONE: LaunchConfig = LaunchConfig {
-    grid: [1, 1, 1],
-    block: [1, 1, 1],
-    shared_bytes: 0,
-    cluster: None,
-    sync_domain: 0,
-    cluster_policy: apex::ClusterPolicy::Default,
-};
+const ONE: LaunchConfig = LaunchConfig::new([1, 1, 1], [1, 1, 1]);
 
 fn main() -> std::process::ExitCode {
     support::report(run())

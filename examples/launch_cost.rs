@@ -44,14 +44,7 @@ use apex::rm::{GpuCore, Memory, MemoryDesc};
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
 const WAIT: Duration = Duration::from_secs(10);
-const ONE: LaunchConfig = LaunchConfig {
-    grid: [1, 1, 1],
-    block: [1, 1, 1],
-    shared_bytes: 0,
-    cluster: None,
-    sync_domain: 0,
-    cluster_policy: apex::ClusterPolicy::Default,
-};
+const ONE: LaunchConfig = LaunchConfig::new([1, 1, 1], [1, 1, 1]);
 /// Launches between drains in the per-call series.
 const BURST: usize = 64;
 
@@ -519,10 +512,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     if std::env::var("APEX_CONFIGS").is_err() || std::env::var("APEX_QMD_AB").is_ok() {
         let mut pair = Vec::new();
         for read_ahead in [false, true] {
-            let config = ComputeQueueConfig {
-                prefetch_qmds: read_ahead,
-                ..ComputeQueueConfig::default()
-            };
+            let config = ComputeQueueConfig::default().with_prefetch_qmds(read_ahead);
             let mut q = ComputeQueue::new(&gpu, config)?;
             let k = Module::load(&gpu, CUBIN)?.kernel("empty")?;
             let p = q.prepare_launch(&k, &ONE)?;

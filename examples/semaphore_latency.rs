@@ -27,10 +27,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             apex::rm::Placement::Video,
             apex::rm::Placement::SystemWriteCombined,
         ] {
-            let mut cfg = QueueConfig {
-                push_placement: placement,
-                ..QueueConfig::default()
-            };
+            let mut cfg = QueueConfig::default().with_push_placement(placement);
             cfg.channel.ring_placement = ring;
             let mut q = Queue::new(&gpu, cfg)?;
             let n = 20_000;

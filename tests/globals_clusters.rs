@@ -190,10 +190,7 @@ fn cluster_shapes_are_validated_before_submission() {
         Some([4, 1, 1])
     );
     assert_eq!(queue_validate(runtime, &four, &h100).unwrap(), 1028);
-    let cube = LaunchConfig {
-        grid: [4, 4, 2],
-        ..lin(1, 64).with_cluster([2, 2, 2])
-    };
+    let cube = lin(1, 64).with_cluster([2, 2, 2]).with_grid([4, 4, 2]);
     assert_eq!(
         cluster_shape(runtime, &cube, &h100).unwrap(),
         Some([2, 2, 2])
@@ -240,10 +237,9 @@ fn cluster_shapes_are_validated_before_submission() {
         ".explicitcluster",
     );
     // A cluster's blocks must all be resident at once: each one must fit an SM.
-    let too_big = LaunchConfig {
-        shared_bytes: 240 << 10,
-        ..lin(8, 32).with_cluster([2, 1, 1])
-    };
+    let too_big = lin(8, 32)
+        .with_cluster([2, 1, 1])
+        .with_shared_bytes(240 << 10);
     assert!(matches!(
         queue_validate(runtime, &too_big, &h100),
         Err(Error::InvalidLaunch { .. })
@@ -271,10 +267,9 @@ fn cluster_launches_reach_the_simulator_as_cluster_qmds() {
         (&runtime, LaunchConfig::linear(12, 64), None),
         (
             &runtime,
-            LaunchConfig {
-                grid: [4, 6, 2],
-                ..LaunchConfig::linear(1, 64).with_cluster([2, 3, 1])
-            },
+            LaunchConfig::linear(1, 64)
+                .with_cluster([2, 3, 1])
+                .with_grid([4, 6, 2]),
             Some([2, 3, 1]),
         ),
     ];

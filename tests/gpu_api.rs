@@ -169,30 +169,9 @@ fn bad_input(b: Backend) {
     let buf = g.alloc(64).unwrap();
     let args = [Arg::F32(1.0), buf.arg(), buf.arg(), Arg::U32(1)];
     for cfg in [
-        LaunchConfig {
-            grid: [0, 1, 1],
-            block: [1, 1, 1],
-            shared_bytes: 0,
-            cluster: None,
-            sync_domain: 0,
-            cluster_policy: apex::ClusterPolicy::Default,
-        },
-        LaunchConfig {
-            grid: [1, 1, 1],
-            block: [2048, 1, 1],
-            shared_bytes: 0,
-            cluster: None,
-            sync_domain: 0,
-            cluster_policy: apex::ClusterPolicy::Default,
-        },
-        LaunchConfig {
-            grid: [1, 1, 1],
-            block: [1, 1, 1],
-            shared_bytes: 1 << 20,
-            cluster: None,
-            sync_domain: 0,
-            cluster_policy: apex::ClusterPolicy::Default,
-        },
+        LaunchConfig::new([0, 1, 1], [1, 1, 1]),
+        LaunchConfig::new([1, 1, 1], [2048, 1, 1]),
+        LaunchConfig::new([1, 1, 1], [1, 1, 1]).with_shared_bytes(1 << 20),
     ] {
         // SAFETY: refused before launch.
         assert!(

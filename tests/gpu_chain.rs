@@ -12,14 +12,7 @@ use apex::rm::{GpuCore, Memory, MemoryDesc};
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
 const T: Duration = Duration::from_secs(20);
-const ONE: LaunchConfig = LaunchConfig {
-    grid: [1, 1, 1],
-    block: [1, 1, 1],
-    shared_bytes: 0,
-    cluster: None,
-    sync_domain: 0,
-    cluster_policy: apex::ClusterPolicy::Default,
-};
+const ONE: LaunchConfig = LaunchConfig::new([1, 1, 1], [1, 1, 1]);
 
 fn setup() -> (Arc<GpuCore>, ComputeQueue, Arc<Module>) {
     let gpu = GpuCore::open(0).unwrap();

@@ -222,10 +222,7 @@ fn clusters(b: Backend) {
         ([264, 1, 1], [8, 1, 1]),
         ([2, 8, 3], [1, 8, 1]),
     ] {
-        let cfg = LaunchConfig {
-            grid,
-            ..LaunchConfig::linear(1, 128).with_cluster(c)
-        };
+        let cfg = LaunchConfig::linear(1, 128).with_cluster(c).with_grid(grid);
         assert_eq!(
             run(&mut q, &runtime, cfg),
             cluster_expected(grid, c),
@@ -294,10 +291,7 @@ fn dynamic_shared_200k(b: Backend) {
     for dynamic in [200u32 << 10, 4 << 10, 200 << 10, 210 << 10] {
         let words = dynamic / 4;
         q.upload(&g, &out, 0, &[0; 4]).unwrap();
-        let cfg = LaunchConfig {
-            shared_bytes: dynamic,
-            ..LaunchConfig::linear(4, 256)
-        };
+        let cfg = LaunchConfig::linear(4, 256).with_shared_bytes(dynamic);
         // SAFETY: `out` is the one word the kernel adds to.
         let f = unsafe { q.launch(&k, &cfg, &[out.arg(), Arg::U32(words)]) }.unwrap();
         f.wait(T).unwrap();

@@ -226,14 +226,7 @@ fn block_and_grid_dimensions_read_back() {
         let start = Instant::now();
         c.run(
             &k,
-            LaunchConfig {
-                grid,
-                block,
-                shared_bytes: 0,
-                cluster: None,
-                sync_domain: 0,
-                cluster_policy: apex::ClusterPolicy::Default,
-            },
+            LaunchConfig::new(grid, block),
             &[Arg::Ptr(out.va()), Arg::U64(probe)],
         );
         let got = read_u32s(&out, 10);
@@ -266,14 +259,7 @@ fn block_and_grid_dimensions_read_back() {
         counter.fill(0, 4, 0).unwrap();
         c.run(
             &k,
-            LaunchConfig {
-                grid,
-                block,
-                shared_bytes: 0,
-                cluster: None,
-                sync_domain: 0,
-                cluster_policy: apex::ClusterPolicy::Default,
-            },
+            LaunchConfig::new(grid, block),
             &[Arg::Ptr(counter.va())],
         );
         let total: u32 = grid.iter().chain(block.iter()).product();
@@ -294,14 +280,7 @@ fn dynamic_shared_memory_up_to_the_device_maximum() {
         let blocks = 8u32;
         c.run(
             &k,
-            LaunchConfig {
-                grid: [blocks, 1, 1],
-                block: [256, 1, 1],
-                shared_bytes: dynamic,
-                cluster: None,
-                sync_domain: 0,
-                cluster_policy: apex::ClusterPolicy::Default,
-            },
+            LaunchConfig::new([blocks, 1, 1], [256, 1, 1]).with_shared_bytes(dynamic),
             &[Arg::Ptr(out.va()), Arg::U32(words)],
         );
         let per_block =
@@ -312,14 +291,7 @@ fn dynamic_shared_memory_up_to_the_device_maximum() {
             "{dynamic} bytes of dynamic shared memory"
         );
     }
-    let too_much = LaunchConfig {
-        grid: [1, 1, 1],
-        block: [32, 1, 1],
-        shared_bytes: max_dynamic + 1,
-        cluster: None,
-        sync_domain: 0,
-        cluster_policy: apex::ClusterPolicy::Default,
-    };
+    let too_much = LaunchConfig::new([1, 1, 1], [32, 1, 1]).with_shared_bytes(max_dynamic + 1);
     // SAFETY: rejected before launch.
     assert!(
         unsafe {
@@ -432,54 +404,12 @@ fn bad_launches_are_refused_before_the_ring() {
     ];
     let before = c.q.queue().last_submitted();
     let bad = [
-        LaunchConfig {
-            grid: [0, 1, 1],
-            block: [1, 1, 1],
-            shared_bytes: 0,
-            cluster: None,
-            sync_domain: 0,
-            cluster_policy: apex::ClusterPolicy::Default,
-        },
-        LaunchConfig {
-            grid: [1, 65536, 1],
-            block: [1, 1, 1],
-            shared_bytes: 0,
-            cluster: None,
-            sync_domain: 0,
-            cluster_policy: apex::ClusterPolicy::Default,
-        },
-        LaunchConfig {
-            grid: [1, 1, 1],
-            block: [1025, 1, 1],
-            shared_bytes: 0,
-            cluster: None,
-            sync_domain: 0,
-            cluster_policy: apex::ClusterPolicy::Default,
-        },
-        LaunchConfig {
-            grid: [1, 1, 1],
-            block: [32, 32, 2],
-            shared_bytes: 0,
-            cluster: None,
-            sync_domain: 0,
-            cluster_policy: apex::ClusterPolicy::Default,
-        },
-        LaunchConfig {
-            grid: [1, 1, 1],
-            block: [1, 1, 65],
-            shared_bytes: 0,
-            cluster: None,
-            sync_domain: 0,
-            cluster_policy: apex::ClusterPolicy::Default,
-        },
-        LaunchConfig {
-            grid: [1, 1, 1],
-            block: [1, 1, 1],
-            shared_bytes: 1 << 20,
-            cluster: None,
-            sync_domain: 0,
-            cluster_policy: apex::ClusterPolicy::Default,
-        },
+        LaunchConfig::new([0, 1, 1], [1, 1, 1]),
+        LaunchConfig::new([1, 65536, 1], [1, 1, 1]),
+        LaunchConfig::new([1, 1, 1], [1025, 1, 1]),
+        LaunchConfig::new([1, 1, 1], [32, 32, 2]),
+        LaunchConfig::new([1, 1, 1], [1, 1, 65]),
+        LaunchConfig::new([1, 1, 1], [1, 1, 1]).with_shared_bytes(1 << 20),
     ];
     for cfg in bad {
         // SAFETY: refused before launch.
@@ -539,14 +469,7 @@ fn completion_covers_the_kernels_writes_to_host_memory() {
     )
     .unwrap();
     y.fill(0, bytes, 0).unwrap();
-    let cfg = LaunchConfig {
-        grid: [n / 256, 1, 1],
-        block: [256, 1, 1],
-        shared_bytes: 0,
-        cluster: None,
-        sync_domain: 0,
-        cluster_policy: apex::ClusterPolicy::Default,
-    };
+    let cfg = LaunchConfig::new([n / 256, 1, 1], [256, 1, 1]);
     let args = [
         Arg::F32(1.0),
         Arg::Ptr(x.va()),

@@ -163,10 +163,7 @@ fn occupancy_matches_the_driver() {
         );
         // The other reading of the reserve (added on top of the cubin's static size), to tell which
         // one the driver uses if the main one mismatches.
-        let alt = KernelResources {
-            reserve_in_static: !res.reserve_in_static,
-            ..res
-        };
+        let alt = KernelResources::new(res.registers, res.static_shared, !res.reserve_in_static);
         let mut opted_in = 0u32;
         for &d in &dynamic {
             if d > 48 * 1024 && d > opted_in {

@@ -290,10 +290,9 @@ fn inline_qmd_launches_compute_in_order() {
     for memory in [LaunchMemory::Video, LaunchMemory::Host] {
         let mut q = ComputeQueue::new(
             &gpu,
-            ComputeQueueConfig {
-                inline_qmd: true,
-                ..ComputeQueueConfig::default().with_memory(memory)
-            },
+            ComputeQueueConfig::default()
+                .with_memory(memory)
+                .with_inline_qmd(true),
         )
         .unwrap();
         let step = Module::load(&gpu, CUBIN)

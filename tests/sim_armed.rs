@@ -233,10 +233,8 @@ fn a_queue_dropped_with_armed_slots_leaves_the_gpu_usable() {
 fn armed_shapes_outside_the_limits_are_refused() {
     let (gpu, _sim) = Simulator::open(SimConfig::default()).unwrap();
     for (slots, slot_words) in [(3, 64), (1, 64), (512, 64), (16, 8), (16, 100), (16, 8192)] {
-        let config = QueueConfig {
-            submission: Submission::Armed(Armed { slots, slot_words }),
-            ..QueueConfig::default()
-        };
+        let config =
+            QueueConfig::default().with_submission(Submission::Armed(Armed { slots, slot_words }));
         let e = Queue::new(&gpu, config).unwrap_err().to_string();
         assert!(
             e.contains("armed submission"),
@@ -244,14 +242,9 @@ fn armed_shapes_outside_the_limits_are_refused() {
         );
     }
     // A ring too small to hold half the slots' entries beside other work: arming could never happen.
-    let config = QueueConfig {
-        channel: ChannelConfig {
-            entries: 16,
-            ..ChannelConfig::default()
-        },
-        submission: Submission::Armed(Armed::default()),
-        ..QueueConfig::default()
-    };
+    let config = QueueConfig::default()
+        .with_channel(ChannelConfig::default().with_entries(16))
+        .with_submission(Submission::Armed(Armed::default()));
     let e = Queue::new(&gpu, config).unwrap_err().to_string();
     assert!(e.contains("ring of 16 GPFIFO entries"), "{e}");
 }

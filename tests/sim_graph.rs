@@ -1170,10 +1170,7 @@ fn refusals_are_typed() {
     let e = exec
         .update_launch(
             a,
-            &LaunchConfig {
-                grid: [1, 1 << 17, 1],
-                ..one
-            },
+            &one.with_grid([1, 1 << 17, 1]),
             &[Arg::Ptr(v.va()), Arg::U64(1), Arg::U64(1)],
         )
         .unwrap_err();

@@ -234,10 +234,7 @@ fn bad_launches_never_reach_the_model() {
     let cases = [
         (LaunchConfig::linear(0, 32), &args[..]),
         (
-            LaunchConfig {
-                shared_bytes: 300 << 10,
-                ..LaunchConfig::linear(1, 32)
-            },
+            LaunchConfig::linear(1, 32).with_shared_bytes(300 << 10),
             &args[..],
         ),
         (LaunchConfig::linear(1, 32), &args[..3]),
@@ -325,10 +322,7 @@ fn a_chain_runs_every_link_in_order_and_releases_once_at_its_end() {
 fn a_chain_starts_with_a_small_part_and_doubles_its_parts() {
     // The GPU starts on a chain once FIRST_CHAIN_PART links are recorded; later parts double up to chain_part, and
     // a new chain starts small again.
-    let (gpu, sim, mut q, module) = setup_with(ComputeQueueConfig {
-        chain_part: 32,
-        ..ComputeQueueConfig::default()
-    });
+    let (gpu, sim, mut q, module) = setup_with(ComputeQueueConfig::default().with_chain_part(32));
     let k = module.kernel("chain_step").unwrap();
     let v = page(&gpu);
     let before = sim.launches().len();
@@ -364,10 +358,7 @@ fn a_chain_starts_with_a_small_part_and_doubles_its_parts() {
 
 #[test]
 fn a_chain_longer_than_the_slots_is_sent_in_parts_in_order() {
-    let (gpu, sim, mut q, module) = setup_with(ComputeQueueConfig {
-        slots: 8,
-        ..ComputeQueueConfig::default()
-    });
+    let (gpu, sim, mut q, module) = setup_with(ComputeQueueConfig::default().with_slots(8));
     let k = module.kernel("chain_step").unwrap();
     let v = page(&gpu);
     let before = sim.launches().len();
@@ -462,10 +453,7 @@ fn a_launch_that_grows_local_memory_releases_the_value_its_fence_waits_for() {
 
 #[test]
 fn a_long_chain_is_sent_part_by_part_while_it_is_recorded() {
-    let (gpu, sim, mut q, module) = setup_with(ComputeQueueConfig {
-        chain_part: 4,
-        ..ComputeQueueConfig::default()
-    });
+    let (gpu, sim, mut q, module) = setup_with(ComputeQueueConfig::default().with_chain_part(4));
     let k = module.kernel("chain_step").unwrap();
     let v = page(&gpu);
     let before = sim.launches().len();

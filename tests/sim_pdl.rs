@@ -27,10 +27,7 @@ fn step_v(params: &[u8]) -> u32 {
 
 #[test]
 fn programmatic_launches_run_in_order_through_the_gates_and_fall_back_after_other_work() {
-    let (gpu, sim, mut q, tests) = sim::setup_with(ComputeQueueConfig {
-        slots: 8,
-        ..ComputeQueueConfig::default()
-    });
+    let (gpu, sim, mut q, tests) = sim::setup_with(ComputeQueueConfig::default().with_slots(8));
     let pdl = Module::load(&gpu, PDL).unwrap();
     let step = pdl.kernel("pdl_step").unwrap();
     let empty = tests.kernel("empty").unwrap();
@@ -223,13 +220,7 @@ fn programmatic_launches_on_inline_qmd_queues_are_ordinary_launches() {
 #[test]
 fn a_queue_needs_two_slots_for_gates() {
     for slots in [1usize, 2, 3] {
-        let s = programmatic_steps(
-            ComputeQueueConfig {
-                slots,
-                ..ComputeQueueConfig::default()
-            },
-            12,
-        );
+        let s = programmatic_steps(ComputeQueueConfig::default().with_slots(slots), 12);
         if slots == 1 {
             // With one slot the next launch's gate would be its producer's own: no gates, ordinary launches.
             assert!(!s.programmatic);
@@ -247,11 +238,11 @@ fn a_queue_needs_two_slots_for_gates() {
 #[test]
 fn chained_programmatic_links_wait_on_the_latch_of_the_link_before() {
     // Parts of 4: a chain of 11 is sent as parts of 4, 4 and 3, each part's head after the part before.
-    let (gpu, sim, mut q, _) = sim::setup_with(ComputeQueueConfig {
-        slots: 8,
-        chain_part: 4,
-        ..ComputeQueueConfig::default()
-    });
+    let (gpu, sim, mut q, _) = sim::setup_with(
+        ComputeQueueConfig::default()
+            .with_slots(8)
+            .with_chain_part(4),
+    );
     let pdl = Module::load(&gpu, PDL).unwrap();
     let step = pdl.kernel("pdl_step").unwrap();
     let buf = sim::host_page(&gpu);

@@ -26,12 +26,10 @@ fn setup(config: ComputeQueueConfig) -> (Arc<GpuCore>, Simulator, ComputeQueue, 
 
 /// Four slots, so that slots pass between prepared launches, ordinary launches and the two prepared shapes.
 fn small(memory: LaunchMemory) -> ComputeQueueConfig {
-    ComputeQueueConfig {
-        slots: 4,
-        chain_part: 4,
-        ..ComputeQueueConfig::default()
-    }
-    .with_memory(memory)
+    ComputeQueueConfig::default()
+        .with_slots(4)
+        .with_chain_part(4)
+        .with_memory(memory)
 }
 
 fn every_launch_carries_its_own_arguments(memory: LaunchMemory) {
@@ -221,19 +219,13 @@ fn launches_that_wait_have_their_qmds_read_ahead_of_the_wait() {
 #[test]
 fn prepared_launches_carry_their_own_arguments_with_inline_qmds() {
     for memory in [LaunchMemory::Video, LaunchMemory::Host] {
-        every_launch_carries_its_own_arguments_with(ComputeQueueConfig {
-            inline_qmd: true,
-            ..small(memory)
-        });
+        every_launch_carries_its_own_arguments_with(small(memory).with_inline_qmd(true));
     }
 }
 
 #[test]
 fn inline_qmds_mix_with_chains_on_the_same_slots() {
-    let (gpu, sim, mut q, module) = setup(ComputeQueueConfig {
-        inline_qmd: true,
-        ..small(LaunchMemory::Video)
-    });
+    let (gpu, sim, mut q, module) = setup(small(LaunchMemory::Video).with_inline_qmd(true));
     let step = module.kernel("chain_step").unwrap();
     let out = sim::host_page(&gpu);
     let p = q

@@ -451,10 +451,7 @@ impl GpuModel {
             v.push(mv(par(o.w_qkv), Some(par(o.b_qkv)), h, qkv, d, 3 * d));
             v.push(Launch {
                 kernel: Which::Attention,
-                cfg: LaunchConfig {
-                    grid: [s.heads as u32, splits, 1],
-                    ..LaunchConfig::linear(1, 128)
-                },
+                cfg: LaunchConfig::linear(1, 128).with_grid([s.heads as u32, splits, 1]),
                 args: vec![
                     Arg::Ptr(qkv),
                     Arg::Ptr(kc),

@@ -729,14 +729,11 @@ impl Engine {
         if packed.is_none() && l.params.is_null() && !ready.sizes.is_empty() {
             return Err(Refusal::ExtraParams);
         }
-        let cfg = LaunchConfig {
-            grid: l.grid,
-            block: l.block,
-            shared_bytes: l.shared,
-            cluster: extras.cluster,
-            sync_domain: extras.sync_domain,
-            cluster_policy: extras.cluster_policy,
-        };
+        let cfg = LaunchConfig::new(l.grid, l.block)
+            .with_shared_bytes(l.shared)
+            .with_cluster_shape(extras.cluster)
+            .with_sync_domain(extras.sync_domain)
+            .with_cluster_policy(extras.cluster_policy);
         let prepared = if extras.cooperative {
             None
         } else {

@@ -17,6 +17,7 @@ use crate::rm::{GpuCore, Memory, MemoryDesc, Placement};
 
 /// What both backends report about the device.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DeviceInfo {
     /// The device's marketing name (`NVIDIA H200`).
     pub name: String,

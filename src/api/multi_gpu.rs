@@ -18,6 +18,7 @@ use crate::rm::{self, GpuCore, PeerLink};
 
 /// How two GPUs reach each other's memory, as [`Gpu::peer_access`] reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PeerAccess {
     /// The link: NVLink, PCIe, C2C, or the same GPU. `None` on the CUDA driver backend, which does not say.
     pub link: Option<PeerLink>,

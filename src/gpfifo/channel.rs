@@ -16,8 +16,10 @@ use crate::rm::{
 use super::timeline::{Semaphores, Timeline, wait_until};
 use super::{Error, GpEntry, Result, RingState};
 
-/// How to build a channel.
+/// How to build a channel: start from [`ChannelConfig::default`] (or [`ChannelConfig::copy_engine`]) and change it
+/// with the `with_*` methods (`#[non_exhaustive]`, so new options are not breaking changes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ChannelConfig {
     /// GPFIFO entries (a power of two, 2 to 65536).
     pub entries: u32,
@@ -60,6 +62,43 @@ impl ChannelConfig {
             copy_engine: Some(lce),
             ..ChannelConfig::default()
         }
+    }
+
+    /// Sets [`entries`](Self::entries).
+    pub fn with_entries(mut self, entries: u32) -> ChannelConfig {
+        self.entries = entries;
+        self
+    }
+
+    /// Sets [`ring_placement`](Self::ring_placement).
+    pub fn with_ring_placement(mut self, placement: Placement) -> ChannelConfig {
+        self.ring_placement = placement;
+        self
+    }
+
+    /// Sets [`compute`](Self::compute).
+    pub fn with_compute(mut self, compute: bool) -> ChannelConfig {
+        self.compute = compute;
+        self
+    }
+
+    /// Sets [`copy`](Self::copy).
+    pub fn with_copy(mut self, copy: bool) -> ChannelConfig {
+        self.copy = copy;
+        self
+    }
+
+    /// Sets [`copy_engine`](Self::copy_engine) (see also [`ChannelConfig::copy_engine`], which makes a copy-only
+    /// channel).
+    pub fn with_copy_engine(mut self, lce: Option<u32>) -> ChannelConfig {
+        self.copy_engine = lce;
+        self
+    }
+
+    /// Sets [`own_group`](Self::own_group).
+    pub fn with_own_group(mut self, own: bool) -> ChannelConfig {
+        self.own_group = own;
+        self
     }
 }
 

@@ -21,6 +21,7 @@ use crate::hw::Generation;
 /// What one SM of a compute capability offers (CUDA Programming Guide, "Technical Specifications per
 /// Compute Capability"; `cuda_occupancy.h` for the allocation units).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DeviceLimits {
     /// `major * 10 + minor`, e.g. 90.
     pub sm: u32,
@@ -110,6 +111,7 @@ impl DeviceLimits {
 
 /// What a kernel needs per thread and per block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct KernelResources {
     /// Registers per thread.
     pub registers: u32,
@@ -121,6 +123,16 @@ pub struct KernelResources {
 }
 
 impl KernelResources {
+    /// A kernel of `registers` registers per thread and `static_shared` bytes of static shared memory, which already
+    /// hold the driver's per-block reserve if `reserve_in_static` (see the fields).
+    pub const fn new(registers: u32, static_shared: u32, reserve_in_static: bool) -> Self {
+        KernelResources {
+            registers,
+            static_shared,
+            reserve_in_static,
+        }
+    }
+
     /// Resources of a cubin kernel; `cubin_sm` is the cubin's SM version (`Cubin::sm_version`).
     pub fn from_kernel(kernel: &crate::module::cubin::KernelInfo, cubin_sm: u32) -> Self {
         let static_shared = u32::try_from(kernel.static_shared).unwrap_or(u32::MAX);
@@ -224,6 +236,7 @@ impl fmt::Display for Limiter {
 
 /// Occupancy of one launch shape on one SM.
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct Occupancy {
     /// Blocks resident per SM.
     pub active_blocks: u32,

@@ -29,7 +29,11 @@ use crate::module::printf::{Drained, PrintfFifo};
 use crate::module::{Kernel, newest_generation};
 
 /// Grid and block shape, dynamic shared memory and thread block cluster shape of one launch.
+///
+/// Marked `#[non_exhaustive]` so that new launch attributes are not breaking changes: build one with
+/// [`LaunchConfig::new`] or [`LaunchConfig::linear`] and the `with_*` methods.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LaunchConfig {
     /// Blocks per axis (in blocks, also for cluster launches).
     pub grid: [u32; 3],
@@ -66,11 +70,19 @@ pub enum ClusterPolicy {
 }
 
 impl LaunchConfig {
-    /// `blocks` blocks of `threads` threads along x, no dynamic shared memory, no run-time cluster shape.
-    pub fn linear(blocks: u32, threads: u32) -> LaunchConfig {
+    /// A grid of `grid` blocks of `block` threads (x y z), no dynamic shared memory, no run-time cluster shape,
+    /// synchronization domain 0 and the default cluster policy. Change the rest with the `with_*` methods:
+    ///
+    /// ```
+    /// use apex::LaunchConfig;
+    /// let cfg = LaunchConfig::new([64, 2, 1], [128, 1, 1]).with_shared_bytes(16 << 10);
+    /// assert_eq!(cfg.grid, [64, 2, 1]);
+    /// assert_eq!(cfg.shared_bytes, 16 << 10);
+    /// ```
+    pub const fn new(grid: [u32; 3], block: [u32; 3]) -> LaunchConfig {
         LaunchConfig {
-            grid: [blocks, 1, 1],
-            block: [threads, 1, 1],
+            grid,
+            block,
             shared_bytes: 0,
             cluster: None,
             sync_domain: 0,
@@ -78,16 +90,48 @@ impl LaunchConfig {
         }
     }
 
+    /// `blocks` blocks of `threads` threads along x, no dynamic shared memory, no run-time cluster shape.
+    pub const fn linear(blocks: u32, threads: u32) -> LaunchConfig {
+        LaunchConfig::new([blocks, 1, 1], [threads, 1, 1])
+    }
+
+    /// The same launch with a grid of `grid` blocks per axis (see [`LaunchConfig::grid`]).
+    pub const fn with_grid(self, grid: [u32; 3]) -> LaunchConfig {
+        LaunchConfig { grid, ..self }
+    }
+
+    /// The same launch with blocks of `block` threads per axis (see [`LaunchConfig::block`]).
+    pub const fn with_block(self, block: [u32; 3]) -> LaunchConfig {
+        LaunchConfig { block, ..self }
+    }
+
+    /// The same launch with `bytes` of dynamic shared memory per block (see [`LaunchConfig::shared_bytes`]).
+    pub const fn with_shared_bytes(self, bytes: u32) -> LaunchConfig {
+        LaunchConfig {
+            shared_bytes: bytes,
+            ..self
+        }
+    }
+
     /// The same launch in thread block clusters of `shape` blocks (see [`LaunchConfig::cluster`]).
-    pub fn with_cluster(self, shape: [u32; 3]) -> LaunchConfig {
+    pub const fn with_cluster(self, shape: [u32; 3]) -> LaunchConfig {
         LaunchConfig {
             cluster: Some(shape),
             ..self
         }
     }
 
+    /// The same launch with run-time cluster shape `shape`, or with none (`None`: the kernel's compile-time shape,
+    /// if any; see [`LaunchConfig::cluster`]).
+    pub const fn with_cluster_shape(self, shape: Option<[u32; 3]>) -> LaunchConfig {
+        LaunchConfig {
+            cluster: shape,
+            ..self
+        }
+    }
+
     /// The same launch in memory synchronization domain `domain` (see [`LaunchConfig::sync_domain`]).
-    pub fn with_sync_domain(self, domain: u8) -> LaunchConfig {
+    pub const fn with_sync_domain(self, domain: u8) -> LaunchConfig {
         LaunchConfig {
             sync_domain: domain,
             ..self
@@ -95,7 +139,7 @@ impl LaunchConfig {
     }
 
     /// The same launch with cluster scheduling policy `policy` (see [`LaunchConfig::cluster_policy`]).
-    pub fn with_cluster_policy(self, policy: ClusterPolicy) -> LaunchConfig {
+    pub const fn with_cluster_policy(self, policy: ClusterPolicy) -> LaunchConfig {
         LaunchConfig {
             cluster_policy: policy,
             ..self
@@ -107,8 +151,10 @@ impl LaunchConfig {
 /// in (`cudaFuncAttributeNonPortableClusterSizeAllowed`), which APEX does not offer.
 pub const MAX_CLUSTER_BLOCKS: u32 = 8;
 
-/// Device limits a launch is checked against.
+/// Device limits a launch is checked against. Made by [`Limits::for_sm`], [`Limits::for_generation`] or
+/// [`Limits::portable`]; `#[non_exhaustive]`, so new limits are not breaking changes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Limits {
     /// Most blocks per grid axis, x y z.
     pub max_grid: [u32; 3],
@@ -191,8 +237,10 @@ impl LaunchMemory {
     }
 }
 
-/// How a [`ComputeQueue`] is built.
+/// How a [`ComputeQueue`] is built: start from [`ComputeQueueConfig::default`] and change it with the `with_*`
+/// methods (`#[non_exhaustive]`, so new options are not breaking changes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ComputeQueueConfig {
     /// The pushbuffer queue (and channel) under the compute queue.
     pub queue: QueueConfig,
@@ -279,6 +327,54 @@ impl ComputeQueueConfig {
             (true, Submission::Doorbell) => Submission::Armed(Armed::default()),
             (false, _) => Submission::Doorbell,
         };
+        self
+    }
+
+    /// Sets [`queue`](Self::queue), the pushbuffer queue's and channel's configuration.
+    pub fn with_queue(mut self, queue: QueueConfig) -> ComputeQueueConfig {
+        self.queue = queue;
+        self
+    }
+
+    /// Sets [`slot_placement`](Self::slot_placement).
+    pub fn with_slot_placement(mut self, placement: Placement) -> ComputeQueueConfig {
+        self.slot_placement = placement;
+        self
+    }
+
+    /// Sets [`inline_qmd`](Self::inline_qmd).
+    pub fn with_inline_qmd(mut self, inline: bool) -> ComputeQueueConfig {
+        self.inline_qmd = inline;
+        self
+    }
+
+    /// Sets [`slots`](Self::slots).
+    pub fn with_slots(mut self, slots: usize) -> ComputeQueueConfig {
+        self.slots = slots;
+        self
+    }
+
+    /// Sets [`timeout`](Self::timeout).
+    pub fn with_timeout(mut self, timeout: Duration) -> ComputeQueueConfig {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Sets [`chain_part`](Self::chain_part).
+    pub fn with_chain_part(mut self, links: usize) -> ComputeQueueConfig {
+        self.chain_part = links;
+        self
+    }
+
+    /// Sets [`prefetch_next`](Self::prefetch_next).
+    pub fn with_prefetch_next(mut self, prefetch: bool) -> ComputeQueueConfig {
+        self.prefetch_next = prefetch;
+        self
+    }
+
+    /// Sets [`prefetch_qmds`](Self::prefetch_qmds).
+    pub fn with_prefetch_qmds(mut self, prefetch: bool) -> ComputeQueueConfig {
+        self.prefetch_qmds = prefetch;
         self
     }
 }

@@ -244,6 +244,7 @@ pub struct ConstBank {
 
 /// What a launcher needs to know about one kernel.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct KernelInfo {
     /// The kernel's symbol: the mangled name for C++ kernels.
     pub name: String,

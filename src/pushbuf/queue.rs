@@ -31,8 +31,10 @@ impl From<crate::rm::Error> for Error {
 /// The pushbuffer layer's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// How a [`Queue`] is built.
+/// How a [`Queue`] is built: start from [`QueueConfig::default`] and change it with the `with_*` methods
+/// (`#[non_exhaustive]`, so new options are not breaking changes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct QueueConfig {
     /// The channel under the queue.
     pub channel: ChannelConfig,
@@ -67,6 +69,38 @@ impl Default for QueueConfig {
             timeout: Duration::from_secs(10),
             submission: Submission::Doorbell,
         }
+    }
+}
+
+impl QueueConfig {
+    /// Sets [`channel`](Self::channel).
+    pub fn with_channel(mut self, channel: ChannelConfig) -> QueueConfig {
+        self.channel = channel;
+        self
+    }
+
+    /// Sets [`push_bytes`](Self::push_bytes).
+    pub fn with_push_bytes(mut self, bytes: u64) -> QueueConfig {
+        self.push_bytes = bytes;
+        self
+    }
+
+    /// Sets [`push_placement`](Self::push_placement).
+    pub fn with_push_placement(mut self, placement: Placement) -> QueueConfig {
+        self.push_placement = placement;
+        self
+    }
+
+    /// Sets [`timeout`](Self::timeout).
+    pub fn with_timeout(mut self, timeout: Duration) -> QueueConfig {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Sets [`submission`](Self::submission).
+    pub fn with_submission(mut self, submission: Submission) -> QueueConfig {
+        self.submission = submission;
+        self
     }
 }
 

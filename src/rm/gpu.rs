@@ -32,6 +32,7 @@ pub(super) const HIGH_REGION_SIZE: u64 = 1 << 40;
 
 /// What RM reports about the GPU.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct GpuInfo {
     /// The index [`GpuCore::open`] was given: the GPU's place in RM's list (`NV_ESC_CARD_INFO`).
     pub index: usize,

@@ -45,16 +45,14 @@ pub fn host_page(gpu: &Arc<GpuCore>) -> Memory {
 /// A bare pushbuffer queue's configuration (no engine objects bound): `entries` GPFIFO entries, a 64 KiB
 /// pushbuffer, waits of up to `timeout`, work sent as `submission` says.
 pub fn bare_queue_config(entries: u32, timeout: Duration, submission: Submission) -> QueueConfig {
-    QueueConfig {
-        channel: ChannelConfig {
-            entries,
-            compute: false,
-            copy: false,
-            ..ChannelConfig::default()
-        },
-        push_bytes: 64 << 10,
-        timeout,
-        submission,
-        ..QueueConfig::default()
-    }
+    QueueConfig::default()
+        .with_channel(
+            ChannelConfig::default()
+                .with_entries(entries)
+                .with_compute(false)
+                .with_copy(false),
+        )
+        .with_push_bytes(64 << 10)
+        .with_timeout(timeout)
+        .with_submission(submission)
 }

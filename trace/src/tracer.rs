@@ -593,11 +593,7 @@ fn advise(a: &Agg, shapes: &[ShapeCount], sm_count: u32) -> (Option<String>, Vec
         return (None, Vec::new());
     };
     // The QMD's shared size is static (with the reserve on sm_90) + dynamic: all of it counts.
-    let k = KernelResources {
-        registers: a.registers,
-        static_shared: top.shared_bytes,
-        reserve_in_static: true,
-    };
+    let k = KernelResources::new(a.registers, top.shared_bytes, true);
     let threads = top.block.iter().product::<u32>();
     let grid = top.grid.iter().map(|&g| u64::from(g)).product::<u64>();
     let occ = occupancy::occupancy(&limits, &k, threads, 0)

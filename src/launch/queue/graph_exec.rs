@@ -58,6 +58,7 @@ pub enum GraphSchedule {
 
 /// What an instantiated graph looks like on the GPU.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct GraphStats {
     /// Nodes (launches and copies).
     pub nodes: usize,
