@@ -1,9 +1,7 @@
 //! One channel's front end: GPFIFO fetch, method decode and execution, QMD launch, faults.
 
+use super::headers::{c8b5 as copy, c56f, c86f as host, cbc0 as compute};
 use crate::gpfifo::GpEntry;
-use crate::hw::compute::cbc0 as compute;
-use crate::hw::copy::c8b5 as copy;
-use crate::hw::host::{c56f, c86f as host};
 use crate::pushbuf::decode::{DecodedMethod, HeaderKind, SubchannelClasses, decode};
 use crate::rm::sim::{AccessError, SimChannel, SimView};
 use crate::rm::sys;

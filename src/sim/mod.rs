@@ -12,6 +12,7 @@
 //! [`launch::ComputeQueue`]: crate::launch::ComputeQueue
 
 mod frontend;
+mod headers;
 pub mod qmd;
 
 use std::collections::BTreeMap;

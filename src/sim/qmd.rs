@@ -3,7 +3,7 @@
 //! The limits and shared-memory carveouts a QMD is checked against are the GPU's row of the generation table
 //! ([`crate::hw::generation`]); the model reads V04 QMDs only.
 
-use crate::hw::qmd::v04;
+use super::headers::qmd_v04 as v04;
 use crate::hw::{Generation, QmdVersion, UnknownGeneration};
 use crate::launch::cbank::{CLUSTER_WORDS, CLUSTER_WORDS_START, DRIVER_BYTES, INITIAL_STACK};
 use crate::launch::qmd::sm_config;
