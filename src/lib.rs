@@ -56,7 +56,7 @@ pub use api::{
     choose,
 };
 pub use api::{Graph, GraphExec, GraphLaunch, GraphNode};
-pub use launch::{Arg, ClusterPolicy, LaunchConfig, LaunchMemory};
+pub use launch::{Arg, ClusterPolicy, DevicePtr, LaunchConfig, LaunchMemory};
 pub use module::VariableHome;
 pub use module::printf::{AssertAction, AssertFailure};
 pub use report::error_report;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use super::backend::Backed;
 use super::{Backend, Result};
 use crate::driver;
-use crate::launch::Arg;
+use crate::launch::{Arg, DevicePtr};
 use crate::rm::Memory;
 
 /// A device buffer's memory: RM's or libcuda's.
@@ -40,6 +40,11 @@ impl Buffer {
             Backed::Direct(m) => m.va(),
             Backed::Driver(m) => m.ptr(),
         }
+    }
+
+    /// The device address kernels use, typed.
+    pub fn ptr(&self) -> DevicePtr {
+        DevicePtr(self.device_ptr())
     }
 
     /// Bytes allocated.

@@ -18,7 +18,7 @@ use std::fmt;
 use crate::module::printf::AssertFailure;
 
 pub use copies::{ALL_LCES, CopyEngines, MAX_COPY_ENGINES};
-pub use params::{Arg, ParamError};
+pub use params::{Arg, DevicePtr, ParamError};
 pub use queue::{
     ClusterPolicy, ComputeQueue, ComputeQueueConfig, FIRST_CHAIN_PART, GraphExec, GraphSchedule,
     GraphStats, LaunchConfig, LaunchMemory, Limits, MAX_CLUSTER_BLOCKS, PreparedLaunch,

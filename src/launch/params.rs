@@ -2,6 +2,79 @@
 
 use crate::module::cubin::KernelInfo;
 
+/// A GPU virtual address: where a buffer, a CUDA allocation or a module variable lives in the address space kernels
+/// see. A plain `u64` underneath (`#[repr(transparent)]`), so it crosses FFI and converts both ways; as a kernel
+/// argument it is [`Arg::Ptr`].
+///
+/// ```
+/// use apex::{Arg, DevicePtr};
+/// let base = DevicePtr::new(0x7f00_0000_0000);
+/// let elem = base.offset(4 * 10).unwrap();
+/// assert_eq!(elem.get(), 0x7f00_0000_0028);
+/// assert_eq!(Arg::from(elem), Arg::Ptr(0x7f00_0000_0028));
+/// ```
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DevicePtr(pub u64);
+
+impl DevicePtr {
+    /// The null device address.
+    pub const NULL: DevicePtr = DevicePtr(0);
+
+    /// The address `va`.
+    pub const fn new(va: u64) -> DevicePtr {
+        DevicePtr(va)
+    }
+
+    /// The address as a number.
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+
+    /// Whether it is null.
+    pub const fn is_null(self) -> bool {
+        self.0 == 0
+    }
+
+    /// The address `bytes` further on; `None` past the end of the 64-bit address space.
+    pub const fn offset(self, bytes: u64) -> Option<DevicePtr> {
+        match self.0.checked_add(bytes) {
+            Some(v) => Some(DevicePtr(v)),
+            None => None,
+        }
+    }
+}
+
+impl From<u64> for DevicePtr {
+    fn from(va: u64) -> DevicePtr {
+        DevicePtr(va)
+    }
+}
+
+impl From<DevicePtr> for u64 {
+    fn from(p: DevicePtr) -> u64 {
+        p.0
+    }
+}
+
+impl From<DevicePtr> for Arg<'_> {
+    fn from(p: DevicePtr) -> Self {
+        Arg::Ptr(p.0)
+    }
+}
+
+impl std::fmt::Display for DevicePtr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+impl std::fmt::LowerHex for DevicePtr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::LowerHex::fmt(&self.0, f)
+    }
+}
+
 /// One kernel argument. Scalars and pointers are checked against the size the kernel declares; `Bytes` carries
 /// a by-value struct (or anything else) as its raw bytes.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -307,5 +380,23 @@ mod tests {
             pack(big, &[Arg::Ptr(0), Arg::Bytes(&words)], &mut room).unwrap(),
             big.param_cbank_size as usize
         );
+    }
+}
+
+#[cfg(test)]
+mod device_ptr_tests {
+    use super::*;
+
+    #[test]
+    fn device_addresses_convert_offset_and_print() {
+        let p = DevicePtr::from(0x1000u64);
+        assert_eq!(u64::from(p), 0x1000);
+        assert_eq!(p.offset(0x20), Some(DevicePtr(0x1020)));
+        assert_eq!(DevicePtr(u64::MAX).offset(1), None);
+        assert!(DevicePtr::NULL.is_null() && !p.is_null());
+        assert_eq!(format!("{p}"), "0x1000");
+        assert_eq!(format!("{p:x}"), "1000");
+        assert_eq!(Arg::from(p), Arg::Ptr(0x1000));
+        assert_eq!(std::mem::size_of::<DevicePtr>(), 8);
     }
 }

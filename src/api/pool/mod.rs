@@ -461,6 +461,11 @@ impl PoolBuffer {
         self.ptr
     }
 
+    /// The device address kernels use, typed.
+    pub fn ptr(&self) -> crate::DevicePtr {
+        crate::DevicePtr(self.ptr)
+    }
+
     /// Bytes asked for (the block behind may be larger).
     pub fn size(&self) -> u64 {
         self.size
