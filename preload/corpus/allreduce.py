@@ -11,13 +11,12 @@ all-reduce), `mean_us`; on stderr `sync_us`, the median of one all-reduce follow
 """
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
 import common  # first: sets what must be set before torch loads (common.py)
-from common import sha256, tensor_bytes
+from common import report_ranks, run_ranks, sha256, tensor_bytes
 import torch
 import torch.distributed as dist
 
@@ -69,37 +68,15 @@ def run(rank, world, local_rank, args):
     dist.all_reduce(final)
     torch.cuda.synchronize(device)
     mine = {"sum": sha256(tensor_bytes(final)), "last": sha256(tensor_bytes(t))}
-    everyone = [None] * world
-    dist.all_gather_object(everyone, mine)
+    report_ranks(rank, world, mine, args.rounds * args.iters, per_call)
     if rank == 0:
-        for r, results in enumerate(everyone):
-            for key, digest in results.items():
-                print(f"result rank{r}-{key} {digest}")
-        print(f"steps {args.rounds * args.iters}")
-        print(f"step_us {statistics.median(per_call) * 1e6:.3f}")
-        print(f"mean_us {statistics.mean(per_call) * 1e6:.3f}")
         print(f"sync_us {statistics.median(alone) * 1e6:.3f}", file=sys.stderr)
-        sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()
 
 
-def spawned(local_rank, world, args):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(args.port)
-    run(local_rank, world, local_rank, args)
-
-
 def main():
-    args = parse_args(sys.argv[1:])
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)), args)
-        return
-    if not torch.cuda.is_available() or torch.cuda.device_count() < args.world:
-        print(f"allreduce.py: {args.world} GPUs asked for, {torch.cuda.device_count()} visible", file=sys.stderr)
-        sys.exit(2)
-    import torch.multiprocessing as mp
-    mp.spawn(spawned, args=(args.world, args), nprocs=args.world, join=True)
+    run_ranks(run, parse_args(sys.argv[1:]), "allreduce.py")
 
 
 if __name__ == "__main__":

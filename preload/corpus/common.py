@@ -54,3 +54,41 @@ def tensor_bytes(t):
 def sha256(data):
     """The hex SHA-256 of `data`."""
     return hashlib.sha256(data).hexdigest()
+
+
+def _spawned(local_rank, body, world, args):
+    """A rank started by `run_ranks`: rendezvous on this host, then the program's body."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(args.port)
+    body(local_rank, world, local_rank, args)
+
+
+def run_ranks(body, args, program):
+    """Runs `body(rank, world, local_rank, args)` as one rank of a job: under torchrun (RANK and WORLD_SIZE set) this
+    process is that rank; otherwise it starts `args.world` ranks itself (torch.multiprocessing, spawn, same
+    environment), after checking that many GPUs are visible (exit 2 if not)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        body(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)), args)
+        return
+    if not torch.cuda.is_available() or torch.cuda.device_count() < args.world:
+        print(f"{program}: {args.world} GPUs asked for, {torch.cuda.device_count()} visible", file=sys.stderr)
+        sys.exit(2)
+    import torch.multiprocessing as mp
+    mp.spawn(_spawned, args=(body, args.world, args), nprocs=args.world, join=True)
+
+
+def report_ranks(rank, world, mine, steps, seconds):
+    """Gathers every rank's `{key: digest}` to rank 0, which prints them as `result rank<r>-<key>` lines, then
+    `steps`, `step_us` (median of `seconds`) and `mean_us`."""
+    import statistics
+    import torch.distributed as dist
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        for r, results in enumerate(everyone):
+            for key, digest in results.items():
+                print(f"result rank{r}-{key} {digest}")
+        print(f"steps {steps}")
+        print(f"step_us {statistics.median(seconds) * 1e6:.3f}")
+        print(f"mean_us {statistics.mean(seconds) * 1e6:.3f}")
+        sys.stdout.flush()

@@ -12,13 +12,11 @@ training, its BatchNorm buffers; gathered to rank 0), then `steps`, `step_us` (r
 """
 
 import argparse
-import os
-import statistics
 import sys
 import time
 
 import common  # first: sets what must be set before torch loads (common.py)
-from common import deterministic, sha256, tensor_bytes
+from common import deterministic, report_ranks, run_ranks, sha256, tensor_bytes
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -100,37 +98,13 @@ def train(rank, world, local_rank, args):
         "params": sha256(b"".join(tensor_bytes(p) for p in model.parameters())),
         "buffers": sha256(b"".join(tensor_bytes(b) for b in model.buffers())),
     }
-    everyone = [None] * world
-    dist.all_gather_object(everyone, mine)
-    if rank == 0:
-        for r, results in enumerate(everyone):
-            for key, digest in results.items():
-                print(f"result rank{r}-{key} {digest}")
-        print(f"steps {len(times)}")
-        print(f"step_us {statistics.median(times) * 1e6:.3f}")
-        print(f"mean_us {statistics.mean(times) * 1e6:.3f}")
-        sys.stdout.flush()
+    report_ranks(rank, world, mine, len(times), times)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def spawned(local_rank, world, args):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(args.port)
-    train(local_rank, world, local_rank, args)
-
-
 def main():
-    args = parse_args(sys.argv[1:])
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        # Started by torchrun: one rank of the job.
-        train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)), args)
-        return
-    if not torch.cuda.is_available() or torch.cuda.device_count() < args.world:
-        print(f"ddp.py: {args.world} GPUs asked for, {torch.cuda.device_count()} visible", file=sys.stderr)
-        sys.exit(2)
-    import torch.multiprocessing as mp
-    mp.spawn(spawned, args=(args.world, args), nprocs=args.world, join=True)
+    run_ranks(train, parse_args(sys.argv[1:]), "ddp.py")
 
 
 if __name__ == "__main__":

@@ -292,10 +292,7 @@ const MEMORYTYPE_DEVICE: u64 = 2;
 
 impl CudaSide for Libcuda {
     fn current_context(&self) -> Option<usize> {
-        let get = cu_ctx_get_current()?;
-        let mut ctx = 0usize;
-        // SAFETY: a live out-parameter.
-        (unsafe { get(&mut ctx) } == 0 && ctx != 0).then_some(ctx)
+        current_context()
     }
 
     fn attach(&self) -> Result<(Gpu, bool), String> {

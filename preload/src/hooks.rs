@@ -881,10 +881,11 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut Dptr, bytes: usize) -> c_int {
     let Some(_g) = enter() else {
         return forward!(REAL_MEM_ALLOC, c"cuMemAlloc_v2", MemAllocFn, (dptr, bytes));
     };
+    // The cache first: with it off, the call costs libcuda's alone.
     let cached = (!dptr.is_null() && bytes > 0)
-        .then(crate::cuda::current_context)
+        .then(crate::alloc_cache::lock)
         .flatten()
-        .and_then(|ctx| Some((ctx, crate::alloc_cache::lock()?)));
+        .and_then(|cache| Some((crate::cuda::current_context()?, cache)));
     let Some((ctx, mut cache)) = cached else {
         return forward!(REAL_MEM_ALLOC, c"cuMemAlloc_v2", MemAllocFn, (dptr, bytes));
     };
@@ -999,8 +1000,12 @@ pub unsafe extern "C" fn cuMemFree_v2(d: Dptr) -> c_int {
     if let Some(e) = engine::sticky() {
         return e;
     }
-    let ctx = crate::cuda::current_context();
     let known = crate::alloc_cache::lock().is_some_and(|c| c.knows(d));
+    let ctx = if known {
+        crate::cuda::current_context()
+    } else {
+        None
+    };
     if known && engine::capturing() {
         // The context synchronize a kept block needs is not allowed during a capture: libcuda frees it.
         if let Some(mut c) = crate::alloc_cache::lock() {

@@ -102,6 +102,21 @@ struct Setup {
     params: [u64; 4],
 }
 
+/// A launch of the test kernel on the legacy stream with no arguments given yet.
+fn bare_launch() -> Launch {
+    Launch {
+        f: FUNC,
+        grid: [1, 1, 1],
+        block: [64, 1, 1],
+        shared: 0,
+        stream: 0,
+        per_thread: false,
+        params: std::ptr::null_mut(),
+        extra: std::ptr::null_mut(),
+        extras: Ok(Extras::default()),
+    }
+}
+
 impl Setup {
     fn new() -> Setup {
         let (gpu, sim) = Gpu::open_simulated(SimConfig::default()).unwrap();
@@ -145,15 +160,10 @@ impl Setup {
             .map(|p| (p as *mut u64).cast())
             .collect();
         let l = Launch {
-            f: FUNC,
             grid: [grid, 1, 1],
-            block: [64, 1, 1],
-            shared: 0,
             stream,
-            per_thread: false,
             params: ptrs.as_mut_ptr(),
-            extra: std::ptr::null_mut(),
-            extras: Ok(Extras::default()),
+            ..bare_launch()
         };
         self.engine.launch(&l, 0).is_some()
     }
@@ -397,17 +407,7 @@ fn refusals_are_counted_by_reason_and_shapes_are_prepared_once() {
         }
     }
     assert_eq!(s.engine.summary().apex, 60);
-    let mut l = Launch {
-        f: FUNC,
-        grid: [1, 1, 1],
-        block: [64, 1, 1],
-        shared: 0,
-        stream: 0,
-        per_thread: false,
-        params: std::ptr::null_mut(),
-        extra: std::ptr::null_mut(),
-        extras: Ok(Extras::default()),
-    };
+    let mut l = bare_launch();
     assert!(s.engine.launch(&l, 0).is_none(), "missing parameters");
     l.per_thread = true;
     assert!(s.engine.launch(&l, 0).is_none());
@@ -806,15 +806,8 @@ fn arguments_in_one_packed_buffer_run_on_apex() {
     // SAFETY: as above.
     let set_key = |k: usize| unsafe { (*extra)[2] = k as *mut c_void };
     let mut l = Launch {
-        f: FUNC,
-        grid: [1, 1, 1],
-        block: [64, 1, 1],
-        shared: 0,
-        stream: 0,
-        per_thread: false,
-        params: std::ptr::null_mut(),
         extra: extra.cast(),
-        extras: Ok(Extras::default()),
+        ..bare_launch()
     };
     assert!(
         s.engine.launch(&l, 0).is_some(),
