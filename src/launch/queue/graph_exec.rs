@@ -22,9 +22,10 @@ use crate::module::{Kernel, newest_generation};
 use crate::pushbuf::{Acquire, Fence, Push, Queue, Release, Signal};
 use crate::rm::{Memory, MemoryDesc};
 
+use super::slots::{bank0_size, qmd_params, write_changed};
 use super::{
-    ComputeQueue, LOCAL_RESERVE, LaunchConfig, Limits, MAX_PARAM_BYTES, QMD_BYTES, bank0_size,
-    cluster_shape, qmd_params, validate, write_changed,
+    ComputeQueue, LOCAL_RESERVE, LaunchConfig, Limits, MAX_PARAM_BYTES, QMD_BYTES, cluster_shape,
+    validate,
 };
 
 /// Words of constant bank 0 before the parameters.
