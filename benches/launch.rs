@@ -8,7 +8,8 @@
 //! - `submit_isolated`: one prepared call at a time (returning its timeline value), each after a full fence and
 //!   2 µs of other work, so that the previous call's doorbell no longer holds up its stores; cuLaunchKernel alike;
 //! - `launch_to_completion`: one launch, then wait until the CPU sees it complete;
-//! - `dependent_1000`: 1000 launches in stream order and one wait, per launch;
+//! - `dependent_1000`: 1000 launches in stream order and one wait, per launch (also on a chained queue,
+//!   `ComputeQueueConfig::chained_stream`, whose launches made while it is busy become GPU-scheduled links);
 //! - `batched_1000`: the same 1000 launches under one doorbell (direct), as one chain of QMDs (direct) and as a
 //!   CUDA graph replay (cuGraphLaunch);
 //! - `independent_1000`: 1000 launches that may run concurrently (direct) vs. one stream, per launch.
@@ -28,6 +29,8 @@ const T: Duration = Duration::from_secs(10);
 struct Paths {
     q: ComputeQueue,
     q_host: ComputeQueue,
+    /// A queue with `chained_stream` on.
+    q_chained: ComputeQueue,
     k: Kernel,
     stream: driver::Stream,
     f: driver::Function,
@@ -56,6 +59,11 @@ fn setup() -> Option<Paths> {
         ComputeQueueConfig::default().with_memory(LaunchMemory::Host),
     )
     .ok()?;
+    let q_chained = ComputeQueue::new(
+        &gpu,
+        ComputeQueueConfig::default().with_chained_stream(true),
+    )
+    .ok()?;
     let k = Module::load(&gpu, CUBIN).ok()?.kernel("empty").ok()?;
     let stream = driver::Stream::new(&ctx).ok()?;
     let f = driver::Module::load(&ctx, CUBIN)
@@ -65,6 +73,7 @@ fn setup() -> Option<Paths> {
     Some(Paths {
         q,
         q_host,
+        q_chained,
         k,
         stream,
         f,
@@ -174,6 +183,16 @@ fn benches(c: &mut Criterion) {
     g.bench_function("apex_direct", |b| {
         b.iter(|| p.direct().wait(T).expect("wait"))
     });
+    // A lone launch on an idle chained queue is sent at once: launch → completion as on any queue.
+    g.bench_function("apex_chained_stream", |b| {
+        b.iter(|| {
+            // SAFETY: the empty kernel touches no memory.
+            unsafe { p.q_chained.launch(&p.k, &ONE, &[]) }
+                .expect("launch")
+                .wait(T)
+                .expect("wait")
+        })
+    });
     g.bench_function("cuLaunchKernel", |b| {
         b.iter(|| {
             p.cuda();
@@ -190,6 +209,20 @@ fn benches(c: &mut Criterion) {
                 for _ in 0..1000 {
                     last = Some(p.direct());
                 }
+                last.expect("launched").wait(T).expect("wait");
+            })
+        })
+    });
+    // The same plain launch calls on a chained queue: those made while it is busy are held as links.
+    g.bench_function("apex_chained_stream", |b| {
+        b.iter_custom(|iters| {
+            per_launch(iters, || {
+                let mut last = None;
+                for _ in 0..1000 {
+                    // SAFETY: the empty kernel touches no memory.
+                    last = Some(unsafe { p.q_chained.launch(&p.k, &ONE, &[]) }.expect("launch"));
+                }
+                p.q_chained.flush_held().expect("flush");
                 last.expect("launched").wait(T).expect("wait");
             })
         })

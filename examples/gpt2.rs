@@ -174,6 +174,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             .launch_memory(LaunchMemory::Host)
             .polled(true),
     )?;
+    // Plain (and programmatic) launch calls on a chained queue: launches made while it is busy become links the GPU
+    // schedules itself.
+    let mut qdc = direct.queue_with(QueueOptions::default().chained(true))?;
     let kd = Kernels::load(&direct)?;
     let md = GpuModel::new(&direct, &mut qd, s, &w, &toks)?;
     let mut qc = cuda.queue()?;
@@ -266,6 +269,18 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         "APEX eager, polled, host launch memory",
         first(&direct, &mut qph, &md, &mut |q| unsafe {
             md.launch_step(q, &kd, StepLaunch::Eager)
+        })?,
+    )?;
+    check(
+        "APEX eager, chained queue",
+        first(&direct, &mut qdc, &md, &mut |q| unsafe {
+            md.launch_step(q, &kd, StepLaunch::Eager)
+        })?,
+    )?;
+    check(
+        "APEX eager programmatic, chained queue",
+        first(&direct, &mut qdc, &md, &mut |q| unsafe {
+            md.launch_step(q, &kd, StepLaunch::Programmatic)
         })?,
     )?;
     check(
@@ -392,6 +407,23 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 us(ph) / us(cg)
             ));
         }
+        let aec = time_window(&direct, &mut qdc, &md, start, n, |q| unsafe {
+            md.launch_step(q, &kd, StepLaunch::Eager)
+        })?;
+        let aecp = time_window(&direct, &mut qdc, &md, start, n, |q| unsafe {
+            md.launch_step(q, &kd, StepLaunch::Programmatic)
+        })?;
+        notes.push(format!(
+            "positions {}–{}: APEX eager on a chained queue (plain launch calls) {:.1} µs, {:.3}× the CUDA graph, \
+             {:.3}× eager on a plain queue; eager programmatic on a chained queue {:.1} µs, {:.3}× the CUDA graph",
+            start + 1,
+            start + n,
+            us(aec),
+            us(aec) / us(cg),
+            us(aec) / us(ae),
+            us(aecp),
+            us(aecp) / us(cg)
+        ));
         notes.push(format!(
             "positions {}–{}: APEX eager on the queue that launched programmatically {:.1} µs, {:.3}× the other queue's",
             start + 1,

@@ -500,3 +500,129 @@ fn a_launch_right_after_a_wait_needs_no_acquire_of_its_own() {
     assert_eq!(after.acquires - before.acquires, 3);
     assert!(sim.errors().is_empty(), "{:?}", sim.errors());
 }
+
+/// Tags of the `chain_step` launches the model saw after `before`, in the order it ran them.
+fn tags_after(sim: &Simulator, before: usize) -> Vec<u64> {
+    sim.launches()[before..]
+        .iter()
+        .map(|l| chain_step_args(&l.params).1)
+        .collect()
+}
+
+#[test]
+fn a_chained_stream_holds_launches_while_busy_and_sends_them_when_the_gpu_catches_up() {
+    let (gpu, sim, mut q, module) =
+        setup_with(ComputeQueueConfig::default().with_chained_stream(true));
+    let k = module.kernel("chain_step").unwrap();
+    let v = page(&gpu);
+    let cfg = LaunchConfig::linear(1, 1);
+    let before = sim.launches().len();
+    // SAFETY (every launch below): the model does not execute kernels.
+    let launch = |q: &mut ComputeQueue, tag: u64| unsafe {
+        q.launch(&k, &cfg, &[Arg::Ptr(v.va()), Arg::U64(tag), Arg::U64(0)])
+            .unwrap()
+    };
+    // The queue is idle: the first launch is sent at once (a lone launch is never held).
+    sim.pause();
+    let first = launch(&mut q, 0);
+    assert_eq!(
+        q.chain_len(),
+        0,
+        "a launch on an idle queue is sent at once"
+    );
+    // The GPU has not run it: the launches after it are held as links.
+    let mut held = Vec::new();
+    for tag in 1..=5 {
+        held.push(launch(&mut q, tag));
+        assert_eq!(q.chain_len(), tag as usize);
+    }
+    sim.resume();
+    first.wait(T).unwrap();
+    assert_eq!(
+        sim.launches().len() - before,
+        1,
+        "held links were sent early"
+    );
+    // The GPU is done with what was sent: the next launch sends the held links with itself.
+    let last = launch(&mut q, 6);
+    assert_eq!(q.chain_len(), 0);
+    last.wait(T).unwrap();
+    for f in &held {
+        assert!(f.is_done(), "a held launch's fence is the chain's");
+    }
+    assert_eq!(tags_after(&sim, before), [0, 1, 2, 3, 4, 5, 6]);
+    // One release for the lone launch, one at the end of the chain; the links in between release nothing.
+    let releases: Vec<usize> = sim.launches()[before..]
+        .iter()
+        .map(|l| l.releases.len())
+        .collect();
+    assert_eq!(releases, [1, 0, 0, 0, 0, 0, 1]);
+    assert_eq!(held[0].value(), last.value());
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+}
+
+#[test]
+fn a_chained_stream_sends_held_links_before_other_work_and_on_flush() {
+    let (gpu, sim, mut q, module) =
+        setup_with(ComputeQueueConfig::default().with_chained_stream(true));
+    let k = module.kernel("chain_step").unwrap();
+    let v = page(&gpu);
+    let cfg = LaunchConfig::linear(1, 1);
+    let before = sim.launches().len();
+    // SAFETY (every launch below): the model does not execute kernels.
+    let launch = |q: &mut ComputeQueue, tag: u64| unsafe {
+        q.launch(&k, &cfg, &[Arg::Ptr(v.va()), Arg::U64(tag), Arg::U64(0)])
+            .unwrap()
+    };
+    let prepared = q.prepare_launch(&k, &cfg).unwrap();
+    sim.pause();
+    launch(&mut q, 1);
+    launch(&mut q, 2);
+    // A prepared launch is held too, in its place.
+    // SAFETY: as above.
+    unsafe { q.launch_prepared(&prepared, &[Arg::Ptr(v.va()), Arg::U64(3), Arg::U64(0)]) }.unwrap();
+    assert_eq!(q.chain_len(), 2);
+    // A copy is other work: the held links go first, and the copy waits for them.
+    let copied = q.copy(v.va(), v.va() + 64, 8).unwrap();
+    assert_eq!(q.chain_len(), 0);
+    launch(&mut q, 4);
+    assert_eq!(q.chain_len(), 1);
+    q.flush_held().unwrap();
+    assert_eq!(q.chain_len(), 0);
+    sim.resume();
+    copied.wait(T).unwrap();
+    q.synchronize().unwrap();
+    let tags: Vec<u64> = tags_after(&sim, before)
+        .into_iter()
+        .filter(|t| *t != 0)
+        .collect();
+    assert_eq!(tags, [1, 2, 3, 4], "the copy's own kernel aside");
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+}
+
+#[test]
+fn a_chained_stream_sends_long_bursts_part_by_part_in_order() {
+    let (gpu, sim, mut q, module) = setup_with(
+        ComputeQueueConfig::default()
+            .with_chained_stream(true)
+            .with_chain_part(32),
+    );
+    let k = module.kernel("chain_step").unwrap();
+    let v = page(&gpu);
+    let cfg = LaunchConfig::linear(1, 1);
+    let before = sim.launches().len();
+    sim.pause();
+    let mut longest = 0;
+    // Fewer than the 256 slots: with the model paused, a launch past them would wait for a slot.
+    for tag in 1..=200u64 {
+        // SAFETY: the model does not execute kernels.
+        unsafe { q.launch(&k, &cfg, &[Arg::Ptr(v.va()), Arg::U64(tag), Arg::U64(0)]) }.unwrap();
+        longest = longest.max(q.chain_len());
+    }
+    // Held links never exceed a part: full parts are sent while the GPU is still busy.
+    assert_eq!(longest, 32);
+    sim.resume();
+    q.synchronize().unwrap();
+    assert_eq!(tags_after(&sim, before), (1..=200).collect::<Vec<u64>>());
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+}

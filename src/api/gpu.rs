@@ -348,6 +348,22 @@ pub struct QueueOptions {
     /// Refused on a GPU attached to a CUDA context ([`Gpu::attach_cuda`]): the queue's channel would be one of
     /// CUDA's channel group.
     pub polled: bool,
+    /// Whether the queue chains dependent launches on the GPU by itself (off by default; the direct path only).
+    ///
+    /// A launch made while the queue's earlier work is still running is held as the next link of a chain that the
+    /// GPU's work distributor schedules itself (as a CUDA graph runs, [`Queue::launch_chained`]) instead of being
+    /// sent with a wait in the channel's front end; a launch made while the queue is idle is sent at once, as
+    /// usual, so a lone launch completes as soon as on any queue. The links held so far are sent when a later
+    /// call on the queue finds the GPU has finished what was sent, when a part of
+    /// [`ComputeQueueConfig::chain_part`](crate::launch::ComputeQueueConfig::chain_part) links is full, and
+    /// first thing in any other call on the queue (a copy, a wait, [`Queue::synchronize`], [`Queue::flush`]) and
+    /// when the queue is dropped.
+    ///
+    /// A [`Fence`](crate::Fence) of a held launch completes once it has been sent: before waiting on it from
+    /// another thread, or on memory its kernel writes, while making no other call on the queue, call
+    /// [`Queue::flush`]. Plain, programmatic and prepared launches are chained; cooperative launches are sent
+    /// as usual.
+    pub chained: bool,
 }
 
 impl QueueOptions {
@@ -360,6 +376,12 @@ impl QueueOptions {
     /// Sets [`polled`](Self::polled).
     pub fn polled(mut self, polled: bool) -> QueueOptions {
         self.polled = polled;
+        self
+    }
+
+    /// Sets [`chained`](Self::chained).
+    pub fn chained(mut self, chained: bool) -> QueueOptions {
+        self.chained = chained;
         self
     }
 }

@@ -463,6 +463,20 @@ impl Queue {
         }
     }
 
+    /// Sends everything the queue holds: the links a chained queue ([`QueueOptions::chained`]) holds back while
+    /// the GPU is busy, and an open chain of [`launch_chained`](Self::launch_chained) (ended as
+    /// [`end_chain`](Self::end_chain) ends it). Needed only before waiting on a fence of such a launch while making
+    /// no other call on the queue; every other call sends them first anyway.
+    pub fn flush(&mut self) -> Result<()> {
+        match &mut self.inner {
+            Backed::Direct(q) => Ok(q.flush_held()?),
+            Backed::Driver(q) => {
+                q.end_chain_silently();
+                Ok(())
+            }
+        }
+    }
+
     /// Waits until everything submitted so far is complete.
     pub fn synchronize(&mut self) -> Result<()> {
         match &mut self.inner {
@@ -945,7 +959,8 @@ impl Gpu {
                 c,
                 ComputeQueueConfig::default()
                     .with_memory(options.launch_memory)
-                    .with_polling(options.polled),
+                    .with_polling(options.polled)
+                    .with_chained_stream(options.chained),
             )?)),
             Backed::Driver(ctx) => Backed::Driver(Box::new(driver::Queue::new(ctx, self.limits)?)),
         };

@@ -8,7 +8,7 @@ use crate::module::{Kernel, newest_generation};
 use crate::pushbuf::{Fence, Signal};
 
 use super::config::{FIRST_CHAIN_PART, LaunchConfig};
-use super::order::{Release, take_latch};
+use super::order::{Order, Release, take_latch};
 use super::slots::bank0_size;
 use super::{ComputeQueue, LOCAL_RESERVE, QMD_BYTES};
 
@@ -131,6 +131,53 @@ impl ComputeQueue {
         let fence = self.end_open_chain()?.ok_or(Error::NoChain)?;
         self.queue.kick();
         Ok(fence)
+    }
+
+    /// On a chained stream ([`ComputeQueueConfig::chained_stream`](super::ComputeQueueConfig::chained_stream)),
+    /// holds a stream-ordered or programmatic launch as the next link of the open chain when the queue's last
+    /// submission is still running or links are already held, and returns the timeline value it will complete with;
+    /// `None` when it is to be sent as usual (the queue is idle, or the launch is cooperative or unordered, or
+    /// unordered launches wait for a join). A launch that finds the GPU done with everything sent while links are
+    /// held sends them with itself at once: the GPU never waits for links beyond the launch that noticed.
+    pub(super) fn hold(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+        order: Order,
+    ) -> Result<Option<u64>> {
+        if !self.chained_stream
+            || order == Order::Unordered
+            || self.cooperative.is_some()
+            || self.unordered_pending
+        {
+            return Ok(None);
+        }
+        // One read of the timeline while work is in flight (none once it has been seen complete).
+        let idle = self
+            .queue
+            .timeline()
+            .is_reached(self.queue.last_submitted());
+        if idle && self.chain.is_none() {
+            return Ok(None);
+        }
+        self.record_chained_as(kernel, cfg, args, order == Order::Programmatic)?;
+        // The open chain is sent as the queue's next submission (a full part was sent above if need be).
+        let value = self.queue.last_submitted() + 1;
+        if idle {
+            self.end_open_chain()?;
+            self.queue.kick();
+        }
+        Ok(Some(value))
+    }
+
+    /// Sends the links held by a chained stream, or the open chain of
+    /// [`record_launch_chained`](Self::record_launch_chained) (as [`end_chain`](Self::end_chain) would), and rings
+    /// the doorbell for everything recorded. Nothing to send is not an error.
+    pub fn flush_held(&mut self) -> Result<()> {
+        self.end_open_chain()?;
+        self.queue.kick();
+        Ok(())
     }
 
     /// Launches recorded in the open chain, not yet sent.

@@ -255,6 +255,17 @@ pub struct ComputeQueueConfig {
     /// default: on an H100 it took 1000 dependent empty launches from 1718 to 1450 ns each (interleaved A/B) and
     /// GPT-2 eager from 758 to 696-699 µs per token; an isolated launch call stayed within the spread (BENCHMARKS.md).
     pub prefetch_qmds: bool,
+    /// A chained stream (off by default): a stream-ordered or programmatic launch made while the queue's last
+    /// submission is still running is held as the next link of a chain (as
+    /// [`ComputeQueue::record_launch_chained`](super::ComputeQueue::record_launch_chained) records one), which the
+    /// GPU's work distributor starts when the link before completes, with no wait in the channel's front end per
+    /// launch; a launch made while the queue is idle is sent at once as usual, so a lone launch completes as soon.
+    /// Held links are sent when a later launch finds the GPU has finished what was sent (the GPU never waits for
+    /// more links than that launch), when a part of [`chain_part`](Self::chain_part) links is full, first thing in
+    /// any other submission, by [`ComputeQueue::flush_held`](super::ComputeQueue::flush_held) and
+    /// [`synchronize`](super::ComputeQueue::synchronize), and when the queue is dropped. A fence of a held launch
+    /// completes once it has been sent.
+    pub chained_stream: bool,
 }
 
 /// Links in the first part of a chain ([`ComputeQueueConfig::chain_part`]): the GPU starts on a chain once this many
@@ -277,6 +288,7 @@ impl Default for ComputeQueueConfig {
             chain_part: 128,
             prefetch_next: true,
             prefetch_qmds: true,
+            chained_stream: false,
         }
     }
 }
@@ -350,6 +362,12 @@ impl ComputeQueueConfig {
     /// Sets [`prefetch_next`](Self::prefetch_next).
     pub fn with_prefetch_next(mut self, prefetch: bool) -> ComputeQueueConfig {
         self.prefetch_next = prefetch;
+        self
+    }
+
+    /// Sets [`chained_stream`](Self::chained_stream).
+    pub fn with_chained_stream(mut self, chained: bool) -> ComputeQueueConfig {
+        self.chained_stream = chained;
         self
     }
 

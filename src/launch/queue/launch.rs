@@ -186,6 +186,9 @@ impl ComputeQueue {
         args: &[Arg<'_>],
         order: Order,
     ) -> Result<u64> {
+        if let Some(value) = self.hold(kernel, cfg, args, order)? {
+            return Ok(value);
+        }
         self.end_open_chain()?;
         let ordered = order != Order::Unordered;
         let (slot, mut q) = self.prepare(kernel, cfg, args, Release::next_if(ordered))?;

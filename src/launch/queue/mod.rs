@@ -123,6 +123,8 @@ pub struct ComputeQueue {
     /// The size of the next chain part: [`FIRST_CHAIN_PART`] for a new chain, doubling part by part up to
     /// `chain_part` while a long chain is recorded.
     next_part: usize,
+    /// [`ComputeQueueConfig::chained_stream`]: launches made while the queue is busy are held as chain links.
+    chained_stream: bool,
     /// The printf FIFO of the modules launched so far (one per GPU), drained when the queue synchronizes.
     printf: Option<Arc<PrintfFifo>>,
     /// The grid barrier cooperative launches count in (zeroed once; it resets itself at every sync).
@@ -237,6 +239,7 @@ impl ComputeQueue {
             graph_schedule: GraphSchedule::Gpu,
             chain_part: config.chain_part.clamp(1, config.slots),
             next_part: FIRST_CHAIN_PART.min(config.chain_part.clamp(1, config.slots)),
+            chained_stream: config.chained_stream,
             printf: None,
             grid_barrier: None,
             cooperative: None,

@@ -197,6 +197,9 @@ impl ComputeQueue {
             // Another kernel grew local memory since: the prepared QMD names the old size, so build afresh.
             return self.record(kernel, &p.cfg, args, order);
         }
+        if let Some(value) = self.hold(kernel, &p.cfg, args, order)? {
+            return Ok(value);
+        }
         self.end_open_chain()?;
         let n = pack(kernel.info(), args, &mut self.params)?;
         self.adopt_printf(kernel);
