@@ -10,7 +10,7 @@ use std::collections::{HashMap, HashSet};
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::time::Duration;
 
 use apex::{
@@ -34,7 +34,7 @@ mod sync;
 
 use copies::Staging;
 pub(crate) use copies::{CopyDir, CopyOp, SetOp};
-pub(crate) use sync::{Answer, Step, SyncKind, Waits, sticky};
+pub(crate) use sync::{Answer, Ordered, Step, SyncKind, Waits, sticky};
 use sync::{SlotState, fence_state};
 
 /// Prepared launch shapes kept per function (the least recently used is replaced beyond this).
@@ -60,12 +60,48 @@ pub(crate) struct Config {
     pub launch_memory: LaunchMemory,
 }
 
+/// Whether a value of `APEX_PRELOAD` leaves the takeover on (anything but `off`, `0` or `false`).
+pub(crate) fn enabled_by(value: Option<&[u8]>) -> bool {
+    !matches!(value, Some(b"off" | b"0" | b"false"))
+}
+
+/// `APEX_PRELOAD`'s value, read without allocating (`getenv`): the hooks ask on their first call.
+fn switch_in_env() -> bool {
+    // SAFETY: a NUL-terminated name; the program does not change its environment while CUDA calls run.
+    let p = unsafe { libc::getenv(c"APEX_PRELOAD".as_ptr()) };
+    // SAFETY: getenv's answer is null or a NUL-terminated string.
+    enabled_by((!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_bytes()))
+}
+
+/// The takeover's switch: 0 not read yet, 1 on, 2 off (`APEX_PRELOAD=off`).
+static SWITCH: AtomicU8 = AtomicU8::new(0);
+
+/// Whether `APEX_PRELOAD=off` turned the takeover off for the whole process. Then every hook forwards at once (one
+/// load), launches are counted without the engine's lock, and `cuGetProcAddress` and `dlsym` hand out libcuda's own
+/// functions for everything but launches, module loads and themselves: no queue can exist, so nothing needs ordering.
+pub(crate) fn disabled() -> bool {
+    match SWITCH.load(Ordering::Relaxed) {
+        1 => false,
+        2 => true,
+        _ => {
+            let off = !switch_in_env();
+            SWITCH.store(if off { 2 } else { 1 }, Ordering::Relaxed);
+            off
+        }
+    }
+}
+
+/// Launches forwarded while the takeover is off (counted without the engine's lock; the summary adds them).
+static DISABLED_LAUNCHES: AtomicU64 = AtomicU64::new(0);
+
+/// Counts a launch forwarded because `APEX_PRELOAD=off`.
+pub(crate) fn count_disabled_launch() {
+    DISABLED_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+}
+
 impl Config {
     fn from_env() -> Config {
-        let enabled = !matches!(
-            std::env::var("APEX_PRELOAD").as_deref(),
-            Ok("off" | "0" | "false")
-        );
+        let enabled = switch_in_env();
         let max_queues = std::env::var("APEX_PRELOAD_QUEUES")
             .ok()
             .and_then(|v| v.parse().ok())
@@ -185,6 +221,21 @@ pub(crate) struct Launch {
     pub extras: Result<Extras, Refusal>,
 }
 
+/// Why a launch was not taken over.
+pub(crate) enum NotTaken {
+    /// A refusal made at this launch, still to be counted and logged.
+    Refused(Refusal),
+    /// A refusal the engine keeps (the takeover's, the context's, the function's, a launch shape's), counted by
+    /// reference already: a launch refused for a kept reason allocates nothing, whatever text the reason carries.
+    Counted,
+}
+
+impl From<Refusal> for NotTaken {
+    fn from(r: Refusal) -> NotTaken {
+        NotTaken::Refused(r)
+    }
+}
+
 /// Where a CUDA operation runs, as a hook sees it.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Site {
@@ -298,8 +349,12 @@ pub(crate) struct Engine {
     summary: Summary,
     /// `APEX_PRELOAD_PROFILE`'s sums.
     phases: crate::profile::Phases,
-    /// CUDA work the program gave libcuda, by driver function (into the summary's `cuda_work`).
-    cuda_work: HashMap<&'static str, u64>,
+    /// CUDA work the program gave libcuda, by driver function (into the summary's `cuda_work`): keyed by the name's
+    /// address, which each hook passes as one literal, so counting hashes one word rather than the name.
+    cuda_work: Handles<(&'static str, u64)>,
+    /// Bumped whenever a context is attached or dropped or a stream taken over or released: an [`Ordered`] from an
+    /// earlier generation is looked at again.
+    generation: u64,
     logged: HashSet<(usize, &'static str)>,
     exit_hook: bool,
 }
@@ -503,7 +558,7 @@ impl Engine {
         }
         crate::watchdog::start();
         crate::profile::start();
-        Engine {
+        let mut engine = Engine {
             off: (!config.enabled).then_some(Refusal::Disabled),
             config,
             cuda,
@@ -522,9 +577,28 @@ impl Engine {
                 ..Summary::default()
             },
             phases: crate::profile::Phases::default(),
-            cuda_work: HashMap::new(),
+            cuda_work: Handles::default(),
+            generation: 0,
             logged: HashSet::new(),
             exit_hook: false,
+        };
+        if !engine.config.enabled {
+            // No context is ever attached with the takeover off: the summary is written at exit all the same.
+            engine.exit_hooks();
+        }
+        engine
+    }
+
+    /// Registers the exit handler (after the CUDA runtime's own, so it runs before the context goes away) and the
+    /// fork handler, once.
+    fn exit_hooks(&mut self) {
+        if !self.exit_hook {
+            // SAFETY: plain `extern "C" fn()` callbacks.
+            unsafe {
+                libc::atexit(at_exit);
+                libc::pthread_atfork(None, None, Some(in_fork_child));
+            }
+            self.exit_hook = true;
         }
     }
 
@@ -543,11 +617,20 @@ impl Engine {
             s.alloc_cache_held_bytes = a.held_bytes;
         }
         s.profile = self.phases.report().into_iter().collect();
-        s.cuda_work = self
-            .cuda_work
-            .iter()
-            .map(|(k, v)| (k.to_string(), *v))
-            .collect();
+        for (name, n) in self.cuda_work.values() {
+            *s.cuda_work.entry(name.to_string()).or_default() += n;
+        }
+        let off = DISABLED_LAUNCHES.load(Ordering::Relaxed);
+        if !self.config.enabled && off > 0 {
+            let r = Refusal::Disabled;
+            s.launches += off;
+            s.fallback += off;
+            let e = s.reasons.entry(r.label().to_string()).or_default();
+            e.launches += off;
+            if e.example.is_empty() {
+                e.example = r.to_string();
+            }
+        }
         s
     }
 
@@ -567,28 +650,26 @@ impl Engine {
         Some(i)
     }
 
-    /// The context current on this thread, attached to on first use.
-    fn context(&mut self) -> Result<usize, Refusal> {
+    /// The context current on this thread, attached to on first use (launch `f` is the one asking: a refusal kept
+    /// for the context is counted for it).
+    fn context(&mut self, f: usize) -> Result<usize, NotTaken> {
         let handle = self.cuda.current_context().ok_or(Refusal::NoContext)?;
         if let Some(i) = self.find_context(handle) {
             return Ok(i);
         }
         if let Some(r) = self.unattached.get(&handle) {
-            return Err(r.clone());
+            self.summary.refused(r);
+            if self.logged.insert((f, r.label())) {
+                info!(function = format_args!("{f:#x}"), reason = %r, "launch left to libcuda");
+            }
+            return Err(NotTaken::Counted);
         }
-        self.attach(handle)
+        Ok(self.attach(handle)?)
     }
 
     fn attach(&mut self, handle: usize) -> Result<usize, Refusal> {
-        if !self.exit_hook {
-            // Registered after the CUDA runtime's own exit handler, so it runs before the context goes away.
-            // SAFETY: plain `extern "C" fn()` callbacks.
-            unsafe {
-                libc::atexit(at_exit);
-                libc::pthread_atfork(None, None, Some(in_fork_child));
-            }
-            self.exit_hook = true;
-        }
+        self.exit_hooks();
+        self.generation += 1;
         let result = match self.cuda.attach() {
             Ok((gpu, asserts)) if gpu.backend() == Backend::Direct => {
                 info!(selection = %gpu.selection(), asserts_on_apex = asserts, "apex-preload attached to the CUDA context");
@@ -656,37 +737,46 @@ impl Engine {
     // ---- launches ----
 
     /// Takes launch `l` over; `s` gets the profile's stamps (see [`crate::profile::Phases::add`]).
-    fn try_launch(&mut self, l: &Launch, s: &mut [u64; 6]) -> Result<(), Refusal> {
+    fn try_launch(&mut self, l: &Launch, s: &mut [u64; 6]) -> Result<(), NotTaken> {
         if let Some(r) = &self.off {
-            return Err(r.clone());
+            self.summary.refused(r);
+            if self.logged.insert((l.f, r.label())) {
+                info!(function = format_args!("{:#x}", l.f), reason = %r, "launch left to libcuda");
+            }
+            return Err(NotTaken::Counted);
         }
         if !self.capturing.is_empty() {
-            return Err(Refusal::Capturing);
+            return Err(Refusal::Capturing.into());
         }
         let extras = match &l.extras {
             Ok(e) => *e,
-            Err(r) => return Err(r.clone()),
+            // An attribute refusal carries no text of its own: the clone allocates nothing.
+            Err(r) => return Err(r.clone().into()),
         };
         let key = StreamKey::of(l.stream, l.per_thread);
         if key == StreamKey::PerThread {
-            return Err(Refusal::PerThreadStream);
+            return Err(Refusal::PerThreadStream.into());
         }
         // SAFETY: `extra` is the program's `extra` array, as the driver would read it.
         let packed = unsafe { packed_params(l.params, l.extra) }?;
         if self.stack_raised {
-            return Err(Refusal::ContextLimit);
+            return Err(Refusal::ContextLimit.into());
         }
-        let ci = self.context()?;
+        let ci = self.context(l.f)?;
         s[2] = crate::profile::stamp();
         if let Some(r) = &self.contexts[ci].failed {
-            return Err(r.clone());
+            // Logged when the context failed.
+            self.summary.refused(r);
+            return Err(NotTaken::Counted);
         }
         // A failed assert of an earlier launch stops the context's work here, as CUDA's trap stops it (one cached
         // word read): the assert is reported, and the launch goes to libcuda, which fails it.
         if self.contexts[ci].asserts_on_apex && self.contexts[ci].gpu.device_assert_pending() {
             let _ = self.report_asserts(ci);
-            return Err(Refusal::AssertReported);
+            return Err(Refusal::AssertReported.into());
         }
+        // A function refused at this launch is logged with it; later launches count the kept refusal by reference.
+        let mut fresh = false;
         if !self.contexts[ci].funcs.contains_key(&l.f) {
             // A slow path: not profiled.
             s[0] = 0;
@@ -694,9 +784,10 @@ impl Engine {
                 Ok(r) => FuncState::Ready(Box::new(r)),
                 Err(r) if r.is_per_function() => FuncState::Refused(r),
                 // Not the function's fault (an internal error): decided again next time.
-                Err(r) => return Err(r),
+                Err(r) => return Err(r.into()),
             };
             self.contexts[ci].funcs.insert(l.f, state);
+            fresh = true;
         }
         let slot = match self.contexts[ci].order.find(key) {
             Some(slot) => slot,
@@ -723,11 +814,15 @@ impl Engine {
         } = &mut contexts[ci];
         let ready = match funcs.get_mut(&l.f) {
             Some(FuncState::Ready(r)) => r,
-            Some(FuncState::Refused(r)) => return Err(r.clone()),
-            None => return Err(Refusal::Internal),
+            Some(FuncState::Refused(r)) if fresh => return Err(r.clone().into()),
+            Some(FuncState::Refused(r)) => {
+                summary.refused(r);
+                return Err(NotTaken::Counted);
+            }
+            None => return Err(Refusal::Internal.into()),
         };
         if packed.is_none() && l.params.is_null() && !ready.sizes.is_empty() {
-            return Err(Refusal::ExtraParams);
+            return Err(Refusal::ExtraParams.into());
         }
         let cfg = LaunchConfig::new(l.grid, l.block)
             .with_shared_bytes(l.shared)
@@ -746,6 +841,7 @@ impl Engine {
                 Some(i) => ready.prepared[..=i].rotate_right(1),
                 None => {
                     s[0] = 0;
+                    fresh = true;
                     summary.prepared_shapes += 1;
                     let queue = queues[slot].as_mut().ok_or(Refusal::Internal)?;
                     let launch = queue
@@ -755,7 +851,14 @@ impl Engine {
                     ready.prepared.insert(0, Prepared { slot, cfg, launch });
                 }
             }
-            Some(ready.prepared[0].launch.as_ref().map_err(Clone::clone)?)
+            match &ready.prepared[0].launch {
+                Ok(p) => Some(p),
+                Err(r) if fresh => return Err(r.clone().into()),
+                Err(r) => {
+                    summary.refused(r);
+                    return Err(NotTaken::Counted);
+                }
+            }
         };
         // The arguments: one pointer per parameter, each to a value of the parameter's size.
         args.clear();
@@ -765,7 +868,7 @@ impl Engine {
             for (&offset, &size) in ready.offsets.iter().zip(ready.sizes.iter()) {
                 if offset + size > len {
                     args.clear();
-                    return Err(Refusal::ExtraParams);
+                    return Err(Refusal::ExtraParams.into());
                 }
                 // SAFETY: the program's buffer holds `len` readable bytes during this call; the slice is removed
                 // from `args` before this function returns.
@@ -780,7 +883,7 @@ impl Engine {
                 let p = unsafe { *l.params.add(i) } as *const u8;
                 if p.is_null() {
                     args.clear();
-                    return Err(Refusal::ExtraParams);
+                    return Err(Refusal::ExtraParams.into());
                 }
                 // SAFETY: the program passes a value of the parameter's size at `p`, readable during this call; the
                 // slice is removed from `args` before this function returns, so the 'static it is given never escapes.
@@ -796,9 +899,9 @@ impl Engine {
         };
         if let Err(e) = order.before_apex(slot, &mut hops) {
             args.clear();
-            return Err(Refusal::LaunchFailed(format!(
-                "ordering with the CUDA stream: {e}"
-            )));
+            return Err(
+                Refusal::LaunchFailed(format!("ordering with the CUDA stream: {e}")).into(),
+            );
         }
         s[4] = crate::profile::stamp();
         // The slot's previous last launch goes before the doorbell: dropping a fence is a locked instruction, which
@@ -806,7 +909,7 @@ impl Engine {
         drop(last[slot].take());
         let Some(queue) = queues[slot].as_mut() else {
             args.clear();
-            return Err(Refusal::Internal);
+            return Err(Refusal::Internal.into());
         };
         // SAFETY: the program launches this kernel with these arguments on this stream; CUDA would run it the same
         // way, and the queue is ordered with the stream.
@@ -831,7 +934,7 @@ impl Engine {
                 s[5] = crate::profile::stamp();
                 Ok(())
             }
-            Err(e) => Err(Refusal::LaunchFailed(e.to_string())),
+            Err(e) => Err(Refusal::LaunchFailed(e.to_string()).into()),
         }
     }
 
@@ -846,13 +949,14 @@ impl Engine {
                 // 0 when the launch took a slow path: its last phase is not counted either.
                 Some(if s[0] == 0 { 0 } else { s[5] })
             }
-            Err(r) => {
+            Err(NotTaken::Refused(r)) => {
                 if self.logged.insert((l.f, r.label())) {
                     info!(function = format_args!("{:#x}", l.f), reason = %r, "launch left to libcuda");
                 }
                 self.summary.refused(&r);
                 None
             }
+            Err(NotTaken::Counted) => None,
         }
     }
 
@@ -994,6 +1098,7 @@ impl Engine {
         }
         ctx.queues[slot] = Some(queue);
         ctx.last[slot] = None;
+        self.generation += 1;
         info!(stream = ?key, slot, "stream taken over by an APEX queue");
         Ok(slot)
     }
@@ -1089,6 +1194,7 @@ impl Engine {
         for e in kept {
             self.materialize(e);
         }
+        self.generation += 1;
         for c in &mut self.contexts {
             if let Some(slot) = c.order.find(key) {
                 c.order.remove(slot);
@@ -1172,17 +1278,22 @@ impl Engine {
             c.retired.clear();
         }
         self.contexts.clear();
+        self.generation += 1;
         self.off = Some(Refusal::Disabled);
     }
 }
 
 // ---- the entry points the hooks call ----
 
-/// Launches through APEX if it can (`Some`: the profile's stamp where the hook's last phase starts); `None` when the
-/// caller must forward the launch to libcuda (ordered by [`before`] and [`after`] like any CUDA operation). `t0`:
-/// the profile's stamp at the hook's entry.
-pub(crate) fn launch(l: &Launch, t0: u64) -> Option<u64> {
-    with(|e| e.launch(l, t0)).flatten()
+/// Launches through APEX if it can (`Ok`: the profile's stamp where the hook's last phase starts). `Err` when the
+/// caller must forward the launch to libcuda: ordered already, under the same lock, as [`before`] orders CUDA work
+/// (the caller gives the answer to [`after`]). `t0`: the profile's stamp at the hook's entry.
+pub(crate) fn launch(l: &Launch, t0: u64) -> Result<u64, Ordered> {
+    with(|e| match e.launch(l, t0) {
+        Some(stamp) => Ok(stamp),
+        None => Err(e.before(Site::Stream(l.stream, l.per_thread))),
+    })
+    .unwrap_or(Err(Ordered::UNKNOWN))
 }
 
 /// A launch made through an entry point the preload always leaves to libcuda.
@@ -1190,16 +1301,15 @@ pub(crate) fn refused(why: Refusal) {
     with(|e| e.summary.refused(&why));
 }
 
-/// Before a CUDA operation at `site`: related queues' work is handed to CUDA. Returns the context's generation, for
-/// [`after`].
-pub(crate) fn before(site: Site) -> u64 {
-    with(|e| e.before(site)).unwrap_or(0)
+/// Before a CUDA operation at `site`: related queues' work is handed to CUDA. The answer is for [`after`].
+pub(crate) fn before(site: Site) -> Ordered {
+    with(|e| e.before(site)).unwrap_or(Ordered::UNKNOWN)
 }
 
-/// After a CUDA operation that added work at `site` (`completed`: the generation [`before`] returned, when the
-/// stream's work is done as the call returns).
-pub(crate) fn after(site: Site, completed: Option<u64>) {
-    with(|e| e.after(site, completed));
+/// After a CUDA operation that added work at `site` (`completed`: the stream's work is done as the call returns);
+/// `o`: what [`before`] answered.
+pub(crate) fn after(site: Site, o: Ordered, completed: bool) {
+    with(|e| e.after(site, o, completed));
 }
 
 /// Runs a synchronization's first step under the lock, waits without it, and its last step under it again.
@@ -1272,12 +1382,23 @@ pub(crate) fn context_synced(result: c_int, epoch: u64) {
 
 /// Before CUDA work the program submits through driver function `name`: counted by name (for the stats), then
 /// ordered as [`before`] orders it, under one lock.
-pub(crate) fn before_work(site: Site, name: &'static str) -> u64 {
-    with(|e| {
-        *e.cuda_work.entry(name).or_default() += 1;
-        e.before(site)
-    })
-    .unwrap_or(0)
+pub(crate) fn before_work(site: Site, name: &'static str) -> Ordered {
+    with(|e| e.before_work(site, name)).unwrap_or(Ordered::UNKNOWN)
+}
+
+/// Before `cuStreamWaitEvent(site, event)`: as [`before_work`], under one lock when the preload did not keep the
+/// event (the usual case); an event it kept is recorded in libcuda first ([`materialize`]).
+pub(crate) fn before_wait(event: usize, site: Site, name: &'static str) -> Ordered {
+    let ordered = with(|e| {
+        e.event_home(event)
+            .is_none()
+            .then(|| e.before_work(site, name))
+    });
+    if let Some(Some(o)) = ordered {
+        return o;
+    }
+    materialize(event);
+    before_work(site, name)
 }
 
 /// Whether a stream of the program is capturing a CUDA graph (a context synchronize could then invalidate it).

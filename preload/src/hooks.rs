@@ -4,7 +4,9 @@
 //!
 //! Programs reach the driver three ways, all covered: by linking libcuda (these exported symbols win over libcuda's),
 //! through `dlsym` on libcuda, and through `cuGetProcAddress` (how the CUDA runtime finds every driver function),
-//! whose answers are replaced by these wrappers where one exists ([`HOOKS`]).
+//! whose answers are replaced by these wrappers where one exists ([`HOOKS`]). With `APEX_PRELOAD=off` only launches
+//! (counted), module loads and lookups and `cuGetProcAddress` are replaced: every other call reaches libcuda's own
+//! function directly, and a wrapper called anyway (a program linked to the exported symbol) forwards at once.
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::sync::OnceLock;
@@ -69,6 +71,10 @@ struct Args {
 }
 
 fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_int {
+    // With the takeover off no queue exists: nothing to order (one load; most callers got libcuda's own function).
+    if engine::disabled() {
+        return call();
+    }
     let Some(_g) = enter() else { return call() };
     // A failed assert that could not be replayed through libcuda: every call answers it, as a failed context does.
     if let Some(e) = engine::sticky() {
@@ -114,9 +120,9 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
         if let Some(code) = engine::fill(&op) {
             return code;
         }
-        engine::before_work(site, a.name);
+        let o = engine::before_work(site, a.name);
         let r = call();
-        engine::after(site, None);
+        engine::after(site, o, false);
         return r;
     }
     if let Some(op) = copy_op {
@@ -130,11 +136,11 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
         {
             return code;
         }
-        let epoch = engine::before_work(site, a.name);
+        let o = engine::before_work(site, a.name);
         let r = call();
         // A synchronous copy to the host returns once the stream's work is done.
         let done = op.blocking && op.dir == CopyDir::DeviceToHost && r == 0;
-        engine::after(site, done.then_some(epoch));
+        engine::after(site, o, done);
         if op.blocking || op.dir == CopyDir::DeviceToHost {
             return after_waiting(r);
         }
@@ -142,19 +148,22 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
     }
     match kind {
         Kind::Work | Kind::WorkDone | Kind::WaitEvent | Kind::Graph => {
-            match kind {
-                Kind::WaitEvent => engine::materialize(event),
-                Kind::Graph => engine::materialize_all(),
-                _ => {}
+            if kind == Kind::Graph {
+                engine::materialize_all();
             }
             if kind == Kind::WorkDone
                 && let Some(code) = engine::pending_assert()
             {
                 return code;
             }
-            let epoch = engine::before_work(site, a.name);
+            let o = if kind == Kind::WaitEvent {
+                // One lock for the event and the ordering, unless the preload kept the event.
+                engine::before_wait(event, site, a.name)
+            } else {
+                engine::before_work(site, a.name)
+            };
             let r = call();
-            engine::after(site, (kind == Kind::WorkDone && r == 0).then_some(epoch));
+            engine::after(site, o, kind == Kind::WorkDone && r == 0);
             if kind == Kind::WorkDone {
                 return after_waiting(r);
             }
@@ -234,6 +243,18 @@ struct Hook {
     versioned: bool,
     slot: &'static AtomicUsize,
     ours: usize,
+    /// Handed out with the takeover off too (`APEX_PRELOAD=off`): launches (still counted), module loads and
+    /// lookups (the summary's `modules_seen`), `cuGetProcAddress` itself. Every other function is then libcuda's own.
+    when_off: bool,
+}
+
+impl Hook {
+    /// Whether `dlsym` and `cuGetProcAddress` hand out this wrapper (`off`: `APEX_PRELOAD=off`). With the takeover
+    /// off a wrapper of stream work, events, synchronization or memory only forwards: libcuda's own function costs
+    /// the program nothing more.
+    fn handed_out(&self, off: bool) -> bool {
+        !off || self.when_off
+    }
 }
 
 type P = *mut c_void;
@@ -288,6 +309,7 @@ macro_rules! hooks {
                 versioned: $versioned,
                 slot: &$sym::REAL,
                 ours: $sym as *const () as usize,
+                when_off: false,
             }),*]
         }
     };
@@ -878,7 +900,7 @@ type MemFreeFn = unsafe extern "C" fn(Dptr) -> c_int;
 /// ([`crate::alloc_cache`]).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut Dptr, bytes: usize) -> c_int {
-    let Some(_g) = enter() else {
+    let Some(_g) = enter().filter(|_| !engine::disabled()) else {
         return forward!(REAL_MEM_ALLOC, c"cuMemAlloc_v2", MemAllocFn, (dptr, bytes));
     };
     // The cache first: with it off, the call costs libcuda's alone.
@@ -994,7 +1016,7 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
 /// overlap its last use.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemFree_v2(d: Dptr) -> c_int {
-    let Some(_g) = enter() else {
+    let Some(_g) = enter().filter(|_| !engine::disabled()) else {
         return forward!(REAL_MEM_FREE, c"cuMemFree_v2", MemFreeFn, (d));
     };
     if let Some(e) = engine::sticky() {
@@ -1048,7 +1070,7 @@ pub unsafe extern "C" fn cuMemFree_v2(d: Dptr) -> c_int {
 pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> c_int {
     type F = unsafe extern "C" fn(*mut usize, *mut usize) -> c_int;
     let r = forward!(REAL_MEM_GET_INFO, c"cuMemGetInfo_v2", F, (free, total));
-    if r != 0 || free.is_null() {
+    if r != 0 || free.is_null() || engine::disabled() {
         return r;
     }
     let Some(_g) = enter() else { return r };
@@ -1120,7 +1142,7 @@ pub unsafe extern "C" fn cuCtxSetLimit(limit: c_int, value: usize) -> c_int {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuStreamDestroy_v2(stream: P) -> c_int {
     type F = unsafe extern "C" fn(P) -> c_int;
-    let g = enter();
+    let g = enter().filter(|_| !engine::disabled());
     if g.is_some() {
         engine::before(Site::Stream(stream as usize, false));
     }
@@ -1144,6 +1166,9 @@ real_fn!(REAL_IPC_EVENT_HANDLE, c"cuIpcGetEventHandle");
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuEventCreate(event: *mut P, flags: c_uint) -> c_int {
     type F = unsafe extern "C" fn(*mut P, c_uint) -> c_int;
+    if engine::disabled() {
+        return forward!(REAL_EVENT_CREATE, c"cuEventCreate", F, (event, flags));
+    }
     recorded(
         || forward!(REAL_EVENT_CREATE, c"cuEventCreate", F, (event, flags)),
         // SAFETY: the driver filled `event`.
@@ -1156,7 +1181,9 @@ pub unsafe extern "C" fn cuEventCreate(event: *mut P, flags: c_uint) -> c_int {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuEventDestroy_v2(event: P) -> c_int {
     type F = unsafe extern "C" fn(P) -> c_int;
-    if let Some(_g) = enter() {
+    if !engine::disabled()
+        && let Some(_g) = enter()
+    {
         engine::event_destroyed(event as usize);
     }
     forward!(REAL_EVENT_DESTROY, c"cuEventDestroy_v2", F, (event))
@@ -1164,6 +1191,9 @@ pub unsafe extern "C" fn cuEventDestroy_v2(event: P) -> c_int {
 
 /// An event wait or query: answered from APEX's fence for an event the preload kept, else libcuda's.
 fn event_sync(event: P, kind: SyncKind, call: impl FnOnce() -> c_int) -> c_int {
+    if engine::disabled() {
+        return call();
+    }
     let Some(_g) = enter() else { return call() };
     if let Some(e) = engine::sticky() {
         return e;
@@ -1196,7 +1226,9 @@ pub unsafe extern "C" fn cuEventQuery(event: P) -> c_int {
 
 /// Before libcuda reads `events`: the ones the preload kept are recorded in libcuda first.
 fn reads_events(events: &[P], call: impl FnOnce() -> c_int) -> c_int {
-    if let Some(_g) = enter() {
+    if !engine::disabled()
+        && let Some(_g) = enter()
+    {
         for &e in events {
             engine::materialize(e as usize);
         }
@@ -1252,7 +1284,7 @@ pub unsafe extern "C" fn cuIpcGetEventHandle(handle: P, event: P) -> c_int {
 /// Begins a capture: every queue is handed to CUDA first (nothing of APEX's may be pending in a captured stream),
 /// and launches stay on libcuda until it ends.
 fn capture_begins(stream: P, per_thread: bool, call: impl FnOnce() -> c_int) -> c_int {
-    let g = enter();
+    let g = enter().filter(|_| !engine::disabled());
     if g.is_some() {
         // A captured stream may wait for an event the preload kept: libcuda must hold it first.
         engine::materialize_all();
@@ -1266,7 +1298,7 @@ fn capture_begins(stream: P, per_thread: bool, call: impl FnOnce() -> c_int) -> 
 }
 
 fn capture_ends(stream: P, per_thread: bool, call: impl FnOnce() -> c_int) -> c_int {
-    let g = enter();
+    let g = enter().filter(|_| !engine::disabled());
     let r = call();
     if g.is_some() {
         // Ended either way (an invalidated capture ends with an error).
@@ -1446,22 +1478,28 @@ type CoopFn = unsafe extern "C" fn(
     *mut P,
 ) -> c_int;
 
-/// Takes the launch over, or forwards it ordered with APEX's queues.
+/// Takes the launch over, or forwards it ordered with APEX's queues (the refusal and the ordering under one lock).
 fn launch(l: Launch, forward: impl FnOnce() -> c_int) -> c_int {
+    if engine::disabled() {
+        engine::count_disabled_launch();
+        return forward();
+    }
     let t0 = crate::profile::stamp();
     let Some(_g) = enter() else { return forward() };
     if let Some(e) = engine::sticky() {
         return e;
     }
-    if let Some(since) = engine::launch(&l, t0) {
-        crate::profile::tail(since);
-        return 0;
+    match engine::launch(&l, t0) {
+        Ok(since) => {
+            crate::profile::tail(since);
+            0
+        }
+        Err(o) => {
+            let r = forward();
+            engine::after(Site::Stream(l.stream, l.per_thread), o, false);
+            r
+        }
     }
-    let site = Site::Stream(l.stream, l.per_thread);
-    engine::before(site);
-    let r = forward();
-    engine::after(site, None);
-    r
 }
 
 /// # Safety
@@ -1606,12 +1644,16 @@ pub unsafe extern "C" fn cuLaunchKernelEx_ptsz(
 }
 
 fn cooperative(stream: P, per_thread: bool, forward: impl FnOnce() -> c_int) -> c_int {
+    if engine::disabled() {
+        engine::count_disabled_launch();
+        return forward();
+    }
     let Some(_g) = enter() else { return forward() };
     engine::refused(Refusal::CooperativeEntryPoint);
     let site = Site::Stream(stream as usize, per_thread);
-    engine::before(site);
+    let o = engine::before(site);
     let r = forward();
-    engine::after(site, None);
+    engine::after(site, o, false);
     r
 }
 
@@ -1673,6 +1715,9 @@ static HOOKS: OnceLock<Vec<Hook>> = OnceLock::new();
 fn hooks() -> &'static [Hook] {
     HOOKS.get_or_init(|| {
         let mut v = generated();
+        // Every hand-written wrapper up to cuLibraryGetModule is handed out with the takeover off too (launches,
+        // module loads and lookups, cuGetProcAddress); the ones after it are not.
+        let mut when_off = true;
         let mut add = |symbol: &'static CStr,
                        base: &'static str,
                        per_thread: bool,
@@ -1685,7 +1730,11 @@ fn hooks() -> &'static [Hook] {
                 versioned: false,
                 slot,
                 ours,
-            })
+                when_off,
+            });
+            if symbol == c"cuLibraryGetModule" {
+                when_off = false;
+            }
         };
         add(
             c"cuGetProcAddress_v2",
@@ -2002,6 +2051,7 @@ fn hooks() -> &'static [Hook] {
             versioned: false,
             slot: &REAL_MEM_CREATE,
             ours: cuMemCreate as *const () as usize,
+            when_off: false,
         });
         v.push(Hook {
             symbol: c"cuMemAllocPitch_v2",
@@ -2010,6 +2060,7 @@ fn hooks() -> &'static [Hook] {
             versioned: true,
             slot: &REAL_MEM_ALLOC_PITCH,
             ours: cuMemAllocPitch_v2 as *const () as usize,
+            when_off: false,
         });
         // cuMemAlloc and cuMemGetInfo had 32-bit forms under the same names: taken only for the _v2 symbols.
         v.push(Hook {
@@ -2019,6 +2070,7 @@ fn hooks() -> &'static [Hook] {
             versioned: true,
             slot: &REAL_MEM_ALLOC,
             ours: cuMemAlloc_v2 as *const () as usize,
+            when_off: false,
         });
         v.push(Hook {
             symbol: c"cuMemGetInfo_v2",
@@ -2027,6 +2079,7 @@ fn hooks() -> &'static [Hook] {
             versioned: true,
             slot: &REAL_MEM_GET_INFO,
             ours: cuMemGetInfo_v2 as *const () as usize,
+            when_off: false,
         });
         v
     })
@@ -2076,7 +2129,7 @@ pub unsafe extern "C" fn dlsym(handle: *mut c_void, name: *const c_char) -> *mut
             // APEX's own lookups (made inside a hook) get libcuda's function: a wrapper's slot is shared with the
             // program's lookups, which may have stored another version of the function there.
             let _outer = enter()?;
-            let h = by_symbol(n)?;
+            let h = by_symbol(n).filter(|h| h.handed_out(engine::disabled()))?;
             install(h.slot, real, h.ours)
         })
     }
@@ -2088,9 +2141,14 @@ unsafe fn replace(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, 
     // SAFETY: forwarded.
     unsafe {
         apex_interpose::replace_proc_address(symbol, pfn, version, flags, |n, real, pt, _| {
+            let off = engine::disabled();
             match by_base(n, real, pt) {
+                // Not handed out: the program calls libcuda's own function, at libcuda's cost.
+                Ok(Some(h)) if !h.handed_out(off) => None,
                 Ok(Some(h)) => install(h.slot, real, h.ours),
                 Ok(None) => None,
+                // Nothing is taken over with the takeover off: no variant can break an order.
+                Err(()) if off => None,
                 Err(()) => {
                     if let Some(_g) = enter() {
                         engine::unknown_entry(&String::from_utf8_lossy(n));
@@ -2244,6 +2302,54 @@ mod tests {
                 "{name} is not wrapped"
             );
         }
+    }
+
+    /// With `APEX_PRELOAD=off` the program gets libcuda's own functions for everything but launches (still
+    /// counted), module loads and lookups, and `cuGetProcAddress`: a forwarded call then costs what libcuda's does.
+    #[test]
+    fn with_the_takeover_off_only_launches_and_module_hooks_are_handed_out() {
+        let off: Vec<&str> = hooks()
+            .iter()
+            .filter(|h| h.handed_out(true))
+            .map(|h| h.symbol.to_str().unwrap())
+            .collect();
+        for name in [
+            "cuGetProcAddress_v2",
+            "cuLaunchKernel",
+            "cuLaunchKernelEx",
+            "cuLaunchKernelEx_ptsz",
+            "cuLaunchCooperativeKernel",
+            "cuModuleLoadData",
+            "cuLibraryLoadData",
+            "cuLibraryGetKernel",
+            "cuKernelGetFunction",
+            "cuLibraryGetModule",
+        ] {
+            assert!(off.contains(&name), "{name} is not handed out");
+        }
+        for name in [
+            "cuEventRecord",
+            "cuEventRecordWithFlags",
+            "cuStreamWaitEvent",
+            "cuEventQuery",
+            "cuEventCreate",
+            "cuStreamSynchronize",
+            "cuMemcpyAsync",
+            "cuMemAlloc_v2",
+            "cuMemFree_v2",
+            "cuModuleGetGlobal_v2",
+            "cuStreamBeginCapture_v2",
+            "cuCtxSynchronize",
+        ] {
+            assert!(
+                !off.contains(&name),
+                "{name} is handed out with the takeover off"
+            );
+        }
+        assert!(
+            hooks().iter().all(|h| h.handed_out(false)),
+            "with it on, every wrapper is"
+        );
     }
 
     #[test]

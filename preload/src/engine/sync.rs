@@ -93,36 +93,115 @@ pub(crate) fn sticky() -> Option<c_int> {
     }
 }
 
+/// What [`Engine::before`] found out about a CUDA operation's site, so that [`Engine::after`] needs no second look
+/// (no `cuCtxGetCurrent`, no search of the taken-over streams): valid while the engine's generation is unchanged (no
+/// context attached or dropped, no stream taken over or released meanwhile, by any thread); otherwise `after` looks
+/// again, as it always did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Ordered {
+    generation: u64,
+    /// The attached context concerned (its index) and its epoch after `before`; `None`: no attached context is.
+    ctx: Option<(usize, u64)>,
+    /// A live queue of that context is related to the site: `after` marks it as having CUDA work to wait for.
+    related: bool,
+}
+
+impl Ordered {
+    /// No answer from the engine (it was unreachable): `after` looks again.
+    pub(crate) const UNKNOWN: Ordered = Ordered {
+        generation: u64::MAX,
+        ctx: None,
+        related: true,
+    };
+}
+
 impl Engine {
     // ---- ordering with CUDA ----
 
     /// Before a CUDA operation that adds work at `site`: related queues' work is handed to CUDA (a hop, unless it
-    /// is complete already). Returns the context's generation after it, for [`after`](Self::after).
-    pub(crate) fn before(&mut self, site: Site) -> u64 {
-        let Some(ci) = self.site_context(site) else {
-            return 0;
+    /// is complete already). The answer is for [`after`](Self::after).
+    pub(crate) fn before(&mut self, site: Site) -> Ordered {
+        let ci = self.site_context(site);
+        self.before_at(ci, site)
+    }
+
+    /// [`before`](Self::before) for CUDA work the program gave libcuda through driver function `name`, counted for
+    /// the summary by the name's address (one word hashed).
+    pub(crate) fn before_work(&mut self, site: Site, name: &'static str) -> Ordered {
+        self.cuda_work
+            .entry(name.as_ptr() as usize)
+            .or_insert((name, 0))
+            .1 += 1;
+        self.before(site)
+    }
+
+    /// [`before`](Self::before) with the site's context found already (`ci`, under the same lock).
+    pub(super) fn before_at(&mut self, ci: Option<usize>, site: Site) -> Ordered {
+        let generation = self.generation;
+        let Some(ci) = ci else {
+            return Ordered {
+                generation,
+                ctx: None,
+                related: false,
+            };
         };
         let cuda = self.cuda.as_ref();
         let ctx = &mut self.contexts[ci];
         ctx.cuda_work = true;
         ctx.epoch += 1;
+        let mut related = false;
         if ctx.order.live() > 0 {
             let target = match site {
                 Site::Stream(raw, pt) => Target::Stream(ctx.stream(cuda, raw, pt)),
                 Site::Device => Target::Device,
             };
-            let (mut hops, order) = ctx.hops(cuda);
-            if let Err(e) = order.before_cuda(target, &mut hops) {
-                warn!(error = %e, "cannot order a CUDA operation after APEX's queue");
+            related = match target {
+                Target::Stream(s) => ctx.order.related(s).next().is_some(),
+                Target::Device => true,
+            };
+            if related {
+                let (mut hops, order) = ctx.hops(cuda);
+                if let Err(e) = order.before_cuda(target, &mut hops) {
+                    warn!(error = %e, "cannot order a CUDA operation after APEX's queue");
+                }
             }
         }
-        ctx.epoch
+        Ordered {
+            generation,
+            ctx: Some((ci, ctx.epoch)),
+            related,
+        }
     }
 
-    /// After a CUDA operation that added work at `site`. `completed`: the call returned only once the stream's work
-    /// was done (a synchronous copy to the host), with the generation [`before`](Self::before) returned: the stream
-    /// then needs no hop, unless other work came in between.
-    pub(crate) fn after(&mut self, site: Site, completed: Option<u64>) {
+    /// After a CUDA operation that added work at `site`; `o`: what [`before`](Self::before) answered. `completed`:
+    /// the call returned only once the stream's work was done (a synchronous copy to the host): the stream then needs
+    /// no hop, unless other work came in between.
+    pub(crate) fn after(&mut self, site: Site, o: Ordered, completed: bool) {
+        let Site::Stream(raw, pt) = site else { return };
+        if o.generation != self.generation {
+            return self.after_looked_up(site, o.ctx.filter(|_| completed).map(|(_, e)| e));
+        }
+        // Nothing attached or taken over since `before`: its findings hold.
+        let Some((ci, epoch)) = o.ctx else { return };
+        let cuda = self.cuda.as_ref();
+        let ctx = &mut self.contexts[ci];
+        ctx.cuda_work = true;
+        let unchanged = completed && ctx.epoch == epoch;
+        ctx.epoch += 1;
+        if !o.related {
+            // No queue waits for this stream's work, and none may be marked.
+            return;
+        }
+        let s = ctx.stream(cuda, raw, pt);
+        ctx.order.after_cuda(s);
+        if unchanged {
+            ctx.order.cuda_synchronized(s);
+        }
+    }
+
+    /// [`after`](Self::after) with the site's context looked up again (`completed`: the epoch `before` returned,
+    /// when the stream's work is done as the call returns).
+    fn after_looked_up(&mut self, site: Site, completed: Option<u64>) {
         let Site::Stream(raw, pt) = site else { return };
         let Some(ci) = self.site_context(site) else {
             return;
@@ -485,9 +564,11 @@ impl Engine {
             return Answer::Forward;
         };
         let untimed = self.event_untimed.get(&event).copied().unwrap_or(false);
+        // Looked up once, for the record and for the ordering below.
+        let found = self.site_context(site);
         if untimed
             && self.capturing.is_empty()
-            && let Some(ci) = self.site_context(site)
+            && let Some(ci) = found
             && self.contexts[ci].failed.is_none()
         {
             let cuda = self.cuda.as_ref();
@@ -508,7 +589,7 @@ impl Engine {
                 return Answer::Done(CUDA_SUCCESS);
             }
         }
-        self.before(site);
+        self.before_at(found, site);
         Answer::Forward
     }
 

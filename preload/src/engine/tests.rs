@@ -18,6 +18,8 @@ const CTX: usize = 0xc0;
 const MODULE: usize = 0x10;
 const FUNC: usize = 0x100;
 const EVENT: usize = 0xe0;
+/// Stream handles from here on are non-blocking.
+const NON_BLOCKING: usize = 0x100_0000;
 
 /// What the engine asked of "libcuda".
 #[derive(Default)]
@@ -45,8 +47,9 @@ impl CudaSide for FakeCuda {
         let asserts = gpu.set_assert_action(apex::AssertAction::EndThread).is_ok();
         Ok((gpu, asserts))
     }
-    fn stream_blocking(&self, _: usize) -> bool {
-        true
+    fn stream_blocking(&self, stream: usize) -> bool {
+        // Streams at NON_BLOCKING and above were made with CU_STREAM_NON_BLOCKING (as NCCL's and PyTorch's are).
+        stream < NON_BLOCKING
     }
     fn function_name(&self, _: usize) -> Option<String> {
         None
@@ -253,8 +256,8 @@ fn cuda_work_after_a_launch_is_waited_for_by_libcuda_and_needs_no_hop_once_synch
     s.idle();
     s.calls();
     // A copy on the stream (cudaMemcpyAsync): the queue's launch is complete, so CUDA waits for nothing.
-    s.engine.before(LEGACY);
-    s.engine.after(LEGACY, None);
+    let o = s.engine.before(LEGACY);
+    s.engine.after(LEGACY, o, false);
     assert!(
         s.calls().is_empty(),
         "no hop before CUDA work when APEX's is done"
@@ -271,8 +274,8 @@ fn cuda_work_after_a_launch_is_waited_for_by_libcuda_and_needs_no_hop_once_synch
         Answer::Done(0)
     );
     // Without the synchronize, the next launch waits for the stream on the GPU.
-    s.engine.before(LEGACY);
-    s.engine.after(LEGACY, None);
+    let o = s.engine.before(LEGACY);
+    s.engine.after(LEGACY, o, false);
     assert!(s.launch());
     assert_eq!(s.calls(), vec!["apex<-cuda Legacy"]);
 }
@@ -281,8 +284,8 @@ fn cuda_work_after_a_launch_is_waited_for_by_libcuda_and_needs_no_hop_once_synch
 fn a_failed_synchronize_leaves_the_stream_dirty() {
     let mut s = Setup::new();
     assert!(s.launch());
-    s.engine.before(LEGACY);
-    s.engine.after(LEGACY, None);
+    let o = s.engine.before(LEGACY);
+    s.engine.after(LEGACY, o, false);
     let epoch = forwarded_stream_sync(&mut s);
     s.engine.stream_synced(LEGACY, 700, epoch);
     s.calls();
@@ -294,8 +297,8 @@ fn a_failed_synchronize_leaves_the_stream_dirty() {
 fn a_synchronous_copy_to_the_host_completes_the_stream() {
     let mut s = Setup::new();
     assert!(s.launch());
-    let epoch = s.engine.before(LEGACY);
-    s.engine.after(LEGACY, Some(epoch));
+    let o = s.engine.before(LEGACY);
+    s.engine.after(LEGACY, o, true);
     s.calls();
     assert!(s.launch());
     assert!(s.calls().is_empty());
@@ -331,8 +334,8 @@ fn a_context_synchronize_reaches_libcuda_only_when_cuda_had_work() {
     assert!(s.launch());
     assert_eq!(s.engine.context_sync(), Answer::Done(0));
     // A launch left to libcuda (or any CUDA work) makes the next one go to libcuda again.
-    s.engine.before(LEGACY);
-    s.engine.after(LEGACY, None);
+    let o = s.engine.before(LEGACY);
+    s.engine.after(LEGACY, o, false);
     let epoch = forwarded_context_sync(&mut s);
     s.engine.context_synced(0, epoch);
     // After it, the stream needs no hop.
@@ -390,8 +393,8 @@ fn timed_events_and_events_after_cuda_work_go_to_libcuda() {
     s.idle();
     assert_eq!(s.engine.event_record(EVENT, stream), Answer::Forward);
     s.engine.event_created(EVENT + 1, 2);
-    s.engine.before(stream);
-    s.engine.after(stream, None);
+    let o = s.engine.before(stream);
+    s.engine.after(stream, o, false);
     assert_eq!(s.engine.event_record(EVENT + 1, stream), Answer::Forward);
     // Unknown events (created before the preload watched) time, as far as the preload knows.
     assert_eq!(s.engine.event_record(EVENT + 2, stream), Answer::Forward);
@@ -719,12 +722,12 @@ fn destroying_a_stream_records_its_kept_events_in_libcuda() {
 fn work_submitted_while_libcuda_synchronizes_keeps_its_hop() {
     let mut s = Setup::new();
     assert!(s.launch());
-    s.engine.before(LEGACY);
-    s.engine.after(LEGACY, None);
+    let o = s.engine.before(LEGACY);
+    s.engine.after(LEGACY, o, false);
     let epoch = forwarded_stream_sync(&mut s);
     // Another thread adds CUDA work on the stream before this thread's synchronize returns.
-    s.engine.before(LEGACY);
-    s.engine.after(LEGACY, None);
+    let o = s.engine.before(LEGACY);
+    s.engine.after(LEGACY, o, false);
     s.engine.stream_synced(LEGACY, 0, epoch);
     s.calls();
     assert!(s.launch());
@@ -735,8 +738,8 @@ fn work_submitted_while_libcuda_synchronizes_keeps_its_hop() {
     );
     // The same for a context synchronize.
     let epoch = forwarded_context_sync(&mut s);
-    s.engine.before(LEGACY);
-    s.engine.after(LEGACY, None);
+    let o = s.engine.before(LEGACY);
+    s.engine.after(LEGACY, o, false);
     s.engine.context_synced(0, epoch);
     assert_eq!(s.engine.context_sync(), Answer::Forward);
 }
@@ -837,4 +840,156 @@ fn arguments_in_one_packed_buffer_run_on_apex() {
         drop(Box::from_raw(extra));
         drop(Box::from_raw(size));
     }
+}
+
+/// Counts this thread's heap allocations (the other tests' threads keep their own counts).
+struct CountingAlloc;
+
+thread_local! {
+    static ALLOCATIONS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+// SAFETY: every call is forwarded unchanged to the system allocator; the count is a thread-local `Cell` with a const
+// initializer, which allocates nothing itself.
+unsafe impl std::alloc::GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        let _ = ALLOCATIONS.try_with(|c| c.set(c.get() + 1));
+        // SAFETY: forwarded with the caller's layout.
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        // SAFETY: `ptr` came from `alloc` above with this layout.
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static COUNTING: CountingAlloc = CountingAlloc;
+
+fn allocations() -> u64 {
+    ALLOCATIONS.with(|c| c.get())
+}
+
+/// NCCL's pattern: its kernels are refused for a reason that carries text (`module_globals`), and its streams are
+/// ones APEX never took over. Once each has been seen, a refused launch and the ordering of CUDA work around it
+/// allocate nothing (the refusal is counted by reference, the work by its name's address).
+#[test]
+fn a_refused_launch_and_forwarded_work_allocate_nothing() {
+    let mut s = Setup::new();
+    assert!(s.launch(), "attached, the legacy stream taken over");
+    s.calls();
+    const NCCL_KERNEL: usize = 0xbad;
+    s.engine.contexts[0].funcs.insert(
+        NCCL_KERNEL,
+        FuncState::Refused(Refusal::ModuleGlobals("__unnamed_1".into())),
+    );
+    let nccl_stream = Site::Stream(NON_BLOCKING + 0x100, false);
+    let refused = Launch {
+        f: NCCL_KERNEL,
+        stream: NON_BLOCKING + 0x100,
+        ..bare_launch()
+    };
+    let round = |s: &mut Setup| {
+        assert!(s.engine.launch(&refused, 0).is_none());
+        let o = s.engine.before(nccl_stream);
+        s.engine.after(nccl_stream, o, false);
+        let o = s.engine.before_work(nccl_stream, "cuStreamWaitEvent");
+        s.engine.after(nccl_stream, o, false);
+        assert_eq!(s.engine.event_record(EVENT, nccl_stream), Answer::Forward);
+    };
+    round(&mut s);
+    let before = allocations();
+    for _ in 0..100 {
+        round(&mut s);
+    }
+    assert_eq!(allocations() - before, 0, "allocations in 100 rounds");
+    let sum = s.engine.summary();
+    assert_eq!(sum.reasons["module_globals"].launches, 101);
+    assert!(
+        sum.reasons["module_globals"]
+            .example
+            .contains("__unnamed_1")
+    );
+    assert_eq!(sum.cuda_work["cuStreamWaitEvent"], 101);
+    assert!(
+        s.calls().is_empty(),
+        "no hop for streams APEX never took over"
+    );
+}
+
+/// CUDA work on a non-blocking stream APEX never took over is related to no queue: no hop before it, and the
+/// queues' next launches wait for nothing. Work on the legacy stream still marks its queue.
+#[test]
+fn work_on_a_stream_apex_never_took_over_touches_no_queue() {
+    let mut s = Setup::new();
+    assert!(s.launch());
+    s.calls();
+    let other = Site::Stream(NON_BLOCKING + 0x200, false);
+    let o = s.engine.before(other);
+    s.engine.after(other, o, false);
+    assert!(
+        s.calls().is_empty(),
+        "the queue's launch is not handed over"
+    );
+    assert!(s.launch());
+    assert!(s.calls().is_empty(), "the queue waits for nothing");
+    let o = s.engine.before(LEGACY);
+    assert_eq!(
+        s.calls(),
+        vec!["cuda<-apex Legacy"],
+        "its own stream's work waits"
+    );
+    s.engine.after(LEGACY, o, false);
+    assert!(s.launch());
+    assert_eq!(s.calls(), vec!["apex<-cuda Legacy"]);
+}
+
+/// A stream taken over by another thread while a CUDA call on it runs: what `before` found no longer holds, so
+/// `after` looks again and the new queue's next launch waits for that call's work.
+#[test]
+fn a_stream_taken_over_during_a_forwarded_call_is_marked_after_it() {
+    let mut s = Setup::new();
+    assert!(s.launch());
+    let raw = NON_BLOCKING + 0x300;
+    let site = Site::Stream(raw, false);
+    let o = s.engine.before(site);
+    // Another thread's first launch on the stream: taken over, its first launch waits for the stream.
+    assert!(s.launch_on(raw, 1));
+    s.calls();
+    s.engine.after(site, o, false);
+    assert!(s.launch_on(raw, 1));
+    assert_eq!(
+        s.calls(),
+        vec![format!("apex<-cuda {:?}", StreamKey::Handle(raw))],
+        "the call's work, submitted after the first launch's hop, is waited for"
+    );
+}
+
+/// With the takeover off the engine counts launches the hooks forwarded without its lock, into the summary.
+#[test]
+fn launches_forwarded_with_the_takeover_off_are_counted() {
+    assert!(enabled_by(None) && enabled_by(Some(b"on")) && enabled_by(Some(b"1")));
+    assert!(!enabled_by(Some(b"off")) && !enabled_by(Some(b"0")) && !enabled_by(Some(b"false")));
+    let (gpu, _sim) = Gpu::open_simulated(SimConfig::default()).unwrap();
+    let cuda = FakeCuda {
+        gpu: Mutex::new(Some(gpu)),
+        calls: Arc::default(),
+        device: Arc::default(),
+    };
+    let config = Config {
+        enabled: false,
+        max_queues: 8,
+        stats: None,
+        launch_memory: LaunchMemory::Video,
+    };
+    let mut engine = Engine::new(config, Box::new(cuda));
+    let before = DISABLED_LAUNCHES.load(Ordering::Relaxed);
+    count_disabled_launch();
+    count_disabled_launch();
+    assert!(engine.launch(&bare_launch(), 0).is_none());
+    let sum = engine.summary();
+    // Other tests do not count disabled launches: only this one's are there.
+    assert_eq!(sum.reasons["disabled"].launches, before + 3);
+    assert_eq!((sum.launches, sum.fallback), (before + 3, before + 3));
+    assert_eq!(sum.apex, 0);
 }
