@@ -76,9 +76,26 @@ fn runs_in_order_behind_busy_work(b: Backend) {
         let seed = n * 13 + 5;
         v.write(0, &seed.to_le_bytes()).unwrap();
         let busy = hold_busy(&mut q, &spin, &stop);
-        let expect = steps(&mut q, &k, &v, n, seed, seed);
+        // At most 200 launches behind the spinning kernel: past the queue's 256 launch slots (and CUDA's own
+        // queue) a launch waits for an earlier one to complete, as on any queue. Then the GPU is let go and the
+        // rest are launched while it works through the first ones.
+        let first = n.min(200);
+        let mut expect = steps(&mut q, &k, &v, first, seed, seed);
         assert!(!busy.is_done(), "{b:?}: the spinning kernel ended early");
         stop.write(0, &1u32.to_le_bytes()).unwrap();
+        for i in first..n {
+            let (mul, add) = step_args(i, seed);
+            expect = expect.wrapping_mul(mul).wrapping_add(add);
+            // SAFETY: as in `steps`.
+            unsafe {
+                q.launch(
+                    &k,
+                    &ONE,
+                    &[Arg::Ptr(v.device_ptr()), Arg::U64(mul), Arg::U64(add)],
+                )
+            }
+            .unwrap();
+        }
         q.synchronize().unwrap();
         assert_eq!(read_u64(&v), expect, "{b:?}: {n} launches behind busy work");
     }
@@ -219,7 +236,8 @@ fn programmatic_launches_chain_too(b: Backend) {
     let stop = g.alloc_host(4).unwrap();
     let cfg = LaunchConfig::linear(n / 256, 256);
     let _busy = hold_busy(&mut q, &spin, &stop);
-    for v in 0..300u32 {
+    // Fewer than the queue's launch slots behind the spinning kernel (see runs_in_order_behind_busy_work).
+    for v in 0..200u32 {
         // SAFETY: pdl_step runs griddepcontrol.wait before it touches `buf`, used by this queue alone.
         unsafe { q.launch_programmatic(&step, &cfg, &[buf.arg(), Arg::U32(n), Arg::U32(v)]) }
             .unwrap();
@@ -234,7 +252,7 @@ fn programmatic_launches_chain_too(b: Backend) {
     plain
         .upload(&g, &buf2, 0, &vec![0u8; n as usize * 4])
         .unwrap();
-    for v in 0..300u32 {
+    for v in 0..200u32 {
         // SAFETY: as above.
         unsafe { plain.launch_programmatic(&step, &cfg, &[buf2.arg(), Arg::U32(n), Arg::U32(v)]) }
             .unwrap();

@@ -35,8 +35,8 @@
 #include <vector>
 #include <cuda.h>
 #include <cuda_runtime.h>
-#define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("cuda error %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1); } } while (0)
-#define CU(x) do { CUresult e = (x); if (e != CUDA_SUCCESS) { printf("driver error %d at %d\n", (int)e, __LINE__); exit(1); } } while (0)
+#define CHECK(x) do { cudaError_t check_err_ = (x); if (check_err_ != cudaSuccess) { printf("cuda error %s at %d\n", cudaGetErrorString(check_err_), __LINE__); exit(1); } } while (0)
+#define CU(x) do { CUresult cu_err_ = (x); if (cu_err_ != CUDA_SUCCESS) { printf("driver error %d at %d\n", (int)cu_err_, __LINE__); exit(1); } } while (0)
 
 constexpr int N = 1024;  // floats per message: 4 KiB
 
