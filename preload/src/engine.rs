@@ -58,6 +58,16 @@ pub(crate) struct Config {
     pub stats: Option<PathBuf>,
     /// Where the queues keep their rings and launch slots (`APEX_PRELOAD_LAUNCH_MEMORY=video|host`).
     pub launch_memory: LaunchMemory,
+    /// `APEX_PRELOAD_CHAINED=1`: queues the GPU chains by itself (`QueueOptions::chained`). Launches made while a
+    /// queue is busy are held as chain links until the program's next CUDA call other than a launch on the same
+    /// stream (every such call sends them first). Off by default: a program that waits for a kernel through host
+    /// memory the kernel writes, making no CUDA call meanwhile, would wait for ever for a held launch.
+    pub chained: bool,
+}
+
+/// Whether a value of `APEX_PRELOAD_CHAINED` turns chained queues on (`1`, `on`, `true`).
+pub(crate) fn chained_by(value: Option<&str>) -> bool {
+    matches!(value, Some("1" | "on" | "true"))
 }
 
 /// Whether a value of `APEX_PRELOAD` leaves the takeover on (anything but `off`, `0` or `false`).
@@ -111,11 +121,13 @@ impl Config {
             Ok("host") => LaunchMemory::Host,
             _ => LaunchMemory::Video,
         };
+        let chained = chained_by(std::env::var("APEX_PRELOAD_CHAINED").ok().as_deref());
         Config {
             enabled,
             max_queues,
             stats,
             launch_memory,
+            chained,
         }
     }
 }
@@ -342,6 +354,9 @@ pub(crate) struct Engine {
     /// Streams being captured into a CUDA graph.
     capturing: HashSet<StreamKey>,
     stack_raised: bool,
+    /// With chained queues ([`Config::chained`]): the stream whose queue may hold launches not sent yet. Only one
+    /// queue holds at a time, so no hop ever waits for a value that was not sent.
+    held: Option<StreamKey>,
     /// Set when the takeover stops for good (an entry point it cannot order with, an internal error, the end).
     off: Option<Refusal>,
     /// The launch path's argument list, reused (empty between launches).
@@ -371,6 +386,12 @@ extern "C" fn in_fork_child() {
 
 /// Runs `f` on the engine (made on first use), under its lock, with panics contained: a panic turns the takeover off.
 fn with<R>(f: impl FnOnce(&mut Engine) -> R) -> Option<R> {
+    with_engine(true, f)
+}
+
+/// As [`with`]; `send_held`: first send the launches a chained queue holds (every entry but a launch, which decides
+/// for itself: [`Engine::launch`]).
+fn with_engine<R>(send_held: bool, f: impl FnOnce(&mut Engine) -> R) -> Option<R> {
     if FORKED.load(Ordering::Relaxed) {
         return None;
     }
@@ -378,7 +399,12 @@ fn with<R>(f: impl FnOnce(&mut Engine) -> R) -> Option<R> {
     let mut guard = ENGINE.lock();
     let engine = guard.get_or_insert_with(|| Engine::new(Config::from_env(), Box::new(Libcuda)));
     let _busy = crate::watchdog::busy();
-    let r = apex_interpose::quietly(|| f(engine));
+    let r = apex_interpose::quietly(|| {
+        if send_held {
+            engine.send_held();
+        }
+        f(engine)
+    });
     if r.is_none() {
         engine.off.get_or_insert(Refusal::Internal);
         warn!("internal error in apex-preload: launches go to libcuda from now on");
@@ -571,6 +597,7 @@ impl Engine {
             event_untimed: Handles::default(),
             capturing: HashSet::new(),
             stack_raised: false,
+            held: None,
             args: Vec::new(),
             summary: Summary {
                 attach: "not attempted".into(),
@@ -938,12 +965,34 @@ impl Engine {
         }
     }
 
+    /// Sends the launches a chained queue holds ([`Config::chained`]); nothing to do (one load) otherwise.
+    pub(crate) fn send_held(&mut self) {
+        if self.held.take().is_none() {
+            return;
+        }
+        for c in &mut self.contexts {
+            for q in c.queues.iter_mut().flatten() {
+                if let Err(e) = q.flush() {
+                    warn!(error = %e, "sending the launches a chained queue held failed");
+                }
+            }
+        }
+    }
+
     /// Takes launch `l` over if it can; `Some(stamp)` when it did (`t0`: the profile's stamp at the hook's entry; the
     /// stamp returned starts the profile's last phase).
     pub(crate) fn launch(&mut self, l: &Launch, t0: u64) -> Option<u64> {
         let mut s = [t0, crate::profile::stamp(), 0, 0, 0, 0];
+        let key = StreamKey::of(l.stream, l.per_thread);
+        if self.held.is_some_and(|h| h != key) {
+            // Work on another stream may be ordered after the held launches: they go first.
+            self.send_held();
+        }
         match self.try_launch(l, &mut s) {
             Ok(()) => {
+                if self.config.chained {
+                    self.held = Some(key);
+                }
                 self.summary.taken();
                 self.phases.add(&s);
                 // 0 when the launch took a slow path: its last phase is not counted either.
@@ -1081,7 +1130,9 @@ impl Engine {
         let queue = match ctx.spare.pop() {
             Some(q) => q,
             None => {
-                let options = QueueOptions::default().launch_memory(self.config.launch_memory);
+                let options = QueueOptions::default()
+                    .launch_memory(self.config.launch_memory)
+                    .chained(self.config.chained);
                 let q = ctx
                     .gpu
                     .queue_with(options)
@@ -1289,9 +1340,13 @@ impl Engine {
 /// caller must forward the launch to libcuda: ordered already, under the same lock, as [`before`] orders CUDA work
 /// (the caller gives the answer to [`after`]). `t0`: the profile's stamp at the hook's entry.
 pub(crate) fn launch(l: &Launch, t0: u64) -> Result<u64, Ordered> {
-    with(|e| match e.launch(l, t0) {
+    with_engine(false, |e| match e.launch(l, t0) {
         Some(stamp) => Ok(stamp),
-        None => Err(e.before(Site::Stream(l.stream, l.per_thread))),
+        None => {
+            // Left to libcuda, which may have to wait for APEX's launches: held ones are sent first.
+            e.send_held();
+            Err(e.before(Site::Stream(l.stream, l.per_thread)))
+        }
     })
     .unwrap_or(Err(Ordered::UNKNOWN))
 }

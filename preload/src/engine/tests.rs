@@ -122,6 +122,11 @@ fn bare_launch() -> Launch {
 
 impl Setup {
     fn new() -> Setup {
+        Setup::with_chained(false)
+    }
+
+    /// A setup whose queues are chained queues (`APEX_PRELOAD_CHAINED`) when `chained`.
+    fn with_chained(chained: bool) -> Setup {
         let (gpu, sim) = Gpu::open_simulated(SimConfig::default()).unwrap();
         let calls = Arc::new(Mutex::new(Calls::default()));
         let device = Arc::new(Mutex::new(Vec::new()));
@@ -135,6 +140,7 @@ impl Setup {
             max_queues: 8,
             stats: None,
             launch_memory: LaunchMemory::Video,
+            chained,
         };
         let mut engine = Engine::new(config, Box::new(cuda));
         engine.loaded(MODULE, Ok(ImageBytes::Owned(CUBIN.into())), false);
@@ -981,6 +987,7 @@ fn launches_forwarded_with_the_takeover_off_are_counted() {
         max_queues: 8,
         stats: None,
         launch_memory: LaunchMemory::Video,
+        chained: false,
     };
     let mut engine = Engine::new(config, Box::new(cuda));
     let before = DISABLED_LAUNCHES.load(Ordering::Relaxed);
@@ -992,4 +999,65 @@ fn launches_forwarded_with_the_takeover_off_are_counted() {
     assert_eq!(sum.reasons["disabled"].launches, before + 3);
     assert_eq!((sum.launches, sum.fallback), (before + 3, before + 3));
     assert_eq!(sum.apex, 0);
+}
+
+/// Launches held by the chained queues of the engine's contexts, not yet sent.
+fn held_links(s: &mut Setup) -> usize {
+    s.engine
+        .contexts
+        .iter_mut()
+        .flat_map(|c| c.queues.iter_mut().flatten())
+        .map(|q| q.direct().map_or(0, |d| d.chain_len()))
+        .sum()
+}
+
+#[test]
+fn chained_queues_are_asked_for_with_apex_preload_chained() {
+    assert!(chained_by(Some("1")) && chained_by(Some("on")) && chained_by(Some("true")));
+    assert!(!chained_by(None) && !chained_by(Some("0")) && !chained_by(Some("off")));
+}
+
+#[test]
+fn a_chained_queue_holds_launches_while_busy_until_work_elsewhere_needs_them() {
+    // Two non-blocking streams (the fake says so from 0x1000000 up): neither waits for the other or the legacy one.
+    let (a, b) = (0x200_0000, 0x300_0000);
+    let mut s = Setup::with_chained(true);
+    assert!(s.launch_on(a, 1));
+    // The other stream's queue is built now: building one waits for the GPU, which is paused below.
+    assert!(s.launch_on(b, 1));
+    // A launch right after a hop finds the queue busy and may be held: the engine's next entry sends it.
+    s.engine.send_held();
+    s.idle();
+    s.calls();
+    let before = s.sim.launches().len();
+    s.sim.pause();
+    // The queue is idle: sent at once. Busy (the model is paused): the next two are held.
+    assert!(s.launch_on(a, 1));
+    assert_eq!(held_links(&mut s), 0);
+    assert!(s.launch_on(a, 1));
+    assert!(s.launch_on(a, 1));
+    assert_eq!(held_links(&mut s), 2);
+    assert_eq!(s.engine.held, Some(StreamKey::of(a, false)));
+    // A launch on another stream may be ordered after them: they are sent first.
+    assert!(s.launch_on(b, 1));
+    assert_eq!(
+        held_links(&mut s),
+        0,
+        "held launches sent before another stream's"
+    );
+    assert_eq!(s.engine.held, Some(StreamKey::of(b, false)));
+    assert!(s.launch_on(b, 1));
+    assert_eq!(held_links(&mut s), 1);
+    // Every entry but a launch sends what is held (`with` does, as here).
+    s.engine.send_held();
+    assert!(s.engine.held.is_none());
+    assert_eq!(held_links(&mut s), 0);
+    s.sim.resume();
+    assert!(
+        s.sim
+            .wait_for(Duration::from_secs(10), |m| m.launches().len()
+                == before + 5),
+        "every launch reached the simulated GPU"
+    );
+    assert!(s.sim.errors().is_empty(), "{:?}", s.sim.errors());
 }
