@@ -21,8 +21,9 @@
 //! library's `tracing` events to stderr; `APEX_PRELOAD_PROFILE=1` adds where a launch's time goes to the summary;
 //! `APEX_PRELOAD_LAUNCH_MEMORY=host` puts the queues' launch memory in host memory; `APEX_PRELOAD_CHAINED=1` makes
 //! them chained queues (launches made while a queue is busy held as GPU-scheduled links, sent by the next CUDA call
-//! other than a launch on the same stream; opt-in, see docs/attach-cuda.md); `APEX_PRELOAD_WATCHDOG=SECONDS` dumps every thread's stack when one call
-//! into the preload hangs. How it works and what it refuses: docs/attach-cuda.md, section 8.
+//! other than a launch on the same stream; opt-in, see docs/attach-cuda.md); `APEX_PRELOAD_WATCHDOG=SECONDS` dumps
+//! every thread's stack when one call into the preload hangs. How it works and what it refuses: docs/attach-cuda.md,
+//! section 8.
 
 pub mod alloc_cache;
 pub mod asserts;
