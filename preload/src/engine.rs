@@ -1557,7 +1557,8 @@ pub(crate) fn unloaded(handle: usize) {
 
 /// `function` is kernel `name` of module or library `handle`.
 pub(crate) fn function(function: usize, handle: usize, name: *const c_char) {
-    if name.is_null() {
+    // With the takeover off no launch is taken over: nothing needs a function's origin.
+    if name.is_null() || disabled() {
         return;
     }
     // SAFETY: the driver accepted it as a NUL-terminated name.
@@ -1567,11 +1568,17 @@ pub(crate) fn function(function: usize, handle: usize, name: *const c_char) {
 
 /// `function` is the same kernel as `kernel`.
 pub(crate) fn same_function(function: usize, kernel: usize) {
+    if disabled() {
+        return;
+    }
     with(|e| e.same_function(function, kernel));
 }
 
 /// `module` is `library`'s.
 pub(crate) fn library_module(module: usize, library: usize) {
+    if disabled() {
+        return;
+    }
     with(|e| e.library_module(module, library));
 }
 

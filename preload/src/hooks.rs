@@ -5,7 +5,7 @@
 //! Programs reach the driver three ways, all covered: by linking libcuda (these exported symbols win over libcuda's),
 //! through `dlsym` on libcuda, and through `cuGetProcAddress` (how the CUDA runtime finds every driver function),
 //! whose answers are replaced by these wrappers where one exists ([`HOOKS`]). With `APEX_PRELOAD=off` only launches
-//! (counted), module loads and lookups and `cuGetProcAddress` are replaced: every other call reaches libcuda's own
+//! (counted), module loads and unloads and `cuGetProcAddress` are replaced: every other call reaches libcuda's own
 //! function directly, and a wrapper called anyway (a program linked to the exported symbol) forwards at once.
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
@@ -244,7 +244,7 @@ struct Hook {
     slot: &'static AtomicUsize,
     ours: usize,
     /// Handed out with the takeover off too (`APEX_PRELOAD=off`): launches (still counted), module loads and
-    /// lookups (the summary's `modules_seen`), `cuGetProcAddress` itself. Every other function is then libcuda's own.
+    /// unloads (the summary's `modules_seen`), `cuGetProcAddress` itself. Every other function is then libcuda's own.
     when_off: bool,
 }
 
@@ -1587,6 +1587,10 @@ fn launch_ex(
     if config.is_null() {
         return forward();
     }
+    if engine::disabled() {
+        engine::count_disabled_launch();
+        return forward();
+    }
     // SAFETY: the driver reads the same configuration.
     let c = unsafe { &*config };
     // SAFETY: the configuration's attribute array, as the driver reads it.
@@ -1715,8 +1719,8 @@ static HOOKS: OnceLock<Vec<Hook>> = OnceLock::new();
 fn hooks() -> &'static [Hook] {
     HOOKS.get_or_init(|| {
         let mut v = generated();
-        // Every hand-written wrapper up to cuLibraryGetModule is handed out with the takeover off too (launches,
-        // module loads and lookups, cuGetProcAddress); the ones after it are not.
+        // Every hand-written wrapper up to cuLibraryUnload is handed out with the takeover off too (launches,
+        // module loads and unloads, cuGetProcAddress); the ones after it are not.
         let mut when_off = true;
         let mut add = |symbol: &'static CStr,
                        base: &'static str,
@@ -1732,7 +1736,10 @@ fn hooks() -> &'static [Hook] {
                 ours,
                 when_off,
             });
-            if symbol == c"cuLibraryGetModule" {
+            // Module lookups (cuModuleGetFunction, cuLibraryGetKernel, cuKernelGetFunction, cuLibraryGetModule)
+            // only feed the takeover: with it off they are libcuda's own. The CUDA runtime calls
+            // cuKernelGetFunction on every cudaGetFuncBySymbol (NCCL: every collective).
+            if symbol == c"cuLibraryUnload" {
                 when_off = false;
             }
         };
@@ -2142,6 +2149,10 @@ unsafe fn replace(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, 
     unsafe {
         apex_interpose::replace_proc_address(symbol, pfn, version, flags, |n, real, pt, _| {
             let off = engine::disabled();
+            // With the takeover off most functions are libcuda's own: no variant check (a dlopen) for them.
+            if off && !hooks().iter().any(|h| h.when_off && h.base == n) {
+                return None;
+            }
             match by_base(n, real, pt) {
                 // Not handed out: the program calls libcuda's own function, at libcuda's cost.
                 Ok(Some(h)) if !h.handed_out(off) => None,
@@ -2305,9 +2316,9 @@ mod tests {
     }
 
     /// With `APEX_PRELOAD=off` the program gets libcuda's own functions for everything but launches (still
-    /// counted), module loads and lookups, and `cuGetProcAddress`: a forwarded call then costs what libcuda's does.
+    /// counted), module loads and unloads, and `cuGetProcAddress`: a forwarded call then costs what libcuda's does.
     #[test]
-    fn with_the_takeover_off_only_launches_and_module_hooks_are_handed_out() {
+    fn with_the_takeover_off_only_launches_and_module_loads_are_handed_out() {
         let off: Vec<&str> = hooks()
             .iter()
             .filter(|h| h.handed_out(true))
@@ -2321,13 +2332,15 @@ mod tests {
             "cuLaunchCooperativeKernel",
             "cuModuleLoadData",
             "cuLibraryLoadData",
-            "cuLibraryGetKernel",
-            "cuKernelGetFunction",
-            "cuLibraryGetModule",
+            "cuLibraryUnload",
         ] {
             assert!(off.contains(&name), "{name} is not handed out");
         }
         for name in [
+            "cuModuleGetFunction",
+            "cuLibraryGetKernel",
+            "cuKernelGetFunction",
+            "cuLibraryGetModule",
             "cuEventRecord",
             "cuEventRecordWithFlags",
             "cuStreamWaitEvent",

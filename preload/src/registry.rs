@@ -107,9 +107,16 @@ impl Registry {
 
     /// `cuKernelGetFunction`: `function` is the same kernel as `kernel`.
     pub fn same_function(&mut self, function: usize, kernel: usize) {
-        if let Some(o) = self.functions.get(&kernel).cloned() {
-            self.functions.insert(function, o);
+        // The CUDA runtime asks again on every `cudaGetFuncBySymbol`: an answer already recorded costs two lookups
+        // and no allocation.
+        let Some(o) = self.functions.get(&kernel) else {
+            return;
+        };
+        if self.functions.get(&function) == Some(o) {
+            return;
         }
+        let o = o.clone();
+        self.functions.insert(function, o);
     }
 
     /// Where a function or kernel handle came from.
