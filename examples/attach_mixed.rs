@@ -12,7 +12,7 @@
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
-use apex::{Gpu, LaunchConfig, LaunchMemory, QueueOptions};
+use apex::{Gpu, Launch, LaunchConfig, LaunchMemory, QueueOptions};
 use cudarc::driver::sys as cu;
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
@@ -239,10 +239,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     };
     // SAFETY (the calls below): kernels without parameters.
     let mut idle_prepared = per_call(&mut q, &mut |q| unsafe {
-        q.launch_prepared(&prepared, &[])
+        q.submit_fenced(&Launch::prepared(&prepared, &[]))
     })?;
     let mut idle_prepared_host = per_call(&mut qh, &mut |q| unsafe {
-        q.launch_prepared(&prepared_h, &[])
+        q.submit_fenced(&Launch::prepared(&prepared_h, &[]))
     })?;
     drop(qh);
 
@@ -280,7 +280,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     q.synchronize()?;
     let mixed_total = t.elapsed();
 
-    // 2b. The same, the small kernels as one chain (`Queue::launch_chained` + `end_chain`): the GPU schedules each
+    // 2b. The same, the small kernels as one chain (`Launch::chained` links + `end_chain`): the GPU schedules each
     //     after the one before without a front-end round trip, as a CUDA graph would.
     let t = Instant::now();
     for _ in 0..iters {
@@ -288,7 +288,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         unsafe { q.wait_for_cuda_stream(cuda.stream) }?;
         for _ in 0..SMALL {
             // SAFETY: a kernel without parameters.
-            unsafe { q.launch_chained(&empty, &cfg, &[])? };
+            unsafe { q.submit(&Launch::new(&empty, &cfg, &[]).chained())? };
         }
         q.end_chain()?;
         // SAFETY: a stream of the attached context.

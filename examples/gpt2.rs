@@ -4,10 +4,10 @@
 //!
 //! - APEX eager: the direct path, one doorbell per launch;
 //! - APEX eager, programmatic: the same with every launch a programmatic dependent launch of the one before
-//!   (`Queue::launch_programmatic`; the kernels wait for their producer themselves);
+//!   (`Launch::programmatic`; the kernels wait for their producer themselves);
 //! - APEX chained: the direct path, the step's launches as one GPU-scheduled chain;
 //! - APEX chained, programmatic: the same with every link after the first a programmatic dependent of the one
-//!   before (`Queue::launch_chained_programmatic`);
+//!   before (`Launch::chained().programmatic()`);
 //! - APEX graph: the step recorded once as an `apex::Graph`, one replay (one doorbell) per token;
 //! - APEX graph, programmatic: the same with every launch after the first a programmatic dependent launch (the
 //!   kernels wait for their producer themselves);

@@ -601,7 +601,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             let p = q.prepare(&k, &ONE)?;
             for _ in 0..2000 {
                 // SAFETY: the empty kernel touches no memory.
-                unsafe { q.launch_prepared(&p, &[]) }?;
+                unsafe { q.submit(&apex::Launch::prepared(&p, &[])) }?;
             }
             q.synchronize()?;
             let sync = |q: &mut apex::Queue| q.synchronize();
@@ -610,33 +610,33 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 samples,
                 None,
                 &mut q,
-                |q| unsafe { q.launch_prepared(&p, &[]) }.map(drop),
+                |q| unsafe { q.submit_fenced(&apex::Launch::prepared(&p, &[])) }.map(drop),
                 sync,
             )?;
             let ticket = time_calls(
                 samples,
                 None,
                 &mut q,
-                |q| unsafe { q.launch_prepared_ticket(&p, &[]) }.map(drop),
+                |q| unsafe { q.submit(&apex::Launch::prepared(&p, &[])) }.map(drop),
                 sync,
             )?;
             let ticket_isolated = time_calls(
                 samples,
                 Some(gap),
                 &mut q,
-                |q| unsafe { q.launch_prepared_ticket(&p, &[]) }.map(drop),
+                |q| unsafe { q.submit(&apex::Launch::prepared(&p, &[])) }.map(drop),
                 sync,
             )?;
             rows.push(Row {
-                name: format!("{tag}: call, Queue::launch_prepared_ticket (empty), isolated"),
+                name: format!("{tag}: call, Queue::submit prepared (empty), isolated"),
                 ns: ticket_isolated,
             });
             rows.push(Row {
-                name: format!("{tag}: call, Queue::launch_prepared (empty)"),
+                name: format!("{tag}: call, Queue::submit_fenced prepared (empty)"),
                 ns: fenced,
             });
             rows.push(Row {
-                name: format!("{tag}: call, Queue::launch_prepared_ticket (empty)"),
+                name: format!("{tag}: call, Queue::submit prepared (empty)"),
                 ns: ticket,
             });
         }

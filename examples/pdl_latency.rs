@@ -3,8 +3,8 @@
 //! (kernels/apex_pdl.cu), sent every way APEX and CUDA can send them:
 //!
 //! - eager, one launch at a time: `Queue::launch` (cuLaunchKernel on the driver backend), and
-//!   `Queue::launch_programmatic` (cuLaunchKernelEx with programmatic stream serialization);
-//! - chained, one call per launch and one chain: `Queue::launch_chained` and `Queue::launch_chained_programmatic`
+//!   `Launch::programmatic` (cuLaunchKernelEx with programmatic stream serialization);
+//! - chained, one call per launch and one chain: `Launch::chained` and `Launch::chained().programmatic()`
 //!   (on the driver backend the same stream launches as eager);
 //! - as a graph of 1000 nodes in a chain, replayed once: plain edges, and programmatic edges (on the driver backend
 //!   a CUDA graph built node by node, `cuGraphLaunch`).
@@ -19,7 +19,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use apex::{Arg, BackendRequest, Buffer, Gpu, Graph, Kernel, LaunchConfig, Queue};
+use apex::{Arg, BackendRequest, Buffer, Gpu, Graph, Kernel, Launch, LaunchConfig, Queue};
 
 const PDL: &[u8] = include_bytes!("../kernels/apex_pdl.sm_90.cubin");
 const T: Duration = Duration::from_secs(60);
@@ -122,20 +122,23 @@ fn time(
                     f
                 }
                 (Way::EagerProgrammatic, _) => {
-                    let mut f = s.q.launch_programmatic(&k, &cfg, &args)?;
+                    let launch = Launch::new(&k, &cfg, &args).programmatic();
+                    let mut f = s.q.submit_fenced(&launch)?;
                     for _ in 1..launches() {
-                        f = s.q.launch_programmatic(&k, &cfg, &args)?;
+                        f = s.q.submit_fenced(&launch)?;
                     }
                     f
                 }
                 (Way::Chained | Way::ChainedProgrammatic, _) => {
-                    s.q.launch_chained(&k, &cfg, &args)?;
+                    let link = Launch::new(&k, &cfg, &args).chained();
+                    s.q.submit(&link)?;
+                    let link = if way == Way::Chained {
+                        link
+                    } else {
+                        link.programmatic()
+                    };
                     for _ in 1..launches() {
-                        if way == Way::Chained {
-                            s.q.launch_chained(&k, &cfg, &args)?;
-                        } else {
-                            s.q.launch_chained_programmatic(&k, &cfg, &args)?;
-                        }
+                        s.q.submit(&link)?;
                     }
                     s.q.end_chain()?
                 }

@@ -51,7 +51,7 @@ pub mod sim;
 
 pub use api::{
     Backend, BackendRequest, Buffer, DeviceInfo, Error, FallbackReason, Fence, Global, Gpu,
-    HostBuffer, Kernel, MemoryPool, Module, PeerAccess, PeerLink, PoolBuffer, PoolOptions,
+    HostBuffer, Kernel, Launch, MemoryPool, Module, PeerAccess, PeerLink, PoolBuffer, PoolOptions,
     PoolOutOfMemory, PoolStats, PreparedLaunch, Queue, QueueOptions, Result, Selection, Ticket,
     choose,
 };

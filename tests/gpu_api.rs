@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use apex::{Arg, Backend, BackendRequest, Gpu, LaunchConfig};
+use apex::{Arg, Backend, BackendRequest, Gpu, Launch, LaunchConfig};
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
 const PTX: &[u8] = include_bytes!("../kernels/apex_test_kernels.ptx");
@@ -104,10 +104,12 @@ fn chained(b: Backend) {
         match i % 1000 {
             999 => unsafe { q.launch(&k, &cfg, &args) }.map(drop).unwrap(),
             500 => {
-                unsafe { q.launch_chained(&k, &cfg, &args) }.unwrap();
+                unsafe { q.submit(&Launch::new(&k, &cfg, &args).chained()) }.unwrap();
                 q.end_chain().unwrap();
             }
-            _ => unsafe { q.launch_chained(&k, &cfg, &args) }.unwrap(),
+            _ => unsafe { q.submit(&Launch::new(&k, &cfg, &args).chained()) }
+                .map(drop)
+                .unwrap(),
         }
     }
     // A download is a copy: it ends nothing left open here, and it sees the last launch's result.

@@ -5,7 +5,9 @@
 
 use std::time::{Duration, Instant};
 
-use apex::{Arg, Backend, BackendRequest, Gpu, HostBuffer, LaunchConfig, Queue, QueueOptions};
+use apex::{
+    Arg, Backend, BackendRequest, Gpu, HostBuffer, Launch, LaunchConfig, Queue, QueueOptions,
+};
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
 const PDL_CUBIN: &[u8] = include_bytes!("../kernels/apex_pdl.sm_90.cubin");
@@ -206,9 +208,10 @@ fn copies_and_prepared_launches_keep_their_place(b: Backend) {
             // SAFETY: as in `steps`.
             unsafe {
                 if i % 2 == 0 {
-                    q.launch_prepared(&prepared, &args).map(drop)
+                    q.submit_fenced(&Launch::prepared(&prepared, &args))
+                        .map(drop)
                 } else {
-                    q.launch_prepared_ticket(&prepared, &args).map(drop)
+                    q.submit(&Launch::prepared(&prepared, &args)).map(drop)
                 }
             }
             .unwrap();
@@ -239,8 +242,8 @@ fn programmatic_launches_chain_too(b: Backend) {
     // Fewer than the queue's launch slots behind the spinning kernel (see runs_in_order_behind_busy_work).
     for v in 0..200u32 {
         // SAFETY: pdl_step runs griddepcontrol.wait before it touches `buf`, used by this queue alone.
-        unsafe { q.launch_programmatic(&step, &cfg, &[buf.arg(), Arg::U32(n), Arg::U32(v)]) }
-            .unwrap();
+        let args = [buf.arg(), Arg::U32(n), Arg::U32(v)];
+        unsafe { q.submit(&Launch::new(&step, &cfg, &args).programmatic()) }.unwrap();
     }
     stop.write(0, &1u32.to_le_bytes()).unwrap();
     q.synchronize().unwrap();
@@ -254,8 +257,8 @@ fn programmatic_launches_chain_too(b: Backend) {
         .unwrap();
     for v in 0..200u32 {
         // SAFETY: as above.
-        unsafe { plain.launch_programmatic(&step, &cfg, &[buf2.arg(), Arg::U32(n), Arg::U32(v)]) }
-            .unwrap();
+        let args = [buf2.arg(), Arg::U32(n), Arg::U32(v)];
+        unsafe { plain.submit(&Launch::new(&step, &cfg, &args).programmatic()) }.unwrap();
     }
     plain.synchronize().unwrap();
     let mut want = vec![0u8; n as usize * 4];

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use apex::{Arg, Backend, BackendRequest, Gpu, LaunchConfig};
+use apex::{Arg, Backend, BackendRequest, Gpu, Launch, LaunchConfig};
 
 const TRITON_GEN: &str = include_str!("../kernels/conformance/triton_gen.py");
 const NVCC_SRC: &str = include_str!("../kernels/conformance/nvcc_variants.cu");
@@ -406,14 +406,9 @@ fn cooperative(b: Backend) {
             .unwrap();
         q.upload(&g, &out, 0, &[0xff; 4]).unwrap();
         // SAFETY: the buffers hold what the kernel reads and writes.
-        unsafe {
-            q.launch_cooperative(
-                &k,
-                &LaunchConfig::linear(blocks, 256),
-                &[x.arg(), partial.arg(), out.arg(), Arg::I32(n)],
-            )
-            .unwrap();
-        }
+        let args = [x.arg(), partial.arg(), out.arg(), Arg::I32(n)];
+        let cfg = LaunchConfig::linear(blocks, 256);
+        unsafe { q.submit(&Launch::new(&k, &cfg, &args).cooperative()) }.unwrap();
         q.synchronize().unwrap();
         let mut got = [0u8; 4];
         q.download(&g, &out, 0, &mut got).unwrap();
@@ -425,13 +420,9 @@ fn cooperative(b: Backend) {
     }
     // A grid that cannot be resident at once is refused before anything runs (CUDA: too large).
     // SAFETY: refused before launch.
-    let e = unsafe {
-        q.launch_cooperative(
-            &k,
-            &LaunchConfig::linear(blocks * 1000, 1024),
-            &[x.arg(), partial.arg(), out.arg(), Arg::I32(n)],
-        )
-    };
+    let args = [x.arg(), partial.arg(), out.arg(), Arg::I32(n)];
+    let cfg = LaunchConfig::linear(blocks * 1000, 1024);
+    let e = unsafe { q.submit(&Launch::new(&k, &cfg, &args).cooperative()) };
     assert!(
         e.is_err(),
         "{b:?}: an oversized cooperative grid was accepted"

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use apex::{Arg, BackendRequest, Buffer, Gpu, HostBuffer, LaunchConfig, Queue};
+use apex::{Arg, BackendRequest, Buffer, Gpu, HostBuffer, Launch, LaunchConfig, Queue};
 
 const PDL: &[u8] = include_bytes!("../kernels/apex_pdl.sm_90.cubin");
 const N: u32 = 1 << 20;
@@ -91,27 +91,26 @@ fn steps_match_the_cpu(request: BackendRequest) {
         let args = steps.args(v);
         // SAFETY: pdl_step and pdl_busy run griddepcontrol.wait before touching memory; buf, scratch and other are
         // used by this queue alone.
+        let programmatic = Launch::new(&step, &cfg, &args).programmatic();
         let f = unsafe {
             match v % 50 {
                 10 => q.launch(&step, &cfg, &args),
-                20 => q.launch_prepared(&prepared, &args),
-                25..=27 => q.launch_prepared_programmatic(&prepared, &args),
+                20 => q.submit_fenced(&Launch::prepared(&prepared, &args)),
+                25..=27 => q.submit_fenced(&Launch::prepared(&prepared, &args).programmatic()),
                 30 => {
                     // A programmatic launch of another kernel in between (writes only scratch).
-                    q.launch_programmatic(
-                        &busy,
-                        &LaunchConfig::linear(gpu.info().sm_count, 128),
-                        &[scratch.arg(), Arg::U32(1000)],
-                    )
-                    .unwrap();
-                    q.launch_programmatic(&step, &cfg, &args)
+                    let busy_cfg = LaunchConfig::linear(gpu.info().sm_count, 128);
+                    let busy_args = [scratch.arg(), Arg::U32(1000)];
+                    q.submit(&Launch::new(&busy, &busy_cfg, &busy_args).programmatic())
+                        .unwrap();
+                    q.submit_fenced(&programmatic)
                 }
                 40 => {
                     q.copy_device_to_device(&scratch, 0, &other, 0, 4096)
                         .unwrap();
-                    q.launch_programmatic(&step, &cfg, &args)
+                    q.submit_fenced(&programmatic)
                 }
-                _ => q.launch_programmatic(&step, &cfg, &args),
+                _ => q.submit_fenced(&programmatic),
             }
         }
         .unwrap();
@@ -137,7 +136,7 @@ fn programmatic_launches_on_the_driver_backend_keep_every_dependency() {
     steps_match_the_cpu(BackendRequest::Driver);
 }
 
-/// Chains of `pdl_step` links, each a programmatic dependent of the link before (`launch_chained_programmatic`):
+/// Chains of `pdl_step` links, each a programmatic dependent of the link before (`Launch::chained().programmatic()`):
 /// long enough to be sent in several parts, with plain links, chain ends and an eager launch mixed in, every word
 /// checked against the CPU.
 fn chained_steps_match_the_cpu(request: BackendRequest) {
@@ -150,16 +149,17 @@ fn chained_steps_match_the_cpu(request: BackendRequest) {
     for v in 0..LAUNCHES {
         let args = steps.args(v);
         // SAFETY: pdl_step runs griddepcontrol.wait before touching memory; buf is used by this queue alone.
+        let link = Launch::new(&step, &cfg, &args).chained();
         unsafe {
             match v % 700 {
-                0 => q.launch_chained(&step, &cfg, &args).unwrap(),
+                0 => q.submit(&link).map(drop).unwrap(),
                 350 => drop(q.launch(&step, &cfg, &args).unwrap()),
                 699 => {
-                    q.launch_chained_programmatic(&step, &cfg, &args).unwrap();
+                    q.submit(&link.programmatic()).unwrap();
                     q.end_chain().unwrap();
                 }
-                _ if v % 97 == 0 => q.launch_chained(&step, &cfg, &args).unwrap(),
-                _ => q.launch_chained_programmatic(&step, &cfg, &args).unwrap(),
+                _ if v % 97 == 0 => q.submit(&link).map(drop).unwrap(),
+                _ => q.submit(&link.programmatic()).map(drop).unwrap(),
             }
         }
         steps.advance(v);
@@ -202,7 +202,8 @@ fn two_hundred_thousand_programmatic_launches_keep_every_dependency() {
     let cfg = LaunchConfig::linear(8, 128);
     for v in 0..MANY {
         // SAFETY: pdl_step waits for the launch before it before touching the words, which only this queue uses.
-        unsafe { q.launch_programmatic(&step, &cfg, &steps.args(v)) }.unwrap();
+        let args = steps.args(v);
+        unsafe { q.submit(&Launch::new(&step, &cfg, &args).programmatic()) }.unwrap();
         steps.advance(v);
     }
     steps.check(&gpu, &mut q, &format!("{MANY} programmatic launches"));
@@ -232,12 +233,15 @@ fn a_dependent_that_does_not_wait_completes_after_its_producer() {
         host.write(0, &[0u8; 512]).unwrap();
         // SAFETY: the kernels write only `host`, which this test alone uses; pdl_empty touches nothing.
         let (producer, dependent) = unsafe {
-            q.launch_programmatic(&empty, &one, &[]).unwrap();
-            let a = q
-                .launch_programmatic(&late, &one, &[Arg::Ptr(flag), Arg::U32(4_000_000)])
+            q.submit(&Launch::new(&empty, &one, &[]).programmatic())
                 .unwrap();
+            let late_args = [Arg::Ptr(flag), Arg::U32(4_000_000)];
+            let a = q
+                .submit_fenced(&Launch::new(&late, &one, &late_args).programmatic())
+                .unwrap();
+            let nowait_args = [Arg::Ptr(out), Arg::Ptr(flag)];
             let p = q
-                .launch_programmatic(&nowait, &one, &[Arg::Ptr(out), Arg::Ptr(flag)])
+                .submit_fenced(&Launch::new(&nowait, &one, &nowait_args).programmatic())
                 .unwrap();
             (a, p)
         };
@@ -319,11 +323,32 @@ fn chained_and_graph_dependents_that_do_not_wait_complete_after_their_producers(
     check("chain", &mut q, &mut |q| {
         // SAFETY: the kernels write only `host`, which this test alone uses.
         unsafe {
-            q.launch_chained(&late, &one, &late_args).unwrap();
-            q.launch_chained_programmatic(&nowait, &one, &nowait_args)
+            q.submit(&Launch::new(&late, &one, &late_args).chained())
                 .unwrap();
+            q.submit(
+                &Launch::new(&nowait, &one, &nowait_args)
+                    .chained()
+                    .programmatic(),
+            )
+            .unwrap();
         }
         q.end_chain().unwrap()
+    });
+    check("chain, the last link's ticket", &mut q, &mut |q| {
+        // SAFETY: as above.
+        let t = unsafe {
+            q.submit(&Launch::new(&late, &one, &late_args).chained())
+                .unwrap();
+            q.submit(
+                &Launch::new(&nowait, &one, &nowait_args)
+                    .chained()
+                    .programmatic(),
+            )
+            .unwrap()
+        };
+        // The chain is sent by flush: the ticket's fence completes with it.
+        q.flush().unwrap();
+        q.fence(t).unwrap()
     });
     for schedule in [GraphSchedule::Gpu, GraphSchedule::FrontEnd] {
         q.direct().unwrap().set_graph_schedule(schedule);

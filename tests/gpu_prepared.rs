@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use apex::{Arg, Backend, BackendRequest, Gpu, LaunchConfig, LaunchMemory, QueueOptions};
+use apex::{Arg, Backend, BackendRequest, Gpu, Launch, LaunchConfig, LaunchMemory, QueueOptions};
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
 const T: Duration = Duration::from_secs(20);
@@ -88,23 +88,21 @@ fn run_with(b: Backend, options: QueueOptions) {
                     for (yy, xx) in y.iter_mut().zip(&x) {
                         *yy = a.mul_add(*xx, *yy);
                     }
-                    q.launch_prepared(
-                        &p_saxpy,
-                        &[Arg::F32(a), dx.arg(), dy.arg(), Arg::U32(n as u32)],
-                    )
-                    .unwrap();
-                    q.launch_prepared(&p_step, &args).unwrap()
+                    let saxpy_args = [Arg::F32(a), dx.arg(), dy.arg(), Arg::U32(n as u32)];
+                    q.submit_fenced(&Launch::prepared(&p_saxpy, &saxpy_args))
+                        .unwrap();
+                    q.submit_fenced(&Launch::prepared(&p_step, &args)).unwrap()
                 }
                 6 => {
-                    let t = q.launch_prepared_ticket(&p_step, &args).unwrap();
+                    let t = q.submit(&Launch::prepared(&p_step, &args)).unwrap();
                     q.fence(t).unwrap()
                 }
                 0 => {
                     // A ticket alone; the launches after it order it.
-                    q.launch_prepared_ticket(&p_step, &args).unwrap();
+                    q.submit(&Launch::prepared(&p_step, &args)).unwrap();
                     continue;
                 }
-                _ => q.launch_prepared(&p_step, &args).unwrap(),
+                _ => q.submit_fenced(&Launch::prepared(&p_step, &args)).unwrap(),
             }
         });
     }
@@ -168,7 +166,7 @@ fn idle_polled_queues_let_other_queues_run() {
             .map(|_| {
                 let s = std::time::Instant::now();
                 // SAFETY: the empty kernel touches no memory.
-                unsafe { q.launch_prepared(&p, &[]) }
+                unsafe { q.submit_fenced(&Launch::prepared(&p, &[])) }
                     .unwrap()
                     .wait(T)
                     .unwrap();
@@ -246,7 +244,8 @@ fn a_ticket_is_refused_by_another_queue() {
     let other = g.queue().unwrap();
     let p = q.prepare(&step, &LaunchConfig::linear(1, 1)).unwrap();
     // SAFETY: chain_step reads and writes the 8 bytes of v.
-    let t = unsafe { q.launch_prepared_ticket(&p, &[v.arg(), Arg::U64(1), Arg::U64(1)]) }.unwrap();
+    let args = [v.arg(), Arg::U64(1), Arg::U64(1)];
+    let t = unsafe { q.submit(&Launch::prepared(&p, &args)) }.unwrap();
     let e = other.fence(t).unwrap_err().to_string();
     assert!(e.contains("ticket"), "{e}");
     q.fence(t).unwrap().wait(T).unwrap();
@@ -268,10 +267,14 @@ fn a_prepared_launch_is_refused_on_another_queue() {
     let mut b = g.queue().unwrap();
     let p = a.prepare(&empty, &LaunchConfig::linear(1, 1)).unwrap();
     // SAFETY: the empty kernel touches no memory.
-    let e = unsafe { b.launch_prepared(&p, &[]) }.unwrap_err();
+    let e = unsafe { b.submit(&Launch::prepared(&p, &[])) }.unwrap_err();
+    assert!(e.to_string().contains("prepare it on this queue"), "{e}");
+    // A chained link of it too.
+    // SAFETY: as above.
+    let e = unsafe { b.submit(&Launch::prepared(&p, &[]).chained()) }.unwrap_err();
     assert!(e.to_string().contains("prepare it on this queue"), "{e}");
     // SAFETY: as above.
-    unsafe { a.launch_prepared(&p, &[]) }
+    unsafe { a.submit_fenced(&Launch::prepared(&p, &[])) }
         .unwrap()
         .wait(T)
         .unwrap();

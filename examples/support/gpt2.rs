@@ -284,12 +284,12 @@ impl Kernels {
 pub enum StepLaunch {
     /// One launch (one doorbell) at a time, each after the one before has completed.
     Eager,
-    /// One launch at a time, each a programmatic dependent launch of the one before (`Queue::launch_programmatic`).
+    /// One launch at a time, each a programmatic dependent launch of the one before (`apex::Launch::programmatic`).
     Programmatic,
     /// The step as one GPU-scheduled chain.
     Chained,
     /// The step as one GPU-scheduled chain whose links after the first are programmatic dependents of the link
-    /// before (`Queue::launch_chained_programmatic`).
+    /// before (`apex::Launch::chained` and `apex::Launch::programmatic`).
     ChainedProgrammatic,
 }
 
@@ -516,21 +516,20 @@ impl GpuModel {
             // SAFETY: the launches address only the model's buffers, sized for them (the caller's promise for the
             // rest); every kernel runs griddepcontrol.wait before it touches them.
             unsafe {
+                let launch = apex::Launch::new(k.get(l.kernel), &l.cfg, &l.args);
                 match how {
                     StepLaunch::Eager => drop(q.launch(k.get(l.kernel), &l.cfg, &l.args)?),
-                    StepLaunch::Chained => q.launch_chained(k.get(l.kernel), &l.cfg, &l.args)?,
+                    StepLaunch::Chained => q.submit(&launch.chained()).map(drop)?,
                     // The step's first launch heads the chain; it waits for whatever came before as usual.
                     StepLaunch::ChainedProgrammatic if i == 0 => {
-                        q.launch_chained(k.get(l.kernel), &l.cfg, &l.args)?
+                        q.submit(&launch.chained()).map(drop)?
                     }
                     StepLaunch::ChainedProgrammatic => {
-                        q.launch_chained_programmatic(k.get(l.kernel), &l.cfg, &l.args)?
+                        q.submit(&launch.chained().programmatic()).map(drop)?
                     }
                     // The step's first launch follows the previous step's last (or whatever the caller did in
                     // between): programmatic too, the queue decides whether it can start early.
-                    StepLaunch::Programmatic => {
-                        drop(q.launch_programmatic(k.get(l.kernel), &l.cfg, &l.args)?)
-                    }
+                    StepLaunch::Programmatic => drop(q.submit_fenced(&launch.programmatic())?),
                 }
             }
         }

@@ -281,7 +281,7 @@ enum FuncState {
     Refused(Refusal),
 }
 
-/// A queue's last launch: a ticket (plain launches, no reference count) or a fence.
+/// A queue's last launch: a ticket (launches, no reference count) or a fence (copies).
 enum Last {
     Ticket(Ticket),
     Fence(Fence),
@@ -942,16 +942,15 @@ impl Engine {
         // way, and the queue is ordered with the stream.
         let result = unsafe {
             match prepared {
-                Some(p) if extras.programmatic => queue
-                    .launch_prepared_programmatic_ticket(p, args)
-                    .map(Last::Ticket),
-                Some(p) => queue.launch_prepared_ticket(p, args).map(Last::Ticket),
+                Some(p) if extras.programmatic => {
+                    queue.submit(&apex::Launch::prepared(p, args).programmatic())
+                }
+                Some(p) => queue.submit(&apex::Launch::prepared(p, args)),
                 // A cooperative launch runs in plain stream order, which programmatic serialization allows.
-                None => queue
-                    .launch_cooperative(&ready.kernel, &cfg, args)
-                    .map(Last::Fence),
+                None => queue.submit(&apex::Launch::new(&ready.kernel, &cfg, args).cooperative()),
             }
-        };
+        }
+        .map(Last::Ticket);
         args.clear();
         *epoch += 1;
         match result {

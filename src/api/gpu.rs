@@ -352,7 +352,7 @@ pub struct QueueOptions {
     ///
     /// A launch made while the queue's earlier work is still running is held as the next link of a chain that the
     /// GPU's work distributor schedules itself (as a CUDA graph runs, and as
-    /// [`Queue::launch_chained`](crate::Queue::launch_chained) records one) instead of being sent with a wait in the
+    /// a [`chained`](crate::Launch::chained) launch records one) instead of being sent with a wait in the
     /// channel's front end; a launch made while the queue is idle is sent at once, as usual, so a lone launch
     /// completes as soon as on any queue. The links held so far are sent when a later call on the queue finds the
     /// GPU has finished what was sent, when a part of

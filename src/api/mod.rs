@@ -28,7 +28,7 @@ pub use memory::{Buffer, HostBuffer};
 pub use module::{Global, Kernel, Module};
 pub use multi_gpu::PeerAccess;
 pub use pool::{MemoryPool, PoolBuffer, PoolOptions, PoolStats};
-pub use queue::{PreparedLaunch, Queue, Ticket};
+pub use queue::{Launch, PreparedLaunch, Queue, Ticket};
 pub use selection::{Backend, BackendRequest, FallbackReason, Selection, choose};
 
 #[cfg(test)]

@@ -46,8 +46,8 @@ pub struct Queue {
     pub(super) peer_engines: Vec<PeerEngines>,
 }
 
-/// A launch checked once by [`Queue::prepare`], launched again and again with new arguments by
-/// [`Queue::launch_prepared`] on the queue that prepared it.
+/// A launch checked once by [`Queue::prepare`], submitted again and again with new arguments by
+/// [`Queue::submit`] (as [`Launch::prepared`]) on the queue that prepared it.
 #[derive(Clone, Debug)]
 pub struct PreparedLaunch(Backed<launch::PreparedLaunch, driver::Prepared>);
 
@@ -64,6 +64,183 @@ impl PreparedLaunch {
             Backed::Driver(p) => p.config(),
         }
     }
+}
+
+/// One launch for [`Queue::submit`]: what runs (a kernel over a launch shape, or a [`PreparedLaunch`]), with
+/// which arguments, and how it is ordered against the work before it on the queue.
+///
+/// Built by [`Launch::new`] or [`Launch::prepared`]; without a modifier it is a plain launch in stream order (it
+/// starts once the work before it on the queue has completed), as [`Queue::launch`] makes. The modifiers choose
+/// another order: [`programmatic`](Self::programmatic), [`cooperative`](Self::cooperative) and
+/// [`chained`](Self::chained) (`.chained().programmatic()`: a programmatic link of a chain). Building one is free
+/// (it borrows what it names and checks nothing); [`Queue::submit`] checks the launch, and refuses combinations
+/// that mean nothing (cooperative with programmatic or chained, a cooperative prepared launch) with
+/// [`Error::InvalidArgument`].
+///
+/// ```no_run
+/// use apex::{Arg, Gpu, Launch, LaunchConfig};
+/// # fn main() -> apex::Result<()> {
+/// let gpu = Gpu::open(0)?;
+/// let step = gpu.load_module_file("kernels/apex_pdl.sm_90.cubin")?.kernel("pdl_step")?;
+/// let n = 1u32 << 20;
+/// let buf = gpu.alloc(u64::from(n) * 4)?;
+/// let mut q = gpu.queue()?;
+/// let cfg = LaunchConfig::linear(n / 256, 256);
+/// for v in 0..100u32 {
+///     let args = [buf.arg(), Arg::U32(n), Arg::U32(v)];
+///     // SAFETY: pdl_step runs griddepcontrol.wait before it reads or writes `buf`, which only this queue uses.
+///     unsafe { q.submit(&Launch::new(&step, &cfg, &args).programmatic())? };
+/// }
+/// q.synchronize()?;
+/// # Ok(())
+/// # }
+/// ```
+#[must_use = "a Launch only describes a launch: Queue::submit submits it"]
+#[derive(Clone, Copy, Debug)]
+pub struct Launch<'a> {
+    what: What<'a>,
+    args: &'a [Arg<'a>],
+    programmatic: bool,
+    cooperative: bool,
+    chained: bool,
+}
+
+/// What a [`Launch`] runs.
+#[derive(Clone, Copy, Debug)]
+enum What<'a> {
+    Kernel(&'a Kernel, &'a LaunchConfig),
+    Prepared(&'a PreparedLaunch),
+}
+
+impl<'a> Launch<'a> {
+    /// A plain launch of `kernel` over `cfg` with `args`, checked against the kernel's parameter table and the
+    /// device limits when it is submitted.
+    #[inline]
+    pub const fn new(kernel: &'a Kernel, cfg: &'a LaunchConfig, args: &'a [Arg<'a>]) -> Launch<'a> {
+        Launch {
+            what: What::Kernel(kernel, cfg),
+            args,
+            programmatic: false,
+            cooperative: false,
+            chained: false,
+        }
+    }
+
+    /// A plain launch of `prepared` ([`Queue::prepare`]) with `args`, checked against the kernel's parameter table
+    /// when it is submitted, on the queue that prepared it: the lowest CPU cost per launch (on the direct path the
+    /// QMD, constant-bank words and limits were checked and built by `prepare`, and a submission writes only the
+    /// parameters and the completion value; it allocates nothing on either backend).
+    #[inline]
+    pub const fn prepared(prepared: &'a PreparedLaunch, args: &'a [Arg<'a>]) -> Launch<'a> {
+        Launch {
+            what: What::Prepared(prepared),
+            args,
+            programmatic: false,
+            cooperative: false,
+            chained: false,
+        }
+    }
+
+    /// Makes it a programmatic dependent of the launch right before it on the queue (CUDA's programmatic stream
+    /// serialization, `cudaLaunchAttributeProgrammaticStreamSerialization`): it may start once every block of that
+    /// launch has exited or run `griddepcontrol.launch_dependents`, and its `griddepcontrol.wait` returns once that
+    /// launch has completed with its writes visible. Later work on the queue still waits for it as for any launch.
+    ///
+    /// On the direct path the GPU's work distributor starts it through a gate of the previous launch, as libcuda
+    /// does, when that launch was programmatic too; where nothing can start it early (the queue's first
+    /// programmatic launch, or one after a plain launch, a copy, a wait or a chain) it is an ordinary launch, which
+    /// the attribute allows. On the driver backend, `cuLaunchKernelEx` with the attribute.
+    ///
+    /// With [`chained`](Self::chained), a programmatic link of a chain: the work distributor schedules it once every
+    /// block of the link before it has exited or run `griddepcontrol.launch_dependents`, and its
+    /// `griddepcontrol.wait` returns once that link has completed with its writes visible, as a programmatic edge of
+    /// a graph ([`GraphLaunch::programmatic`](crate::GraphLaunch::programmatic)). On the direct path the link before
+    /// arrives at a latch this launch waits on; the first launch of a chain (or of a part of a long one) waits for
+    /// the work before it as usual. On the driver backend it is `cuLaunchKernelEx` with programmatic stream
+    /// serialization, which may also overlap a chain's first launch with the work before it (as the attribute
+    /// allows; correct for kernels that wait as [`Queue::submit`]'s safety section requires).
+    ///
+    /// Not with [`cooperative`](Self::cooperative).
+    #[inline]
+    pub const fn programmatic(self) -> Launch<'a> {
+        Launch {
+            programmatic: true,
+            ..self
+        }
+    }
+
+    /// Makes it a launch of a kernel that synchronizes its whole grid (cooperative groups `this_grid().sync()`), as
+    /// `cuLaunchCooperativeKernel` does: refused unless every block can be resident at once. Cooperative launches
+    /// on one queue run in order and share one grid barrier.
+    ///
+    /// Not with [`programmatic`](Self::programmatic) or [`chained`](Self::chained), nor for a
+    /// [`prepared`](Self::prepared) launch (cooperative launches are not prepared): [`Queue::submit`] refuses them.
+    #[inline]
+    pub const fn cooperative(self) -> Launch<'a> {
+        Launch {
+            cooperative: true,
+            ..self
+        }
+    }
+
+    /// Makes it the next link of a chain of dependent launches, ended by [`Queue::end_chain`]. On the direct path
+    /// each link is scheduled by the GPU when the one before completes, with no round trip through the channel's
+    /// front end (as a CUDA graph runs), and long chains are sent part by part while they are recorded: a link is
+    /// recorded, and sent with its part by [`Queue::end_chain`], [`Queue::flush`], any other work on the queue, or
+    /// when its part is full. On the driver backend links are launched on the stream at once, which orders them the
+    /// same way. Any other launch or copy on the queue ends the chain first.
+    ///
+    /// The [`Ticket`] of a link completes when its chain's part does (on the driver backend, with the stream); wait
+    /// on its fence only once the part is sent.
+    ///
+    /// Not with [`cooperative`](Self::cooperative).
+    #[inline]
+    pub const fn chained(self) -> Launch<'a> {
+        Launch {
+            chained: true,
+            ..self
+        }
+    }
+
+    /// How it is ordered, or why it cannot be: the combinations [`Queue::submit`] refuses.
+    #[inline]
+    fn mode(&self) -> Result<How> {
+        Ok(match (self.cooperative, self.chained, self.programmatic) {
+            (false, false, false) => How::Plain,
+            (false, false, true) => How::Programmatic,
+            (false, true, false) => How::Chained,
+            (false, true, true) => How::ChainedProgrammatic,
+            (true, false, false) if matches!(self.what, What::Kernel(..)) => How::Cooperative,
+            _ => return Err(self.refusal()),
+        })
+    }
+
+    /// Why [`mode`](Self::mode) refuses this launch, in a sentence that says what to do.
+    #[cold]
+    #[inline(never)]
+    fn refusal(&self) -> Error {
+        let why = if self.programmatic {
+            "a cooperative launch cannot be programmatic: every block of its grid must be resident at once, so it \
+             cannot overlap the launch before it; drop .programmatic() or .cooperative()"
+        } else if self.chained {
+            "a cooperative launch cannot be a link of a chain: submit it without .chained() (it ends the open chain), \
+             or drop .cooperative()"
+        } else {
+            return cooperative_prepared();
+        };
+        Error::InvalidArgument(why.into())
+    }
+}
+
+/// The refusal of a cooperative prepared launch.
+#[cold]
+#[inline(never)]
+fn cooperative_prepared() -> Error {
+    Error::InvalidArgument(
+        "a prepared launch cannot be cooperative (cooperative launches are not prepared): submit \
+         Launch::new(kernel, cfg, args).cooperative() instead"
+            .into(),
+    )
 }
 
 const STAGING_BYTES: u64 = 32 << 20;
@@ -98,12 +275,14 @@ impl Queue {
         self.inner.driver().map(|q| q.stream())
     }
 
-    /// Launches `kernel` with `args`, checked against the kernel's parameter table and the device limits before
-    /// anything is submitted.
+    /// Launches `kernel` over `cfg` with `args`, checked against the kernel's parameter table and the device limits
+    /// before anything is submitted, in stream order: the short name of `submit(&Launch::new(kernel, cfg, args))`,
+    /// returning the launch's [`Fence`].
     ///
     /// # Safety
     /// The kernel may read and write any memory its arguments lead it to; the caller guarantees those buffers
     /// are not in use elsewhere until the fence completes.
+    #[inline]
     pub unsafe fn launch(
         &mut self,
         kernel: &Kernel,
@@ -111,72 +290,116 @@ impl Queue {
         args: &[Arg<'_>],
     ) -> Result<Fence> {
         // SAFETY: forwarded to the caller.
-        unsafe { self.submit(How::Plain, kernel, cfg, args) }.and_then(fenced)
+        unsafe { self.submit_fenced(&Launch::new(kernel, cfg, args)) }
     }
 
-    /// Launches `kernel` as a programmatic dependent of the launch right before it on this queue (CUDA's
-    /// programmatic stream serialization, `cudaLaunchAttributeProgrammaticStreamSerialization`): it may start once
-    /// every block of that launch has exited or run `griddepcontrol.launch_dependents`, and its
-    /// `griddepcontrol.wait` returns once that launch has completed with its writes visible. Later work on the queue
-    /// still waits for it as for any launch. On the direct path the GPU's work distributor starts it through a gate
-    /// of the previous launch, as libcuda does, when that launch was programmatic too; where nothing can start it
-    /// early (the queue's first programmatic launch, or one after a plain launch, a copy, a wait or a chain) it is an
-    /// ordinary launch, which the attribute allows. On the driver backend, `cuLaunchKernelEx` with the attribute.
+    /// Submits `launch` ([`Launch`]: a kernel or a [`PreparedLaunch`], its arguments, its order) in order with
+    /// everything else on the queue, and returns its [`Ticket`]: the cheapest launch call, free of reference
+    /// counts (a [`Fence`] holds one). [`fence`](Self::fence) turns the ticket into a fence when one is wanted;
+    /// [`submit_fenced`](Self::submit_fenced) returns the fence directly. A [`Launch::prepared`] launch allocates
+    /// nothing on either backend.
+    ///
+    /// The ticket completes when the launch does; a chained link's when its chain's part does (on the direct path
+    /// the value the open chain is sent with; send it with [`end_chain`](Self::end_chain) or
+    /// [`flush`](Self::flush) before waiting on it). On the driver backend a ticket's fence is the stream's: it
+    /// completes once everything submitted to the queue before it was made has.
+    ///
+    /// Refused with [`Error::InvalidArgument`] before anything is submitted: a cooperative launch that is also
+    /// programmatic or chained, a cooperative prepared launch; with the launch layer's error: arguments that do not
+    /// match the kernel's parameters, a shape outside the device limits, a prepared launch of another queue.
     ///
     /// ```no_run
-    /// use apex::{Arg, Gpu, LaunchConfig};
+    /// use apex::{Arg, Gpu, Launch, LaunchConfig};
+    /// use std::time::Duration;
     /// # fn main() -> apex::Result<()> {
     /// let gpu = Gpu::open(0)?;
-    /// let module = gpu.load_module_file("kernels/apex_pdl.sm_90.cubin")?;
-    /// let step = module.kernel("pdl_step")?;
+    /// let tests = gpu.load_module_file("kernels/apex_test_kernels.sm_90.cubin")?;
+    /// let (empty, count) = (tests.kernel("empty")?, tests.kernel("count_threads")?);
+    /// let step = gpu.load_module_file("kernels/apex_pdl.sm_90.cubin")?.kernel("pdl_step")?;
+    /// let counter = gpu.alloc(4)?;
     /// let n = 1u32 << 20;
     /// let buf = gpu.alloc(u64::from(n) * 4)?;
     /// let mut q = gpu.queue()?;
-    /// let cfg = LaunchConfig::linear(n / 256, 256);
-    /// for v in 0..100u32 {
-    ///     // SAFETY: pdl_step runs griddepcontrol.wait before it reads or writes `buf`, which only this queue uses.
-    ///     unsafe { q.launch_programmatic(&step, &cfg, &[buf.arg(), Arg::U32(n), Arg::U32(v)])? };
+    /// let one = LaunchConfig::linear(1, 32);
+    /// // SAFETY: empty touches no memory; count_threads adds one per thread to the u32 its argument points at;
+    /// // pdl_step runs griddepcontrol.wait before it reads or writes `buf`. Only this queue uses both buffers.
+    /// unsafe {
+    ///     // A plain launch.
+    ///     q.submit(&Launch::new(&empty, &one, &[]))?;
+    ///
+    ///     // A prepared launch, again and again: the cheapest call. Its ticket becomes a fence when one is wanted.
+    ///     let prepared = q.prepare(&count, &one)?;
+    ///     let args = [Arg::Ptr(counter.device_ptr())];
+    ///     let mut last = None;
+    ///     for _ in 0..1000 {
+    ///         last = Some(q.submit(&Launch::prepared(&prepared, &args))?);
+    ///     }
+    ///     if let Some(t) = last {
+    ///         q.fence(t)?.wait(Duration::from_secs(10))?;
+    ///     }
+    ///
+    ///     // Programmatic launches: each may start while the one before it finishes.
+    ///     let cfg = LaunchConfig::linear(n / 256, 256);
+    ///     for v in 0..100u32 {
+    ///         q.submit(&Launch::new(&step, &cfg, &[buf.arg(), Arg::U32(n), Arg::U32(v)]).programmatic())?;
+    ///     }
+    ///
+    ///     // A chain: the GPU schedules each link when the one before it has completed.
+    ///     for _ in 0..100 {
+    ///         q.submit(&Launch::new(&empty, &one, &[]).chained())?;
+    ///     }
+    ///     q.end_chain()?.wait(Duration::from_secs(10))?;
     /// }
-    /// q.synchronize()?;
     /// # Ok(())
     /// # }
     /// ```
     ///
     /// # Safety
-    /// As for [`launch`](Self::launch); also, the kernel must run `griddepcontrol.wait` before it touches memory
-    /// the launch before it writes, and must not write, before that wait, memory that launch reads or writes.
-    pub unsafe fn launch_programmatic(
-        &mut self,
-        kernel: &Kernel,
-        cfg: &LaunchConfig,
-        args: &[Arg<'_>],
-    ) -> Result<Fence> {
+    /// For every launch: the kernel may read and write any memory its arguments lead it to; the caller guarantees
+    /// those buffers are not in use elsewhere until the launch completes (its ticket's fence, or a later one: for a
+    /// chained link, its chain's).
+    ///
+    /// For a [`programmatic`](Launch::programmatic) launch, chained or not, also: the kernel must run
+    /// `griddepcontrol.wait` before it touches memory the launch before it writes, and must not, before that wait,
+    /// write memory the launch before it reads or writes (that launch may still be running).
+    ///
+    /// A [`cooperative`](Launch::cooperative) or [`chained`](Launch::chained) (not programmatic) launch asks
+    /// nothing more than a plain one.
+    #[inline]
+    pub unsafe fn submit(&mut self, launch: &Launch<'_>) -> Result<Ticket> {
+        let how = launch.mode()?;
         // SAFETY: forwarded to the caller.
-        unsafe { self.submit(How::Programmatic, kernel, cfg, args) }.and_then(fenced)
+        let value = unsafe {
+            match launch.what {
+                What::Prepared(p) => self.submit_prepared(p, launch.args, how)?,
+                What::Kernel(k, cfg) => self.submit_kernel(how, k, cfg, launch.args)?,
+            }
+        };
+        Ok(Ticket {
+            queue: self.id,
+            value,
+        })
     }
 
-    /// Launches a kernel that synchronizes its whole grid (cooperative groups `this_grid().sync()`), as
-    /// `cuLaunchCooperativeKernel` does: refused unless every block can be resident at once.
+    /// As [`submit`](Self::submit), returning the launch's [`Fence`] instead of its [`Ticket`] (what
+    /// `fence(submit(launch)?)` returns), for a caller that keeps or waits on the fence of a prepared, programmatic,
+    /// cooperative or chained launch. A fence holds a reference count: where none is wanted, `submit` is cheaper.
     ///
     /// # Safety
-    /// As for [`launch`](Self::launch).
-    pub unsafe fn launch_cooperative(
-        &mut self,
-        kernel: &Kernel,
-        cfg: &LaunchConfig,
-        args: &[Arg<'_>],
-    ) -> Result<Fence> {
+    /// As for [`submit`](Self::submit).
+    #[inline]
+    pub unsafe fn submit_fenced(&mut self, launch: &Launch<'_>) -> Result<Fence> {
         // SAFETY: forwarded to the caller.
-        unsafe { self.submit(How::Cooperative, kernel, cfg, args) }.and_then(fenced)
+        let ticket = unsafe { self.submit(launch)? };
+        Ok(self.fence_of(ticket.value))
     }
 
-    /// Checks a launch of `kernel` over `cfg` once, for [`launch_prepared`](Self::launch_prepared) to repeat with
-    /// new arguments at the lowest CPU cost: on the direct path the QMD, constant-bank words and limits checks are
-    /// done here, and each launch writes only its parameters and completion value. Cooperative launches are not
-    /// prepared.
+    /// Checks a launch of `kernel` over `cfg` once, for [`Launch::prepared`] to repeat with new arguments at the
+    /// lowest CPU cost: on the direct path the QMD, constant-bank words and limits checks are done here, and each
+    /// launch writes only its parameters and completion value. Cooperative launches are not prepared.
     ///
     /// ```no_run
-    /// use apex::{Arg, Gpu, LaunchConfig};
+    /// use apex::{Arg, Gpu, Launch, LaunchConfig};
     /// # fn main() -> apex::Result<()> {
     /// let gpu = Gpu::open(0)?;
     /// let module = gpu.load_module_file("kernels/apex_test_kernels.sm_90.cubin")?;
@@ -184,9 +407,10 @@ impl Queue {
     /// let counter = gpu.alloc(4)?;
     /// let mut q = gpu.queue()?;
     /// let step = q.prepare(&count, &LaunchConfig::linear(1, 32))?;
+    /// let args = [Arg::Ptr(counter.device_ptr())];
     /// for _ in 0..1000 {
     ///     // SAFETY: count_threads adds one per thread to the u32 its argument points at, used by this queue alone.
-    ///     unsafe { q.launch_prepared(&step, &[Arg::Ptr(counter.device_ptr())])? };
+    ///     unsafe { q.submit(&Launch::prepared(&step, &args))? };
     /// }
     /// q.synchronize()?;
     /// # Ok(())
@@ -201,99 +425,6 @@ impl Queue {
         ))
     }
 
-    /// Launches a launch [`prepare`](Self::prepare)d on this queue, with `args` checked against the kernel's
-    /// parameter table, in order with everything else on the queue.
-    ///
-    /// # Safety
-    /// As for [`launch`](Self::launch).
-    pub unsafe fn launch_prepared(
-        &mut self,
-        prepared: &PreparedLaunch,
-        args: &[Arg<'_>],
-    ) -> Result<Fence> {
-        // SAFETY: forwarded to the caller.
-        unsafe { self.submit_prepared(prepared, args, How::Plain) }
-    }
-
-    /// Launches a launch [`prepare`](Self::prepare)d on this queue as a programmatic dependent of the launch right
-    /// before it, as [`launch_programmatic`](Self::launch_programmatic) does.
-    ///
-    /// # Safety
-    /// As for [`launch_programmatic`](Self::launch_programmatic).
-    pub unsafe fn launch_prepared_programmatic(
-        &mut self,
-        prepared: &PreparedLaunch,
-        args: &[Arg<'_>],
-    ) -> Result<Fence> {
-        // SAFETY: forwarded to the caller.
-        unsafe { self.submit_prepared(prepared, args, How::Programmatic) }
-    }
-
-    /// As [`launch_prepared`](Self::launch_prepared), returning a [`Ticket`] instead of a [`Fence`]: the cheapest
-    /// launch call, for a caller that waits on the queue ([`synchronize`](Self::synchronize)) or on a later
-    /// launch's fence. [`fence`](Self::fence) turns the ticket into a fence. Allocates nothing on either backend.
-    ///
-    /// # Safety
-    /// As for [`launch`](Self::launch).
-    #[inline]
-    pub unsafe fn launch_prepared_ticket(
-        &mut self,
-        prepared: &PreparedLaunch,
-        args: &[Arg<'_>],
-    ) -> Result<Ticket> {
-        // SAFETY: forwarded to the caller.
-        unsafe { self.submit_prepared_ticket(prepared, args, How::Plain) }
-    }
-
-    /// As [`launch_prepared_programmatic`](Self::launch_prepared_programmatic), returning a [`Ticket`] instead of a
-    /// [`Fence`] (see [`launch_prepared_ticket`](Self::launch_prepared_ticket)).
-    ///
-    /// # Safety
-    /// As for [`launch_programmatic`](Self::launch_programmatic).
-    #[inline]
-    pub unsafe fn launch_prepared_programmatic_ticket(
-        &mut self,
-        prepared: &PreparedLaunch,
-        args: &[Arg<'_>],
-    ) -> Result<Ticket> {
-        // SAFETY: forwarded to the caller.
-        unsafe { self.submit_prepared_ticket(prepared, args, How::Programmatic) }
-    }
-
-    /// A prepared launch, plain (`How::Plain`) or programmatic (`How::Programmatic`), returning a ticket.
-    ///
-    /// # Safety
-    /// As for [`launch`](Self::launch), and for a programmatic one as for
-    /// [`launch_programmatic`](Self::launch_programmatic).
-    #[inline]
-    unsafe fn submit_prepared_ticket(
-        &mut self,
-        prepared: &PreparedLaunch,
-        args: &[Arg<'_>],
-        how: How,
-    ) -> Result<Ticket> {
-        let programmatic = how == How::Programmatic;
-        let value = match self.inner.as_mut().with(prepared.0.as_ref())? {
-            // SAFETY: forwarded to the caller.
-            Backed::Direct((q, p)) => unsafe {
-                if programmatic {
-                    q.launch_prepared_programmatic_value(p, args)?
-                } else {
-                    q.launch_prepared_value(p, args)?
-                }
-            },
-            Backed::Driver((q, p)) => {
-                // SAFETY: forwarded to the caller.
-                unsafe { q.launch_prepared(p, programmatic, args)? };
-                0
-            }
-        };
-        Ok(Ticket {
-            queue: self.id,
-            value,
-        })
-    }
-
     /// A fence that completes once the launch `ticket` stands for has (on the driver backend, once the queue's
     /// stream has done everything submitted so far). An error for a ticket of another queue.
     pub fn fence(&self, ticket: Ticket) -> Result<Fence> {
@@ -303,155 +434,90 @@ impl Queue {
                 ticket.queue, self.id
             )));
         }
-        Ok(match &self.inner {
-            Backed::Direct(q) => Fence::from_direct(q.fence_for(ticket.value), q),
-            Backed::Driver(q) => Fence::from_driver(q.fence()),
-        })
+        Ok(self.fence_of(ticket.value))
     }
 
-    /// A prepared launch, plain (`How::Plain`) or programmatic (`How::Programmatic`).
+    /// The fence of timeline value `value` (direct path), or of the stream (driver backend).
+    #[inline]
+    fn fence_of(&self, value: u64) -> Fence {
+        match &self.inner {
+            Backed::Direct(q) => Fence::from_direct(q.fence_for(value), q),
+            Backed::Driver(q) => Fence::from_driver(q.fence()),
+        }
+    }
+
+    /// A prepared launch, ordered as `how` says (never cooperative: [`Launch::mode`] refuses it); its value on the
+    /// queue's timeline (0 on the driver backend). Allocates nothing.
     ///
     /// # Safety
-    /// As for [`launch`](Self::launch), and for a programmatic one as for
-    /// [`launch_programmatic`](Self::launch_programmatic).
+    /// As for [`submit`](Self::submit).
+    #[inline]
     unsafe fn submit_prepared(
         &mut self,
         prepared: &PreparedLaunch,
         args: &[Arg<'_>],
         how: How,
-    ) -> Result<Fence> {
-        let programmatic = how == How::Programmatic;
+    ) -> Result<u64> {
         match self.inner.as_mut().with(prepared.0.as_ref())? {
-            Backed::Direct((q, p)) => {
-                // SAFETY: forwarded to the caller.
-                let f = unsafe {
-                    if programmatic {
-                        q.launch_prepared_programmatic(p, args)?
-                    } else {
-                        q.launch_prepared(p, args)?
-                    }
-                };
-                Ok(Fence::from_direct(f, q))
-            }
+            // SAFETY: forwarded to the caller.
+            Backed::Direct((q, p)) => Ok(unsafe {
+                match how {
+                    How::Plain => q.launch_prepared_value(p, args)?,
+                    How::Programmatic => q.launch_prepared_programmatic_value(p, args)?,
+                    How::Chained => q.record_prepared_chained_value(p, args, false)?,
+                    How::ChainedProgrammatic => q.record_prepared_chained_value(p, args, true)?,
+                    How::Cooperative => return Err(cooperative_prepared()),
+                }
+            }),
             Backed::Driver((q, p)) => {
+                if how == How::Cooperative {
+                    return Err(cooperative_prepared());
+                }
                 // SAFETY: forwarded to the caller.
-                unsafe { q.launch_prepared(p, programmatic, args)? };
-                Ok(Fence::from_driver(q.fence()))
+                unsafe { q.launch_prepared(p, how, args)? };
+                Ok(0)
             }
         }
     }
 
-    /// Records `kernel` as the next link of a chain of dependent launches, ended by [`end_chain`](Self::end_chain).
-    /// On the direct path each link is scheduled by the GPU when the one before completes, with no round trip
-    /// through the channel's front end (as a CUDA graph runs), and long chains are sent part by part while they are
-    /// recorded. On the driver backend links are launched on the stream at once, which orders them the same way.
-    /// Any other launch or copy on the queue ends the chain first.
+    /// The one place a launch of a kernel picks its backend: matches the queue's backend with the kernel's and
+    /// forwards to the direct path's compute queue or the driver's stream; the launch's value on the queue's
+    /// timeline (for a chained link, its chain's part's; 0 on the driver backend).
     ///
     /// # Safety
-    /// As for [`launch`](Self::launch).
-    pub unsafe fn launch_chained(
-        &mut self,
-        kernel: &Kernel,
-        cfg: &LaunchConfig,
-        args: &[Arg<'_>],
-    ) -> Result<()> {
-        // SAFETY: forwarded to the caller.
-        unsafe { self.submit(How::Chained, kernel, cfg, args) }.map(drop)
-    }
-
-    /// Records `kernel` as the next link of a chain ([`launch_chained`](Self::launch_chained)) that is a
-    /// programmatic dependent of the link before it: it may start once every block of that link has exited or run
-    /// `griddepcontrol.launch_dependents`, and its `griddepcontrol.wait` returns once that link has completed and
-    /// its writes are visible, as a programmatic edge of a graph
-    /// ([`GraphLaunch::programmatic`](crate::GraphLaunch::programmatic)). On the direct path
-    /// the link before arrives at a latch this launch waits on; the first launch of a chain (or of a part of a long
-    /// one) waits for the work before it as usual. On the driver backend it is `cuLaunchKernelEx` with
-    /// programmatic stream serialization, which may also overlap a chain's first launch with the work before it
-    /// (as the attribute allows; correct for kernels that wait as required below).
-    ///
-    /// ```no_run
-    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// use apex::{Gpu, LaunchConfig};
-    /// let gpu = Gpu::open(0)?;
-    /// let module = gpu.load_module(&std::fs::read("kernels.cubin")?)?;
-    /// // Kernels that start with griddepcontrol.wait (cudaGridDependencySynchronize).
-    /// let (first, next) = (module.kernel("first")?, module.kernel("next")?);
-    /// let mut q = gpu.queue()?;
-    /// let cfg = LaunchConfig::linear(132, 256);
-    /// // SAFETY: the kernels take no arguments and wait for their producer before touching memory.
-    /// unsafe {
-    ///     q.launch_chained(&first, &cfg, &[])?;
-    ///     for _ in 0..100 {
-    ///         q.launch_chained_programmatic(&next, &cfg, &[])?;
-    ///     }
-    /// }
-    /// q.end_chain()?.wait(std::time::Duration::from_secs(5))?;
-    /// # Ok(())
-    /// # }
-    /// ```
-    ///
-    /// # Safety
-    /// As for [`launch`](Self::launch); also, the kernel must run `griddepcontrol.wait` before it touches memory
-    /// the launch before it writes, and must not, before that wait, write memory the launch before it reads or
-    /// writes (that launch may still be running).
-    pub unsafe fn launch_chained_programmatic(
-        &mut self,
-        kernel: &Kernel,
-        cfg: &LaunchConfig,
-        args: &[Arg<'_>],
-    ) -> Result<()> {
-        // SAFETY: forwarded to the caller.
-        unsafe { self.submit(How::ChainedProgrammatic, kernel, cfg, args) }.map(drop)
-    }
-
-    /// The one place a launch picks its backend: matches the queue's backend with the kernel's and forwards to
-    /// the direct path's compute queue or the driver's stream. A chained link returns no fence (its chain's end
-    /// does).
-    ///
-    /// # Safety
-    /// As for [`launch`](Self::launch).
+    /// As for [`submit`](Self::submit).
     #[inline]
-    unsafe fn submit(
+    unsafe fn submit_kernel(
         &mut self,
         how: How,
         kernel: &Kernel,
         cfg: &LaunchConfig,
         args: &[Arg<'_>],
-    ) -> Result<Option<Fence>> {
-        let chained = how.is_chained();
-        if !chained {
+    ) -> Result<u64> {
+        if !how.is_chained() {
             // Any launch but a chained link ends the driver backend's chain, whatever the kernel.
             self.other_work();
         }
         match self.inner.as_mut().with(kernel.inner().as_ref())? {
-            Backed::Direct((q, k)) => {
-                // SAFETY: forwarded to the caller.
-                let f = unsafe {
-                    match how {
-                        How::Plain => q.launch(k, cfg, args)?,
-                        How::Cooperative => q.launch_cooperative(k, cfg, args)?,
-                        How::Programmatic => q.launch_programmatic(k, cfg, args)?,
-                        How::Chained => {
-                            q.record_launch_chained(k, cfg, args)?;
-                            return Ok(None);
-                        }
-                        How::ChainedProgrammatic => {
-                            q.record_launch_chained_programmatic(k, cfg, args)?;
-                            return Ok(None);
-                        }
-                    }
-                };
-                Ok(Some(Fence::from_direct(f, q)))
-            }
+            // SAFETY: forwarded to the caller.
+            Backed::Direct((q, k)) => Ok(unsafe {
+                match how {
+                    How::Plain => q.launch_value(k, cfg, args)?,
+                    How::Cooperative => q.launch_cooperative_value(k, cfg, args)?,
+                    How::Programmatic => q.launch_programmatic_value(k, cfg, args)?,
+                    How::Chained => q.record_chained_value(k, cfg, args, false)?,
+                    How::ChainedProgrammatic => q.record_chained_value(k, cfg, args, true)?,
+                }
+            }),
             Backed::Driver((q, k)) => {
                 // SAFETY: forwarded to the caller.
                 unsafe { q.launch(how, k, cfg, args)? };
-                Ok((!chained).then(|| Fence::from_driver(q.fence())))
+                Ok(0)
             }
         }
     }
 
-    /// Ends the chain recorded by [`launch_chained`](Self::launch_chained) and submits it; the fence completes when
+    /// Ends the chain recorded by [`chained`](Launch::chained) launches and submits it; the fence completes when
     /// its last launch has. An error if no chained launch was recorded since the chain last ended.
     pub fn end_chain(&mut self) -> Result<Fence> {
         match &mut self.inner {
@@ -464,7 +530,7 @@ impl Queue {
     }
 
     /// Sends everything the queue holds: the links a chained queue ([`QueueOptions::chained`]) holds back while
-    /// the GPU is busy, and an open chain of [`launch_chained`](Self::launch_chained) (ended as
+    /// the GPU is busy, and an open chain of [`chained`](Launch::chained) launches (ended as
     /// [`end_chain`](Self::end_chain) ends it). Needed only before waiting on a fence of such a launch while making
     /// no other call on the queue; every other call sends them first anyway.
     pub fn flush(&mut self) -> Result<()> {
@@ -884,11 +950,11 @@ impl Queue {
 ///
 /// A [`Fence`] holds a reference count. Taking it and dropping it are locked instructions, and a locked instruction
 /// makes the CPU wait until every store before it has left the core: the launch's own stores and its doorbell
-/// (0.1 to 0.3 µs per launch on an H100 machine, BENCHMARKS.md). [`Queue::launch_prepared_ticket`] returns a ticket
+/// (0.1 to 0.3 µs per launch on an H100 machine, BENCHMARKS.md). [`Queue::submit`] returns a ticket
 /// instead, for callers that wait on the queue or on a later launch.
 ///
 /// ```no_run
-/// use apex::{Arg, Gpu, LaunchConfig};
+/// use apex::{Arg, Gpu, Launch, LaunchConfig};
 /// # fn main() -> apex::Result<()> {
 /// let gpu = Gpu::open(0)?;
 /// let module = gpu.load_module_file("kernels/apex_test_kernels.sm_90.cubin")?;
@@ -896,10 +962,11 @@ impl Queue {
 /// let counter = gpu.alloc(4)?;
 /// let mut q = gpu.queue()?;
 /// let step = q.prepare(&count, &LaunchConfig::linear(1, 32))?;
+/// let args = [Arg::Ptr(counter.device_ptr())];
 /// let mut last = None;
 /// for _ in 0..1000 {
 ///     // SAFETY: count_threads adds one per thread to the u32 its argument points at, used by this queue alone.
-///     last = Some(unsafe { q.launch_prepared_ticket(&step, &[Arg::Ptr(counter.device_ptr())])? });
+///     last = Some(unsafe { q.submit(&Launch::prepared(&step, &args))? });
 /// }
 /// if let Some(t) = last {
 ///     q.fence(t)?.wait(std::time::Duration::from_secs(10))?;
@@ -919,12 +986,6 @@ pub struct Ticket {
 fn next_queue_id() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-}
-
-/// The fence of a launch that is not a chained link (only a chained link returns none, so the error is never
-/// seen; it keeps the library free of panics).
-fn fenced(f: Option<Fence>) -> Result<Fence> {
-    f.ok_or_else(|| Error::InvalidArgument("a chained link has no fence of its own".into()))
 }
 
 pub(super) fn check_range(size: u64, offset: u64, len: u64) -> Result<()> {

@@ -268,21 +268,17 @@ impl Queue {
         Ok(())
     }
 
-    /// Launches a [`prepare`](Self::prepare)d launch with `args`, plain or programmatic.
+    /// Launches a [`prepare`](Self::prepare)d launch with `args` in `mode`.
     ///
     /// # Safety
     /// As for [`launch`](Self::launch).
+    #[inline]
     pub unsafe fn launch_prepared(
         &mut self,
         prepared: &Prepared,
-        programmatic: bool,
+        mode: LaunchMode,
         args: &[Arg<'_>],
     ) -> BackendResult<()> {
-        let mode = if programmatic {
-            LaunchMode::Programmatic
-        } else {
-            LaunchMode::Plain
-        };
         // SAFETY: forwarded to the caller.
         unsafe { self.launch(mode, &prepared.kernel, &prepared.cfg, args) }
     }

@@ -64,6 +64,41 @@ impl ComputeQueue {
         self.record_chained_as(kernel, cfg, args, true)
     }
 
+    /// Records a launch as the next link of a chain, programmatic or not (as
+    /// [`record_launch_chained`](Self::record_launch_chained) and
+    /// [`record_launch_chained_programmatic`](Self::record_launch_chained_programmatic) do), and returns the
+    /// timeline value the link completes with: its chain's part's ([`open_chain_value`](Self::open_chain_value)
+    /// once it is recorded). [`fence_for`](Self::fence_for) makes its fence, which completes once the part is sent
+    /// and done.
+    ///
+    /// # Safety
+    /// As for [`record_launch_chained`](Self::record_launch_chained), and for a programmatic link as for
+    /// [`record_launch_chained_programmatic`](Self::record_launch_chained_programmatic).
+    pub unsafe fn record_chained_value(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+        programmatic: bool,
+    ) -> Result<u64> {
+        self.record_chained_as(kernel, cfg, args, programmatic)?;
+        Ok(self.next_chain_value())
+    }
+
+    /// The timeline value the open chain (the part recorded and not yet sent) completes with once it is sent;
+    /// `None` when no chain is open. Every other submission of the queue sends the open chain first, so it is the
+    /// queue's next submission: one past [`last_submitted`](crate::pushbuf::Queue::last_submitted), or two past
+    /// when unordered launches wait for the join sent before it.
+    pub fn open_chain_value(&self) -> Option<u64> {
+        self.chain.map(|_| self.next_chain_value())
+    }
+
+    /// The value the open chain is sent with ([`end_open_chain`](Self::end_open_chain) joins pending unordered
+    /// launches first, a submission of its own).
+    fn next_chain_value(&self) -> u64 {
+        self.queue.last_submitted() + 1 + u64::from(self.unordered_pending)
+    }
+
     fn record_chained_as(
         &mut self,
         kernel: &Kernel,
@@ -162,8 +197,9 @@ impl ComputeQueue {
             return Ok(None);
         }
         self.record_chained_as(kernel, cfg, args, order == Order::Programmatic)?;
-        // The open chain is sent as the queue's next submission (a full part was sent above if need be).
-        let value = self.queue.last_submitted() + 1;
+        // The open chain is sent as the queue's next submission (a full part was sent above if need be; no
+        // unordered launch is pending here).
+        let value = self.next_chain_value();
         if idle {
             self.end_open_chain()?;
             self.queue.kick();

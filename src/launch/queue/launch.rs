@@ -44,6 +44,22 @@ impl ComputeQueue {
         cfg: &LaunchConfig,
         args: &[Arg<'_>],
     ) -> Result<Fence> {
+        // SAFETY: forwarded.
+        let value = unsafe { self.launch_cooperative_value(kernel, cfg, args)? };
+        Ok(self.queue.fence_for(value))
+    }
+
+    /// As [`launch_cooperative`](Self::launch_cooperative), returning the launch's value on the queue's timeline
+    /// instead of a fence ([`fence_for`](Self::fence_for) makes one).
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch).
+    pub unsafe fn launch_cooperative_value(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+    ) -> Result<u64> {
         let k = kernel.info();
         let info = self.gpu.info();
         let blocks = u64::from(cfg.grid[0]) * u64::from(cfg.grid[1]) * u64::from(cfg.grid[2]);
@@ -87,9 +103,27 @@ impl ComputeQueue {
         };
         self.cooperative = Some(barrier);
         // SAFETY: forwarded.
-        let fence = unsafe { self.launch(kernel, cfg, args) };
+        let value = unsafe { self.launch_value(kernel, cfg, args) };
         self.cooperative = None;
-        fence
+        value
+    }
+
+    /// As [`launch`](Self::launch), returning the launch's value on the queue's timeline instead of a fence
+    /// ([`fence_for`](Self::fence_for) makes one when it is wanted; see
+    /// [`launch_prepared_value`](Self::launch_prepared_value)).
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch).
+    #[inline]
+    pub unsafe fn launch_value(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+    ) -> Result<u64> {
+        let value = self.record(kernel, cfg, args, Order::Stream)?;
+        self.send_launch_now();
+        Ok(value)
     }
 
     /// As [`launch`](Self::launch) without ringing the doorbell; [`flush`](Self::flush) sends everything
@@ -142,6 +176,23 @@ impl ComputeQueue {
         let fence = unsafe { self.record_launch_programmatic(kernel, cfg, args)? };
         self.send_launch_now();
         Ok(fence)
+    }
+
+    /// As [`launch_programmatic`](Self::launch_programmatic), returning the launch's value on the queue's timeline
+    /// instead of a fence (see [`launch_value`](Self::launch_value)).
+    ///
+    /// # Safety
+    /// As for [`launch_programmatic`](Self::launch_programmatic).
+    #[inline]
+    pub unsafe fn launch_programmatic_value(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+    ) -> Result<u64> {
+        let value = self.record(kernel, cfg, args, Order::Programmatic)?;
+        self.send_launch_now();
+        Ok(value)
     }
 
     /// As [`launch_programmatic`](Self::launch_programmatic) without ringing the doorbell.

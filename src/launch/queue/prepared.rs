@@ -176,6 +176,38 @@ impl ComputeQueue {
         Ok(value)
     }
 
+    /// Records a [`PreparedLaunch`] of this queue as the next link of a chain, programmatic or not, and returns the
+    /// timeline value the link completes with (as [`record_chained_value`](Self::record_chained_value) does: a
+    /// link is built as any chained link, from the prepared launch's kernel and shape).
+    ///
+    /// # Safety
+    /// As for [`record_chained_value`](Self::record_chained_value).
+    pub unsafe fn record_prepared_chained_value(
+        &mut self,
+        prepared: &PreparedLaunch,
+        args: &[Arg<'_>],
+        programmatic: bool,
+    ) -> Result<u64> {
+        self.owns(prepared)?;
+        // SAFETY: forwarded.
+        unsafe { self.record_chained_value(&prepared.kernel, &prepared.cfg, args, programmatic) }
+    }
+
+    /// An error unless this queue prepared `p`.
+    #[inline]
+    fn owns(&self, p: &PreparedLaunch) -> Result<()> {
+        if p.queue != self.id {
+            return Err(Error::InvalidLaunch {
+                kernel: p.kernel.info().name.clone(),
+                why: format!(
+                    "it was prepared on compute queue {} and is launched on queue {}; prepare it on this queue",
+                    p.queue, self.id
+                ),
+            });
+        }
+        Ok(())
+    }
+
     fn record_prepared_as(
         &mut self,
         prepared: &PreparedLaunch,
@@ -184,15 +216,7 @@ impl ComputeQueue {
     ) -> Result<u64> {
         let p = prepared;
         let kernel = &p.kernel;
-        if p.queue != self.id {
-            return Err(Error::InvalidLaunch {
-                kernel: kernel.info().name.clone(),
-                why: format!(
-                    "it was prepared on compute queue {} and is launched on queue {}; prepare it on this queue",
-                    p.queue, self.id
-                ),
-            });
-        }
+        self.owns(p)?;
         if p.local != self.local_per_thread {
             // Another kernel grew local memory since: the prepared QMD names the old size, so build afresh.
             return self.record(kernel, &p.cfg, args, order);
