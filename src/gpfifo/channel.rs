@@ -874,19 +874,24 @@ impl Channel {
         Ok(())
     }
 
-    /// Publishes every pushed entry: GPPut to USERD, store fence, the token to the doorbell.
+    /// Publishes every pushed entry: store fence, GPPut to USERD, store fence, the token to the doorbell.
     #[inline]
     pub fn kick(&mut self) {
         self.kicks = self.kicks.wrapping_add(1);
         let put = self.state.put();
         self.published = put;
+        // What GP_PUT publishes (entries, pushbuffers, QMDs, constant banks) must be in memory before GP_PUT is: the
+        // front end of a channel that is running rereads GP_PUT without waiting for the doorbell, and would fetch a
+        // write-combined word still in the CPU's buffers stale (an illegal method or QMD: the GPT-2 example faulted
+        // this way once no fence's reference count, a locked instruction, happened to sit between them).
+        self.order_stores();
         // SAFETY: GPPut lies inside USERD, mapped for the channel's lifetime.
         unsafe {
             self.userd_word(std::mem::offset_of!(sys::HopperAControlGPFifo, GPPut))
                 .write_volatile(put)
         };
-        // Cached stores are ordered before the uncached doorbell store by the CPU itself (x86: stores are not
-        // reordered with older stores); write-combined ones need the store fence.
+        // And GP_PUT before the doorbell. Cached stores are ordered before the uncached doorbell store by the CPU
+        // itself (x86: stores are not reordered with older stores); write-combined ones need the store fence.
         self.order_stores();
         // SAFETY: the doorbell word lies inside the usermode page, which the GpuCore we hold keeps mapped.
         unsafe { self.doorbell.as_ptr().write_volatile(self.token) };
