@@ -1,13 +1,19 @@
 //! APEX: launch work on NVIDIA GPUs by talking to the kernel driver directly.
 //!
-//! Layers, lowest first: [`rm`] (RM client over ioctls) → [`gpfifo`] (our own channel, ring and doorbell)
-//! → [`pushbuf`] (method encoding and decoding) → [`launch`] (parameters, QMDs, kernel launches). Beside them,
-//! [`module`] (cubins, fatbins, PTX, modules loaded into GPU memory) sits on [`rm`] alone and [`launch`] uses it.
-//! [`hw`] holds the class tables generated from NVIDIA's headers and the GPU-generation table
-//! ([`hw::generation`]: classes, QMD layout, limits and carveouts per SM version); it is data, not a layer.
-//! The public API ([`Gpu`], [`Queue`], [`Module`], [`Buffer`], [`Fence`]) sits on top and runs on the direct
-//! path when it can, else on the CUDA driver ([`driver`]); [`sim`] is a software GPU front end for tests.
-//! `docs/architecture.md` in the repository follows a launch from [`Queue::launch`] to the doorbell.
+//! The API: [`Gpu`] (open a device, allocate, load modules), [`Queue`] (launches, copies, waits), [`Launch`] and
+//! [`LaunchConfig`], [`Buffer`] and [`HostBuffer`], [`Fence`] and [`Ticket`], [`Module`], [`Kernel`] and
+//! [`Global`], [`QueueOptions`], [`Graph`] and [`GraphExec`], [`MemoryPool`], and [`Error`] with what it wraps in
+//! [`errors`]. It runs on the direct path (our own RM client, channel, pushbuffers and QMDs, launching by
+//! doorbell) when it can, else on the CUDA driver; [`Gpu::selection`] says which and why. [`occupancy`] is the
+//! launch advisor; [`backend`] documents what the escape hatches (`direct()`, `driver()`) return and the simulated
+//! GPU of [`Gpu::open_simulated`].
+//!
+//! The layers under the API (`rm`, `gpfifo`, `pushbuf`, `launch`, `module`, `hw`, `driver`, `sim`, `bench`) are
+//! internal: they are `pub` only because the workspace's own tools (apex-trace, the CLI, preload, interpose), its
+//! fuzzers, tests, examples and benches use them, are `#[doc(hidden)]`, and carry no stability promise. The types
+//! of theirs that the API hands out are re-exported, documented, at the crate root, in [`errors`] and in
+//! [`backend`]. `docs/architecture.md` and `docs/development.md` ("Layers") in the repository describe the layers
+//! and follow a launch from [`Queue::launch`] to the doorbell.
 //!
 //! ```no_run
 //! use apex::{Arg, Gpu, LaunchConfig};
@@ -38,15 +44,29 @@
 #![warn(missing_docs)]
 
 mod api;
-pub mod bench;
-pub mod driver;
-pub mod gpfifo;
-pub mod hw;
-pub mod launch;
-pub mod module;
-pub mod pushbuf;
+pub mod backend;
+pub mod errors;
 mod report;
+
+// The layers under the API. They stay `pub` because the workspace's own tools (apex-trace, the CLI, preload,
+// interpose), fuzzers, tests, examples and benches use them; hidden from the docs and not covered by semver.
+#[doc(hidden)]
+pub mod bench;
+#[doc(hidden)]
+pub mod driver;
+#[doc(hidden)]
+pub mod gpfifo;
+#[doc(hidden)]
+pub mod hw;
+#[doc(hidden)]
+pub mod launch;
+#[doc(hidden)]
+pub mod module;
+#[doc(hidden)]
+pub mod pushbuf;
+#[doc(hidden)]
 pub mod rm;
+#[doc(hidden)]
 pub mod sim;
 
 pub use api::{
@@ -56,7 +76,11 @@ pub use api::{
     choose,
 };
 pub use api::{Graph, GraphExec, GraphLaunch, GraphNode};
-pub use launch::{Arg, ClusterPolicy, DevicePtr, LaunchConfig, LaunchMemory};
+/// The launch advisor: occupancy of a kernel and block size, what limits it, and advice on launch shapes.
+#[doc(inline)]
+pub use launch::occupancy;
+pub use launch::{Arg, ClusterPolicy, DevicePtr, LaunchConfig, LaunchMemory, Limits};
 pub use module::VariableHome;
+pub use module::cubin::KernelInfo;
 pub use module::printf::{AssertAction, AssertFailure};
 pub use report::error_report;

@@ -80,7 +80,8 @@ pub enum Error {
 }
 
 impl From<module::Error> for Error {
-    /// As the launch layer reports it ([`launch::Error::Module`], or [`launch::Error::Queue`] for RM errors).
+    /// As the launch layer reports it ([`LaunchError::Module`](crate::errors::LaunchError::Module), or
+    /// [`LaunchError::Queue`](crate::errors::LaunchError::Queue) for RM errors).
     fn from(e: module::Error) -> Error {
         Error::Direct(e.into())
     }

@@ -11,7 +11,7 @@ use crate::module::printf::PrintfFifo;
 use crate::pushbuf;
 
 /// A completion point on a queue. Waiting on it also prints what the queue's kernels `printf`ed so far, and
-/// reports a failed device `assert` as [`launch::Error::Assert`].
+/// reports a failed device `assert` as [`LaunchError::Assert`](crate::errors::LaunchError::Assert).
 #[derive(Clone, Debug)]
 pub struct Fence(Backed<DirectFence, Arc<driver::StreamFence>>);
 

@@ -208,9 +208,9 @@ impl Gpu {
     }
 
     /// Loads a cubin, a fatbin, a host executable or shared library built by nvcc (its embedded fatbins), or
-    /// PTX. The best code for this GPU is picked (see [`module::select`]); PTX, and relocatable code
-    /// (`nvcc -rdc=true`) that nothing else replaces, are compiled for it by nvJitLink on the direct path (see
-    /// [`module::jit`]) and by the driver on the driver backend.
+    /// PTX. The best code for this GPU is picked (the newest SASS the device runs, else PTX); PTX, and relocatable
+    /// code (`nvcc -rdc=true`) that nothing else replaces, are compiled for it by nvJitLink on the direct path and by
+    /// the driver on the driver backend.
     pub fn load_module(&self, image: &[u8]) -> Result<Module> {
         match &self.inner {
             Backed::Direct(c) => Ok(Module::from_direct(module::Module::load_with(
@@ -356,7 +356,7 @@ pub struct QueueOptions {
     /// channel's front end; a launch made while the queue is idle is sent at once, as usual, so a lone launch
     /// completes as soon as on any queue. The links held so far are sent when a later call on the queue finds the
     /// GPU has finished what was sent, when a part of
-    /// [`ComputeQueueConfig::chain_part`](crate::launch::ComputeQueueConfig::chain_part) links is full, first thing
+    /// [`ComputeQueueConfig::chain_part`](crate::backend::direct::ComputeQueueConfig::chain_part) links is full, first thing
     /// in any other call on the queue (a copy, a wait, [`Queue::synchronize`](crate::Queue::synchronize),
     /// [`Queue::flush`](crate::Queue::flush)), and when the queue is dropped.
     ///

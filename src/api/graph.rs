@@ -296,7 +296,7 @@ impl GraphExec {
         self.inner.backend()
     }
 
-    /// The direct path's exec (its schedule: [`launch::GraphExec::stats`]), when that is the backend.
+    /// The direct path's exec (its schedule: [`GraphExec::stats`](crate::backend::direct::GraphExec::stats)), when that is the backend.
     pub fn direct(&self) -> Option<&launch::GraphExec> {
         self.inner.direct().map(|e| &**e)
     }

@@ -9,11 +9,12 @@ use crate::sim::Simulator;
 
 impl Gpu {
     /// Opens a simulated Hopper GPU on the direct path: the real RM client, channel, pushbuffer, QMD and queue code
-    /// run against an in-process RM ([`crate::rm::sim`]) and GPU front end ([`Simulator`]), which executes
-    /// semaphores and copies, follows QMD chains and records every launch, but runs no kernel. The way to test code
-    /// written against the public API (queues, graphs, fences) in CI without a GPU: what the simulated GPU launched,
-    /// with which parameters and in which order, is read back from the returned [`Simulator`]. Kernel results are
-    /// not computed; buffers hold what copies and the CPU put there.
+    /// run against an in-process RM (configured by [`SimConfig`](crate::backend::sim::SimConfig)) and GPU front end
+    /// ([`Simulator`](crate::backend::sim::Simulator)), which executes semaphores and copies, follows QMD chains and
+    /// records every launch, but runs no kernel. The way to test code written against the public API (queues,
+    /// graphs, fences) in CI without a GPU: what the simulated GPU launched, with which parameters and in which
+    /// order, is read back from the returned [`Simulator`](crate::backend::sim::Simulator). Kernel results are not
+    /// computed; buffers hold what copies and the CPU put there.
     pub fn open_simulated(config: SimConfig) -> Result<(Gpu, Simulator)> {
         let (core, sim) = Simulator::open(config)?;
         let i = core.info();

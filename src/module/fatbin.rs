@@ -178,7 +178,7 @@ pub enum FatbinError {
         /// What is wrong, and where.
         what: String,
     },
-    /// [`select_cubin`](super::select::select_cubin) found no SASS the device runs.
+    /// `module::select::select_cubin` found no SASS the device runs.
     #[error(
         "no cubin for sm_{device_sm} in the fatbin; it holds: {}; rebuild with -gencode for sm_{device_sm} or include PTX",
         list(available)

@@ -34,7 +34,7 @@ pub struct Module {
 
 impl Module {
     /// Loads a cubin; the best code for this GPU out of a fatbin, or out of a host executable or library built by
-    /// nvcc; or PTX, compiled for this GPU by nvJitLink (see [`image`](super::image)). A module that calls `printf` or
+    /// nvcc; or PTX, compiled for this GPU by nvJitLink (see the `module::image` layer). A module that calls `printf` or
     /// `assert` gets a printf FIFO of its own ([`Module::load_with`] shares one).
     pub fn load(gpu: &Arc<GpuCore>, bytes: &[u8]) -> Result<Arc<Module>> {
         Module::load_with(gpu, bytes, &PrintfFifoCell::new())

@@ -574,7 +574,7 @@ impl GpuCore {
         &self.high
     }
 
-    /// Start of the usermode page; the doorbell is at [`DOORBELL_OFFSET`](crate::hw) 0x90 in it.
+    /// Start of the usermode page; the doorbell is at offset 0x90 in it (`DOORBELL_OFFSET`).
     pub fn usermode_ptr(&self) -> *mut u8 {
         match &self.usermode {
             Some((m, _)) => m.as_ptr(),

@@ -30,18 +30,22 @@ struct Upload {
 /// What decoding one segment found.
 #[derive(Debug, Default)]
 pub struct Segment {
+    /// The segment's methods, in order.
     pub methods: Vec<MethodRecord>,
+    /// QMDs the segment scheduled with SEND_PCAS_A.
     pub launches: Vec<LaunchRecord>,
     /// QMD-sized inline uploads that decode as a QMD, in upload order (see [`Record::QmdUpload`]).
     ///
     /// [`Record::QmdUpload`]: crate::record::Record::QmdUpload
     pub qmd_uploads: Vec<LaunchRecord>,
+    /// Why the segment could not be decoded, with its words, if it could not.
     pub undecoded: Option<Undecoded>,
 }
 
 /// Per-channel decoding state carried from one segment to the next.
 #[derive(Debug, Clone)]
 pub struct ChannelDecoder {
+    /// RM handle of the channel.
     pub channel: u32,
     classes: SubchannelClasses,
     offset_out_upper: u32,

@@ -14,6 +14,8 @@
 //! stderr at exit (per kernel: launches, shapes, registers, shared memory, occupancy, advice).
 //! `APEX_TRACE_SM_COUNT` sets the SM count for the occupancy advice (default 132, an H100/H200).
 
+#![warn(missing_docs)]
+
 pub mod decode;
 mod hooks;
 pub mod names;

@@ -18,10 +18,15 @@ use crate::record::*;
 /// What an fd refers to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Node {
+    /// Not looked at yet.
     Unknown,
+    /// Not an NVIDIA device node.
     Other,
+    /// `/dev/nvidiactl`, the control node RM clients are created on.
     Ctl,
+    /// `/dev/nvidia-uvm`.
     Uvm,
+    /// Another `/dev/nvidia*` node (`nvidia-modeset`, `nvidia-caps`, ...).
     OtherNvidia,
     /// `/dev/nvidiaN`.
     Gpu(u8),
@@ -50,10 +55,12 @@ impl Node {
         }
     }
 
+    /// Whether this is one of NVIDIA's device nodes (the tracer records its ioctls and mappings).
     pub fn is_nvidia(self) -> bool {
         !matches!(self, Node::Unknown | Node::Other)
     }
 
+    /// The name records use for the node (`nvidiactl`, `nvidia0`, `nvidia-uvm`, ...).
     pub fn name(self) -> String {
         match self {
             Node::Ctl => "nvidiactl".into(),
@@ -85,6 +92,7 @@ const FD_SLOTS: usize = 1 << 16;
 /// Node kind per fd (0 = not looked at yet). Static: the hooks must not allocate to consult it.
 static FD_KIND: [AtomicU8; FD_SLOTS] = [const { AtomicU8::new(0) }; FD_SLOTS];
 
+/// Records what `fd` refers to (from the open hooks; `close` resets it).
 pub fn set_fd(fd: i32, node: Node) {
     if let Some(slot) = usize::try_from(fd).ok().and_then(|i| FD_KIND.get(i)) {
         slot.store(node.to_u8(), Ordering::Relaxed);
@@ -204,6 +212,8 @@ struct Stats {
 /// Records kept in memory before the writer thread catches up; beyond this they are dropped.
 const QUEUE_MAX: usize = 1 << 18;
 
+/// The tracer: the start time, the record queue and output file, the NVIDIA mappings and the channels being
+/// decoded.
 pub struct Tracer {
     start: Instant,
     queue: Mutex<VecDeque<Record>>,
@@ -269,6 +279,7 @@ pub fn started() -> Option<&'static Tracer> {
 }
 
 impl Tracer {
+    /// Nanoseconds since the tracer started (the records' `t_ns`).
     pub fn now_ns(&self) -> u64 {
         self.start.elapsed().as_nanos() as u64
     }
@@ -304,6 +315,8 @@ impl Tracer {
 
     // ---- memory ----
 
+    /// Notes a successful mmap of an NVIDIA node at `addr`, so the poller may read it; if RM_MAP_MEMORY prepared
+    /// a mapping on `fd` ([`Tracer::map_requested`]), the RM memory handle is now known at that CPU address.
     pub fn mapped(&self, fd: i32, addr: u64, len: u64, prot: i32) {
         let mut m = lock(&self.mem);
         m.forget(addr, len);
@@ -331,6 +344,8 @@ impl Tracer {
         m
     }
 
+    /// Notes a successful RM_MAP_MEMORY: the mmap of `fd` that follows maps `len` bytes at `offset` of the RM
+    /// memory `handle` (how the tracer finds a channel's USERD to read GP_PUT).
     pub fn map_requested(&self, fd: i32, handle: u32, offset: u64, len: u64) {
         let mut m = lock(&self.mem);
         m.pending.retain(|p| p.0 != fd);
@@ -370,6 +385,7 @@ impl Tracer {
 
     // ---- channels ----
 
+    /// Starts following a GPFIFO channel the program allocated, and emits its record.
     pub fn channel(&self, rec: ChannelRecord) {
         let mut c = lock(&self.chans);
         c.push(Chan {

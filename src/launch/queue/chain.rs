@@ -87,7 +87,7 @@ impl ComputeQueue {
 
     /// The timeline value the open chain (the part recorded and not yet sent) completes with once it is sent;
     /// `None` when no chain is open. Every other submission of the queue sends the open chain first, so it is the
-    /// queue's next submission: one past [`last_submitted`](crate::pushbuf::Queue::last_submitted), or two past
+    /// queue's next submission: one past `pushbuf::Queue::last_submitted`, or two past
     /// when unordered launches wait for the join sent before it.
     pub fn open_chain_value(&self) -> Option<u64> {
         self.chain.map(|_| self.next_chain_value())

@@ -312,7 +312,7 @@ impl ComputeQueueConfig {
     }
 
     /// The same with the queue's submissions polled for by the front end (`polled`: armed GPFIFO slots,
-    /// [`Submission::Armed`](crate::pushbuf::Submission::Armed)) or sent by doorbell.
+    /// `pushbuf::Submission::Armed`) or sent by doorbell.
     pub fn with_polling(mut self, polled: bool) -> ComputeQueueConfig {
         self.queue.submission = match (polled, self.queue.submission) {
             // A shape set before stays.
