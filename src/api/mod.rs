@@ -10,6 +10,7 @@ mod fence;
 mod gpu;
 mod graph;
 mod keep;
+mod launch_spec;
 mod memory;
 mod module;
 mod multi_gpu;
@@ -24,11 +25,12 @@ pub use error::{Error, PoolOutOfMemory, Result};
 pub use fence::Fence;
 pub use gpu::{DeviceInfo, Gpu, QueueOptions};
 pub use graph::{Graph, GraphExec, GraphLaunch, GraphNode};
+pub use launch_spec::Launch;
 pub use memory::{Buffer, HostBuffer};
 pub use module::{Global, Kernel, Module};
 pub use multi_gpu::PeerAccess;
 pub use pool::{MemoryPool, PoolBuffer, PoolOptions, PoolStats};
-pub use queue::{Launch, PreparedLaunch, Queue, Ticket};
+pub use queue::{PreparedLaunch, Queue, Ticket};
 pub use selection::{Backend, BackendRequest, FallbackReason, Selection, choose};
 
 #[cfg(test)]

@@ -1,8 +1,8 @@
 //! Our own GPFIFO channel: channel group, context share, GPFIFO ring and USERD, work-submit token, the
 //! usermode doorbell, and completion tracking through host-visible semaphores.
 //!
-//! Submitting is: write a GPFIFO entry, store fence, write GPPut to USERD, store fence, write the token to the doorbell.
-//! No ioctl and no allocation on that path.
+//! Submitting is: write a GPFIFO entry, store fence, write GPPut to USERD, store fence, write the token to the
+//! doorbell. No ioctl and no allocation on that path.
 //!
 //! The classes a channel is built with (GPFIFO, compute, copy engine) are the GPU's row of the generation table,
 //! [`crate::hw::generation`].

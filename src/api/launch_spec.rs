@@ -1,0 +1,186 @@
+//! A launch description for [`Queue::submit`](super::Queue::submit): what runs, with which arguments, in which
+//! order.
+
+use super::queue::PreparedLaunch;
+use super::{Error, Kernel, Result};
+use crate::driver::LaunchMode as How;
+use crate::launch::{Arg, LaunchConfig};
+
+/// One launch for [`Queue::submit`](crate::Queue::submit): what runs (a kernel over a launch shape, or a
+/// [`PreparedLaunch`]), with which arguments, and how it is ordered against the work before it on the queue.
+///
+/// Built by [`Launch::new`] or [`Launch::prepared`]; without a modifier it is a plain launch in stream order (it starts
+/// once the work before it on the queue has completed), as [`Queue::launch`](crate::Queue::launch) makes. The modifiers
+/// choose another order: [`programmatic`](Self::programmatic), [`cooperative`](Self::cooperative) and
+/// [`chained`](Self::chained) (`.chained().programmatic()`: a programmatic link of a chain). Building one is free (it
+/// borrows what it names and checks nothing); [`Queue::submit`](crate::Queue::submit) checks the launch, and refuses
+/// combinations that mean nothing (cooperative with programmatic or chained, a cooperative prepared launch) with
+/// [`Error::InvalidArgument`].
+///
+/// ```no_run
+/// use apex::{Arg, Gpu, Launch, LaunchConfig};
+/// # fn main() -> apex::Result<()> {
+/// let gpu = Gpu::open(0)?;
+/// let step = gpu.load_module_file("kernels/apex_pdl.sm_90.cubin")?.kernel("pdl_step")?;
+/// let n = 1u32 << 20;
+/// let buf = gpu.alloc(u64::from(n) * 4)?;
+/// let mut q = gpu.queue()?;
+/// let cfg = LaunchConfig::linear(n / 256, 256);
+/// for v in 0..100u32 {
+///     let args = [buf.arg(), Arg::U32(n), Arg::U32(v)];
+///     // SAFETY: pdl_step runs griddepcontrol.wait before it reads or writes `buf`, which only this queue uses.
+///     unsafe { q.submit(&Launch::new(&step, &cfg, &args).programmatic())? };
+/// }
+/// q.synchronize()?;
+/// # Ok(())
+/// # }
+/// ```
+#[must_use = "a Launch only describes a launch: Queue::submit submits it"]
+#[derive(Clone, Copy, Debug)]
+pub struct Launch<'a> {
+    pub(super) what: What<'a>,
+    pub(super) args: &'a [Arg<'a>],
+    programmatic: bool,
+    cooperative: bool,
+    chained: bool,
+}
+
+/// What a [`Launch`] runs.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum What<'a> {
+    Kernel(&'a Kernel, &'a LaunchConfig),
+    Prepared(&'a PreparedLaunch),
+}
+
+impl<'a> Launch<'a> {
+    /// A plain launch of `kernel` over `cfg` with `args`, checked against the kernel's parameter table and the
+    /// device limits when it is submitted.
+    #[inline]
+    pub const fn new(kernel: &'a Kernel, cfg: &'a LaunchConfig, args: &'a [Arg<'a>]) -> Launch<'a> {
+        Launch {
+            what: What::Kernel(kernel, cfg),
+            args,
+            programmatic: false,
+            cooperative: false,
+            chained: false,
+        }
+    }
+
+    /// A plain launch of `prepared` ([`Queue::prepare`](crate::Queue::prepare)) with `args`, checked against the
+    /// kernel's parameter table when it is submitted, on the queue that prepared it: the lowest CPU cost per launch (on
+    /// the direct path the QMD, constant-bank words and limits were checked and built by `prepare`, and a submission
+    /// writes only the parameters and the completion value; it allocates nothing on either backend).
+    #[inline]
+    pub const fn prepared(prepared: &'a PreparedLaunch, args: &'a [Arg<'a>]) -> Launch<'a> {
+        Launch {
+            what: What::Prepared(prepared),
+            args,
+            programmatic: false,
+            cooperative: false,
+            chained: false,
+        }
+    }
+
+    /// Makes it a programmatic dependent of the launch right before it on the queue (CUDA's programmatic stream
+    /// serialization, `cudaLaunchAttributeProgrammaticStreamSerialization`): it may start once every block of that
+    /// launch has exited or run `griddepcontrol.launch_dependents`, and its `griddepcontrol.wait` returns once that
+    /// launch has completed with its writes visible. Later work on the queue still waits for it as for any launch.
+    ///
+    /// On the direct path the GPU's work distributor starts it through a gate of the previous launch, as libcuda
+    /// does, when that launch was programmatic too; where nothing can start it early (the queue's first
+    /// programmatic launch, or one after a plain launch, a copy, a wait or a chain) it is an ordinary launch, which
+    /// the attribute allows. On the driver backend, `cuLaunchKernelEx` with the attribute.
+    ///
+    /// With [`chained`](Self::chained), a programmatic link of a chain: the work distributor schedules it once every
+    /// block of the link before it has exited or run `griddepcontrol.launch_dependents`, and its
+    /// `griddepcontrol.wait` returns once that link has completed with its writes visible, as a programmatic edge of
+    /// a graph ([`GraphLaunch::programmatic`](crate::GraphLaunch::programmatic)). On the direct path the link before
+    /// arrives at a latch this launch waits on; the first launch of a chain (or of a part of a long one) waits for
+    /// the work before it as usual. On the driver backend it is `cuLaunchKernelEx` with programmatic stream
+    /// serialization, which may also overlap a chain's first launch with the work before it (as the attribute
+    /// allows; correct for kernels that wait as [`Queue::submit`](crate::Queue::submit)'s safety section requires).
+    ///
+    /// Not with [`cooperative`](Self::cooperative).
+    #[inline]
+    pub const fn programmatic(self) -> Launch<'a> {
+        Launch {
+            programmatic: true,
+            ..self
+        }
+    }
+
+    /// Makes it a launch of a kernel that synchronizes its whole grid (cooperative groups `this_grid().sync()`), as
+    /// `cuLaunchCooperativeKernel` does: refused unless every block can be resident at once. Cooperative launches
+    /// on one queue run in order and share one grid barrier.
+    ///
+    /// Not with [`programmatic`](Self::programmatic) or [`chained`](Self::chained), nor for a
+    /// [`prepared`](Self::prepared) launch (cooperative launches are not prepared):
+    /// [`Queue::submit`](crate::Queue::submit) refuses them.
+    #[inline]
+    pub const fn cooperative(self) -> Launch<'a> {
+        Launch {
+            cooperative: true,
+            ..self
+        }
+    }
+
+    /// Makes it the next link of a chain of dependent launches, ended by [`Queue::end_chain`](crate::Queue::end_chain).
+    /// On the direct path each link is scheduled by the GPU when the one before completes, with no round trip through
+    /// the channel's front end (as a CUDA graph runs), and long chains are sent part by part while they are recorded: a
+    /// link is recorded, and sent with its part by [`Queue::end_chain`](crate::Queue::end_chain),
+    /// [`Queue::flush`](crate::Queue::flush), any other work on the queue, or when its part is full. On the driver
+    /// backend links are launched on the stream at once, which orders them the same way. Any other launch or copy on
+    /// the queue ends the chain first.
+    ///
+    /// The [`Ticket`](crate::Ticket) of a link completes when its chain's part does (on the driver backend, with the
+    /// stream); wait on its fence only once the part is sent.
+    ///
+    /// Not with [`cooperative`](Self::cooperative).
+    #[inline]
+    pub const fn chained(self) -> Launch<'a> {
+        Launch {
+            chained: true,
+            ..self
+        }
+    }
+
+    /// How it is ordered, or why it cannot be: the combinations [`Queue::submit`](crate::Queue::submit) refuses.
+    #[inline]
+    pub(super) fn mode(&self) -> Result<How> {
+        Ok(match (self.cooperative, self.chained, self.programmatic) {
+            (false, false, false) => How::Plain,
+            (false, false, true) => How::Programmatic,
+            (false, true, false) => How::Chained,
+            (false, true, true) => How::ChainedProgrammatic,
+            (true, false, false) if matches!(self.what, What::Kernel(..)) => How::Cooperative,
+            _ => return Err(self.refusal()),
+        })
+    }
+
+    /// Why [`mode`](Self::mode) refuses this launch, in a sentence that says what to do.
+    #[cold]
+    #[inline(never)]
+    fn refusal(&self) -> Error {
+        let why = if self.programmatic {
+            "a cooperative launch cannot be programmatic: every block of its grid must be resident at once, so it \
+             cannot overlap the launch before it; drop .programmatic() or .cooperative()"
+        } else if self.chained {
+            "a cooperative launch cannot be a link of a chain: submit it without .chained() (it ends the open chain), \
+             or drop .cooperative()"
+        } else {
+            return cooperative_prepared();
+        };
+        Error::InvalidArgument(why.into())
+    }
+}
+
+/// The refusal of a cooperative prepared launch.
+#[cold]
+#[inline(never)]
+pub(super) fn cooperative_prepared() -> Error {
+    Error::InvalidArgument(
+        "a prepared launch cannot be cooperative (cooperative launches are not prepared): submit \
+         Launch::new(kernel, cfg, args).cooperative() instead"
+            .into(),
+    )
+}
