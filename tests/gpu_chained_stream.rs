@@ -39,21 +39,26 @@ fn read_u64(h: &HostBuffer) -> u64 {
     u64::from_le_bytes(b)
 }
 
+/// Launches one `chain_step` (`v = v * mul + add`) on `v` through plain `Queue::launch`.
+fn step_once(q: &mut Queue, k: &apex::Kernel, v: &HostBuffer, mul: u64, add: u64) -> apex::Fence {
+    // SAFETY: chain_step reads and writes the 8 bytes of `v`, used by this queue alone.
+    unsafe {
+        q.launch(
+            k,
+            &ONE,
+            &[Arg::Ptr(v.device_ptr()), Arg::U64(mul), Arg::U64(add)],
+        )
+    }
+    .unwrap()
+}
+
 /// Launches `n` order-dependent `chain_step`s on `v` through plain `Queue::launch`; returns the value expected.
 fn steps(q: &mut Queue, k: &apex::Kernel, v: &HostBuffer, n: u64, seed: u64, start: u64) -> u64 {
     let mut expect = start;
     for i in 0..n {
         let (mul, add) = step_args(i, seed);
         expect = expect.wrapping_mul(mul).wrapping_add(add);
-        // SAFETY: chain_step reads and writes the 8 bytes of `v`, used by this queue alone.
-        unsafe {
-            q.launch(
-                k,
-                &ONE,
-                &[Arg::Ptr(v.device_ptr()), Arg::U64(mul), Arg::U64(add)],
-            )
-        }
-        .unwrap();
+        step_once(q, k, v, mul, add);
     }
     expect
 }
@@ -88,15 +93,7 @@ fn runs_in_order_behind_busy_work(b: Backend) {
         for i in first..n {
             let (mul, add) = step_args(i, seed);
             expect = expect.wrapping_mul(mul).wrapping_add(add);
-            // SAFETY: as in `steps`.
-            unsafe {
-                q.launch(
-                    &k,
-                    &ONE,
-                    &[Arg::Ptr(v.device_ptr()), Arg::U64(mul), Arg::U64(add)],
-                )
-            }
-            .unwrap();
+            step_once(&mut q, &k, &v, mul, add);
         }
         q.synchronize().unwrap();
         assert_eq!(read_u64(&v), expect, "{b:?}: {n} launches behind busy work");
@@ -118,15 +115,7 @@ fn held_launches_are_sent_once_the_gpu_catches_up(b: Backend) {
     // The GPU has finished what was sent: the next launch finds it idle and sends the held ones with itself.
     let (mul, add) = step_args(99, 1);
     expect = expect.wrapping_mul(mul).wrapping_add(add);
-    // SAFETY: as in `steps`.
-    let last = unsafe {
-        q.launch(
-            &k,
-            &ONE,
-            &[Arg::Ptr(v.device_ptr()), Arg::U64(mul), Arg::U64(add)],
-        )
-    }
-    .unwrap();
+    let last = step_once(&mut q, &k, &v, mul, add);
     last.wait(T)
         .expect("the held launches and the last one were sent without a flush");
     assert_eq!(read_u64(&v), expect, "{b:?}");
@@ -142,15 +131,7 @@ fn a_flush_sends_what_is_held(b: Backend) {
     v.write(0, &11u64.to_le_bytes()).unwrap();
     let _busy = hold_busy(&mut q, &spin, &stop);
     let (mul, add) = step_args(5, 2);
-    // SAFETY: as in `steps`.
-    let held = unsafe {
-        q.launch(
-            &k,
-            &ONE,
-            &[Arg::Ptr(v.device_ptr()), Arg::U64(mul), Arg::U64(add)],
-        )
-    }
-    .unwrap();
+    let held = step_once(&mut q, &k, &v, mul, add);
     q.flush().unwrap();
     stop.write(0, &1u32.to_le_bytes()).unwrap();
     // Waited on with no other call on the queue: the flush sent it.
@@ -173,15 +154,7 @@ fn a_lone_launch_is_sent_at_once(b: Backend) {
     for i in 0..200 {
         let (mul, add) = step_args(i, 9);
         x = x.wrapping_mul(mul).wrapping_add(add);
-        // SAFETY: as in `steps`.
-        let f = unsafe {
-            q.launch(
-                &k,
-                &ONE,
-                &[Arg::Ptr(v.device_ptr()), Arg::U64(mul), Arg::U64(add)],
-            )
-        }
-        .unwrap();
+        let f = step_once(&mut q, &k, &v, mul, add);
         // The queue was idle: the launch went out at once, no flush or other call needed.
         f.wait(T).unwrap();
         assert_eq!(read_u64(&v), x, "{b:?}: launch {i}");

@@ -521,19 +521,8 @@ pub unsafe fn order_streams(
     waiter: cu::CUstream,
     signaler: cu::CUstream,
 ) -> Result<()> {
-    ctx.bind()?;
-    let mut ev = std::ptr::null_mut();
-    // SAFETY: the context is current; the event is destroyed below (CUDA keeps it until its record completes).
-    unsafe {
-        check(
-            "cuEventCreate",
-            cu::cuEventCreate(&mut ev, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32),
-        )?;
-        let r = check("cuEventRecord", cu::cuEventRecord(ev, signaler))
-            .and_then(|()| check("cuStreamWaitEvent", cu::cuStreamWaitEvent(waiter, ev, 0)));
-        cu::cuEventDestroy_v2(ev);
-        r
-    }
+    // SAFETY: forwarded: both are streams of `ctx`.
+    unsafe { order_streams_across(ctx, waiter, ctx, signaler) }
 }
 
 /// Makes `waiter` (a stream of `waiter_ctx`) wait, on the GPU, for everything submitted so far to `signaler` (a
