@@ -67,18 +67,29 @@ impl Gpu {
     }
 
     fn attach_to(ctx: Arc<driver::CudaContext>) -> Result<Gpu> {
-        let direct = (|| -> std::result::Result<Arc<GpuCore>, crate::launch::Error> {
+        type Proved = (Arc<GpuCore>, crate::launch::ComputeQueue);
+        let direct = (|| -> std::result::Result<Proved, crate::launch::Error> {
+            let started = std::time::Instant::now();
             let core = GpuCore::attach_cuda(ctx.uuid())?;
-            // A queue proves the attached channel runs (as `Gpu::open` proves the direct path).
-            drop(Box::new(crate::launch::ComputeQueue::new(
+            tracing::debug!(
+                attach_us = started.elapsed().as_micros(),
+                "found and joined CUDA's channel group"
+            );
+            // A queue proves the attached channel runs (as `Gpu::open` proves the direct path); the GPU keeps it
+            // for its first queue.
+            let proof = crate::launch::ComputeQueue::new(
                 &core,
                 crate::launch::ComputeQueueConfig::default(),
-            )?));
-            Ok(core)
+            )?;
+            Ok((core, proof))
         })();
+        let mut proof = None;
         let (inner, selection) = match direct {
-            Ok(core) => (
-                Backed::Direct(core),
+            Ok((core, queue)) => (
+                {
+                    proof = Some(queue);
+                    Backed::Direct(core)
+                },
                 Selection {
                     backend: Backend::Direct,
                     requested: BackendRequest::Auto,
@@ -102,7 +113,7 @@ impl Gpu {
             }
         };
         info!(backend = ?selection.backend, reason = %selection, "APEX attached to the CUDA context");
-        Gpu::assemble(inner, selection, Some(ctx))
+        Gpu::assemble(inner, selection, Some(ctx), proof)
     }
 
     /// Whether this GPU was attached to a CUDA context ([`Gpu::attach_cuda`]).

@@ -1,6 +1,6 @@
 //! An opened GPU: the backend choice, device facts, and the factory for buffers, modules and queues.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use tracing::info;
 
@@ -69,6 +69,34 @@ pub struct Gpu {
     pub(super) printf: PrintfFifoCell,
     /// The CUDA context this GPU is attached to ([`Gpu::attach_cuda`]).
     pub(super) cuda: Option<Arc<driver::CudaContext>>,
+    /// The compute queue that proved the direct path when the GPU was opened or attached, kept for the first
+    /// [`queue`](Gpu::queue) that can use it: building a queue costs milliseconds (channel, launch slots, local
+    /// memory), and the proof would otherwise be built and dropped only for the first queue to build it again.
+    pub(super) spare: SpareQueue,
+}
+
+/// The proving queue [`Gpu`] keeps for its first queue (see [`Gpu::spare`]).
+#[derive(Default)]
+pub(super) struct SpareQueue(Mutex<Option<Box<ComputeQueue>>>);
+
+impl SpareQueue {
+    /// Keeps `queue` for the first queue built with the default configuration.
+    pub(super) fn new(queue: Option<ComputeQueue>) -> SpareQueue {
+        SpareQueue(Mutex::new(queue.map(Box::new)))
+    }
+
+    /// The kept queue, if one is left; later calls get `None`.
+    pub(super) fn take(&self) -> Option<Box<ComputeQueue>> {
+        // A poisoned lock only means another thread panicked while taking it: the slot is still an Option.
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
+impl std::fmt::Debug for SpareQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kept = self.0.lock().map(|q| q.is_some()).unwrap_or(false);
+        f.debug_struct("SpareQueue").field("kept", &kept).finish()
+    }
 }
 
 impl Gpu {
@@ -89,12 +117,17 @@ impl Gpu {
             } else {
                 GpuCore::open(index)?
             };
-            // Building a compute queue proves the launch path (QMD layout, windows, local memory) on this GPU.
-            ComputeQueue::new(&core, ComputeQueueConfig::default())?;
-            Ok(core)
+            // Building a compute queue proves the launch path (QMD layout, windows, local memory) on this GPU; it is
+            // kept for the first queue.
+            let proof = ComputeQueue::new(&core, ComputeQueueConfig::default())?;
+            Ok((core, proof))
         });
+        let mut proof = None;
         let inner = match core {
-            Some(core) => Backed::Direct(core),
+            Some((core, queue)) => {
+                proof = Some(queue);
+                Backed::Direct(core)
+            }
             None => {
                 let reason = selection
                     .fallback
@@ -116,7 +149,7 @@ impl Gpu {
             }
         };
         info!(gpu = index, backend = ?selection.backend, reason = %selection, "APEX backend selected");
-        Gpu::assemble(inner, selection, None)
+        Gpu::assemble(inner, selection, None, proof)
     }
 
     /// A GPU over `inner`: its device facts, the limits launches are checked against, and a fresh printf FIFO.
@@ -124,6 +157,7 @@ impl Gpu {
         inner: GpuInner,
         selection: Selection,
         cuda: Option<Arc<driver::CudaContext>>,
+        proof: Option<ComputeQueue>,
     ) -> Result<Gpu> {
         let info = match &inner {
             Backed::Direct(c) => {
@@ -145,6 +179,7 @@ impl Gpu {
             limits,
             printf: PrintfFifoCell::new(),
             cuda,
+            spare: SpareQueue::new(proof),
         })
     }
 

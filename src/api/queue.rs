@@ -840,13 +840,22 @@ impl Gpu {
     /// ```
     pub fn queue_with(&self, options: QueueOptions) -> Result<Queue> {
         let inner: QueueInner = match &self.inner {
-            Backed::Direct(c) => Backed::Direct(Box::new(ComputeQueue::new(
-                c,
-                ComputeQueueConfig::default()
+            Backed::Direct(c) => {
+                let config = ComputeQueueConfig::default()
                     .with_memory(options.launch_memory)
-                    .with_polling(options.polled)
-                    .with_chained_stream(options.chained),
-            )?)),
+                    .with_polling(options.polled);
+                // The queue that proved the direct path was built with the default configuration; chaining is
+                // a setting of a built queue.
+                let spare = (config == ComputeQueueConfig::default())
+                    .then(|| self.spare.take())
+                    .flatten();
+                let mut queue = match spare {
+                    Some(q) => q,
+                    None => Box::new(ComputeQueue::new(c, config)?),
+                };
+                queue.set_chained_stream(options.chained)?;
+                Backed::Direct(queue)
+            }
             Backed::Driver(ctx) => Backed::Driver(Box::new(driver::Queue::new(ctx, self.limits)?)),
         };
         Ok(Queue {

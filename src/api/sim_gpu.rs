@@ -1,6 +1,7 @@
 //! A simulated GPU behind the public API: the entry point for tests and CI machines without a GPU.
 
 use super::backend::Backed;
+use super::gpu::SpareQueue;
 use super::{Backend, BackendRequest, DeviceInfo, Gpu, Result, Selection};
 use crate::launch::Limits;
 use crate::module::printf::PrintfFifoCell;
@@ -36,6 +37,7 @@ impl Gpu {
             limits,
             printf: PrintfFifoCell::new(),
             cuda: None,
+            spare: SpareQueue::default(),
         };
         Ok((gpu, sim))
     }

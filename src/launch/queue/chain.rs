@@ -168,6 +168,17 @@ impl ComputeQueue {
         Ok(fence)
     }
 
+    /// Turns chaining by the GPU on or off from now on
+    /// ([`ComputeQueueConfig::chained_stream`](super::ComputeQueueConfig::chained_stream)); links already held are
+    /// sent first when it is turned off.
+    pub fn set_chained_stream(&mut self, chained: bool) -> Result<()> {
+        if !chained && self.chained_stream {
+            self.flush_held()?;
+        }
+        self.chained_stream = chained;
+        Ok(())
+    }
+
     /// On a chained stream ([`ComputeQueueConfig::chained_stream`](super::ComputeQueueConfig::chained_stream)),
     /// holds a stream-ordered or programmatic launch as the next link of the open chain when the queue's last
     /// submission is still running or links are already held, and returns the timeline value it will complete with;

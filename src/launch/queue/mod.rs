@@ -23,7 +23,7 @@ mod submit;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tracing::debug;
 
@@ -153,9 +153,12 @@ impl ComputeQueue {
                 "a compute queue needs at least one launch slot".into(),
             ));
         }
+        // Building a queue costs milliseconds; where they go is logged (debug) for set-up cost work.
+        let started = Instant::now();
         let mut qc = config.queue;
         qc.channel.compute = true;
         let queue = Queue::new(gpu, qc)?;
+        let channel_us = started.elapsed().as_micros();
         let class = queue
             .channel()
             .classes()
@@ -201,6 +204,7 @@ impl ComputeQueue {
         for s in 0..config.slots as u64 {
             slots.fill(s * SLOT_BYTES, QMD_BYTES + DRIVER_BYTES as u64, 0)?;
         }
+        let slots_us = started.elapsed().as_micros() - channel_us;
         let windows_va = gpu.window_range(WINDOWS_BYTES, WINDOW_ALIGN)?;
         let mut cq = ComputeQueue {
             id: NEXT_QUEUE_ID.fetch_add(1, Ordering::Relaxed),
@@ -251,11 +255,17 @@ impl ComputeQueue {
             p.set_qmd_version(0x40, 1);
             p.set_shader_windows(shared, local);
         })?;
+        let before_local = started.elapsed().as_micros();
         cq.ensure_local_memory(INITIAL_STACK)?;
+        let local_us = started.elapsed().as_micros() - before_local;
         cq.queue.wait_idle_kicking(cq.timeout)?;
         debug!(
             shared = format_args!("{shared:#x}"),
             local = format_args!("{local:#x}"),
+            channel_us,
+            slots_us,
+            local_us,
+            total_us = started.elapsed().as_micros(),
             "compute queue ready"
         );
         Ok(cq)
