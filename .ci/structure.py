@@ -459,8 +459,11 @@ class Crate:
                     continue  # a glob of a descendant: the names are its own
                 names = set(self.imports.get(g, {})) | self.defines.get(g, set())
                 seen = set()
-                for m in re.finditer(IDENT, masked):
+                for m in re.finditer(r"(?<![\w$])" + IDENT, masked):
                     word = m.group(0)
+                    before = masked[max(0, m.start() - 80) : m.start()].rstrip()[-2:]
+                    if before.endswith(".") or before == "::":
+                        continue  # a method, a field, or the tail of a path (resolved above)
                     if word in names and word not in own and word not in seen and not f.in_test(m.start()):
                         if word in self.defines.get(mod, set()):
                             continue

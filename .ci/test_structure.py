@@ -181,6 +181,23 @@ class Circles(unittest.TestCase):
         self.assertEqual(len(problems), 1, problems)
         self.assertIn("src/rm/error.rs:1: pub enum Error { Io(super::GpuCore) }", problems[0])
 
+    def test_circle_through_a_glob(self):
+        # `use super::*` brings rm/mod.rs's re-export of GpuCore: error -> gpu; gpu -> error closes the circle.
+        # A method of the same name as something the parent imports (`x.open()`) is no edge.
+        glob_user = "use super::*;\npub enum Error { Io }\npub type Result<T> = std::result::Result<T, Error>;\n"
+        tree = changed(
+            **{
+                "rm/mod.rs": CLEAN["rm/mod.rs"].replace("GpuCore;", "{GpuCore, open};"),
+                "rm/gpu.rs": CLEAN["rm/gpu.rs"] + "pub fn open() {}\n",
+                "rm/error.rs": glob_user + "fn f(x: &u8) { x.open(); }\n",
+            }
+        )
+        self.assertEqual(run(tree), [])
+        tree["rm/error.rs"] = glob_user + "fn g(_: &GpuCore) {}\n"
+        problems = run(tree)
+        self.assertEqual(len(problems), 1, problems)
+        self.assertIn("src/rm/error.rs:4: fn g(_: &GpuCore) {}", problems[0])
+
     def test_circle_of_three(self):
         tree = changed(
             **{
