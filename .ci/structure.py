@@ -13,7 +13,8 @@ Three rules:
 
 2. No import circle. Each module file is a node (`x.rs` and `x/mod.rs` are the module `x`); A -> B when A names
    an item of B by a path: a `use` (`pub use`, `pub(crate) use`, groups `{a::{b, c}, d}`), or a path in code that
-   starts with `crate::`, `super::`, `self::`, or a name the file imported or a child module. A path resolves to
+   starts with `crate::`, `super::`, `self::`, or a name the file imported or a child module, or a name a glob
+   (`use super::*`) brought in (not a method call or field of the same name). A path resolves to
    the deepest module file it names; a name a module re-exports (`pub use`, or a private `use` its children see
    through `super::`) resolves to where it came from, so `use super::Error` in rm/gpu.rs is an edge to
    rm/error.rs. Edges between a module and its ancestors or descendants (a child using its parent's items, a
