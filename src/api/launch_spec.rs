@@ -1,10 +1,10 @@
 //! A launch description for [`Queue::submit`](super::Queue::submit): what runs, with which arguments, in which
-//! order.
+//! order; and the prepared launch ([`PreparedLaunch`]) it may name.
 
-use super::queue::PreparedLaunch;
+use super::backend::Backed;
 use super::{Error, Kernel, Result};
-use crate::driver::LaunchMode as How;
-use crate::launch::{Arg, LaunchConfig};
+use crate::driver::{self, LaunchMode as How};
+use crate::launch::{self, Arg, LaunchConfig};
 
 /// One launch for [`Queue::submit`](crate::Queue::submit): what runs (a kernel over a launch shape, or a
 /// [`PreparedLaunch`]), with which arguments, and how it is ordered against the work before it on the queue.
@@ -183,4 +183,24 @@ pub(super) fn cooperative_prepared() -> Error {
          Launch::new(kernel, cfg, args).cooperative() instead"
             .into(),
     )
+}
+
+/// A launch checked once by [`Queue::prepare`](crate::Queue::prepare), submitted again and again with new arguments
+/// by [`Queue::submit`](crate::Queue::submit) (as [`Launch::prepared`]) on the queue that prepared it.
+#[derive(Clone, Debug)]
+pub struct PreparedLaunch(pub(super) Backed<launch::PreparedLaunch, driver::Prepared>);
+
+impl PreparedLaunch {
+    /// The direct path's prepared launch, when a direct-path queue prepared it.
+    pub fn direct(&self) -> Option<&launch::PreparedLaunch> {
+        self.0.direct()
+    }
+
+    /// The grid, block, shared memory and cluster shape it launches with.
+    pub fn config(&self) -> &LaunchConfig {
+        match &self.0 {
+            Backed::Direct(p) => p.config(),
+            Backed::Driver(p) => p.config(),
+        }
+    }
 }

@@ -6,6 +6,7 @@
 mod backend;
 mod cuda_attach;
 mod error;
+mod fallback;
 mod fence;
 mod gpu;
 mod graph;
@@ -22,16 +23,17 @@ mod sim_gpu;
 
 pub use crate::rm::PeerLink;
 pub use error::{Error, PoolOutOfMemory, Result};
+pub use fallback::{Backend, FallbackReason};
 pub use fence::Fence;
 pub use gpu::{DeviceInfo, Gpu, QueueOptions};
 pub use graph::{Graph, GraphExec, GraphLaunch, GraphNode};
-pub use launch_spec::Launch;
+pub use launch_spec::{Launch, PreparedLaunch};
 pub use memory::{Buffer, HostBuffer};
 pub use module::{Global, Kernel, Module};
 pub use multi_gpu::PeerAccess;
 pub use pool::{MemoryPool, PoolBuffer, PoolOptions, PoolStats};
-pub use queue::{PreparedLaunch, Queue, Ticket};
-pub use selection::{Backend, BackendRequest, FallbackReason, Selection, choose};
+pub use queue::{Queue, Ticket};
+pub use selection::{BackendRequest, Selection, choose};
 
 #[cfg(test)]
 mod tests {

@@ -6,11 +6,11 @@ use std::time::Duration;
 
 use super::backend::Backed;
 use super::keep::{Endpoint, KeepAlive};
-use super::launch_spec::{Launch, What, cooperative_prepared};
+use super::launch_spec::{Launch, PreparedLaunch, What, cooperative_prepared};
 use super::peer::{PeerEngines, peer_engines, peer_error};
 use super::{Backend, Buffer, Error, Fence, Global, Gpu, HostBuffer, Kernel, QueueOptions, Result};
 use crate::driver::{self, LaunchMode as How};
-use crate::launch::{self, Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig};
+use crate::launch::{Arg, ComputeQueue, ComputeQueueConfig, LaunchConfig};
 
 /// A queue's backend: the direct path's compute queue or the driver backend's stream queue.
 pub(super) type QueueInner = Backed<Box<ComputeQueue>, Box<driver::Queue>>;
@@ -45,26 +45,6 @@ pub struct Queue {
     /// The direct path's copy engines for copies between GPUs, one set per (source, destination) pair, built on
     /// first use. Last: dropped after the compute queue, which waits for their copies first.
     pub(super) peer_engines: Vec<PeerEngines>,
-}
-
-/// A launch checked once by [`Queue::prepare`], submitted again and again with new arguments by
-/// [`Queue::submit`] (as [`Launch::prepared`]) on the queue that prepared it.
-#[derive(Clone, Debug)]
-pub struct PreparedLaunch(Backed<launch::PreparedLaunch, driver::Prepared>);
-
-impl PreparedLaunch {
-    /// The direct path's prepared launch, when a direct-path queue prepared it.
-    pub fn direct(&self) -> Option<&launch::PreparedLaunch> {
-        self.0.direct()
-    }
-
-    /// The grid, block, shared memory and cluster shape it launches with.
-    pub fn config(&self) -> &LaunchConfig {
-        match &self.0 {
-            Backed::Direct(p) => p.config(),
-            Backed::Driver(p) => p.config(),
-        }
-    }
 }
 
 const STAGING_BYTES: u64 = 32 << 20;

@@ -34,10 +34,7 @@ pub use loaded::{Kernel, LoadedModule};
 pub use memory::{DeviceMemory, HostMemory};
 pub use module::{Function, Module};
 pub use pool::{MemPool, PoolAttribute, free_async_unordered};
-pub use queue::{
-    BackendError, BackendResult, CudaOrder, LaunchMode, MAX_PARAM_BYTES, Prepared, Queue,
-    QueueGraph, StreamFence,
-};
+pub use queue::{CudaOrder, LaunchMode, MAX_PARAM_BYTES, Prepared, Queue, QueueGraph, StreamFence};
 pub use stream::{
     Graph, LaunchAttributes, LaunchKind, MAX_PARAMS, ParamPtrs, Stream, StreamRef, order_streams,
     order_streams_across,
@@ -134,6 +131,35 @@ impl Error {
 
 /// The driver backend's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// An error of the driver backend's queues, modules and graphs: a driver call, a check of the launch layer's,
+/// or an argument the caller passed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BackendError {
+    /// A CUDA driver call failed.
+    #[error(transparent)]
+    Driver(#[from] Error),
+    /// A launch, its arguments, a chain or a graph failed the launch layer's checks (the same checks as on the
+    /// direct path).
+    #[error(transparent)]
+    Launch(#[from] crate::launch::Error),
+    /// An argument the caller passed is not valid; the text says which and why.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A graph instantiated on one queue was replayed on another.
+    #[error("this graph was instantiated on another queue")]
+    OtherQueue,
+}
+
+impl From<crate::module::Error> for BackendError {
+    fn from(e: crate::module::Error) -> BackendError {
+        BackendError::Launch(e.into())
+    }
+}
+
+/// The driver backend's result type for queues, modules and graphs.
+pub type BackendResult<T, E = BackendError> = std::result::Result<T, E>;
 
 /// Errors after which the context is unusable (the CUDA documentation: "the process is left in an inconsistent
 /// state and any further CUDA work will return the same error").

@@ -7,40 +7,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{
-    Context, CudaContext, DeviceMemory, Error, GraphExec, GraphNode, Kernel, LaunchAttributes,
-    LaunchKind, MAX_PARAMS, ParamPtrs, Result, Stream, StreamRef, SyncWords, cu,
+    BackendError, BackendResult, Context, CudaContext, DeviceMemory, Error, GraphExec, GraphNode,
+    Kernel, LaunchAttributes, LaunchKind, MAX_PARAMS, ParamPtrs, Result, Stream, StreamRef,
+    SyncWords, cu,
 };
 use crate::launch::graph::{self as lgraph, Op};
 use crate::launch::{self, Arg, ClusterPolicy, LaunchConfig, Limits};
-
-/// An error of the driver backend's queues, modules and graphs: a driver call, a check of the launch layer's,
-/// or an argument the caller passed.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum BackendError {
-    /// A CUDA driver call failed.
-    #[error(transparent)]
-    Driver(#[from] Error),
-    /// A launch, its arguments, a chain or a graph failed the launch layer's checks (the same checks as on the
-    /// direct path).
-    #[error(transparent)]
-    Launch(#[from] launch::Error),
-    /// An argument the caller passed is not valid; the text says which and why.
-    #[error("invalid argument: {0}")]
-    InvalidArgument(String),
-    /// A graph instantiated on one queue was replayed on another.
-    #[error("this graph was instantiated on another queue")]
-    OtherQueue,
-}
-
-impl From<crate::module::Error> for BackendError {
-    fn from(e: crate::module::Error) -> BackendError {
-        BackendError::Launch(e.into())
-    }
-}
-
-/// The driver backend's result type for queues, modules and graphs.
-pub type BackendResult<T, E = BackendError> = std::result::Result<T, E>;
 
 /// How a launch is ordered and which driver call makes it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

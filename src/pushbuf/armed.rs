@@ -16,7 +16,7 @@ use crate::gpfifo::{Channel, GpEntry, Timeline};
 use crate::rm::{GpuCore, Memory, MemoryDesc, Placement};
 
 use super::encode::{Acquire, END_SEGMENT, Push};
-use super::queue::Result;
+use super::error::Result;
 
 /// How an armed queue publishes entries ahead of its work (see [`Submission::Armed`](super::Submission::Armed)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -4,6 +4,7 @@
 mod armed;
 pub mod decode;
 mod encode;
+mod error;
 mod queue;
 
 pub use armed::Armed;
@@ -11,4 +12,5 @@ pub use encode::{
     Acquire, END_SEGMENT, Header, MAX_COUNT, MAX_IMMEDIATE, Overflow, Push, Release, Subchannel,
     header, immediate,
 };
-pub use queue::{Error, Fence, Queue, QueueConfig, Result, Signal, Submission};
+pub use error::{Error, Result};
+pub use queue::{Fence, Queue, QueueConfig, Signal, Submission};

@@ -8,28 +8,8 @@ use crate::gpfifo::{Channel, ChannelConfig, FaultWatch, PushSpace, Timeline, wai
 use crate::rm::{GpuCore, Placement};
 
 use super::armed::{Armed, ArmedSlots};
-use super::encode::{Overflow, Push, Release, Subchannel};
-
-/// Errors of the pushbuffer layer.
-#[derive(thiserror::Error, Debug)]
-#[non_exhaustive]
-pub enum Error {
-    /// The channel (or RM below it) failed.
-    #[error(transparent)]
-    Channel(#[from] crate::gpfifo::Error),
-    /// What was recorded did not fit the pushbuffer.
-    #[error(transparent)]
-    Overflow(#[from] Overflow),
-}
-
-impl From<crate::rm::Error> for Error {
-    fn from(e: crate::rm::Error) -> Error {
-        Error::Channel(e.into())
-    }
-}
-
-/// The pushbuffer layer's result type.
-pub type Result<T, E = Error> = std::result::Result<T, E>;
+use super::encode::{Push, Release, Subchannel};
+use super::error::{Error, Result};
 
 /// How a [`Queue`] is built: start from [`QueueConfig::default`] and change it with the `with_*` methods
 /// (`#[non_exhaustive]`, so new options are not breaking changes).
