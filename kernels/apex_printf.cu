@@ -5,7 +5,7 @@
 // `__assertfail(message, file, line, function, charSize)`. Neither is in the module: the CUDA driver links its own.
 // APEX links these two functions instead (its loader points the module's references to `vprintf` and
 // `__assertfail` at `apex_vprintf` and `apex_assertfail`), and they write records into a ring in video memory that
-// the host drains and formats (src/module/printf.rs). `apex_fifo` is left undefined here: the loader resolves it
+// the host drains and formats (src/module/printf/). `apex_fifo` is left undefined here: the loader resolves it
 // to the ring of the GPU the module is loaded on.
 //
 // Built relocatable (nvcc -rdc=true -cubin) by kernels/build.sh. Every helper is inlined so each entry point is one
@@ -36,7 +36,7 @@ extern "C" __device__ ApexFifo apex_fifo;
 #define APEX_MAX_STRING 4096u
 #define KIND_PRINTF 1u
 #define KIND_ASSERT 2u
-// Set by the host (src/module/printf.rs, AssertAction::EndThread) where the context must not fault on an assert: an
+// Set by the host (src/module/printf/, AssertAction::EndThread) where the context must not fault on an assert: an
 // LD_PRELOAD host reports it through the CUDA driver instead, so the channel group it shares with CUDA stays alive.
 #define APEX_FIFO_ASSERT_ENDS_THREAD 1ull
 

@@ -1,0 +1,132 @@
+//! What a parsed cubin describes: its kernels (parameters, constant banks), module variables and image sections,
+//! and variables placed outside the image.
+
+/// One kernel parameter, from `EIATTR_KPARAM_INFO`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParamInfo {
+    /// Position in the kernel's parameter list.
+    pub ordinal: u32,
+    /// Byte offset inside the parameter block (add [`KernelInfo::param_cbank_offset`] for the bank 0 offset).
+    pub offset: u32,
+    /// Bytes.
+    pub size: u32,
+}
+
+/// A constant bank the kernel uses, and where its initial contents are in the image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConstBank {
+    /// Bank number (`.nv.constantN`): 0 holds driver values and parameters, 3 holds `__constant__` data.
+    pub bank: u32,
+    /// Offset of the bank's template inside the image; `None` when the bank has no image section.
+    pub image_offset: Option<u64>,
+    /// Bytes.
+    pub size: u64,
+}
+
+/// What a launcher needs to know about one kernel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct KernelInfo {
+    /// The kernel's symbol: the mangled name for C++ kernels.
+    pub name: String,
+    /// Offset of `.text.<name>` inside the image: the program entry is `base_va + code_offset`.
+    pub code_offset: u64,
+    /// Bytes of `.text.<name>`.
+    pub code_size: u64,
+    /// Registers per thread: `EIATTR_REGCOUNT`, else the high byte of the text section's `sh_info` (older cubins).
+    pub registers: u32,
+    /// Offset of the parameter block in constant bank 0 (`EIATTR_PARAM_CBANK`; 0x210 on sm_90). 0 without parameters.
+    pub param_cbank_offset: u32,
+    /// Bytes of the parameter block per `EIATTR_PARAM_CBANK`. 0 without parameters.
+    pub param_cbank_size: u32,
+    /// Parameters, sorted by ordinal.
+    pub params: Vec<ParamInfo>,
+    /// `EIATTR_CBANK_PARAM_SIZE`: bytes of parameters.
+    pub cbank_param_size: u32,
+    /// `EIATTR_MAX_THREADS` as a thread count (x * y * z).
+    pub max_threads: Option<u32>,
+    /// `EIATTR_MAX_THREADS` as written.
+    pub max_threads_dims: Option<[u32; 3]>,
+    /// `EIATTR_REQNTID`: the block shape the kernel was compiled for.
+    pub required_block: Option<[u32; 3]>,
+    /// `EIATTR_CTA_PER_CLUSTER`: compile-time cluster shape.
+    pub cluster_dims: Option<[u32; 3]>,
+    /// `EIATTR_EXPLICIT_CLUSTER`: the kernel must be launched as a cluster (compile-time or run-time shape).
+    pub explicit_cluster: bool,
+    /// `EIATTR_MIN_STACK_SIZE`: per-thread stack (local memory) bytes.
+    pub min_stack_size: u32,
+    /// `EIATTR_FRAME_SIZE`, 0 if absent.
+    pub frame_size: u32,
+    /// `EIATTR_MAX_STACK_SIZE`, 0 if absent.
+    pub max_stack_size: u32,
+    /// `EIATTR_CRS_STACK_SIZE`, 0 if absent.
+    pub crs_stack_size: u32,
+    /// `EIATTR_NUM_BARRIERS`; cubins without it keep the count in bits 20..27 of the text section's `sh_flags`.
+    pub barrier_count: u32,
+    /// Bytes of `.nv.shared.<name>` (0 if absent). On sm_90+ this includes the 1 KiB the compiler reserves at
+    /// shared address 0, so dynamic shared memory starts after it (cuobjdump's `SHARED:1024`).
+    pub static_shared: u64,
+    /// `.nv.constantN.<name>` and module-wide `.nv.constantN` banks, sorted by bank.
+    pub const_banks: Vec<ConstBank>,
+    /// `EIATTR_EXIT_INSTR_OFFSETS`: code offsets of EXIT instructions.
+    pub exit_offsets: Vec<u32>,
+    /// `EIATTR_S2RCTAID_INSTR_OFFSETS`.
+    pub ctaid_offsets: Vec<u32>,
+    /// `EIATTR_EXTERNS`: external device functions the kernel calls (the driver's `vprintf`, `__assertfail`, ...).
+    pub externs: Vec<String>,
+}
+
+impl KernelInfo {
+    /// The constant bank numbered `bank`, if the kernel has one.
+    pub fn const_bank(&self, bank: u32) -> Option<&ConstBank> {
+        self.const_banks.iter().find(|b| b.bank == bank)
+    }
+}
+
+/// A module-scope variable (`__device__`, `__constant__`): an `STT_OBJECT` symbol in a section of the loadable
+/// image (`.nv.global`, `.nv.global.init`, `.nv.constant3`, ...). Its GPU address is the image's base address plus
+/// [`image_offset`](Self::image_offset), what `cuModuleGetGlobal` returns for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GlobalSymbol {
+    /// The symbol's name (mangled for a C++ variable in a namespace).
+    pub name: String,
+    /// Offset of the variable inside the image.
+    pub image_offset: u64,
+    /// Bytes (`st_size`).
+    pub size: u64,
+    /// The image section holding it.
+    pub section: String,
+}
+
+impl GlobalSymbol {
+    /// Whether the variable is `__constant__` data: it lives in a constant bank's section, which launches bind
+    /// (bank 3 for `__constant__` variables) and read through the SM's constant caches.
+    pub fn is_constant(&self) -> bool {
+        self.section.starts_with(".nv.constant")
+    }
+}
+
+/// One section of the loadable image.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageSection {
+    /// The ELF section's name (`.text.<kernel>`, `.nv.constant0.<kernel>`, ...).
+    pub name: String,
+    /// Offset inside the image.
+    pub image_offset: u64,
+    /// Bytes.
+    pub size: u64,
+    /// `SHT_NOBITS`: zero-filled, no bytes in the file.
+    pub nobits: bool,
+}
+
+/// A module variable that lives at `address` instead of inside the module's image
+/// ([`Cubin::link_placed`](super::Cubin::link_placed)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlacedGlobal {
+    /// The variable's offset inside the image ([`GlobalSymbol::image_offset`]).
+    pub image_offset: u64,
+    /// Its size in bytes.
+    pub size: u64,
+    /// Where it lives.
+    pub address: u64,
+}

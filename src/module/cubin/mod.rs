@@ -1,0 +1,398 @@
+//! Cubins: the ELF files ptxas writes for one SM architecture.
+//!
+//! [`Cubin::parse`] reads everything a launcher needs from the ELF with the `object` crate and keeps owned copies,
+//! so a [`Cubin`] outlives the bytes it came from:
+//!
+//! - the loadable image: every `SHF_ALLOC` `PROGBITS`/`NOBITS` section of global memory (kernel code, constant-bank
+//!   templates, `__device__` and `__constant__` data) laid out in section order at its alignment;
+//! - per kernel ([`KernelInfo`]): register count, parameter layout, stack and shared memory sizes, constant banks,
+//!   from `.nv.info` (module-wide records keyed by symbol) and `.nv.info.<kernel>` (per-kernel records);
+//! - the relocations that patch the image, resolved and checked at parse time so [`Cubin::link`] only does arithmetic.
+//!
+//! Shared (`.nv.shared.*`) and local (`.nv.local.*`) sections are allocated by the hardware per CTA / per thread, so
+//! they are not part of the image; their sizes end up in [`KernelInfo::static_shared`]. Mercury sections of sm_100+
+//! (`.nv.merc.*`, `.nv.capmerc.*`: input for the driver's finalizer) and debug sections are ignored.
+//!
+//! Everything read from the file is bounds-checked and uses checked arithmetic: bad input is a [`CubinError`],
+//! never a panic.
+//!
+//! The code is split by concern: `error` ([`CubinError`]), `info` (what a parsed cubin describes: [`KernelInfo`],
+//! [`GlobalSymbol`], [`ImageSection`], [`PlacedGlobal`]), `sections` (section and symbol headers, the image
+//! layout and the variables in it), `nvinfo` (`.nv.info` records and the kernel descriptions read from them) and
+//! `relocate` (relocations, read at parse time and applied at link time). This file holds [`Cubin`] itself:
+//! parsing, lookups by name and linking.
+
+mod error;
+mod info;
+mod nvinfo;
+mod relocate;
+mod sections;
+#[cfg(test)]
+mod tests;
+
+use object::LittleEndian;
+use object::elf;
+use object::read::elf::{FileHeader, SectionHeader, Sym as _};
+
+pub use error::CubinError;
+pub use info::{ConstBank, GlobalSymbol, ImageSection, KernelInfo, ParamInfo, PlacedGlobal};
+pub use nvinfo::{eiattr, eifmt};
+pub(crate) use relocate::apply_value;
+pub use relocate::reloc;
+pub use sections::CONST_BANK_ALIGN;
+
+use error::corrupt;
+use nvinfo::{kernel_info, module_info};
+use relocate::{Relocation, SymbolValue, apply, range_mut, relocations};
+use sections::{LoadedSection, SectionMeta, SymbolMeta, global_symbols, layout};
+
+type Elf = elf::FileHeader64<LittleEndian>;
+
+/// `e_machine` of CUDA ELFs.
+pub const EM_CUDA: u16 = 190;
+/// Section type of `.nv.info` and `.nv.info.<kernel>`.
+pub const SHT_CUDA_INFO: u32 = 0x7000_0000;
+/// `st_other` bit marking a kernel entry point (`__global__`), as opposed to a `__device__` function.
+pub const STO_CUDA_ENTRY: u8 = 0x10;
+
+/// A parsed cubin: kernels, the loadable image and its relocations. Owns its data.
+#[derive(Debug, Clone)]
+pub struct Cubin {
+    sm: u32,
+    kernels: Vec<KernelInfo>,
+    sections: Vec<LoadedSection>,
+    relocations: Vec<Relocation>,
+    image_size: u64,
+    /// Undefined symbols that relocations refer to, sorted, each once.
+    externals: Vec<String>,
+    /// Module-scope variables in the image, in symbol table order.
+    globals: Vec<GlobalSymbol>,
+}
+
+/// The SM version in `e_flags`: bits 15:8 since ELF ABI version 8 (CUDA 12.8+), bits 7:0 before.
+pub fn sm_from_e_flags(abi_version: u8, e_flags: u32) -> u32 {
+    if abi_version >= 8 || e_flags >> 24 != 0 {
+        (e_flags >> 8) & 0xff
+    } else {
+        e_flags & 0xff
+    }
+}
+
+/// Whether SASS for `cubin_sm` runs on a `device_sm` GPU: same major version, device minor at least the cubin's.
+pub fn sass_compatible(cubin_sm: u32, device_sm: u32) -> bool {
+    cubin_sm / 10 == device_sm / 10 && cubin_sm <= device_sm
+}
+
+impl Cubin {
+    /// Parses a cubin. Fails on anything that would make the image or the kernel descriptions wrong.
+    pub fn parse(bytes: &[u8]) -> Result<Cubin, CubinError> {
+        let header = Elf::parse(bytes).map_err(|e| CubinError::NotElf(e.to_string()))?;
+        let endian = header
+            .endian()
+            .map_err(|e| CubinError::NotElf(e.to_string()))?;
+        let machine = header.e_machine(endian).0;
+        if machine != EM_CUDA {
+            return Err(CubinError::NotCuda { machine });
+        }
+        let e_type = header.e_type(endian).0;
+        if e_type != elf::ET_EXEC.0 {
+            return Err(CubinError::NotExecutable { e_type });
+        }
+        let sm = sm_from_e_flags(header.e_ident().abi_version, header.e_flags(endian).0);
+        if sm == 0 {
+            return Err(corrupt("e_flags name no SM version"));
+        }
+
+        let table = header
+            .sections(endian, bytes)
+            .map_err(|e| corrupt(format!("section headers: {e}")))?;
+        let mut metas = Vec::with_capacity(table.len());
+        for (index, sh) in table.enumerate() {
+            let name = table
+                .section_name(endian, sh)
+                .map_err(|e| corrupt(format!("section {}: name: {e}", index.0)))?;
+            let name = String::from_utf8_lossy(name).into_owned();
+            let data = sh
+                .data(endian, bytes)
+                .map_err(|e| corrupt(format!("section {name}: contents: {e}")))?;
+            metas.push(SectionMeta {
+                name,
+                sh_type: sh.sh_type(endian).0,
+                flags: sh.sh_flags(endian).0,
+                size: sh.sh_size(endian),
+                align: sh.sh_addralign(endian),
+                link: sh.sh_link(endian),
+                info: sh.sh_info(endian),
+                data,
+            });
+        }
+
+        let (sections, image_index, image_size) = layout(&metas)?;
+
+        let symtab = table
+            .symbols(endian, bytes, elf::SHT_SYMTAB)
+            .map_err(|e| corrupt(format!("symbol table: {e}")))?;
+        let mut symbols = Vec::with_capacity(symtab.len());
+        for (index, sym) in symtab.enumerate() {
+            let name = symtab
+                .symbol_name(endian, sym)
+                .map_err(|e| corrupt(format!("symbol {}: name: {e}", index.0)))?;
+            let section = symtab
+                .symbol_section(endian, sym, index)
+                .map_err(|e| corrupt(format!("symbol {}: section: {e}", index.0)))?
+                .map(|s| s.0);
+            if section.is_some_and(|s| s >= metas.len()) {
+                return Err(corrupt(format!(
+                    "symbol {}: section index out of range",
+                    index.0
+                )));
+            }
+            symbols.push(SymbolMeta {
+                name: String::from_utf8_lossy(name).into_owned(),
+                st_type: sym.st_type().0,
+                other: sym.st_other().0,
+                section,
+                absolute: sym.st_shndx(endian) == elf::SHN_ABS,
+                value: sym.st_value(endian),
+                size: sym.st_size(endian),
+            });
+        }
+        let symtab_index = symtab.section().0;
+
+        let module = module_info(&metas)?;
+        let mut kernels = Vec::new();
+        for (sym_index, sym) in symbols.iter().enumerate() {
+            if let Some(mut kernel) =
+                kernel_info(sym_index, sym, &metas, &sections, &image_index, &module)?
+            {
+                // EIATTR_EXTERNS gives symbol indices; keep the names.
+                for name in kernel.externs.iter_mut() {
+                    let index: usize = name.parse().unwrap_or(usize::MAX);
+                    let sym = symbols.get(index).ok_or_else(|| {
+                        corrupt(format!(
+                            "kernel {}: EXTERNS symbol {index} out of range",
+                            kernel.name
+                        ))
+                    })?;
+                    *name = sym.name.clone();
+                }
+                kernels.push(kernel);
+            }
+        }
+
+        let relocations = relocations(
+            &table,
+            endian,
+            bytes,
+            &metas,
+            &symbols,
+            symtab_index,
+            &sections,
+            &image_index,
+        )?;
+
+        let mut externals: Vec<String> = relocations
+            .iter()
+            .filter_map(|r| match &r.symbol {
+                SymbolValue::External(name) => Some(name.clone()),
+                _ => None,
+            })
+            .collect();
+        externals.sort();
+        externals.dedup();
+        let globals = global_symbols(&symbols, &sections, &image_index)?;
+
+        Ok(Cubin {
+            sm,
+            kernels,
+            sections,
+            relocations,
+            image_size,
+            externals,
+            globals,
+        })
+    }
+
+    /// SM version the SASS is for, e.g. 90.
+    pub fn sm_version(&self) -> u32 {
+        self.sm
+    }
+
+    /// [`CubinError::WrongArch`] unless the cubin's SASS runs on an `device_sm` GPU (see [`sass_compatible`]).
+    pub fn check_arch(&self, device_sm: u32) -> Result<(), CubinError> {
+        if sass_compatible(self.sm, device_sm) {
+            Ok(())
+        } else {
+            Err(CubinError::WrongArch {
+                cubin_sm: self.sm,
+                device_sm,
+            })
+        }
+    }
+
+    /// Every kernel (`__global__` function), in symbol table order.
+    pub fn kernels(&self) -> &[KernelInfo] {
+        &self.kernels
+    }
+
+    /// The kernels, for the loader to adjust what linking changes (registers and stack of functions it adds).
+    pub(crate) fn kernels_mut(&mut self) -> &mut [KernelInfo] {
+        &mut self.kernels
+    }
+
+    /// The kernel named `name`: its symbol (the mangled name of a C++ kernel), or its demangled name with or
+    /// without the parameter list (`scale_n<float, 256>(float*, float)`, `scale_n<float, 256>`,
+    /// `ns::kernel`; spaces do not matter). A demangled name that fits several overloads is
+    /// [`CubinError::AmbiguousKernel`].
+    pub fn kernel(&self, name: &str) -> Result<&KernelInfo, CubinError> {
+        if let Some(k) = self.kernels.iter().find(|k| k.name == name) {
+            return Ok(k);
+        }
+        let want = without_spaces(name);
+        let matches: Vec<&KernelInfo> = self
+            .kernels
+            .iter()
+            .filter(|k| {
+                demangled_forms(&k.name)
+                    .iter()
+                    .any(|f| without_spaces(f) == want)
+            })
+            .collect();
+        match matches[..] {
+            [k] => Ok(k),
+            [] => Err(CubinError::NoSuchKernel(name.to_owned())),
+            _ => Err(CubinError::AmbiguousKernel {
+                name: name.to_owned(),
+                candidates: matches.iter().map(|k| k.name.clone()).collect(),
+            }),
+        }
+    }
+
+    /// Module-scope variables (`__device__`, `__constant__`) in the image, in symbol table order.
+    pub fn globals(&self) -> &[GlobalSymbol] {
+        &self.globals
+    }
+
+    /// The module-scope variable named `name`: its symbol, or, for a C++ variable in a namespace, its demangled
+    /// name (`ns::table`; spaces do not matter) when exactly one variable has it.
+    pub fn global(&self, name: &str) -> Option<&GlobalSymbol> {
+        if let Some(g) = self.globals.iter().find(|g| g.name == name) {
+            return Some(g);
+        }
+        let want = without_spaces(name);
+        let mut matches = self.globals.iter().filter(|g| {
+            demangled_forms(&g.name)
+                .iter()
+                .any(|f| without_spaces(f) == want)
+        });
+        match (matches.next(), matches.next()) {
+            (Some(g), None) => Some(g),
+            _ => None,
+        }
+    }
+
+    /// Bytes of the loadable image.
+    pub fn image_size(&self) -> u64 {
+        self.image_size
+    }
+
+    /// The sections of the image, in image order.
+    pub fn image_sections(&self) -> impl Iterator<Item = &ImageSection> {
+        self.sections.iter().map(|s| &s.info)
+    }
+
+    /// Offset of the image section named `name` inside the image.
+    pub fn section_offset(&self, name: &str) -> Option<u64> {
+        self.sections
+            .iter()
+            .find(|s| s.info.name == name)
+            .map(|s| s.info.image_offset)
+    }
+
+    /// External device functions the image refers to (undefined symbols of its relocations), sorted: what the
+    /// CUDA driver links from its own device runtime (`vprintf`, `__assertfail`, `malloc`, ...).
+    pub fn externals(&self) -> &[String] {
+        &self.externals
+    }
+
+    /// Writes the image for loading at GPU virtual address `base_va` into `image[..image_size]`: section bytes,
+    /// zeros for NOBITS sections and padding, then the relocations. Fails on a reference to an external symbol
+    /// (see [`Cubin::link_with`]).
+    pub fn link(&self, base_va: u64, image: &mut [u8]) -> Result<(), CubinError> {
+        self.link_with(base_va, image, &|_| None)
+    }
+
+    /// As [`Cubin::link`], with `resolve` giving the GPU address of each external symbol
+    /// ([`CubinError::UnresolvedSymbol`] where it gives none).
+    pub fn link_with(
+        &self,
+        base_va: u64,
+        image: &mut [u8],
+        resolve: &dyn Fn(&str) -> Option<u64>,
+    ) -> Result<(), CubinError> {
+        self.link_placed(base_va, image, resolve, &[])
+    }
+
+    /// As [`Cubin::link_with`], with some of the module's variables living elsewhere: every reference into
+    /// `placed[i]`'s image range (symbol plus addend, whichever symbol the relocation names) goes to the same offset
+    /// at its address instead. Another instance of the same module (CUDA's, in an attached context) then shares its
+    /// `__device__` variables with this one.
+    pub fn link_placed(
+        &self,
+        base_va: u64,
+        image: &mut [u8],
+        resolve: &dyn Fn(&str) -> Option<u64>,
+        placed: &[PlacedGlobal],
+    ) -> Result<(), CubinError> {
+        let need = self.image_size;
+        let got = u64::try_from(image.len()).unwrap_or(u64::MAX);
+        let too_small = CubinError::ImageTooSmall { need, got };
+        let need_len = usize::try_from(need).map_err(|_| too_small.clone())?;
+        let image = image.get_mut(..need_len).ok_or(too_small)?;
+        image.fill(0);
+        for section in &self.sections {
+            if let Some(data) = &section.data {
+                let dst = range_mut(image, section.info.image_offset, data.len())?;
+                dst.copy_from_slice(data);
+            }
+        }
+        for r in &self.relocations {
+            apply(r, base_va, image, resolve, placed)?;
+        }
+        Ok(())
+    }
+}
+
+fn without_spaces(s: &str) -> String {
+    s.chars().filter(|c| !c.is_whitespace()).collect()
+}
+
+/// The names a C++ kernel symbol answers to besides itself: the full demangled signature and the qualified name
+/// without parameters (and without the return type templates carry). Empty for names that are not mangled.
+pub fn demangled_forms(symbol: &str) -> Vec<String> {
+    let Ok(sym) = cpp_demangle::Symbol::new(symbol) else {
+        return Vec::new();
+    };
+    let Ok(full) = sym.demangle() else {
+        return Vec::new();
+    };
+    // The parameter list starts at the first '(' outside template arguments.
+    let mut depth = 0i32;
+    let mut name_end = full.len();
+    let mut name_start = 0;
+    for (i, c) in full.char_indices() {
+        match c {
+            '<' => depth += 1,
+            '>' => depth -= 1,
+            '(' if depth == 0 => {
+                name_end = i;
+                break;
+            }
+            // A return type before the name (function templates): the name starts after it.
+            ' ' if depth == 0 => name_start = i + 1,
+            _ => {}
+        }
+    }
+    let name = full[name_start..name_end].to_owned();
+    vec![full, name]
+}
