@@ -2,9 +2,9 @@
 //! invalidation, inline QMDs and PCAS (send, prefetch, invalidate, decrement).
 
 use super::super::headers::cbc0 as compute;
+use super::decode::Method;
 use super::launch::Event;
 use super::{ChannelModel, Flow, mmu, set_lower, set_upper};
-use crate::pushbuf::decode::DecodedMethod;
 use crate::rm::sim::SimView;
 
 use super::super::qmd::{self, QMD_WORDS_V04};
@@ -28,7 +28,7 @@ pub(super) struct InlineQmd {
 impl ChannelModel {
     pub(super) fn compute_method(
         &mut self,
-        m: &DecodedMethod,
+        m: &Method,
         view: &SimView<'_>,
         now: &dyn Fn() -> u64,
         rec: &mut Records,

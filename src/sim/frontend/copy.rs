@@ -1,8 +1,8 @@
 //! The copy engine: linear copies between virtual addresses and their one-word completion semaphore.
 
 use super::super::headers::c8b5 as copy;
+use super::decode::Method;
 use super::{ChannelModel, Flow, mmu, set_lower, set_upper};
-use crate::pushbuf::decode::DecodedMethod;
 use crate::rm::sim::SimView;
 
 use super::super::SimErrorKind;
@@ -22,7 +22,7 @@ impl ChannelModel {
     /// can reach (its own and those mapped on it from peers), and its one-word completion semaphore.
     pub(super) fn copy_method(
         &mut self,
-        m: &DecodedMethod,
+        m: &Method,
         view: &SimView<'_>,
     ) -> Result<Flow, SimErrorKind> {
         let v = m.value;

@@ -2,9 +2,9 @@
 //! segment's words, and dispatching each method to the host or the engine bound to its subchannel.
 
 use super::super::headers::{c8b5 as copy, cbc0 as compute};
+use super::decode::{Kind, Method, decode};
 use super::{ChannelModel, Flow, GP_GET, GP_PUT, mmu};
 use crate::gpfifo::GpEntry;
-use crate::pushbuf::decode::{DecodedMethod, HeaderKind, SubchannelClasses, decode};
 use crate::rm::sim::SimView;
 
 use super::super::{Records, SimErrorKind};
@@ -91,37 +91,23 @@ impl ChannelModel {
             self.next = 0;
             return;
         }
-        let mut classes = SubchannelClasses::new(self.ch.class);
-        for (sc, class) in self.bound.iter().enumerate().skip(1) {
-            if let Some(c) = class {
-                classes.bind(sc as u8, *c);
-            }
-        }
         self.next = 0;
-        self.pending = match decode(words, &classes) {
-            Ok(m) => m,
-            Err(e) => {
-                let at = match &e {
-                    crate::pushbuf::decode::DecodeError::Truncated { at_word, .. }
-                    | crate::pushbuf::decode::DecodeError::UnknownHeader { at_word, .. } => {
-                        *at_word
-                    }
-                };
-                self.tail_error = Some(SimErrorKind::Decode(e));
-                // The methods before the bad word were fetched and run, as on hardware.
-                decode(&words[..at], &classes).unwrap_or_default()
-            }
-        };
+        // The methods before a bad word are fetched and run, as on hardware; the error faults after them.
+        let (methods, error) = decode(words);
+        self.pending = methods;
+        if let Some(e) = error {
+            self.tail_error = Some(SimErrorKind::Decode(e));
+        }
     }
 
     pub(super) fn execute(
         &mut self,
-        m: &DecodedMethod,
+        m: &Method,
         view: &SimView<'_>,
         now: &dyn Fn() -> u64,
         rec: &mut Records,
     ) -> Result<Flow, SimErrorKind> {
-        if m.kind == HeaderKind::EndSegment {
+        if m.kind == Kind::EndSegment {
             return Ok(Flow::Continue);
         }
         // Methods below 0x100 belong to the host (PBDMA) on every subchannel.

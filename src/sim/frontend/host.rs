@@ -2,8 +2,8 @@
 //! acquire, timestamps).
 
 use super::super::headers::{c56f, c86f as host};
+use super::decode::Method;
 use super::{ChannelModel, Flow, mmu};
-use crate::pushbuf::decode::DecodedMethod;
 use crate::rm::sim::SimView;
 
 use super::super::SimErrorKind;
@@ -19,7 +19,7 @@ pub(super) struct Semaphore {
 impl ChannelModel {
     pub(super) fn host_method(
         &mut self,
-        m: &DecodedMethod,
+        m: &Method,
         view: &SimView<'_>,
         now: &dyn Fn() -> u64,
     ) -> Result<Flow, SimErrorKind> {

@@ -1,18 +1,19 @@
 //! One channel's front end: GPFIFO fetch, method decode and execution, QMD launch, faults.
 //!
 //! The model's code is split by concern: `fetch` (GPFIFO entries, prefetch while blocked, decoding a segment and
-//! dispatching each method to its engine), `host` (host methods and semaphores), `copy` (the copy engine),
+//! dispatching each method to its engine), `decode` (the method headers, read with the simulator's own reading of
+//! `clc56f.h`), `host` (host methods and semaphores), `copy` (the copy engine),
 //! `compute` (the compute class's methods: inline uploads, state, inline QMDs and PCAS) and `launch` (the compute
 //! work distributor: arming, scheduling and dependents, the checks a QMD must pass, its releases). This file holds
 //! the channel model itself: its state, its steps, and its fault.
 
 mod compute;
 mod copy;
+mod decode;
 mod fetch;
 mod host;
 mod launch;
 
-use crate::pushbuf::decode::DecodedMethod;
 use crate::rm::sim::{AccessError, SimChannel, SimView};
 use crate::rm::sys;
 
@@ -20,6 +21,7 @@ use super::qmd::{GpuMemory, LaunchState};
 use super::{ChannelStats, Records, SimError, SimErrorKind};
 use compute::{Inline, InlineQmd};
 use copy::CopyState;
+use decode::Method;
 use host::Semaphore;
 use launch::Armed;
 
@@ -72,7 +74,7 @@ pub(super) struct ChannelModel {
     pub live: bool,
     get: u32,
     bound: [Option<u32>; 8],
-    pending: Vec<DecodedMethod>,
+    pending: Vec<Method>,
     next: usize,
     /// A malformed tail of the current segment: faults once the methods before it have run.
     tail_error: Option<SimErrorKind>,
