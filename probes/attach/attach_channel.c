@@ -87,7 +87,7 @@ static int acquire_geq(NvU32 *w, NvU64 va, NvU32 v, int switch_tsg) {
     return sem(w, va, v, 0x3 | (switch_tsg ? 1u << 12 : 0)); /* ACQ_CIRC_GEQ, 32-bit */
 }
 
-/* Appends `n` words to the channel's pushbuffer, one GPFIFO entry, GPPut, doorbell (src/gpfifo/channel.rs). */
+/* Appends `n` words to the channel's pushbuffer, one GPFIFO entry, GPPut, doorbell (src/gpfifo/channel/mod.rs). */
 static void submit(chan_t *c, const NvU32 *w, NvU32 n) {
     NvU32 *pb = (NvU32 *)(region + PB_OFF) + c->pb_words;
     NvU64 va = region_va + PB_OFF + 4ull * c->pb_words;

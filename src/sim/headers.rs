@@ -9,7 +9,7 @@
 //! simulator needs:
 //!
 //! - `#define NAME 0x02b4` / `#define NAME (0x0000005C)`: a method offset or a value;
-//! - `#define NAME 31:29`: a field of a 32-bit method data word;
+//! - `#define NAME 31:29`: a field of a 32-bit method data word or method header;
 //! - `#define NAME MW(583:580)`: a QMD field as absolute bit positions;
 //! - function-like `#define NAME(i) (0x0320+(i)*4)` and `#define NAME(i) MW((416+(i)*4):(416+(i)*4))`,
 //!   evaluated at `i` (`+ - *`, parentheses, decimal and hex literals).
@@ -511,12 +511,32 @@ pub(crate) mod c86f {
     });
 }
 
-/// `AMPERE_CHANNEL_GPFIFO_A` (`clc56f.h`): host defines `clc86f.h` leaves out.
+/// `AMPERE_CHANNEL_GPFIFO_A` (`clc56f.h`): host defines `clc86f.h` leaves out, and the method header format
+/// (`NVC56F_DMA_*`: SEC_OP, METHOD_ADDRESS, METHOD_SUBCHANNEL, METHOD_COUNT, IMMD_DATA), which only this header
+/// defines.
 #[allow(non_snake_case)]
 pub(crate) mod c56f {
     use super::{CLC56F, Field};
 
     read!(CLC56F, "NVC56F_", crate::hw::host::c56f {
+        field DMA_IMMD_DATA;
+        field DMA_METHOD_ADDRESS;
+        field DMA_METHOD_COUNT;
+        field DMA_METHOD_SUBCHANNEL;
+        value DMA_NOP;
+        field DMA_SEC_OP;
+        value DMA_SEC_OP_END_PB_SEGMENT;
+        value DMA_SEC_OP_GRP0_USE_TERT;
+        value DMA_SEC_OP_IMMD_DATA_METHOD;
+        value DMA_SEC_OP_INC_METHOD;
+        value DMA_SEC_OP_NON_INC_METHOD;
+        value DMA_SEC_OP_ONE_INC;
+        field DMA_SET_SUBDEVICE_MASK_OPCODE;
+        value DMA_SET_SUBDEVICE_MASK_OPCODE_VALUE;
+        field DMA_STORE_SUBDEVICE_MASK_OPCODE;
+        value DMA_STORE_SUBDEVICE_MASK_OPCODE_VALUE;
+        field DMA_USE_SUBDEVICE_MASK_OPCODE;
+        value DMA_USE_SUBDEVICE_MASK_OPCODE_VALUE;
         value NON_STALL_INTERRUPT;
         value NOP;
         value SEM_EXECUTE_OPERATION_ACQ_STRICT_GEQ;
