@@ -227,6 +227,21 @@ fn benches(c: &mut Criterion) {
             })
         })
     });
+    // The same on the chained queue through the call `apex::Queue::submit` makes (a timeline value, no fence): a
+    // fence's reference count is a locked instruction, which waits for the launch's stores and doorbell.
+    g.bench_function("apex_chained_stream_ticket", |b| {
+        b.iter_custom(|iters| {
+            per_launch(iters, || {
+                let mut last = 0;
+                for _ in 0..1000 {
+                    // SAFETY: the empty kernel touches no memory.
+                    last = unsafe { p.q_chained.launch_value(&p.k, &ONE, &[]) }.expect("launch");
+                }
+                p.q_chained.flush_held().expect("flush");
+                p.q_chained.fence_for(last).wait(T).expect("wait");
+            })
+        })
+    });
     g.bench_function("cuLaunchKernel", |b| {
         b.iter_custom(|iters| {
             per_launch(iters, || {

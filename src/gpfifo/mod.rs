@@ -10,16 +10,17 @@
 mod channel;
 mod entry;
 mod error;
+mod fault;
 mod pushspace;
 mod ring;
 mod timeline;
 
 pub use channel::{
-    Channel, ChannelClasses, ChannelConfig, ChannelFault, FaultWatch, MmuFault, SmError,
-    prefetch_for_write,
+    Channel, ChannelClasses, ChannelConfig, FaultWatch, MmuFault, prefetch_for_write,
 };
 pub use entry::GpEntry;
 pub use error::{Error, Result};
+pub use fault::{ChannelFault, SmError};
 pub use pushspace::PushSpace;
 pub use ring::RingState;
 pub use timeline::{Semaphores, Timeline, wait_until};

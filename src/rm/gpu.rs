@@ -107,7 +107,14 @@ pub(crate) struct SharedGroup {
     pub(crate) faulted: Arc<std::sync::atomic::AtomicBool>,
     /// The error notifiers of the group's channels, read before a channel joins: RM posts a group's end to its
     /// channels' notifiers whether or not anyone has looked.
-    pub(crate) notifiers: Vec<std::sync::Weak<super::Memory>>,
+    pub(crate) notifiers: Vec<std::sync::Weak<dyn NotifierWords>>,
+}
+
+/// A channel's error notifier as its group keeps it: words RM writes and the CPU reads ([`Memory`](super::Memory)
+/// is one). A trait so that the GPU's record of its groups does not depend on how memory is built.
+pub(crate) trait NotifierWords: Send + Sync {
+    /// The 32-bit word at byte `offset`, read without caching (RM writes it behind the CPU's back).
+    fn read_u32_volatile(&self, offset: u64) -> Result<u32>;
 }
 
 /// A CUDA context's channel group and VA spaces, duplicated into APEX's client: channels built on an attached

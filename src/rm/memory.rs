@@ -565,6 +565,12 @@ fn alloc_params(
     }
 }
 
+impl super::gpu::NotifierWords for Memory {
+    fn read_u32_volatile(&self, offset: u64) -> Result<u32> {
+        Memory::read_u32_volatile(self, offset)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -32,6 +32,7 @@ pub use engine::{
     copy_engine_type, lce_of_engine_type,
 };
 pub use error::{Error, Result};
+pub(crate) use gpu::NotifierWords;
 pub use gpu::{
     Attachment, GpuCore, GpuInfo, HEADERS_BRANCH, USERMODE_CLASSES, USERMODE_SIZE, format_uuid,
 };

@@ -358,7 +358,7 @@ impl Channel {
             g.notifiers.retain(|n| n.strong_count() > 0);
             if g.notifiers
                 .iter()
-                .any(|n| n.upgrade().is_some_and(|n| read_fault(&n).is_some()))
+                .any(|n| n.upgrade().is_some_and(|n| read_fault(&*n).is_some()))
             {
                 g.faulted.store(true, Ordering::Release);
             }
@@ -465,7 +465,8 @@ impl Channel {
             }
         };
         if let Some(g) = shared.as_deref_mut().filter(|_| group_faulted.is_some()) {
-            g.notifiers.push(Arc::downgrade(&notifier));
+            let kept: Arc<dyn crate::rm::NotifierWords> = notifier.clone();
+            g.notifiers.push(Arc::downgrade(&kept));
         }
         drop(shared);
         let ChannelObjects {

@@ -25,7 +25,7 @@ use super::{Error, GpEntry, Result, RingState};
 
 use build::UvmChannel;
 pub use config::{ChannelClasses, ChannelConfig};
-pub use fault::{ChannelFault, FaultWatch, MmuFault, SmError};
+pub use fault::{FaultWatch, MmuFault};
 use fault::{mark_group_faulted, read_fault};
 pub use store_order::prefetch_for_write;
 use store_order::{cached_store_order, is_write_combined, store_fence};
@@ -169,7 +169,7 @@ impl Channel {
                     state.observe_get(get);
                     state.free() > 0
                 },
-                || read_fault(notifier),
+                || read_fault(&**notifier),
             )?;
         }
         let slot = self.state.push().expect("a free slot was ensured above");
@@ -272,7 +272,7 @@ impl Channel {
                 state.observe_get(unsafe { userd.read_volatile() });
                 state.get() == target
             },
-            || read_fault(notifier),
+            || read_fault(&**notifier),
         )
     }
 
@@ -295,7 +295,7 @@ impl Channel {
 impl Drop for Channel {
     fn drop(&mut self) {
         // A fault nobody asked about still ends the shared group: no channel may join it after this one.
-        if read_fault(&self.notifier).is_some() {
+        if read_fault(&*self.notifier).is_some() {
             mark_group_faulted(self.group_faulted.as_deref());
         }
         // Objects go before the memory they reference; fields below handle the rest in declaration order.
