@@ -22,13 +22,18 @@
 //!   safe is simply not used: the allocation goes to libcuda. The stream-ordered path serves only while the device's
 //!   current pool is its default pool (`cuDeviceSetMemPool` never made another one current), never during a graph
 //!   capture (an allocation there is a graph node), and never `cuMemAllocFromPoolAsync`.
+//! - A block freed through the other path's entry point (`cuMemFree` of a stream-ordered block, `cuMemFreeAsync` of a
+//!   `cuMemAlloc` one) is libcuda's again: the call goes to libcuda, which answers as without the preload (for pool
+//!   memory `cuMemFree` does not synchronize; the preload still waits for its own queues, as before any free).
 //!
 //! A block freed twice is refused as libcuda refuses it (`CUDA_ERROR_INVALID_VALUE`) instead of being handed to libcuda,
 //! which still holds it for the cache. `cuMemGetInfo` counts the cached bytes as free; an allocation libcuda refuses for
 //! want of memory is retried once after the context's cached blocks are really freed; `cuMemPoolTrimTo` on the default
-//! pool first gives back what the cache holds (stream-ordered blocks whose free is complete: what a trim may release),
-//! and `cuMemPoolGetAttribute` of the pool's used or reserved bytes first gives back every stream-ordered block, so
-//! both describe the program's own allocations. The flows of the stream-ordered path are in [`stream_ordered`].
+//! pool first gives back what the cache holds and a trim may release (the `cuMemAlloc` blocks, and the stream-ordered
+//! blocks whose free is complete: CUDA's trim keeps memory whose free it has not seen complete), so a program that
+//! trims gets its device memory back; `cuMemPoolGetAttribute` of the pool's used or reserved bytes first gives back
+//! every stream-ordered block, so the figures describe the program's own allocations (the pool's high watermarks may
+//! still count blocks the cache held). The flows of the stream-ordered path are in [`stream_ordered`].
 //!
 //! Which blocks to keep is predicted from the history of sizes: a block is kept only once its size has been asked for
 //! more than once in its context (a loop's allocation), so a one-off allocation is freed at once and never held. The
