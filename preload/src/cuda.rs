@@ -192,6 +192,143 @@ driver_fn!(
     unsafe extern "C" fn() -> c_int
 );
 
+driver_fn!(
+    cu_event_create,
+    c"cuEventCreate",
+    unsafe extern "C" fn(*mut usize, c_uint) -> c_int
+);
+driver_fn!(
+    cu_event_query,
+    c"cuEventQuery",
+    unsafe extern "C" fn(usize) -> c_int
+);
+driver_fn!(
+    cu_event_synchronize,
+    c"cuEventSynchronize",
+    unsafe extern "C" fn(usize) -> c_int
+);
+driver_fn!(
+    cu_event_destroy,
+    c"cuEventDestroy_v2",
+    unsafe extern "C" fn(usize) -> c_int
+);
+driver_fn!(
+    cu_stream_get_ctx,
+    c"cuStreamGetCtx",
+    unsafe extern "C" fn(usize, *mut usize) -> c_int
+);
+driver_fn!(
+    cu_ctx_get_device,
+    c"cuCtxGetDevice",
+    unsafe extern "C" fn(*mut c_int) -> c_int
+);
+driver_fn!(
+    cu_device_get_mem_pool,
+    c"cuDeviceGetMemPool",
+    unsafe extern "C" fn(*mut usize, c_int) -> c_int
+);
+driver_fn!(
+    cu_device_get_default_mem_pool,
+    c"cuDeviceGetDefaultMemPool",
+    unsafe extern "C" fn(*mut usize, c_int) -> c_int
+);
+driver_fn!(
+    cu_mem_pool_get_attribute,
+    c"cuMemPoolGetAttribute",
+    unsafe extern "C" fn(usize, c_int, *mut c_void) -> c_int
+);
+driver_fn!(
+    cu_mem_pool_trim_to,
+    c"cuMemPoolTrimTo",
+    unsafe extern "C" fn(usize, usize) -> c_int
+);
+
+/// `CUresult` of a missing libcuda function (`CUDA_ERROR_NOT_FOUND`).
+const CUDA_ERROR_NOT_FOUND: c_int = 500;
+/// `CU_EVENT_DISABLE_TIMING`.
+const CU_EVENT_DISABLE_TIMING: c_uint = 2;
+/// `CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`.
+const CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: c_int = 4;
+
+/// A new event of the preload's in the current context, without timing (the cheapest to record and query).
+pub(crate) fn event_create() -> Option<usize> {
+    let create = cu_event_create()?;
+    let mut e = 0usize;
+    // SAFETY: a live out-parameter.
+    (unsafe { create(&mut e, CU_EVENT_DISABLE_TIMING) } == CUDA_SUCCESS && e != 0).then_some(e)
+}
+
+/// libcuda's `cuEventRecord(event, stream)` (`stream` as the non-per-thread entry points take it).
+pub(crate) fn event_record(event: usize, stream: usize) -> c_int {
+    // SAFETY: libcuda validates both handles.
+    cu_event_record().map_or(CUDA_ERROR_NOT_FOUND, |f| unsafe { f(event, stream) })
+}
+
+/// libcuda's `cuEventQuery`.
+pub(crate) fn event_query(event: usize) -> c_int {
+    // SAFETY: libcuda validates the handle.
+    cu_event_query().map_or(CUDA_ERROR_NOT_FOUND, |f| unsafe { f(event) })
+}
+
+/// libcuda's `cuEventSynchronize`.
+pub(crate) fn event_synchronize(event: usize) -> c_int {
+    // SAFETY: libcuda validates the handle.
+    cu_event_synchronize().map_or(CUDA_ERROR_NOT_FOUND, |f| unsafe { f(event) })
+}
+
+/// libcuda's `cuEventDestroy`.
+pub(crate) fn event_destroy(event: usize) {
+    if let Some(f) = cu_event_destroy() {
+        // SAFETY: an event of the preload's, no longer used.
+        let _ = unsafe { f(event) };
+    }
+}
+
+/// The context of stream `handle` (a stream the program created).
+pub(crate) fn stream_context(handle: usize) -> Option<usize> {
+    let get = cu_stream_get_ctx()?;
+    let mut ctx = 0usize;
+    // SAFETY: a live out-parameter; libcuda validates the handle.
+    (unsafe { get(handle, &mut ctx) } == CUDA_SUCCESS && ctx != 0).then_some(ctx)
+}
+
+/// The current context's device's (current memory pool, default memory pool).
+pub(crate) fn memory_pools() -> Option<(usize, usize)> {
+    let (device, current, default) = (
+        cu_ctx_get_device()?,
+        cu_device_get_mem_pool()?,
+        cu_device_get_default_mem_pool()?,
+    );
+    let (mut dev, mut cur, mut def): (c_int, usize, usize) = (0, 0, 0);
+    // SAFETY: live out-parameters; the device is the current context's.
+    unsafe {
+        (device(&mut dev) == CUDA_SUCCESS
+            && current(&mut cur, dev) == CUDA_SUCCESS
+            && default(&mut def, dev) == CUDA_SUCCESS)
+            .then_some((cur, def))
+    }
+}
+
+/// Trims `pool` to its release threshold, as the pool does itself at a synchronization.
+pub(crate) fn trim_to_threshold(pool: usize) {
+    let (Some(get), Some(trim)) = (cu_mem_pool_get_attribute(), cu_mem_pool_trim_to()) else {
+        return;
+    };
+    let mut threshold = 0u64;
+    // SAFETY: the attribute's value is a cuuint64_t.
+    let r = unsafe {
+        get(
+            pool,
+            CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+    };
+    if r == CUDA_SUCCESS {
+        // SAFETY: a pool libcuda named the default one.
+        let _ = unsafe { trim(pool, usize::try_from(threshold).unwrap_or(usize::MAX)) };
+    }
+}
+
 /// `CU_STREAM_NON_BLOCKING`.
 const CU_STREAM_NON_BLOCKING: c_uint = 1;
 

@@ -485,7 +485,7 @@ impl Hops for QueueHops<'_> {
 
 /// Waits on the CPU for `fence` (as long as the work runs: a CUDA synchronize has no timeout), without draining
 /// the printf FIFO (the engine reports asserts itself).
-fn wait_fence(fence: &Fence) -> Result<(), String> {
+pub(crate) fn wait_fence(fence: &Fence) -> Result<(), String> {
     let Some(f) = fence.direct() else {
         return fence.wait(WAIT_SLICE).map_err(|e| e.to_string());
     };
@@ -642,6 +642,10 @@ impl Engine {
             s.alloc_cache_misses = a.misses;
             s.alloc_cache_peak_bytes = a.peak_bytes;
             s.alloc_cache_held_bytes = a.held_bytes;
+            s.alloc_async_hits = a.async_hits;
+            s.alloc_async_misses = a.async_misses;
+            s.alloc_async_unready = a.async_unready;
+            s.alloc_async_kept = a.async_kept;
         }
         s.profile = self.phases.report().into_iter().collect();
         for (name, n) in self.cuda_work.values() {
@@ -1453,6 +1457,13 @@ pub(crate) fn before_wait(event: usize, site: Site, name: &'static str) -> Order
     }
     materialize(event);
     before_work(site, name)
+}
+
+/// Where a stream's work stands at a stream-ordered free the allocation cache keeps ([`Engine::free_point`]): the
+/// fence of its queue (with the queue's context), or, after the stream was ordered after related queues, the answer
+/// for [`after`] once CUDA marked the point.
+pub(crate) fn free_point(site: Site, name: &'static str) -> Result<(usize, Fence), Ordered> {
+    with(|e| e.free_point(site, name)).unwrap_or(Err(Ordered::UNKNOWN))
 }
 
 /// Whether a stream of the program is capturing a CUDA graph (a context synchronize could then invalidate it).

@@ -450,12 +450,8 @@ hooks! {
     cuGraphLaunch_ptsz, "cuGraphLaunch", true, false, Graph, (g: P, st: P) => s(st, true);
     cuGraphUpload, "cuGraphUpload", false, false, Graph, (g: P, st: P) => s(st, false);
     cuGraphUpload_ptsz, "cuGraphUpload", true, false, Graph, (g: P, st: P) => s(st, true);
-    cuMemAllocAsync, "cuMemAllocAsync", false, false, Work, (d: P, n: usize, st: P) => s(st, false);
-    cuMemAllocAsync_ptsz, "cuMemAllocAsync", true, false, Work, (d: P, n: usize, st: P) => s(st, true);
     cuMemAllocFromPoolAsync, "cuMemAllocFromPoolAsync", false, false, Work, (d: P, n: usize, pool: P, st: P) => s(st, false);
     cuMemAllocFromPoolAsync_ptsz, "cuMemAllocFromPoolAsync", true, false, Work, (d: P, n: usize, pool: P, st: P) => s(st, true);
-    cuMemFreeAsync, "cuMemFreeAsync", false, false, Work, (d: Dptr, st: P) => s(st, false);
-    cuMemFreeAsync_ptsz, "cuMemFreeAsync", true, false, Work, (d: Dptr, st: P) => s(st, true);
     cuStreamAttachMemAsync, "cuStreamAttachMemAsync", false, false, Work, (st: P, d: Dptr, n: usize, f: c_uint) => s(st, false);
     cuStreamAttachMemAsync_ptsz, "cuStreamAttachMemAsync", true, false, Work, (st: P, d: Dptr, n: usize, f: c_uint) => s(st, true);
     cuMemPrefetchAsync, "cuMemPrefetchAsync", false, true, Work, (d: Dptr, n: usize, dev: c_int, st: P) => s(st, false);
@@ -551,12 +547,6 @@ real_fn!(REAL_MODULE_GET_GLOBAL, c"cuModuleGetGlobal_v2");
 real_fn!(REAL_LIBRARY_GET_GLOBAL, c"cuLibraryGetGlobal");
 real_fn!(REAL_LIBRARY_GET_MANAGED, c"cuLibraryGetManaged");
 real_fn!(REAL_FUNC_SET_ATTRIBUTE, c"cuFuncSetAttribute");
-real_fn!(REAL_MEM_ALLOC, c"cuMemAlloc_v2");
-real_fn!(REAL_MEM_FREE, c"cuMemFree_v2");
-real_fn!(REAL_MEM_GET_INFO, c"cuMemGetInfo_v2");
-real_fn!(REAL_MEM_CREATE, c"cuMemCreate");
-real_fn!(REAL_MEM_ALLOC_PITCH, c"cuMemAllocPitch_v2");
-real_fn!(REAL_CTX_SYNCHRONIZE, c"cuCtxSynchronize");
 real_fn!(REAL_KERNEL_SET_ATTRIBUTE, c"cuKernelSetAttribute");
 real_fn!(REAL_CTX_SET_LIMIT, c"cuCtxSetLimit");
 real_fn!(REAL_STREAM_DESTROY, c"cuStreamDestroy_v2");
@@ -889,201 +879,7 @@ variable_lookup!(
     |library, _name| std::ptr::null()
 );
 
-/// `CUDA_ERROR_OUT_OF_MEMORY`.
-const CUDA_ERROR_OUT_OF_MEMORY: c_int = 2;
-
-type MemAllocFn = unsafe extern "C" fn(*mut Dptr, usize) -> c_int;
-type MemFreeFn = unsafe extern "C" fn(Dptr) -> c_int;
-
-/// # Safety
-/// `cuMemAlloc_v2`: served from the preload's cache of CUDA's own allocations where a block of this size was kept
-/// ([`crate::alloc_cache`]).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut Dptr, bytes: usize) -> c_int {
-    let Some(_g) = enter().filter(|_| !engine::disabled()) else {
-        return forward!(REAL_MEM_ALLOC, c"cuMemAlloc_v2", MemAllocFn, (dptr, bytes));
-    };
-    // The cache first: with it off, the call costs libcuda's alone.
-    let cached = (!dptr.is_null() && bytes > 0)
-        .then(crate::alloc_cache::lock)
-        .flatten()
-        .and_then(|cache| Some((crate::cuda::current_context()?, cache)));
-    let Some((ctx, mut cache)) = cached else {
-        return forward!(REAL_MEM_ALLOC, c"cuMemAlloc_v2", MemAllocFn, (dptr, bytes));
-    };
-    if let Some(p) = cache.take(ctx, bytes) {
-        // SAFETY: the program's out-parameter, checked non-null.
-        unsafe { *dptr = p };
-        return 0;
-    }
-    drop(cache);
-    let mut r = forward!(REAL_MEM_ALLOC, c"cuMemAlloc_v2", MemAllocFn, (dptr, bytes));
-    if r == CUDA_ERROR_OUT_OF_MEMORY && give_back_cached(ctx) {
-        r = forward!(REAL_MEM_ALLOC, c"cuMemAlloc_v2", MemAllocFn, (dptr, bytes));
-    }
-    if r == 0
-        && let Some(mut c) = crate::alloc_cache::lock()
-    {
-        // SAFETY: libcuda filled the out-parameter.
-        c.allocated(ctx, bytes, unsafe { *dptr });
-    }
-    r
-}
-
-/// Frees, through libcuda, every block the allocation cache keeps for context `ctx` (libcuda ran out of memory the
-/// program had freed); whether there was any.
-fn give_back_cached(ctx: usize) -> bool {
-    let blocks = crate::alloc_cache::lock()
-        .map(|mut c| c.drain(ctx))
-        .unwrap_or_default();
-    let any = !blocks.is_empty();
-    for p in blocks {
-        let free = next(&REAL_MEM_FREE, c"cuMemFree_v2");
-        if free != 0 {
-            // SAFETY: libcuda's cuMemFree_v2; `p` is a block libcuda allocated and the program freed, kept by the
-            // cache and now no one's.
-            let _ = unsafe { std::mem::transmute::<usize, MemFreeFn>(free)(p) };
-        }
-    }
-    any
-}
-
-/// # Safety
-/// `cuMemCreate`: as libcuda's; an out-of-memory answer is retried once the allocation cache gave back what it
-/// keeps for the current context, so memory the program freed never makes an allocation fail that would succeed
-/// without the preload.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemCreate(handle: P, bytes: usize, prop: P, flags: u64) -> c_int {
-    type F = unsafe extern "C" fn(P, usize, P, u64) -> c_int;
-    let r = forward!(
-        REAL_MEM_CREATE,
-        c"cuMemCreate",
-        F,
-        (handle, bytes, prop, flags)
-    );
-    if r != CUDA_ERROR_OUT_OF_MEMORY {
-        return r;
-    }
-    let Some(_g) = enter() else { return r };
-    match crate::cuda::current_context() {
-        Some(ctx) if give_back_cached(ctx) => {
-            forward!(
-                REAL_MEM_CREATE,
-                c"cuMemCreate",
-                F,
-                (handle, bytes, prop, flags)
-            )
-        }
-        _ => r,
-    }
-}
-
-/// # Safety
-/// `cuMemAllocPitch_v2`: as libcuda's, retried after the allocation cache gave memory back (see `cuMemCreate`).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocPitch_v2(
-    dptr: *mut Dptr,
-    pitch: *mut usize,
-    width: usize,
-    height: usize,
-    element: c_uint,
-) -> c_int {
-    type F = unsafe extern "C" fn(*mut Dptr, *mut usize, usize, usize, c_uint) -> c_int;
-    let r = forward!(
-        REAL_MEM_ALLOC_PITCH,
-        c"cuMemAllocPitch_v2",
-        F,
-        (dptr, pitch, width, height, element)
-    );
-    if r != CUDA_ERROR_OUT_OF_MEMORY {
-        return r;
-    }
-    let Some(_g) = enter() else { return r };
-    match crate::cuda::current_context() {
-        Some(ctx) if give_back_cached(ctx) => forward!(
-            REAL_MEM_ALLOC_PITCH,
-            c"cuMemAllocPitch_v2",
-            F,
-            (dptr, pitch, width, height, element)
-        ),
-        _ => r,
-    }
-}
-
-/// # Safety
-/// `cuMemFree_v2`: every APEX queue's work is waited for first, as for any free. A block the cache may keep is kept
-/// after the whole context's work is complete (what libcuda's free waits for), so no later allocation of it can
-/// overlap its last use.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemFree_v2(d: Dptr) -> c_int {
-    let Some(_g) = enter().filter(|_| !engine::disabled()) else {
-        return forward!(REAL_MEM_FREE, c"cuMemFree_v2", MemFreeFn, (d));
-    };
-    if let Some(e) = engine::sticky() {
-        return e;
-    }
-    let known = crate::alloc_cache::lock().is_some_and(|c| c.knows(d));
-    let ctx = if known {
-        crate::cuda::current_context()
-    } else {
-        None
-    };
-    if known && engine::capturing() {
-        // The context synchronize a kept block needs is not allowed during a capture: libcuda frees it.
-        if let Some(mut c) = crate::alloc_cache::lock() {
-            c.release(d);
-        }
-    } else if let (true, Some(ctx)) = (known, ctx) {
-        let waited = match engine::context_sync() {
-            (Answer::Done(code), _) => code,
-            (Answer::Forward, epoch) => {
-                type F = unsafe extern "C" fn() -> c_int;
-                let r = forward!(REAL_CTX_SYNCHRONIZE, c"cuCtxSynchronize", F, ());
-                engine::context_synced(r, epoch);
-                after_waiting(r)
-            }
-        };
-        // An error of earlier work: libcuda's free reports it (and decides what becomes of the block).
-        let kept = waited == 0
-            && crate::alloc_cache::lock()
-                .is_some_and(|mut c| c.freed(ctx, d) == crate::alloc_cache::Freed::Kept);
-        if kept {
-            return 0;
-        }
-        if waited != 0
-            && let Some(mut c) = crate::alloc_cache::lock()
-        {
-            let _ = c.freed(ctx, d);
-        }
-        return forward!(REAL_MEM_FREE, c"cuMemFree_v2", MemFreeFn, (d));
-    }
-    match engine::device_quiet() {
-        Answer::Done(code) => code,
-        Answer::Forward => after_waiting(forward!(REAL_MEM_FREE, c"cuMemFree_v2", MemFreeFn, (d))),
-    }
-}
-
-/// # Safety
-/// `cuMemGetInfo_v2`: bytes the preload's cache keeps for the current context count as free, as they are to the
-/// program.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> c_int {
-    type F = unsafe extern "C" fn(*mut usize, *mut usize) -> c_int;
-    let r = forward!(REAL_MEM_GET_INFO, c"cuMemGetInfo_v2", F, (free, total));
-    if r != 0 || free.is_null() || engine::disabled() {
-        return r;
-    }
-    let Some(_g) = enter() else { return r };
-    let held = crate::cuda::current_context()
-        .and_then(|ctx| Some(crate::alloc_cache::lock()?.held_in(ctx)))
-        .unwrap_or(0);
-    // SAFETY: libcuda filled both out-parameters (total may be null: then it is not read).
-    unsafe {
-        let limit = if total.is_null() { usize::MAX } else { *total };
-        *free = (*free).saturating_add(held).min(limit);
-    }
-    r
-}
+mod memory;
 
 /// # Safety
 /// `cuFuncSetAttribute`.
@@ -1145,6 +941,7 @@ pub unsafe extern "C" fn cuStreamDestroy_v2(stream: P) -> c_int {
     let g = enter().filter(|_| !engine::disabled());
     if g.is_some() {
         engine::before(Site::Stream(stream as usize, false));
+        memory::stream_destroyed(stream as usize);
     }
     let r = forward!(REAL_STREAM_DESTROY, c"cuStreamDestroy_v2", F, (stream));
     if r == 0 && g.is_some() {
@@ -1912,13 +1709,6 @@ fn hooks() -> &'static [Hook] {
             cuFuncSetAttribute as *const () as usize,
         );
         add(
-            c"cuMemFree_v2",
-            "cuMemFree",
-            false,
-            &REAL_MEM_FREE,
-            cuMemFree_v2 as *const () as usize,
-        );
-        add(
             c"cuKernelSetAttribute",
             "cuKernelSetAttribute",
             false,
@@ -2051,43 +1841,7 @@ fn hooks() -> &'static [Hook] {
             &REAL_IPC_EVENT_HANDLE,
             cuIpcGetEventHandle as *const () as usize,
         );
-        v.push(Hook {
-            symbol: c"cuMemCreate",
-            base: b"cuMemCreate",
-            per_thread: false,
-            versioned: false,
-            slot: &REAL_MEM_CREATE,
-            ours: cuMemCreate as *const () as usize,
-            when_off: false,
-        });
-        v.push(Hook {
-            symbol: c"cuMemAllocPitch_v2",
-            base: b"cuMemAllocPitch",
-            per_thread: false,
-            versioned: true,
-            slot: &REAL_MEM_ALLOC_PITCH,
-            ours: cuMemAllocPitch_v2 as *const () as usize,
-            when_off: false,
-        });
-        // cuMemAlloc and cuMemGetInfo had 32-bit forms under the same names: taken only for the _v2 symbols.
-        v.push(Hook {
-            symbol: c"cuMemAlloc_v2",
-            base: b"cuMemAlloc",
-            per_thread: false,
-            versioned: true,
-            slot: &REAL_MEM_ALLOC,
-            ours: cuMemAlloc_v2 as *const () as usize,
-            when_off: false,
-        });
-        v.push(Hook {
-            symbol: c"cuMemGetInfo_v2",
-            base: b"cuMemGetInfo",
-            per_thread: false,
-            versioned: true,
-            slot: &REAL_MEM_GET_INFO,
-            ours: cuMemGetInfo_v2 as *const () as usize,
-            when_off: false,
-        });
+        memory::register(&mut v);
         v
     })
 }
@@ -2350,6 +2104,9 @@ mod tests {
             "cuMemcpyAsync",
             "cuMemAlloc_v2",
             "cuMemFree_v2",
+            "cuMemAllocAsync",
+            "cuMemFreeAsync_ptsz",
+            "cuMemPoolTrimTo",
             "cuModuleGetGlobal_v2",
             "cuStreamBeginCapture_v2",
             "cuCtxSynchronize",
@@ -2375,6 +2132,30 @@ mod tests {
         let h = by_base(b"cuMemFree", 1, true).unwrap().unwrap();
         assert_eq!(h.symbol, c"cuMemFree_v2");
         assert!(by_base(b"cuModuleGetTexRef", 1, false).unwrap().is_none());
+    }
+
+    /// The stream-ordered allocator's entry points are the cache's, in both stream forms; the pool calls that let the
+    /// cache give back are wrapped too, and cuMemAllocFromPoolAsync (an explicit pool) only ordered.
+    #[test]
+    fn stream_ordered_allocations_are_wrapped_in_both_stream_forms() {
+        for (base, pt, symbol) in [
+            ("cuMemAllocAsync", false, c"cuMemAllocAsync"),
+            ("cuMemAllocAsync", true, c"cuMemAllocAsync_ptsz"),
+            ("cuMemFreeAsync", false, c"cuMemFreeAsync"),
+            ("cuMemFreeAsync", true, c"cuMemFreeAsync_ptsz"),
+            (
+                "cuMemAllocFromPoolAsync",
+                true,
+                c"cuMemAllocFromPoolAsync_ptsz",
+            ),
+            ("cuDeviceSetMemPool", true, c"cuDeviceSetMemPool"),
+            ("cuMemPoolTrimTo", false, c"cuMemPoolTrimTo"),
+            ("cuMemPoolGetAttribute", false, c"cuMemPoolGetAttribute"),
+        ] {
+            let h = by_base(base.as_bytes(), 1, pt).unwrap().unwrap();
+            assert_eq!(h.symbol, symbol);
+            assert_eq!(by_symbol(symbol.to_bytes()).unwrap().ours, h.ours);
+        }
     }
 
     #[test]

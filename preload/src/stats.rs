@@ -86,12 +86,26 @@ pub struct Summary {
     /// `cuMemAlloc` calls that went to libcuda.
     #[serde(default)]
     pub alloc_cache_misses: u64,
-    /// The most bytes the allocation cache held at once.
+    /// The most bytes the allocation cache held at once (both paths).
     #[serde(default)]
     pub alloc_cache_peak_bytes: u64,
-    /// Bytes it held at exit (freed by libcuda with the context).
+    /// Bytes it held at exit (both paths; freed by libcuda with the context).
     #[serde(default)]
     pub alloc_cache_held_bytes: u64,
+    /// `cuMemAllocAsync` calls answered from the allocation cache's stream-ordered path.
+    #[serde(default)]
+    pub alloc_async_hits: u64,
+    /// `cuMemAllocAsync` calls it served that went to libcuda (not counted: calls while another pool is current or a
+    /// graph is captured, which always go to libcuda).
+    #[serde(default)]
+    pub alloc_async_misses: u64,
+    /// Of those, the ones for which blocks of the size were held but none was safe for the allocation's stream (freed
+    /// on another stream whose work up to the free was not known complete).
+    #[serde(default)]
+    pub alloc_async_unready: u64,
+    /// `cuMemFreeAsync` calls whose block the cache kept.
+    #[serde(default)]
+    pub alloc_async_kept: u64,
     /// With `APEX_PRELOAD_PROFILE=1`: mean nanoseconds per launch through APEX of each phase of the hook.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub profile: BTreeMap<String, f64>,

@@ -128,11 +128,47 @@ impl Engine {
     /// [`before`](Self::before) for CUDA work the program gave libcuda through driver function `name`, counted for
     /// the summary by the name's address (one word hashed).
     pub(crate) fn before_work(&mut self, site: Site, name: &'static str) -> Ordered {
+        self.count_work(name);
+        self.before(site)
+    }
+
+    /// Counts CUDA work given to libcuda through driver function `name`, for the summary.
+    fn count_work(&mut self, name: &'static str) {
         self.cuda_work
             .entry(name.as_ptr() as usize)
             .or_insert((name, 0))
             .1 += 1;
-        self.before(site)
+    }
+
+    /// A stream-ordered free at `site` (through driver function `name`) that the allocation cache keeps: where the
+    /// stream's work up to it stands. `Ok((context, fence))` when the stream is taken over and its queue's last launch
+    /// stands for all of its work: nothing on its CUDA side or a related stream that the queue has not waited for, and
+    /// the last launch of every related queue waited for (CUDA orders the free after the legacy stream's earlier work
+    /// for a blocking stream, and after every blocking stream's for the legacy one), as for an event kept on APEX.
+    /// Otherwise only CUDA can mark the point: the stream is ordered after related queues as the free itself would
+    /// have been (counted as `name`), and the answer is for [`after`](Self::after) once the mark is recorded.
+    pub(crate) fn free_point(
+        &mut self,
+        site: Site,
+        name: &'static str,
+    ) -> Result<(usize, Fence), Ordered> {
+        let found = self.site_context(site);
+        if let (Some(ci), Site::Stream(raw, pt)) = (found, site)
+            && self.contexts[ci].failed.is_none()
+        {
+            let cuda = self.cuda.as_ref();
+            let ctx = &mut self.contexts[ci];
+            let stream = ctx.stream(cuda, raw, pt);
+            if let Some(slot) = ctx.order.find(stream.key)
+                && ctx.order.cuda_clean(slot)
+                && ctx.order.covers_related(slot)
+                && let Some(Ok(fence)) = ctx.last_fence(slot)
+            {
+                return Ok((ctx.handle, fence));
+            }
+        }
+        self.count_work(name);
+        Err(self.before_at(found, site))
     }
 
     /// [`before`](Self::before) with the site's context found already (`ci`, under the same lock).

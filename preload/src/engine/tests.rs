@@ -1061,3 +1061,150 @@ fn a_chained_queue_holds_launches_while_busy_until_work_elsewhere_needs_them() {
     );
     assert!(s.sim.errors().is_empty(), "{:?}", s.sim.errors());
 }
+
+// ---- stream-ordered frees the allocation cache keeps ----
+
+/// A cache serving stream-ordered allocations of `CTX`, with a block of 256 bytes handed out at 0xa000 (its size a
+/// loop's).
+fn cache_with_live_block() -> crate::alloc_cache::AllocCache {
+    use crate::alloc_cache::{AllocCache, Pools};
+    let mut c = AllocCache::new(1 << 20);
+    c.set_pools(
+        CTX,
+        Pools {
+            default: 0xd0,
+            current_is_default: true,
+            generation: 1,
+        },
+    );
+    for _ in 0..2 {
+        assert_eq!(c.take_async(CTX, 256, None, &mut |_| false), None);
+    }
+    c.allocated_async(CTX, 256, 0xa000);
+    c
+}
+
+/// Whether a marker's work is complete, as the preload asks (no event in these tests).
+fn fence_done(m: &crate::alloc_cache::Marker) -> bool {
+    match m {
+        crate::alloc_cache::Marker::Done => true,
+        crate::alloc_cache::Marker::Fence(f) => f.is_done(),
+        crate::alloc_cache::Marker::Event(_) => false,
+    }
+}
+
+#[test]
+fn a_free_on_a_taken_over_stream_is_marked_by_its_queue_with_no_libcuda_call() {
+    use crate::alloc_cache::{Marker, lane};
+    let mut s = Setup::new();
+    let a = StreamKey::Handle(0x5000);
+    let b = StreamKey::Handle(0x6000);
+    assert!(s.launch_on(0x5000, 1));
+    s.idle();
+    s.sim.pause();
+    // The kernel that uses the block is still running when the program frees it.
+    assert!(s.launch_on(0x5000, 1));
+    s.calls();
+    let Ok((ctx, fence)) = s
+        .engine
+        .free_point(Site::Stream(0x5000, false), "cuMemFreeAsync")
+    else {
+        panic!("the queue's last launch stands for the stream's work");
+    };
+    assert_eq!(ctx, CTX);
+    assert!(!fence.is_done());
+    assert!(s.calls().is_empty(), "no hop, no record");
+    assert!(
+        s.engine.summary().cuda_work.is_empty(),
+        "nothing given to libcuda"
+    );
+    let mut c = cache_with_live_block();
+    c.hold_async(CTX, 0xa000, lane(a), Marker::Fence(fence))
+        .unwrap();
+    // Another stream: not while the kernel runs.
+    assert_eq!(c.take_async(CTX, 256, lane(b), &mut fence_done), None);
+    // The same stream: at once (its next use is ordered after the kernel).
+    assert_eq!(
+        c.take_async(CTX, 256, lane(a), &mut fence_done),
+        Some(0xa000)
+    );
+    let Ok((_, fence)) = s
+        .engine
+        .free_point(Site::Stream(0x5000, false), "cuMemFreeAsync")
+    else {
+        panic!("still the queue's");
+    };
+    c.hold_async(CTX, 0xa000, lane(a), Marker::Fence(fence))
+        .unwrap();
+    s.sim.resume();
+    s.idle();
+    // Complete: another stream may have it.
+    assert_eq!(
+        c.take_async(CTX, 256, lane(b), &mut fence_done),
+        Some(0xa000)
+    );
+    assert_eq!(c.stats().async_unready, 1);
+}
+
+#[test]
+fn a_free_after_cuda_work_or_on_a_stream_apex_never_took_is_left_to_cuda() {
+    let mut s = Setup::new();
+    let site = Site::Stream(0x5000, false);
+    // A stream APEX never took over: CUDA marks the point, with nothing to hand over.
+    assert!(s.launch_on(0x6000, 1));
+    s.calls();
+    let Err(o) = s.engine.free_point(site, "cuMemFreeAsync") else {
+        panic!("no queue on the stream");
+    };
+    s.engine.after(site, o, false);
+    assert!(s.calls().is_empty());
+    assert_eq!(s.engine.summary().cuda_work["cuMemFreeAsync"], 1);
+    // A taken-over stream with CUDA work its queue has not waited for: CUDA's side is part of the free's past.
+    assert!(s.launch_on(0x5000, 1));
+    s.idle();
+    s.sim.pause();
+    assert!(s.launch_on(0x5000, 1));
+    let o = s.engine.before(site);
+    s.engine.after(site, o, false);
+    s.calls();
+    assert!(s.engine.free_point(site, "cuMemFreeAsync").is_err());
+    // The per-thread default stream is never taken over.
+    assert!(
+        s.engine
+            .free_point(Site::Stream(0, true), "cuMemFreeAsync_ptsz")
+            .is_err()
+    );
+    s.sim.resume();
+    s.idle();
+    // Once the queue waited for CUDA's side (its next launch), its fence stands for everything again.
+    assert!(s.launch_on(0x5000, 1));
+    assert!(s.engine.free_point(site, "cuMemFreeAsync").is_ok());
+}
+
+#[test]
+fn a_free_on_the_legacy_stream_is_the_queues_only_when_it_waited_for_the_blocking_streams() {
+    let mut s = Setup::new();
+    // A blocking stream's kernel after the legacy stream's: CUDA orders a legacy-stream free after it too, and the
+    // legacy queue never waited for it.
+    assert!(s.launch_on(0, 1));
+    assert!(s.launch_on(0x5000, 1));
+    s.idle();
+    s.sim.pause();
+    assert!(s.launch_on(0x5000, 1));
+    s.calls();
+    let Err(o) = s.engine.free_point(LEGACY, "cuMemFreeAsync") else {
+        panic!("the blocking stream's kernel is part of the free's past");
+    };
+    s.engine.after(LEGACY, o, false);
+    // Both related queues were handed to CUDA's legacy stream first, so that an event recorded there covers them.
+    let calls = s.calls();
+    assert!(
+        calls.contains(&"cuda<-apex Handle(20480)".to_string()),
+        "{calls:?}"
+    );
+    s.sim.resume();
+    s.idle();
+    // A legacy launch after it waits for the blocking stream's queue: its fence covers both.
+    assert!(s.launch_on(0, 1));
+    assert!(s.engine.free_point(LEGACY, "cuMemFreeAsync").is_ok());
+}

@@ -1,0 +1,420 @@
+//! The stream-ordered flows against a driver double that records what would reach libcuda: a loop served without
+//! libcuda, another stream served only once the free is complete, the default-pool and capture conditions, streams
+//! of another context, a second free, out-of-memory retries, trims and pool queries.
+
+use std::cell::{Cell, RefCell};
+use std::collections::{HashMap, HashSet};
+
+use super::*;
+
+const CTX: usize = 0xc0;
+const DEFAULT_POOL: usize = 0xd0;
+const S1: usize = 0x5000;
+const S2: usize = 0x6000;
+/// A stream of another context.
+const ELSEWHERE: usize = 0x7000;
+
+/// libcuda and the engine as the flows see them.
+struct Fake {
+    generation: Cell<u64>,
+    capturing: Cell<bool>,
+    current_pool: Cell<usize>,
+    /// Out-of-memory answers still to give.
+    oom: Cell<u32>,
+    next_ptr: Cell<u64>,
+    next_event: Cell<usize>,
+    /// Events whose work is complete.
+    complete: RefCell<HashSet<usize>>,
+    /// libcuda refuses records on these streams.
+    bad_streams: RefCell<HashSet<usize>>,
+    calls: RefCell<Vec<String>>,
+    /// Pool queries made (`pools`).
+    asked: Cell<u32>,
+    streams: HashMap<usize, usize>,
+}
+
+impl Fake {
+    fn new() -> Fake {
+        Fake {
+            generation: Cell::new(1),
+            capturing: Cell::new(false),
+            current_pool: Cell::new(DEFAULT_POOL),
+            oom: Cell::new(0),
+            next_ptr: Cell::new(0x10_0000),
+            next_event: Cell::new(1),
+            complete: RefCell::new(HashSet::new()),
+            bad_streams: RefCell::new(HashSet::new()),
+            calls: RefCell::new(Vec::new()),
+            asked: Cell::new(0),
+            streams: HashMap::from([(S1, CTX), (S2, CTX), (ELSEWHERE, CTX + 1)]),
+        }
+    }
+
+    fn log(&self, s: String) {
+        self.calls.borrow_mut().push(s);
+    }
+
+    /// What reached libcuda since the last look.
+    fn calls(&self) -> Vec<String> {
+        std::mem::take(&mut self.calls.borrow_mut())
+    }
+
+    fn complete_all(&self) {
+        let n = self.next_event.get();
+        self.complete.borrow_mut().extend(1..n);
+    }
+}
+
+impl Driver for Fake {
+    type Ordered = ();
+    fn pool_generation(&self) -> u64 {
+        self.generation.get()
+    }
+    fn current_context(&self) -> Option<usize> {
+        Some(CTX)
+    }
+    fn capturing(&self) -> bool {
+        self.capturing.get()
+    }
+    fn pools(&self) -> Option<(usize, usize)> {
+        self.asked.set(self.asked.get() + 1);
+        Some((self.current_pool.get(), DEFAULT_POOL))
+    }
+    fn stream_context(&self, handle: usize) -> Option<usize> {
+        self.streams.get(&handle).copied()
+    }
+    unsafe fn alloc_async(&self, dptr: *mut u64, bytes: usize, stream: usize, _: bool) -> c_int {
+        self.log(format!("alloc {bytes} on {stream:#x}"));
+        if self.oom.get() > 0 {
+            self.oom.set(self.oom.get() - 1);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        let p = self.next_ptr.get();
+        self.next_ptr.set(p + 0x10_0000);
+        // SAFETY: the tests pass a live u64.
+        unsafe { *dptr = p };
+        CUDA_SUCCESS
+    }
+    fn free_async(&self, ptr: u64, stream: usize, _: bool) -> c_int {
+        self.log(format!("free {ptr:#x} on {stream:#x}"));
+        CUDA_SUCCESS
+    }
+    fn free(&self, ptr: u64) -> c_int {
+        self.log(format!("cuMemFree {ptr:#x}"));
+        CUDA_SUCCESS
+    }
+    fn free_point(&self, _: usize, _: bool) -> FreePoint<()> {
+        FreePoint::Cuda(())
+    }
+    fn after(&self, _: usize, _: bool, _: ()) {}
+    fn event_create(&self) -> Option<usize> {
+        let e = self.next_event.get();
+        self.next_event.set(e + 1);
+        self.log(format!("create {e}"));
+        Some(e)
+    }
+    fn event_record(&self, event: usize, stream: usize) -> c_int {
+        if self.bad_streams.borrow().contains(&stream) {
+            return 400;
+        }
+        self.complete.borrow_mut().remove(&event);
+        self.log(format!("record {event} on {stream:#x}"));
+        CUDA_SUCCESS
+    }
+    fn event_query(&self, event: usize) -> c_int {
+        if self.complete.borrow().contains(&event) {
+            CUDA_SUCCESS
+        } else {
+            600
+        }
+    }
+    fn event_synchronize(&self, event: usize) -> c_int {
+        self.log(format!("wait {event}"));
+        self.complete.borrow_mut().insert(event);
+        CUDA_SUCCESS
+    }
+    fn event_destroy(&self, event: usize) {
+        self.log(format!("destroy {event}"));
+    }
+    fn fence_done(&self, f: &apex::Fence) -> bool {
+        f.is_done()
+    }
+    fn wait_fence(&self, _: &apex::Fence) -> Result<(), String> {
+        Ok(())
+    }
+    fn trim_to_threshold(&self, pool: usize) {
+        self.log(format!("trim {pool:#x}"));
+    }
+}
+
+fn cache() -> Mutex<AllocCache> {
+    Mutex::new(AllocCache::new(1 << 30))
+}
+
+/// `cudaMallocAsync` through the flow: (CUresult, pointer).
+fn malloc(c: &Mutex<AllocCache>, d: &Fake, bytes: usize, stream: usize) -> (c_int, u64) {
+    let mut p = 0u64;
+    // SAFETY: a live out-parameter.
+    let r = unsafe { alloc(c, d, &mut p, bytes, stream, false) };
+    (r, p)
+}
+
+/// Allocates and frees `bytes` on `stream` until the cache keeps its block (the size asked for twice).
+fn held_block(c: &Mutex<AllocCache>, d: &Fake, bytes: usize, stream: usize) -> u64 {
+    loop {
+        let (r, p) = malloc(c, d, bytes, stream);
+        assert_eq!(r, CUDA_SUCCESS);
+        assert_eq!(free(c, d, p, stream, false), CUDA_SUCCESS);
+        if locked(c).block(p) == Block::Held {
+            return p;
+        }
+    }
+}
+
+#[test]
+fn a_loop_on_one_stream_is_served_without_libcuda() {
+    let (c, d) = (cache(), Fake::new());
+    let mut got = Vec::new();
+    for _ in 0..4 {
+        let (r, p) = malloc(&c, &d, 4096, S1);
+        assert_eq!(r, CUDA_SUCCESS);
+        got.push(p);
+        assert_eq!(free(&c, &d, p, S1, false), CUDA_SUCCESS);
+        if got.len() == 2 {
+            // The first free was a one-off's; the second block is kept, its point marked on the stream.
+            assert_eq!(
+                d.calls(),
+                [
+                    "alloc 4096 on 0x5000",
+                    "free 0x100000 on 0x5000",
+                    "alloc 4096 on 0x5000",
+                    "create 1",
+                    "record 1 on 0x5000"
+                ]
+            );
+        }
+    }
+    assert_eq!(got[2], got[1]);
+    assert_eq!(got[3], got[1]);
+    // From then on: no allocation, no free, no new event (the marker's event is recorded again).
+    assert_eq!(d.calls(), ["record 1 on 0x5000", "record 1 on 0x5000"]);
+    let s = locked(&c).stats();
+    assert_eq!(
+        (s.async_hits, s.async_misses, s.async_kept, s.async_unready),
+        (2, 2, 3, 0)
+    );
+    assert_eq!(d.asked.get(), 1, "pools asked once per generation");
+}
+
+#[test]
+fn another_stream_gets_the_block_only_once_the_free_is_complete() {
+    let (c, d) = (cache(), Fake::new());
+    let p = held_block(&c, &d, 4096, S1);
+    d.calls();
+    // S1's work up to the free may still run: S2's allocation goes to libcuda.
+    let (r, q) = malloc(&c, &d, 4096, S2);
+    assert_eq!(r, CUDA_SUCCESS);
+    assert_ne!(q, p);
+    assert_eq!(d.calls(), ["alloc 4096 on 0x6000"]);
+    assert_eq!(locked(&c).stats().async_unready, 1);
+    d.complete_all();
+    assert_eq!(malloc(&c, &d, 4096, S2), (CUDA_SUCCESS, p));
+    assert!(d.calls().is_empty());
+}
+
+#[test]
+fn nothing_is_served_while_another_pool_is_current() {
+    let (c, d) = (cache(), Fake::new());
+    let p = held_block(&c, &d, 256, S1);
+    // cudaDeviceSetMemPool(dev, other): the generation moves, the default pool's blocks go back.
+    d.current_pool.set(0xe0);
+    d.generation.set(2);
+    d.calls();
+    after_pool_set(&c, &d);
+    assert_eq!(d.calls(), [format!("free {p:#x} on 0x5000")]);
+    for _ in 0..3 {
+        let (r, q) = malloc(&c, &d, 256, S1);
+        assert_eq!(r, CUDA_SUCCESS);
+        assert_eq!(free(&c, &d, q, S1, false), CUDA_SUCCESS);
+    }
+    assert_eq!(d.calls().len(), 6, "every call went to libcuda");
+    assert_eq!(locked(&c).stats().held_bytes, 0);
+    // The default pool current again: served again.
+    d.current_pool.set(DEFAULT_POOL);
+    d.generation.set(3);
+    held_block(&c, &d, 256, S1);
+    let before = d.calls().len();
+    let (_, q) = malloc(&c, &d, 256, S1);
+    assert_eq!(free(&c, &d, q, S1, false), CUDA_SUCCESS);
+    assert_eq!(
+        d.calls().len(),
+        1,
+        "after {before} calls, only the marker's record"
+    );
+}
+
+#[test]
+fn during_a_capture_allocations_and_frees_are_graph_nodes_for_libcuda() {
+    let (c, d) = (cache(), Fake::new());
+    let p = held_block(&c, &d, 256, S1);
+    let (_, live) = malloc(&c, &d, 256, S1);
+    assert_eq!(live, p);
+    d.calls();
+    d.capturing.set(true);
+    let (r, q) = malloc(&c, &d, 256, S1);
+    assert_eq!((r, q == p), (CUDA_SUCCESS, false));
+    assert_eq!(free(&c, &d, live, S1, false), CUDA_SUCCESS);
+    assert_eq!(
+        d.calls(),
+        [
+            "alloc 256 on 0x5000",
+            format!("free {live:#x} on 0x5000").as_str()
+        ]
+    );
+    // The block is the graph's to free now: unknown to the cache.
+    assert_eq!(locked(&c).block(live), Block::Unknown);
+}
+
+#[test]
+fn a_stream_of_another_context_goes_to_libcuda() {
+    let (c, d) = (cache(), Fake::new());
+    held_block(&c, &d, 256, S1);
+    d.complete_all();
+    d.calls();
+    let (r, q) = malloc(&c, &d, 256, ELSEWHERE);
+    assert_eq!(r, CUDA_SUCCESS);
+    assert_eq!(free(&c, &d, q, ELSEWHERE, false), CUDA_SUCCESS);
+    assert_eq!(
+        d.calls(),
+        [
+            "alloc 256 on 0x7000",
+            format!("free {q:#x} on 0x7000").as_str()
+        ]
+    );
+}
+
+#[test]
+fn a_second_free_is_refused_without_libcuda() {
+    let (c, d) = (cache(), Fake::new());
+    let p = held_block(&c, &d, 256, S1);
+    d.calls();
+    assert_eq!(free(&c, &d, p, S2, false), CUDA_ERROR_INVALID_VALUE);
+    assert!(d.calls().is_empty());
+    // A pointer the cache never saw is libcuda's to answer.
+    assert_eq!(free(&c, &d, 0xdead, S1, false), CUDA_SUCCESS);
+    assert_eq!(d.calls(), ["free 0xdead on 0x5000"]);
+}
+
+#[test]
+fn a_failed_record_leaves_the_free_to_libcuda() {
+    let (c, d) = (cache(), Fake::new());
+    held_block(&c, &d, 256, S1);
+    let (_, p) = malloc(&c, &d, 256, S1);
+    d.calls();
+    d.bad_streams.borrow_mut().insert(S1);
+    assert_eq!(free(&c, &d, p, S1, false), CUDA_SUCCESS);
+    assert_eq!(d.calls(), [format!("free {p:#x} on 0x5000")]);
+    assert_eq!(locked(&c).block(p), Block::Unknown);
+    // Its event was kept for the next free.
+    assert_eq!(locked(&c).spare_event(CTX), Some(1));
+}
+
+#[test]
+fn out_of_memory_gives_back_what_is_held_and_retries_once() {
+    let (c, d) = (cache(), Fake::new());
+    let a = held_block(&c, &d, 256, S1);
+    d.complete_all();
+    let b = held_block(&c, &d, 512, S2);
+    let (_, x) = malloc(&c, &d, 1024, 0);
+    free(&c, &d, x, 0, true);
+    let (_, y) = malloc(&c, &d, 1024, 0);
+    assert_eq!(free(&c, &d, y, 0, true), CUDA_SUCCESS);
+    assert_eq!(
+        locked(&c).block(y),
+        Block::Held,
+        "held from the per-thread stream"
+    );
+    let marker = d.next_event.get() - 1;
+    d.calls();
+    d.oom.set(1);
+    let (r, _) = malloc(&c, &d, 8192, S1);
+    assert_eq!(r, CUDA_SUCCESS);
+    assert_eq!(
+        d.calls(),
+        [
+            "alloc 8192 on 0x5000".to_string(),
+            // Complete: freed at once.
+            format!("cuMemFree {a:#x}"),
+            // Still running on S2: freed in S2's order.
+            format!("free {b:#x} on 0x6000"),
+            // Freed on a thread's own default stream: after waiting for its point.
+            format!("wait {marker}"),
+            format!("cuMemFree {y:#x}"),
+            "alloc 8192 on 0x5000".to_string(),
+        ]
+    );
+    assert_eq!(locked(&c).stats().held_bytes, 0);
+    // Nothing held: libcuda's answer stands, with no second try.
+    d.oom.set(2);
+    assert_eq!(malloc(&c, &d, 8192, S1).0, CUDA_ERROR_OUT_OF_MEMORY);
+    assert_eq!(d.calls(), ["alloc 8192 on 0x5000"]);
+}
+
+#[test]
+fn a_synchronous_allocation_out_of_memory_trims_the_pool_after_giving_back() {
+    let (c, d) = (cache(), Fake::new());
+    let a = held_block(&c, &d, 256, S1);
+    d.complete_all();
+    d.calls();
+    assert!(give_back_for_memory(&c, &d, CTX));
+    assert_eq!(d.calls(), [format!("cuMemFree {a:#x}"), "trim 0xd0".into()]);
+    assert!(!give_back_for_memory(&c, &d, CTX));
+    assert!(d.calls().is_empty(), "nothing held, no trim");
+}
+
+#[test]
+fn a_trim_gives_back_what_is_complete_and_the_spare_events() {
+    let (c, d) = (cache(), Fake::new());
+    let a = held_block(&c, &d, 256, S1);
+    d.complete_all();
+    let b = held_block(&c, &d, 512, S1);
+    let (_, x) = malloc(&c, &d, 256, S2);
+    assert_eq!(x, a, "complete: another stream takes it");
+    d.calls();
+    // Another pool: nothing happens.
+    before_trim(&c, &d, 0xe0);
+    assert!(d.calls().is_empty());
+    before_trim(&c, &d, DEFAULT_POOL);
+    // b's free is still running (CUDA's trim keeps such memory too); the spare event goes.
+    assert_eq!(d.calls(), ["destroy 1"]);
+    assert_eq!(free(&c, &d, x, S2, false), CUDA_SUCCESS);
+    d.complete_all();
+    d.calls();
+    before_trim(&c, &d, DEFAULT_POOL);
+    assert_eq!(
+        d.calls(),
+        [
+            format!("cuMemFree {a:#x}"),
+            format!("cuMemFree {b:#x}"),
+            // The events of their markers, in the order the blocks were given back.
+            "destroy 3".into(),
+            "destroy 2".into(),
+        ]
+    );
+    assert_eq!(locked(&c).stats().held_bytes, 0);
+}
+
+#[test]
+fn a_query_of_the_pools_used_bytes_gives_back_every_block() {
+    let (c, d) = (cache(), Fake::new());
+    let a = held_block(&c, &d, 256, S1);
+    d.calls();
+    before_pool_query(&c, &d, DEFAULT_POOL, 4);
+    assert!(
+        d.calls().is_empty(),
+        "the release threshold is not about held blocks"
+    );
+    before_pool_query(&c, &d, DEFAULT_POOL, ATTR_USED_MEM_CURRENT);
+    assert_eq!(d.calls(), [format!("free {a:#x} on 0x5000")]);
+    assert_eq!(locked(&c).stats().held_bytes, 0);
+}
