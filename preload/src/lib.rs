@@ -39,6 +39,7 @@ pub mod order;
 mod profile;
 pub mod refusal;
 pub mod registry;
+mod setup;
 pub mod stats;
 mod watchdog;
 
