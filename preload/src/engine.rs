@@ -760,6 +760,7 @@ impl Engine {
                     "apex-preload attaches to the CUDA context in the background; launches go to libcuda meanwhile"
                 );
                 self.attaching.insert(handle, ticket);
+                self.summary.attach = "being set up in the background".into();
                 return Err(NotTaken::SettingUp);
             }
         }
@@ -910,8 +911,9 @@ impl Engine {
         let mut fresh = false;
         let known = match self.contexts[ci].funcs.get(&l.f) {
             None => false,
-            // Waiting for its module: resolved again once the module is there (loaded or refused).
-            Some(FuncState::Pending(owner)) => !self.contexts[ci].modules.contains_key(owner),
+            // Waiting for its module: resolved again once the module is no longer loading (loaded, refused, or the
+            // load withdrawn).
+            Some(FuncState::Pending(owner)) => self.contexts[ci].loading.contains_key(owner),
             Some(_) => true,
         };
         if !known {
@@ -1729,6 +1731,11 @@ pub(crate) fn loaded_file(owner: usize, path: *const c_char, library: bool) {
         .map(|b| ImageBytes::Owned(b.into_boxed_slice()))
         .map_err(|e| format!("{path}: {e}"));
     with(|e| e.loaded(owner, image, library));
+}
+
+/// A module or library is about to be unloaded (the set-up worker must not be loading it meanwhile).
+pub(crate) fn unloading(handle: usize) {
+    with(|e| e.unloading(handle));
 }
 
 /// A module or library was unloaded.

@@ -223,12 +223,23 @@ fn run(cuda: &dyn CudaSide, job: &Job) -> Outcome {
     outcome
 }
 
+/// What [`Worker::withdraw`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Withdrawn {
+    /// The job had not started: it never will.
+    Dropped,
+    /// The job has finished (now, or before).
+    Finished,
+    /// The job still runs after the bound.
+    StillRunning,
+}
+
 /// The worker's state, behind one lock.
 #[derive(Default)]
 struct State {
     jobs: VecDeque<(u64, Job)>,
-    /// A job is running.
-    busy: bool,
+    /// The ticket of the job running.
+    running: Option<u64>,
     /// The worker ends at its next look at the queue (the end of the process or of the takeover).
     stop: bool,
     /// A job ran past [`Worker::quiesce`]'s bound: what it produces is leaked, never dropped.
@@ -318,7 +329,7 @@ impl Worker {
     pub(crate) fn wait_idle(&self, bound: Duration) -> bool {
         let deadline = Instant::now() + bound;
         let mut s = self.shared.lock();
-        while s.busy || !s.jobs.is_empty() {
+        while s.running.is_some() || !s.jobs.is_empty() {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return false;
@@ -333,6 +344,33 @@ impl Worker {
         true
     }
 
+    /// Makes sure job `ticket` neither waits nor runs (before the program unloads the module it loads): dropped if
+    /// it is queued (`Withdrawn::Dropped`), waited for up to `bound` if it runs (its result then among
+    /// [`take`](Worker::take)'s).
+    pub(crate) fn withdraw(&self, ticket: u64, bound: Duration) -> Withdrawn {
+        let deadline = Instant::now() + bound;
+        let mut s = self.shared.lock();
+        if let Some(i) = s.jobs.iter().position(|(t, _)| *t == ticket) {
+            let job = s.jobs.remove(i);
+            drop(s);
+            drop(job);
+            return Withdrawn::Dropped;
+        }
+        while s.running == Some(ticket) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Withdrawn::StillRunning;
+            }
+            s = self
+                .shared
+                .finished
+                .wait_timeout(s, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Withdrawn::Finished
+    }
+
     /// Stops the worker for good: queued jobs are dropped, and the one running is waited for up to `bound`
     /// (`true`: nothing runs any more; its result is among [`take`](Worker::take)'s). Past the bound the running
     /// job is abandoned (`false`): its result will be leaked, not dropped, as its context may be gone by then.
@@ -342,7 +380,7 @@ impl Worker {
         s.stop = true;
         let queued = std::mem::take(&mut s.jobs);
         self.shared.wake.notify_all();
-        while s.busy {
+        while s.running.is_some() {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 s.abandoned = true;
@@ -377,7 +415,7 @@ fn work(shared: &Shared) {
                     return;
                 }
                 if let Some(j) = s.jobs.pop_front() {
-                    s.busy = true;
+                    s.running = Some(j.0);
                     break j;
                 }
                 s = shared.wake.wait(s).unwrap_or_else(|e| e.into_inner());
@@ -392,7 +430,7 @@ fn work(shared: &Shared) {
         if s.abandoned {
             // The engine gave up waiting at the end of the process or of the context: the context may be gone,
             // so nothing made in it may be dropped (a drop would call into RM and libcuda on a destroyed context).
-            s.busy = false;
+            s.running = None;
             drop(s);
             std::mem::forget(outcome);
             std::mem::forget(job);
@@ -415,7 +453,7 @@ fn work(shared: &Shared) {
             took,
             outcome,
         });
-        s.busy = false;
+        s.running = None;
         shared.ready.store(true, Ordering::Relaxed);
         drop(s);
         shared.finished.notify_all();
@@ -425,6 +463,162 @@ fn work(shared: &Shared) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use apex::{AssertFailure, VariableHome};
+
+    use crate::cuda::Pointer;
+    use crate::order::StreamKey;
+
+    /// A libcuda whose attach waits until `open` is set, then fails (the worker's bookkeeping is what is tested).
+    #[derive(Default)]
+    struct SlowAttach {
+        open: AtomicBool,
+    }
+
+    impl CudaSide for SlowAttach {
+        fn current_context(&self) -> Option<usize> {
+            None
+        }
+        fn set_current(&self, _: Option<usize>) -> Result<(), String> {
+            Ok(())
+        }
+        fn attach(&self) -> Result<(Gpu, bool), String> {
+            let t = Instant::now();
+            while !self.open.load(Ordering::Relaxed) && t.elapsed() < Duration::from_secs(30) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err("no GPU here".into())
+        }
+        fn stream_blocking(&self, _: usize) -> bool {
+            true
+        }
+        fn function_name(&self, _: usize) -> Option<String> {
+            None
+        }
+        fn function_owner(&self, _: usize, _: &dyn Fn(usize) -> bool) -> Option<usize> {
+            None
+        }
+        fn global(&self, _: Owner, _: bool, _: &str) -> Option<VariableHome> {
+            None
+        }
+        fn cuda_waits_for_apex(&self, _: &mut Queue, _: StreamKey) -> Result<(), String> {
+            Ok(())
+        }
+        fn apex_waits_for_cuda(&self, _: &mut Queue, _: StreamKey) -> Result<(), String> {
+            Ok(())
+        }
+        fn record_event_after(
+            &self,
+            _: usize,
+            _: &mut Queue,
+            _: usize,
+            _: &mut usize,
+        ) -> Result<(), String> {
+            Ok(())
+        }
+        fn record_event_now(&self, _: usize, _: usize, _: &mut usize) -> Result<(), String> {
+            Ok(())
+        }
+        fn replay_asserts(&self, _: usize, _: &[AssertFailure]) -> Result<(), String> {
+            Ok(())
+        }
+        fn pointer(&self, _: u64, _: usize) -> Pointer {
+            Pointer::Other
+        }
+    }
+
+    fn attach_job(ctx: usize) -> Job {
+        Job::Attach {
+            ctx,
+            options: QueueOptions::default(),
+        }
+    }
+
+    /// Waits until job `ticket` runs.
+    fn running(w: &Worker, ticket: u64) {
+        let t = Instant::now();
+        while w.shared.lock().running != Some(ticket) {
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "job {ticket} never ran"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn a_queued_job_is_withdrawn_and_a_running_one_waited_for() {
+        let cuda = Arc::new(SlowAttach::default());
+        let mut w = Worker::new(cuda.clone());
+        let first = w.submit(attach_job(1)).unwrap();
+        let second = w.submit(attach_job(2)).unwrap();
+        running(&w, first);
+        assert_eq!(
+            w.withdraw(second, Duration::ZERO),
+            Withdrawn::Dropped,
+            "queued: never runs"
+        );
+        assert_eq!(
+            w.withdraw(first, Duration::from_millis(20)),
+            Withdrawn::StillRunning
+        );
+        assert!(!w.has_results());
+        cuda.open.store(true, Ordering::Relaxed);
+        assert_eq!(
+            w.withdraw(first, Duration::from_secs(30)),
+            Withdrawn::Finished
+        );
+        assert!(w.wait_idle(Duration::from_secs(30)));
+        assert!(w.has_results());
+        let done = w.take();
+        assert!(!w.has_results());
+        assert_eq!(done.len(), 1, "the withdrawn job never ran");
+        assert_eq!((done[0].ctx, done[0].ticket), (1, first));
+        assert!(matches!(
+            &done[0].outcome,
+            Outcome::Attached { result: Err(e), first: None } if e == "no GPU here"
+        ));
+    }
+
+    #[test]
+    fn stopping_drops_queued_jobs_and_abandons_one_that_runs_past_the_bound() {
+        let cuda = Arc::new(SlowAttach::default());
+        let mut w = Worker::new(cuda.clone());
+        let first = w.submit(attach_job(1)).unwrap();
+        w.submit(attach_job(2)).unwrap();
+        running(&w, first);
+        let t = Instant::now();
+        assert!(!w.quiesce(Duration::from_millis(50)), "abandoned");
+        assert!(t.elapsed() >= Duration::from_millis(50));
+        assert!(w.submit(attach_job(3)).is_err(), "stopped for good");
+        cuda.open.store(true, Ordering::Relaxed);
+        // The abandoned job ends without handing anything back.
+        let t = Instant::now();
+        while w.shared.lock().running.is_some() {
+            assert!(t.elapsed() < Duration::from_secs(30));
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(!w.has_results() && w.take().is_empty());
+
+        // A job that finishes within the bound is handed back, and nothing queued runs after it.
+        let cuda = Arc::new(SlowAttach::default());
+        let mut w = Worker::new(cuda.clone());
+        let first = w.submit(attach_job(1)).unwrap();
+        w.submit(attach_job(2)).unwrap();
+        running(&w, first);
+        let opener = {
+            let cuda = cuda.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(20));
+                cuda.open.store(true, Ordering::Relaxed);
+            })
+        };
+        assert!(w.quiesce(Duration::from_secs(30)));
+        opener.join().unwrap();
+        let done = w.take();
+        assert_eq!(done.len(), 1);
+        assert_eq!(done[0].ticket, first);
+    }
 
     #[test]
     fn the_mode_is_background_unless_inline_is_asked_for() {

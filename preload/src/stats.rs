@@ -93,7 +93,9 @@ pub struct Summary {
     pub modules_seen: u64,
     /// Of those, loaded by APEX for a launch.
     pub modules_loaded: u64,
-    /// How the attach went: `not attempted`, `direct`, or the error (the last context's).
+    /// How the attach went: `not attempted`, `direct`, or the error (the last context's); in the background mode
+    /// also `being set up in the background` (still running at the end) or `direct (ready only after the last
+    /// launch)`.
     pub attach: String,
     /// How the attach went in each context, in the order they were met.
     #[serde(default)]

@@ -10,7 +10,7 @@ use tracing::{info, warn};
 
 use super::{Engine, Mode};
 use crate::Refusal;
-use crate::setup::{Done, Job, Outcome};
+use crate::setup::{Done, Job, Outcome, Withdrawn};
 
 impl Engine {
     /// Gives `job` to the set-up worker: its ticket, or `None` when the worker cannot start (then the set-up is made
@@ -130,6 +130,27 @@ impl Engine {
         }
     }
 
+    /// Before the program unloads module or library `handle`: a load of it the set-up worker has queued is dropped,
+    /// and one it is running is waited for (up to `setup_bound`), so that the worker never asks libcuda about a
+    /// module libcuda is freeing. The load is forgotten: its result, if any, is dropped when it comes back, and a
+    /// launch asks again if the unload fails.
+    pub(crate) fn unloading(&mut self, handle: usize) {
+        let Some(owner) = self.registry.owner(handle) else {
+            return;
+        };
+        for ci in 0..self.contexts.len() {
+            let Some(ticket) = self.contexts[ci].loading.remove(&owner) else {
+                continue;
+            };
+            if self.setup.withdraw(ticket, self.setup_bound) == Withdrawn::StillRunning {
+                warn!(
+                    owner = format_args!("{owner:#x}"),
+                    "a module is unloaded while APEX still loads it"
+                );
+            }
+        }
+    }
+
     /// Stops the set-up worker (the end of the process or of a context): the piece in flight is waited for, up to
     /// `setup_bound`, and every finished piece not taken yet is dropped here, before the contexts go.
     pub(super) fn stop_setup(&mut self) {
@@ -141,6 +162,13 @@ impl Engine {
         }
         for done in self.setup.take() {
             self.summary.setup.dropped += 1;
+            if let Outcome::Attached { result, .. } = &done.outcome {
+                // Ready only after the program's last launch: no launch of the context went through APEX.
+                self.summary.attach = match result {
+                    Ok(_) => "direct (ready only after the last launch)".into(),
+                    Err(e) => Refusal::AttachFailed(e.clone()).to_string(),
+                };
+            }
             drop(done);
         }
         self.attaching.clear();

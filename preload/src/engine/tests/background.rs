@@ -262,7 +262,11 @@ fn a_module_unloaded_while_it_loads_is_dropped_and_loaded_again() {
     assert!(!s.hook_launch(0));
     s.settle();
     assert!(!s.hook_launch(0), "the module is asked for");
-    // Unloaded, and a module loaded again under the same handle, before the load in flight is picked up.
+    // Unloaded (as the hook does it: the load is withdrawn first; here it has finished, not picked up yet), and a
+    // module loaded again under the same handle.
+    s.settle();
+    s.engine.unloading(MODULE);
+    assert!(s.engine.contexts[0].loading.is_empty());
     s.engine.unloaded(MODULE);
     s.engine
         .loaded(MODULE, Ok(ImageBytes::Owned(CUBIN.into())), false);
@@ -301,11 +305,13 @@ fn the_end_waits_for_the_set_up_in_flight_with_a_bound_and_drops_what_it_made() 
     s.engine.shutdown("test");
     let sum = s.engine.summary();
     assert_eq!((sum.setup.dropped, sum.warmup), (1, 1));
+    assert_eq!(sum.attach, "direct (ready only after the last launch)");
     assert!(!s.hook_launch(0), "the takeover is over");
     assert_eq!(s.engine.summary().reasons["disabled"].launches, 1);
 
-    // An attach that does not finish: the end waits for it up to the bound, then leaves it.
-    let mut s = Setup::background(None);
+    // An attach that does not finish: the end waits for it up to the bound, then leaves it. (It fails once let
+    // through: an abandoned GPU would be leaked, and the simulator has room for only a few per process.)
+    let mut s = Setup::background(Some("too late"));
     s.gate.close();
     assert!(!s.hook_launch(0));
     // The worker is inside the attach (it made the context current first), not about to start it.
@@ -326,6 +332,7 @@ fn the_end_waits_for_the_set_up_in_flight_with_a_bound_and_drops_what_it_made() 
         "{waited:?}"
     );
     assert!(s.engine.attaching.is_empty());
+    assert_eq!(s.engine.summary().attach, "being set up in the background");
     // It finishes later: leaked by the worker, never handed back.
     s.gate.open();
     std::thread::sleep(Duration::from_millis(100));
