@@ -926,15 +926,28 @@ fn stats_report(v: &Value) -> Vec<String> {
         (num("launches"), num("apex"), num("fallback"))
     {
         used.extend(["launches", "apex", "fallback"]);
+        // Launches forwarded while APEX was being set up in the background: not fallbacks.
+        let warmup = num("warmup");
+        if warmup.is_some() {
+            used.push("warmup");
+        }
         lines.push(if total == 0 {
             "no kernel launches".to_string()
         } else {
             let pct = apex as f64 * 100.0 / total as f64;
+            let warm = match warmup {
+                Some(w) if w > 0 => format!(", {w} forwarded while APEX was being set up"),
+                _ => String::new(),
+            };
             format!(
-                "{}: {apex} through APEX ({pct:.1}%), {fallback} fell back to libcuda",
+                "{}: {apex} through APEX ({pct:.1}%), {fallback} fell back to libcuda{warm}",
                 count(total, "kernel launch", "kernel launches")
             )
         });
+    }
+    if let Some(line) = obj.get("setup").and_then(setup_line) {
+        used.push("setup");
+        lines.push(line);
     }
     if let Some(reasons) = obj.get("reasons").and_then(Value::as_object) {
         used.push("reasons");
@@ -1005,6 +1018,35 @@ fn stats_report(v: &Value) -> Vec<String> {
         });
     }
     lines
+}
+
+/// The preload's set-up (its `setup` object) in one line: where it ran, and each kind of piece's count and time.
+/// `None` when the object is not what the preload writes (then it is shown as an unknown field).
+fn setup_line(v: &Value) -> Option<String> {
+    let mode = v.get("mode")?.as_str()?;
+    let mut parts = Vec::new();
+    for (k, one, many) in [
+        ("attach", "attach", "attaches"),
+        ("queue", "queue", "queues"),
+        ("module", "module", "modules"),
+    ] {
+        let p = v.get(k)?;
+        let n = p.get("count")?.as_u64()?;
+        let ms = p.get("total_ms")?.as_f64()?;
+        if n > 0 {
+            parts.push(format!("{} in {ms:.1} ms", count(n, one, many)));
+        }
+    }
+    let failed = v.get("failed").and_then(Value::as_u64).unwrap_or(0);
+    if failed > 0 {
+        parts.push(format!("{failed} failed"));
+    }
+    let what = if parts.is_empty() {
+        "nothing".to_string()
+    } else {
+        parts.join(", ")
+    };
+    Some(format!("set-up ({mode}): {what}"))
 }
 
 // ----------------------------------------------------------------------------------------- occupancy
@@ -1115,7 +1157,13 @@ mod tests {
     #[test]
     fn the_report_words_known_fields_and_lists_unknown_ones() {
         let v = json!({
-            "launches": 4, "apex": 3, "fallback": 1,
+            "launches": 6, "apex": 3, "fallback": 1, "warmup": 2,
+            "setup": {
+                "mode": "background", "failed": 0, "dropped": 0,
+                "attach": {"count": 1, "total_ms": 10.84, "max_ms": 10.84},
+                "queue": {"count": 2, "total_ms": 9.5, "max_ms": 5.0},
+                "module": {"count": 0, "total_ms": 0.0, "max_ms": 0.0},
+            },
             "reasons": {
                 "capturing": {"launches": 1, "example": "the stream is capturing"},
                 "device_runtime": {"launches": 1, "example": "vprintf"},
@@ -1127,7 +1175,9 @@ mod tests {
         assert_eq!(
             stats_report(&v),
             [
-                "4 kernel launches: 3 through APEX (75.0%), 1 fell back to libcuda",
+                "6 kernel launches: 3 through APEX (50.0%), 1 fell back to libcuda, 2 forwarded while APEX was \
+                 being set up",
+                "set-up (background): 1 attach in 10.8 ms, 2 queues in 9.5 ms",
                 "fell back, by reason:",
                 "  capturing: 1 launch, e.g. the stream is capturing",
                 "  device_runtime: 1 launch, e.g. vprintf",

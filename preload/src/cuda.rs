@@ -1,4 +1,5 @@
-//! What the engine asks of the CUDA driver, behind one seam ([`CudaSide`]): the current context, stream flags,
+//! What the engine asks of the CUDA driver, behind one seam ([`CudaSide`]): the current context (and, on the set-up
+//! worker, making one current), stream flags,
 //! function names and owners, module variables, the attach itself, the GPU-side hops between a queue and a CUDA
 //! stream, recording a program's event after a queue's work, and replaying device asserts. [`Libcuda`] asks
 //! libcuda's own functions (never a wrapper); tests plug in a double that runs APEX on the simulated GPU.
@@ -31,10 +32,14 @@ pub(crate) enum Pointer {
     Other,
 }
 
-/// The CUDA driver as the engine sees it.
-pub(crate) trait CudaSide: Send {
+/// The CUDA driver as the engine sees it. Shared by the program's threads and the set-up worker
+/// ([`crate::setup`]), which asks it for the attach and for module variables while launches go on.
+pub(crate) trait CudaSide: Send + Sync {
     /// The calling thread's current context (`cuCtxGetCurrent`), if any.
     fn current_context(&self) -> Option<usize>;
+    /// Makes `ctx` the calling thread's current context (`cuCtxSetCurrent`; `None`: no context), as the set-up
+    /// worker does before it attaches, builds a queue or loads a module for a context of the program's.
+    fn set_current(&self, ctx: Option<usize>) -> Result<(), String>;
     /// APEX attached to the current context, with device asserts set to end their thread (`true`) or left to trap
     /// (`false`: then kernels that call `__assertfail` stay on libcuda).
     fn attach(&self) -> Result<(Gpu, bool), String>;
@@ -100,6 +105,12 @@ pub(crate) fn current_context() -> Option<usize> {
     // SAFETY: a live out-parameter.
     (unsafe { get(&mut ctx) } == 0 && ctx != 0).then_some(ctx)
 }
+
+driver_fn!(
+    cu_ctx_set_current,
+    c"cuCtxSetCurrent",
+    unsafe extern "C" fn(usize) -> c_int
+);
 
 driver_fn!(
     cu_stream_get_flags,
@@ -430,6 +441,13 @@ const MEMORYTYPE_DEVICE: u64 = 2;
 impl CudaSide for Libcuda {
     fn current_context(&self) -> Option<usize> {
         current_context()
+    }
+
+    fn set_current(&self, ctx: Option<usize>) -> Result<(), String> {
+        let set = cu_ctx_set_current().ok_or_else(|| missing("cuCtxSetCurrent"))?;
+        // SAFETY: a context of the program's that the engine saw current on a launching thread (the engine waits for
+        // the worker before the program destroys one), or null, which makes no context current.
+        call("cuCtxSetCurrent", unsafe { set(ctx.unwrap_or(0)) })
     }
 
     fn attach(&self) -> Result<(Gpu, bool), String> {

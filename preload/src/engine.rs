@@ -3,15 +3,19 @@
 //! fences, events recorded after APEX's work, and device asserts. Every entry point takes the one lock; hooks call
 //! them only from the outermost hook of a thread (never from APEX's own calls into libcuda).
 //!
-//! The launch path is one lock, one `cuCtxGetCurrent`, three lookups (context, function, stream) and APEX's
-//! prepared launch, which returns a ticket rather than a reference-counted fence.
+//! The launch path is one lock, one `cuCtxGetCurrent`, one load (is set-up work waiting to be picked up:
+//! [`crate::setup`]), three lookups (context, function, stream) and APEX's prepared launch, which returns a ticket
+//! rather than a reference-counted fence. What a launch needs and does not have yet (the context's attachment, its
+//! stream's queue, its module) is prepared by the set-up worker while the launch goes to libcuda (`warmup`), unless
+//! `APEX_PRELOAD_SETUP=inline` asks for it to be made on the spot ([`warmup`]).
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use apex::{
     Arg, Backend, Fence, Gpu, Kernel, LaunchConfig, LaunchMemory, Module, PreparedLaunch, Queue,
@@ -26,11 +30,13 @@ use crate::cuda::{
 use crate::lock::StoreLock;
 use crate::order::{Hops, Order, Stream, StreamKey, Target};
 use crate::registry::{ImageBytes, Owner, Registry};
+use crate::setup::{self, Mode, Worker};
 use crate::stats::Summary;
 use crate::{Refusal, check, image};
 
 mod copies;
 mod sync;
+mod warmup;
 
 use copies::Staging;
 pub(crate) use copies::{CopyDir, CopyOp, SetOp};
@@ -49,6 +55,9 @@ const WAIT_SLICE: Duration = Duration::from_secs(3600);
 pub(crate) const COPY_MAX: usize = 256 << 10;
 /// Each context's pinned staging ring for copies from and to pageable host memory.
 const STAGING_BYTES: u64 = 1 << 20;
+/// How long the end of the process or of a context waits for a set-up piece in flight (pieces take milliseconds;
+/// compiling a large module's PTX, up to seconds) before it abandons it ([`setup::Worker::quiesce`]).
+const SETUP_BOUND: Duration = Duration::from_secs(5);
 
 /// Settings from the environment.
 #[derive(Clone, Debug)]
@@ -63,6 +72,8 @@ pub(crate) struct Config {
     /// stream (every such call sends them first). Off by default: a program that waits for a kernel through host
     /// memory the kernel writes, making no CUDA call meanwhile, would wait for ever for a held launch.
     pub chained: bool,
+    /// `APEX_PRELOAD_SETUP`: where the set-up a launch needs is made ([`crate::setup`]).
+    pub setup: Mode,
 }
 
 /// Whether a value of `APEX_PRELOAD_CHAINED` turns chained queues on (`1`, `on`, `true`).
@@ -122,12 +133,14 @@ impl Config {
             _ => LaunchMemory::Video,
         };
         let chained = chained_by(std::env::var("APEX_PRELOAD_CHAINED").ok().as_deref());
+        let setup = Mode::by(std::env::var("APEX_PRELOAD_SETUP").ok().as_deref());
         Config {
             enabled,
             max_queues,
             stats,
             launch_memory,
             chained,
+            setup,
         }
     }
 }
@@ -240,6 +253,21 @@ pub(crate) enum NotTaken {
     /// A refusal the engine keeps (the takeover's, the context's, the function's, a launch shape's), counted by
     /// reference already: a launch refused for a kept reason allocates nothing, whatever text the reason carries.
     Counted,
+    /// What the launch needs is being set up in the background: not a refusal (counted as `warmup`).
+    SettingUp,
+}
+
+/// Why a function cannot be launched through APEX (yet).
+enum Unresolved {
+    Refused(Refusal),
+    /// Its module is being loaded in the background.
+    SettingUp(Owner),
+}
+
+impl From<Refusal> for Unresolved {
+    fn from(r: Refusal) -> Unresolved {
+        Unresolved::Refused(r)
+    }
 }
 
 impl From<Refusal> for NotTaken {
@@ -279,6 +307,8 @@ struct Ready {
 enum FuncState {
     Ready(Box<Ready>),
     Refused(Refusal),
+    /// Waits for its owner's module, being loaded in the background (resolved again once it is there).
+    Pending(Owner),
 }
 
 /// A queue's last launch: a ticket (launches, no reference count) or a fence (copies).
@@ -307,7 +337,8 @@ struct VirtualEvent {
 /// APEX inside one CUDA context.
 struct Ctx {
     handle: usize,
-    gpu: Gpu,
+    /// Shared with the set-up worker, which builds queues and loads modules of this GPU.
+    gpu: Arc<Gpu>,
     /// Failed asserts end their thread, so kernels that call `__assertfail` run on APEX.
     asserts_on_apex: bool,
     modules: HashMap<Owner, Result<Module, Refusal>>,
@@ -317,7 +348,16 @@ struct Ctx {
     queues: Vec<Option<Queue>>,
     /// Each slot's last launch.
     last: Vec<Option<Last>>,
+    /// Queues serving no stream: of destroyed streams, or built ahead (in the background) for the next new stream.
     spare: Vec<Queue>,
+    /// Queues the set-up worker is building for this context.
+    building: usize,
+    /// Streams that asked for a queue while none was ready (their launches go to libcuda until one is).
+    wanted: Vec<StreamKey>,
+    /// Why the context's queues can no longer be built (a build failed): streams without a queue stay on libcuda.
+    queue_failed: Option<Refusal>,
+    /// Modules the set-up worker is loading for this context, with the ticket of the job.
+    loading: HashMap<Owner, u64>,
     order: Order,
     /// Stream handle → blocking (not `CU_STREAM_NON_BLOCKING`).
     blocking: Handles<bool>,
@@ -338,7 +378,14 @@ struct Ctx {
 
 pub(crate) struct Engine {
     config: Config,
-    cuda: Box<dyn CudaSide>,
+    /// Shared with the set-up worker.
+    cuda: Arc<dyn CudaSide>,
+    /// The set-up worker ([`Mode::Background`]).
+    setup: Worker,
+    /// Contexts the set-up worker is attaching to, with the ticket of the job.
+    attaching: Handles<u64>,
+    /// How long the end of the process or of a context waits for set-up in flight ([`SETUP_BOUND`]).
+    setup_bound: Duration,
     registry: Registry,
     /// Image errors by module or library handle.
     unreadable: HashMap<usize, String>,
@@ -584,9 +631,13 @@ impl Engine {
         }
         crate::watchdog::start();
         crate::profile::start();
+        let cuda: Arc<dyn CudaSide> = Arc::from(cuda);
         let mut engine = Engine {
             off: (!config.enabled).then_some(Refusal::Disabled),
             config,
+            setup: Worker::new(cuda.clone()),
+            attaching: Handles::default(),
+            setup_bound: SETUP_BOUND,
             cuda,
             registry: Registry::new(),
             unreadable: HashMap::new(),
@@ -648,6 +699,7 @@ impl Engine {
             s.alloc_async_kept = a.async_kept;
         }
         s.profile = self.phases.report().into_iter().collect();
+        s.setup.mode = self.config.setup.label().to_string();
         for (name, n) in self.cuda_work.values() {
             *s.cuda_work.entry(name.to_string()).or_default() += n;
         }
@@ -682,7 +734,8 @@ impl Engine {
     }
 
     /// The context current on this thread, attached to on first use (launch `f` is the one asking: a refusal kept
-    /// for the context is counted for it).
+    /// for the context is counted for it). In the background mode the attach is the set-up worker's:
+    /// `NotTaken::SettingUp` until it is picked up.
     fn context(&mut self, f: usize) -> Result<usize, NotTaken> {
         let handle = self.cuda.current_context().ok_or(Refusal::NoContext)?;
         if let Some(i) = self.find_context(handle) {
@@ -695,13 +748,47 @@ impl Engine {
             }
             return Err(NotTaken::Counted);
         }
-        Ok(self.attach(handle)?)
+        if self.attaching.contains_key(&handle) {
+            return Err(NotTaken::SettingUp);
+        }
+        if self.config.setup == Mode::Background {
+            // Registered now, so that the end of the process waits for the attach (and drops what it made).
+            self.exit_hooks();
+            let job = setup::Job::Attach {
+                ctx: handle,
+                options: self.queue_options(),
+            };
+            if let Some(ticket) = self.request(job) {
+                info!(
+                    ctx = format_args!("{handle:#x}"),
+                    "apex-preload attaches to the CUDA context in the background; launches go to libcuda meanwhile"
+                );
+                self.attaching.insert(handle, ticket);
+                self.summary.attach = "being set up in the background".into();
+                return Err(NotTaken::SettingUp);
+            }
+        }
+        let started = Instant::now();
+        self.exit_hooks();
+        let result = self
+            .cuda
+            .attach()
+            .map(|(gpu, asserts)| (Arc::new(gpu), asserts));
+        self.summary.setup.attach.add(started.elapsed());
+        Ok(self.adopt(handle, result, None)?)
     }
 
-    fn attach(&mut self, handle: usize) -> Result<usize, Refusal> {
+    /// Keeps the outcome of attaching to context `handle` (and the GPU's `first` queue, when the set-up worker took
+    /// it): the context's index, or the refusal its launches get from now on.
+    fn adopt(
+        &mut self,
+        handle: usize,
+        result: Result<(Arc<Gpu>, bool), String>,
+        first: Option<Result<Queue, String>>,
+    ) -> Result<usize, Refusal> {
         self.exit_hooks();
         self.generation += 1;
-        let result = match self.cuda.attach() {
+        let result = match result {
             Ok((gpu, asserts)) if gpu.backend() == Backend::Direct => {
                 info!(selection = %gpu.selection(), asserts_on_apex = asserts, "apex-preload attached to the CUDA context");
                 Ok((gpu, asserts))
@@ -717,6 +804,20 @@ impl Engine {
         self.summary.contexts.push(outcome);
         match result {
             Ok((gpu, asserts_on_apex)) => {
+                let mut spare = Vec::new();
+                let mut queue_failed = None;
+                match first {
+                    Some(Ok(q)) => {
+                        self.summary.queues += 1;
+                        spare.push(q);
+                    }
+                    Some(Err(e)) => {
+                        warn!(error = %e, "the context's first APEX queue could not be built");
+                        self.summary.setup.failed += 1;
+                        queue_failed = Some(Refusal::QueueFailed(e));
+                    }
+                    None => {}
+                }
                 self.contexts.push(Ctx {
                     handle,
                     gpu,
@@ -726,7 +827,11 @@ impl Engine {
                     funcs: Handles::default(),
                     queues: Vec::new(),
                     last: Vec::new(),
-                    spare: Vec::new(),
+                    spare,
+                    building: 0,
+                    wanted: Vec::new(),
+                    queue_failed,
+                    loading: HashMap::new(),
                     order: Order::new(),
                     blocking: Handles::default(),
                     events: Handles::default(),
@@ -808,20 +913,29 @@ impl Engine {
         }
         // A function refused at this launch is logged with it; later launches count the kept refusal by reference.
         let mut fresh = false;
-        if !self.contexts[ci].funcs.contains_key(&l.f) {
+        let known = match self.contexts[ci].funcs.get(&l.f) {
+            None => false,
+            // Waiting for its module: resolved again once the module is no longer loading (loaded, refused, or the
+            // load withdrawn).
+            Some(FuncState::Pending(owner)) => self.contexts[ci].loading.contains_key(owner),
+            Some(_) => true,
+        };
+        if !known {
             // A slow path: not profiled.
             s[0] = 0;
             let state = match self.resolve(ci, l.f) {
                 Ok(r) => FuncState::Ready(Box::new(r)),
-                Err(r) if r.is_per_function() => FuncState::Refused(r),
+                Err(Unresolved::SettingUp(owner)) => FuncState::Pending(owner),
+                Err(Unresolved::Refused(r)) if r.is_per_function() => FuncState::Refused(r),
                 // Not the function's fault (an internal error): decided again next time.
-                Err(r) => return Err(r.into()),
+                Err(Unresolved::Refused(r)) => return Err(r.into()),
             };
             self.contexts[ci].funcs.insert(l.f, state);
             fresh = true;
         }
+        // `None`: the stream's queue is being built in the background.
         let slot = match self.contexts[ci].order.find(key) {
-            Some(slot) => slot,
+            Some(slot) => Some(slot),
             None => {
                 s[0] = 0;
                 self.slot_for(ci, key, l.stream, l.per_thread)?
@@ -850,7 +964,11 @@ impl Engine {
                 summary.refused(r);
                 return Err(NotTaken::Counted);
             }
+            Some(FuncState::Pending(_)) => return Err(NotTaken::SettingUp),
             None => return Err(Refusal::Internal.into()),
+        };
+        let Some(slot) = slot else {
+            return Err(NotTaken::SettingUp);
         };
         if packed.is_none() && l.params.is_null() && !ready.sizes.is_empty() {
             return Err(Refusal::ExtraParams.into());
@@ -986,6 +1104,12 @@ impl Engine {
     /// stamp returned starts the profile's last phase).
     pub(crate) fn launch(&mut self, l: &Launch, t0: u64) -> Option<u64> {
         let mut s = [t0, crate::profile::stamp(), 0, 0, 0, 0];
+        // One load, unless the set-up worker finished something since the last launch.
+        if self.setup.has_results() {
+            // A slow path: not profiled.
+            s[0] = 0;
+            self.collect();
+        }
         let key = StreamKey::of(l.stream, l.per_thread);
         if self.held.is_some_and(|h| h != key) {
             // Work on another stream may be ordered after the held launches: they go first.
@@ -1009,44 +1133,61 @@ impl Engine {
                 None
             }
             Err(NotTaken::Counted) => None,
+            Err(NotTaken::SettingUp) => {
+                self.summary.warmed();
+                None
+            }
         }
     }
 
-    /// The image an owner's kernels come from, loaded by APEX once per context.
-    fn module(&mut self, ci: usize, owner: Owner) -> Result<Module, Refusal> {
-        if let Some(m) = self.contexts[ci].modules.get(&owner) {
-            return m.clone();
+    /// The image an owner's kernels come from, loaded by APEX once per context: `None` while the set-up worker
+    /// loads it (asked for here the first time).
+    fn module(&mut self, ci: usize, owner: Owner) -> Result<Option<Module>, Refusal> {
+        let ctx = &self.contexts[ci];
+        if let Some(m) = ctx.modules.get(&owner) {
+            return m.clone().map(Some);
+        }
+        if ctx.loading.contains_key(&owner) {
+            return Ok(None);
         }
         let image = self.registry.image(owner).ok_or(Refusal::UnknownModule)?;
         let library = self.registry.is_library(owner);
-        let cuda = self.cuda.as_ref();
-        let ctx = &mut self.contexts[ci];
-        // The module's `__device__` variables are CUDA's instance's: kernels on both sides share them.
-        let unplaced = std::cell::RefCell::new(Vec::new());
-        let place = |name: &str, size: u64| {
-            let home = cuda
-                .global(owner, library, name)
-                // The same variable in both instances: the sizes agree.
-                .filter(|h| h.size == size);
-            if home.is_none() {
-                unplaced.borrow_mut().push(name.to_string());
+        let (handle, asserts, gpu) = (ctx.handle, ctx.asserts_on_apex, ctx.gpu.clone());
+        if self.config.setup == Mode::Background {
+            let job = setup::Job::Module {
+                ctx: handle,
+                gpu: gpu.clone(),
+                owner,
+                library,
+                image: image.clone(),
+                asserts,
+            };
+            if let Some(ticket) = self.request(job) {
+                self.contexts[ci].loading.insert(owner, ticket);
+                return Ok(None);
             }
-            home
-        };
-        let asserts = ctx.asserts_on_apex;
-        let loaded = ctx
-            .gpu
-            .load_module_sharing(image.bytes(), &place)
-            .map_err(|e| Refusal::ModuleRefused(e.to_string()))
-            .and_then(|m| {
-                if let Some(name) = unplaced.borrow().first() {
-                    return Err(Refusal::ModuleGlobals(name.clone()));
-                }
-                match m.cubin().and_then(|c| check::module_refusal(c, asserts)) {
-                    Some(r) => Err(r),
-                    None => Ok(m),
-                }
-            });
+            // The worker could not start: loaded here, as in the inline mode.
+        }
+        let started = Instant::now();
+        let loaded = setup::load_module(
+            self.cuda.as_ref(),
+            &gpu,
+            owner,
+            library,
+            image.bytes(),
+            asserts,
+        );
+        self.summary.setup.module.add(started.elapsed());
+        self.module_loaded(ci, owner, loaded).map(Some)
+    }
+
+    /// Keeps a module loaded for context `ci` (or the refusal its kernels get).
+    fn module_loaded(
+        &mut self,
+        ci: usize,
+        owner: Owner,
+        loaded: Result<Module, Refusal>,
+    ) -> Result<Module, Refusal> {
         if loaded.is_ok() {
             self.summary.modules_loaded += 1;
         }
@@ -1055,13 +1196,13 @@ impl Engine {
             ok = loaded.is_ok(),
             "module loaded for APEX"
         );
-        ctx.modules.insert(owner, loaded.clone());
+        self.contexts[ci].modules.insert(owner, loaded.clone());
         loaded
     }
 
-    fn resolve(&mut self, ci: usize, f: usize) -> Result<Ready, Refusal> {
+    fn resolve(&mut self, ci: usize, f: usize) -> Result<Ready, Unresolved> {
         if let Some(&attr) = self.func_attrs.get(&f) {
-            return Err(Refusal::FunctionAttribute(attr));
+            return Err(Refusal::FunctionAttribute(attr).into());
         }
         let origin = match self.registry.origin(f) {
             Some(o) => o.clone(),
@@ -1074,7 +1215,7 @@ impl Engine {
                     .function_owner(f, &|m| registry.owner(m).is_some())
                     .ok_or(Refusal::UnknownFunction)?;
                 if let Some(e) = self.unreadable.get(&handle) {
-                    return Err(Refusal::UnreadableImage(e.clone()));
+                    return Err(Refusal::UnreadableImage(e.clone()).into());
                 }
                 self.registry.function(f, handle, &name);
                 self.registry
@@ -1083,7 +1224,9 @@ impl Engine {
                     .ok_or(Refusal::UnknownModule)?
             }
         };
-        let module = self.module(ci, origin.owner)?;
+        let Some(module) = self.module(ci, origin.owner)? else {
+            return Err(Unresolved::SettingUp(origin.owner));
+        };
         // `__device__` variables are shared with CUDA's instance; `__constant__` ones are APEX's own copy, which a
         // write through the address the program took would miss.
         let constant_escaped = self.registry.escaped(origin.owner).iter().any(|name| {
@@ -1092,7 +1235,7 @@ impl Engine {
                 .is_none_or(|g| g.is_constant())
         });
         if constant_escaped {
-            return Err(Refusal::GlobalsEscaped);
+            return Err(Refusal::GlobalsEscaped.into());
         }
         let kernel = module
             .kernel(&origin.name)
@@ -1101,7 +1244,7 @@ impl Engine {
             .info()
             .ok_or_else(|| Refusal::KernelRefused("no parameter table".into()))?;
         if let Some(r) = check::kernel_refusal(info, self.contexts[ci].asserts_on_apex) {
-            return Err(r);
+            return Err(r.into());
         }
         let sizes = info.params.iter().map(|p| p.size as usize).collect();
         let offsets = info.params.iter().map(|p| p.offset as usize).collect();
@@ -1114,36 +1257,45 @@ impl Engine {
         })
     }
 
-    /// The slot (and queue) of a stream in context `ci`, taking it over on first use.
+    /// The slot (and queue) of a stream in context `ci`, taking it over on first use. `None` when no queue is
+    /// ready for it and one is being built in the background (the stream is taken over at a launch after that).
     fn slot_for(
         &mut self,
         ci: usize,
         key: StreamKey,
         raw: usize,
         per_thread: bool,
-    ) -> Result<usize, Refusal> {
+    ) -> Result<Option<usize>, NotTaken> {
         if let Some(s) = self.contexts[ci].order.find(key) {
-            return Ok(s);
+            return Ok(Some(s));
         }
-        let cuda = self.cuda.as_ref();
+        let background = self.config.setup == Mode::Background;
         let ctx = &mut self.contexts[ci];
         if ctx.order.live() >= self.config.max_queues {
-            return Err(Refusal::TooManyStreams(self.config.max_queues));
+            return Err(Refusal::TooManyStreams(self.config.max_queues).into());
         }
         let queue = match ctx.spare.pop() {
             Some(q) => q,
-            None => {
-                let options = QueueOptions::default()
-                    .launch_memory(self.config.launch_memory)
-                    .chained(self.config.chained);
-                let q = ctx
-                    .gpu
-                    .queue_with(options)
-                    .map_err(|e| Refusal::QueueFailed(e.to_string()))?;
-                self.summary.queues += 1;
-                q
+            None if background => {
+                if let Some(r) = &ctx.queue_failed {
+                    // Counted by reference: kept for the context.
+                    self.summary.refused(r);
+                    return Err(NotTaken::Counted);
+                }
+                if !ctx.wanted.contains(&key) {
+                    ctx.wanted.push(key);
+                }
+                self.top_up(ci);
+                if self.config.setup == Mode::Background {
+                    return Ok(None);
+                }
+                // The worker could not start: built here, as in the inline mode.
+                self.build_queue(ci)?
             }
+            None => self.build_queue(ci)?,
         };
+        let cuda = self.cuda.as_ref();
+        let ctx = &mut self.contexts[ci];
         let stream = ctx.stream(cuda, raw, per_thread);
         let slot = ctx.order.add(stream);
         if ctx.queues.len() <= slot {
@@ -1154,7 +1306,31 @@ impl Engine {
         ctx.last[slot] = None;
         self.generation += 1;
         info!(stream = ?key, slot, "stream taken over by an APEX queue");
-        Ok(slot)
+        if background {
+            // The next new stream should find a queue ready.
+            self.contexts[ci].wanted.retain(|k| *k != key);
+            self.top_up(ci);
+        }
+        Ok(Some(slot))
+    }
+
+    /// A queue of context `ci` built on this thread (the inline mode).
+    fn build_queue(&mut self, ci: usize) -> Result<Queue, Refusal> {
+        let started = Instant::now();
+        let q = self.contexts[ci]
+            .gpu
+            .queue_with(self.queue_options())
+            .map_err(|e| Refusal::QueueFailed(e.to_string()))?;
+        self.summary.setup.queue.add(started.elapsed());
+        self.summary.queues += 1;
+        Ok(q)
+    }
+
+    /// How the preload's queues are built (`APEX_PRELOAD_LAUNCH_MEMORY`, `APEX_PRELOAD_CHAINED`).
+    fn queue_options(&self) -> QueueOptions {
+        QueueOptions::default()
+            .launch_memory(self.config.launch_memory)
+            .chained(self.config.chained)
     }
 
     // ---- what the program loaded ----
@@ -1185,7 +1361,10 @@ impl Engine {
             if let Some(Ok(m)) = c.modules.remove(&owner) {
                 c.retired.push(m);
             }
-            // Refusals are cheap to recompute; any of them may name a reused handle.
+            // A load in flight is of the old image: its result is dropped when it comes ([`Engine::collect`]).
+            c.loading.remove(&owner);
+            // Refusals (and functions waiting for a module) are cheap to recompute; any of them may name a reused
+            // handle.
             c.funcs
                 .retain(|_, s| matches!(s, FuncState::Ready(r) if r.owner != owner));
         }
@@ -1263,6 +1442,8 @@ impl Engine {
                 }
                 c.events.retain(|_, v| v.slot != slot);
             }
+            // A stream that waited for a queue being built: the queue, when it comes, waits for the next new stream.
+            c.wanted.retain(|k| *k != key);
             c.blocking.remove(&raw);
         }
     }
@@ -1290,6 +1471,9 @@ impl Engine {
     }
 
     pub(crate) fn shutdown(&mut self, why: &str) {
+        // Set-up in flight works in the program's context, which may go away once this returns: waited for (with a
+        // bound), and what it made is dropped below with the rest.
+        self.stop_setup();
         self.materialize_all();
         for ci in 0..self.contexts.len() {
             self.wait_all(ci);
@@ -1558,6 +1742,11 @@ pub(crate) fn loaded_file(owner: usize, path: *const c_char, library: bool) {
         .map(|b| ImageBytes::Owned(b.into_boxed_slice()))
         .map_err(|e| format!("{path}: {e}"));
     with(|e| e.loaded(owner, image, library));
+}
+
+/// A module or library is about to be unloaded (the set-up worker must not be loading it meanwhile).
+pub(crate) fn unloading(handle: usize) {
+    with(|e| e.unloading(handle));
 }
 
 /// A module or library was unloaded.

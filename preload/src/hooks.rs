@@ -730,6 +730,8 @@ pub unsafe extern "C" fn cuLibraryLoadFromFile(
 fn unload(handle: P, call: impl FnOnce() -> c_int) -> c_int {
     let g = enter();
     if g.is_some() {
+        // The set-up worker is not loading the module while libcuda frees it.
+        engine::unloading(handle as usize);
         // APEX launches of the module's kernels complete before whatever reuses its memory.
         engine::device_quiet();
     }

@@ -22,8 +22,11 @@
 //! `APEX_PRELOAD_LAUNCH_MEMORY=host` puts the queues' launch memory in host memory; `APEX_PRELOAD_CHAINED=1` makes
 //! them chained queues (launches made while a queue is busy held as GPU-scheduled links, sent by the next CUDA call
 //! other than a launch on the same stream; opt-in, see docs/attach-cuda.md); `APEX_PRELOAD_WATCHDOG=SECONDS` dumps
-//! every thread's stack when one call into the preload hangs. How it works and what it refuses: docs/attach-cuda.md,
-//! section 8.
+//! every thread's stack when one call into the preload hangs; `APEX_PRELOAD_SETUP=background` (the default) attaches,
+//! builds each stream's queue and loads each module on a thread of the preload's while the launches that need them
+//! go to libcuda (counted as `warmup` in the summary, not as refusals), and `APEX_PRELOAD_SETUP=inline` makes them on
+//! the program's thread at the launch that needs them, which then goes through APEX (every launch taken over from the
+//! first: for tests, and programs that prefer it). How it works and what it refuses: docs/attach-cuda.md, section 8.
 
 pub mod alloc_cache;
 pub mod asserts;
@@ -39,6 +42,7 @@ pub mod order;
 mod profile;
 pub mod refusal;
 pub mod registry;
+mod setup;
 pub mod stats;
 mod watchdog;
 

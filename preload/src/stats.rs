@@ -1,6 +1,8 @@
-//! What the preload did, for `APEX_PRELOAD_STATS`: launches through APEX, fallbacks per reason, ordering hops.
+//! What the preload did, for `APEX_PRELOAD_STATS`: launches through APEX, fallbacks per reason, launches forwarded
+//! while APEX was being set up and what the set-up cost, ordering hops.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -16,15 +18,64 @@ pub struct ReasonCount {
     pub example: String,
 }
 
+/// How long the set-up pieces of one kind took.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SetupTimes {
+    /// Pieces made.
+    pub count: u64,
+    /// Their time together, milliseconds.
+    pub total_ms: f64,
+    /// The longest one, milliseconds.
+    pub max_ms: f64,
+}
+
+impl SetupTimes {
+    /// Counts a piece that took `d`.
+    pub fn add(&mut self, d: Duration) {
+        let ms = d.as_secs_f64() * 1e3;
+        self.count += 1;
+        self.total_ms += ms;
+        self.max_ms = self.max_ms.max(ms);
+    }
+}
+
+/// The preload's set-up (`APEX_PRELOAD_SETUP`): where it ran, and what each kind of piece cost.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SetupSummary {
+    /// `background` (a thread of the preload's prepared each piece while the launches that needed it went to
+    /// libcuda: [`Summary::warmup`]) or `inline` (each piece made on the program's thread, at the launch that needed
+    /// it).
+    pub mode: String,
+    /// Attaching APEX to a CUDA context (with the GPU's first queue).
+    pub attach: SetupTimes,
+    /// Building a queue (for a stream taken over, or the spare kept ready for the next one).
+    pub queue: SetupTimes,
+    /// Loading a module or library into APEX.
+    pub module: SetupTimes,
+    /// Pieces that failed: what they were for stays on libcuda, with the refusal that says why.
+    pub failed: u64,
+    /// Finished pieces dropped because what they were for was gone by then (a module unloaded, the takeover
+    /// ended).
+    pub dropped: u64,
+}
+
 /// The summary written at exit.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
-    /// Kernel launches the program made (`cuLaunchKernel*`, `cuLaunchCooperativeKernel`).
+    /// Kernel launches the program made (`cuLaunchKernel*`, `cuLaunchCooperativeKernel`): `apex + fallback +
+    /// warmup`.
     pub launches: u64,
     /// Launches sent through an APEX queue.
     pub apex: u64,
-    /// Launches left to libcuda.
+    /// Launches left to libcuda for a reason ([`Summary::reasons`]).
     pub fallback: u64,
+    /// Launches forwarded to libcuda while what they needed (the context's attachment, a queue for their stream,
+    /// their module) was being set up in the background: not refusals, the set-up's warm-up.
+    #[serde(default)]
+    pub warmup: u64,
+    /// The set-up: its mode and what each piece cost.
+    #[serde(default)]
+    pub setup: SetupSummary,
     /// Fallbacks by [`Refusal::label`].
     pub reasons: BTreeMap<String, ReasonCount>,
     /// CUDA streams made to wait for an APEX queue.
@@ -42,7 +93,9 @@ pub struct Summary {
     pub modules_seen: u64,
     /// Of those, loaded by APEX for a launch.
     pub modules_loaded: u64,
-    /// How the attach went: `not attempted`, `direct`, or the error (the last context's).
+    /// How the attach went: `not attempted`, `direct`, or the error (the last context's); in the background mode
+    /// also `being set up in the background` (still running at the end) or `direct (ready only after the last
+    /// launch)`.
     pub attach: String,
     /// How the attach went in each context, in the order they were met.
     #[serde(default)]
@@ -118,6 +171,12 @@ impl Summary {
         self.apex += 1;
     }
 
+    /// Counts a launch forwarded to libcuda while what it needs is set up in the background.
+    pub fn warmed(&mut self) {
+        self.launches += 1;
+        self.warmup += 1;
+    }
+
     /// Counts a launch left to libcuda for `why`.
     pub fn refused(&mut self, why: &Refusal) {
         self.launches += 1;
@@ -154,6 +213,9 @@ mod tests {
         s.refused(&Refusal::DeviceRuntime("vprintf".into()));
         s.refused(&Refusal::DeviceRuntime("__assertfail".into()));
         s.refused(&Refusal::Capturing);
+        s.warmed();
+        s.setup.queue.add(Duration::from_millis(5));
+        s.setup.queue.add(Duration::from_millis(3));
         let h = HopCounts {
             to_cuda: 3,
             to_apex: 4,
@@ -164,7 +226,12 @@ mod tests {
         s.add_hops(h);
         s.add_hops(h);
         assert_eq!((s.hops_to_cuda, s.hops_avoided), (6, 4), "contexts add up");
-        assert_eq!((s.launches, s.apex, s.fallback), (5, 2, 3));
+        assert_eq!((s.launches, s.apex, s.fallback, s.warmup), (6, 2, 3, 1));
+        assert_eq!(s.setup.queue.count, 2);
+        assert!(
+            (s.setup.queue.total_ms - 8.0).abs() < 1e-9
+                && (s.setup.queue.max_ms - 5.0).abs() < 1e-9
+        );
         let d = &s.reasons["device_runtime"];
         assert_eq!(d.launches, 2);
         assert!(d.example.contains("vprintf"), "the first message is kept");

@@ -2,6 +2,10 @@
 //! for the PyTorch one). Each program runs without and with the preload; their outputs must be identical, and the
 //! times of both are printed, with how many launches went through APEX and why the others did not.
 //!
+//! Tests whose point is that every launch is taken over run the preload with `APEX_PRELOAD_SETUP=inline` (the
+//! set-up made at the first launch that needs it); the default background set-up forwards the launches made while
+//! it runs, which `a_short_program_runs_while_apex_sets_up_in_the_background` checks.
+//!
 //! The preloaded library is `$APEX_PRELOAD_LIB`, else `libapex_preload.so` in `.gpu/` under the working directory,
 //! next to this test binary or one directory up, or in `target/release/` (build it with
 //! `cargo build --release -p apex-preload`).
@@ -100,6 +104,13 @@ fn run(mut cmd: Command, preload: Option<&Path>, dir: &Path, tag: &str) -> Run {
     Run { out, secs, summary }
 }
 
+/// `cmd` with the set-up made on the program's thread (`APEX_PRELOAD_SETUP=inline`): every launch the preload can
+/// take is taken, from the first.
+fn inline(mut cmd: Command) -> Command {
+    cmd.env("APEX_PRELOAD_SETUP", "inline");
+    cmd
+}
+
 fn stdout(r: &Run) -> String {
     String::from_utf8_lossy(&r.out.stdout).into_owned()
 }
@@ -118,6 +129,21 @@ fn report(what: &str, s: &Summary) {
         s.hops_to_cuda,
         s.hops_to_apex,
         s.cpu_syncs
+    );
+    println!(
+        "  set-up ({}): {} launches forwarded meanwhile; attach {} in {:.1} ms, queues {} in {:.1} ms (longest {:.1}), \
+         modules {} in {:.1} ms; {} failed, {} dropped",
+        s.setup.mode,
+        s.warmup,
+        s.setup.attach.count,
+        s.setup.attach.total_ms,
+        s.setup.queue.count,
+        s.setup.queue.total_ms,
+        s.setup.queue.max_ms,
+        s.setup.module.count,
+        s.setup.module.total_ms,
+        s.setup.failed,
+        s.setup.dropped
     );
     for (label, r) in &s.reasons {
         println!(
@@ -177,9 +203,9 @@ fn build_cuda(name: &str, source: &str) -> (PathBuf, PathBuf) {
 }
 
 /// Builds `source` with nvcc (sm_90) in a scratch directory named after `name`, runs it once to warm the driver's
-/// caches, then without and with the preload (`APEX_PRELOAD_ITERS` iterations, 2000 by default), and checks that
-/// both runs succeed with identical `result` lines, no CUDA error, and every launch seen by the preload (its
-/// `launches` line), at least nine in ten of them through APEX.
+/// caches, then without and with the preload (`APEX_PRELOAD_ITERS` iterations, 2000 by default; the set-up inline),
+/// and checks that both runs succeed with identical `result` lines, no CUDA error, and every launch seen by the
+/// preload (its `launches` line), at least nine in ten of them through APEX.
 fn compare_cuda_program(name: &str, source: &str) -> Compared {
     let lib = preload_lib();
     let (dir, exe) = build_cuda(name, source);
@@ -191,7 +217,7 @@ fn compare_cuda_program(name: &str, source: &str) -> Compared {
     };
     let _ = run(cmd(), None, &dir, "warm");
     let plain = run(cmd(), None, &dir, "plain");
-    let pre = run(cmd(), Some(&lib), &dir, "preload");
+    let pre = run(inline(cmd()), Some(&lib), &dir, "preload");
     let (a, b) = (stdout(&plain), stdout(&pre));
     assert!(plain.out.status.success(), "without the preload:\n{a}");
     assert!(
@@ -532,7 +558,7 @@ fn device_asserts_run_on_apex_and_are_reported_as_cuda_reports_them() {
             c
         };
         let plain = run(cmd(), None, &dir, &format!("{mode}-plain"));
-        let pre = run(cmd(), Some(&lib), &dir, &format!("{mode}-preload"));
+        let pre = run(inline(cmd()), Some(&lib), &dir, &format!("{mode}-preload"));
         let (a, b) = (stdout(&plain), stdout(&pre));
         let s = pre.summary.clone().expect("summary");
         report(&format!("asserts ({mode})"), &s);
@@ -583,7 +609,7 @@ fn every_synchronization_waits_for_the_work_apex_ran() {
     let lib = preload_lib();
     let (dir, exe) = build_cuda("syncs", include_str!("programs/syncs.cu"));
     let plain = run(Command::new(&exe), None, &dir, "plain");
-    let pre = run(Command::new(&exe), Some(&lib), &dir, "preload");
+    let pre = run(inline(Command::new(&exe)), Some(&lib), &dir, "preload");
     let (a, b) = (stdout(&plain), stdout(&pre));
     let s = pre.summary.clone().expect("summary");
     report("synchronizations", &s);
@@ -666,7 +692,7 @@ fn pytorch_index_asserts_show_as_on_libcuda() {
         println!("PyTorch test skipped: {why}");
         return;
     }
-    let pre = run(cmd(), Some(&lib), &dir, "preload");
+    let pre = run(inline(cmd()), Some(&lib), &dir, "preload");
     let b = stdout(&pre);
     let s = pre.summary.clone().expect("summary");
     report("PyTorch index assert", &s);
@@ -966,4 +992,80 @@ fn nothing_leaks_across_a_million_allocation_cycles() {
         "cudaMallocAsync: {} hits of {cycles}",
         s.alloc_async_hits
     );
+}
+
+/// preload/corpus/short_program.cu (three non-blocking streams, one kernel) under the default background set-up:
+/// the same result hash as without the preload, every launch counted once (through APEX, or forwarded while APEX
+/// was being set up: no refusal), and the first launch among the forwarded ones (it cannot find the attach ready).
+/// At the corpus's 300 launches the program may well end before the set-up does, so only the accounting is
+/// checked; with 200 000 launches (over half a second of GPU work, against about 25 ms of set-up on an H100) the
+/// set-up must also have finished and later launches gone through APEX. Whole-process times of both runs are
+/// printed.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_short_program_runs_while_apex_sets_up_in_the_background() {
+    let lib = preload_lib();
+    let (dir, exe) = build_cuda("short_program", include_str!("../corpus/short_program.cu"));
+    let _ = run(Command::new(&exe), None, &dir, "warm");
+    for launches in [300u64, 200_000] {
+        let cmd = || {
+            let mut c = Command::new(&exe);
+            c.arg("3").arg(launches.to_string());
+            c
+        };
+        let plain = run(cmd(), None, &dir, &format!("{launches}-plain"));
+        let pre = run(cmd(), Some(&lib), &dir, &format!("{launches}-background"));
+        let (a, b) = (stdout(&plain), stdout(&pre));
+        for (what, r, text) in [("plain", &plain, &a), ("preload", &pre, &b)] {
+            assert!(
+                r.out.status.success(),
+                "{what}: {:?}\n{text}\n{}",
+                r.out.status,
+                String::from_utf8_lossy(&r.out.stderr)
+            );
+        }
+        let s = pre.summary.clone().expect("summary");
+        report(&format!("short_program, {launches} launches"), &s);
+        println!(
+            "short_program, {launches} launches: process {:.3} s without, {:.3} s with the preload; wall_us {} vs {}",
+            plain.secs,
+            pre.secs,
+            value(&a, "wall_us "),
+            value(&b, "wall_us ")
+        );
+        assert_eq!(
+            results(&a),
+            results(&b),
+            "outputs differ:\nwithout:\n{a}\nwith:\n{b}"
+        );
+        assert!(
+            results(&a)
+                .iter()
+                .any(|l| l.starts_with("result short_program ")),
+            "{a}"
+        );
+        assert_eq!(s.setup.mode, "background");
+        assert_eq!(
+            s.launches, launches,
+            "every launch reached the preload: {s:?}"
+        );
+        assert_eq!(
+            s.apex + s.fallback + s.warmup,
+            s.launches,
+            "the accounting adds up: {s:?}"
+        );
+        assert_eq!(s.fallback, 0, "no launch was refused: {:?}", s.reasons);
+        assert!(
+            s.warmup >= 1,
+            "the first launch found the attach ready: {s:?}"
+        );
+        if launches >= 200_000 {
+            assert_eq!(s.attach, "direct", "{s:?}");
+            assert_eq!((s.setup.attach.count, s.setup.failed), (1, 0), "{s:?}");
+            assert!(
+                s.apex > 0,
+                "no launch went through APEX after the set-up: {s:?}"
+            );
+        }
+    }
 }

@@ -3,7 +3,8 @@
 //! asked of libcuda. Each test checks what went through APEX, which hops were made, and which synchronizations were
 //! answered without libcuda.
 
-use std::sync::{Arc, Mutex};
+use std::cell::Cell;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use apex::module::cubin::Cubin;
@@ -25,14 +26,65 @@ const NON_BLOCKING: usize = 0x100_0000;
 #[derive(Default)]
 struct Calls(Vec<String>);
 
+/// Holds the double's attach while closed, as a slow attach would (open by default).
+#[derive(Default)]
+struct Gate {
+    closed: Mutex<bool>,
+    opened: Condvar,
+}
+
+impl Gate {
+    fn close(&self) {
+        *self.closed.lock().unwrap() = true;
+    }
+    fn open(&self) {
+        *self.closed.lock().unwrap() = false;
+        self.opened.notify_all();
+    }
+    /// Waits while closed (at most 30 s, so that a test that forgets to open it fails rather than hangs).
+    fn pass(&self) {
+        let closed = self.closed.lock().unwrap();
+        let (_closed, timeout) = self
+            .opened
+            .wait_timeout_while(closed, Duration::from_secs(30), |c| *c)
+            .unwrap();
+        assert!(!timeout.timed_out(), "the gate was never opened");
+    }
+}
+
+/// What the double's `set_current` was asked, on which thread (by name), in order.
+type MadeCurrent = Arc<Mutex<Vec<(String, Option<usize>)>>>;
+
+thread_local! {
+    /// The context the double's `set_current` made current on this thread (`None` inside: none).
+    static CURRENT: Cell<Option<Option<usize>>> = const { Cell::new(None) };
+}
+
 struct FakeCuda {
     gpu: Mutex<Option<Gpu>>,
     calls: Arc<Mutex<Calls>>,
     /// Address ranges that play CUDA's device memory (start, bytes).
     device: Arc<Mutex<Vec<(u64, u64)>>>,
+    /// The attach passes it first.
+    gate: Arc<Gate>,
+    /// The attach fails with this.
+    fail_attach: Option<String>,
+    /// What `set_current` was asked, on which thread, in order.
+    made_current: MadeCurrent,
 }
 
 impl FakeCuda {
+    fn new(gpu: Gpu) -> FakeCuda {
+        FakeCuda {
+            gpu: Mutex::new(Some(gpu)),
+            calls: Arc::default(),
+            device: Arc::default(),
+            gate: Arc::default(),
+            fail_attach: None,
+            made_current: Arc::default(),
+        }
+    }
+
     fn log(&self, s: impl Into<String>) {
         self.calls.lock().unwrap().0.push(s.into());
     }
@@ -40,9 +92,25 @@ impl FakeCuda {
 
 impl CudaSide for FakeCuda {
     fn current_context(&self) -> Option<usize> {
-        Some(CTX)
+        // The program's threads have CTX current; the set-up worker only what it made current itself.
+        let worker = std::thread::current().name() == Some("apex-setup");
+        CURRENT.get().unwrap_or_else(|| (!worker).then_some(CTX))
+    }
+    fn set_current(&self, ctx: Option<usize>) -> Result<(), String> {
+        let thread = std::thread::current().name().unwrap_or("").to_string();
+        self.made_current.lock().unwrap().push((thread, ctx));
+        CURRENT.set(Some(ctx));
+        Ok(())
     }
     fn attach(&self) -> Result<(Gpu, bool), String> {
+        self.gate.pass();
+        // Attaching looks at the calling thread's current context.
+        if self.current_context() != Some(CTX) {
+            return Err("no context current on the attaching thread".into());
+        }
+        if let Some(e) = &self.fail_attach {
+            return Err(e.clone());
+        }
         let gpu = self.gpu.lock().unwrap().take().ok_or("attached twice")?;
         let asserts = gpu.set_assert_action(apex::AssertAction::EndThread).is_ok();
         Ok((gpu, asserts))
@@ -101,6 +169,9 @@ struct Setup {
     sim: Simulator,
     calls: Arc<Mutex<Calls>>,
     device: Arc<Mutex<Vec<(u64, u64)>>>,
+    /// The double's attach waits while it is closed.
+    gate: Arc<Gate>,
+    made_current: MadeCurrent,
     /// Parameter values of vector_add: a, b, out, n.
     params: [u64; 4],
 }
@@ -121,26 +192,40 @@ fn bare_launch() -> Launch {
 }
 
 impl Setup {
+    /// A setup that makes what a launch needs on the spot (`APEX_PRELOAD_SETUP=inline`): every launch through APEX
+    /// from the first.
     fn new() -> Setup {
-        Setup::with_chained(false)
+        Setup::with(false, Mode::Inline, None)
     }
 
     /// A setup whose queues are chained queues (`APEX_PRELOAD_CHAINED`) when `chained`.
     fn with_chained(chained: bool) -> Setup {
+        Setup::with(chained, Mode::Inline, None)
+    }
+
+    /// A setup whose attach, queues and modules are made by the set-up worker (the default mode); the attach
+    /// fails with `fail_attach`.
+    fn background(fail_attach: Option<&str>) -> Setup {
+        Setup::with(false, Mode::Background, fail_attach)
+    }
+
+    fn with(chained: bool, setup: Mode, fail_attach: Option<&str>) -> Setup {
         let (gpu, sim) = Gpu::open_simulated(SimConfig::default()).unwrap();
-        let calls = Arc::new(Mutex::new(Calls::default()));
-        let device = Arc::new(Mutex::new(Vec::new()));
-        let cuda = FakeCuda {
-            gpu: Mutex::new(Some(gpu)),
-            calls: calls.clone(),
-            device: device.clone(),
-        };
+        let mut cuda = FakeCuda::new(gpu);
+        cuda.fail_attach = fail_attach.map(str::to_string);
+        let (calls, device, gate, made_current) = (
+            cuda.calls.clone(),
+            cuda.device.clone(),
+            cuda.gate.clone(),
+            cuda.made_current.clone(),
+        );
         let config = Config {
             enabled: true,
             max_queues: 8,
             stats: None,
             launch_memory: LaunchMemory::Video,
             chained,
+            setup,
         };
         let mut engine = Engine::new(config, Box::new(cuda));
         engine.loaded(MODULE, Ok(ImageBytes::Owned(CUBIN.into())), false);
@@ -158,6 +243,8 @@ impl Setup {
             sim,
             calls,
             device,
+            gate,
+            made_current,
             params: [0x1000, 0x2000, 0x3000, 64],
         }
     }
@@ -977,17 +1064,14 @@ fn launches_forwarded_with_the_takeover_off_are_counted() {
     assert!(enabled_by(None) && enabled_by(Some(b"on")) && enabled_by(Some(b"1")));
     assert!(!enabled_by(Some(b"off")) && !enabled_by(Some(b"0")) && !enabled_by(Some(b"false")));
     let (gpu, _sim) = Gpu::open_simulated(SimConfig::default()).unwrap();
-    let cuda = FakeCuda {
-        gpu: Mutex::new(Some(gpu)),
-        calls: Arc::default(),
-        device: Arc::default(),
-    };
+    let cuda = FakeCuda::new(gpu);
     let config = Config {
         enabled: false,
         max_queues: 8,
         stats: None,
         launch_memory: LaunchMemory::Video,
         chained: false,
+        setup: Mode::Background,
     };
     let mut engine = Engine::new(config, Box::new(cuda));
     let before = DISABLED_LAUNCHES.load(Ordering::Relaxed);
@@ -1208,3 +1292,5 @@ fn a_free_on_the_legacy_stream_is_the_queues_only_when_it_waited_for_the_blockin
     assert!(s.launch_on(0, 1));
     assert!(s.engine.free_point(LEGACY, "cuMemFreeAsync").is_ok());
 }
+
+mod background;
