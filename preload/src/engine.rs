@@ -74,6 +74,11 @@ pub(crate) struct Config {
     pub chained: bool,
     /// `APEX_PRELOAD_SETUP`: where the set-up a launch needs is made ([`crate::setup`]).
     pub setup: Mode,
+    /// `APEX_PRELOAD_QUEUES_AHEAD` (default 0): queues the background set-up builds before a stream asks, so that a
+    /// new stream is taken over at its first launch. Off by default because a queue holds GPU memory whether or not
+    /// a stream ever uses it: its local memory alone is sized for every thread the GPU can hold (about 430 MB on an
+    /// H100 at the 1.6 KB per thread libcuda also starts with).
+    pub queues_ahead: usize,
 }
 
 /// Whether a value of `APEX_PRELOAD_CHAINED` turns chained queues on (`1`, `on`, `true`).
@@ -134,6 +139,10 @@ impl Config {
         };
         let chained = chained_by(std::env::var("APEX_PRELOAD_CHAINED").ok().as_deref());
         let setup = Mode::by(std::env::var("APEX_PRELOAD_SETUP").ok().as_deref());
+        let queues_ahead = std::env::var("APEX_PRELOAD_QUEUES_AHEAD")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
         Config {
             enabled,
             max_queues,
@@ -141,6 +150,7 @@ impl Config {
             launch_memory,
             chained,
             setup,
+            queues_ahead,
         }
     }
 }

@@ -26,7 +26,8 @@
 //! builds each stream's queue and loads each module on a thread of the preload's while the launches that need them
 //! go to libcuda (counted as `warmup` in the summary, not as refusals), and `APEX_PRELOAD_SETUP=inline` makes them on
 //! the program's thread at the launch that needs them, which then goes through APEX (every launch taken over from the
-//! first: for tests, and programs that prefer it). How it works and what it refuses: docs/attach-cuda.md, section 8.
+//! first: for tests, and programs that prefer it); `APEX_PRELOAD_QUEUES_AHEAD=N` (default 0) keeps N queues built ahead of
+//! the next new streams (each holds GPU memory, its local memory alone about 430 MB on an H100). How it works and what it refuses: docs/attach-cuda.md, section 8.
 
 pub mod alloc_cache;
 pub mod asserts;

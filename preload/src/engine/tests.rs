@@ -226,6 +226,8 @@ impl Setup {
             launch_memory: LaunchMemory::Video,
             chained,
             setup,
+            // The tests of the background set-up check the queue kept ahead; the default (0) has its own test.
+            queues_ahead: 1,
         };
         let mut engine = Engine::new(config, Box::new(cuda));
         engine.loaded(MODULE, Ok(ImageBytes::Owned(CUBIN.into())), false);
@@ -1072,6 +1074,7 @@ fn launches_forwarded_with_the_takeover_off_are_counted() {
         launch_memory: LaunchMemory::Video,
         chained: false,
         setup: Mode::Background,
+        queues_ahead: 0,
     };
     let mut engine = Engine::new(config, Box::new(cuda));
     let before = DISABLED_LAUNCHES.load(Ordering::Relaxed);

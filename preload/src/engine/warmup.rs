@@ -1,5 +1,6 @@
 //! The engine's side of the background set-up ([`crate::setup`]): asking the worker for a piece, picking finished
-//! pieces up at a launch, keeping one queue ready ahead of the next new stream, and stopping the worker at the end.
+//! pieces up at a launch, keeping `APEX_PRELOAD_QUEUES_AHEAD` queues (none by default) ready ahead of the next new
+//! streams, and stopping the worker at the end.
 //!
 //! What is in flight is known by ticket: `Engine::attaching` (contexts), `Ctx::loading` (modules) and
 //! `Ctx::building` (queues, which serve no stream until one takes them). A result whose ticket is no longer
@@ -26,8 +27,8 @@ impl Engine {
         }
     }
 
-    /// Asks for as many queues of context `ci` as the streams waiting for one need, plus one ready for the next new
-    /// stream, within `APEX_PRELOAD_QUEUES`.
+    /// Asks for as many queues of context `ci` as the streams waiting for one need, plus
+    /// [`queues_ahead`](super::Config::queues_ahead) ready for the next new streams, within `APEX_PRELOAD_QUEUES`.
     pub(super) fn top_up(&mut self, ci: usize) {
         if self.config.setup != Mode::Background {
             return;
@@ -40,7 +41,7 @@ impl Engine {
                 return;
             }
             let room = max.saturating_sub(ctx.order.live());
-            let want = (ctx.wanted.len() + 1).min(room);
+            let want = (ctx.wanted.len() + self.config.queues_ahead).min(room);
             if ctx.spare.len() + ctx.building >= want {
                 return;
             }

@@ -137,6 +137,35 @@ fn a_spare_queue_is_kept_ready_so_a_new_stream_is_taken_over_at_its_first_launch
     assert_eq!(sum.setup.queue.count, 2, "the first came with the attach");
 }
 
+/// By default (`APEX_PRELOAD_QUEUES_AHEAD` 0) no queue is built before a stream asks for one: a queue's GPU memory
+/// (its local memory alone is sized for every thread the GPU can hold) is not spent on a stream that may never come.
+#[test]
+fn by_default_no_queue_is_built_ahead_of_a_stream() {
+    let mut s = Setup::background(None);
+    s.engine.config.queues_ahead = 0;
+    s.warm_up(0);
+    s.settle();
+    assert!(s.hook_launch(0));
+    let ctx = &s.engine.contexts[0];
+    assert_eq!(
+        (ctx.spare.len(), ctx.building),
+        (0, 0),
+        "nothing built ahead"
+    );
+    // A new stream asks for its queue at its first launch (forwarded meanwhile) and is taken over once it is built.
+    assert!(!s.hook_launch(SITE_A));
+    assert_eq!(s.engine.contexts[0].building, 1, "only the one asked for");
+    s.settle();
+    assert!(s.hook_launch(SITE_A));
+    let ctx = &s.engine.contexts[0];
+    assert_eq!((ctx.spare.len(), ctx.building), (0, 0));
+    assert_eq!(
+        s.engine.summary().queues,
+        2,
+        "the attach's first queue, and A's"
+    );
+}
+
 #[test]
 fn once_set_up_a_launch_allocates_nothing() {
     let mut s = Setup::background(None);
