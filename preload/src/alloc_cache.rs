@@ -32,7 +32,8 @@
 //! pool first gives back what the cache holds and a trim may release (the `cuMemAlloc` blocks, and the stream-ordered
 //! blocks whose free is complete: CUDA's trim keeps memory whose free it has not seen complete), so a program that
 //! trims gets its device memory back; `cuMemPoolGetAttribute` of the pool's used or reserved bytes first gives back
-//! every stream-ordered block, so the figures describe the program's own allocations (the pool's high watermarks may
+//! every stream-ordered block, each counted free by libcuda before the query is forwarded (a pending free waited for,
+//! then the block freed at once), so the figures describe the program's own allocations (the pool's high watermarks may
 //! still count blocks the cache held). The flows of the stream-ordered path are in [`stream_ordered`].
 //!
 //! Which blocks to keep is predicted from the history of sizes: a block is kept only once its size has been asked for

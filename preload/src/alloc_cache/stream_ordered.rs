@@ -294,15 +294,52 @@ pub fn give_back<D: Driver>(
             None => {
                 // Its stream is gone, or another thread's default stream: the CPU waits for the free's point. A queue
                 // that failed will never get there; libcuda has the block then (its context failed with it).
-                let _ = match &marker {
-                    Marker::Done => Ok(()),
-                    Marker::Fence(f) => d.wait_fence(f),
-                    Marker::Event(e) => match d.event_synchronize(*e) {
-                        CUDA_SUCCESS => Ok(()),
-                        r => Err(format!("cuEventSynchronize returned CUresult {r}")),
-                    },
-                };
+                let _ = wait_marker(d, &marker);
                 let _ = d.free(ptr);
+            }
+        }
+        locked(cache).recycle(ctx, marker);
+    }
+    any
+}
+
+/// Waits on the CPU until the work `m` marks is complete (or its queue failed, or libcuda refused the wait).
+fn wait_marker<D: Driver>(d: &D, m: &Marker) -> Result<(), String> {
+    match m {
+        Marker::Done => Ok(()),
+        Marker::Fence(f) => d.wait_fence(f),
+        Marker::Event(e) => match d.event_synchronize(*e) {
+            CUDA_SUCCESS => Ok(()),
+            r => Err(format!("cuEventSynchronize returned CUresult {r}")),
+        },
+    }
+}
+
+/// Gives back every stream-ordered block the cache holds for the current context `ctx` so that libcuda counts none of
+/// them as used by the time this returns: a block whose free is complete is freed at once (`cuMemFree`, which returns
+/// pool memory to its pool as it returns); one whose free is still pending is freed the same way once the CPU waited
+/// for the point the program freed it at. A `cuMemFreeAsync` on the block's stream would not do: libcuda may count
+/// a stream-ordered free only once its stream reaches it (the likeliest reading of the GPU runs of alloc_async_loop.cu,
+/// which reported every held block used after the query), so a query right after it (or one made while the stream still
+/// runs the program's work, as when the preload's set-up was not done and the stream's work was CUDA's) would still
+/// count the block. Where the wait fails (a queue that faulted, an event libcuda refuses) the block is freed in its
+/// stream's order instead, as the program's own free would have been. Whether anything was given back.
+pub fn give_back_now<D: Driver>(cache: &Mutex<AllocCache>, d: &D, ctx: usize) -> bool {
+    let (ready, pending) = locked(cache).drain_async(ctx, true, &mut |m| done(d, m));
+    let any = !(ready.is_empty() && pending.is_empty());
+    for p in ready {
+        let _ = d.free(p);
+    }
+    for b in pending {
+        let HeldBlock {
+            ptr, lane, marker, ..
+        } = b;
+        match (wait_marker(d, &marker), lane) {
+            (Ok(()), _) | (Err(_), None) => {
+                let _ = d.free(ptr);
+            }
+            (Err(_), Some(key)) => {
+                let _ = d.free_async(ptr, key.raw(), false);
             }
         }
         locked(cache).recycle(ctx, marker);
@@ -349,13 +386,15 @@ pub fn before_trim<D: Driver>(cache: &Mutex<AllocCache>, d: &D, pool: usize) {
 }
 
 /// Before `cuMemPoolGetAttribute(pool, attr, ..)`: the pool's used or reserved bytes of the default pool are asked,
-/// so every stream-ordered block the current context holds goes back first (the program freed them).
+/// so every stream-ordered block the current context holds goes back first (the program freed them), each one
+/// counted free by libcuda before the query is forwarded ([`give_back_now`]): a block the program freed is never
+/// reported as used, whether or not its stream has reached the free yet.
 pub fn before_pool_query<D: Driver>(cache: &Mutex<AllocCache>, d: &D, pool: usize, attr: c_int) {
     if attr != ATTR_USED_MEM_CURRENT && attr != ATTR_RESERVED_MEM_CURRENT {
         return;
     }
     if let Some(ctx) = is_default(cache, d, pool) {
-        give_back(cache, d, ctx, true, false);
+        give_back_now(cache, d, ctx);
     }
 }
 
