@@ -17,16 +17,17 @@
 //! Environment: `APEX_PRELOAD=off` forwards everything (and still counts); `APEX_PRELOAD_STATS=FILE` writes a JSON
 //! summary at exit ([`stats::Summary`]; `%p` in FILE becomes the process id, one file per process of a job);
 //! `APEX_PRELOAD_QUEUES=N` (default 8) bounds the streams taken over; `APEX_PRELOAD_ALLOC_CACHE=MIB|off` bounds the
-//! allocation cache that serves `cuMemAlloc` and `cuMemAllocAsync` ([`alloc_cache`], default 1024 MiB); `APEX_PRELOAD_LOG=LEVEL` (`info`, `debug`, ...) sends the
+//! allocation cache that serves `cuMemAlloc` and, with `APEX_PRELOAD_ALLOC_ASYNC=on` (opt-in), `cuMemAllocAsync`
+//! ([`alloc_cache`], default 1024 MiB); `APEX_PRELOAD_LOG=LEVEL` (`info`, `debug`, ...) sends the
 //! library's `tracing` events to stderr; `APEX_PRELOAD_PROFILE=1` adds where a launch's time goes to the summary;
 //! `APEX_PRELOAD_LAUNCH_MEMORY=host` puts the queues' launch memory in host memory; `APEX_PRELOAD_CHAINED=1` makes
 //! them chained queues (launches made while a queue is busy held as GPU-scheduled links, sent by the next CUDA call
 //! other than a launch on the same stream; opt-in, see docs/attach-cuda.md); `APEX_PRELOAD_WATCHDOG=SECONDS` dumps
-//! every thread's stack when one call into the preload hangs; `APEX_PRELOAD_SETUP=background` (the default) attaches,
+//! every thread's stack when one call into the preload hangs; `APEX_PRELOAD_SETUP=background` (opt-in) attaches,
 //! builds each stream's queue and loads each module on a thread of the preload's while the launches that need them
-//! go to libcuda (counted as `warmup` in the summary, not as refusals), and `APEX_PRELOAD_SETUP=inline` makes them on
-//! the program's thread at the launch that needs them, which then goes through APEX (every launch taken over from the
-//! first: for tests, and programs that prefer it); `APEX_PRELOAD_QUEUES_AHEAD=N` (default 0) keeps N queues built ahead of
+//! go to libcuda (counted as `warmup` in the summary, not as refusals), and `APEX_PRELOAD_SETUP=inline` (the default) makes them
+//! on the program's thread at the launch that needs them, which then goes through APEX (every launch taken over from
+//! the first; the background set-up left a PyTorch decode loop slower, its modules loading behind the first tokens); `APEX_PRELOAD_QUEUES_AHEAD=N` (default 0) keeps N queues built ahead of
 //! the next new streams (each holds GPU memory, its local memory alone about 430 MB on an H100). How it works and what it refuses: docs/attach-cuda.md, section 8.
 
 pub mod alloc_cache;

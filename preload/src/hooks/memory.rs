@@ -376,6 +376,21 @@ impl Driver for Preload {
 ///
 /// # Safety
 /// As `cuMemAllocAsync`.
+/// Whether `cuMemAllocAsync`/`cuMemFreeAsync` are served from the cache (`APEX_PRELOAD_ALLOC_ASYNC=on`; off by
+/// default). Opt-in because one answer is not yet libcuda's: on an H100 the default pool's used-memory query
+/// (`cudaMemPoolAttrUsedMemCurrent`) still counted the blocks the cache held after the program freed them and
+/// synchronized (`preload/corpus/alloc_async_loop.cu`, issue 30). Off, both calls are forwarded, ordered with APEX's
+/// queues, and every answer is libcuda's.
+fn stream_ordered_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        matches!(
+            std::env::var("APEX_PRELOAD_ALLOC_ASYNC").as_deref(),
+            Ok("1" | "on" | "true")
+        )
+    })
+}
+
 unsafe fn alloc_async(dptr: *mut Dptr, bytes: usize, stream: P, pt: bool) -> c_int {
     // With the takeover off no queue exists: nothing to order, nothing cached.
     if engine::disabled() {
@@ -391,7 +406,7 @@ unsafe fn alloc_async(dptr: *mut Dptr, bytes: usize, stream: P, pt: bool) -> c_i
     }
     // SAFETY: the program's out-parameter, as cuMemAllocAsync takes it.
     unsafe {
-        match alloc_cache::global() {
+        match alloc_cache::global().filter(|_| stream_ordered_on()) {
             Some(cache) => so::alloc(cache, &Preload, dptr, bytes, stream as usize, pt),
             None => Preload.alloc_async(dptr, bytes, stream as usize, pt),
         }
@@ -409,7 +424,7 @@ fn free_async(ptr: Dptr, stream: P, pt: bool) -> c_int {
     if let Some(e) = engine::sticky() {
         return e;
     }
-    match alloc_cache::global() {
+    match alloc_cache::global().filter(|_| stream_ordered_on()) {
         Some(cache) => so::free(cache, &Preload, ptr, stream as usize, pt),
         None => Preload.free_async(ptr, stream as usize, pt),
     }
