@@ -1,5 +1,5 @@
-//! The preload's allocation cache (issue 30): `cuMemAlloc`/`cuMemFree` and, opt-in (`APEX_PRELOAD_ALLOC_ASYNC=on`: the
-//! default pool's used-memory query still counts blocks it holds, which libcuda's does not), `cuMemAllocAsync`/`cuMemFreeAsync` (the
+//! The preload's allocation cache (issue 30): `cuMemAlloc`/`cuMemFree` and, opt-in (`APEX_PRELOAD_ALLOC_ASYNC=on`: a served free
+//! costs more than libcuda's, so not yet shown never slower), `cuMemAllocAsync`/`cuMemFreeAsync` (the
 //! runtime's `cudaMalloc`/`cudaFree` and `cudaMallocAsync`/`cudaFreeAsync`) served from a per-context cache of CUDA's
 //! own allocations: a freed block is kept and handed back to the next allocation of the same size in the same context,
 //! so a program that allocates and frees in a loop pays a lookup instead of RM and UVM work (and, on a stream APEX took

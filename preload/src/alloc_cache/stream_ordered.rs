@@ -280,8 +280,13 @@ pub fn give_back<D: Driver>(
         (blocks, ready, pending)
     };
     let any = !(blocks.is_empty() && ready.is_empty() && pending.is_empty());
-    for p in blocks.into_iter().chain(ready) {
+    for p in blocks {
         let _ = d.free(p);
+    }
+    // Pool blocks go back with cuMemFreeAsync (see `give_back_now`: libcuda keeps counting a pool block freed with
+    // cuMemFree as used); their frees are complete, so the legacy stream's order costs nothing.
+    for p in ready {
+        let _ = d.free_async(p, LEGACY_STREAM, false);
     }
     for b in pending {
         let HeldBlock {
@@ -295,13 +300,16 @@ pub fn give_back<D: Driver>(
                 // Its stream is gone, or another thread's default stream: the CPU waits for the free's point. A queue
                 // that failed will never get there; libcuda has the block then (its context failed with it).
                 let _ = wait_marker(d, &marker);
-                let _ = d.free(ptr);
+                let _ = d.free_async(ptr, LEGACY_STREAM, false);
             }
         }
         locked(cache).recycle(ctx, marker);
     }
     any
 }
+
+/// The legacy default stream (a null `CUstream`), where blocks whose own stream cannot be used go back.
+const LEGACY_STREAM: usize = 0;
 
 /// Waits on the CPU until the work `m` marks is complete (or its queue failed, or libcuda refused the wait).
 fn wait_marker<D: Driver>(d: &D, m: &Marker) -> Result<(), String> {
@@ -315,31 +323,36 @@ fn wait_marker<D: Driver>(d: &D, m: &Marker) -> Result<(), String> {
     }
 }
 
-/// Gives back every stream-ordered block the cache holds for the current context `ctx` so that libcuda counts none of
-/// them as used by the time this returns: a block whose free is complete is freed at once (`cuMemFree`, which returns
-/// pool memory to its pool as it returns); one whose free is still pending is freed the same way once the CPU waited
-/// for the point the program freed it at. A `cuMemFreeAsync` on the block's stream would not do: libcuda may count
-/// a stream-ordered free only once its stream reaches it (the likeliest reading of the GPU runs of alloc_async_loop.cu,
-/// which reported every held block used after the query), so a query right after it (or one made while the stream still
-/// runs the program's work, as when the preload's set-up was not done and the stream's work was CUDA's) would still
-/// count the block. Where the wait fails (a queue that faulted, an event libcuda refuses) the block is freed in its
-/// stream's order instead, as the program's own free would have been. Whether anything was given back.
+/// Gives back every stream-ordered block the cache holds for the current context `ctx` before the default pool's used
+/// or reserved bytes are asked: each goes back with `cuMemFreeAsync`, on its own stream while the free's point is
+/// pending (stream order makes that safe), else on the legacy stream. Not `cuMemFree`: on an H100 (driver
+/// 580.159.04) libcuda still counted a pool block freed with `cuMemFree` as used (`alloc_async_loop.cu`: 35725312
+/// bytes where libcuda alone answers 0, every `cuMemFree` returning success), and counted none after
+/// `cuMemFreeAsync`. A block whose stream is gone waits on the CPU for its free's point first. Whether anything was
+/// given back.
 pub fn give_back_now<D: Driver>(cache: &Mutex<AllocCache>, d: &D, ctx: usize) -> bool {
     let (ready, pending) = locked(cache).drain_async(ctx, true, &mut |m| done(d, m));
     let any = !(ready.is_empty() && pending.is_empty());
+    tracing::debug!(
+        ctx = format_args!("{ctx:#x}"),
+        ready = ready.len(),
+        pending = pending.len(),
+        "the pool's used bytes are asked: held stream-ordered blocks go back first"
+    );
     for p in ready {
-        let _ = d.free(p);
+        let _ = d.free_async(p, LEGACY_STREAM, false);
     }
     for b in pending {
         let HeldBlock {
             ptr, lane, marker, ..
         } = b;
-        match (wait_marker(d, &marker), lane) {
-            (Ok(()), _) | (Err(_), None) => {
-                let _ = d.free(ptr);
-            }
-            (Err(_), Some(key)) => {
+        match lane {
+            Some(key) => {
                 let _ = d.free_async(ptr, key.raw(), false);
+            }
+            None => {
+                let _ = wait_marker(d, &marker);
+                let _ = d.free_async(ptr, LEGACY_STREAM, false);
             }
         }
         locked(cache).recycle(ctx, marker);
@@ -393,7 +406,14 @@ pub fn before_pool_query<D: Driver>(cache: &Mutex<AllocCache>, d: &D, pool: usiz
     if attr != ATTR_USED_MEM_CURRENT && attr != ATTR_RESERVED_MEM_CURRENT {
         return;
     }
-    if let Some(ctx) = is_default(cache, d, pool) {
+    let ctx = is_default(cache, d, pool);
+    tracing::debug!(
+        pool = format_args!("{pool:#x}"),
+        attr,
+        default_pool_of = ?ctx,
+        "cuMemPoolGetAttribute"
+    );
+    if let Some(ctx) = ctx {
         give_back_now(cache, d, ctx);
     }
 }

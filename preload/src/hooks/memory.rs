@@ -377,10 +377,10 @@ impl Driver for Preload {
 /// # Safety
 /// As `cuMemAllocAsync`.
 /// Whether `cuMemAllocAsync`/`cuMemFreeAsync` are served from the cache (`APEX_PRELOAD_ALLOC_ASYNC=on`; off by
-/// default). Opt-in because one answer is not yet libcuda's: on an H100 the default pool's used-memory query
-/// (`cudaMemPoolAttrUsedMemCurrent`) still counted the blocks the cache held after the program freed them and
-/// synchronized (`preload/corpus/alloc_async_loop.cu`, issue 30). Off, both calls are forwarded, ordered with APEX's
-/// queues, and every answer is libcuda's.
+/// default). Opt-in until it is shown never slower: on an H100 a served `cuMemFreeAsync` costs more than libcuda's
+/// (0.97 against 0.77 µs), and one run of `preload/corpus/alloc_async_loop.cu` against a pool with its release
+/// threshold raised took longer per iteration preloaded (138 against 79 µs; 5 pairs with the default pool: 5.4×
+/// faster). Off, both calls are forwarded, ordered with APEX's queues.
 fn stream_ordered_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
