@@ -113,8 +113,8 @@ impl GraphLaunch<'_> {
 
     /// The kernel reads `[ptr, ptr + len)` of device memory APEX did not allocate (a CUDA allocation of the
     /// context APEX is attached to, say); the caller keeps it alive.
-    pub fn reads_device(self, ptr: u64, len: u64) -> Result<Self> {
-        let r = Range::new(ptr, len).map_err(launch::Error::from)?;
+    pub fn reads_device(self, ptr: impl Into<crate::DevicePtr>, len: u64) -> Result<Self> {
+        let r = Range::new(ptr.into().0, len).map_err(launch::Error::from)?;
         self.graph
             .inner
             .read(self.node, r)
@@ -123,8 +123,8 @@ impl GraphLaunch<'_> {
     }
 
     /// The kernel writes `[ptr, ptr + len)` of device memory APEX did not allocate; the caller keeps it alive.
-    pub fn writes_device(self, ptr: u64, len: u64) -> Result<Self> {
-        let r = Range::new(ptr, len).map_err(launch::Error::from)?;
+    pub fn writes_device(self, ptr: impl Into<crate::DevicePtr>, len: u64) -> Result<Self> {
+        let r = Range::new(ptr.into().0, len).map_err(launch::Error::from)?;
         self.graph
             .inner
             .write(self.node, r)

@@ -106,6 +106,11 @@ impl Global {
         self.device_ptr
     }
 
+    /// Its device address as a [`DevicePtr`](crate::DevicePtr) (what [`device_ptr`](Self::device_ptr) returns, typed).
+    pub fn ptr(&self) -> crate::DevicePtr {
+        crate::DevicePtr(self.device_ptr)
+    }
+
     /// Bytes.
     pub fn size(&self) -> u64 {
         self.size

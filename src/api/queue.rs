@@ -517,7 +517,13 @@ impl Queue {
     /// # Safety
     /// Both ranges must be memory the queue's GPU reaches at these addresses (device memory, or host memory mapped
     /// for it) for `bytes` bytes, and stay so until the fence completes; nothing else may write `dst` meanwhile.
-    pub unsafe fn copy_addresses(&mut self, src: u64, dst: u64, bytes: u64) -> Result<Fence> {
+    pub unsafe fn copy_addresses(
+        &mut self,
+        src: impl Into<crate::DevicePtr>,
+        dst: impl Into<crate::DevicePtr>,
+        bytes: u64,
+    ) -> Result<Fence> {
+        let (src, dst) = (src.into().0, dst.into().0);
         self.other_work();
         match &mut self.inner {
             Backed::Direct(q) if bytes > 0 => {
