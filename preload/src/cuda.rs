@@ -445,8 +445,11 @@ impl CudaSide for Libcuda {
 
     fn set_current(&self, ctx: Option<usize>) -> Result<(), String> {
         let set = cu_ctx_set_current().ok_or_else(|| missing("cuCtxSetCurrent"))?;
-        // SAFETY: a context of the program's that the engine saw current on a launching thread (the engine waits for
-        // the worker before the program destroys one), or null, which makes no context current.
+        // SAFETY: null (no context current), or a context of the program's that the engine saw current on a
+        // launching thread, made current as a set-up job starts: a job starts only while its context lives, since the
+        // context's teardown (cuCtxDestroy, cuDevicePrimaryCtxReset, the exit) stops the worker first and drops every
+        // job not yet started. (A job still running past the teardown's bound is abandoned inside its context: a
+        // limit of the opt-in background mode, in docs/attach-cuda.md.)
         call("cuCtxSetCurrent", unsafe { set(ctx.unwrap_or(0)) })
     }
 

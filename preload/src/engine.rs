@@ -106,6 +106,11 @@ static SWITCH: AtomicU8 = AtomicU8::new(0);
 /// load), launches are counted without the engine's lock, and `cuGetProcAddress` and `dlsym` hand out libcuda's own
 /// functions for everything but launches, module loads and themselves: no queue can exist, so nothing needs ordering.
 pub(crate) fn disabled() -> bool {
+    // A forked child forwards everything too: its copies of the engine and the allocation cache are the parent's
+    // (a cached block answered there would be a success libcuda, unusable in a fork child, would not give).
+    if FORKED.load(Ordering::Relaxed) {
+        return true;
+    }
     match SWITCH.load(Ordering::Relaxed) {
         1 => false,
         2 => true,

@@ -424,9 +424,16 @@ fn free_async(ptr: Dptr, stream: P, pt: bool) -> c_int {
     if let Some(e) = engine::sticky() {
         return e;
     }
-    match alloc_cache::global().filter(|_| stream_ordered_on()) {
-        Some(cache) => so::free(cache, &Preload, ptr, stream as usize, pt),
-        None => Preload.free_async(ptr, stream as usize, pt),
+    match alloc_cache::global() {
+        Some(cache) if stream_ordered_on() => so::free(cache, &Preload, ptr, stream as usize, pt),
+        cache => {
+            // A `cuMemAlloc` block the program frees in stream order is libcuda's to free: the cache forgets it, so
+            // that an address libcuda hands out again is never taken for the old block.
+            if let Some(mut c) = cache.and_then(|_| alloc_cache::lock()) {
+                c.release(ptr);
+            }
+            Preload.free_async(ptr, stream as usize, pt)
+        }
     }
 }
 
