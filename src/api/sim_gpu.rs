@@ -3,7 +3,7 @@
 use super::backend::Backed;
 use super::gpu::SpareQueue;
 use super::{Backend, BackendRequest, DeviceInfo, Gpu, Result, Selection};
-use crate::launch::Limits;
+use crate::launch::{ComputeQueue, ComputeQueueConfig, Limits};
 use crate::module::printf::PrintfFifoCell;
 use crate::rm::sim::SimConfig;
 use crate::sim::Simulator;
@@ -26,6 +26,8 @@ impl Gpu {
             memory_bytes: i.memory_bytes,
         };
         let limits = Limits::for_sm(info.sm_version);
+        // As `Gpu::open` does: a compute queue proves the launch path and is kept for the first default queue.
+        let proof = ComputeQueue::new(&core, ComputeQueueConfig::default())?;
         let gpu = Gpu {
             inner: Backed::Direct(core),
             selection: Selection {
@@ -37,7 +39,7 @@ impl Gpu {
             limits,
             printf: PrintfFifoCell::new(),
             cuda: None,
-            spare: SpareQueue::default(),
+            spare: SpareQueue::new(Some(proof)),
         };
         Ok((gpu, sim))
     }
