@@ -909,4 +909,6 @@ pub fn set_null_grid(version: QmdVersion, words: &mut [u32; QMD_WORDS]) -> Resul
 }
 
 #[cfg(test)]
+mod golden;
+#[cfg(test)]
 mod tests;
