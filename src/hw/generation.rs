@@ -15,8 +15,8 @@
 //!
 //! An SM version without a row is an [`UnknownGeneration`] error wherever a generation's numbers are needed;
 //! nothing falls back to another generation's row. Adding a generation is one row in [`GENERATIONS`] (and, if
-//! its QMD layout is new, a [`QmdVersion`] with its builder arm in `launch::qmd` and its header in
-//! `build/classes.rs`).
+//! its QMD layout is new, a [`QmdVersion`] with its layout type and dispatch arm in `launch::qmd` and its header
+//! in `build/classes.rs`).
 
 use super::{compute, copy, host, qmd};
 

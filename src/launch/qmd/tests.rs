@@ -1,4 +1,5 @@
 use super::*;
+use crate::hw::qmd::{v04, v05};
 
 fn add_kernel() -> QmdParams {
     include!("../../../tests/fixtures/qmd_b_add_params.rs")
