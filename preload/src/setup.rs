@@ -267,6 +267,21 @@ impl Shared {
         // A panic while the lock is held leaves the state as consistent as any other point: nothing to undo.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// Waits for finished jobs while `busy` holds of the state, up to `bound`: the guard, and whether `busy` stopped
+    /// holding in time.
+    fn wait_while<'a>(
+        &'a self,
+        s: MutexGuard<'a, State>,
+        bound: Duration,
+        busy: impl FnMut(&mut State) -> bool,
+    ) -> (MutexGuard<'a, State>, bool) {
+        let (s, waited) = self
+            .finished
+            .wait_timeout_while(s, bound, busy)
+            .unwrap_or_else(|e| e.into_inner());
+        (s, !waited.timed_out())
+    }
 }
 
 /// The set-up worker: one thread, started at the first job.
@@ -329,28 +344,16 @@ impl Worker {
     /// Waits up to `bound` until the worker has nothing queued or running (`true`).
     #[cfg(test)]
     pub(crate) fn wait_idle(&self, bound: Duration) -> bool {
-        let deadline = Instant::now() + bound;
-        let mut s = self.shared.lock();
-        while s.running.is_some() || !s.jobs.is_empty() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return false;
-            }
-            s = self
-                .shared
-                .finished
-                .wait_timeout(s, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-        true
+        let s = self.shared.lock();
+        self.shared
+            .wait_while(s, bound, |s| s.running.is_some() || !s.jobs.is_empty())
+            .1
     }
 
     /// Makes sure job `ticket` neither waits nor runs (before the program unloads the module it loads): dropped if
     /// it is queued (`Withdrawn::Dropped`), waited for up to `bound` if it runs (its result then among
     /// [`take`](Worker::take)'s).
     pub(crate) fn withdraw(&self, ticket: u64, bound: Duration) -> Withdrawn {
-        let deadline = Instant::now() + bound;
         let mut s = self.shared.lock();
         if let Some(i) = s.jobs.iter().position(|(t, _)| *t == ticket) {
             let job = s.jobs.remove(i);
@@ -358,44 +361,29 @@ impl Worker {
             drop(job);
             return Withdrawn::Dropped;
         }
-        while s.running == Some(ticket) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Withdrawn::StillRunning;
-            }
-            s = self
-                .shared
-                .finished
-                .wait_timeout(s, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+        match self
+            .shared
+            .wait_while(s, bound, |s| s.running == Some(ticket))
+        {
+            (_, true) => Withdrawn::Finished,
+            (_, false) => Withdrawn::StillRunning,
         }
-        Withdrawn::Finished
     }
 
     /// Stops the worker for good: queued jobs are dropped, and the one running is waited for up to `bound`
     /// (`true`: nothing runs any more; its result is among [`take`](Worker::take)'s). Past the bound the running
     /// job is abandoned (`false`): its result will be leaked, not dropped, as its context may be gone by then.
     pub(crate) fn quiesce(&self, bound: Duration) -> bool {
-        let deadline = Instant::now() + bound;
         let mut s = self.shared.lock();
         s.stop = true;
         let queued = std::mem::take(&mut s.jobs);
         self.shared.wake.notify_all();
-        while s.running.is_some() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                s.abandoned = true;
-                drop(s);
-                drop(queued);
-                return false;
-            }
-            s = self
-                .shared
-                .finished
-                .wait_timeout(s, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+        let (mut s, idle) = self.shared.wait_while(s, bound, |s| s.running.is_some());
+        if !idle {
+            s.abandoned = true;
+            drop(s);
+            drop(queued);
+            return false;
         }
         drop(s);
         // Queued jobs hold only shares of GPUs the engine holds too: dropping them frees nothing.

@@ -331,33 +331,11 @@ fn wait_marker<D: Driver>(d: &D, m: &Marker) -> Result<(), String> {
 /// `cuMemFreeAsync`. A block whose stream is gone waits on the CPU for its free's point first. Whether anything was
 /// given back.
 pub fn give_back_now<D: Driver>(cache: &Mutex<AllocCache>, d: &D, ctx: usize) -> bool {
-    let (ready, pending) = locked(cache).drain_async(ctx, true, &mut |m| done(d, m));
-    let any = !(ready.is_empty() && pending.is_empty());
     tracing::debug!(
         ctx = format_args!("{ctx:#x}"),
-        ready = ready.len(),
-        pending = pending.len(),
         "the pool's used bytes are asked: held stream-ordered blocks go back first"
     );
-    for p in ready {
-        let _ = d.free_async(p, LEGACY_STREAM, false);
-    }
-    for b in pending {
-        let HeldBlock {
-            ptr, lane, marker, ..
-        } = b;
-        match lane {
-            Some(key) => {
-                let _ = d.free_async(ptr, key.raw(), false);
-            }
-            None => {
-                let _ = wait_marker(d, &marker);
-                let _ = d.free_async(ptr, LEGACY_STREAM, false);
-            }
-        }
-        locked(cache).recycle(ctx, marker);
-    }
-    any
+    give_back(cache, d, ctx, true, false)
 }
 
 /// After libcuda refused a `cuMemAlloc`, `cuMemAllocPitch` or `cuMemCreate` for want of memory: every block the cache
