@@ -926,7 +926,8 @@ fn stats_report(v: &Value) -> Vec<String> {
         (num("launches"), num("apex"), num("fallback"))
     {
         used.extend(["launches", "apex", "fallback"]);
-        // Launches forwarded while APEX was being set up in the background: not fallbacks.
+        // Launches left to libcuda before APEX took their stream over (its takeover not earned yet, or APEX being set
+        // up in the background): not fallbacks.
         let warmup = num("warmup");
         if warmup.is_some() {
             used.push("warmup");
@@ -936,7 +937,9 @@ fn stats_report(v: &Value) -> Vec<String> {
         } else {
             let pct = apex as f64 * 100.0 / total as f64;
             let warm = match warmup {
-                Some(w) if w > 0 => format!(", {w} forwarded while APEX was being set up"),
+                Some(w) if w > 0 => {
+                    format!(", {w} on libcuda before APEX took their stream over")
+                }
                 _ => String::new(),
             };
             format!(
@@ -1041,12 +1044,32 @@ fn setup_line(v: &Value) -> Option<String> {
     if failed > 0 {
         parts.push(format!("{failed} failed"));
     }
+    if let Some(ms) = v
+        .get("teardown")
+        .and_then(|t| t.get("total_ms"))
+        .and_then(Value::as_f64)
+        .filter(|ms| *ms > 0.0)
+    {
+        parts.push(format!("freed at the end in {ms:.1} ms"));
+    }
     let what = if parts.is_empty() {
         "nothing".to_string()
     } else {
         parts.join(", ")
     };
-    Some(format!("set-up ({mode}): {what}"))
+    // The takeover policy, and the streams that never ran long enough to be worth APEX's set-up.
+    let policy = match v.get("takeover").and_then(Value::as_str) {
+        Some(p) if !p.is_empty() => format!(", takeover {p}"),
+        _ => String::new(),
+    };
+    let unearned = match v.get("streams_not_earned").and_then(Value::as_u64) {
+        Some(n) if n > 0 => format!(
+            "; {} left on libcuda (too few launches to pay for a takeover)",
+            count(n, "stream", "streams")
+        ),
+        _ => String::new(),
+    };
+    Some(format!("set-up ({mode}{policy}): {what}{unearned}"))
 }
 
 // ----------------------------------------------------------------------------------------- occupancy
@@ -1159,7 +1182,8 @@ mod tests {
         let v = json!({
             "launches": 6, "apex": 3, "fallback": 1, "warmup": 2,
             "setup": {
-                "mode": "background", "failed": 0, "dropped": 0,
+                "mode": "background", "failed": 0, "dropped": 0, "takeover": "earned",
+                "streams_not_earned": 2, "teardown": {"count": 1, "total_ms": 8.64, "max_ms": 8.64},
                 "attach": {"count": 1, "total_ms": 10.84, "max_ms": 10.84},
                 "queue": {"count": 2, "total_ms": 9.5, "max_ms": 5.0},
                 "module": {"count": 0, "total_ms": 0.0, "max_ms": 0.0},
@@ -1175,9 +1199,10 @@ mod tests {
         assert_eq!(
             stats_report(&v),
             [
-                "6 kernel launches: 3 through APEX (50.0%), 1 fell back to libcuda, 2 forwarded while APEX was \
-                 being set up",
-                "set-up (background): 1 attach in 10.8 ms, 2 queues in 9.5 ms",
+                "6 kernel launches: 3 through APEX (50.0%), 1 fell back to libcuda, 2 on libcuda before APEX took \
+                 their stream over",
+                "set-up (background, takeover earned): 1 attach in 10.8 ms, 2 queues in 9.5 ms, freed at the end in \
+                 8.6 ms; 2 streams left on libcuda (too few launches to pay for a takeover)",
                 "fell back, by reason:",
                 "  capturing: 1 launch, e.g. the stream is capturing",
                 "  device_runtime: 1 launch, e.g. vprintf",

@@ -32,6 +32,7 @@ use crate::order::{Hops, Order, Stream, StreamKey, Target};
 use crate::registry::{ImageBytes, Owner, Registry};
 use crate::setup::{self, Mode, Worker};
 use crate::stats::Summary;
+use crate::takeover::{Needs, Policy, Takeover};
 use crate::{Refusal, check, image};
 
 mod copies;
@@ -79,6 +80,8 @@ pub(crate) struct Config {
     /// a stream ever uses it: its local memory alone is sized for every thread the GPU can hold (about 430 MB on an
     /// H100 at the 1.6 KB per thread libcuda also starts with).
     pub queues_ahead: usize,
+    /// `APEX_PRELOAD_TAKEOVER`: when a stream's launches start going through APEX ([`crate::takeover`]).
+    pub takeover: Policy,
 }
 
 /// Whether a value of `APEX_PRELOAD_CHAINED` turns chained queues on (`1`, `on`, `true`).
@@ -148,6 +151,11 @@ impl Config {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
+        let takeover = Policy::by(std::env::var("APEX_PRELOAD_TAKEOVER").ok().as_deref())
+            .unwrap_or_else(|e| {
+                warn!("{e}; using earned");
+                Policy::Earned
+            });
         Config {
             enabled,
             max_queues,
@@ -156,6 +164,7 @@ impl Config {
             chained,
             setup,
             queues_ahead,
+            takeover,
         }
     }
 }
@@ -397,6 +406,8 @@ pub(crate) struct Engine {
     cuda: Arc<dyn CudaSide>,
     /// The set-up worker ([`Mode::Background`]).
     setup: Worker,
+    /// Launches each stream not taken over yet has made on libcuda, and when it is ([`crate::takeover`]).
+    takeover: Takeover,
     /// Contexts the set-up worker is attaching to, with the ticket of the job.
     attaching: Handles<u64>,
     /// How long the end of the process or of a context waits for set-up in flight ([`SETUP_BOUND`]).
@@ -649,6 +660,7 @@ impl Engine {
         let cuda: Arc<dyn CudaSide> = Arc::from(cuda);
         let mut engine = Engine {
             off: (!config.enabled).then_some(Refusal::Disabled),
+            takeover: Takeover::new(config.takeover),
             config,
             setup: Worker::new(cuda.clone()),
             attaching: Handles::default(),
@@ -715,6 +727,8 @@ impl Engine {
         }
         s.profile = self.phases.report().into_iter().collect();
         s.setup.mode = self.config.setup.label().to_string();
+        s.setup.takeover = self.takeover.policy().label();
+        s.setup.streams_not_earned += self.takeover.counted();
         for (name, n) in self.cuda_work.values() {
             *s.cuda_work.entry(name.to_string()).or_default() += n;
         }
@@ -748,11 +762,10 @@ impl Engine {
         Some(i)
     }
 
-    /// The context current on this thread, attached to on first use (launch `f` is the one asking: a refusal kept
-    /// for the context is counted for it). In the background mode the attach is the set-up worker's:
+    /// Context `handle` (the one current on this thread), attached to on first use (launch `f` is the one asking: a
+    /// refusal kept for the context is counted for it). In the background mode the attach is the set-up worker's:
     /// `NotTaken::SettingUp` until it is picked up.
-    fn context(&mut self, f: usize) -> Result<usize, NotTaken> {
-        let handle = self.cuda.current_context().ok_or(Refusal::NoContext)?;
+    fn context_of(&mut self, handle: usize, f: usize) -> Result<usize, NotTaken> {
         if let Some(i) = self.find_context(handle) {
             return Ok(i);
         }
@@ -790,7 +803,30 @@ impl Engine {
             .attach()
             .map(|(gpu, asserts)| (Arc::new(gpu), asserts));
         self.summary.setup.attach.add(started.elapsed());
+        if result.is_ok() {
+            self.takeover.attach_took(started.elapsed());
+        }
         Ok(self.adopt(handle, result, None)?)
+    }
+
+    /// Whether a launch on stream `key` of context `handle` (attached as `found`), a stream not taken over yet, has
+    /// earned the stream's takeover ([`crate::takeover`]); counted as one more launch on libcuda if not.
+    fn takeover_earned(&mut self, handle: usize, found: Option<usize>, key: StreamKey) -> bool {
+        // The summary is written at exit even if no stream is ever taken over (a launch ran: the CUDA runtime's own
+        // exit handler is registered by now, so this one runs first).
+        self.exit_hooks();
+        let needs = match found {
+            None => Needs::Attach,
+            Some(ci) => {
+                let ctx = &self.contexts[ci];
+                if !ctx.spare.is_empty() || ctx.gpu.queue_is_built(self.queue_options()) {
+                    Needs::Nothing
+                } else {
+                    Needs::Queue
+                }
+            }
+        };
+        self.takeover.earned(handle, key, needs)
     }
 
     /// Keeps the outcome of attaching to context `handle` (and the GPU's `first` queue, when the set-up worker took
@@ -913,7 +949,19 @@ impl Engine {
         if self.stack_raised {
             return Err(Refusal::ContextLimit.into());
         }
-        let ci = self.context(l.f)?;
+        let handle = self.cuda.current_context().ok_or(Refusal::NoContext)?;
+        let ci = match self.find_context(handle) {
+            // A stream taken over already: the hot path.
+            Some(ci) if self.contexts[ci].order.find(key).is_some() => ci,
+            found => {
+                if !self.unattached.contains_key(&handle)
+                    && !self.takeover_earned(handle, found, key)
+                {
+                    return Err(NotTaken::SettingUp);
+                }
+                self.context_of(handle, l.f)?
+            }
+        };
         s[2] = crate::profile::stamp();
         if let Some(r) = &self.contexts[ci].failed {
             // Logged when the context failed.
@@ -1332,11 +1380,16 @@ impl Engine {
     /// A queue of context `ci` built on this thread (the inline mode).
     fn build_queue(&mut self, ci: usize) -> Result<Queue, Refusal> {
         let started = Instant::now();
+        let built = self.contexts[ci].gpu.queue_is_built(self.queue_options());
         let q = self.contexts[ci]
             .gpu
             .queue_with(self.queue_options())
             .map_err(|e| Refusal::QueueFailed(e.to_string()))?;
         self.summary.setup.queue.add(started.elapsed());
+        if !built {
+            // The kept proving queue costs nothing: only a real build prices the next takeover.
+            self.takeover.queue_took(started.elapsed());
+        }
         self.summary.queues += 1;
         Ok(q)
     }
@@ -1427,6 +1480,9 @@ impl Engine {
 
     pub(crate) fn stream_destroyed(&mut self, raw: usize) {
         let key = StreamKey::of(raw, false);
+        if self.takeover.forget_stream(key) {
+            self.summary.setup.streams_not_earned += 1;
+        }
         // Events kept after the stream's queue are recorded in libcuda while the queue still serves it.
         let kept: Vec<usize> = self
             .contexts
@@ -1486,6 +1542,7 @@ impl Engine {
     }
 
     pub(crate) fn shutdown(&mut self, why: &str) {
+        let started = std::time::Instant::now();
         // Set-up in flight works in the program's context, which may go away once this returns: waited for (with a
         // bound), and what it made is dropped below with the rest.
         self.stop_setup();
@@ -1501,7 +1558,27 @@ impl Engine {
             // A failed assert nobody synchronized for: CUDA reports it when the context goes; so does the replay.
             let _ = self.report_asserts(ci);
         }
-        let summary = self.summary();
+        let drained_us = started.elapsed().as_micros();
+        let mut summary = self.summary();
+        // Queues and modules go before the contexts do.
+        let freeing = Instant::now();
+        for c in &mut self.contexts {
+            c.funcs.clear();
+            c.events.clear();
+            c.last.clear();
+            c.queues.clear();
+            c.spare.clear();
+            c.modules.clear();
+            c.retired.clear();
+        }
+        let had_contexts = !self.contexts.is_empty();
+        self.contexts.clear();
+        if had_contexts {
+            self.summary.setup.teardown.add(freeing.elapsed());
+            summary.setup.teardown = self.summary.setup.teardown.clone();
+        }
+        self.generation += 1;
+        self.off = Some(Refusal::Disabled);
         if let Some(path) = &self.config.stats {
             let path = stats_path(path, std::process::id());
             match serde_json::to_vec_pretty(&summary) {
@@ -1520,19 +1597,11 @@ impl Engine {
             fallback = summary.fallback,
             "apex-preload stops"
         );
-        // Queues and modules go before the contexts do.
-        for c in &mut self.contexts {
-            c.funcs.clear();
-            c.events.clear();
-            c.last.clear();
-            c.queues.clear();
-            c.spare.clear();
-            c.modules.clear();
-            c.retired.clear();
-        }
-        self.contexts.clear();
-        self.generation += 1;
-        self.off = Some(Refusal::Disabled);
+        debug!(
+            drained_us,
+            total_us = started.elapsed().as_micros(),
+            "apex-preload's shutdown: work drained, then APEX's objects freed"
+        );
     }
 }
 

@@ -14,7 +14,11 @@
 //! apex run -- ./program          # or: APEX_PRELOAD_STATS=stats.json LD_PRELOAD=target/release/libapex_preload.so ./program
 //! ```
 //!
-//! Environment: `APEX_PRELOAD=off` forwards everything (and still counts); `APEX_PRELOAD_STATS=FILE` writes a JSON
+//! Environment: `APEX_PRELOAD=off` forwards everything (and still counts); `APEX_PRELOAD_TAKEOVER=earned` (the
+//! default) leaves each stream's launches to libcuda until they have cost, at about 3 µs saved per launch, what its
+//! takeover costs (an attach, a queue: milliseconds), so a program too short to earn APEX's set-up back never pays
+//! for it (launches before are counted as `warmup`), `first` takes every stream over at its first launch, a number
+//! after that many launches (`takeover.rs`); `APEX_PRELOAD_STATS=FILE` writes a JSON
 //! summary at exit ([`stats::Summary`]; `%p` in FILE becomes the process id, one file per process of a job);
 //! `APEX_PRELOAD_QUEUES=N` (default 8) bounds the streams taken over; `APEX_PRELOAD_ALLOC_CACHE=MIB|off` bounds the
 //! allocation cache that serves `cuMemAlloc` and, with `APEX_PRELOAD_ALLOC_ASYNC=on` (opt-in), `cuMemAllocAsync`
@@ -46,6 +50,7 @@ pub mod refusal;
 pub mod registry;
 mod setup;
 pub mod stats;
+mod takeover;
 mod watchdog;
 
 pub use refusal::Refusal;

@@ -190,7 +190,13 @@ pub(crate) fn load_module(
     if let Some(name) = unplaced.borrow().first() {
         return Err(Refusal::ModuleGlobals(name.clone()));
     }
-    match m.cubin().and_then(|c| check::module_refusal(c, asserts)) {
+    let checking = std::time::Instant::now();
+    let refusal = m.cubin().and_then(|c| check::module_refusal(c, asserts));
+    tracing::debug!(
+        check_us = checking.elapsed().as_micros(),
+        "module checked for what APEX refuses"
+    );
+    match refusal {
         Some(r) => Err(r),
         None => Ok(m),
     }

@@ -52,6 +52,17 @@ pub struct SetupSummary {
     pub queue: SetupTimes,
     /// Loading a module or library into APEX.
     pub module: SetupTimes,
+    /// When a stream is taken over (`APEX_PRELOAD_TAKEOVER`): `earned` (once its launches on libcuda have cost what
+    /// its takeover costs), `first`, or `after N launches`. Launches made before are counted in
+    /// [`Summary::warmup`].
+    #[serde(default)]
+    pub takeover: String,
+    /// Streams whose launches went to libcuda for the policy above and that were never taken over.
+    #[serde(default)]
+    pub streams_not_earned: u64,
+    /// Freeing APEX's objects when the takeover ended (queues, modules, the attachment: RM's channel teardown).
+    #[serde(default)]
+    pub teardown: SetupTimes,
     /// Pieces that failed: what they were for stays on libcuda, with the refusal that says why.
     pub failed: u64,
     /// Finished pieces dropped because what they were for was gone by then (a module unloaded, the takeover
@@ -70,7 +81,8 @@ pub struct Summary {
     /// Launches left to libcuda for a reason ([`Summary::reasons`]).
     pub fallback: u64,
     /// Launches forwarded to libcuda while what they needed (the context's attachment, a queue for their stream,
-    /// their module) was being set up in the background: not refusals, the set-up's warm-up.
+    /// their module) was being set up in the background, or before their stream's launches had earned its takeover
+    /// ([`SetupSummary::takeover`]): not refusals, the set-up's warm-up.
     #[serde(default)]
     pub warmup: u64,
     /// The set-up: its mode and what each piece cost.

@@ -5,7 +5,9 @@
 //! The preload's set-up is made at the first launch that needs it (`APEX_PRELOAD_SETUP=inline`, the default; tests
 //! whose point is that every launch is taken over also name it); the background set-up
 //! (`APEX_PRELOAD_SETUP=background`) forwards the launches made while it runs, which
-//! `a_short_program_runs_while_apex_sets_up_in_the_background` checks.
+//! `a_short_program_runs_while_apex_sets_up_in_the_background` checks. Streams are taken over at their first launch
+//! (`APEX_PRELOAD_TAKEOVER=first`) unless a test names a policy: the default, `earned`, leaves a stream on libcuda
+//! until its launches have paid for its takeover, which `a_stream_is_taken_over_once_its_launches_pay_for_it` checks.
 //!
 //! The preloaded library is `$APEX_PRELOAD_LIB`, else `libapex_preload.so` in `.gpu/` under the working directory,
 //! next to this test binary or one directory up, or in `target/release/` (build it with
@@ -88,6 +90,11 @@ fn run(mut cmd: Command, preload: Option<&Path>, dir: &Path, tag: &str) -> Run {
         cmd.env("LD_PRELOAD", lib)
             .env("APEX_PRELOAD_STATS", &stats)
             .env("APEX_PRELOAD_LOG", "info");
+        // Most tests are about what APEX does with every launch: each stream taken over at its first one, unless
+        // the test asks for a policy (the default, `earned`, has its own test).
+        if !cmd.get_envs().any(|(k, _)| k == "APEX_PRELOAD_TAKEOVER") {
+            cmd.env("APEX_PRELOAD_TAKEOVER", "first");
+        }
     }
     let t = Instant::now();
     let out = cmd.output().expect("run the program");
@@ -1109,6 +1116,67 @@ fn a_short_program_runs_while_apex_sets_up_in_the_background() {
                 s.apex > 0,
                 "no launch went through APEX after the set-up: {s:?}"
             );
+        }
+    }
+}
+
+/// The default takeover policy (`earned`): a short program's streams never pay for APEX (every launch on libcuda,
+/// nothing attached), a long one's are taken over after their launches on libcuda have cost what the takeover costs,
+/// and the outputs are libcuda's either way.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_stream_is_taken_over_once_its_launches_pay_for_it() {
+    let lib = preload_lib();
+    let (dir, exe) = build_cuda("short_program", include_str!("../corpus/short_program.cu"));
+    let _ = run(Command::new(&exe), None, &dir, "warm");
+    for launches in [300u64, 60_000] {
+        let cmd = || {
+            let mut c = Command::new(&exe);
+            c.arg("3").arg(launches.to_string());
+            c
+        };
+        let plain = run(cmd(), None, &dir, &format!("earned-{launches}-plain"));
+        let mut earned = cmd();
+        earned.env("APEX_PRELOAD_TAKEOVER", "earned");
+        let pre = run(earned, Some(&lib), &dir, &format!("earned-{launches}"));
+        let (a, b) = (stdout(&plain), stdout(&pre));
+        for (what, r, text) in [("plain", &plain, &a), ("preload", &pre, &b)] {
+            assert!(
+                r.out.status.success(),
+                "{what}: {:?}\n{text}\n{}",
+                r.out.status,
+                String::from_utf8_lossy(&r.out.stderr)
+            );
+        }
+        let s = pre.summary.clone().expect("summary");
+        report(&format!("short_program, {launches} launches, earned"), &s);
+        println!(
+            "short_program, {launches} launches, earned: process {:.3} s without, {:.3} s with the preload",
+            plain.secs, pre.secs
+        );
+        assert_eq!(
+            results(&a),
+            results(&b),
+            "outputs differ:\nwithout:\n{a}\nwith:\n{b}"
+        );
+        assert_eq!(s.setup.takeover, "earned");
+        assert_eq!(s.launches, launches, "{s:?}");
+        assert_eq!(s.apex + s.fallback + s.warmup, s.launches, "{s:?}");
+        assert_eq!(s.fallback, 0, "no refusal: {:?}", s.reasons);
+        if launches == 300 {
+            assert_eq!((s.apex, s.warmup), (0, 300), "{s:?}");
+            assert_eq!(s.setup.attach.count, 0, "nothing set up: {s:?}");
+            assert_eq!(s.setup.streams_not_earned, 3, "{s:?}");
+        } else {
+            assert_eq!(s.attach, "direct", "{s:?}");
+            assert_eq!(s.queues, 3, "every stream taken over: {s:?}");
+            assert_eq!(s.setup.streams_not_earned, 0, "{s:?}");
+            assert!(
+                s.apex > launches / 2,
+                "most launches through APEX once earned: {s:?}"
+            );
+            // The first stream paid for the attach, the others for a queue each: a few thousand launches.
+            assert!(s.warmup > 1000 && s.warmup < 15_000, "{s:?}");
         }
     }
 }

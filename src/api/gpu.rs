@@ -85,6 +85,11 @@ impl SpareQueue {
         SpareQueue(Mutex::new(queue.map(Box::new)))
     }
 
+    /// Whether the queue is still kept.
+    pub(super) fn is_kept(&self) -> bool {
+        self.0.lock().map(|q| q.is_some()).unwrap_or(false)
+    }
+
     /// The kept queue, if one is left; later calls get `None`.
     pub(super) fn take(&self) -> Option<Box<ComputeQueue>> {
         // A poisoned lock only means another thread panicked while taking it: the slot is still an Option.

@@ -827,9 +827,7 @@ impl Gpu {
     pub fn queue_with(&self, options: QueueOptions) -> Result<Queue> {
         let inner: QueueInner = match &self.inner {
             Backed::Direct(c) => {
-                let config = ComputeQueueConfig::default()
-                    .with_memory(options.launch_memory)
-                    .with_polling(options.polled);
+                let config = Self::queue_config(&options);
                 // The queue that proved the direct path was built with the default configuration; chaining is
                 // a setting of a built queue.
                 let spare = (config == ComputeQueueConfig::default())
@@ -852,5 +850,36 @@ impl Gpu {
             cuda: self.cuda.clone().map(driver::CudaOrder::new),
             peer_engines: Vec::new(),
         })
+    }
+
+    /// Whether [`queue_with`](Gpu::queue_with)`(options)` would hand out a queue built already: the one that proved
+    /// the direct path when the GPU was opened or attached, kept for the first queue of the default configuration.
+    /// Such a queue costs nothing to take, where a new one costs milliseconds (RM's channel creation).
+    ///
+    /// ```no_run
+    /// # use apex::{Gpu, QueueOptions};
+    /// # fn main() -> apex::Result<()> {
+    /// let gpu = Gpu::open(0)?;
+    /// assert!(gpu.queue_is_built(QueueOptions::default()));
+    /// let _q = gpu.queue()?;
+    /// assert!(!gpu.queue_is_built(QueueOptions::default()));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn queue_is_built(&self, options: QueueOptions) -> bool {
+        match &self.inner {
+            Backed::Direct(_) => {
+                Self::queue_config(&options) == ComputeQueueConfig::default()
+                    && self.spare.is_kept()
+            }
+            Backed::Driver(_) => false,
+        }
+    }
+
+    /// The compute queue configuration `options` asks for.
+    fn queue_config(options: &QueueOptions) -> ComputeQueueConfig {
+        ComputeQueueConfig::default()
+            .with_memory(options.launch_memory)
+            .with_polling(options.polled)
     }
 }

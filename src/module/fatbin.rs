@@ -504,8 +504,9 @@ fn lz4_block(src: &[u8], stated: Option<usize>) -> Result<Vec<u8>, String> {
     Ok(out)
 }
 
-/// Decodes one zstd frame (checksum verified when present) to at most `stated` bytes, growing the output as it
-/// decodes rather than trusting the size up front.
+/// Decodes one zstd frame (checksum verified when present) to at most `stated` bytes. With a stated size the output
+/// is allocated once and the frame must fit it; without one the output grows as it decodes, bounded by
+/// [`MAX_PAYLOAD`], rather than trusting a size up front.
 fn zstd_frame(src: &[u8], stated: Option<usize>) -> Result<Vec<u8>, String> {
     use std::io::Read;
     let limit = stated.unwrap_or(MAX_PAYLOAD);
@@ -513,7 +514,22 @@ fn zstd_frame(src: &[u8], stated: Option<usize>) -> Result<Vec<u8>, String> {
     let window = u64::try_from(limit)
         .unwrap_or(u64::MAX)
         .clamp(ZSTD_MIN_WINDOW, MAX_PAYLOAD as u64);
-    let decoder = ruzstd::decoding::StreamingDecoder::new_with_max_window_size(src, window)
+    let window_log = 63 - window.next_power_of_two().leading_zeros();
+    if let Some(size) = stated {
+        let mut d = zstd::bulk::Decompressor::new().map_err(|e| e.to_string())?;
+        d.window_log_max(window_log).map_err(|e| e.to_string())?;
+        // One byte more than stated, so that a frame decoding to more is caught rather than cut.
+        let mut out = Vec::with_capacity(size + 1);
+        d.decompress_to_buffer(src, &mut out)
+            .map_err(|e| e.to_string())?;
+        if out.len() > size {
+            return Err(format!("it decodes to more than {size} bytes"));
+        }
+        return Ok(out);
+    }
+    let mut decoder = zstd::stream::read::Decoder::with_buffer(src).map_err(|e| e.to_string())?;
+    decoder
+        .window_log_max(window_log)
         .map_err(|e| e.to_string())?;
     let mut out = Vec::new();
     decoder

@@ -104,11 +104,18 @@ impl Code<'_> {
         }
     }
 
-    /// Whether the code defines at least one kernel (unreadable cubins count as defining none).
-    fn has_kernels(&self) -> bool {
+    /// Whether the code defines at least one kernel (unreadable cubins count as defining none), and the cubin
+    /// parsed where it is one that parses.
+    fn kernels(&self) -> (bool, Option<Cubin>) {
         match self {
-            Code::Cubin(b) => Cubin::parse(b).is_ok_and(|c| !c.kernels().is_empty()),
-            Code::Ptx(b) => b.windows(6).any(|w| w == b".entry"),
+            Code::Cubin(b) => {
+                let cubin = Cubin::parse(b).ok();
+                (
+                    cubin.as_ref().is_some_and(|c| !c.kernels().is_empty()),
+                    cubin,
+                )
+            }
+            Code::Ptx(b) => (b.windows(6).any(|w| w == b".entry"), None),
         }
     }
 }
@@ -129,10 +136,21 @@ pub fn cubin_for_device<'a>(
     device_sm: u32,
     jit: &Jit,
 ) -> Result<Cow<'a, [u8]>, ImageError> {
-    let resolved = resolve(bytes, device_sm, jit, PtxHandling::Compile)?;
+    parsed_cubin_for_device(bytes, device_sm, jit).map(|(c, _)| c)
+}
+
+/// As [`cubin_for_device`], with the cubin parsed where choosing it parsed it already (a fatbin's entries are
+/// parsed to find the one with kernels: a large cubin is not parsed twice).
+pub(crate) fn parsed_cubin_for_device<'a>(
+    bytes: &'a [u8],
+    device_sm: u32,
+    jit: &Jit,
+) -> Result<(Cow<'a, [u8]>, Option<Cubin>), ImageError> {
+    let mut parsed = None;
+    let resolved = resolve_parsed(bytes, device_sm, jit, PtxHandling::Compile, &mut parsed)?;
     debug!(device_sm, chosen = %resolved.chosen, "module code");
     match resolved.code {
-        Code::Cubin(c) => Ok(c),
+        Code::Cubin(c) => Ok((c, parsed)),
         // Compile mode never returns PTX.
         Code::Ptx(_) => Err(ImageError::PtxNoTarget),
     }
@@ -145,6 +163,17 @@ pub fn resolve<'a>(
     jit: &Jit,
     ptx: PtxHandling,
 ) -> Result<Resolved<'a>, ImageError> {
+    resolve_parsed(bytes, device_sm, jit, ptx, &mut None)
+}
+
+/// As [`resolve`]; `parsed` gets the chosen cubin parsed, where choosing it parsed it.
+fn resolve_parsed<'a>(
+    bytes: &'a [u8],
+    device_sm: u32,
+    jit: &Jit,
+    ptx: PtxHandling,
+    parsed: &mut Option<Cubin>,
+) -> Result<Resolved<'a>, ImageError> {
     if let Some(arch) = select::cubin_arch(bytes) {
         let code = cubin_code(Cow::Borrowed(bytes), arch, device_sm, jit)?;
         return Ok(Resolved {
@@ -154,7 +183,7 @@ pub fn resolve<'a>(
     }
     if fatbin::is_fatbin(bytes) || bytes.starts_with(b"\x7fELF") {
         return match fatbin::entries(bytes) {
-            Ok(entries) => from_entries(bytes, &entries, device_sm, jit, ptx),
+            Ok(entries) => from_entries(bytes, &entries, device_sm, jit, ptx, parsed),
             // Not a fatbin and no fatbin sections: a broken cubin, which the cubin parser describes best.
             Err(FatbinError::NotFatbin) if !fatbin::is_fatbin(bytes) => Ok(Resolved {
                 code: Code::Cubin(Cow::Borrowed(bytes)),
@@ -183,6 +212,7 @@ fn from_entries<'a>(
     device_sm: u32,
     jit: &Jit,
     ptx: PtxHandling,
+    parsed: &mut Option<Cubin>,
 ) -> Result<Resolved<'a>, ImageError> {
     let selection = select::select(entries, device_sm);
     if selection.candidates.is_empty() {
@@ -192,13 +222,13 @@ fn from_entries<'a>(
         });
     }
     let mut first_error = None;
-    let mut without_kernels: Option<(usize, Resolved<'a>)> = None;
+    let mut without_kernels: Option<(usize, Resolved<'a>, Option<Cubin>)> = None;
     for candidate in &selection.candidates {
         let entry = &entries[candidate.index];
         // The best code of a container is its module: its other entries define the same kernels.
         if without_kernels
             .as_ref()
-            .is_some_and(|(container, _)| *container == entry.container)
+            .is_some_and(|(container, _, _)| *container == entry.container)
         {
             continue;
         }
@@ -225,14 +255,19 @@ fn from_entries<'a>(
             chosen: format!("{entry}: {}", candidate.fit),
             code,
         };
-        if resolved.code.has_kernels() {
+        let (has_kernels, cubin) = resolved.code.kernels();
+        if has_kernels {
+            *parsed = cubin;
             return Ok(resolved);
         }
         debug!(%entry, container = entry.container, "no kernel in this container; trying the next");
-        without_kernels.get_or_insert((entry.container, resolved));
+        without_kernels.get_or_insert((entry.container, resolved, cubin));
     }
     match (without_kernels, first_error) {
-        (Some((_, resolved)), _) => Ok(resolved),
+        (Some((_, resolved, cubin)), _) => {
+            *parsed = cubin;
+            Ok(resolved)
+        }
         (None, Some(e)) => Err(e),
         (None, None) => Err(ImageError::NoCodeForDevice {
             device_sm,

@@ -62,11 +62,38 @@ impl Module {
         place: &dyn Fn(&GlobalSymbol) -> Option<VariableHome>,
     ) -> Result<Arc<Module>> {
         let sm = gpu.info().sm_version;
+        // Phase times for the debug log: a large module (PyTorch's) takes a program's thread for milliseconds.
+        let started = std::time::Instant::now();
         // A cubin as it is; the best code of a fatbin or host binary; PTX compiled for this GPU.
-        let cubin_bytes = image::cubin_for_device(bytes, sm, jit::Jit::system())?;
-        let cubin = Cubin::parse(&cubin_bytes)?;
+        let (cubin_bytes, parsed) = image::parsed_cubin_for_device(bytes, sm, jit::Jit::system())?;
+        let select_us = started.elapsed().as_micros();
+        let cubin = match parsed {
+            Some(c) => c,
+            None => Cubin::parse(&cubin_bytes)?,
+        };
         cubin.check_arch(sm)?;
-        Module::from_cubin(gpu, cubin, printf, place)
+        let parse_us = started.elapsed().as_micros() - select_us;
+        let (kernels, globals) = (cubin.kernels().len(), cubin.globals().len());
+        let placing = std::cell::Cell::new(std::time::Duration::ZERO);
+        let timed_place = |g: &GlobalSymbol| {
+            let t = std::time::Instant::now();
+            let home = place(g);
+            placing.set(placing.get() + t.elapsed());
+            home
+        };
+        let m = Module::from_cubin(gpu, cubin, printf, &timed_place);
+        debug!(
+            image_bytes = bytes.len(),
+            cubin_bytes = cubin_bytes.len(),
+            kernels,
+            globals,
+            select_us,
+            parse_us,
+            place_us = placing.get().as_micros(),
+            total_us = started.elapsed().as_micros(),
+            "module load phases"
+        );
+        m
     }
 
     /// Links and uploads a parsed cubin, with APEX's device runtime appended if the module calls it.

@@ -281,6 +281,15 @@ impl GpuCore {
     /// [`Attachment`]). The CUDA context must exist (with its first kernel launch or allocation done) and must
     /// outlive the returned core and everything built on it.
     pub fn attach_cuda(uuid: [u8; 16]) -> Result<Arc<GpuCore>> {
+        // Phase times for the debug log: the attach is on a program's critical path under the preload.
+        let started = std::time::Instant::now();
+        let lap = |since: &mut u128| {
+            let now = started.elapsed().as_micros();
+            let d = now - *since;
+            *since = now;
+            d
+        };
+        let mut mark = 0u128;
         let ctl = open_node("/dev/nvidiactl")?;
         let driver_version = supported_driver_version(&ctl)?;
         let cards = card_info(&ctl)?;
@@ -308,10 +317,32 @@ impl GpuCore {
             )));
         }
         let uvm = uvm.remove(0);
+        let uvm_us = lap(&mut mark);
         let client = Arc::new(Hardware::client_with_foreign_uvm(ctl, probe_uvm)?);
+        let probe_us = lap(&mut mark);
+        let classes = super::attach::compute_object_classes();
+        // The context on the GPU asked for among a client's objects: one candidate per device of the client that
+        // has a context, the GPU of each told by RM's id of its subdevice (a context on any GPU of the process is
+        // found, not only the first's).
+        let pick =
+            |c: &super::attach::ForeignClient, objects: &[super::attach::RmObject], device| {
+                super::attach::context_candidates(objects, c.handle, device, &classes)
+                    .into_iter()
+                    .find_map(|objs| {
+                        let gpu_id = c.gpu_id(objs.subdevice).ok()?;
+                        let (index, card) =
+                            cards.iter().enumerate().find(|(_, k)| k.gpu_id == gpu_id)?;
+                        (!gpu_uuid(&client, gpu_id).is_ok_and(|u| u != uuid))
+                            .then_some((objs, index, *card))
+                    })
+            };
         let mut found = None;
         for c in super::attach::foreign_clients(&client)? {
-            let Ok((device, objects)) = c.objects() else {
+            // The scan stops once the context is found: the rest of the table (the program's allocations) is
+            // not needed, and each handle read is an ioctl.
+            let Ok((device, objects)) =
+                c.objects(|objects, device| pick(&c, objects, device).is_some())
+            else {
                 continue;
             };
             debug!(
@@ -324,29 +355,7 @@ impl GpuCore {
                     .join(" "),
                 "a same-process client's objects (handle<parent:class)"
             );
-            // One candidate per device of the client that has a context: the GPU asked for is told by RM's id of
-            // each candidate's subdevice, so a context on any GPU of the process is found, not only the first's.
-            let mut hit = None;
-            for objs in super::attach::context_candidates(
-                &objects,
-                c.handle,
-                device,
-                &super::attach::compute_object_classes(),
-            ) {
-                let Ok(gpu_id) = c.gpu_id(objs.subdevice) else {
-                    continue;
-                };
-                let Some((index, card)) =
-                    cards.iter().enumerate().find(|(_, k)| k.gpu_id == gpu_id)
-                else {
-                    continue;
-                };
-                if !gpu_uuid(&client, gpu_id).is_ok_and(|u| u != uuid) {
-                    hit = Some((objs, index, *card));
-                    break;
-                }
-            }
-            if let Some((objs, index, card)) = hit {
+            if let Some((objs, index, card)) = pick(&c, &objects, device) {
                 found = Some((c, objs, index, card));
                 break;
             }
@@ -371,6 +380,7 @@ impl GpuCore {
             ));
         };
         drop(client);
+        let scan_us = lap(&mut mark);
         // The client that is kept: UVM calls go to CUDA's VA space.
         let ctl = open_node("/dev/nvidiactl")?;
         let dev_fd = open_gpu_node(&ctl, card.minor_number)?;
@@ -382,6 +392,7 @@ impl GpuCore {
         client.ctrl(client.handle(), &mut id)?;
         let (device, subdevice, classes) = device_objects(&client, id.deviceInstance)?;
         let info = gpu_info(&subdevice, index, &card, driver_version)?;
+        let client_us = lap(&mut mark);
         if info.uuid_bytes != uuid {
             return Err(Error::Attach(format!(
                 "the CUDA context found runs on {}, not on the GPU asked for ({})",
@@ -412,9 +423,11 @@ impl GpuCore {
                 .map(Arc::new)
             })
             .collect::<Result<Vec<_>>>()?;
+        let dup_us = lap(&mut mark);
         // CUDA keeps its allocations inside CPU ranges it reserved (measured: probes/attach E7), so ranges APEX
         // reserves are never handed out by CUDA.
         let (low, high) = reserve_regions()?;
+        let regions_us = lap(&mut mark);
         info!(gpu = %info.name, uuid = %info.uuid, cuda_client = format_args!("{:#x}", cuda.handle),
             group = format_args!("{:#x}", objs.compute_group), "attached to the CUDA context");
         let mut core = GpuCore {
@@ -439,6 +452,16 @@ impl GpuCore {
             graphics_group: Default::default(),
         };
         core.open_usermode()?;
+        debug!(
+            uvm_us,
+            probe_us,
+            scan_us,
+            client_us,
+            dup_us,
+            regions_us,
+            usermode_us = lap(&mut mark),
+            "attach phases"
+        );
         Ok(Arc::new(core))
     }
 

@@ -210,6 +210,15 @@ impl Setup {
     }
 
     fn with(chained: bool, setup: Mode, fail_attach: Option<&str>) -> Setup {
+        Setup::build(chained, setup, fail_attach, Policy::First)
+    }
+
+    /// An inline setup whose streams are taken over by `policy` (`APEX_PRELOAD_TAKEOVER`).
+    fn with_takeover(policy: Policy) -> Setup {
+        Setup::build(false, Mode::Inline, None, policy)
+    }
+
+    fn build(chained: bool, setup: Mode, fail_attach: Option<&str>, takeover: Policy) -> Setup {
         let (gpu, sim) = Gpu::open_simulated(SimConfig::default()).unwrap();
         let mut cuda = FakeCuda::new(gpu);
         cuda.fail_attach = fail_attach.map(str::to_string);
@@ -228,6 +237,8 @@ impl Setup {
             setup,
             // The tests of the background set-up check the queue kept ahead; the default (0) has its own test.
             queues_ahead: 1,
+            // `First` for most tests (every launch through APEX from the first); the default policy has its own.
+            takeover,
         };
         let mut engine = Engine::new(config, Box::new(cuda));
         engine.loaded(MODULE, Ok(ImageBytes::Owned(CUBIN.into())), false);
@@ -1075,6 +1086,7 @@ fn launches_forwarded_with_the_takeover_off_are_counted() {
         chained: false,
         setup: Mode::Background,
         queues_ahead: 0,
+        takeover: Policy::First,
     };
     let mut engine = Engine::new(config, Box::new(cuda));
     let before = DISABLED_LAUNCHES.load(Ordering::Relaxed);
@@ -1297,3 +1309,4 @@ fn a_free_on_the_legacy_stream_is_the_queues_only_when_it_waited_for_the_blockin
 }
 
 mod background;
+mod takeover;

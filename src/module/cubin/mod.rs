@@ -42,7 +42,7 @@ pub use relocate::reloc;
 pub use sections::CONST_BANK_ALIGN;
 
 use error::corrupt;
-use nvinfo::{kernel_info, module_info};
+use nvinfo::{SectionIndex, kernel_info, module_info};
 use relocate::{Relocation, SymbolValue, apply, range_mut, relocations};
 use sections::{LoadedSection, SectionMeta, SymbolMeta, global_symbols, layout};
 
@@ -160,11 +160,18 @@ impl Cubin {
         let symtab_index = symtab.section().0;
 
         let module = module_info(&metas)?;
+        let index = SectionIndex::new(&metas);
         let mut kernels = Vec::new();
         for (sym_index, sym) in symbols.iter().enumerate() {
-            if let Some(mut kernel) =
-                kernel_info(sym_index, sym, &metas, &sections, &image_index, &module)?
-            {
+            if let Some(mut kernel) = kernel_info(
+                sym_index,
+                sym,
+                &metas,
+                &index,
+                &sections,
+                &image_index,
+                &module,
+            )? {
                 // EIATTR_EXTERNS gives symbol indices; keep the names.
                 for name in kernel.externs.iter_mut() {
                     let index: usize = name.parse().unwrap_or(usize::MAX);

@@ -1,5 +1,7 @@
 //! `.nv.info` sections: their record formats and attributes, and the kernel descriptions read from them.
 
+use std::collections::HashMap;
+
 use object::elf;
 
 use super::error::{CubinError, corrupt};
@@ -63,14 +65,53 @@ pub mod eiattr {
 /// Module-wide `.nv.info` values, per function symbol index.
 #[derive(Default)]
 pub(super) struct ModuleInfo {
-    regcount: Vec<(u32, u32)>,
-    frame_size: Vec<(u32, u32)>,
-    min_stack: Vec<(u32, u32)>,
-    max_stack: Vec<(u32, u32)>,
+    regcount: HashMap<u32, u32>,
+    frame_size: HashMap<u32, u32>,
+    min_stack: HashMap<u32, u32>,
+    max_stack: HashMap<u32, u32>,
 }
 
-fn lookup(list: &[(u32, u32)], symbol: u32) -> Option<u32> {
-    list.iter().find(|(s, _)| *s == symbol).map(|(_, v)| *v)
+fn lookup(map: &HashMap<u32, u32>, symbol: u32) -> Option<u32> {
+    map.get(&symbol).copied()
+}
+
+/// The sections a kernel's description is read from, found by name once per cubin rather than searched for each
+/// kernel (PyTorch's cubins hold over a thousand kernels and several thousand sections).
+pub(super) struct SectionIndex<'m> {
+    /// Each section name's first section.
+    by_name: HashMap<&'m str, usize>,
+    /// For each code section, the first `.nv.info.*` section whose `sh_info` names it.
+    info_by_text: HashMap<usize, usize>,
+    /// `.nv.constant<bank>` sections (no owner) and `.nv.constant<bank>.<kernel>` sections by owner: (bank digits,
+    /// section index), in section order.
+    constants: HashMap<Option<&'m str>, Vec<(&'m str, usize)>>,
+}
+
+impl<'m> SectionIndex<'m> {
+    pub(super) fn new(metas: &'m [SectionMeta]) -> SectionIndex<'m> {
+        let mut index = SectionIndex {
+            by_name: HashMap::with_capacity(metas.len()),
+            info_by_text: HashMap::new(),
+            constants: HashMap::new(),
+        };
+        for (i, m) in metas.iter().enumerate() {
+            index.by_name.entry(m.name.as_str()).or_insert(i);
+            if m.sh_type == SHT_CUDA_INFO
+                && m.name.starts_with(".nv.info.")
+                && let Ok(text) = usize::try_from(m.info)
+            {
+                index.info_by_text.entry(text).or_insert(i);
+            }
+            if let Some(rest) = m.name.strip_prefix(".nv.constant") {
+                let (digits, owner) = match rest.split_once('.') {
+                    Some((digits, owner)) => (digits, Some(owner)),
+                    None => (rest, None),
+                };
+                index.constants.entry(owner).or_default().push((digits, i));
+            }
+        }
+        index
+    }
 }
 
 /// A decoded `.nv.info` record.
@@ -188,14 +229,16 @@ pub(super) fn module_info(metas: &[SectionMeta]) -> Result<ModuleInfo, CubinErro
     let mut info = ModuleInfo::default();
     for meta in metas.iter().filter(|m| m.name == ".nv.info") {
         for record in records(meta.data, &meta.name)? {
-            let list = match record.attr {
+            let map = match record.attr {
                 eiattr::REGCOUNT => &mut info.regcount,
                 eiattr::FRAME_SIZE => &mut info.frame_size,
                 eiattr::MIN_STACK_SIZE => &mut info.min_stack,
                 eiattr::MAX_STACK_SIZE => &mut info.max_stack,
                 _ => continue,
             };
-            list.push(keyed(&record, &meta.name)?);
+            let (symbol, value) = keyed(&record, &meta.name)?;
+            // The first record of a symbol counts, as it always has.
+            map.entry(symbol).or_insert(value);
         }
     }
     Ok(info)
@@ -207,6 +250,7 @@ pub(super) fn kernel_info(
     sym_index: usize,
     sym: &SymbolMeta,
     metas: &[SectionMeta],
+    index: &SectionIndex,
     sections: &[LoadedSection],
     image_index: &[Option<usize>],
     module: &ModuleInfo,
@@ -224,13 +268,11 @@ pub(super) fn kernel_info(
         return Ok(None);
     }
     let info_name = format!(".nv.info.{}", sym.name);
-    let info_section = metas.iter().find(|m| m.name == info_name).or_else(|| {
-        metas.iter().find(|m| {
-            m.sh_type == SHT_CUDA_INFO
-                && m.name.starts_with(".nv.info.")
-                && usize::try_from(m.info).ok() == Some(text_index)
-        })
-    });
+    let info_section = index
+        .by_name
+        .get(info_name.as_str())
+        .or_else(|| index.info_by_text.get(&text_index))
+        .and_then(|&i| metas.get(i));
     // Cubins mark kernels with STO_CUDA_ENTRY. Without the mark, a function is taken for a kernel only if its
     // `.nv.info.<name>` describes a launch (parameters, exits, block shape): nvlink and nvJitLink also write
     // `.nv.info.<name>` for `__device__` functions (libdevice slow paths, functions whose address is taken).
@@ -396,22 +438,21 @@ pub(super) fn kernel_info(
     k.barrier_count = barriers.unwrap_or(((text.flags >> 20) & 0x7f) as u32);
 
     let shared_name = format!(".nv.shared.{}", k.name);
-    k.static_shared = metas
-        .iter()
-        .find(|m| m.name == shared_name)
+    k.static_shared = index
+        .by_name
+        .get(shared_name.as_str())
+        .and_then(|&i| metas.get(i))
         .map_or(0, |m| m.size);
 
-    for (i, meta) in metas.iter().enumerate() {
-        let Some(rest) = meta.name.strip_prefix(".nv.constant") else {
+    // The module's own constant banks and the kernel's.
+    let banks = [None, Some(k.name.as_str())]
+        .into_iter()
+        .filter_map(|owner| index.constants.get(&owner))
+        .flatten();
+    for &(digits, i) in banks {
+        let Some(meta) = metas.get(i) else {
             continue;
         };
-        let (digits, owner) = match rest.split_once('.') {
-            Some((digits, owner)) => (digits, Some(owner)),
-            None => (rest, None),
-        };
-        if owner.is_some_and(|o| o != k.name) {
-            continue;
-        }
         let Ok(bank) = digits.parse::<u32>() else {
             continue;
         };

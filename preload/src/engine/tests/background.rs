@@ -16,7 +16,7 @@ const SITE_C: usize = 0x7000;
 
 impl Setup {
     /// Waits until the set-up worker has finished everything asked of it (not picked up yet).
-    fn settle(&self) {
+    pub(super) fn settle(&self) {
         assert!(
             self.engine.setup.wait_idle(Duration::from_secs(30)),
             "the set-up worker did not finish"
@@ -25,7 +25,7 @@ impl Setup {
 
     /// A launch as the hook makes it: through APEX (`true`), or forwarded to libcuda with the ordering a forwarded
     /// launch gets (`false`).
-    fn hook_launch(&mut self, stream: usize) -> bool {
+    pub(super) fn hook_launch(&mut self, stream: usize) -> bool {
         if self.launch_on(stream, 1) {
             return true;
         }

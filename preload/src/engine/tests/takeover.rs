@@ -1,0 +1,128 @@
+//! When streams are taken over (`APEX_PRELOAD_TAKEOVER`, [`crate::takeover`]) against the simulated GPU: a stream's
+//! launches go to libcuda (counted as warm-up, ordered as any forwarded launch, nothing of APEX's set up) until they
+//! have paid for its takeover; then it is taken over, its first APEX launch waiting for what libcuda ran on it.
+
+use super::*;
+
+const SITE_A: usize = 0x5000;
+const SITE_B: usize = 0x6000;
+
+#[test]
+fn a_stream_goes_to_libcuda_until_its_count_is_met_and_then_through_apex_in_order() {
+    let mut s = Setup::with_takeover(Policy::After(5));
+    for i in 0..5 {
+        assert!(!s.hook_launch(0), "launch {i} goes to libcuda");
+    }
+    assert!(
+        s.engine.contexts.is_empty(),
+        "nothing of APEX's is set up before the takeover is earned"
+    );
+    let sum = s.engine.summary();
+    assert_eq!(
+        (sum.launches, sum.apex, sum.fallback, sum.warmup),
+        (5, 0, 0, 5)
+    );
+    assert!(
+        sum.reasons.is_empty(),
+        "launches before the takeover are not refusals"
+    );
+    assert_eq!(sum.setup.takeover, "after 5 launches");
+    assert_eq!(sum.setup.streams_not_earned, 1);
+    s.calls();
+    assert!(s.hook_launch(0), "the sixth launch is APEX's");
+    assert_eq!(
+        s.calls(),
+        vec!["apex<-cuda Legacy"],
+        "the queue's first launch waits for what libcuda ran on the stream"
+    );
+    assert!(s.hook_launch(0));
+    assert!(s.calls().is_empty(), "then no hop");
+    let sum = s.engine.summary();
+    assert_eq!(
+        (sum.launches, sum.apex, sum.warmup, sum.setup.attach.count),
+        (7, 2, 5, 1)
+    );
+    assert_eq!(sum.setup.streams_not_earned, 0);
+}
+
+#[test]
+fn the_default_policy_prices_the_attach_then_each_queue_by_what_it_took() {
+    let mut s = Setup::with_takeover(Policy::Earned);
+    let first = s.engine.takeover.threshold(Needs::Attach);
+    assert!(
+        first > 100,
+        "an attach costs milliseconds: {first} launches"
+    );
+    for _ in 0..first {
+        assert!(!s.hook_launch(0));
+    }
+    assert!(s.hook_launch(0), "taken over once the attach is paid for");
+    // The attach was timed: the next attach's price is what this one took.
+    let took_ns = s.engine.summary().setup.attach.max_ms * 1e6;
+    let (attach_ns, queue_ns) = s.engine.takeover.prices();
+    assert!(
+        (attach_ns as f64 - took_ns).abs() < 500_000.0,
+        "priced {attach_ns} ns, took {took_ns} ns"
+    );
+    // A second stream needs a queue of its own; no queue was built yet in this process, so the default price holds.
+    let second = s.engine.takeover.threshold(Needs::Queue);
+    assert!(second > 0);
+    for _ in 0..second {
+        assert!(
+            !s.hook_launch(SITE_A),
+            "the second stream pays for its queue first"
+        );
+    }
+    assert!(s.hook_launch(SITE_A));
+    assert!(s.hook_launch(0), "the first stream stays taken over");
+    let built = s.engine.summary().setup.queue;
+    assert_eq!(built.count, 2, "the kept queue and one built");
+    // Priced by the build just made now.
+    let (_, rebuilt_ns) = s.engine.takeover.prices();
+    assert_ne!(rebuilt_ns, queue_ns, "the queue's price follows the build");
+    assert!((rebuilt_ns as f64 - built.max_ms * 1e6).abs() < 500_000.0);
+    let third = s.engine.takeover.threshold(Needs::Queue);
+    for _ in 0..third {
+        assert!(!s.hook_launch(SITE_B));
+    }
+    assert!(s.hook_launch(SITE_B));
+    let sum = s.engine.summary();
+    assert_eq!(sum.warmup, first + second + third);
+    assert_eq!(sum.apex, 4);
+    assert_eq!(sum.setup.takeover, "earned");
+}
+
+#[test]
+fn a_stream_destroyed_before_its_takeover_is_counted_and_its_handle_starts_again() {
+    let mut s = Setup::with_takeover(Policy::After(3));
+    for _ in 0..3 {
+        assert!(!s.hook_launch(SITE_A));
+    }
+    s.engine.stream_destroyed(SITE_A);
+    assert_eq!(s.engine.summary().setup.streams_not_earned, 1);
+    for _ in 0..3 {
+        assert!(
+            !s.hook_launch(SITE_A),
+            "a new stream with the same handle counts from nothing"
+        );
+    }
+    assert!(s.hook_launch(SITE_A));
+    assert_eq!(s.engine.summary().setup.streams_not_earned, 1);
+}
+
+#[test]
+fn a_context_that_cannot_be_attached_counts_refusals_not_warm_up() {
+    let mut s = Setup::build(
+        false,
+        Mode::Inline,
+        Some("no channel group"),
+        Policy::After(2),
+    );
+    assert!(!s.hook_launch(0));
+    assert!(!s.hook_launch(0));
+    assert!(!s.hook_launch(0), "the attach is tried here and fails");
+    assert!(!s.hook_launch(0));
+    let sum = s.engine.summary();
+    assert_eq!((sum.warmup, sum.fallback), (2, 2));
+    assert_eq!(sum.setup.attach.count, 1, "tried once");
+}

@@ -1,0 +1,352 @@
+//! When a stream's launches start going through APEX (`APEX_PRELOAD_TAKEOVER`).
+//!
+//! Taking a stream over has a price paid once: attaching to its context (a few ms, with the queue that proves the
+//! channel) or, in an attached context, a queue of its own (about 5 ms on an H100, almost all of it RM's channel
+//! creation). Each launch through APEX then saves about 3 µs of the program's CPU time against libcuda's
+//! `cuLaunchKernel`. A program that launches a few hundred kernels never earns the price back, and paid up front it
+//! made such a program slower than libcuda alone (a 0.3 s CUDA program with 3 streams: 0.88×). So, by default
+//! (`earned`), a stream's launches go to libcuda until they have cost, at the saving per launch, what its takeover
+//! costs, and then it is taken over: the ski-rental rule. An attach serves every stream of its context, so the
+//! context's streams pay for it together; a queue is paid for by its own stream. A program that ends before that never pays for APEX; one
+//! that goes on pays at most the price of one takeover more than libcuda would have cost it (the time its
+//! launches already spent on libcuda). `first` takes every stream over at its first launch (the behaviour before
+//! this policy, which tests and latency benchmarks ask for); a number takes a stream over after that many launches.
+//!
+//! The price is estimated from the set-up this process has made so far (the last attach and queue build timed),
+//! starting from figures measured on an H100 (driver 580.159.04).
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use crate::order::StreamKey;
+
+/// The CPU time a launch through APEX saves against libcuda's, in nanoseconds: the hook's isolated launch costs
+/// 0.39-0.41 µs where libcuda's `cuLaunchKernel` costs 3.5-3.9 µs (H100, `preload/corpus/launch_sync.cu`); a
+/// launch followed by a synchronization saves more (about 5.8 µs), so this errs towards taking over later.
+pub(crate) const SAVED_PER_LAUNCH_NS: u64 = 3_000;
+
+/// The price of attaching to a context before one was timed in this process: the attach and the queue that proves
+/// the channel, which then serves the stream (H100, 580.159.04: 2-3 ms and 5.4-5.7 ms).
+const ATTACH_NS: u64 = 8_500_000;
+
+/// The price of a queue before one was timed in this process (H100, 580.159.04: 4.8-5.4 ms).
+const QUEUE_NS: u64 = 5_400_000;
+
+/// Streams counted at most: beyond this, counts of streams never taken over are forgotten (a program that makes
+/// and drops streams without destroying them through CUDA cannot grow the table without bound).
+const MAX_COUNTED: usize = 4096;
+
+/// When a stream is taken over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Policy {
+    /// At its first launch.
+    First,
+    /// After this many launches on libcuda.
+    After(u64),
+    /// Once its launches on libcuda have cost what its takeover costs (the default).
+    Earned,
+}
+
+impl Policy {
+    /// The policy `APEX_PRELOAD_TAKEOVER` names (`earned`, `first`, or a number of launches; unset: `earned`), or
+    /// a sentence saying what the value should be.
+    pub(crate) fn by(value: Option<&str>) -> Result<Policy, String> {
+        match value.map(str::trim) {
+            None | Some("" | "earned" | "auto") => Ok(Policy::Earned),
+            Some("first" | "0") => Ok(Policy::First),
+            Some(v) => match v.parse::<u64>() {
+                Ok(n) => Ok(Policy::After(n)),
+                Err(_) => Err(format!(
+                    "APEX_PRELOAD_TAKEOVER={v:?} is not a policy: use earned (the default), first, or a number of \
+                     launches a stream makes on libcuda before APEX takes it over"
+                )),
+            },
+        }
+    }
+
+    /// The name the summary gives the policy.
+    pub(crate) fn label(self) -> String {
+        match self {
+            Policy::First => "first".into(),
+            Policy::After(n) => format!("after {n} launches"),
+            Policy::Earned => "earned".into(),
+        }
+    }
+}
+
+/// What a stream's takeover needs that its context does not have yet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Needs {
+    /// An attach to the context (whose proving queue then serves the stream).
+    Attach,
+    /// A queue of its own in an attached context.
+    Queue,
+    /// Nothing: a built queue is waiting for a stream.
+    Nothing,
+}
+
+/// The launches each stream not yet taken over has made on libcuda, and the price of a takeover.
+#[derive(Debug)]
+pub(crate) struct Takeover {
+    policy: Policy,
+    /// Launches on libcuda per stream not taken over yet: what it has paid towards its own queue.
+    counts: HashMap<(usize, StreamKey), u64>,
+    /// Launches on libcuda per context not attached yet, on any of its streams: what they have paid together
+    /// towards the attach, which serves them all.
+    context_counts: HashMap<usize, u64>,
+    attach_ns: u64,
+    queue_ns: u64,
+}
+
+impl Takeover {
+    pub(crate) fn new(policy: Policy) -> Takeover {
+        Takeover {
+            policy,
+            counts: HashMap::new(),
+            context_counts: HashMap::new(),
+            attach_ns: ATTACH_NS,
+            queue_ns: QUEUE_NS,
+        }
+    }
+
+    pub(crate) fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    /// How many launches on libcuda pay for a takeover that `needs` this.
+    pub(crate) fn threshold(&self, needs: Needs) -> u64 {
+        match self.policy {
+            Policy::First => 0,
+            Policy::After(n) => n,
+            Policy::Earned => {
+                let price = match needs {
+                    Needs::Attach => self.attach_ns,
+                    Needs::Queue => self.queue_ns,
+                    Needs::Nothing => 0,
+                };
+                price.div_ceil(SAVED_PER_LAUNCH_NS)
+            }
+        }
+    }
+
+    /// Whether a launch on stream `key` of context `ctx`, not taken over yet, goes through APEX: `false` counts it
+    /// as one more launch on libcuda. Once it answers `true` the stream's count is dropped (the caller takes the
+    /// stream over; if that fails, the launch's refusal says why).
+    ///
+    /// With the `earned` policy an attach is paid for by every stream of the context together (it serves them
+    /// all, and its proving queue serves the stream that completes the price), and a queue by its own stream's
+    /// launches, counted from its first one: a stream that ran on libcuda while the context was being paid for
+    /// has paid that much towards its queue already.
+    pub(crate) fn earned(&mut self, ctx: usize, key: StreamKey, needs: Needs) -> bool {
+        let threshold = self.threshold(needs);
+        if threshold == 0 {
+            return true;
+        }
+        if self.counts.len() >= MAX_COUNTED && !self.counts.contains_key(&(ctx, key)) {
+            self.counts.clear();
+        }
+        let shared = self.policy == Policy::Earned && needs == Needs::Attach;
+        let paid = if shared {
+            self.context_counts.get(&ctx).copied().unwrap_or(0)
+        } else {
+            self.counts.get(&(ctx, key)).copied().unwrap_or(0)
+        };
+        if paid >= threshold {
+            self.counts.remove(&(ctx, key));
+            if shared {
+                self.context_counts.remove(&ctx);
+            }
+            return true;
+        }
+        *self.counts.entry((ctx, key)).or_insert(0) += 1;
+        if shared {
+            if self.context_counts.len() >= MAX_COUNTED && !self.context_counts.contains_key(&ctx) {
+                self.context_counts.clear();
+            }
+            *self.context_counts.entry(ctx).or_insert(0) += 1;
+        }
+        false
+    }
+
+    /// The launches stream `key` of context `ctx` has made on libcuda so far (0 once taken over).
+    #[cfg(test)]
+    pub(crate) fn count(&self, ctx: usize, key: StreamKey) -> u64 {
+        self.counts.get(&(ctx, key)).copied().unwrap_or(0)
+    }
+
+    /// The prices of an attach and of a queue, in nanoseconds.
+    #[cfg(test)]
+    pub(crate) fn prices(&self) -> (u64, u64) {
+        (self.attach_ns, self.queue_ns)
+    }
+
+    /// A stream was destroyed: a later stream with its handle starts from nothing. Whether it was counted (a
+    /// stream that went without being taken over).
+    pub(crate) fn forget_stream(&mut self, key: StreamKey) -> bool {
+        let before = self.counts.len();
+        self.counts.retain(|(_, k), _| *k != key);
+        self.counts.len() != before
+    }
+
+    /// Streams counted and not taken over (yet).
+    pub(crate) fn counted(&self) -> u64 {
+        self.counts.len() as u64
+    }
+
+    /// An attach (with its proving queue) took `took`: later prices follow it.
+    pub(crate) fn attach_took(&mut self, took: Duration) {
+        self.attach_ns = took.as_nanos().min(u128::from(u64::MAX)) as u64;
+    }
+
+    /// A queue build took `took`: later prices follow it.
+    pub(crate) fn queue_took(&mut self, took: Duration) {
+        self.queue_ns = took.as_nanos().min(u128::from(u64::MAX)) as u64;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CTX: usize = 0xc0;
+
+    #[test]
+    fn the_policy_is_read_from_its_variable() {
+        assert_eq!(Policy::by(None), Ok(Policy::Earned));
+        assert_eq!(Policy::by(Some("earned")), Ok(Policy::Earned));
+        assert_eq!(Policy::by(Some("first")), Ok(Policy::First));
+        assert_eq!(Policy::by(Some("0")), Ok(Policy::First));
+        assert_eq!(Policy::by(Some(" 250 ")), Ok(Policy::After(250)));
+        let e = Policy::by(Some("soon")).unwrap_err();
+        assert!(e.contains("\"soon\"") && e.contains("earned"), "{e}");
+        assert_eq!(Policy::Earned.label(), "earned");
+        assert_eq!(Policy::After(7).label(), "after 7 launches");
+    }
+
+    #[test]
+    fn a_stream_is_taken_over_once_its_launches_have_paid_for_the_attach() {
+        let mut t = Takeover::new(Policy::Earned);
+        let n = t.threshold(Needs::Attach);
+        assert_eq!(n, ATTACH_NS.div_ceil(SAVED_PER_LAUNCH_NS));
+        let s = StreamKey::Handle(0x5000);
+        for i in 0..n {
+            assert!(
+                !t.earned(CTX, s, Needs::Attach),
+                "launch {i} stays on libcuda"
+            );
+        }
+        assert_eq!(t.count(CTX, s), n);
+        assert!(t.earned(CTX, s, Needs::Attach));
+        assert_eq!(
+            t.count(CTX, s),
+            0,
+            "the count goes once the stream is taken over"
+        );
+    }
+
+    #[test]
+    fn an_attach_is_paid_for_by_every_stream_of_the_context_and_a_queue_by_its_own() {
+        let mut t = Takeover::new(Policy::Earned);
+        t.attach_took(Duration::from_micros(3_000));
+        t.queue_took(Duration::from_micros(1_500));
+        let (a, b, c) = (
+            StreamKey::Handle(1),
+            StreamKey::Handle(2),
+            StreamKey::Handle(3),
+        );
+        // Three streams launching in turn: 1000 launches of the context pay for the attach (334 of a's).
+        let mut taken = None;
+        'launches: for i in 0.. {
+            for s in [a, b, c] {
+                if t.earned(CTX, s, Needs::Attach) {
+                    taken = Some((i, s));
+                    break 'launches;
+                }
+            }
+        }
+        assert_eq!(
+            taken,
+            Some((333, b)),
+            "the 1001st launch of the context, b's 334th"
+        );
+        // The others have paid 333 or 334 launches towards their own queues (500 each): 167 or 166 more.
+        assert_eq!(t.count(CTX, a), 334);
+        assert_eq!(t.count(CTX, c), 333);
+        let more = |t: &mut Takeover, s| {
+            (0..)
+                .take_while(|_| !t.earned(CTX, s, Needs::Queue))
+                .count()
+        };
+        assert_eq!(more(&mut t, a), 166);
+        assert_eq!(more(&mut t, c), 167);
+        // Another context pays for its own attach.
+        assert!(!t.earned(CTX + 1, a, Needs::Attach));
+    }
+
+    #[test]
+    fn a_ready_queue_costs_nothing_and_a_new_one_costs_less_than_an_attach() {
+        let mut t = Takeover::new(Policy::Earned);
+        assert!(t.earned(CTX, StreamKey::Legacy, Needs::Nothing));
+        assert!(t.threshold(Needs::Queue) < t.threshold(Needs::Attach));
+        assert!(t.threshold(Needs::Queue) > 0);
+    }
+
+    #[test]
+    fn prices_follow_what_this_process_measured() {
+        let mut t = Takeover::new(Policy::Earned);
+        t.attach_took(Duration::from_millis(3));
+        t.queue_took(Duration::from_micros(600));
+        assert_eq!(t.threshold(Needs::Attach), 1000);
+        assert_eq!(t.threshold(Needs::Queue), 200);
+        // A stream counted against the old price keeps its count: it is taken over as soon as the new one is met.
+        let s = StreamKey::Handle(0x10);
+        for _ in 0..200 {
+            assert!(!t.earned(CTX, s, Needs::Queue));
+        }
+        assert!(t.earned(CTX, s, Needs::Queue));
+    }
+
+    #[test]
+    fn streams_are_counted_apart_per_context_and_forgotten_when_destroyed() {
+        let mut t = Takeover::new(Policy::After(2));
+        let (a, b) = (StreamKey::Handle(1), StreamKey::Handle(2));
+        assert!(!t.earned(CTX, a, Needs::Queue));
+        assert!(!t.earned(CTX, b, Needs::Queue));
+        assert!(!t.earned(CTX + 1, a, Needs::Queue));
+        assert!(!t.earned(CTX, a, Needs::Queue));
+        assert!(t.earned(CTX, a, Needs::Queue), "the third launch of a");
+        assert_eq!(t.count(CTX, b), 1);
+        assert_eq!(t.counted(), 2, "a was taken over");
+        assert!(t.forget_stream(b));
+        assert!(!t.forget_stream(b), "forgotten already");
+        assert_eq!(t.count(CTX, b), 0);
+        assert_eq!(
+            t.count(CTX + 1, a),
+            1,
+            "the same handle in another context is another stream"
+        );
+    }
+
+    #[test]
+    fn first_takes_every_stream_at_once_and_a_number_is_exact() {
+        let mut t = Takeover::new(Policy::First);
+        assert!(t.earned(CTX, StreamKey::Legacy, Needs::Attach));
+        let mut t = Takeover::new(Policy::After(3));
+        let s = StreamKey::Legacy;
+        assert_eq!(
+            (0..4)
+                .map(|_| t.earned(CTX, s, Needs::Attach))
+                .collect::<Vec<_>>(),
+            [false, false, false, true]
+        );
+    }
+
+    #[test]
+    fn the_table_of_counted_streams_is_bounded() {
+        let mut t = Takeover::new(Policy::Earned);
+        for h in 0..(MAX_COUNTED * 3) {
+            assert!(!t.earned(CTX, StreamKey::Handle(h), Needs::Queue));
+        }
+        assert!(t.counts.len() <= MAX_COUNTED);
+    }
+}
