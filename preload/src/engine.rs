@@ -102,6 +102,19 @@ fn switch_in_env() -> bool {
     enabled_by((!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_bytes()))
 }
 
+/// Whether APEX has, or is making, anything a CUDA call must be ordered with: an attached context (queues, kept
+/// events, fences) or an attach in flight. Until then every wrapped call but a launch (which counts towards its
+/// stream's takeover) and the calls that keep the preload's own books (module loads, stream and event lifetimes,
+/// captures, frees, teardown) goes straight to libcuda without the engine's lock: a program that APEX never takes
+/// over — too short to earn a takeover, or all its kernels refused — pays one load per call. Set once, never
+/// cleared (after a teardown the ordering paths stay, and answer quickly with nothing attached).
+static ENGAGED: AtomicBool = AtomicBool::new(false);
+
+/// Whether APEX has, or is making, anything a CUDA call must be ordered with ([`ENGAGED`]).
+pub(crate) fn engaged() -> bool {
+    ENGAGED.load(Ordering::Acquire)
+}
+
 /// The takeover's switch: 0 not read yet, 1 on, 2 off (`APEX_PRELOAD=off`).
 static SWITCH: AtomicU8 = AtomicU8::new(0);
 
@@ -791,6 +804,7 @@ impl Engine {
                     ctx = format_args!("{handle:#x}"),
                     "apex-preload attaches to the CUDA context in the background; launches go to libcuda meanwhile"
                 );
+                ENGAGED.store(true, Ordering::Release);
                 self.attaching.insert(handle, ticket);
                 self.summary.attach = "being set up in the background".into();
                 return Err(NotTaken::SettingUp);
@@ -841,6 +855,7 @@ impl Engine {
         self.generation += 1;
         let result = match result {
             Ok((gpu, asserts)) if gpu.backend() == Backend::Direct => {
+                ENGAGED.store(true, Ordering::Release);
                 info!(selection = %gpu.selection(), asserts_on_apex = asserts, "apex-preload attached to the CUDA context");
                 Ok((gpu, asserts))
             }

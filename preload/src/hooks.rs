@@ -58,6 +58,15 @@ enum Kind {
     Teardown,
 }
 
+impl Kind {
+    /// Whether the preload has anything to do for this kind of call only once APEX holds something (an attached
+    /// context): ordering with queues, events kept on APEX, answers from fences, copies and sets run on queues.
+    /// `Device` and `Teardown` also keep the preload's books (frees, the end of a context): always handled.
+    fn needs_apex_only(self) -> bool {
+        !matches!(self, Kind::Device | Kind::Teardown)
+    }
+}
+
 /// A wrapped call's name and pointers, for the rows that need them.
 #[derive(Clone, Copy, Debug, Default)]
 struct Args {
@@ -73,6 +82,10 @@ struct Args {
 fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_int {
     // With the takeover off no queue exists: nothing to order (one load; most callers got libcuda's own function).
     if engine::disabled() {
+        return call();
+    }
+    // Nothing of APEX's exists yet to order this with, keep an event on or answer from (one load).
+    if kind.needs_apex_only() && !engine::engaged() {
         return call();
     }
     let Some(_g) = enter() else { return call() };
@@ -990,7 +1003,8 @@ pub unsafe extern "C" fn cuEventDestroy_v2(event: P) -> c_int {
 
 /// An event wait or query: answered from APEX's fence for an event the preload kept, else libcuda's.
 fn event_sync(event: P, kind: SyncKind, call: impl FnOnce() -> c_int) -> c_int {
-    if engine::disabled() {
+    // No event is kept on APEX before anything is attached.
+    if engine::disabled() || !engine::engaged() {
         return call();
     }
     let Some(_g) = enter() else { return call() };
@@ -1975,6 +1989,37 @@ pub unsafe extern "C" fn cuGetProcAddress(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Before anything is attached, only the calls that keep the preload's own books (frees and unloads, a
+    /// context's end) reach the engine; ordering, kept events, answers from fences and copies on queues need
+    /// something of APEX's to exist.
+    #[test]
+    fn only_bookkeeping_calls_reach_the_engine_before_an_attach() {
+        use Kind::*;
+        let apex_only = [
+            Work,
+            WorkDone,
+            WaitEvent,
+            Graph,
+            StreamSync,
+            StreamQuery,
+            EventRecord,
+            CtxSync,
+            CopyDtoHAsync,
+            CopyHtoDAsync,
+            CopyAnyAsync,
+            CopyDtoH,
+            CopyHtoD,
+            CopyAny,
+            CopyDtoD,
+            Set8,
+            Set16,
+            Set32,
+        ];
+        assert!(apex_only.iter().all(|k| k.needs_apex_only()));
+        assert!(!Device.needs_apex_only());
+        assert!(!Teardown.needs_apex_only());
+    }
 
     #[test]
     fn symbols_and_bases_are_consistent() {

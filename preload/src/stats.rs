@@ -139,7 +139,8 @@ pub struct Summary {
     #[serde(default)]
     pub sets_on_apex: u64,
     /// Work the program gave libcuda (copies, sets, waits, host functions, graph launches: every call but the
-    /// launches, which `reasons` counts), by driver function: what still needs hops between libcuda and APEX.
+    /// launches, which `reasons` counts) once APEX was attached, by driver function: what still needs hops between
+    /// libcuda and APEX. (Before the first attach such calls go straight to libcuda, uncounted.)
     #[serde(default)]
     pub cuda_work: BTreeMap<String, u64>,
     /// Failed device asserts of APEX's kernels, reported through libcuda.

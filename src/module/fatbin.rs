@@ -587,6 +587,16 @@ mod tests {
         assert!(zstd_frame(&frame, Some(4)).is_err(), "more than stated");
         assert!(zstd_frame(&frame[..10], Some(5)).is_err(), "truncated");
         assert!(zstd_frame(b"not zstd", Some(5)).is_err());
+        // A frame with a content checksum: a flipped byte is caught, with or without a stated size.
+        let text = b"checksummed payload, checksummed payload, checksummed payload".repeat(20);
+        let mut c = zstd::bulk::Compressor::new(3).unwrap();
+        c.include_checksum(true).unwrap();
+        let mut framed = c.compress(&text).unwrap();
+        assert_eq!(zstd_frame(&framed, Some(text.len())).unwrap(), text);
+        let last = framed.len() - 1;
+        framed[last] ^= 0x01;
+        assert!(zstd_frame(&framed, Some(text.len())).is_err(), "checksum");
+        assert!(zstd_frame(&framed, None).is_err(), "checksum, streamed");
         // A frame declaring a 2^41-byte window is refused before anything that size is allocated.
         let huge_window = [0x28, 0xb5, 0x2f, 0xfd, 0x00, 0xf8, 0x01, 0x00, 0x00];
         assert!(zstd_frame(&huge_window, Some(5)).is_err());
