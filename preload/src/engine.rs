@@ -833,6 +833,10 @@ impl Engine {
             None => Needs::Attach,
             Some(ci) => {
                 let ctx = &self.contexts[ci];
+                if ctx.failed.is_some() || ctx.queue_failed.is_some() {
+                    // Nothing to pay for: the launch goes on to its refusal, counted as one.
+                    return true;
+                }
                 if !ctx.spare.is_empty() || ctx.gpu.queue_is_built(self.queue_options()) {
                     Needs::Nothing
                 } else {
@@ -856,6 +860,7 @@ impl Engine {
         let result = match result {
             Ok((gpu, asserts)) if gpu.backend() == Backend::Direct => {
                 ENGAGED.store(true, Ordering::Release);
+                self.takeover.attached(handle);
                 info!(selection = %gpu.selection(), asserts_on_apex = asserts, "apex-preload attached to the CUDA context");
                 Ok((gpu, asserts))
             }
@@ -1016,7 +1021,11 @@ impl Engine {
             Some(slot) => Some(slot),
             None => {
                 s[0] = 0;
-                self.slot_for(ci, key, l.stream, l.per_thread)?
+                let slot = self.slot_for(ci, key, l.stream, l.per_thread)?;
+                if slot.is_some() {
+                    self.takeover.taken(handle, key);
+                }
+                slot
             }
         };
         let Engine {
@@ -1651,6 +1660,14 @@ pub(crate) fn before(site: Site) -> Ordered {
 /// `o`: what [`before`] answered.
 pub(crate) fn after(site: Site, o: Ordered, completed: bool) {
     with(|e| e.after(site, o, completed));
+}
+
+/// After CUDA work at `site` that went to libcuda without [`before_work`] (nothing was attached when it started):
+/// if something was attached meanwhile, the site's stream is marked as having CUDA work its queue must wait for.
+pub(crate) fn after_unordered(site: Site) {
+    if engaged() {
+        after(site, Ordered::UNKNOWN, false);
+    }
 }
 
 /// Runs a synchronization's first step under the lock, waits without it, and its last step under it again.

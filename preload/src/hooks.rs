@@ -65,6 +65,19 @@ impl Kind {
     fn needs_apex_only(self) -> bool {
         !matches!(self, Kind::Device | Kind::Teardown)
     }
+
+    /// Whether the call puts work on its stream (a queue that takes the stream over must wait for it).
+    fn adds_work(self) -> bool {
+        !matches!(
+            self,
+            Kind::StreamSync
+                | Kind::StreamQuery
+                | Kind::EventRecord
+                | Kind::CtxSync
+                | Kind::Device
+                | Kind::Teardown
+        )
+    }
 }
 
 /// A wrapped call's name and pointers, for the rows that need them.
@@ -86,7 +99,13 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
     }
     // Nothing of APEX's exists yet to order this with, keep an event on or answer from (one load).
     if kind.needs_apex_only() && !engine::engaged() {
-        return call();
+        let r = call();
+        // Another thread may have attached and taken the stream over while this call ran: its queue must then
+        // wait for this work before its next launch, as if the call had been ordered.
+        if kind.adds_work() {
+            engine::after_unordered(site);
+        }
+        return r;
     }
     let Some(_g) = enter() else { return call() };
     // A failed assert that could not be replayed through libcuda: every call answers it, as a failed context does.

@@ -130,8 +130,9 @@ impl Takeover {
     }
 
     /// Whether a launch on stream `key` of context `ctx`, not taken over yet, goes through APEX: `false` counts it
-    /// as one more launch on libcuda. Once it answers `true` the stream's count is dropped (the caller takes the
-    /// stream over; if that fails, the launch's refusal says why).
+    /// as one more launch on libcuda. Once paid, it answers `true` until the caller reports the stream taken over
+    /// ([`Takeover::taken`]) or the context attached ([`Takeover::attached`]): a takeover postponed (the set-up
+    /// still running in the background) does not make the stream pay again.
     ///
     /// With the `earned` policy an attach is paid for by every stream of the context together (it serves them
     /// all, and its proving queue serves the stream that completes the price), and a queue by its own stream's
@@ -152,10 +153,6 @@ impl Takeover {
             self.counts.get(&(ctx, key)).copied().unwrap_or(0)
         };
         if paid >= threshold {
-            self.counts.remove(&(ctx, key));
-            if shared {
-                self.context_counts.remove(&ctx);
-            }
             return true;
         }
         *self.counts.entry((ctx, key)).or_insert(0) += 1;
@@ -166,6 +163,17 @@ impl Takeover {
             *self.context_counts.entry(ctx).or_insert(0) += 1;
         }
         false
+    }
+
+    /// Stream `key` of context `ctx` was taken over: its count goes.
+    pub(crate) fn taken(&mut self, ctx: usize, key: StreamKey) {
+        self.counts.remove(&(ctx, key));
+    }
+
+    /// Context `ctx` was attached: what its streams paid together goes (each stream's own count stays, towards its
+    /// queue).
+    pub(crate) fn attached(&mut self, ctx: usize) {
+        self.context_counts.remove(&ctx);
     }
 
     /// The launches stream `key` of context `ctx` has made on libcuda so far (0 once taken over).
@@ -237,6 +245,13 @@ mod tests {
         }
         assert_eq!(t.count(CTX, s), n);
         assert!(t.earned(CTX, s, Needs::Attach));
+        assert!(
+            t.earned(CTX, s, Needs::Attach),
+            "paid: a takeover postponed (set-up in the background) does not make it pay again"
+        );
+        assert_eq!(t.count(CTX, s), n);
+        t.attached(CTX);
+        t.taken(CTX, s);
         assert_eq!(
             t.count(CTX, s),
             0,
@@ -269,6 +284,8 @@ mod tests {
             Some((333, b)),
             "the 1001st launch of the context, b's 334th"
         );
+        t.attached(CTX);
+        t.taken(CTX, b);
         // The others have paid 333 or 334 launches towards their own queues (500 each): 167 or 166 more.
         assert_eq!(t.count(CTX, a), 334);
         assert_eq!(t.count(CTX, c), 333);
@@ -315,6 +332,7 @@ mod tests {
         assert!(!t.earned(CTX + 1, a, Needs::Queue));
         assert!(!t.earned(CTX, a, Needs::Queue));
         assert!(t.earned(CTX, a, Needs::Queue), "the third launch of a");
+        t.taken(CTX, a);
         assert_eq!(t.count(CTX, b), 1);
         assert_eq!(t.counted(), 2, "a was taken over");
         assert!(t.forget_stream(b));

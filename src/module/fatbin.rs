@@ -515,6 +515,13 @@ fn zstd_frame(src: &[u8], stated: Option<usize>) -> Result<Vec<u8>, String> {
         .unwrap_or(u64::MAX)
         .clamp(ZSTD_MIN_WINDOW, MAX_PAYLOAD as u64);
     let window_log = 63 - window.next_power_of_two().leading_zeros();
+    // The entry's first frame only: a payload may carry zero padding after it (an entry without a compressed
+    // size is read to its padded end), which the decoder would take for a broken second frame.
+    let src = match zstd::zstd_safe::find_frame_compressed_size(src) {
+        Ok(n) if n <= src.len() => &src[..n],
+        // Unreadable header or truncated frame: the decoder reports it.
+        _ => src,
+    };
     if let Some(size) = stated {
         let mut d = zstd::bulk::Decompressor::new().map_err(|e| e.to_string())?;
         d.window_log_max(window_log).map_err(|e| e.to_string())?;
@@ -597,6 +604,11 @@ mod tests {
         framed[last] ^= 0x01;
         assert!(zstd_frame(&framed, Some(text.len())).is_err(), "checksum");
         assert!(zstd_frame(&framed, None).is_err(), "checksum, streamed");
+        // Zero padding after the frame (an entry read to its padded end) is not a second frame.
+        let mut padded = frame.to_vec();
+        padded.extend_from_slice(&[0; 11]);
+        assert_eq!(zstd_frame(&padded, Some(5)).unwrap(), b"hello");
+        assert_eq!(zstd_frame(&padded, None).unwrap(), b"hello");
         // A frame declaring a 2^41-byte window is refused before anything that size is allocated.
         let huge_window = [0x28, 0xb5, 0x2f, 0xfd, 0x00, 0xf8, 0x01, 0x00, 0x00];
         assert!(zstd_frame(&huge_window, Some(5)).is_err());

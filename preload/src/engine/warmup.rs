@@ -75,6 +75,9 @@ impl Engine {
         match outcome {
             Outcome::Attached { result, first } => {
                 self.summary.setup.attach.add(took);
+                if result.is_ok() {
+                    self.takeover.attach_took(took);
+                }
                 if self.attaching.get(&handle) != Some(&ticket) {
                     self.summary.setup.dropped += 1;
                     return;
@@ -94,6 +97,9 @@ impl Engine {
             }
             Outcome::Queue(result) => {
                 self.summary.setup.queue.add(took);
+                if result.is_ok() {
+                    self.takeover.queue_took(took);
+                }
                 let Some(ci) = ci else {
                     self.summary.setup.dropped += 1;
                     return;

@@ -126,3 +126,64 @@ fn a_context_that_cannot_be_attached_counts_refusals_not_warm_up() {
     assert_eq!((sum.warmup, sum.fallback), (2, 2));
     assert_eq!(sum.setup.attach.count, 1, "tried once");
 }
+
+/// With the set-up in the background, a stream that has paid is not made to pay again while its attach, module
+/// and queue are being made: it is taken over at its first launch once they are ready. The worker's timings price
+/// later takeovers.
+#[test]
+fn a_paid_stream_waits_for_the_background_set_up_without_paying_again() {
+    let mut s = Setup::build(false, Mode::Background, None, Policy::After(3));
+    for i in 0..3 {
+        assert!(!s.hook_launch(0), "launch {i}: not paid yet");
+    }
+    assert!(s.engine.contexts.is_empty());
+    let mut taken_at = None;
+    for i in 3..12 {
+        if s.hook_launch(0) {
+            taken_at = Some(i);
+            break;
+        }
+        // The attach, then the module, each made by the worker.
+        s.settle();
+    }
+    let taken_at = taken_at.expect("taken over once the set-up is ready");
+    assert!(
+        taken_at <= 6,
+        "taken at launch {taken_at}: the stream paid once (3 launches), then waited only for the set-up"
+    );
+    assert_eq!(s.engine.takeover.count(CTX, StreamKey::Legacy), 0);
+    let sum = s.engine.summary();
+    assert_eq!(sum.setup.streams_not_earned, 0, "{:?}", sum.setup);
+    // The background attach priced the next one.
+    let (attach_ns, _) = s.engine.takeover.prices();
+    let took_ns = sum.setup.attach.max_ms * 1e6;
+    assert!(
+        (attach_ns as f64 - took_ns).abs() < 500_000.0,
+        "priced {attach_ns} ns, took {took_ns} ns"
+    );
+}
+
+/// A stream that takes a queue built already pays nothing and keeps no count.
+#[test]
+fn a_stream_taking_a_built_queue_keeps_no_count() {
+    let mut s = Setup::with_takeover(Policy::Earned);
+    let first = s.engine.takeover.threshold(Needs::Attach);
+    for _ in 0..first {
+        assert!(!s.hook_launch(SITE_A));
+    }
+    assert!(
+        s.hook_launch(SITE_A),
+        "paid for the attach; takes the kept queue"
+    );
+    assert_eq!(s.engine.takeover.count(CTX, StreamKey::Handle(SITE_A)), 0);
+    // A second stream starts paying for a queue of its own...
+    assert!(!s.hook_launch(SITE_B));
+    assert!(!s.hook_launch(SITE_B));
+    assert_eq!(s.engine.takeover.count(CTX, StreamKey::Handle(SITE_B)), 2);
+    // ...until the first stream is destroyed: its queue is kept for the next stream, which takes it at once and
+    // keeps no count (it is not a stream left on libcuda).
+    s.engine.stream_destroyed(SITE_A);
+    assert!(s.hook_launch(SITE_B), "takes the destroyed stream's queue");
+    assert_eq!(s.engine.takeover.count(CTX, StreamKey::Handle(SITE_B)), 0);
+    assert_eq!(s.engine.summary().setup.streams_not_earned, 0);
+}
