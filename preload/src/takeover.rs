@@ -26,7 +26,7 @@ use crate::order::StreamKey;
 pub(crate) const SAVED_PER_LAUNCH_NS: u64 = 3_000;
 
 /// The price of attaching to a context before one was timed in this process: the attach and the queue that proves
-/// the channel, which then serves the stream (H100, 580.159.04: 2-3 ms and 5.4-5.7 ms).
+/// the channel, which then serves the stream (H100, 580.159.04: 3.6 ms and 5.4-5.7 ms).
 const ATTACH_NS: u64 = 8_500_000;
 
 /// The price of a queue before one was timed in this process (H100, 580.159.04: 4.8-5.4 ms).
