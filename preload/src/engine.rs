@@ -970,10 +970,12 @@ impl Engine {
             return Err(Refusal::ContextLimit.into());
         }
         let handle = self.cuda.current_context().ok_or(Refusal::NoContext)?;
-        let ci = match self.find_context(handle) {
-            // A stream taken over already: the hot path.
-            Some(ci) if self.contexts[ci].order.find(key).is_some() => ci,
-            found => {
+        // The stream's slot when it is taken over already (the hot path: looked up once, used below).
+        let found = self.find_context(handle);
+        let taken = found.and_then(|ci| self.contexts[ci].order.find(key));
+        let ci = match (found, taken) {
+            (Some(ci), Some(_)) => ci,
+            _ => {
                 if !self.unattached.contains_key(&handle)
                     && !self.takeover_earned(handle, found, key)
                 {
@@ -1017,7 +1019,7 @@ impl Engine {
             fresh = true;
         }
         // `None`: the stream's queue is being built in the background.
-        let slot = match self.contexts[ci].order.find(key) {
+        let slot = match taken {
             Some(slot) => Some(slot),
             None => {
                 s[0] = 0;

@@ -119,6 +119,20 @@ fn inline(mut cmd: Command) -> Command {
     cmd
 }
 
+/// The stdout of a plain and a preloaded run of one program, after checking that both exited successfully.
+fn both_succeeded(plain: &Run, pre: &Run) -> (String, String) {
+    let (a, b) = (stdout(plain), stdout(pre));
+    for (what, r, text) in [("plain", plain, &a), ("preload", pre, &b)] {
+        assert!(
+            r.out.status.success(),
+            "{what}: {:?}\n{text}\n{}",
+            r.out.status,
+            String::from_utf8_lossy(&r.out.stderr)
+        );
+    }
+    (a, b)
+}
+
 fn stdout(r: &Run) -> String {
     String::from_utf8_lossy(&r.out.stdout).into_owned()
 }
@@ -1065,15 +1079,7 @@ fn a_short_program_runs_while_apex_sets_up_in_the_background() {
             &dir,
             &format!("{launches}-background"),
         );
-        let (a, b) = (stdout(&plain), stdout(&pre));
-        for (what, r, text) in [("plain", &plain, &a), ("preload", &pre, &b)] {
-            assert!(
-                r.out.status.success(),
-                "{what}: {:?}\n{text}\n{}",
-                r.out.status,
-                String::from_utf8_lossy(&r.out.stderr)
-            );
-        }
+        let (a, b) = both_succeeded(&plain, &pre);
         let s = pre.summary.clone().expect("summary");
         report(&format!("short_program, {launches} launches"), &s);
         println!(
@@ -1139,15 +1145,7 @@ fn a_stream_is_taken_over_once_its_launches_pay_for_it() {
         let mut earned = cmd();
         earned.env("APEX_PRELOAD_TAKEOVER", "earned");
         let pre = run(earned, Some(&lib), &dir, &format!("earned-{launches}"));
-        let (a, b) = (stdout(&plain), stdout(&pre));
-        for (what, r, text) in [("plain", &plain, &a), ("preload", &pre, &b)] {
-            assert!(
-                r.out.status.success(),
-                "{what}: {:?}\n{text}\n{}",
-                r.out.status,
-                String::from_utf8_lossy(&r.out.stderr)
-            );
-        }
+        let (a, b) = both_succeeded(&plain, &pre);
         let s = pre.summary.clone().expect("summary");
         report(&format!("short_program, {launches} launches, earned"), &s);
         println!(

@@ -191,6 +191,21 @@ fn bare_launch() -> Launch {
     }
 }
 
+/// Records the test cubin as module `MODULE` and its `vector_add` kernel as function `FUNC`, as the program's
+/// loads would.
+fn register_test_kernel(engine: &mut Engine) {
+    engine.loaded(MODULE, Ok(ImageBytes::Owned(CUBIN.into())), false);
+    let cubin = Cubin::parse(CUBIN).unwrap();
+    let name = cubin
+        .kernels()
+        .iter()
+        .find(|k| k.name.contains("vector_add"))
+        .unwrap()
+        .name
+        .clone();
+    engine.function(FUNC, MODULE, &name);
+}
+
 impl Setup {
     /// A setup that makes what a launch needs on the spot (`APEX_PRELOAD_SETUP=inline`): every launch through APEX
     /// from the first.
@@ -241,16 +256,7 @@ impl Setup {
             takeover,
         };
         let mut engine = Engine::new(config, Box::new(cuda));
-        engine.loaded(MODULE, Ok(ImageBytes::Owned(CUBIN.into())), false);
-        let cubin = Cubin::parse(CUBIN).unwrap();
-        let name = cubin
-            .kernels()
-            .iter()
-            .find(|k| k.name.contains("vector_add"))
-            .unwrap()
-            .name
-            .clone();
-        engine.function(FUNC, MODULE, &name);
+        register_test_kernel(&mut engine);
         Setup {
             engine,
             sim,

@@ -301,15 +301,7 @@ fn a_module_unloaded_while_it_loads_is_dropped_and_loaded_again() {
         .loaded(MODULE, Ok(ImageBytes::Owned(CUBIN.into())), false);
     let name = s.engine.registry.origin(FUNC).map(|o| o.name.clone());
     assert!(name.is_none(), "the unload forgot the function");
-    let cubin = Cubin::parse(CUBIN).unwrap();
-    let name = cubin
-        .kernels()
-        .iter()
-        .find(|k| k.name.contains("vector_add"))
-        .unwrap()
-        .name
-        .clone();
-    s.engine.function(FUNC, MODULE, &name);
+    register_test_kernel(&mut s.engine);
     s.settle();
     assert!(
         !s.hook_launch(0),
