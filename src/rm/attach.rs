@@ -24,6 +24,11 @@ const HANDLE_INFO_CLASSID: u32 = 2;
 /// RM's internal (NVOC) class id of `Device`, which GET_CHILD_HANDLE takes instead of the class number
 /// (generated/g_device_nvoc.h; the same in branches 535 to 595).
 const NVOC_ID_DEVICE: u32 = 0x00e0_ac20;
+/// RM's internal (NVOC) class id of `KernelChannelGroupApi`, a channel group (generated/
+/// g_kernel_channel_group_api_nvoc.c).
+const NVOC_ID_KERNEL_CHANNEL_GROUP_API: u32 = 0x002b_5b80;
+/// What [`RmObject::parent`] holds where the scan did not read it (no object's parent is handle 0).
+pub const PARENT_NOT_READ: Handle = 0;
 /// Root client handles: RM hands out `0xc1d00000 | index` from one counter (resserv/rs_server.c).
 const CLIENT_BASE: u32 = 0xc1d0_0000;
 const CLIENT_INDEX_MASK: u32 = 0x000f_ffff;
@@ -33,20 +38,26 @@ const CLIENT_WINDOW: u32 = 4096;
 const ACCESS_DUP: u32 = 1;
 /// Handles scanned from the base of CUDA's device handle, and how many misses in a row end the scan.
 const HANDLE_SCAN: u32 = 0x1_0000;
-const HANDLE_SCAN_GAP: u32 = 0x1000;
+pub const HANDLE_SCAN_GAP: u32 = 0x1000;
+/// The gap a first, quick pass over every client ends its scan at: a context's objects are made together when it
+/// is created, with few holes between them, while reading a client that holds no context (a PyTorch process has
+/// one beside CUDA's) to the full gap cost 8 ms of the attach (H200, 580.159.04). A second pass with the full gap
+/// runs only where the first found nothing.
+pub const HANDLE_SCAN_QUICK_GAP: u32 = 0x100;
 /// Misses in a row, and handles scanned, after which the scan asks whether it has found what it looks for: each
 /// probe is an ioctl (about 4 µs), and the long gap alone cost 18 ms of the attach (H100, 580.159.04).
 const HANDLE_SCAN_PAUSE: u32 = 32;
 const HANDLE_SCAN_CHECK_EVERY: u32 = 256;
 
 /// The objects of a client's handles `base`, `base + 1`, ... as `probe` answers for each (`None`: no such handle),
-/// in handle order. The scan ends after [`HANDLE_SCAN_GAP`] misses in a row (the end of the table: libcuda numbers
+/// in handle order. The scan ends after `gap` misses in a row ([`HANDLE_SCAN_GAP`]: the end of the table; libcuda numbers
 /// its objects from one base, and freed ones leave holes), or earlier once `enough` says the objects found so far
 /// hold what the caller looks for; `enough` is asked at each run of [`HANDLE_SCAN_PAUSE`] misses and every
 /// [`HANDLE_SCAN_CHECK_EVERY`] handles that found something new. Objects with higher handles than the end are not
 /// read: a caller that needs the oldest of something (the lowest handle) has it by then.
 pub fn scan_handles(
     base: Handle,
+    gap: u32,
     mut probe: impl FnMut(Handle) -> Option<RmObject>,
     mut enough: impl FnMut(&[RmObject]) -> bool,
 ) -> Vec<RmObject> {
@@ -55,7 +66,7 @@ pub fn scan_handles(
     let mut checked = 0;
     for i in 0..HANDLE_SCAN {
         let missed = i - last_hit;
-        if missed > HANDLE_SCAN_GAP {
+        if missed > gap {
             break;
         }
         let pause = missed == HANDLE_SCAN_PAUSE || i % HANDLE_SCAN_CHECK_EVERY == 0;
@@ -73,6 +84,20 @@ pub fn scan_handles(
     out
 }
 
+/// Whether the attach looks at the parent of an object of `class` (see [`pick_context_objects`] and
+/// [`client_devices`]): devices, their subdevices, VA spaces and channel groups, the channels in a group (GPFIFO
+/// classes, `0x??6f`) and the compute objects of a channel (`compute`).
+pub fn parent_looked_at(class: u32, compute: &[u32]) -> bool {
+    matches!(
+        class,
+        sys::NV01_DEVICE_0
+            | sys::NV20_SUBDEVICE_0
+            | sys::FERMI_VASPACE_A
+            | sys::KEPLER_CHANNEL_GROUP_A
+    ) || class & 0xff == 0x6f
+        || compute.contains(&class)
+}
+
 /// Compute engine classes (every row of the GPU-generation table, newest first): a channel with one of these under
 /// it runs kernels.
 pub fn compute_object_classes() -> Vec<u32> {
@@ -84,7 +109,8 @@ pub fn compute_object_classes() -> Vec<u32> {
 pub struct RmObject {
     /// The object's handle in its client.
     pub handle: Handle,
-    /// Its parent's handle (the client's for top-level objects).
+    /// Its parent's handle (the client's for top-level objects); [`PARENT_NOT_READ`] where a scan skipped it (an
+    /// object whose parent the attach never looks at: see [`parent_looked_at`]).
     pub parent: Handle,
     /// Its class number (`NV01_DEVICE_0`, `KEPLER_CHANNEL_GROUP_A`, ...).
     pub class: u32,
@@ -201,44 +227,83 @@ impl ForeignClient {
         check("RM_CONTROL", what, p.status)
     }
 
-    fn handle_info(&self, h: Handle) -> Result<RmObject> {
+    /// The class number of object `h` of this client (an error for a handle the client does not hold).
+    fn class_of(&self, h: Handle) -> Result<u32> {
         let mut c = ClientGetHandleInfo {
             h_object: h,
             index: HANDLE_INFO_CLASSID,
             result: 0,
         };
         self.ctrl(self.handle, &mut c)?;
+        Ok(c.result as u32)
+    }
+
+    /// The parent's handle of object `h` of this client.
+    fn parent_of(&self, h: Handle) -> Result<Handle> {
         let mut p = ClientGetHandleInfo {
             h_object: h,
             index: HANDLE_INFO_PARENT,
             result: 0,
         };
         self.ctrl(self.handle, &mut p)?;
-        Ok(RmObject {
-            handle: h,
-            parent: p.result as u32,
-            class: c.result as u32,
-        })
+        Ok(p.result as u32)
+    }
+
+    /// The first device object RM's child lookup finds under the client.
+    fn first_device(&self) -> Result<Handle> {
+        self.child_of_type(self.handle, NVOC_ID_DEVICE)
+    }
+
+    /// The first child of `parent` whose RM-internal class is `nvoc_class` (0 for none).
+    fn child_of_type(&self, parent: Handle, nvoc_class: u32) -> Result<Handle> {
+        let mut q = ClientGetChildHandle {
+            h_parent: parent,
+            class_id: nvoc_class,
+            h_object: 0,
+        };
+        self.ctrl(self.handle, &mut q)?;
+        Ok(q.h_object)
+    }
+
+    /// Whether the client's first device holds a channel group, asked of RM in two controls: CUDA's client does
+    /// once a context exists on that GPU; a client that only queries the GPU does not. False also when RM does not
+    /// say. Clients that do are read first: [`scan_handles`] reads a whole table, one control per handle, before it
+    /// can conclude that a client holds no context.
+    pub fn first_device_has_channel_group(&self) -> bool {
+        self.first_device()
+            .and_then(|d| self.child_of_type(d, NVOC_ID_KERNEL_CHANNEL_GROUP_API))
+            .is_ok_and(|group| group != 0)
     }
 
     /// The client's objects and the first device RM's child lookup finds: a scan of handles from that device
     /// handle's base (libcuda numbers all its objects, of every GPU, from one base; see [`scan_handles`]), ended by
-    /// a long run of misses or once `enough(objects, device)` says the objects so far hold what the caller needs.
+    /// `gap` misses in a row or once `enough(objects, device)` says the objects so far hold what the caller needs.
     pub fn objects(
         &self,
+        gap: u32,
         mut enough: impl FnMut(&[RmObject], Handle) -> bool,
     ) -> Result<(Handle, Vec<RmObject>)> {
-        let mut q = ClientGetChildHandle {
-            h_parent: self.handle,
-            class_id: NVOC_ID_DEVICE,
-            h_object: 0,
-        };
-        self.ctrl(self.handle, &mut q)?;
-        let device = q.h_object;
+        let device = self.first_device()?;
         let base = device & 0xffff_0000;
+        let compute = compute_object_classes();
         let out = scan_handles(
             base,
-            |h| self.handle_info(h).ok(),
+            gap,
+            |h| {
+                // Most of a table is the program's memory: its parents are never looked at, so not read (half the
+                // controls of a table read).
+                let class = self.class_of(h).ok()?;
+                let parent = if parent_looked_at(class, &compute) {
+                    self.parent_of(h).ok()?
+                } else {
+                    PARENT_NOT_READ
+                };
+                Some(RmObject {
+                    handle: h,
+                    parent,
+                    class,
+                })
+            },
             |objects| enough(objects, device),
         );
         debug!(
@@ -311,7 +376,7 @@ pub fn foreign_clients(own: &Client) -> Result<Vec<ForeignClient>> {
         for &fd in &ctl_fds {
             let Ok(ctl) = dup_fd(fd) else { continue };
             let c = ForeignClient { handle: h, ctl };
-            if c.handle_info(h).is_ok() {
+            if c.class_of(h).is_ok() {
                 debug!(
                     client = format_args!("{h:#x}"),
                     fd, "found a same-process RM client"
@@ -402,14 +467,22 @@ mod tests {
         // A hole of freed objects shorter than the long gap, then more objects.
         table.extend((0..10).map(|i| o(base + 0x800 + i, 0xc1d0_0001, 0x40)));
         let (probe, probes) = table_probe(&table);
-        let got = scan_handles(base, probe, |_| false);
+        let got = scan_handles(base, HANDLE_SCAN_GAP, probe, |_| false);
         assert_eq!(got, table, "every object, in handle order");
         // The scan ended one long gap after the last object.
         assert_eq!(probes.get(), 0x800 + 9 + HANDLE_SCAN_GAP + 1);
         // A hole longer than the gap ends the table.
         table.push(o(base + 0x3000, 0xc1d0_0001, 0x40));
         let (probe, _) = table_probe(&table);
-        assert_eq!(scan_handles(base, probe, |_| false).len(), table.len() - 1);
+        assert_eq!(
+            scan_handles(base, HANDLE_SCAN_GAP, probe, |_| false).len(),
+            table.len() - 1
+        );
+        // The quick pass stops at the first hole longer than its gap, after few probes.
+        let (probe, probes) = table_probe(&table);
+        let got = scan_handles(base, HANDLE_SCAN_QUICK_GAP, probe, |_| false);
+        assert_eq!(got, table[..39]);
+        assert_eq!(probes.get(), 39 + HANDLE_SCAN_QUICK_GAP + 1);
     }
 
     #[test]
@@ -423,7 +496,7 @@ mod tests {
         // pause (the run of misses after base + 99), without reading the later objects or the long gap.
         let (probe, probes) = table_probe(&table);
         let mut asked = 0;
-        let got = scan_handles(base, probe, |objs| {
+        let got = scan_handles(base, HANDLE_SCAN_GAP, probe, |objs| {
             asked += 1;
             objs.iter().any(|o| o.handle == base + 50)
         });
@@ -432,7 +505,7 @@ mod tests {
         assert_eq!(asked, 1);
         // Looking for something in the second run: the first pause says no, the scan goes on through the hole.
         let (probe, probes) = table_probe(&table);
-        let got = scan_handles(base, probe, |objs| {
+        let got = scan_handles(base, HANDLE_SCAN_GAP, probe, |objs| {
             objs.iter().any(|o| o.handle == base + 0x220)
         });
         assert_eq!(got.len(), 99 + 0x40);
@@ -440,7 +513,7 @@ mod tests {
         // A dense table is asked every few hundred handles, so a target early in it ends the scan early.
         let dense: Vec<RmObject> = (1..5000).map(|i| o(base + i, 0xc1d0_0001, 0x40)).collect();
         let (probe, probes) = table_probe(&dense);
-        let got = scan_handles(base, probe, |objs| {
+        let got = scan_handles(base, HANDLE_SCAN_GAP, probe, |objs| {
             objs.iter().any(|o| o.handle == base + 10)
         });
         assert_eq!(got.len(), HANDLE_SCAN_CHECK_EVERY as usize - 1);
@@ -484,6 +557,66 @@ mod tests {
         let got = pick_context_objects(&two, dev, &[sys::HOPPER_COMPUTE_A]).unwrap();
         assert_eq!(got.compute_group, 0x5c00_0015);
         assert_eq!(got.compute_groups, [0x5c00_0015, 0x5c00_009f]);
+    }
+
+    /// The scan reads the parent only of classes the attach looks under; what it picks from such a table is what
+    /// it picks from the whole one. The classes are those of libcuda's table on an H100 (driver 580.159.04).
+    #[test]
+    fn parents_read_only_where_looked_at_pick_the_same_context() {
+        let client = 0xc1d0_00b5;
+        let dev = 0x5c00_0002;
+        let sub = 0x5c00_0003;
+        let compute = [sys::HOPPER_COMPUTE_A];
+        let full = [
+            o(0x5c00_0001, client, 0xcb33),
+            o(dev, client, sys::NV01_DEVICE_0),
+            o(sub, dev, sys::NV20_SUBDEVICE_0),
+            o(0x5c00_0004, sub, 0x2081),
+            o(0x5c00_0005, sub, 0xc661),
+            o(0x5c00_0007, sub, 0x90e6),
+            o(0x5c00_0009, dev, sys::FERMI_VASPACE_A),
+            o(0x5c00_000a, dev, sys::FERMI_VASPACE_A),
+            o(0x5c00_000c, dev, 0x50a0),
+            o(0x5c00_000e, dev, 0x40),
+            o(0x5c00_0015, dev, sys::KEPLER_CHANNEL_GROUP_A),
+            o(0x5c00_0016, 0x5c00_0015, 0x9067),
+            o(0x5c00_0019, dev, 0x3e),
+            o(0x5c00_001c, 0x5c00_0015, sys::HOPPER_CHANNEL_GPFIFO_A),
+            o(0x5c00_001d, 0x5c00_001c, sys::HOPPER_COMPUTE_A),
+            o(0x5c00_001e, 0x5c00_001c, sys::HOPPER_DMA_COPY_A),
+            o(0x5c00_003d, sub, 0x79),
+            o(0x5c00_003e, dev, sys::KEPLER_CHANNEL_GROUP_A),
+            o(0x5c00_0040, 0x5c00_003e, sys::HOPPER_CHANNEL_GPFIFO_A),
+            o(0x5c00_0041, 0x5c00_0040, sys::HOPPER_DMA_COPY_A),
+            o(0x5c00_0070, dev, 0x71),
+            o(0x5c00_0089, dev, 0x83de),
+        ];
+        let read: Vec<RmObject> = full
+            .iter()
+            .map(|x| RmObject {
+                parent: if parent_looked_at(x.class, &compute) {
+                    x.parent
+                } else {
+                    PARENT_NOT_READ
+                },
+                ..*x
+            })
+            .collect();
+        let skipped = read.iter().filter(|x| x.parent == PARENT_NOT_READ).count();
+        assert_eq!(skipped, 13, "memory, events, copy objects and the like");
+        assert_eq!(
+            context_candidates(&read, client, dev, &compute),
+            context_candidates(&full, client, dev, &compute)
+        );
+        let got = pick_context_objects(&read, dev, &compute).unwrap();
+        assert_eq!(
+            (got.compute_group, got.subdevice, got.vaspaces.clone()),
+            (0x5c00_0015, sub, vec![0x5c00_0009, 0x5c00_000a])
+        );
+        // Every GPFIFO class of the generation table is a channel whose parent is read.
+        for c in [0xc86f, 0xc56f, 0xc96f, 0xca6f] {
+            assert!(parent_looked_at(c, &compute));
+        }
     }
 
     /// A client with a device object per GPU and a context only on the second (a process whose device is

@@ -337,30 +337,42 @@ impl GpuCore {
                     })
             };
         let mut found = None;
-        for c in super::attach::foreign_clients(&client)? {
-            // The scan stops once the context is found: the rest of the table (the program's allocations) is
-            // not needed, and each handle read is an ioctl. Its VA spaces are read by then: libcuda makes a
-            // context's VA space before its channel group (every table seen, H100 and H200, 580.159.04).
-            let Ok((device, objects)) =
-                c.objects(|objects, device| pick(&c, objects, device).is_some())
-            else {
-                continue;
-            };
-            debug!(
-                client = format_args!("{:#x}", c.handle),
-                device = format_args!("{device:#x}"),
-                objects = %objects
-                    .iter()
-                    .map(|o| format!("{:#x}<{:#x}:{:#x}", o.handle, o.parent, o.class))
-                    .collect::<Vec<_>>()
-                    .join(" "),
-                "a same-process client's objects (handle<parent:class)"
-            );
-            if let Some((objs, index, card)) = pick(&c, &objects, device) {
-                found = Some((c, objs, index, card));
-                break;
+        let mut clients = super::attach::foreign_clients(&client)?;
+        // Newest first, as listed, but the clients whose first device holds a channel group before the rest: a client
+        // without a context (a GPU query library's) is read to its table's end before it is ruled out.
+        clients.sort_by_key(|c| !c.first_device_has_channel_group());
+        // A quick pass over every client first, then, only if it found nothing, one to the end of each table.
+        'passes: for gap in [
+            super::attach::HANDLE_SCAN_QUICK_GAP,
+            super::attach::HANDLE_SCAN_GAP,
+        ] {
+            for (i, c) in clients.iter().enumerate() {
+                // The scan stops once the context is found: the rest of the table (the program's allocations) is
+                // not needed, and each handle read is an ioctl. Its VA spaces are read by then: libcuda makes a
+                // context's VA space before its channel group (every table seen, H100 and H200, 580.159.04).
+                let Ok((device, objects)) =
+                    c.objects(gap, |objects, device| pick(c, objects, device).is_some())
+                else {
+                    continue;
+                };
+                debug!(
+                    client = format_args!("{:#x}", c.handle),
+                    device = format_args!("{device:#x}"),
+                    gap,
+                    objects = %objects
+                        .iter()
+                        .map(|o| format!("{:#x}<{:#x}:{:#x}", o.handle, o.parent, o.class))
+                        .collect::<Vec<_>>()
+                        .join(" "),
+                    "a same-process client's objects (handle<parent:class)"
+                );
+                if let Some((objs, index, card)) = pick(c, &objects, device) {
+                    found = Some((i, objs, index, card));
+                    break 'passes;
+                }
             }
         }
+        let found = found.map(|(i, objs, index, card)| (clients.swap_remove(i), objs, index, card));
         if let Some((_, objs, _, _)) = &found
             && objs.compute_groups.len() > 1
         {
