@@ -825,7 +825,13 @@ impl Engine {
 
     /// Whether a launch on stream `key` of context `handle` (attached as `found`), a stream not taken over yet, has
     /// earned the stream's takeover ([`crate::takeover`]); counted as one more launch on libcuda if not.
-    fn takeover_earned(&mut self, handle: usize, found: Option<usize>, key: StreamKey) -> bool {
+    fn takeover_earned(
+        &mut self,
+        handle: usize,
+        found: Option<usize>,
+        key: StreamKey,
+        f: usize,
+    ) -> bool {
         // The summary is written at exit even if no stream is ever taken over (a launch ran: the CUDA runtime's own
         // exit handler is registered by now, so this one runs first).
         self.exit_hooks();
@@ -844,6 +850,15 @@ impl Engine {
                 }
             }
         };
+        // The kernel's module, if APEX has not loaded it, is loaded at the takeover: its price is part of it.
+        if self.takeover.policy() == Policy::Earned
+            && let Some(owner) = self.registry.origin(f).map(|o| o.owner)
+            && !self.takeover.owes(handle, owner)
+            && !found.is_some_and(|ci| self.contexts[ci].modules.contains_key(&owner))
+            && let Some(image) = self.registry.image(owner)
+        {
+            self.takeover.owe_module(handle, owner, image.bytes().len());
+        }
         self.takeover.earned(handle, key, needs)
     }
 
@@ -976,8 +991,16 @@ impl Engine {
         let ci = match (found, taken) {
             (Some(ci), Some(_)) => ci,
             _ => {
+                // A function already refused in this context pays nothing towards its stream's takeover.
+                if let Some(ci) = found
+                    && self.contexts[ci].failed.is_none()
+                    && let Some(FuncState::Refused(r)) = self.contexts[ci].funcs.get(&l.f)
+                {
+                    self.summary.refused(r);
+                    return Err(NotTaken::Counted);
+                }
                 if !self.unattached.contains_key(&handle)
-                    && !self.takeover_earned(handle, found, key)
+                    && !self.takeover_earned(handle, found, key, l.f)
                 {
                     return Err(NotTaken::SettingUp);
                 }
@@ -1017,6 +1040,17 @@ impl Engine {
             };
             self.contexts[ci].funcs.insert(l.f, state);
             fresh = true;
+        }
+        // A refused function's launch stays on libcuda without taking its stream over: a stream whose kernels APEX
+        // refuses (NCCL's) would get a queue it never uses, and its libcuda launches would be ordered against it.
+        if taken.is_none()
+            && let Some(FuncState::Refused(r)) = self.contexts[ci].funcs.get(&l.f)
+        {
+            if fresh {
+                return Err(r.clone().into());
+            }
+            self.summary.refused(r);
+            return Err(NotTaken::Counted);
         }
         // `None`: the stream's queue is being built in the background.
         let slot = match taken {
@@ -1267,6 +1301,8 @@ impl Engine {
             asserts,
         );
         self.summary.setup.module.add(started.elapsed());
+        self.takeover
+            .module_took(image.bytes().len(), started.elapsed());
         self.module_loaded(ci, owner, loaded).map(Some)
     }
 
@@ -1285,6 +1321,7 @@ impl Engine {
             ok = loaded.is_ok(),
             "module loaded for APEX"
         );
+        self.takeover.module_loaded(self.contexts[ci].handle, owner);
         self.contexts[ci].modules.insert(owner, loaded.clone());
         loaded
     }

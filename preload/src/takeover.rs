@@ -32,6 +32,12 @@ const ATTACH_NS: u64 = 8_500_000;
 /// The price of a queue before one was timed in this process (H100, 580.159.04: 4.8-5.4 ms).
 const QUEUE_NS: u64 = 5_400_000;
 
+/// What loading a module for APEX costs per byte of the image the program loaded, before a load was timed in this
+/// process: PyTorch's zstd-compressed fatbins took 4-20 ns per byte (H100, 580.159.04; most of it decompressing the
+/// chosen cubin), 12 on average. It counts as one MiB of loads measured, so the first timed loads outweigh it.
+const MODULE_NS_PER_BYTE: u64 = 12;
+const MODULE_PRIOR_BYTES: u64 = 1 << 20;
+
 /// Streams counted at most: beyond this, counts of streams never taken over are forgotten (a program that makes
 /// and drops streams without destroying them through CUDA cannot grow the table without bound).
 const MAX_COUNTED: usize = 4096;
@@ -96,6 +102,14 @@ pub(crate) struct Takeover {
     context_counts: HashMap<usize, u64>,
     attach_ns: u64,
     queue_ns: u64,
+    /// Modules whose kernels were launched on streams not taken over and that APEX has not loaded, per context:
+    /// each one's estimated load time. A takeover pays for them too, since the launches that follow load them.
+    owed: HashMap<(usize, usize), u64>,
+    /// The sum of `owed` per context.
+    owed_ns: HashMap<usize, u64>,
+    /// Module loads timed so far (with the prior): nanoseconds and image bytes.
+    module_ns: u64,
+    module_bytes: u64,
 }
 
 impl Takeover {
@@ -106,6 +120,10 @@ impl Takeover {
             context_counts: HashMap::new(),
             attach_ns: ATTACH_NS,
             queue_ns: QUEUE_NS,
+            owed: HashMap::new(),
+            owed_ns: HashMap::new(),
+            module_ns: MODULE_NS_PER_BYTE * MODULE_PRIOR_BYTES,
+            module_bytes: MODULE_PRIOR_BYTES,
         }
     }
 
@@ -129,6 +147,60 @@ impl Takeover {
         }
     }
 
+    /// How many launches on libcuda pay for a takeover in context `ctx` that `needs` this: with the `earned`
+    /// policy, the modules its streams' kernels need and APEX has not loaded are paid for too.
+    pub(crate) fn threshold_in(&self, ctx: usize, needs: Needs) -> u64 {
+        let base = self.threshold(needs);
+        if self.policy != Policy::Earned {
+            return base;
+        }
+        let owed = self.owed_ns.get(&ctx).copied().unwrap_or(0);
+        base + owed.div_ceil(SAVED_PER_LAUNCH_NS)
+    }
+
+    /// Whether module `owner`'s load is counted in context `ctx`'s takeover price already.
+    pub(crate) fn owes(&self, ctx: usize, owner: usize) -> bool {
+        self.owed.contains_key(&(ctx, owner))
+    }
+
+    /// A kernel of module `owner` (an image of `image_bytes`), not loaded for APEX, was launched on a stream of
+    /// context `ctx` not taken over: the takeover's price includes loading it, estimated from the loads timed so far.
+    pub(crate) fn owe_module(&mut self, ctx: usize, owner: usize, image_bytes: usize) {
+        if self.policy != Policy::Earned || self.owes(ctx, owner) {
+            return;
+        }
+        if self.owed.len() >= MAX_COUNTED {
+            self.owed.clear();
+            self.owed_ns.clear();
+        }
+        let ns = self.module_estimate(image_bytes);
+        self.owed.insert((ctx, owner), ns);
+        *self.owed_ns.entry(ctx).or_insert(0) += ns;
+    }
+
+    /// Module `owner` was loaded for APEX in context `ctx` (or refused there): no takeover pays for it any more.
+    pub(crate) fn module_loaded(&mut self, ctx: usize, owner: usize) {
+        if let Some(ns) = self.owed.remove(&(ctx, owner))
+            && let Some(total) = self.owed_ns.get_mut(&ctx)
+        {
+            *total = total.saturating_sub(ns);
+        }
+    }
+
+    /// A module load of an `image_bytes` image took `took`: later estimates follow this process's loads.
+    pub(crate) fn module_took(&mut self, image_bytes: usize, took: Duration) {
+        let ns = took.as_nanos().min(u128::from(u64::MAX / 2)) as u64;
+        self.module_ns = self.module_ns.saturating_add(ns);
+        self.module_bytes = self.module_bytes.saturating_add(image_bytes as u64);
+    }
+
+    /// The estimated time of loading a module from an image of `image_bytes`, in nanoseconds.
+    pub(crate) fn module_estimate(&self, image_bytes: usize) -> u64 {
+        let ns =
+            u128::from(self.module_ns) * image_bytes as u128 / u128::from(self.module_bytes.max(1));
+        ns.min(u128::from(u64::MAX / 2)) as u64
+    }
+
     /// Whether a launch on stream `key` of context `ctx`, not taken over yet, goes through APEX: `false` counts it
     /// as one more launch on libcuda. Once paid, it answers `true` until the caller reports the stream taken over
     /// ([`Takeover::taken`]) or the context attached ([`Takeover::attached`]): a takeover postponed (the set-up
@@ -139,7 +211,7 @@ impl Takeover {
     /// launches, counted from its first one: a stream that ran on libcuda while the context was being paid for
     /// has paid that much towards its queue already.
     pub(crate) fn earned(&mut self, ctx: usize, key: StreamKey, needs: Needs) -> bool {
-        let threshold = self.threshold(needs);
+        let threshold = self.threshold_in(ctx, needs);
         if threshold == 0 {
             return true;
         }
@@ -357,6 +429,46 @@ mod tests {
                 .collect::<Vec<_>>(),
             [false, false, false, true]
         );
+    }
+
+    #[test]
+    fn a_takeover_also_pays_for_the_modules_its_kernels_need() {
+        let mut t = Takeover::new(Policy::Earned);
+        t.attach_took(Duration::from_millis(3));
+        let base = t.threshold(Needs::Attach);
+        assert_eq!(base, 1000);
+        // Before any load was timed: the prior, 12 ns per image byte.
+        assert_eq!(t.module_estimate(1_000_000), 12_000_000);
+        t.owe_module(CTX, 0xa, 1_000_000);
+        t.owe_module(CTX, 0xa, 1_000_000);
+        assert!(t.owes(CTX, 0xa));
+        assert_eq!(
+            t.threshold_in(CTX, Needs::Attach),
+            base + 4000,
+            "one module of 12 ms, owed once however often its kernels launch"
+        );
+        assert_eq!(
+            t.threshold_in(CTX + 1, Needs::Attach),
+            base,
+            "another context owes nothing"
+        );
+        let s = StreamKey::Handle(7);
+        let launches = (0..)
+            .take_while(|_| !t.earned(CTX, s, Needs::Attach))
+            .count();
+        assert_eq!(launches, 5000);
+        // Loaded: no later takeover pays for it.
+        t.module_loaded(CTX, 0xa);
+        assert!(!t.owes(CTX, 0xa));
+        assert_eq!(t.threshold_in(CTX, Needs::Queue), t.threshold(Needs::Queue));
+        // Loads timed in this process replace the prior: 2 ns per byte measured over 10 MiB.
+        t.module_took(10 << 20, Duration::from_nanos(2 * (10 << 20)));
+        let est = t.module_estimate(1 << 20);
+        assert!((2 << 20..3 << 20).contains(&est), "{est} ns for 1 MiB");
+        // Other policies never price modules.
+        let mut f = Takeover::new(Policy::After(3));
+        f.owe_module(CTX, 0xa, 1 << 30);
+        assert_eq!(f.threshold_in(CTX, Needs::Attach), 3);
     }
 
     #[test]

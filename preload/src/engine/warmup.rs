@@ -121,6 +121,9 @@ impl Engine {
             }
             Outcome::Module { owner, result } => {
                 self.summary.setup.module.add(took);
+                if let Some(image) = self.registry.image(owner) {
+                    self.takeover.module_took(image.bytes().len(), took);
+                }
                 let Some(ci) =
                     ci.filter(|&ci| self.contexts[ci].loading.get(&owner) == Some(&ticket))
                 else {

@@ -48,15 +48,27 @@ fn a_stream_goes_to_libcuda_until_its_count_is_met_and_then_through_apex_in_orde
 #[test]
 fn the_default_policy_prices_the_attach_then_each_queue_by_what_it_took() {
     let mut s = Setup::with_takeover(Policy::Earned);
-    let first = s.engine.takeover.threshold(Needs::Attach);
+    let attach = s.engine.takeover.threshold(Needs::Attach);
     assert!(
-        first > 100,
-        "an attach costs milliseconds: {first} launches"
+        attach > 100,
+        "an attach costs milliseconds: {attach} launches"
     );
-    for _ in 0..first {
+    assert!(!s.hook_launch(0));
+    // The kernel's module, which the takeover loads, is priced at its first launch.
+    let first = s.engine.takeover.threshold_in(CTX, Needs::Attach);
+    assert!(first > attach, "the module is priced: {first} launches");
+    for _ in 1..first {
         assert!(!s.hook_launch(0));
     }
-    assert!(s.hook_launch(0), "taken over once the attach is paid for");
+    assert!(
+        s.hook_launch(0),
+        "taken over once the attach and the module are paid for"
+    );
+    assert_eq!(
+        s.engine.takeover.threshold_in(CTX, Needs::Queue),
+        s.engine.takeover.threshold(Needs::Queue),
+        "the module is loaded: no later takeover pays for it"
+    );
     // The attach was timed: the next attach's price is what this one took.
     let took_ns = s.engine.summary().setup.attach.max_ms * 1e6;
     let (attach_ns, queue_ns) = s.engine.takeover.prices();
@@ -167,13 +179,14 @@ fn a_paid_stream_waits_for_the_background_set_up_without_paying_again() {
 #[test]
 fn a_stream_taking_a_built_queue_keeps_no_count() {
     let mut s = Setup::with_takeover(Policy::Earned);
-    let first = s.engine.takeover.threshold(Needs::Attach);
-    for _ in 0..first {
+    assert!(!s.hook_launch(SITE_A));
+    let first = s.engine.takeover.threshold_in(CTX, Needs::Attach);
+    for _ in 1..first {
         assert!(!s.hook_launch(SITE_A));
     }
     assert!(
         s.hook_launch(SITE_A),
-        "paid for the attach; takes the kept queue"
+        "paid for the attach and the module; takes the kept queue"
     );
     assert_eq!(s.engine.takeover.count(CTX, StreamKey::Handle(SITE_A)), 0);
     // A second stream starts paying for a queue of its own...
@@ -186,4 +199,70 @@ fn a_stream_taking_a_built_queue_keeps_no_count() {
     assert!(s.hook_launch(SITE_B), "takes the destroyed stream's queue");
     assert_eq!(s.engine.takeover.count(CTX, StreamKey::Handle(SITE_B)), 0);
     assert_eq!(s.engine.summary().setup.streams_not_earned, 0);
+}
+
+/// A stream whose kernels APEX refuses (NCCL's) is never taken over: a refused function's launch neither takes its
+/// stream (no queue built for it, no ordering against one) nor, once refused, counts towards the stream's takeover.
+#[test]
+fn a_refused_kernel_neither_takes_its_stream_over_nor_pays_for_it() {
+    // Every stream at its first launch: a refused one would have taken its stream before this change.
+    let mut s = Setup::with_takeover(Policy::After(0));
+    assert!(s.hook_launch(0), "attached, the legacy stream taken over");
+    let queues = s.engine.summary().queues;
+    const REFUSED: usize = 0xbad;
+    s.engine.func_attribute(REFUSED, 99);
+    let refused = Launch {
+        f: REFUSED,
+        stream: SITE_A,
+        ..bare_launch()
+    };
+    for _ in 0..3 {
+        assert!(s.engine.launch(&refused, 0).is_none());
+    }
+    assert!(
+        s.engine.contexts[0]
+            .order
+            .find(StreamKey::Handle(SITE_A))
+            .is_none(),
+        "the stream is not taken over"
+    );
+    let sum = s.engine.summary();
+    assert_eq!(sum.queues, queues, "no queue built for it");
+    assert_eq!(sum.reasons["function_attribute"].launches, 3);
+    assert_eq!(sum.setup.streams_not_earned, 0);
+
+    // With a price on queues, a function is resolved once its stream has paid: refused then, it takes no queue,
+    // and its later launches count as refusals, not towards the stream's takeover.
+    let mut s = Setup::with_takeover(Policy::After(4));
+    for _ in 0..4 {
+        assert!(!s.hook_launch(0));
+    }
+    assert!(s.hook_launch(0), "the legacy stream paid and is taken over");
+    let queues = s.engine.summary().queues;
+    s.engine.func_attribute(REFUSED, 99);
+    for _ in 0..10 {
+        assert!(s.engine.launch(&refused, 0).is_none());
+    }
+    assert_eq!(
+        s.engine.takeover.count(CTX, StreamKey::Handle(SITE_A)),
+        4,
+        "the launches before the function was resolved paid; none after"
+    );
+    let sum = s.engine.summary();
+    assert_eq!(sum.queues, queues, "no queue built for the stream");
+    assert_eq!(sum.reasons["function_attribute"].launches, 6);
+    assert_eq!((sum.warmup, sum.apex), (4 + 4, 1));
+    // Known to be refused, the function pays nothing on another stream either.
+    let elsewhere = Launch {
+        stream: SITE_B,
+        ..refused
+    };
+    for _ in 0..5 {
+        assert!(s.engine.launch(&elsewhere, 0).is_none());
+    }
+    assert_eq!(s.engine.takeover.count(CTX, StreamKey::Handle(SITE_B)), 0);
+    assert_eq!(
+        s.engine.summary().reasons["function_attribute"].launches,
+        11
+    );
 }
