@@ -15,6 +15,7 @@ pub use crate::launch::ParamError;
 pub use crate::launch::graph::GraphError;
 pub use crate::launch::qmd::QmdError;
 pub use crate::module::Error as ModuleError;
+pub use crate::module::cache::ModuleCacheAlreadySet;
 pub use crate::module::cubin::CubinError;
 pub use crate::module::fatbin::FatbinError;
 pub use crate::module::image::ImageError;

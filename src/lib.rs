@@ -2,11 +2,11 @@
 //!
 //! The API: [`Gpu`] (open a device, allocate, load modules), [`Queue`] (launches, copies, waits), [`Launch`] and
 //! [`LaunchConfig`], [`Buffer`] and [`HostBuffer`], [`Fence`] and [`Ticket`], [`Module`], [`Kernel`] and
-//! [`Global`], [`QueueOptions`], [`Graph`] and [`GraphExec`], [`MemoryPool`], and [`Error`] with what it wraps in
-//! [`errors`]. It runs on the direct path (our own RM client, channel, pushbuffers and QMDs, launching by
-//! doorbell) when it can, else on the CUDA driver; [`Gpu::selection`] says which and why. [`occupancy`] is the
-//! launch advisor; [`backend`] documents what the escape hatches (`direct()`, `driver()`) return and the simulated
-//! GPU of [`Gpu::open_simulated`].
+//! [`Global`], [`QueueOptions`], [`Graph`] and [`GraphExec`], [`MemoryPool`], [`ModuleCache`] (decompressed
+//! module code kept on disk between processes), and [`Error`] with what it wraps in [`errors`]. It runs on the
+//! direct path (our own RM client, channel, pushbuffers and QMDs, launching by doorbell) when it can, else on the
+//! CUDA driver; [`Gpu::selection`] says which and why. [`occupancy`] is the launch advisor; [`backend`] documents
+//! what the escape hatches (`direct()`, `driver()`) return and the simulated GPU of [`Gpu::open_simulated`].
 //!
 //! The layers under the API (`rm`, `gpfifo`, `pushbuf`, `launch`, `module`, `hw`, `driver`, `sim`, `bench`) are
 //! internal: they are `pub` only because the workspace's own tools (apex-trace, the CLI, preload, interpose), its
@@ -81,6 +81,7 @@ pub use api::{Graph, GraphExec, GraphLaunch, GraphNode};
 pub use launch::occupancy;
 pub use launch::{Arg, ClusterPolicy, DevicePtr, LaunchConfig, LaunchMemory, Limits};
 pub use module::VariableHome;
+pub use module::cache::{ModuleCache, ModuleCacheStats, module_cache, set_module_cache};
 pub use module::cubin::KernelInfo;
 pub use module::printf::{AssertAction, AssertFailure};
 pub use report::error_report;

@@ -33,35 +33,41 @@ fn jit() -> &'static Jit {
     JIT.get_or_init(|| Jit::new(Arc::new(Canned), Cache::disabled()))
 }
 
-fuzz_target!(|data: &[u8]| {
-    if let Ok(entries) = fatbin::entries(data) {
-        for e in &entries {
-            let _ = (e.to_string(), e.arch_name());
-            if let Ok(payload) = fatbin::payload(data, e) {
-                assert!(payload.len() <= fatbin::MAX_PAYLOAD.max(e.payload_size));
-                if e.compressed && e.uncompressed_size != 0 {
-                    assert_eq!(payload.len() as u64, e.uncompressed_size);
-                }
-                if e.kind == FatbinEntryKind::Cubin {
-                    let _ = select::cubin_arch(&payload);
-                } else {
-                    let _ = select::ptx_target(&payload);
+fuzz_target!(
+    // No module cache: payloads that decompress large would otherwise be written to ~/.cache and read back.
+    init: {
+        let _ = apex::set_module_cache(apex::ModuleCache::disabled());
+    },
+    |data: &[u8]| {
+        if let Ok(entries) = fatbin::entries(data) {
+            for e in &entries {
+                let _ = (e.to_string(), e.arch_name());
+                if let Ok(payload) = fatbin::payload(data, e) {
+                    assert!(payload.len() <= fatbin::MAX_PAYLOAD.max(e.payload_size));
+                    if e.compressed && e.uncompressed_size != 0 {
+                        assert_eq!(payload.len() as u64, e.uncompressed_size);
+                    }
+                    if e.kind == FatbinEntryKind::Cubin {
+                        let _ = select::cubin_arch(&payload);
+                    } else {
+                        let _ = select::ptx_target(&payload);
+                    }
                 }
             }
+            for sm in [80, 86, 90, 100] {
+                let s = select::select(&entries, sm);
+                assert_eq!(s.candidates.len() + s.refused.len(), entries.len());
+                assert_eq!(s.describe(&entries).len(), entries.len());
+            }
         }
-        for sm in [80, 86, 90, 100] {
-            let s = select::select(&entries, sm);
-            assert_eq!(s.candidates.len() + s.refused.len(), entries.len());
-            assert_eq!(s.describe(&entries).len(), entries.len());
+        let _ = (select::cubin_arch(data), select::looks_like_ptx(data));
+        for sm in [86, 90, 100] {
+            if let Ok(r) = image::resolve(data, sm, jit(), PtxHandling::Compile) {
+                let _ = Cubin::parse(r.code.bytes());
+            }
+            if let Err(e) = image::resolve(data, sm, jit(), PtxHandling::Keep) {
+                let _ = e.to_string();
+            }
         }
     }
-    let _ = (select::cubin_arch(data), select::looks_like_ptx(data));
-    for sm in [86, 90, 100] {
-        if let Ok(r) = image::resolve(data, sm, jit(), PtxHandling::Compile) {
-            let _ = Cubin::parse(r.code.bytes());
-        }
-        if let Err(e) = image::resolve(data, sm, jit(), PtxHandling::Keep) {
-            let _ = e.to_string();
-        }
-    }
-});
+);

@@ -29,6 +29,8 @@ use object::LittleEndian;
 use object::elf;
 use object::read::elf::{FileHeader, SectionHeader};
 
+use super::cache::ModuleCache;
+
 /// First four bytes of a fatbin container.
 pub const FATBIN_MAGIC: u32 = 0xBA55_ED50;
 const CONTAINER_HEADER: usize = 16;
@@ -97,6 +99,16 @@ pub enum Compression {
     Lz4,
     /// One zstd frame.
     Zstd,
+}
+
+impl Compression {
+    /// The algorithm's name in module cache keys.
+    fn tag(self) -> &'static str {
+        match self {
+            Compression::Lz4 => "lz4",
+            Compression::Zstd => "zstd",
+        }
+    }
 }
 
 impl fmt::Display for Compression {
@@ -443,8 +455,28 @@ fn container(
 
 /// The payload of `entry` (from [`entries`] on the same `bytes`), decompressed. Uncompressed payloads come with
 /// their zero padding (harmless to ELF and PTX readers); compressed ones must decode to exactly the size the
-/// entry states, and never to more than [`MAX_PAYLOAD`] bytes.
+/// entry states, and never to more than [`MAX_PAYLOAD`] bytes. Large compressed payloads go through the
+/// process-wide [`module_cache`](super::cache::module_cache), so a later process reads them instead of
+/// decompressing.
 pub fn payload(bytes: &[u8], entry: &FatbinEntry) -> Result<Vec<u8>, FatbinError> {
+    // Fixed (from the environment, unless set before) only by the first compressed payload.
+    decode(bytes, entry, super::cache::module_cache)
+}
+
+/// [`payload`] through `cache` instead of the process-wide one.
+pub fn payload_with(
+    bytes: &[u8],
+    entry: &FatbinEntry,
+    cache: &ModuleCache,
+) -> Result<Vec<u8>, FatbinError> {
+    decode(bytes, entry, || cache)
+}
+
+fn decode<'c>(
+    bytes: &[u8],
+    entry: &FatbinEntry,
+    cache: impl FnOnce() -> &'c ModuleCache,
+) -> Result<Vec<u8>, FatbinError> {
     let end = entry.payload_offset.checked_add(entry.payload_size);
     let stored = end
         .and_then(|end| bytes.get(entry.payload_offset..end))
@@ -467,18 +499,21 @@ pub fn payload(bytes: &[u8], entry: &FatbinEntry) -> Result<Vec<u8>, FatbinError
         algorithm,
         what,
     };
-    let out = match algorithm {
-        Compression::Lz4 => lz4_block(stored, stated),
-        Compression::Zstd => zstd_frame(stored, stated),
-    }
-    .map_err(bad)?;
-    if let Some(size) = stated.filter(|s| *s != out.len()) {
-        return Err(bad(format!(
-            "it decodes to {} bytes, the entry states {size}",
-            out.len()
-        )));
-    }
-    Ok(out)
+    // The cache keys on exactly what is decoded here; it only stores what passed the checks below.
+    cache().get_or_insert_with(stored, algorithm.tag(), stated, || {
+        let out = match algorithm {
+            Compression::Lz4 => lz4_block(stored, stated),
+            Compression::Zstd => zstd_frame(stored, stated),
+        }
+        .map_err(bad)?;
+        if let Some(size) = stated.filter(|s| *s != out.len()) {
+            return Err(bad(format!(
+                "it decodes to {} bytes, the entry states {size}",
+                out.len()
+            )));
+        }
+        Ok(out)
+    })
 }
 
 /// Decodes one raw LZ4 block (no frame) of at most `stated` bytes.

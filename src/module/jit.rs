@@ -7,7 +7,8 @@
 //! dynamic loader's own search (`LD_LIBRARY_PATH`, `ldconfig`), each as `libnvJitLink.so.13` then
 //! `libnvJitLink.so`.
 //!
-//! The cache is `$APEX_CACHE_DIR` (empty: no cache), else `$XDG_CACHE_HOME/apex`, else `~/.cache/apex`. An entry
+//! The cache is `$APEX_CACHE_DIR` (empty: no cache), else `$XDG_CACHE_HOME/apex`, else `~/.cache/apex`; none
+//! under `APEX_CACHE_DISABLE=1` (the [`cache`](super::cache) of decompressed payloads shares the directory). An entry
 //! is named by an XXH3-128 hash of the compiler's name and version, the architecture, the input's kind and its
 //! bytes; it holds the cubin with its length and hash, is written to a temporary file and renamed into place (so
 //! readers never see half of one), and is ignored and rewritten when it does not check out.
@@ -27,10 +28,12 @@ use object::elf;
 use object::read::elf::FileHeader;
 use tracing::{debug, warn};
 
+use super::cache::{DIR_ENV, cache_root};
+
 /// Names the nvJitLink library to load, overriding the search.
 pub const LIBRARY_ENV: &str = "APEX_NVJITLINK";
 /// Names the cache directory (empty: no cache).
-pub const CACHE_ENV: &str = "APEX_CACHE_DIR";
+pub const CACHE_ENV: &str = DIR_ENV;
 /// File names of the library, newest first.
 pub const LIBRARY_NAMES: [&str; 2] = ["libnvJitLink.so.13", "libnvJitLink.so"];
 /// Most bytes of compiled cubin or log accepted from the library.
@@ -272,17 +275,11 @@ impl Cache {
         }
     }
 
-    /// The cache directory given environment variables read through `var`: `APEX_CACHE_DIR` (empty: none), else
-    /// `$XDG_CACHE_HOME/apex`, else `$HOME/.cache/apex`.
+    /// The cache directory given environment variables read through `var`: none under `APEX_CACHE_DISABLE=1`;
+    /// `APEX_CACHE_DIR` (empty: none), else `$XDG_CACHE_HOME/apex`, else `$HOME/.cache/apex`. The module cache
+    /// lives in `modules/` under the same directory ([`cache_root`]).
     pub fn dir_from(var: impl Fn(&str) -> Option<OsString>) -> Option<PathBuf> {
-        let set = |name: &str| var(name).filter(|v| !v.is_empty());
-        if let Some(dir) = var(CACHE_ENV) {
-            return (!dir.is_empty()).then(|| PathBuf::from(dir));
-        }
-        if let Some(xdg) = set("XDG_CACHE_HOME") {
-            return Some(PathBuf::from(xdg).join("apex"));
-        }
-        set("HOME").map(|home| PathBuf::from(home).join(".cache").join("apex"))
+        cache_root(var)
     }
 
     /// A cache in `dir` (created when first written).
@@ -722,6 +719,10 @@ mod tests {
             Some("/tmp/c".into())
         );
         assert_eq!(dir(&[(CACHE_ENV, ""), ("HOME", "/h")]), None, "empty: off");
+        assert_eq!(
+            dir(&[(CACHE_ENV, "/tmp/c"), ("APEX_CACHE_DISABLE", "1")]),
+            None
+        );
         assert_eq!(
             dir(&[("XDG_CACHE_HOME", "/x"), ("HOME", "/h")]),
             Some("/x/apex".into())

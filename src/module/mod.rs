@@ -6,14 +6,17 @@
 //! launch layer ([`launch`](crate::launch)) uses it. Inside, lowest first (`a -> b`: a uses b):
 //!
 //! ```text
-//! cubin, fatbin -> (nothing)
+//! cache         -> (nothing)           (decompressed payloads on disk)
+//! cubin         -> (nothing)
+//! fatbin        -> cache
 //! select        -> cubin, fatbin
-//! jit           -> select
+//! jit           -> select, cache
 //! image         -> cubin, fatbin, select, jit
 //! printf        -> cubin
 //! loaded        -> cubin, image, jit, printf  (Module, Kernel, Global)
 //! ```
 
+pub mod cache;
 pub mod cubin;
 pub mod fatbin;
 pub mod image;

@@ -1,0 +1,354 @@
+use std::sync::Barrier;
+
+use super::*;
+
+/// `n` bytes that differ with `seed`.
+fn content(n: usize, seed: u8) -> Vec<u8> {
+    (0..n).map(|i| (i as u8).wrapping_mul(31) ^ seed).collect()
+}
+
+/// One lookup of `stored` stating `bytes.len()`, decompressing to `bytes`; says whether it decompressed.
+fn get(cache: &ModuleCache, stored: &[u8], bytes: &[u8]) -> (Vec<u8>, bool) {
+    let mut ran = false;
+    let out = cache
+        .get_or_insert_with(stored, "zstd", Some(bytes.len()), || {
+            ran = true;
+            Ok::<_, ()>(bytes.to_vec())
+        })
+        .unwrap();
+    (out, ran)
+}
+
+/// The files in `dir`, sorted.
+fn files(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(dir)
+        .map(|d| {
+            d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+fn entry_path(cache: &ModuleCache, stored: &[u8], len: usize) -> PathBuf {
+    let key = Key::new(stored, "zstd", Some(len));
+    cache.dir().unwrap().join(key.file_name())
+}
+
+#[test]
+fn hit_returns_the_same_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = ModuleCache::at(tmp.path().join("a/b"), 64 << 20);
+    let bytes = content(MIN_BYTES + 5, 1);
+    assert_eq!(get(&cache, b"stored", &bytes), (bytes.clone(), true));
+    assert_eq!(
+        cache.stats(),
+        ModuleCacheStats {
+            misses: 1,
+            writes: 1,
+            ..Default::default()
+        }
+    );
+    assert_eq!(get(&cache, b"stored", &bytes), (bytes.clone(), false));
+    let stats = cache.stats();
+    assert_eq!((stats.hits, stats.bytes_read), (1, bytes.len() as u64));
+    // Another cache on the same directory (another process) hits too.
+    let other = ModuleCache::at(tmp.path().join("a/b"), 64 << 20);
+    assert_eq!(get(&other, b"stored", &bytes), (bytes.clone(), false));
+    assert_eq!(files(cache.dir().unwrap()).len(), 1);
+    let mode = |p: &Path| {
+        use std::os::unix::fs::PermissionsExt;
+        fs::metadata(p).unwrap().permissions().mode() & 0o777
+    };
+    assert_eq!(mode(cache.dir().unwrap()), 0o700);
+    assert_eq!(mode(&entry_path(&cache, b"stored", bytes.len())), 0o600);
+}
+
+#[test]
+fn other_inputs_miss() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = ModuleCache::at(tmp.path(), 64 << 20);
+    let bytes = content(MIN_BYTES, 2);
+    get(&cache, b"stored", &bytes);
+    assert!(get(&cache, b"stored!", &bytes).1, "other stored bytes");
+    let mut ran = false;
+    let out = cache
+        .get_or_insert_with(b"stored", "lz4", Some(bytes.len()), || {
+            ran = true;
+            Ok::<_, ()>(bytes.clone())
+        })
+        .unwrap();
+    assert!(ran && out == bytes, "another algorithm");
+    // Another stated size: the entry's length would not match it anyway, but it is another key.
+    let longer = content(MIN_BYTES + 1, 2);
+    assert!(get(&cache, b"stored", &longer).1, "another stated size");
+    assert_eq!(cache.stats().misses, 4);
+    assert_eq!(cache.stats().hits, 0);
+}
+
+#[test]
+fn keys_separate_fields() {
+    let k = |stored: &[u8], alg: &str, stated| Key::new(stored, alg, stated).hash;
+    let base = k(b"abc", "zstd", Some(1));
+    assert_eq!(base, k(b"abc", "zstd", Some(1)));
+    for other in [
+        k(b"abd", "zstd", Some(1)),
+        k(b"abc", "lz4", Some(1)),
+        k(b"abc", "zstd", Some(2)),
+        k(b"abc", "zstd", None),
+        k(b"bc", "zstda", Some(1)),
+    ] {
+        assert_ne!(base, other);
+    }
+}
+
+#[test]
+fn corrupt_entries_are_replaced() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = ModuleCache::at(tmp.path(), 64 << 20);
+    let bytes = content(MIN_BYTES + 100, 3);
+    get(&cache, b"stored", &bytes);
+    let path = entry_path(&cache, b"stored", bytes.len());
+    let good = fs::read(&path).unwrap();
+    let flipped = |at: usize| {
+        let mut b = good.clone();
+        b[at] ^= 1;
+        b
+    };
+    let corruptions = [
+        flipped(good.len() - 1),         // content
+        flipped(HEADER),                 // content, first byte
+        flipped(0),                      // magic
+        flipped(8),                      // version
+        flipped(16),                     // key
+        flipped(32),                     // length
+        flipped(40),                     // content hash
+        good[..good.len() - 1].to_vec(), // truncated content
+        good[..HEADER - 1].to_vec(),     // truncated header
+        Vec::new(),                      // empty
+        [&good[..], b"x"].concat(),      // trailing bytes
+    ];
+    for (i, bad) in corruptions.into_iter().enumerate() {
+        fs::write(&path, &bad).unwrap();
+        let (out, ran) = get(&cache, b"stored", &bytes);
+        assert!(ran, "corruption {i} read as a hit");
+        assert_eq!(out, bytes, "corruption {i}");
+        assert_eq!(
+            fs::read(&path).unwrap(),
+            good,
+            "corruption {i}: entry rewritten"
+        );
+    }
+    assert_eq!(cache.stats().hits, 0);
+    // A directory where the entry should be: an IO error, not a failed load.
+    fs::remove_file(&path).unwrap();
+    fs::create_dir(&path).unwrap();
+    assert_eq!(get(&cache, b"stored", &bytes), (bytes.clone(), true));
+}
+
+#[test]
+fn decompress_errors_pass_through_and_store_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = ModuleCache::at(tmp.path(), 64 << 20);
+    let r = cache.get_or_insert_with(b"bad", "zstd", Some(MIN_BYTES), || Err("broken frame"));
+    assert_eq!(r, Err("broken frame"));
+    assert!(files(tmp.path()).is_empty());
+    assert_eq!(cache.stats().writes, 0);
+}
+
+#[test]
+fn disabled_never_touches_disk() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bytes = content(MIN_BYTES, 4);
+    for cache in [
+        ModuleCache::disabled(),
+        ModuleCache::at(tmp.path().join("never"), 0),
+    ] {
+        assert_eq!(cache.dir(), None);
+        assert!(get(&cache, b"stored", &bytes).1);
+        assert!(get(&cache, b"stored", &bytes).1);
+        assert_eq!(cache.stats(), ModuleCacheStats::default());
+    }
+    assert!(files(tmp.path()).is_empty());
+}
+
+#[test]
+fn small_payloads_bypass() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = ModuleCache::at(tmp.path().join("c"), 64 << 20);
+    let small = content(MIN_BYTES - 1, 5);
+    assert!(get(&cache, b"stored", &small).1);
+    assert!(get(&cache, b"stored", &small).1);
+    // Stating no size, small compressed: bypassed; larger compressed but decoding small: looked up, not stored.
+    let none = |stored: &[u8], out: &[u8]| {
+        cache
+            .get_or_insert_with(stored, "lz4", None, || Ok::<_, ()>(out.to_vec()))
+            .unwrap()
+    };
+    none(b"small", &content(MIN_BYTES, 5));
+    let stored = content(MIN_BYTES / 4, 6);
+    none(&stored, &small);
+    assert_eq!(cache.stats().misses, 1);
+    assert_eq!(cache.stats().writes, 0);
+    assert!(!tmp.path().join("c").exists(), "nothing written");
+    // Stating no size, decoding large: stored and hit.
+    let big = content(MIN_BYTES, 7);
+    assert_eq!(none(&stored, &big), big);
+    assert_eq!(none(&stored, b"not this"), big);
+    assert_eq!(cache.stats().hits, 1);
+}
+
+#[test]
+fn eviction_keeps_under_the_cap_oldest_first() {
+    let tmp = tempfile::tempdir().unwrap();
+    let entry = MIN_BYTES + 1000;
+    // Room for 10 entries.
+    let cap = ((HEADER + entry) * 10 + 100) as u64;
+    let cache = ModuleCache::at(tmp.path(), cap);
+    let dir = cache.dir().unwrap().to_owned();
+    let stored = |i: usize| format!("payload {i}").into_bytes();
+    let base = SystemTime::now() - Duration::from_secs(10_000);
+    for i in 0..10 {
+        get(&cache, &stored(i), &content(entry, i as u8));
+        // Entry i last used at base + i s; entry 3 used most recently of all.
+        let age = if i == 3 { 100 } else { i as u64 };
+        File::options()
+            .write(true)
+            .open(entry_path(&cache, &stored(i), entry))
+            .unwrap()
+            .set_modified(base + Duration::from_secs(age))
+            .unwrap();
+    }
+    // A stale temporary file from a crashed writer, and a file that is not an entry.
+    let stale = dir.join(".dead.1.1.tmp");
+    File::create(&stale).unwrap().set_modified(base).unwrap();
+    fs::write(dir.join("README"), b"not an entry").unwrap();
+    assert_eq!(files(&dir).len(), 12);
+    // The eleventh entry passes the cap: down to 90%, oldest first (0, 1), entry 3 and the new one kept.
+    get(&cache, &stored(10), &content(entry, 10));
+    let total: u64 = fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum();
+    assert!(total <= cap / 10 * 9 + 20, "{total} > 90% of {cap}");
+    let left: Vec<bool> = (0..=10)
+        .map(|i| entry_path(&cache, &stored(i), entry).exists())
+        .collect();
+    assert_eq!(
+        left,
+        [
+            false, false, true, true, true, true, true, true, true, true, true
+        ]
+    );
+    assert!(!stale.exists());
+    assert!(dir.join("README").exists());
+    // A payload larger than 90% of the cap is not stored at all.
+    let small_cap = ModuleCache::at(tmp.path().join("small"), MIN_BYTES as u64);
+    assert!(get(&small_cap, b"x", &content(MIN_BYTES, 1)).1);
+    assert!(get(&small_cap, b"x", &content(MIN_BYTES, 1)).1);
+    assert_eq!(small_cap.stats().writes, 0);
+}
+
+#[test]
+fn a_hit_refreshes_the_entry_s_time() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = ModuleCache::at(tmp.path(), 64 << 20);
+    let bytes = content(MIN_BYTES, 8);
+    get(&cache, b"s", &bytes);
+    let path = entry_path(&cache, b"s", bytes.len());
+    let old = SystemTime::now() - Duration::from_secs(1000);
+    File::options()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_modified(old)
+        .unwrap();
+    assert!(!get(&cache, b"s", &bytes).1);
+    assert!(fs::metadata(&path).unwrap().modified().unwrap() > old + Duration::from_secs(500));
+}
+
+#[test]
+fn concurrent_writers_leave_one_complete_entry() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bytes = content(4 << 20, 9);
+    let threads = 8;
+    let barrier = Barrier::new(threads);
+    // One cache per thread, as separate processes would have: every thread misses and writes.
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                let cache = ModuleCache::at(tmp.path(), 64 << 20);
+                barrier.wait();
+                let (out, _) = get(&cache, b"same", &bytes);
+                assert_eq!(out, bytes);
+            });
+        }
+    });
+    let names = files(tmp.path());
+    assert_eq!(names.len(), 1, "{names:?}");
+    let cache = ModuleCache::at(tmp.path(), 64 << 20);
+    assert_eq!(get(&cache, b"same", &bytes), (bytes.clone(), false));
+    // And one shared cache hammered by readers and writers.
+    let shared = ModuleCache::at(tmp.path().join("shared"), 64 << 20);
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                for _ in 0..4 {
+                    assert_eq!(get(&shared, b"same", &bytes).0, bytes);
+                }
+            });
+        }
+    });
+    let stats = shared.stats();
+    assert_eq!(stats.hits + stats.misses, 4 * threads as u64);
+    assert_eq!(files(shared.dir().unwrap()).len(), 1);
+}
+
+#[test]
+fn configuration_from_the_environment() {
+    let env = |vars: &'static [(&'static str, &'static str)]| {
+        move |name: &str| {
+            vars.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| OsString::from(v))
+        }
+    };
+    let home = &[("HOME", "/h")];
+    assert_eq!(
+        configure(env(home)),
+        (Some("/h/.cache/apex/modules".into()), DEFAULT_MAX_BYTES)
+    );
+    assert_eq!(
+        configure(env(&[("HOME", "/h"), ("XDG_CACHE_HOME", "/x")])).0,
+        Some("/x/apex/modules".into())
+    );
+    assert_eq!(
+        configure(env(&[
+            ("HOME", "/h"),
+            (DIR_ENV, "/c"),
+            (MAXSIZE_ENV, "1000")
+        ])),
+        (Some("/c/modules".into()), 1000)
+    );
+    assert_eq!(configure(env(&[("HOME", "/h"), (DIR_ENV, "")])).0, None);
+    assert_eq!(configure(env(&[])).0, None, "no HOME, no XDG: off");
+    assert_eq!(
+        configure(env(&[("HOME", "/h"), (DISABLE_ENV, "1")])).0,
+        None
+    );
+    assert!(
+        configure(env(&[("HOME", "/h"), (DISABLE_ENV, "0")]))
+            .0
+            .is_some()
+    );
+    assert_eq!(
+        configure(env(&[("HOME", "/h"), (MAXSIZE_ENV, "0")])).0,
+        None
+    );
+    assert_eq!(
+        configure(env(&[("HOME", "/h"), (MAXSIZE_ENV, "lots")])),
+        (Some("/h/.cache/apex/modules".into()), DEFAULT_MAX_BYTES),
+        "unreadable cap: the default"
+    );
+}
