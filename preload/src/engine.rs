@@ -1672,17 +1672,22 @@ impl Engine {
 
 /// Launches through APEX if it can (`Ok`: the profile's stamp where the hook's last phase starts). `Err` when the
 /// caller must forward the launch to libcuda: ordered already, under the same lock, as [`before`] orders CUDA work
-/// (the caller gives the answer to [`after`]). `t0`: the profile's stamp at the hook's entry.
-pub(crate) fn launch(l: &Launch, t0: u64) -> Result<u64, Ordered> {
+/// (the caller gives the answer to [`after`]); `Err(None)` while nothing is attached, when there is nothing of
+/// APEX's to order it with (the caller then calls [`after_unordered`], which costs one load unless an attach began
+/// meanwhile). `t0`: the profile's stamp at the hook's entry.
+pub(crate) fn launch(l: &Launch, t0: u64) -> Result<u64, Option<Ordered>> {
     with_engine(false, |e| match e.launch(l, t0) {
         Some(stamp) => Ok(stamp),
+        // A launch left to libcuda before anything is attached (or asked to be, in the background): no queue
+        // exists, so none holds launches or needs this one ordered after it.
+        None if !engaged() => Err(None),
         None => {
             // Left to libcuda, which may have to wait for APEX's launches: held ones are sent first.
             e.send_held();
-            Err(e.before(Site::Stream(l.stream, l.per_thread)))
+            Err(Some(e.before(Site::Stream(l.stream, l.per_thread))))
         }
     })
-    .unwrap_or(Err(Ordered::UNKNOWN))
+    .unwrap_or(Err(Some(Ordered::UNKNOWN)))
 }
 
 /// A launch made through an entry point the preload always leaves to libcuda.

@@ -1326,9 +1326,14 @@ fn launch(l: Launch, forward: impl FnOnce() -> c_int) -> c_int {
             crate::profile::tail(since);
             0
         }
-        Err(o) => {
+        Err(Some(o)) => {
             let r = forward();
             engine::after(Site::Stream(l.stream, l.per_thread), o, false);
+            r
+        }
+        Err(None) => {
+            let r = forward();
+            engine::after_unordered(Site::Stream(l.stream, l.per_thread));
             r
         }
     }
