@@ -36,6 +36,7 @@ use crate::takeover::{Needs, Policy, Takeover};
 use crate::{Refusal, check, image};
 
 mod copies;
+mod fast;
 mod sync;
 mod warmup;
 
@@ -109,6 +110,24 @@ fn switch_in_env() -> bool {
 /// over — too short to earn a takeover, or all its kernels refused — pays one load per call. Set once, never
 /// cleared (after a teardown the ordering paths stay, and answer quickly with nothing attached).
 static ENGAGED: AtomicBool = AtomicBool::new(false);
+
+/// The credit the launch hooks spend forwarding launches without the engine before anything is attached
+/// ([`fast`]).
+static FAST: fast::FastForward = fast::FastForward::new();
+
+/// Whether launch `l` goes to libcuda on the engine's credit, without the engine ([`fast`]): nothing is attached, and
+/// the engine granted launches of this function on this stream.
+pub(crate) fn fast_forward(l: &Launch) -> bool {
+    !engaged() && FAST.spend(l.f, l.stream, l.per_thread)
+}
+
+/// Launches granted to the hooks ([`fast`]) for one stream, counted towards its takeover when settled.
+#[derive(Debug)]
+struct Grant {
+    ctx: usize,
+    key: StreamKey,
+    granted: u64,
+}
 
 /// Whether APEX has, or is making, anything a CUDA call must be ordered with ([`ENGAGED`]).
 pub(crate) fn engaged() -> bool {
@@ -458,6 +477,13 @@ pub(crate) struct Engine {
     generation: u64,
     logged: HashSet<(usize, &'static str)>,
     exit_hook: bool,
+    /// The hooks' credit for launches forwarded without the engine (the process's one; a test engine's own).
+    fast: &'static fast::FastForward,
+    /// What is granted on it now.
+    grant: Option<Grant>,
+    /// The context grants were made for: a second one stops them for good.
+    grant_ctx: Option<usize>,
+    grants_off: bool,
 }
 
 static ENGINE: StoreLock<Option<Engine>> = StoreLock::new(None);
@@ -699,6 +725,15 @@ impl Engine {
             generation: 0,
             logged: HashSet::new(),
             exit_hook: false,
+            // Tests run many engines at once: each gets a credit of its own.
+            fast: if cfg!(test) {
+                Box::leak(Box::new(fast::FastForward::new()))
+            } else {
+                &FAST
+            },
+            grant: None,
+            grant_ctx: None,
+            grants_off: false,
         };
         if !engine.config.enabled {
             // No context is ever attached with the takeover off: the summary is written at exit all the same.
@@ -723,6 +758,11 @@ impl Engine {
     /// The summary so far (hop counts included).
     pub(crate) fn summary(&self) -> Summary {
         let mut s = self.summary.clone();
+        if let Some(g) = &self.grant {
+            let spent = g.granted.saturating_sub(self.fast.left());
+            s.launches += spent;
+            s.warmup += spent;
+        }
         for c in &self.contexts {
             s.add_hops(c.order.counts());
         }
@@ -1227,6 +1267,9 @@ impl Engine {
     /// stamp returned starts the profile's last phase).
     pub(crate) fn launch(&mut self, l: &Launch, t0: u64) -> Option<u64> {
         let mut s = [t0, crate::profile::stamp(), 0, 0, 0, 0];
+        if self.grant.is_some() {
+            self.settle_grant();
+        }
         // One load, unless the set-up worker finished something since the last launch.
         if self.setup.has_results() {
             // A slow path: not profiled.
@@ -1258,9 +1301,60 @@ impl Engine {
             Err(NotTaken::Counted) => None,
             Err(NotTaken::SettingUp) => {
                 self.summary.warmed();
+                self.grant_forwarding(l);
                 None
             }
         }
+    }
+
+    /// Counts the launches the hooks forwarded on the grant ([`fast`]) towards its stream's takeover, and ends it.
+    fn settle_grant(&mut self) {
+        let Some(g) = self.grant.take() else { return };
+        let spent = g.granted.saturating_sub(self.fast.revoke());
+        if spent > 0 {
+            self.summary.launches += spent;
+            self.summary.warmup += spent;
+            self.takeover.paid(g.ctx, g.key, spent);
+        }
+    }
+
+    /// After launch `l` went to libcuda to pay towards an attach: lets the hooks forward the stream's next launches
+    /// of the same function themselves, one fewer than the stream still has to pay ([`fast`]).
+    fn grant_forwarding(&mut self, l: &Launch) {
+        if self.grants_off
+            || l.per_thread
+            || !self.contexts.is_empty()
+            || !self.attaching.is_empty()
+            || self.off.is_some()
+            || !self.capturing.is_empty()
+        {
+            return;
+        }
+        let Some(ctx) = self.cuda.current_context() else {
+            return;
+        };
+        if *self.grant_ctx.get_or_insert(ctx) != ctx {
+            // Two contexts: a credit cannot tell whose launch spends it.
+            self.grants_off = true;
+            return;
+        }
+        let key = StreamKey::of(l.stream, false);
+        let n = self
+            .takeover
+            .left_to_attach(ctx, key)
+            .saturating_sub(1)
+            .min(fast::MAX_GRANT);
+        if n == 0 {
+            return;
+        }
+        // Its module is priced by now (the launch went through `takeover_earned`).
+        self.fast.saw(l.f);
+        self.fast.grant(l.stream, n);
+        self.grant = Some(Grant {
+            ctx,
+            key,
+            granted: n,
+        });
     }
 
     /// The image an owner's kernels come from, loaded by APEX once per context: `None` while the set-up worker
@@ -1502,6 +1596,9 @@ impl Engine {
     }
 
     pub(crate) fn unloaded(&mut self, handle: usize) {
+        // The unloaded module's function handles may come back as another module's.
+        self.settle_grant();
+        self.fast.forget_functions();
         self.unreadable.remove(&handle);
         if let Some(owner) = self.registry.unloaded(handle) {
             self.forget_owner(owner);
@@ -1542,6 +1639,7 @@ impl Engine {
     }
 
     pub(crate) fn stream_destroyed(&mut self, raw: usize) {
+        self.settle_grant();
         let key = StreamKey::of(raw, false);
         if self.takeover.forget_stream(key) {
             self.summary.setup.streams_not_earned += 1;

@@ -1316,6 +1316,12 @@ fn launch(l: Launch, forward: impl FnOnce() -> c_int) -> c_int {
         engine::count_disabled_launch();
         return forward();
     }
+    // Before anything is attached, a launch the engine has granted goes straight to libcuda ([`engine::fast_forward`]).
+    if engine::fast_forward(&l) {
+        let r = forward();
+        engine::after_unordered(Site::Stream(l.stream, l.per_thread));
+        return r;
+    }
     let t0 = crate::profile::stamp();
     let Some(_g) = enter() else { return forward() };
     if let Some(e) = engine::sticky() {

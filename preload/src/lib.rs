@@ -16,7 +16,7 @@
 //!
 //! Environment: `APEX_PRELOAD=off` forwards everything (and still counts); `APEX_PRELOAD_TAKEOVER=earned` (the
 //! default) leaves each stream's launches to libcuda until they have cost, at about 3 µs saved per launch, what its
-//! takeover costs (an attach, a queue: milliseconds), so a program too short to earn APEX's set-up back never pays
+//! takeover costs (an attach, a queue: milliseconds; the modules its kernels need loaded: up to hundreds of ms), so a program too short to earn APEX's set-up back never pays
 //! for it (launches before are counted as `warmup`), `first` takes every stream over at its first launch, a number
 //! after that many launches (`takeover.rs`); `APEX_PRELOAD_STATS=FILE` writes a JSON
 //! summary at exit ([`stats::Summary`]; `%p` in FILE becomes the process id, one file per process of a job);

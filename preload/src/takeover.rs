@@ -237,6 +237,27 @@ impl Takeover {
         false
     }
 
+    /// The launches on libcuda stream `key` of context `ctx` (not attached) still has to make before its takeover
+    /// is paid for: the context's shared count with `earned`, the stream's own with a number.
+    pub(crate) fn left_to_attach(&self, ctx: usize, key: StreamKey) -> u64 {
+        let threshold = self.threshold_in(ctx, Needs::Attach);
+        let paid = if self.policy == Policy::Earned {
+            self.context_counts.get(&ctx).copied().unwrap_or(0)
+        } else {
+            self.counts.get(&(ctx, key)).copied().unwrap_or(0)
+        };
+        threshold.saturating_sub(paid)
+    }
+
+    /// `n` launches on stream `key` of context `ctx` (not attached) went to libcuda without being asked about one
+    /// by one ([`crate::engine`]'s forwarding credit): counted as [`Takeover::earned`] counts each.
+    pub(crate) fn paid(&mut self, ctx: usize, key: StreamKey, n: u64) {
+        *self.counts.entry((ctx, key)).or_insert(0) += n;
+        if self.policy == Policy::Earned {
+            *self.context_counts.entry(ctx).or_insert(0) += n;
+        }
+    }
+
     /// Stream `key` of context `ctx` was taken over: its count goes.
     pub(crate) fn taken(&mut self, ctx: usize, key: StreamKey) {
         self.counts.remove(&(ctx, key));

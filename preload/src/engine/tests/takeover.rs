@@ -266,3 +266,54 @@ fn a_refused_kernel_neither_takes_its_stream_over_nor_pays_for_it() {
         11
     );
 }
+
+/// Before anything is attached, the engine lets the hooks forward a stream's launches on a credit ([`super::fast`]):
+/// the launches spent on it count towards the takeover exactly as if each had reached the engine, and the launch that
+/// completes the price reaches the engine, which takes the stream over then.
+#[test]
+fn launches_forwarded_on_the_credit_pay_for_the_takeover_as_if_counted_one_by_one() {
+    let mut s = Setup::with_takeover(Policy::Earned);
+    assert!(!s.hook_launch(0));
+    let price = s.engine.takeover.threshold_in(CTX, Needs::Attach);
+    let mut through_engine = 1;
+    let mut spent = 0;
+    let taken = loop {
+        // What the hooks do: spend the credit while there is some...
+        while s.engine.fast.spend(FUNC, 0, false) {
+            spent += 1;
+        }
+        // ...then ask the engine.
+        through_engine += 1;
+        if s.hook_launch(0) {
+            break through_engine + spent;
+        }
+        assert!(
+            through_engine < 100,
+            "the credit covers almost every launch"
+        );
+    };
+    assert_eq!(
+        taken,
+        price + 1,
+        "taken over at the launch after the price, as without the credit"
+    );
+    assert!(
+        spent > price / 2,
+        "{spent} of {price} launches forwarded on the credit"
+    );
+    assert!(!s.engine.fast.spend(FUNC, 0, false), "attached: no credit");
+    let sum = s.engine.summary();
+    assert_eq!((sum.launches, sum.warmup, sum.apex), (price + 1, price, 1));
+    // Another function, or another stream, is not covered by a grant for this one.
+    let mut s = Setup::with_takeover(Policy::Earned);
+    assert!(!s.hook_launch(0));
+    assert!(s.engine.fast.spend(FUNC, 0, false));
+    assert!(!s.engine.fast.spend(FUNC + 0x10, 0, false));
+    assert!(!s.engine.fast.spend(FUNC, SITE_A, false));
+    // Spent launches show in a summary written before the engine settles them.
+    assert_eq!(s.engine.summary().warmup, 2);
+    // A destroyed stream settles its grant first: what it paid is counted, then forgotten with it.
+    s.engine.stream_destroyed(0);
+    assert_eq!(s.engine.summary().warmup, 2);
+    assert!(!s.engine.fast.spend(FUNC, 0, false));
+}
