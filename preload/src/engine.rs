@@ -118,7 +118,8 @@ static FAST: fast::FastForward = fast::FastForward::new();
 /// Whether launch `l` goes to libcuda on the engine's credit, without the engine ([`fast`]): nothing is attached, and
 /// the engine granted launches of this function on this stream.
 pub(crate) fn fast_forward(l: &Launch) -> bool {
-    !engaged() && FAST.spend(l.f, l.stream, l.per_thread)
+    // A launch with attributes APEX refuses is a refusal, which the engine counts as one.
+    l.extras.is_ok() && !engaged() && FAST.spend(l.f, l.stream, l.per_thread)
 }
 
 /// Launches granted to the hooks ([`fast`]) for one stream, counted towards its takeover when settled.
@@ -1395,8 +1396,11 @@ impl Engine {
             asserts,
         );
         self.summary.setup.module.add(started.elapsed());
-        self.takeover
-            .module_took(image.bytes().len(), started.elapsed());
+        // Only loads that did the work price later ones (a refusal can come early).
+        if loaded.is_ok() {
+            self.takeover
+                .module_took(image.bytes().len(), started.elapsed());
+        }
         self.module_loaded(ci, owner, loaded).map(Some)
     }
 
@@ -1602,6 +1606,8 @@ impl Engine {
         self.unreadable.remove(&handle);
         if let Some(owner) = self.registry.unloaded(handle) {
             self.forget_owner(owner);
+            // No takeover loads it any more (a module loaded again under the handle is priced afresh).
+            self.takeover.forget_module(owner);
         }
     }
 
@@ -1635,6 +1641,8 @@ impl Engine {
     }
 
     pub(crate) fn raise_stack(&mut self) {
+        // Launches are refused from now on: none is forwarded on the credit as if it paid towards a takeover.
+        self.settle_grant();
         self.stack_raised = true;
     }
 
@@ -1683,6 +1691,8 @@ impl Engine {
     pub(crate) fn capture(&mut self, raw: usize, per_thread: bool, begins: bool) {
         let key = StreamKey::of(raw, per_thread);
         if begins {
+            // Captured launches are refusals, not launches paying towards a takeover: the credit ends.
+            self.settle_grant();
             self.capturing.insert(key);
         } else {
             self.capturing.remove(&key);
@@ -1690,6 +1700,7 @@ impl Engine {
     }
 
     pub(crate) fn unknown_entry(&mut self, name: &str) {
+        self.settle_grant();
         for ci in 0..self.contexts.len() {
             self.wait_all(ci);
         }
@@ -1739,6 +1750,7 @@ impl Engine {
             summary.setup.teardown = self.summary.setup.teardown.clone();
         }
         self.generation += 1;
+        self.settle_grant();
         self.off = Some(Refusal::Disabled);
         if let Some(path) = &self.config.stats {
             let path = stats_path(path, std::process::id());
@@ -1776,8 +1788,8 @@ impl Engine {
 pub(crate) fn launch(l: &Launch, t0: u64) -> Result<u64, Option<Ordered>> {
     with_engine(false, |e| match e.launch(l, t0) {
         Some(stamp) => Ok(stamp),
-        // A launch left to libcuda before anything is attached (or asked to be, in the background): no queue
-        // exists, so none holds launches or needs this one ordered after it.
+        // A launch left to libcuda before anything is attached (a background attach asked for sets the flag too): no
+        // queue exists, so none holds launches or needs this one ordered after it.
         None if !engaged() => Err(None),
         None => {
             // Left to libcuda, which may have to wait for APEX's launches: held ones are sent first.

@@ -187,6 +187,20 @@ impl Takeover {
         }
     }
 
+    /// Module `owner` was unloaded: no context's takeover pays for it any more.
+    pub(crate) fn forget_module(&mut self, owner: usize) {
+        let owed_ns = &mut self.owed_ns;
+        self.owed.retain(|&(ctx, o), ns| {
+            if o != owner {
+                return true;
+            }
+            if let Some(total) = owed_ns.get_mut(&ctx) {
+                *total = total.saturating_sub(*ns);
+            }
+            false
+        });
+    }
+
     /// A module load of an `image_bytes` image took `took`: later estimates follow this process's loads.
     pub(crate) fn module_took(&mut self, image_bytes: usize, took: Duration) {
         let ns = took.as_nanos().min(u128::from(u64::MAX / 2)) as u64;

@@ -284,9 +284,10 @@ impl ModuleCache {
 
     /// Writes `bytes` as the entry `path`, then evicts past the cap; failures are logged and dropped.
     fn store(&self, dir: &Path, path: &Path, key: &Key, bytes: &[u8]) {
-        // An entry that alone fills the cap would only push everything else out.
+        // An entry that alone fills the cap would only push everything else out; one past what a read accepts
+        // would be written and removed again at every load.
         let entry_bytes = (HEADER + bytes.len()) as u64;
-        if entry_bytes > self.max_bytes / 10 * 9 {
+        if entry_bytes > self.max_bytes / 10 * 9 || bytes.len() as u64 > MAX_ENTRY {
             debug!(
                 bytes = bytes.len(),
                 max_bytes = self.max_bytes,

@@ -340,7 +340,7 @@ impl GpuCore {
         let mut clients = super::attach::foreign_clients(&client)?;
         // Newest first, as listed, but the clients whose first device holds a channel group before the rest: a client
         // without a context (a GPU query library's) is read to its table's end before it is ruled out.
-        clients.sort_by_key(|c| !c.first_device_has_channel_group());
+        clients.sort_by_cached_key(|c| !c.first_device_has_channel_group());
         // A quick pass over every client first, then, only if it found nothing, one to the end of each table.
         'passes: for gap in [
             super::attach::HANDLE_SCAN_QUICK_GAP,

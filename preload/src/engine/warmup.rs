@@ -121,9 +121,6 @@ impl Engine {
             }
             Outcome::Module { owner, result } => {
                 self.summary.setup.module.add(took);
-                if let Some(image) = self.registry.image(owner) {
-                    self.takeover.module_took(image.bytes().len(), took);
-                }
                 let Some(ci) =
                     ci.filter(|&ci| self.contexts[ci].loading.get(&owner) == Some(&ticket))
                 else {
@@ -131,6 +128,12 @@ impl Engine {
                     self.summary.setup.dropped += 1;
                     return;
                 };
+                // Only a load still wanted (its image is the registry's) and done prices later ones.
+                if result.is_ok()
+                    && let Some(image) = self.registry.image(owner)
+                {
+                    self.takeover.module_took(image.bytes().len(), took);
+                }
                 self.contexts[ci].loading.remove(&owner);
                 if result.is_err() {
                     self.summary.setup.failed += 1;

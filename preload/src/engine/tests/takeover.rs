@@ -301,9 +301,11 @@ fn launches_forwarded_on_the_credit_pay_for_the_takeover_as_if_counted_one_by_on
         spent > price / 2,
         "{spent} of {price} launches forwarded on the credit"
     );
-    assert!(!s.engine.fast.spend(FUNC, 0, false), "attached: no credit");
     let sum = s.engine.summary();
     assert_eq!((sum.launches, sum.warmup, sum.apex), (price + 1, price, 1));
+    // Attached: a launch forwarded now (on another stream, still paying for its queue) gets no credit.
+    assert!(!s.hook_launch(SITE_A));
+    assert!(s.engine.grant.is_none(), "no credit once attached");
     // Another function, or another stream, is not covered by a grant for this one.
     let mut s = Setup::with_takeover(Policy::Earned);
     assert!(!s.hook_launch(0));
@@ -316,4 +318,42 @@ fn launches_forwarded_on_the_credit_pay_for_the_takeover_as_if_counted_one_by_on
     s.engine.stream_destroyed(0);
     assert_eq!(s.engine.summary().warmup, 2);
     assert!(!s.engine.fast.spend(FUNC, 0, false));
+}
+
+/// Launches the engine would refuse (a capture began, the stack limit raised) are not forwarded on a credit granted
+/// before, where they would count as paying towards a takeover.
+#[test]
+fn a_capture_or_a_raised_stack_ends_the_credit() {
+    let mut s = Setup::with_takeover(Policy::Earned);
+    assert!(!s.hook_launch(0));
+    assert!(s.engine.fast.spend(FUNC, 0, false));
+    s.engine.capture(0, false, true);
+    assert!(!s.engine.fast.spend(FUNC, 0, false), "capturing");
+    assert_eq!(
+        s.engine.summary().warmup,
+        2,
+        "the launch spent before counts"
+    );
+    s.engine.capture(0, false, false);
+    assert!(!s.hook_launch(0));
+    assert!(
+        s.engine.fast.spend(FUNC, 0, false),
+        "granted again after the capture"
+    );
+    s.engine.raise_stack();
+    assert!(
+        !s.engine.fast.spend(FUNC, 0, false),
+        "the stack limit raised"
+    );
+}
+
+/// An unloaded module is no longer part of any takeover's price.
+#[test]
+fn an_unloaded_module_is_no_longer_owed() {
+    let mut s = Setup::with_takeover(Policy::Earned);
+    let base = s.engine.takeover.threshold(Needs::Attach);
+    assert!(!s.hook_launch(0));
+    assert!(s.engine.takeover.threshold_in(CTX, Needs::Attach) > base);
+    s.engine.unloaded(MODULE);
+    assert_eq!(s.engine.takeover.threshold_in(CTX, Needs::Attach), base);
 }
