@@ -1062,9 +1062,13 @@ fn setup_line(v: &Value) -> Option<String> {
         Some(p) if !p.is_empty() => format!(", takeover {p}"),
         _ => String::new(),
     };
+    let owed = match v.get("modules_owed_ms").and_then(Value::as_f64) {
+        Some(ms) if ms > 0.0 => format!(", which would also load about {ms:.0} ms of modules"),
+        _ => String::new(),
+    };
     let unearned = match v.get("streams_not_earned").and_then(Value::as_u64) {
         Some(n) if n > 0 => format!(
-            "; {} left on libcuda (too few launches to pay for a takeover)",
+            "; {} left on libcuda (too few launches to pay for a takeover{owed})",
             count(n, "stream", "streams")
         ),
         _ => String::new(),
@@ -1183,7 +1187,8 @@ mod tests {
             "launches": 6, "apex": 3, "fallback": 1, "warmup": 2,
             "setup": {
                 "mode": "background", "failed": 0, "dropped": 0, "takeover": "earned",
-                "streams_not_earned": 2, "teardown": {"count": 1, "total_ms": 8.64, "max_ms": 8.64},
+                "streams_not_earned": 2, "modules_owed_ms": 212.4,
+                "teardown": {"count": 1, "total_ms": 8.64, "max_ms": 8.64},
                 "attach": {"count": 1, "total_ms": 10.84, "max_ms": 10.84},
                 "queue": {"count": 2, "total_ms": 9.5, "max_ms": 5.0},
                 "module": {"count": 0, "total_ms": 0.0, "max_ms": 0.0},
@@ -1202,7 +1207,8 @@ mod tests {
                 "6 kernel launches: 3 through APEX (50.0%), 1 fell back to libcuda, 2 on libcuda before APEX took \
                  their stream over",
                 "set-up (background, takeover earned): 1 attach in 10.8 ms, 2 queues in 9.5 ms, freed at the end in \
-                 8.6 ms; 2 streams left on libcuda (too few launches to pay for a takeover)",
+                 8.6 ms; 2 streams left on libcuda (too few launches to pay for a takeover, which would also load \
+                 about 212 ms of modules)",
                 "fell back, by reason:",
                 "  capturing: 1 launch, e.g. the stream is capturing",
                 "  device_runtime: 1 launch, e.g. vprintf",

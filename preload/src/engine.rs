@@ -783,6 +783,7 @@ impl Engine {
         s.setup.mode = self.config.setup.label().to_string();
         s.setup.takeover = self.takeover.policy().label();
         s.setup.streams_not_earned += self.takeover.counted();
+        s.setup.modules_owed_ms = self.takeover.owed_total_ns() as f64 / 1e6;
         for (name, n) in self.cuda_work.values() {
             *s.cuda_work.entry(name.to_string()).or_default() += n;
         }

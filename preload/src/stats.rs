@@ -60,6 +60,10 @@ pub struct SetupSummary {
     /// Streams whose launches went to libcuda for the policy above and that were never taken over.
     #[serde(default)]
     pub streams_not_earned: u64,
+    /// What loading the modules those streams' kernels need would take, as the policy estimated it (milliseconds):
+    /// part of what their takeover has to pay for.
+    #[serde(default)]
+    pub modules_owed_ms: f64,
     /// Freeing APEX's objects when the takeover ended (queues, modules, the attachment: RM's channel teardown).
     #[serde(default)]
     pub teardown: SetupTimes,

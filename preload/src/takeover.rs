@@ -187,6 +187,11 @@ impl Takeover {
         }
     }
 
+    /// The estimated load time of every module owed now, in nanoseconds.
+    pub(crate) fn owed_total_ns(&self) -> u64 {
+        self.owed_ns.values().sum()
+    }
+
     /// Module `owner` was unloaded: no context's takeover pays for it any more.
     pub(crate) fn forget_module(&mut self, owner: usize) {
         let owed_ns = &mut self.owed_ns;

@@ -354,6 +354,11 @@ fn an_unloaded_module_is_no_longer_owed() {
     let base = s.engine.takeover.threshold(Needs::Attach);
     assert!(!s.hook_launch(0));
     assert!(s.engine.takeover.threshold_in(CTX, Needs::Attach) > base);
+    assert!(
+        s.engine.summary().setup.modules_owed_ms > 0.0,
+        "the summary says what the takeover would load"
+    );
     s.engine.unloaded(MODULE);
     assert_eq!(s.engine.takeover.threshold_in(CTX, Needs::Attach), base);
+    assert_eq!(s.engine.summary().setup.modules_owed_ms, 0.0);
 }
