@@ -234,47 +234,54 @@ impl Takeover {
         if threshold == 0 {
             return true;
         }
-        if self.counts.len() >= MAX_COUNTED && !self.counts.contains_key(&(ctx, key)) {
-            self.counts.clear();
+        if self.paid_towards(ctx, key, needs) >= threshold {
+            return true;
         }
-        let shared = self.policy == Policy::Earned && needs == Needs::Attach;
-        let paid = if shared {
+        self.add_launches(ctx, key, needs, 1);
+        false
+    }
+
+    /// Whether stream `key`'s launches pay towards a takeover that `needs` this together with the other streams of
+    /// its context (an attach with `earned`: it serves them all) rather than alone.
+    fn shared(&self, needs: Needs) -> bool {
+        self.policy == Policy::Earned && needs == Needs::Attach
+    }
+
+    /// What stream `key` of context `ctx` has paid so far towards a takeover that `needs` this.
+    fn paid_towards(&self, ctx: usize, key: StreamKey, needs: Needs) -> u64 {
+        if self.shared(needs) {
             self.context_counts.get(&ctx).copied().unwrap_or(0)
         } else {
             self.counts.get(&(ctx, key)).copied().unwrap_or(0)
-        };
-        if paid >= threshold {
-            return true;
         }
-        *self.counts.entry((ctx, key)).or_insert(0) += 1;
-        if shared {
+    }
+
+    /// Counts `n` launches of stream `key` of context `ctx` on libcuda: towards its own queue, and towards the
+    /// context's attach where that is shared. The tables are bounded by [`MAX_COUNTED`].
+    fn add_launches(&mut self, ctx: usize, key: StreamKey, needs: Needs, n: u64) {
+        if self.counts.len() >= MAX_COUNTED && !self.counts.contains_key(&(ctx, key)) {
+            self.counts.clear();
+        }
+        *self.counts.entry((ctx, key)).or_insert(0) += n;
+        if self.shared(needs) {
             if self.context_counts.len() >= MAX_COUNTED && !self.context_counts.contains_key(&ctx) {
                 self.context_counts.clear();
             }
-            *self.context_counts.entry(ctx).or_insert(0) += 1;
+            *self.context_counts.entry(ctx).or_insert(0) += n;
         }
-        false
     }
 
     /// The launches on libcuda stream `key` of context `ctx` (not attached) still has to make before its takeover
     /// is paid for: the context's shared count with `earned`, the stream's own with a number.
     pub(crate) fn left_to_attach(&self, ctx: usize, key: StreamKey) -> u64 {
-        let threshold = self.threshold_in(ctx, Needs::Attach);
-        let paid = if self.policy == Policy::Earned {
-            self.context_counts.get(&ctx).copied().unwrap_or(0)
-        } else {
-            self.counts.get(&(ctx, key)).copied().unwrap_or(0)
-        };
-        threshold.saturating_sub(paid)
+        self.threshold_in(ctx, Needs::Attach)
+            .saturating_sub(self.paid_towards(ctx, key, Needs::Attach))
     }
 
     /// `n` launches on stream `key` of context `ctx` (not attached) went to libcuda without being asked about one
     /// by one ([`crate::engine`]'s forwarding credit): counted as [`Takeover::earned`] counts each.
     pub(crate) fn paid(&mut self, ctx: usize, key: StreamKey, n: u64) {
-        *self.counts.entry((ctx, key)).or_insert(0) += n;
-        if self.policy == Policy::Earned {
-            *self.context_counts.entry(ctx).or_insert(0) += n;
-        }
+        self.add_launches(ctx, key, Needs::Attach, n);
     }
 
     /// Stream `key` of context `ctx` was taken over: its count goes.
