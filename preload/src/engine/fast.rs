@@ -2,8 +2,9 @@
 //!
 //! Until a stream's launches have paid for its takeover ([`crate::takeover`]) each of them goes to libcuda, and
 //! going through the engine to be counted cost a forwarded launch about 0.4 µs (H100, 580.159.04: an isolated
-//! `cuLaunchKernel` 3.68 µs plain, 4.12 µs forwarded — the engine's lock, `cuCtxGetCurrent`, the policy's tables),
-//! a tenth of a launch-bound loop's time before APEX takes anything over. So the engine, when it forwards a launch
+//! `cuLaunchKernel` 3.68 µs plain, 4.12 µs forwarded; the engine's own code takes 90 ns of it against the
+//! simulator, the rest is not broken down), up to a tenth of a launch-bound loop's time before APEX takes anything
+//! over. So the engine, when it forwards a launch
 //! before anything is attached, grants the hooks a credit: the number of further launches on that stream that can
 //! go straight to libcuda without deciding anything (one short of what the stream still has to pay, so the launch
 //! that completes the price reaches the engine), for functions whose modules it has priced already. The hooks spend
