@@ -314,3 +314,90 @@ fn unsupported_externals_refuse_only_the_kernels_that_call_them() {
         "printf is linked for uses_printf"
     );
 }
+
+/// Modules load lazily, as CUDA's do by default: data at load, each kernel's code at its first lookup. Linked
+/// section by section, the image is byte for byte what linking the whole cubin at once gives, and a queue that
+/// launched the module's kernels before another one's code went up invalidates its instruction caches before
+/// launching that one.
+#[test]
+fn kernel_code_goes_up_at_its_first_lookup() {
+    const TEMPLATES: &[u8] = include_bytes!("../kernels/conformance/templates.sm_90.cubin");
+    let eager = std::env::var("CUDA_MODULE_LOADING").is_ok_and(|v| v.eq_ignore_ascii_case("eager"));
+    let (gpu, sim) = Simulator::open(SimConfig::default()).unwrap();
+    let cubin = Cubin::parse(TEMPLATES).unwrap();
+    let m = Module::load(&gpu, TEMPLATES).unwrap();
+    let names = m.kernel_names();
+    assert!(names.len() >= 3, "{names:?}");
+    for n in &names {
+        assert_eq!(
+            m.kernel_is_loaded(n).unwrap(),
+            eager,
+            "{n} before its lookup"
+        );
+    }
+    assert!(matches!(
+        m.kernel_is_loaded("no_such_kernel"),
+        Err(apex::module::Error::NoSuchKernel { .. })
+    ));
+
+    let mut q = ComputeQueue::new(&gpu, ComputeQueueConfig::default()).unwrap();
+    let out = Memory::alloc(&gpu, MemoryDesc::video(4096).with_cpu()).unwrap();
+    let first = m.kernel(&names[0]).unwrap();
+    assert!(m.kernel_is_loaded(&names[0]).unwrap());
+    if !eager {
+        assert!(
+            !m.kernel_is_loaded(&names[1]).unwrap(),
+            "only the kernel looked up"
+        );
+    }
+    let args = |k: &apex::module::Kernel| -> Vec<Arg> {
+        k.info()
+            .params
+            .iter()
+            .map(|p| {
+                if p.size == 8 {
+                    Arg::Ptr(out.va())
+                } else {
+                    Arg::U32(1)
+                }
+            })
+            .collect()
+    };
+    let invalidations = || {
+        sim.channel_stats()
+            .iter()
+            .map(|c| c.cache_invalidations)
+            .sum::<u64>()
+    };
+    // SAFETY: the simulator runs no kernel code.
+    let f = unsafe { q.launch(&first, &LaunchConfig::linear(1, 32), &args(&first)) }.unwrap();
+    f.wait(Duration::from_secs(10)).unwrap();
+    let after_first = invalidations();
+    // SAFETY: as above.
+    let f = unsafe { q.launch(&first, &LaunchConfig::linear(1, 32), &args(&first)) }.unwrap();
+    f.wait(Duration::from_secs(10)).unwrap();
+    assert_eq!(invalidations(), after_first, "nothing new went up");
+    let second = m.kernel(&names[1]).unwrap();
+    // SAFETY: as above.
+    let f = unsafe { q.launch(&second, &LaunchConfig::linear(1, 32), &args(&second)) }.unwrap();
+    f.wait(Duration::from_secs(10)).unwrap();
+    if !eager {
+        assert_eq!(
+            invalidations(),
+            after_first + 1,
+            "new code: the caches are invalidated first"
+        );
+    }
+
+    m.load_all_kernels().unwrap();
+    for n in &names {
+        assert!(m.kernel_is_loaded(n).unwrap(), "{n}");
+    }
+    let mut whole = vec![0u8; cubin.image_size() as usize];
+    cubin.link(m.base_va(), &mut whole).unwrap();
+    let image = m.image_bytes().unwrap();
+    assert!(
+        image[..whole.len()] == whole[..],
+        "section by section = the whole cubin at once"
+    );
+}

@@ -1,7 +1,7 @@
 //! Modules: a cubin's image linked and uploaded into GPU memory, its kernels looked up by name.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use tracing::debug;
 
@@ -19,17 +19,48 @@ const PREFETCH_PADDING: u64 = 0x1000;
 static GENERATION: AtomicU64 = AtomicU64::new(1);
 
 /// A loaded cubin.
+///
+/// Loading is lazy by default, as CUDA's is since 12.2: the module's data (`__device__` and `__constant__`
+/// variables, constant-bank templates) goes to GPU memory at load, each kernel's code at its first lookup
+/// ([`Module::kernel`]) together with the code it calls. PyTorch's modules hold over a thousand kernels of which a
+/// program launches a few; their image is laid out and allocated whole at load, so addresses never change.
+/// `CUDA_MODULE_LOADING=EAGER`, the variable CUDA reads, uploads everything at load.
 #[derive(Debug)]
 pub struct Module {
     cubin: Cubin,
     image: Memory,
-    generation: u64,
+    /// The module-load generation of the newest upload into the image (see [`GENERATION`]).
+    generation: AtomicU64,
     /// The ring `printf`/`assert` records go to, when the module calls them.
     printf: Option<Arc<PrintfFifo>>,
     /// Kernels that call an external APEX does not provide, with the reason: refused when looked up.
     refused: Vec<(String, super::cubin::CubinError)>,
     /// `__device__` variables that live outside the image ([`Module::load_placed`]).
     placed: Vec<PlacedGlobal>,
+    /// APEX's device runtime functions appended to the image, for the code calling them.
+    runtime: Option<RuntimeLink>,
+    /// Externals APEX does not provide: references link to 0 (only refused kernels make them).
+    unsupported: Vec<String>,
+    /// Which image sections are in GPU memory.
+    uploaded: Mutex<Uploaded>,
+}
+
+#[derive(Debug)]
+struct Uploaded {
+    /// Per image section.
+    done: Vec<bool>,
+    /// Code sections still to upload.
+    code_left: usize,
+    /// Staging for one section's linked bytes.
+    scratch: Vec<u8>,
+}
+
+/// Whether modules load eagerly (`CUDA_MODULE_LOADING=EAGER`), read once.
+fn eager_loading() -> bool {
+    static EAGER: OnceLock<bool> = OnceLock::new();
+    *EAGER.get_or_init(|| {
+        std::env::var("CUDA_MODULE_LOADING").is_ok_and(|v| v.trim().eq_ignore_ascii_case("eager"))
+    })
 }
 
 impl Module {
@@ -61,6 +92,17 @@ impl Module {
         printf: &PrintfFifoCell,
         place: &dyn Fn(&GlobalSymbol) -> Option<VariableHome>,
     ) -> Result<Arc<Module>> {
+        Module::load_placed_as(gpu, bytes, printf, place, eager_loading())
+    }
+
+    /// As [`Module::load_placed`], all code uploaded at load when `eager`.
+    pub(crate) fn load_placed_as(
+        gpu: &Arc<GpuCore>,
+        bytes: &[u8],
+        printf: &PrintfFifoCell,
+        place: &dyn Fn(&GlobalSymbol) -> Option<VariableHome>,
+        eager: bool,
+    ) -> Result<Arc<Module>> {
         let sm = gpu.info().sm_version;
         // Phase times for the debug log: a large module (PyTorch's) takes a program's thread for milliseconds.
         let started = std::time::Instant::now();
@@ -81,12 +123,13 @@ impl Module {
             placing.set(placing.get() + t.elapsed());
             home
         };
-        let m = Module::from_cubin(gpu, cubin, printf, &timed_place);
+        let m = Module::from_cubin(gpu, cubin, printf, &timed_place, eager);
         debug!(
             image_bytes = bytes.len(),
             cubin_bytes = cubin_bytes.len(),
             kernels,
             globals,
+            eager,
             select_us,
             parse_us,
             place_us = placing.get().as_micros(),
@@ -96,12 +139,14 @@ impl Module {
         m
     }
 
-    /// Links and uploads a parsed cubin, with APEX's device runtime appended if the module calls it.
+    /// Allocates the image of a parsed cubin (with APEX's device runtime appended if the module calls it) and
+    /// uploads its data, and its code too when `eager`.
     fn from_cubin(
         gpu: &Arc<GpuCore>,
         mut cubin: Cubin,
         printf: &PrintfFifoCell,
         place: &dyn Fn(&GlobalSymbol) -> Option<VariableHome>,
+        eager: bool,
     ) -> Result<Arc<Module>> {
         let mut placed = Vec::new();
         // Zero-size symbols (unsized `extern` arrays) cover no bytes: nothing to share.
@@ -143,6 +188,14 @@ impl Module {
                 }
             }
         }
+        let unsupported = plan
+            .unsupported
+            .iter()
+            .filter_map(|e| match e {
+                super::cubin::CubinError::UnsupportedExtern { symbol, .. } => Some(symbol.clone()),
+                _ => None,
+            })
+            .collect();
         let runtime = plan.link;
         let fifo = match &runtime {
             Some(_) => Some(printf.get_or_create(gpu)?),
@@ -162,44 +215,107 @@ impl Module {
             .map_or(cubin.image_size(), |r| r.image_size);
         let size = image_size.max(4) + PREFETCH_PADDING;
         let image = Memory::alloc(gpu, MemoryDesc::video(size).with_cpu().low())?;
-        let mut linked = vec![0u8; image.size() as usize];
-        let base = image.va();
-        let unsupported = |name: &str| {
-            plan.unsupported.iter().any(
-                |e| matches!(e, super::cubin::CubinError::UnsupportedExtern { symbol, .. } if symbol == name),
-            )
-        };
-        cubin.link_placed(
-            base,
-            &mut linked,
-            &|name| {
-                // Calls to an unsupported external stay 0: only kernels refused at lookup make them.
-                runtime
-                    .as_ref()
-                    .and_then(|r| r.address(base, name))
-                    .or_else(|| unsupported(name).then_some(0))
-            },
-            &placed,
-        )?;
         if let (Some(rt), Some(fifo)) = (&runtime, &fifo) {
-            rt.link(&mut linked, fifo.va())?;
+            let (at, code) = rt.link_region(fifo.va())?;
+            image.write(at, &code)?;
         }
-        image.write(0, &linked)?;
-        let generation = GENERATION.fetch_add(1, Ordering::Relaxed) + 1;
-        debug!(
-            va = format_args!("{:#x}", image.va()),
-            size,
-            kernels = cubin.kernels().len(),
-            "module loaded"
-        );
-        Ok(Arc::new(Module {
+        let sections = cubin.image_section_count();
+        let code_left = (0..sections).filter(|&i| cubin.section_is_code(i)).count();
+        let module = Module {
             cubin,
             image,
-            generation,
+            generation: AtomicU64::new(0),
             printf: fifo,
             refused,
             placed,
-        }))
+            runtime,
+            unsupported,
+            uploaded: Mutex::new(Uploaded {
+                done: vec![false; sections],
+                code_left,
+                scratch: Vec::new(),
+            }),
+        };
+        // The data, and the code it refers to (function pointers, jump tables): anything may use it.
+        let roots: Vec<usize> = (0..sections)
+            .filter(|&i| eager || !module.cubin.section_is_code(i))
+            .collect();
+        module.upload(&mut module.lock_uploaded(), roots)?;
+        debug!(
+            va = format_args!("{:#x}", module.image.va()),
+            size,
+            kernels = module.cubin.kernels().len(),
+            code_sections_left = module.lock_uploaded().code_left,
+            "module loaded"
+        );
+        Ok(Arc::new(module))
+    }
+
+    fn lock_uploaded(&self) -> std::sync::MutexGuard<'_, Uploaded> {
+        // A panic while uploading leaves sections either done or not, both consistent.
+        self.uploaded.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Links and writes `roots` and every section they refer to that is not in GPU memory yet; a new generation
+    /// when any code went up (queues invalidate their instruction caches before their next launch).
+    fn upload(&self, up: &mut Uploaded, roots: Vec<usize>) -> Result<()> {
+        let base = self.image.va();
+        let resolve = |name: &str| {
+            // Calls to an unsupported external stay 0: only kernels refused at lookup make them.
+            self.runtime
+                .as_ref()
+                .and_then(|r| r.address(base, name))
+                .or_else(|| self.unsupported.iter().any(|u| u == name).then_some(0))
+        };
+        let mut work = roots;
+        let mut wrote = false;
+        while let Some(i) = work.pop() {
+            if up.done.get(i).is_none_or(|&d| d) {
+                continue;
+            }
+            let at = self
+                .cubin
+                .link_section(i, base, &mut up.scratch, &resolve, &self.placed)?;
+            self.image.write(at, &up.scratch)?;
+            up.done[i] = true;
+            wrote = true;
+            if self.cubin.section_is_code(i) {
+                up.code_left -= 1;
+            }
+            work.extend(self.cubin.section_refers_to(i).filter(|&j| !up.done[j]));
+        }
+        if wrote {
+            let generation = GENERATION.fetch_add(1, Ordering::Relaxed) + 1;
+            self.generation.store(generation, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Uploads kernel `index`'s code and what it calls, unless already done.
+    fn upload_kernel(&self, index: usize) -> Result<()> {
+        let Some(section) = self.cubin.kernel_section(index) else {
+            return Ok(()); // no code of its own in the image (an empty kernel section): nothing to upload
+        };
+        let mut up = self.lock_uploaded();
+        if up.done.get(section).copied().unwrap_or(true) {
+            return Ok(());
+        }
+        let started = std::time::Instant::now();
+        self.upload(&mut up, vec![section])?;
+        debug!(
+            kernel = %self.cubin.kernels()[index].name,
+            us = started.elapsed().as_micros(),
+            code_sections_left = up.code_left,
+            "kernel code uploaded"
+        );
+        Ok(())
+    }
+
+    /// Uploads every section not in GPU memory yet.
+    fn upload_all(&self) -> Result<()> {
+        let mut up = self.lock_uploaded();
+        let roots = (0..up.done.len()).filter(|&i| !up.done[i]).collect();
+        self.upload(&mut up, roots)
     }
 
     /// The GPU the module is loaded on.
@@ -207,8 +323,10 @@ impl Module {
         self.image.gpu()
     }
 
-    /// The linked image as it is in GPU memory (for inspection: what the loader laid out and relocated).
+    /// The linked image as it is in GPU memory (for inspection: what the loader laid out and relocated), every
+    /// kernel's code uploaded first ([`Module::load_all_kernels`]).
     pub fn image_bytes(&self) -> Result<Vec<u8>> {
+        self.load_all_kernels()?;
         let mut out = vec![0u8; self.image.size() as usize];
         self.image.read(0, &mut out)?;
         Ok(out)
@@ -230,7 +348,7 @@ impl Module {
     }
 
     pub(crate) fn generation(&self) -> u64 {
-        self.generation
+        self.generation.load(Ordering::Acquire)
     }
 
     /// The kernel called `name`.
@@ -260,10 +378,45 @@ impl Module {
                 name: name.to_string(),
                 available: self.kernel_names(),
             })?;
+        self.upload_kernel(index)?;
         Ok(Kernel {
             module: self.clone(),
             index,
         })
+    }
+
+    /// Whether kernel `name`'s code is in GPU memory (what `cuFuncIsLoaded` tells of a CUDA function): it goes up
+    /// at the kernel's first [`Module::kernel`] lookup, with the code it calls, or at load under
+    /// `CUDA_MODULE_LOADING=EAGER`.
+    pub fn kernel_is_loaded(&self, name: &str) -> Result<bool> {
+        let found = self.cubin.kernel(name).map_err(|e| match e {
+            super::cubin::CubinError::NoSuchKernel(_) => Error::NoSuchKernel {
+                name: name.to_string(),
+                available: self.kernel_names(),
+            },
+            e => e.into(),
+        })?;
+        let index = self
+            .cubin
+            .kernels()
+            .iter()
+            .position(|k| k.name == found.name)
+            .unwrap_or(usize::MAX);
+        Ok(match self.cubin.kernel_section(index) {
+            Some(section) => self
+                .lock_uploaded()
+                .done
+                .get(section)
+                .copied()
+                .unwrap_or(false),
+            None => true,
+        })
+    }
+
+    /// Uploads the code of every kernel not looked up yet (what `CUDA_MODULE_LOADING=EAGER` does at load), so that
+    /// no later lookup spends time on it.
+    pub fn load_all_kernels(&self) -> Result<()> {
+        self.upload_all()
     }
 
     /// The symbols of the module's kernels (mangled), in the cubin's order.

@@ -61,7 +61,10 @@ pub struct Cubin {
     sm: u32,
     kernels: Vec<KernelInfo>,
     sections: Vec<LoadedSection>,
+    /// Sorted by the section they patch (in file order within it).
     relocations: Vec<Relocation>,
+    /// Per image section, the range of `relocations` that patch it.
+    section_relocations: Vec<std::ops::Range<usize>>,
     image_size: u64,
     /// Undefined symbols that relocations refer to, sorted, each once.
     externals: Vec<String>,
@@ -187,7 +190,7 @@ impl Cubin {
             }
         }
 
-        let relocations = relocations(
+        let mut relocations = relocations(
             &table,
             endian,
             bytes,
@@ -197,6 +200,23 @@ impl Cubin {
             &sections,
             &image_index,
         )?;
+
+        // Stable: two relocations of one field apply in file order.
+        relocations.sort_by_key(|r| r.section);
+        let mut section_relocations = vec![0..0; sections.len()];
+        let mut start = 0;
+        while start < relocations.len() {
+            let section = relocations[start].section;
+            let end = start
+                + relocations[start..]
+                    .iter()
+                    .take_while(|r| r.section == section)
+                    .count();
+            if let Some(range) = section_relocations.get_mut(section) {
+                *range = start..end;
+            }
+            start = end;
+        }
 
         let mut externals: Vec<String> = relocations
             .iter()
@@ -214,6 +234,7 @@ impl Cubin {
             kernels,
             sections,
             relocations,
+            section_relocations,
             image_size,
             externals,
             globals,
@@ -364,9 +385,74 @@ impl Cubin {
             }
         }
         for r in &self.relocations {
-            apply(r, base_va, image, resolve, placed)?;
+            apply(r, base_va, image, 0, resolve, placed)?;
         }
         Ok(())
+    }
+
+    /// How many sections the image has ([`Cubin::image_sections`]); the loader links them one by one.
+    pub(crate) fn image_section_count(&self) -> usize {
+        self.sections.len()
+    }
+
+    /// Whether image section `section` holds machine code.
+    pub(crate) fn section_is_code(&self, section: usize) -> bool {
+        self.sections.get(section).is_some_and(|s| s.code)
+    }
+
+    /// The image section holding kernel `kernel`'s code (an index into [`Cubin::kernels`]).
+    pub(crate) fn kernel_section(&self, kernel: usize) -> Option<usize> {
+        let offset = self.kernels.get(kernel)?.code_offset;
+        // Sections are laid out in ascending offsets; empty sections can share one.
+        let i = self
+            .sections
+            .partition_point(|s| s.info.image_offset + s.info.size <= offset);
+        self.sections
+            .get(i)
+            .filter(|s| s.info.image_offset <= offset && s.code)
+            .map(|_| i)
+    }
+
+    /// The image sections that section `section`'s relocations refer to (with repeats): what must be in memory
+    /// when its code runs or its data is used.
+    pub(crate) fn section_refers_to(&self, section: usize) -> impl Iterator<Item = usize> + '_ {
+        let range = self
+            .section_relocations
+            .get(section)
+            .cloned()
+            .unwrap_or(0..0);
+        self.relocations[range].iter().filter_map(|r| r.refers_to)
+    }
+
+    /// Links image section `section` alone for an image at `base_va` into `out` (cleared first; resolved and
+    /// placed as [`Cubin::link_placed`] does); returns its offset inside the image.
+    pub(crate) fn link_section(
+        &self,
+        section: usize,
+        base_va: u64,
+        out: &mut Vec<u8>,
+        resolve: &dyn Fn(&str) -> Option<u64>,
+        placed: &[PlacedGlobal],
+    ) -> Result<u64, CubinError> {
+        let s = self
+            .sections
+            .get(section)
+            .ok_or_else(|| corrupt(format!("image section {section} does not exist")))?;
+        let len = usize::try_from(s.info.size).map_err(|_| corrupt("section size overflows"))?;
+        out.clear();
+        match &s.data {
+            Some(data) => out.extend_from_slice(data),
+            None => out.resize(len, 0),
+        }
+        let range = self
+            .section_relocations
+            .get(section)
+            .cloned()
+            .unwrap_or(0..0);
+        for r in &self.relocations[range] {
+            apply(r, base_va, out, s.info.image_offset, resolve, placed)?;
+        }
+        Ok(s.info.image_offset)
     }
 }
 

@@ -57,6 +57,11 @@ pub(super) struct Relocation {
     pub(super) addend: i64,
     /// What the symbol names: a section (references go anywhere in it, by the addend) or one object.
     pub(super) target: Target,
+    /// The image section (index into the cubin's image sections) the patched bytes are in.
+    pub(super) section: usize,
+    /// The image section the symbol lies in, for a symbol in the image: code a section refers to must be in
+    /// memory before it runs.
+    pub(super) refers_to: Option<usize>,
 }
 
 /// The kind of symbol a relocation names, for placing variables elsewhere
@@ -150,9 +155,9 @@ pub(super) fn relocations(
         };
         // Relocations of sections outside the image (debug info) are for tools, not for the loader.
         let target = usize::try_from(meta.info).ok();
-        let Some(image) = target
+        let Some((image_at, image)) = target
             .and_then(|t| image_index.get(t).copied().flatten())
-            .and_then(|i| sections.get(i))
+            .and_then(|i| Some((i, sections.get(i)?)))
         else {
             continue;
         };
@@ -198,7 +203,8 @@ pub(super) fn relocations(
                 (true, _, _) => Target::Section,
             };
             let addend = addend.unwrap_or_else(|| implicit_addend(kind, field));
-            let symbol = symbol_value(sym, symbols, sections, image_index, &meta.name)?;
+            let (symbol, refers_to) =
+                symbol_value(sym, symbols, sections, image_index, &meta.name)?;
             let offset =
                 image.info.image_offset.checked_add(offset).ok_or_else(|| {
                     corrupt(format!("{}: relocation offset overflows", meta.name))
@@ -209,36 +215,39 @@ pub(super) fn relocations(
                 symbol,
                 addend,
                 target,
+                section: image_at,
+                refers_to,
             });
         }
     }
     Ok(out)
 }
 
+/// Where relocation symbol `sym` is, and the image section it lies in.
 fn symbol_value(
     sym: u32,
     symbols: &[SymbolMeta],
     sections: &[LoadedSection],
     image_index: &[Option<usize>],
     section: &str,
-) -> Result<SymbolValue, CubinError> {
+) -> Result<(SymbolValue, Option<usize>), CubinError> {
     if sym == 0 {
-        return Ok(SymbolValue::Absolute(0));
+        return Ok((SymbolValue::Absolute(0), None));
     }
     let s = usize::try_from(sym)
         .ok()
         .and_then(|i| symbols.get(i))
         .ok_or_else(|| corrupt(format!("{section}: relocation symbol {sym} out of range")))?;
     if s.absolute {
-        return Ok(SymbolValue::Absolute(s.value));
+        return Ok((SymbolValue::Absolute(s.value), None));
     }
     if s.section.is_none() && !s.name.is_empty() {
-        return Ok(SymbolValue::External(s.name.clone()));
+        return Ok((SymbolValue::External(s.name.clone()), None));
     }
-    let base = s
+    let (at, base) = s
         .section
         .and_then(|i| image_index.get(i).copied().flatten())
-        .and_then(|i| sections.get(i))
+        .and_then(|i| Some((i, sections.get(i)?)))
         .ok_or_else(|| CubinError::UnresolvedSymbol {
             symbol: s.name.clone(),
             section: section.to_owned(),
@@ -247,7 +256,7 @@ fn symbol_value(
     base.info
         .image_offset
         .checked_add(s.value)
-        .map(SymbolValue::Image)
+        .map(|offset| (SymbolValue::Image(offset), Some(at)))
         .ok_or_else(|| corrupt(format!("{section}: symbol {} value overflows", s.name)))
 }
 
@@ -281,10 +290,13 @@ pub(super) fn range_mut(
         .ok_or_else(|| corrupt("patch outside the image"))
 }
 
+/// Applies `r` to `image`, which holds the image from offset `origin` on (0: the whole image; a section's
+/// offset: that section alone).
 pub(super) fn apply(
     r: &Relocation,
     base_va: u64,
     image: &mut [u8],
+    origin: u64,
     resolve: &dyn Fn(&str) -> Option<u64>,
     placed: &[PlacedGlobal],
 ) -> Result<(), CubinError> {
@@ -337,7 +349,11 @@ pub(super) fn apply(
             }
         }
     }
-    apply_value(r.kind, r.offset, value, image)
+    let at = r
+        .offset
+        .checked_sub(origin)
+        .ok_or_else(|| corrupt("a relocation before the bytes being linked"))?;
+    apply_value(r.kind, at, value, image)
 }
 
 /// Writes `value` (symbol address plus addend) into `image` as relocation type `kind` at `offset` prescribes.
@@ -358,6 +374,8 @@ pub(crate) fn apply_value(
         symbol: SymbolValue::Absolute(value),
         addend: 0,
         target: Target::Named,
+        section: 0,
+        refers_to: None,
     };
     let fit32 = |v: u64| u32::try_from(v).map_err(|_| overflow(v));
     match r.kind {

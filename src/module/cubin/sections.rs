@@ -9,6 +9,8 @@ use super::info::{GlobalSymbol, ImageSection};
 #[derive(Debug, Clone)]
 pub(super) struct LoadedSection {
     pub(super) info: ImageSection,
+    /// Machine code (`SHF_EXECINSTR`): uploaded when a kernel needing it is first looked up.
+    pub(super) code: bool,
     /// The section's bytes; `None` for NOBITS.
     pub(super) data: Option<Vec<u8>>,
 }
@@ -108,6 +110,7 @@ pub(super) fn layout(metas: &[SectionMeta]) -> Result<Layout, CubinError> {
                 size: meta.size,
                 nobits,
             },
+            code: meta.flags & elf::SHF_EXECINSTR.0 != 0,
             data,
         });
     }

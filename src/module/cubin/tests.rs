@@ -24,8 +24,10 @@ fn placed_references_follow_the_named_symbol() {
             symbol: SymbolValue::Image(symbol),
             addend,
             target,
+            section: 0,
+            refers_to: None,
         };
-        apply(&r, base, &mut img, &|_| None, &placed)
+        apply(&r, base, &mut img, 0, &|_| None, &placed)
             .map(|()| u64::from_le_bytes(img[..8].try_into().unwrap()))
     };
     assert_eq!(link(0x100, 0x10, Target::Named).unwrap(), 0x9000_0010);
@@ -42,8 +44,10 @@ fn placed_references_follow_the_named_symbol() {
         symbol: SymbolValue::Image(0),
         addend: 0x108,
         target: Target::SectionNoAddend,
+        section: 0,
+        refers_to: None,
     };
-    apply(&r, base, &mut img, &|_| None, &[]).unwrap();
+    apply(&r, base, &mut img, 0, &|_| None, &[]).unwrap();
     assert_eq!(
         u64::from_le_bytes(img[..8].try_into().unwrap()),
         base + 0x108

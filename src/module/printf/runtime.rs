@@ -423,12 +423,22 @@ impl RuntimeLink {
             .map(|(_, at)| base_va + at)
     }
 
-    /// Writes the functions into `image` (already linked for `base_va`).
-    pub fn link(&self, image: &mut [u8], fifo_va: u64) -> Result<(), CubinError> {
+    /// The functions linked on their own: the image offset of the first and the bytes from there to the end of
+    /// the image.
+    pub fn link_region(&self, fifo_va: u64) -> Result<(u64, Vec<u8>), CubinError> {
+        let start = self
+            .placed
+            .iter()
+            .map(|(_, at)| *at)
+            .min()
+            .unwrap_or(self.image_size);
+        let len =
+            usize::try_from(self.image_size - start).map_err(|_| bad_runtime("size overflows"))?;
+        let mut region = vec![0u8; len];
         for (f, at) in &self.placed {
-            f.link_into(image, *at, fifo_va)?;
+            f.link_into(&mut region, at - start, fifo_va)?;
         }
-        Ok(())
+        Ok((start, region))
     }
 
     /// Registers and stack a kernel calling `externs` needs, given its own; `None` when the cubin does not say

@@ -196,6 +196,15 @@ fn plan_refuses_unknown_externs_and_raises_kernels() {
         .unwrap();
     assert_eq!(plan.placed[0].1, 0x180);
     assert_eq!(plan.address(0x1000, "vprintf"), Some(0x1180));
+    // Linked on its own, the region runs from the first function to the end of the image, FIFO address patched.
+    let (at, code) = plan.link_region(0x0000_7e57_0000_0000).unwrap();
+    assert_eq!(at, 0x180);
+    assert_eq!(at + code.len() as u64, plan.image_size);
+    assert_ne!(
+        code,
+        plan.link_region(0x0000_7e58_0000_0000).unwrap().1,
+        "the FIFO's address is in the code"
+    );
     let (regs, stack) = plan.kernel_needs(Some(&["vprintf".to_owned()]), 24, 16);
     assert_eq!(regs, 32);
     assert!(stack > 16);
