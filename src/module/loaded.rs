@@ -1,6 +1,6 @@
 //! Modules: a cubin's image linked and uploaded into GPU memory, its kernels looked up by name.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use tracing::debug;
@@ -11,7 +11,7 @@ use super::cubin::{Cubin, GlobalSymbol, KernelInfo, PlacedGlobal};
 use super::printf::{PrintfFifo, PrintfFifoCell, RuntimeLink};
 use super::{Error, Result, image, jit};
 
-/// Bytes of zeroed, mapped memory after the code: the SM prefetches instructions past a kernel's end.
+/// Bytes of mapped memory after the code: the SM prefetches instructions past a kernel's end.
 const PREFETCH_PADDING: u64 = 0x1000;
 
 /// Every module load bumps this; a queue that has not invalidated its instruction caches since the newest
@@ -41,18 +41,16 @@ pub struct Module {
     runtime: Option<RuntimeLink>,
     /// Externals APEX does not provide: references link to 0 (only refused kernels make them).
     unsupported: Vec<String>,
-    /// Which image sections are in GPU memory.
-    uploaded: Mutex<Uploaded>,
+    /// Per image section: in GPU memory (set only once the whole upload it was part of is written).
+    done: Vec<AtomicBool>,
+    /// Serializes uploads.
+    uploading: Mutex<Uploading>,
 }
 
 #[derive(Debug)]
-struct Uploaded {
-    /// Per image section.
-    done: Vec<bool>,
+struct Uploading {
     /// Code sections still to upload.
     code_left: usize,
-    /// Staging for one section's linked bytes.
-    scratch: Vec<u8>,
 }
 
 /// Whether modules load eagerly (`CUDA_MODULE_LOADING=EAGER`), read once.
@@ -230,35 +228,40 @@ impl Module {
             placed,
             runtime,
             unsupported,
-            uploaded: Mutex::new(Uploaded {
-                done: vec![false; sections],
-                code_left,
-                scratch: Vec::new(),
-            }),
+            done: (0..sections).map(|_| AtomicBool::new(false)).collect(),
+            uploading: Mutex::new(Uploading { code_left }),
         };
         // The data, and the code it refers to (function pointers, jump tables): anything may use it.
         let roots: Vec<usize> = (0..sections)
             .filter(|&i| eager || !module.cubin.section_is_code(i))
             .collect();
-        module.upload(&mut module.lock_uploaded(), roots)?;
+        module.upload(&mut module.lock_uploading(), roots)?;
         debug!(
             va = format_args!("{:#x}", module.image.va()),
             size,
             kernels = module.cubin.kernels().len(),
-            code_sections_left = module.lock_uploaded().code_left,
+            code_sections_left = module.lock_uploading().code_left,
             "module loaded"
         );
         Ok(Arc::new(module))
     }
 
-    fn lock_uploaded(&self) -> std::sync::MutexGuard<'_, Uploaded> {
-        // A panic while uploading leaves sections either done or not, both consistent.
-        self.uploaded.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock_uploading(&self) -> std::sync::MutexGuard<'_, Uploading> {
+        // Sections are marked done only after a whole upload is written: a panic leaves nothing half done.
+        self.uploading.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Links and writes `roots` and every section they refer to that is not in GPU memory yet; a new generation
-    /// when any code went up (queues invalidate their instruction caches before their next launch).
-    fn upload(&self, up: &mut Uploaded, roots: Vec<usize>) -> Result<()> {
+    fn is_done(&self, section: usize) -> bool {
+        self.done
+            .get(section)
+            .is_none_or(|d| d.load(Ordering::Acquire))
+    }
+
+    /// Links and writes `roots` and every section they refer to that is not in GPU memory yet, all or nothing:
+    /// every section is linked before anything is written, so a section that fails to link leaves none of them
+    /// marked (its next lookup fails the same way). A new generation when anything went up: queues invalidate
+    /// their instruction caches before their next launch of the module.
+    fn upload(&self, up: &mut Uploading, roots: Vec<usize>) -> Result<()> {
         let base = self.image.va();
         let resolve = |name: &str| {
             // Calls to an unsupported external stay 0: only kernels refused at lookup make them.
@@ -267,26 +270,38 @@ impl Module {
                 .and_then(|r| r.address(base, name))
                 .or_else(|| self.unsupported.iter().any(|u| u == name).then_some(0))
         };
+        let mut wanted = vec![false; self.done.len()];
         let mut work = roots;
-        let mut wrote = false;
+        let mut linked = Vec::new();
         while let Some(i) = work.pop() {
-            if up.done.get(i).is_none_or(|&d| d) {
+            if self.is_done(i) || wanted[i] {
                 continue;
             }
+            wanted[i] = true;
+            let mut bytes = Vec::new();
             let at = self
                 .cubin
-                .link_section(i, base, &mut up.scratch, &resolve, &self.placed)?;
-            self.image.write(at, &up.scratch)?;
-            up.done[i] = true;
-            wrote = true;
-            if self.cubin.section_is_code(i) {
+                .link_section(i, base, &mut bytes, &resolve, &self.placed)?;
+            linked.push((i, at, bytes));
+            work.extend(
+                self.cubin
+                    .section_refers_to(i)
+                    .filter(|&j| !self.is_done(j) && !wanted[j]),
+            );
+        }
+        if linked.is_empty() {
+            return Ok(());
+        }
+        for (_, at, bytes) in &linked {
+            self.image.write(*at, bytes)?;
+        }
+        let generation = GENERATION.fetch_add(1, Ordering::AcqRel) + 1;
+        self.generation.store(generation, Ordering::Release);
+        for (i, _, _) in &linked {
+            if self.cubin.section_is_code(*i) {
                 up.code_left -= 1;
             }
-            work.extend(self.cubin.section_refers_to(i).filter(|&j| !up.done[j]));
-        }
-        if wrote {
-            let generation = GENERATION.fetch_add(1, Ordering::Relaxed) + 1;
-            self.generation.store(generation, Ordering::Release);
+            self.done[*i].store(true, Ordering::Release);
         }
         Ok(())
     }
@@ -296,8 +311,12 @@ impl Module {
         let Some(section) = self.cubin.kernel_section(index) else {
             return Ok(()); // no code of its own in the image (an empty kernel section): nothing to upload
         };
-        let mut up = self.lock_uploaded();
-        if up.done.get(section).copied().unwrap_or(true) {
+        // A lookup of a kernel already up (every launch of the queues' built-in kernels) costs one load.
+        if self.is_done(section) {
+            return Ok(());
+        }
+        let mut up = self.lock_uploading();
+        if self.is_done(section) {
             return Ok(());
         }
         let started = std::time::Instant::now();
@@ -313,8 +332,8 @@ impl Module {
 
     /// Uploads every section not in GPU memory yet.
     fn upload_all(&self) -> Result<()> {
-        let mut up = self.lock_uploaded();
-        let roots = (0..up.done.len()).filter(|&i| !up.done[i]).collect();
+        let mut up = self.lock_uploading();
+        let roots = (0..self.done.len()).filter(|&i| !self.is_done(i)).collect();
         self.upload(&mut up, roots)
     }
 
@@ -402,15 +421,10 @@ impl Module {
             .iter()
             .position(|k| k.name == found.name)
             .unwrap_or(usize::MAX);
-        Ok(match self.cubin.kernel_section(index) {
-            Some(section) => self
-                .lock_uploaded()
-                .done
-                .get(section)
-                .copied()
-                .unwrap_or(false),
-            None => true,
-        })
+        Ok(self
+            .cubin
+            .kernel_section(index)
+            .is_none_or(|section| self.is_done(section)))
     }
 
     /// Uploads the code of every kernel not looked up yet (what `CUDA_MODULE_LOADING=EAGER` does at load), so that
@@ -500,7 +514,8 @@ impl Global {
 
 /// The newest module generation (see [`Module`]).
 pub(crate) fn newest_generation() -> u64 {
-    GENERATION.load(Ordering::Relaxed)
+    // Pairs with the upload's release: the code of every generation read here is written.
+    GENERATION.load(Ordering::Acquire)
 }
 
 /// A kernel of a loaded module.

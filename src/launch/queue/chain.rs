@@ -254,6 +254,8 @@ impl ComputeQueue {
         qmd::patch_launch(self.version, &mut c.last_qmd, cb_va, Some(value))?;
         qmd::set_chain_link(self.version, &mut c.last_qmd, None)?;
         self.write_qmd(c.last_slot, &c.last_qmd)?;
+        // Read before the invalidation is recorded: code uploaded after it is not counted as seen.
+        let newest = newest_generation();
         let sent = self.send(
             self.slot_qmd_va(c.first_slot),
             c.invalidate,
@@ -262,7 +264,7 @@ impl ComputeQueue {
         )?;
         debug_assert_eq!(sent, value);
         if c.invalidate {
-            self.seen_generation = newest_generation();
+            self.seen_generation = newest;
         }
         let n = self.slot_values.len();
         for i in 0..c.len {

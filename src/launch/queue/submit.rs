@@ -154,11 +154,13 @@ impl ComputeQueue {
         // Only what an earlier read showed: reading the semaphore would cost a cache miss on every launch, and an
         // acquire of a value already released costs the GPU little.
         let prev_done = !ordered || self.settled(prev);
+        // Read before the invalidation is recorded: code uploaded after it is not counted as seen.
+        let newest = newest_generation();
         let invalidate = self.seen_generation < kernel.module().generation();
         let value = self.send_slot(slot, invalidate, prev_done, prev, gate)?;
         debug_assert_eq!(value, prev + 1);
         if invalidate {
-            self.seen_generation = newest_generation();
+            self.seen_generation = newest;
         }
         self.slot_values[slot] = value;
         Ok(value)

@@ -42,6 +42,8 @@ impl ComputeQueue {
         if !exec.pieces.is_empty() {
             let prev = self.queue.last_submitted();
             let prev_done = self.settled_now(prev);
+            // Read before the invalidation is recorded: code uploaded after it is not counted as seen.
+            let newest = newest_generation();
             let new_code = self.seen_generation < exec.generation;
             let invalidate = new_code || exec.banks_written;
             if !prev_done || invalidate {
@@ -57,7 +59,7 @@ impl ComputeQueue {
                     }
                 })?;
                 if new_code {
-                    self.seen_generation = newest_generation();
+                    self.seen_generation = newest;
                 }
                 exec.banks_written = false;
             }
