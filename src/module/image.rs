@@ -105,18 +105,25 @@ impl Code<'_> {
     }
 
     /// Whether the code defines at least one kernel (unreadable cubins count as defining none), and the cubin
-    /// parsed where it is one that parses.
-    fn kernels(&self) -> (bool, Option<Cubin>) {
-        match self {
-            Code::Cubin(b) => {
-                let cubin = Cubin::parse(b).ok();
-                (
-                    cubin.as_ref().is_some_and(|c| !c.kernels().is_empty()),
-                    cubin,
-                )
-            }
-            Code::Ptx(b) => (b.windows(6).any(|w| w == b".entry"), None),
-        }
+    /// parsed where it is one that parses. An owned cubin's bytes move into the parsed cubin (left empty here,
+    /// [`Cubin::bytes`] has them): a PyTorch cubin is tens of megabytes, and copying it costs the load more than
+    /// parsing it.
+    fn kernels(&mut self) -> (bool, Option<Cubin>) {
+        let cubin = match self {
+            Code::Cubin(Cow::Owned(v)) => match Cubin::parse_vec(std::mem::take(v)) {
+                Ok(c) => Some(c),
+                Err((_, back)) => {
+                    *v = back;
+                    None
+                }
+            },
+            Code::Cubin(Cow::Borrowed(b)) => Cubin::parse(b).ok(),
+            Code::Ptx(b) => return (b.windows(6).any(|w| w == b".entry"), None),
+        };
+        (
+            cubin.as_ref().is_some_and(|c| !c.kernels().is_empty()),
+            cubin,
+        )
     }
 }
 
@@ -136,18 +143,30 @@ pub fn cubin_for_device<'a>(
     device_sm: u32,
     jit: &Jit,
 ) -> Result<Cow<'a, [u8]>, ImageError> {
-    parsed_cubin_for_device(bytes, device_sm, jit).map(|(c, _)| c)
+    let resolved = resolve_parsed(bytes, device_sm, jit, PtxHandling::Compile, None)?;
+    match resolved.code {
+        Code::Cubin(c) => Ok(c),
+        // Compile mode never returns PTX.
+        Code::Ptx(_) => Err(ImageError::PtxNoTarget),
+    }
 }
 
 /// As [`cubin_for_device`], with the cubin parsed where choosing it parsed it already (a fatbin's entries are
-/// parsed to find the one with kernels: a large cubin is not parsed twice).
+/// parsed to find the one with kernels: a large cubin is not parsed twice). The bytes are then the parsed cubin's
+/// ([`Cubin::bytes`]) and the first value is empty where the second is a cubin.
 pub(crate) fn parsed_cubin_for_device<'a>(
     bytes: &'a [u8],
     device_sm: u32,
     jit: &Jit,
 ) -> Result<(Cow<'a, [u8]>, Option<Cubin>), ImageError> {
     let mut parsed = None;
-    let resolved = resolve_parsed(bytes, device_sm, jit, PtxHandling::Compile, &mut parsed)?;
+    let resolved = resolve_parsed(
+        bytes,
+        device_sm,
+        jit,
+        PtxHandling::Compile,
+        Some(&mut parsed),
+    )?;
     debug!(device_sm, chosen = %resolved.chosen, "module code");
     match resolved.code {
         Code::Cubin(c) => Ok((c, parsed)),
@@ -163,16 +182,17 @@ pub fn resolve<'a>(
     jit: &Jit,
     ptx: PtxHandling,
 ) -> Result<Resolved<'a>, ImageError> {
-    resolve_parsed(bytes, device_sm, jit, ptx, &mut None)
+    resolve_parsed(bytes, device_sm, jit, ptx, None)
 }
 
-/// As [`resolve`]; `parsed` gets the chosen cubin parsed, where choosing it parsed it.
+/// As [`resolve`]; `parsed` gets the chosen cubin parsed, where choosing it parsed it (`None`: the caller wants
+/// only the code's bytes).
 fn resolve_parsed<'a>(
     bytes: &'a [u8],
     device_sm: u32,
     jit: &Jit,
     ptx: PtxHandling,
-    parsed: &mut Option<Cubin>,
+    parsed: Option<&mut Option<Cubin>>,
 ) -> Result<Resolved<'a>, ImageError> {
     if let Some(arch) = select::cubin_arch(bytes) {
         let code = cubin_code(Cow::Borrowed(bytes), arch, device_sm, jit)?;
@@ -212,8 +232,23 @@ fn from_entries<'a>(
     device_sm: u32,
     jit: &Jit,
     ptx: PtxHandling,
-    parsed: &mut Option<Cubin>,
+    parsed: Option<&mut Option<Cubin>>,
 ) -> Result<Resolved<'a>, ImageError> {
+    // The chosen code, with its cubin parsed: the bytes went into the cubin, and come back where the caller does
+    // not keep it.
+    let done = |mut resolved: Resolved<'a>, cubin: Option<Cubin>| {
+        match parsed {
+            Some(slot) => *slot = cubin,
+            None => {
+                if let (Code::Cubin(Cow::Owned(v)), Some(c)) = (&mut resolved.code, cubin)
+                    && v.is_empty()
+                {
+                    *v = c.into_bytes();
+                }
+            }
+        }
+        resolved
+    };
     let selection = select::select(entries, device_sm);
     if selection.candidates.is_empty() {
         return Err(ImageError::NoCodeForDevice {
@@ -251,23 +286,19 @@ fn from_entries<'a>(
                 continue;
             }
         };
-        let resolved = Resolved {
+        let mut resolved = Resolved {
             chosen: format!("{entry}: {}", candidate.fit),
             code,
         };
         let (has_kernels, cubin) = resolved.code.kernels();
         if has_kernels {
-            *parsed = cubin;
-            return Ok(resolved);
+            return Ok(done(resolved, cubin));
         }
         debug!(%entry, container = entry.container, "no kernel in this container; trying the next");
         without_kernels.get_or_insert((entry.container, resolved, cubin));
     }
     match (without_kernels, first_error) {
-        (Some((_, resolved, cubin)), _) => {
-            *parsed = cubin;
-            Ok(resolved)
-        }
+        (Some((_, resolved, cubin)), _) => Ok(done(resolved, cubin)),
         (None, Some(e)) => Err(e),
         (None, None) => Err(ImageError::NoCodeForDevice {
             device_sm,

@@ -109,11 +109,12 @@ impl Module {
         let select_us = started.elapsed().as_micros();
         let cubin = match parsed {
             Some(c) => c,
-            None => Cubin::parse(&cubin_bytes)?,
+            None => Cubin::parse_vec(cubin_bytes.into_owned()).map_err(|(e, _)| e)?,
         };
         cubin.check_arch(sm)?;
         let parse_us = started.elapsed().as_micros() - select_us;
         let (kernels, globals) = (cubin.kernels().len(), cubin.globals().len());
+        let cubin_bytes = cubin.bytes().len();
         let placing = std::cell::Cell::new(std::time::Duration::ZERO);
         let timed_place = |g: &GlobalSymbol| {
             let t = std::time::Instant::now();
@@ -124,7 +125,7 @@ impl Module {
         let m = Module::from_cubin(gpu, cubin, printf, &timed_place, eager);
         debug!(
             image_bytes = bytes.len(),
-            cubin_bytes = cubin_bytes.len(),
+            cubin_bytes,
             kernels,
             globals,
             eager,

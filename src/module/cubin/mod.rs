@@ -55,9 +55,11 @@ pub const SHT_CUDA_INFO: u32 = 0x7000_0000;
 /// `st_other` bit marking a kernel entry point (`__global__`), as opposed to a `__device__` function.
 pub const STO_CUDA_ENTRY: u8 = 0x10;
 
-/// A parsed cubin: kernels, the loadable image and its relocations. Owns its data.
+/// A parsed cubin: kernels, the loadable image and its relocations. Shares the file it was parsed from (its
+/// sections' bytes are read from there when linked), so it outlives the bytes it was given.
 #[derive(Debug, Clone)]
 pub struct Cubin {
+    file: File,
     sm: u32,
     kernels: Vec<KernelInfo>,
     sections: Vec<LoadedSection>,
@@ -70,6 +72,16 @@ pub struct Cubin {
     externals: Vec<String>,
     /// Module-scope variables in the image, in symbol table order.
     globals: Vec<GlobalSymbol>,
+}
+
+/// A cubin's file, shared by its clones; printed as its length.
+#[derive(Clone)]
+struct File(std::sync::Arc<Vec<u8>>);
+
+impl std::fmt::Debug for File {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} bytes", self.0.len())
+    }
 }
 
 /// The SM version in `e_flags`: bits 15:8 since ELF ABI version 8 (CUDA 12.8+), bits 7:0 before.
@@ -89,6 +101,35 @@ pub fn sass_compatible(cubin_sm: u32, device_sm: u32) -> bool {
 impl Cubin {
     /// Parses a cubin. Fails on anything that would make the image or the kernel descriptions wrong.
     pub fn parse(bytes: &[u8]) -> Result<Cubin, CubinError> {
+        Cubin::parse_vec(bytes.to_vec()).map_err(|(e, _)| e)
+    }
+
+    /// As [`Cubin::parse`], keeping `bytes` without copying them (a fatbin payload just decompressed); on failure
+    /// they come back with the error.
+    pub fn parse_vec(bytes: Vec<u8>) -> Result<Cubin, (CubinError, Vec<u8>)> {
+        let file = std::sync::Arc::new(bytes);
+        match Cubin::parse_file(&file) {
+            Ok(cubin) => Ok(cubin),
+            // Nothing else holds the file when parsing failed.
+            Err(e) => Err((
+                e,
+                std::sync::Arc::try_unwrap(file).unwrap_or_else(|shared| shared.to_vec()),
+            )),
+        }
+    }
+
+    /// The ELF file the cubin was parsed from.
+    pub fn bytes(&self) -> &[u8] {
+        &self.file.0
+    }
+
+    /// The ELF file the cubin was parsed from, copied only if a clone of the cubin still shares it.
+    pub fn into_bytes(self) -> Vec<u8> {
+        std::sync::Arc::try_unwrap(self.file.0).unwrap_or_else(|shared| shared.to_vec())
+    }
+
+    fn parse_file(file: &std::sync::Arc<Vec<u8>>) -> Result<Cubin, CubinError> {
+        let bytes: &[u8] = file;
         let header = Elf::parse(bytes).map_err(|e| CubinError::NotElf(e.to_string()))?;
         let endian = header
             .endian()
@@ -118,7 +159,10 @@ impl Cubin {
             let data = sh
                 .data(endian, bytes)
                 .map_err(|e| corrupt(format!("section {name}: contents: {e}")))?;
+            // Both lie in `bytes`: the section's place in the file.
+            let file_offset = (data.as_ptr() as usize).wrapping_sub(bytes.as_ptr() as usize);
             metas.push(SectionMeta {
+                file_offset,
                 name,
                 sh_type: sh.sh_type(endian).0,
                 flags: sh.sh_flags(endian).0,
@@ -230,6 +274,7 @@ impl Cubin {
         let globals = global_symbols(&symbols, &sections, &image_index)?;
 
         Ok(Cubin {
+            file: File(file.clone()),
             sm,
             kernels,
             sections,
@@ -379,7 +424,7 @@ impl Cubin {
         let image = image.get_mut(..need_len).ok_or(too_small)?;
         image.fill(0);
         for section in &self.sections {
-            if let Some(data) = &section.data {
+            if let Some(data) = self.section_bytes(section) {
                 let dst = range_mut(image, section.info.image_offset, data.len())?;
                 dst.copy_from_slice(data);
             }
@@ -388,6 +433,14 @@ impl Cubin {
             apply(r, base_va, image, 0, resolve, placed)?;
         }
         Ok(())
+    }
+
+    /// A PROGBITS section's bytes (checked against the file at parse time); `None` for NOBITS.
+    fn section_bytes(&self, section: &LoadedSection) -> Option<&[u8]> {
+        section
+            .data
+            .clone()
+            .and_then(|range| self.file.0.get(range))
     }
 
     /// How many sections the image has ([`Cubin::image_sections`]); the loader links them one by one.
@@ -440,7 +493,7 @@ impl Cubin {
             .ok_or_else(|| corrupt(format!("image section {section} does not exist")))?;
         let len = usize::try_from(s.info.size).map_err(|_| corrupt("section size overflows"))?;
         out.clear();
-        match &s.data {
+        match self.section_bytes(s) {
             Some(data) => out.extend_from_slice(data),
             None => out.resize(len, 0),
         }

@@ -181,7 +181,8 @@ pub(super) fn relocations(
             let end = offset.checked_add(width);
             let Some(data) = image
                 .data
-                .as_deref()
+                .clone()
+                .and_then(|range| bytes.get(range))
                 .filter(|_| end.is_some_and(|e| e <= image.info.size))
             else {
                 return Err(corrupt(format!(

@@ -11,8 +11,8 @@ pub(super) struct LoadedSection {
     pub(super) info: ImageSection,
     /// Machine code (`SHF_EXECINSTR`): uploaded when a kernel needing it is first looked up.
     pub(super) code: bool,
-    /// The section's bytes; `None` for NOBITS.
-    pub(super) data: Option<Vec<u8>>,
+    /// Where the section's bytes are in the cubin's file; `None` for NOBITS.
+    pub(super) data: Option<std::ops::Range<usize>>,
 }
 
 /// The fields of a section header this module uses, read once.
@@ -26,6 +26,8 @@ pub(super) struct SectionMeta<'data> {
     pub(super) info: u32,
     /// File bytes; empty for NOBITS.
     pub(super) data: &'data [u8],
+    /// Where `data` starts in the file.
+    pub(super) file_offset: usize,
 }
 
 pub(super) struct SymbolMeta {
@@ -98,7 +100,7 @@ pub(super) fn layout(metas: &[SectionMeta]) -> Result<Layout, CubinError> {
                     meta.name
                 )));
             }
-            Some(meta.data.to_vec())
+            Some(meta.file_offset..meta.file_offset + meta.data.len())
         };
         if let Some(slot) = index.get_mut(i) {
             *slot = Some(sections.len());
