@@ -24,6 +24,19 @@ fn is_device_runtime(symbol: &str, asserts: bool) -> bool {
     DEVICE_RUNTIME.iter().any(|d| symbol.starts_with(d))
 }
 
+/// Whether the module variable `name` is one the compiler made for a constant of the source (a string literal, a
+/// `__PRETTY_FUNCTION__` that `assert` passes on, a constant aggregate): NVVM gives such unnamed constants the names
+/// `__unnamed_<n>`, PTX string literals are `$str` and `$str$<n>`. CUDA does not give their addresses (they are local
+/// symbols), but nothing writes them (the source's constants: writing one is undefined behaviour), so APEX's copy,
+/// made from the same cubin, holds the same bytes as CUDA's for the whole run and needs no sharing. NCCL 2.28's
+/// kernel modules hold hundreds (`__PRETTY_FUNCTION__` of its primitives' asserts).
+pub fn compiler_constant(name: &str) -> bool {
+    let numbered = |rest: &str| !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit());
+    name.strip_prefix("__unnamed_").is_some_and(numbered)
+        || name == "$str"
+        || name.strip_prefix("$str$").is_some_and(numbered)
+}
+
 /// Why no kernel of this module may run on an APEX queue, if one applies: the module calls the device runtime and
 /// its kernels do not say which of them do.
 ///
@@ -64,6 +77,26 @@ mod tests {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
         let bytes = std::fs::read(root.join(path)).unwrap_or_else(|e| panic!("{path}: {e}"));
         Cubin::parse(&bytes).unwrap()
+    }
+
+    #[test]
+    fn only_the_compilers_unnamed_constants_need_no_sharing() {
+        for name in ["__unnamed_1", "__unnamed_407", "$str", "$str$12"] {
+            assert!(compiler_constant(name), "{name}");
+        }
+        for name in [
+            "__unnamed_",
+            "__unnamed_1x",
+            "__unnamed",
+            "unnamed_1",
+            "$str$",
+            "$strx",
+            "counter",
+            "_ZZ3runvE8nworkers",
+            "__unnamed_1 ",
+        ] {
+            assert!(!compiler_constant(name), "{name}");
+        }
     }
 
     #[test]
