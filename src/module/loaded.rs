@@ -547,3 +547,92 @@ impl Kernel {
         self.module.base_va() + self.info().code_offset
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rm::sim::SimConfig;
+    use crate::sim::Simulator;
+
+    fn kernel_named(name: &str) -> KernelInfo {
+        let fixture = include_bytes!("../../kernels/conformance/templates.sm_90.cubin");
+        let mut k = Cubin::parse(fixture).unwrap().kernels()[0].clone();
+        k.name = name.to_owned();
+        k
+    }
+
+    /// A kernel's lookup uploads its code and the code its relocations reach, nothing else; an upload whose code
+    /// does not link writes and marks nothing, and fails again at the next lookup.
+    #[test]
+    fn lookups_upload_a_kernels_code_and_callees_all_or_nothing() {
+        let (gpu, _sim) = Simulator::open(SimConfig::default()).unwrap();
+        let bytes = |b: u8| vec![b; 32];
+        let cubin = Cubin::synthetic(
+            &[
+                (".nv.global.init", false, bytes(0x11)),
+                (".text.a", true, bytes(0xa1)),
+                (".text.callee", true, bytes(0xb2)),
+                (".text.c", true, bytes(0xc3)),
+                (".text.d", true, bytes(0xd4)),
+                (".text.broken", true, bytes(0xe5)),
+            ],
+            &[
+                (1, 8, Ok((2, 0))),     // a calls callee
+                (4, 8, Ok((5, 16))),    // d calls broken
+                (5, 0, Err("missing")), // broken refers to an external nothing provides
+            ],
+            vec![
+                (kernel_named("a"), 1),
+                (kernel_named("c"), 3),
+                (kernel_named("d"), 4),
+            ],
+        );
+        let offsets: Vec<u64> = cubin.image_sections().map(|s| s.image_offset).collect();
+        let m = Arc::new(
+            Module::from_cubin(&gpu, cubin, &PrintfFifoCell::new(), &|_| None, false).unwrap(),
+        );
+        let read = |section: usize| {
+            let mut b = vec![0u8; 32];
+            m.image.read(offsets[section], &mut b).unwrap();
+            b
+        };
+        let zeros = vec![0u8; 32];
+        assert_eq!(read(0), bytes(0x11), "data goes up at load");
+        for s in 1..6 {
+            assert_eq!(read(s), zeros, "no code at load (section {s})");
+        }
+        let loaded = m.generation();
+
+        m.kernel("a").unwrap();
+        let mut a = bytes(0xa1);
+        a[8..16].copy_from_slice(&(m.base_va() + offsets[2]).to_le_bytes());
+        assert_eq!(read(1), a, "a, linked");
+        assert_eq!(read(2), bytes(0xb2), "its callee with it");
+        assert_eq!(read(3), zeros, "c is not looked up");
+        assert!(m.kernel_is_loaded("a").unwrap() && !m.kernel_is_loaded("c").unwrap());
+        let after_a = m.generation();
+        assert!(after_a > loaded, "new code: a new generation");
+        m.kernel("a").unwrap();
+        assert_eq!(m.generation(), after_a, "nothing new the second time");
+
+        for _ in 0..2 {
+            let e = m.kernel("d").unwrap_err();
+            assert!(e.to_string().contains("missing"), "{e}");
+            assert_eq!(
+                read(4),
+                zeros,
+                "d is not written when its callee fails to link"
+            );
+            assert_eq!(read(5), zeros);
+            assert!(!m.kernel_is_loaded("d").unwrap());
+            assert_eq!(m.generation(), after_a);
+        }
+        // Everything else still loads.
+        assert!(
+            m.load_all_kernels().is_err(),
+            "the broken section still fails"
+        );
+        m.kernel("c").unwrap();
+        assert_eq!(read(3), bytes(0xc3));
+    }
+}

@@ -245,22 +245,7 @@ impl Cubin {
             &image_index,
         )?;
 
-        // Stable: two relocations of one field apply in file order.
-        relocations.sort_by_key(|r| r.section);
-        let mut section_relocations = vec![0..0; sections.len()];
-        let mut start = 0;
-        while start < relocations.len() {
-            let section = relocations[start].section;
-            let end = start
-                + relocations[start..]
-                    .iter()
-                    .take_while(|r| r.section == section)
-                    .count();
-            if let Some(range) = section_relocations.get_mut(section) {
-                *range = start..end;
-            }
-            start = end;
-        }
+        let section_relocations = group_relocations(&mut relocations, sections.len());
 
         let mut externals: Vec<String> = relocations
             .iter()
@@ -506,6 +491,102 @@ impl Cubin {
             apply(r, base_va, out, s.info.image_offset, resolve, placed)?;
         }
         Ok(s.info.image_offset)
+    }
+}
+
+/// Sorts `relocations` by the section they patch (stable: two relocations of one field apply in file order) and
+/// returns, per image section, the range of them that patch it.
+fn group_relocations(
+    relocations: &mut [Relocation],
+    sections: usize,
+) -> Vec<std::ops::Range<usize>> {
+    relocations.sort_by_key(|r| r.section);
+    let mut ranges = vec![0..0; sections];
+    let mut start = 0;
+    while start < relocations.len() {
+        let section = relocations[start].section;
+        let end = start
+            + relocations[start..]
+                .iter()
+                .take_while(|r| r.section == section)
+                .count();
+        if let Some(range) = ranges.get_mut(section) {
+            *range = start..end;
+        }
+        start = end;
+    }
+    ranges
+}
+
+#[cfg(test)]
+impl Cubin {
+    /// A cubin put together by a test, for the loader: `sections` (name, machine code, bytes) laid out back to back
+    /// at 256 bytes; `relocations` (patched section, offset in it, the 64-bit address of a section's offset or of an
+    /// external); `kernels`, each placed at the start of its section.
+    pub(crate) fn synthetic(
+        sections: &[(&str, bool, Vec<u8>)],
+        relocations: &[(usize, u64, std::result::Result<(usize, u64), &str>)],
+        kernels: Vec<(KernelInfo, usize)>,
+    ) -> Cubin {
+        let mut file = Vec::new();
+        let mut loaded = Vec::new();
+        let mut cursor = 0u64;
+        for (name, code, bytes) in sections {
+            let offset = cursor.next_multiple_of(256);
+            cursor = offset + bytes.len() as u64;
+            loaded.push(LoadedSection {
+                info: ImageSection {
+                    name: (*name).to_owned(),
+                    image_offset: offset,
+                    size: bytes.len() as u64,
+                    nobits: false,
+                },
+                code: *code,
+                data: Some(file.len()..file.len() + bytes.len()),
+            });
+            file.extend_from_slice(bytes);
+        }
+        let mut relocs: Vec<Relocation> = relocations
+            .iter()
+            .map(|(section, at, to)| {
+                let (symbol, refers_to) = match to {
+                    Ok((s, off)) => (
+                        relocate::SymbolValue::Image(loaded[*s].info.image_offset + off),
+                        Some(*s),
+                    ),
+                    Err(name) => (relocate::SymbolValue::External((*name).to_owned()), None),
+                };
+                Relocation {
+                    kind: reloc::R_CUDA_64,
+                    offset: loaded[*section].info.image_offset + at,
+                    symbol,
+                    addend: 0,
+                    target: relocate::Target::Named,
+                    section: *section,
+                    refers_to,
+                }
+            })
+            .collect();
+        let section_relocations = group_relocations(&mut relocs, loaded.len());
+        let kernels = kernels
+            .into_iter()
+            .map(|(mut k, s)| {
+                k.code_offset = loaded[s].info.image_offset;
+                k.code_size = loaded[s].info.size;
+                k
+            })
+            .collect();
+        Cubin {
+            file: File(std::sync::Arc::new(file)),
+            sm: 90,
+            kernels,
+            sections: loaded,
+            relocations: relocs,
+            section_relocations,
+            image_size: cursor,
+            externals: Vec::new(),
+            globals: Vec::new(),
+        }
     }
 }
 
