@@ -518,6 +518,10 @@ fn group_relocations(
     ranges
 }
 
+/// A test relocation: patched section, offset in it, the section and offset (or external) whose address it writes.
+#[cfg(test)]
+type SyntheticRelocation<'a> = (usize, u64, std::result::Result<(usize, u64), &'a str>);
+
 #[cfg(test)]
 impl Cubin {
     /// A cubin put together by a test, for the loader: `sections` (name, machine code, bytes) laid out back to back
@@ -525,7 +529,7 @@ impl Cubin {
     /// external); `kernels`, each placed at the start of its section.
     pub(crate) fn synthetic(
         sections: &[(&str, bool, Vec<u8>)],
-        relocations: &[(usize, u64, std::result::Result<(usize, u64), &str>)],
+        relocations: &[SyntheticRelocation<'_>],
         kernels: Vec<(KernelInfo, usize)>,
     ) -> Cubin {
         let mut file = Vec::new();
