@@ -373,31 +373,14 @@ impl Module {
 
     /// The kernel called `name`.
     pub fn kernel(self: &Arc<Self>, name: &str) -> Result<Kernel> {
-        let found = match self.cubin.kernel(name) {
-            Ok(k) => k.name.clone(),
-            Err(super::cubin::CubinError::NoSuchKernel(_)) => {
-                return Err(Error::NoSuchKernel {
-                    name: name.to_string(),
-                    available: self.kernel_names(),
-                });
-            }
-            Err(e) => return Err(e.into()),
-        };
-        if let Some((_, e)) = self.refused.iter().find(|(k, _)| *k == found) {
+        let index = self.kernel_index(name)?;
+        let found = &self.cubin.kernels()[index].name;
+        if let Some((_, e)) = self.refused.iter().find(|(k, _)| k == found) {
             return Err(Error::KernelRefused {
-                kernel: found,
+                kernel: found.clone(),
                 reason: e.clone(),
             });
         }
-        let index = self
-            .cubin
-            .kernels()
-            .iter()
-            .position(|k| k.name == found)
-            .ok_or_else(|| Error::NoSuchKernel {
-                name: name.to_string(),
-                available: self.kernel_names(),
-            })?;
         self.upload_kernel(index)?;
         Ok(Kernel {
             module: self.clone(),
@@ -409,23 +392,22 @@ impl Module {
     /// at the kernel's first [`Module::kernel`] lookup, with the code it calls, or at load under
     /// `CUDA_MODULE_LOADING=EAGER`.
     pub fn kernel_is_loaded(&self, name: &str) -> Result<bool> {
-        let found = self.cubin.kernel(name).map_err(|e| match e {
+        let index = self.kernel_index(name)?;
+        Ok(self
+            .cubin
+            .kernel_section(index)
+            .is_none_or(|section| self.is_done(section)))
+    }
+
+    /// The index of the kernel `name` names (see [`Cubin::kernel`]), or the error a lookup gives.
+    fn kernel_index(&self, name: &str) -> Result<usize> {
+        self.cubin.kernel_index(name).map_err(|e| match e {
             super::cubin::CubinError::NoSuchKernel(_) => Error::NoSuchKernel {
                 name: name.to_string(),
                 available: self.kernel_names(),
             },
             e => e.into(),
-        })?;
-        let index = self
-            .cubin
-            .kernels()
-            .iter()
-            .position(|k| k.name == found.name)
-            .unwrap_or(usize::MAX);
-        Ok(self
-            .cubin
-            .kernel_section(index)
-            .is_none_or(|section| self.is_done(section)))
+        })
     }
 
     /// Uploads the code of every kernel not looked up yet (what `CUDA_MODULE_LOADING=EAGER` does at load), so that

@@ -303,25 +303,32 @@ impl Cubin {
     /// `ns::kernel`; spaces do not matter). A demangled name that fits several overloads is
     /// [`CubinError::AmbiguousKernel`].
     pub fn kernel(&self, name: &str) -> Result<&KernelInfo, CubinError> {
-        if let Some(k) = self.kernels.iter().find(|k| k.name == name) {
-            return Ok(k);
+        self.kernel_index(name).map(|i| &self.kernels[i])
+    }
+
+    /// As [`Cubin::kernel`], the kernel's index in [`Cubin::kernels`]. A symbol is found without allocating (the
+    /// queues look their built-in kernels up at every copy).
+    pub(crate) fn kernel_index(&self, name: &str) -> Result<usize, CubinError> {
+        if let Some(i) = self.kernels.iter().position(|k| k.name == name) {
+            return Ok(i);
         }
         let want = without_spaces(name);
-        let matches: Vec<&KernelInfo> = self
-            .kernels
-            .iter()
-            .filter(|k| {
-                demangled_forms(&k.name)
+        let matches: Vec<usize> = (0..self.kernels.len())
+            .filter(|&i| {
+                demangled_forms(&self.kernels[i].name)
                     .iter()
                     .any(|f| without_spaces(f) == want)
             })
             .collect();
         match matches[..] {
-            [k] => Ok(k),
+            [i] => Ok(i),
             [] => Err(CubinError::NoSuchKernel(name.to_owned())),
             _ => Err(CubinError::AmbiguousKernel {
                 name: name.to_owned(),
-                candidates: matches.iter().map(|k| k.name.clone()).collect(),
+                candidates: matches
+                    .iter()
+                    .map(|&i| self.kernels[i].name.clone())
+                    .collect(),
             }),
         }
     }
