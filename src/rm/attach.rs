@@ -52,8 +52,8 @@ const HANDLE_SCAN_CHECK_EVERY: u32 = 256;
 /// The objects of a client's handles `base`, `base + 1`, ... as `probe` answers for each (`None`: no such handle),
 /// in handle order. The scan ends after `gap` misses in a row ([`HANDLE_SCAN_GAP`]: the end of the table; libcuda numbers
 /// its objects from one base, and freed ones leave holes), or earlier once `enough` says the objects found so far
-/// hold what the caller looks for; `enough` is asked at each run of [`HANDLE_SCAN_PAUSE`] misses and every
-/// [`HANDLE_SCAN_CHECK_EVERY`] handles that found something new. Objects with higher handles than the end are not
+/// hold what the caller looks for; `enough` is asked at each run of `HANDLE_SCAN_PAUSE` misses and every
+/// `HANDLE_SCAN_CHECK_EVERY` handles that found something new. Objects with higher handles than the end are not
 /// read: a caller that needs the oldest of something (the lowest handle) has it by then.
 pub fn scan_handles(
     base: Handle,
