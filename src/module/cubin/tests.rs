@@ -97,3 +97,52 @@ fn records_reject_overruns() {
     .unwrap();
     assert_eq!(r.len(), 3);
 }
+
+/// A cubin parsed from owned bytes keeps them without a copy and links from them exactly as one parsed from a
+/// borrowed slice; bytes that do not parse come back with the error.
+#[test]
+fn owned_bytes_are_kept_not_copied_and_come_back_on_failure() {
+    let fixture: &[u8] = include_bytes!("../../../kernels/conformance/module_data.sm_90.cubin");
+    let owned = fixture.to_vec();
+    let at = owned.as_ptr();
+    let cubin = Cubin::parse_vec(owned).unwrap();
+    assert_eq!(
+        cubin.bytes().as_ptr(),
+        at,
+        "the same allocation, not a copy"
+    );
+    assert_eq!(cubin.bytes(), fixture);
+    let borrowed = Cubin::parse(fixture).unwrap();
+    let (mut a, mut b) = (
+        vec![0u8; cubin.image_size() as usize],
+        vec![0u8; borrowed.image_size() as usize],
+    );
+    cubin.link(0x7f00_0000_0000, &mut a).unwrap();
+    borrowed.link(0x7f00_0000_0000, &mut b).unwrap();
+    assert!(a == b, "the same image either way");
+    // Each section linked on its own lands where the whole link put it.
+    let mut one = Vec::new();
+    for i in 0..cubin.image_section_count() {
+        let off = cubin
+            .link_section(i, 0x7f00_0000_0000, &mut one, &|_| None, &[])
+            .unwrap() as usize;
+        assert!(a[off..off + one.len()] == one[..], "section {i}");
+    }
+    let shared = cubin.clone();
+    assert_eq!(shared.bytes().as_ptr(), at, "clones share the file");
+    assert_eq!(
+        cubin.into_bytes(),
+        fixture,
+        "copied out while a clone holds it"
+    );
+    assert_eq!(
+        shared.into_bytes().as_ptr(),
+        at,
+        "the last holder gets the allocation back"
+    );
+
+    let garbage = b"\x7fELF not really".to_vec();
+    let (e, back) = Cubin::parse_vec(garbage.clone()).unwrap_err();
+    assert!(matches!(e, CubinError::NotElf(_)), "{e}");
+    assert_eq!(back, garbage);
+}
