@@ -135,8 +135,9 @@ fn owned_bytes_are_kept_not_copied_and_come_back_on_failure() {
         fixture,
         "copied out while a clone holds it"
     );
+    let last = shared.into_bytes();
     assert_eq!(
-        shared.into_bytes().as_ptr(),
+        last.as_ptr(),
         at,
         "the last holder gets the allocation back"
     );
