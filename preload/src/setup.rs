@@ -173,23 +173,40 @@ pub(crate) fn load_module(
     asserts: bool,
 ) -> Result<Module, Refusal> {
     // The module's `__device__` variables are CUDA's instance's: kernels on both sides share them.
+    // (name, whether CUDA had no address for it at all) of each variable not shared.
     let unplaced = std::cell::RefCell::new(Vec::new());
     let place = |name: &str, size: u64| {
-        let home = cuda
-            .global(owner, library, name)
-            // The same variable in both instances: the sizes agree.
-            .filter(|h| h.size == size);
-        // The compiler's constants need none: both instances hold the same bytes and nothing writes them.
-        if home.is_none() && !check::compiler_constant(name) {
-            unplaced.borrow_mut().push(name.to_string());
+        let found = cuda.global(owner, library, name);
+        // The same variable in both instances: the sizes agree.
+        let home = found.filter(|h| h.size == size);
+        if home.is_none() {
+            unplaced
+                .borrow_mut()
+                .push((name.to_string(), found.is_none()));
         }
         home
     };
     let m = gpu
         .load_module_sharing(image, &place)
         .map_err(|e| Refusal::ModuleRefused(e.to_string()))?;
-    if let Some(name) = unplaced.borrow().first() {
-        return Err(Refusal::ModuleGlobals(name.clone()));
+    // The compiler's constants need no sharing, both instances holding the same bytes that nothing writes: a
+    // module-local variable with such a name that CUDA gives no address for. Any other variable not shared would
+    // diverge.
+    let cubin = m.cubin();
+    let diverging = unplaced
+        .borrow()
+        .iter()
+        .find(|(name, none)| {
+            let constant = *none
+                && check::compiler_constant(name)
+                && cubin
+                    .and_then(|c| c.globals().iter().find(|g| g.name == *name))
+                    .is_some_and(|g| g.local);
+            !constant
+        })
+        .map(|(name, _)| name.clone());
+    if let Some(name) = diverging {
+        return Err(Refusal::ModuleGlobals(name));
     }
     let checking = std::time::Instant::now();
     let refusal = m.cubin().and_then(|c| check::module_refusal(c, asserts));
@@ -466,10 +483,12 @@ mod tests {
     use crate::cuda::Pointer;
     use crate::order::StreamKey;
 
-    /// A libcuda whose attach waits until `open` is set, then fails (the worker's bookkeeping is what is tested).
+    /// A libcuda whose attach waits until `open` is set, then fails (the worker's bookkeeping is what is tested), and
+    /// which gives every module variable `home`.
     #[derive(Default)]
     struct SlowAttach {
         open: AtomicBool,
+        home: Option<VariableHome>,
     }
 
     impl CudaSide for SlowAttach {
@@ -496,7 +515,7 @@ mod tests {
             None
         }
         fn global(&self, _: Owner, _: bool, _: &str) -> Option<VariableHome> {
-            None
+            self.home
         }
         fn cuda_waits_for_apex(&self, _: &mut Queue, _: StreamKey) -> Result<(), String> {
             Ok(())
@@ -521,6 +540,38 @@ mod tests {
         }
         fn pointer(&self, _: u64, _: usize) -> Pointer {
             Pointer::Other
+        }
+    }
+
+    /// A module loads when the only variables CUDA gives no address for are the compiler's constants (printf formats,
+    /// an assert's function name); a `__device__` variable CUDA does not give, or gives with another size, refuses it.
+    #[test]
+    fn only_compiler_constants_load_unshared() {
+        const PRINTF: &[u8] =
+            include_bytes!("../../kernels/conformance/printf_kernels.sm_90.cubin");
+        const DATA: &[u8] = include_bytes!("../../kernels/conformance/module_data.sm_90.cubin");
+        let (gpu, _sim) = Gpu::open_simulated(apex::rm::sim::SimConfig::default()).unwrap();
+        let none = SlowAttach::default();
+        let loaded = load_module(&none, &gpu, 1, false, PRINTF, true);
+        assert!(loaded.is_ok(), "{:?}", loaded.err());
+        match load_module(&none, &gpu, 2, false, DATA, true) {
+            Err(Refusal::ModuleGlobals(name)) => assert_eq!(name, "dev_value"),
+            other => panic!("module_data: {:?}", other.err()),
+        }
+        // CUDA has the variable, at another size: not the same variable, and not one to keep unshared.
+        let wrong_size = SlowAttach {
+            home: Some(VariableHome {
+                address: 0x7000_0000,
+                size: 1,
+            }),
+            ..SlowAttach::default()
+        };
+        match load_module(&wrong_size, &gpu, 3, false, PRINTF, true) {
+            Err(Refusal::ModuleGlobals(name)) => assert!(
+                name.starts_with("__unnamed_") || name.starts_with("$str"),
+                "{name}"
+            ),
+            other => panic!("printf module with mismatched sizes: {:?}", other.err()),
         }
     }
 

@@ -96,6 +96,9 @@ pub struct GlobalSymbol {
     pub size: u64,
     /// The image section holding it.
     pub section: String,
+    /// `STB_LOCAL` binding: visible inside the module only (a `static` variable, a constant the compiler made);
+    /// `cuModuleGetGlobal` may not find it.
+    pub local: bool,
 }
 
 impl GlobalSymbol {

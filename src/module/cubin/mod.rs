@@ -159,8 +159,12 @@ impl Cubin {
             let data = sh
                 .data(endian, bytes)
                 .map_err(|e| corrupt(format!("section {name}: contents: {e}")))?;
-            // Both lie in `bytes`: the section's place in the file.
-            let file_offset = (data.as_ptr() as usize).wrapping_sub(bytes.as_ptr() as usize);
+            // Both lie in `bytes`: the section's place in the file (an empty section's slice may lie elsewhere).
+            let file_offset = if data.is_empty() {
+                0
+            } else {
+                (data.as_ptr() as usize).wrapping_sub(bytes.as_ptr() as usize)
+            };
             metas.push(SectionMeta {
                 file_offset,
                 name,
@@ -197,6 +201,7 @@ impl Cubin {
             symbols.push(SymbolMeta {
                 name: String::from_utf8_lossy(name).into_owned(),
                 st_type: sym.st_type().0,
+                local: sym.st_bind().0 == elf::STB_LOCAL.0,
                 other: sym.st_other().0,
                 section,
                 absolute: sym.st_shndx(endian) == elf::SHN_ABS,

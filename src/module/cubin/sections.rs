@@ -33,6 +33,8 @@ pub(super) struct SectionMeta<'data> {
 pub(super) struct SymbolMeta {
     pub(super) name: String,
     pub(super) st_type: u8,
+    /// `STB_LOCAL` binding.
+    pub(super) local: bool,
     pub(super) other: u8,
     /// Section index, `None` for undefined or special (`SHN_ABS`, `SHN_COMMON`) symbols.
     pub(super) section: Option<usize>,
@@ -150,6 +152,7 @@ pub(super) fn global_symbols(
             image_offset: section.info.image_offset + sym.value,
             size: sym.size,
             section: section.info.name.clone(),
+            local: sym.local,
         });
     }
     Ok(out)
