@@ -331,13 +331,6 @@ impl Module {
         Ok(())
     }
 
-    /// Uploads every section not in GPU memory yet.
-    fn upload_all(&self) -> Result<()> {
-        let mut up = self.lock_uploading();
-        let roots = (0..self.done.len()).filter(|&i| !self.is_done(i)).collect();
-        self.upload(&mut up, roots)
-    }
-
     /// The GPU the module is loaded on.
     pub fn gpu(&self) -> &Arc<GpuCore> {
         self.image.gpu()
@@ -413,7 +406,9 @@ impl Module {
     /// Uploads the code of every kernel not looked up yet (what `CUDA_MODULE_LOADING=EAGER` does at load), so that
     /// no later lookup spends time on it.
     pub fn load_all_kernels(&self) -> Result<()> {
-        self.upload_all()
+        let mut up = self.lock_uploading();
+        let roots = (0..self.done.len()).filter(|&i| !self.is_done(i)).collect();
+        self.upload(&mut up, roots)
     }
 
     /// The symbols of the module's kernels (mangled), in the cubin's order.
