@@ -229,6 +229,54 @@ fn relocatable_only(b: Backend) {
     run_embedded_scale(&g, &m, &format!("{b:?} __nv_relfatbin only"));
 }
 
+/// A module nvlink made of two objects, each with its own `__unnamed_1` and `$str` (same names, same size of
+/// `__unnamed_1`) and its own `static` counter: each kernel reads its own object's constants and counts on its own
+/// counter, twice.
+fn linked_objects_keep_their_own_variables(b: Backend) {
+    const LINKED: &[u8] = include_bytes!("../kernels/conformance/linked_locals.sm_90.cubin");
+    let g = gpu(b);
+    let m = g.load_module(LINKED).unwrap();
+    let mut q = g.queue().unwrap();
+    let out = g.alloc(256).unwrap();
+    let text = |bytes: &[u8]| {
+        let end = bytes.iter().position(|&c| c == 0).unwrap_or(bytes.len());
+        String::from_utf8_lossy(&bytes[..end]).into_owned()
+    };
+    for round in 1..=2 {
+        for (x, literal, start) in [
+            ("a", "a string literal of object a", 100),
+            ("b", "object b's literal, which is longer than a's", 200),
+        ] {
+            let k = m.kernel(&format!("fill_{x}")).unwrap();
+            q.upload(&g, &out, 0, &[0xff; 256]).unwrap();
+            let args = [
+                out.arg(),
+                Arg::Ptr(out.device_ptr() + 64),
+                Arg::Ptr(out.device_ptr() + 128),
+            ];
+            // SAFETY: fill_x writes 64 bytes at each of its first two pointers and one int at the third, all inside
+            // the 256-byte buffer.
+            unsafe { q.launch(&k, &LaunchConfig::linear(1, 32), &args) }
+                .unwrap()
+                .wait(T)
+                .unwrap();
+            let mut back = [0u8; 132];
+            q.download(&g, &out, 0, &mut back).unwrap();
+            assert_eq!(
+                text(&back[..64]),
+                format!("void fill_{x}(char *, char *, int *)"),
+                "{b:?}"
+            );
+            assert_eq!(text(&back[64..128]), literal, "{b:?}");
+            assert_eq!(
+                ints(&back[128..132]),
+                [start + round],
+                "{b:?}: fill_{x}'s counter"
+            );
+        }
+    }
+}
+
 macro_rules! both {
     ($($name:ident),*) => {
         mod direct { $( #[test] #[ignore = "needs an NVIDIA GPU"] fn $name() { super::$name(apex::Backend::Direct) } )* }
@@ -241,7 +289,8 @@ both!(
     ptx_text,
     no_code_for_the_device,
     host_binaries,
-    relocatable_only
+    relocatable_only,
+    linked_objects_keep_their_own_variables
 );
 
 /// nvJitLink itself, as the direct path calls it: its symbols and enum values, PTX and a relocatable cubin.

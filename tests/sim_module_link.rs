@@ -401,3 +401,69 @@ fn kernel_code_goes_up_at_its_first_lookup() {
         "section by section = the whole cubin at once"
     );
 }
+
+/// A module nvlink made of two objects (`kernels/conformance/linked_a.cu`, `linked_b.cu`): each object's compiler
+/// constants — its `__PRETTY_FUNCTION__` (`__unnamed_1`, both 35 bytes) and a string literal (`$str`) — keep their
+/// names, so the module has two of each, each laid out apart and holding its own object's bytes; its `static`
+/// counters were renamed apart by nvlink. A module shared with CUDA's instance gives homes by name only to the
+/// counters: the constants are never asked for (CUDA's one `__unnamed_1` would be the other object's string).
+#[test]
+fn a_linked_modules_same_named_constants_stay_apart() {
+    const LINKED: &[u8] = include_bytes!("../kernels/conformance/linked_locals.sm_90.cubin");
+    let parsed = Cubin::parse(LINKED).unwrap();
+    let mut image = vec![0u8; parsed.image_size() as usize];
+    parsed.link(0x10_0000, &mut image).unwrap();
+    let text = |name: &str| {
+        let mut found: Vec<String> = parsed
+            .globals()
+            .iter()
+            .filter(|g| g.name == name)
+            .map(|g| {
+                assert!(g.local && g.is_compiler_constant(), "{g:?}");
+                let at = g.image_offset as usize;
+                let bytes = &image[at..at + g.size as usize];
+                String::from_utf8(bytes.strip_suffix(&[0]).unwrap().to_vec()).unwrap()
+            })
+            .collect();
+        found.sort();
+        found
+    };
+    assert_eq!(
+        text("__unnamed_1"),
+        [
+            "void fill_a(char *, char *, int *)",
+            "void fill_b(char *, char *, int *)"
+        ]
+    );
+    assert_eq!(
+        text("$str"),
+        [
+            "a string literal of object a",
+            "object b's literal, which is longer than a's"
+        ]
+    );
+    let counters: Vec<&str> = parsed
+        .globals()
+        .iter()
+        .filter(|g| !g.is_compiler_constant())
+        .map(|g| g.name.as_str())
+        .collect();
+    assert_eq!(counters.len(), 2, "{counters:?}");
+    assert!(
+        counters.iter().all(|n| n.contains("counter")),
+        "{counters:?}"
+    );
+
+    let (gpu, _sim) = apex::Gpu::open_simulated(SimConfig::default()).unwrap();
+    let asked = std::cell::RefCell::new(Vec::new());
+    gpu.load_module_sharing(LINKED, &|name, _| {
+        asked.borrow_mut().push(name.to_string());
+        None
+    })
+    .unwrap();
+    let mut asked = asked.into_inner();
+    asked.sort();
+    let mut expected: Vec<String> = counters.iter().map(|s| s.to_string()).collect();
+    expected.sort();
+    assert_eq!(asked, expected);
+}

@@ -24,23 +24,6 @@ fn is_device_runtime(symbol: &str, asserts: bool) -> bool {
     DEVICE_RUNTIME.iter().any(|d| symbol.starts_with(d))
 }
 
-/// Whether the module variable `name` has a name the compiler gives a constant of the source (a string literal, a
-/// `__PRETTY_FUNCTION__` that `assert` passes on, a constant aggregate): unnamed globals print as `__unnamed_<n>`
-/// (NVVM, LLVM's NVPTX backend), string literals as `$str` and `$str$<n>` (NVVM) or `_$_str` and `_$_str_$_<n>`
-/// (LLVM's NVPTX backend: clang, Triton's libdevice). They are module-local symbols (`load_module` checks the
-/// binding), and in a module linked from many objects, each with its own `__unnamed_1`, CUDA gives no address for
-/// them (NCCL 2.28's kernel modules: hundreds, the `__PRETTY_FUNCTION__` of its primitives' asserts, 541-562 bytes
-/// each). Nothing writes them (writing the source's constant is undefined behaviour), so APEX's copy, made from the
-/// same cubin, holds the same bytes as CUDA's for the whole run and needs no sharing.
-pub fn compiler_constant(name: &str) -> bool {
-    let numbered = |rest: &str| !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit());
-    name.strip_prefix("__unnamed_").is_some_and(numbered)
-        || name == "$str"
-        || name.strip_prefix("$str$").is_some_and(numbered)
-        || name == "_$_str"
-        || name.strip_prefix("_$_str_$_").is_some_and(numbered)
-}
-
 /// Why no kernel of this module may run on an APEX queue, if one applies: the module calls the device runtime and
 /// its kernels do not say which of them do.
 ///
@@ -81,35 +64,6 @@ mod tests {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
         let bytes = std::fs::read(root.join(path)).unwrap_or_else(|e| panic!("{path}: {e}"));
         Cubin::parse(&bytes).unwrap()
-    }
-
-    #[test]
-    fn only_the_compilers_unnamed_constants_need_no_sharing() {
-        for name in [
-            "__unnamed_1",
-            "__unnamed_407",
-            "$str",
-            "$str$12",
-            "_$_str",
-            "_$_str_$_3",
-        ] {
-            assert!(compiler_constant(name), "{name}");
-        }
-        for name in [
-            "__unnamed_",
-            "__unnamed_1x",
-            "__unnamed",
-            "unnamed_1",
-            "$str$",
-            "$strx",
-            "_$_str_$_",
-            "_$_strx",
-            "counter",
-            "_ZZ3runvE8nworkers",
-            "__unnamed_1 ",
-        ] {
-            assert!(!compiler_constant(name), "{name}");
-        }
     }
 
     #[test]

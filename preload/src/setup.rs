@@ -172,40 +172,23 @@ pub(crate) fn load_module(
     image: &[u8],
     asserts: bool,
 ) -> Result<Module, Refusal> {
-    // The module's `__device__` variables are CUDA's instance's: kernels on both sides share them.
-    // (name, whether CUDA had no address for it at all) of each variable not shared.
-    let unplaced = std::cell::RefCell::new(Vec::new());
+    // The module's `__device__` variables are CUDA's instance's: kernels on both sides share them. Any one CUDA does
+    // not give (or gives at another size: not the same variable) would diverge. The compiler's constants are not
+    // asked for (`Gpu::load_module_sharing`): both instances hold the same bytes, which nothing writes.
+    let unplaced = std::cell::RefCell::new(None);
     let place = |name: &str, size: u64| {
-        let found = cuda.global(owner, library, name);
-        // The same variable in both instances: the sizes agree.
-        let home = found.filter(|h| h.size == size);
+        let home = cuda.global(owner, library, name).filter(|h| h.size == size);
         if home.is_none() {
             unplaced
                 .borrow_mut()
-                .push((name.to_string(), found.is_none()));
+                .get_or_insert_with(|| name.to_string());
         }
         home
     };
     let m = gpu
         .load_module_sharing(image, &place)
         .map_err(|e| Refusal::ModuleRefused(e.to_string()))?;
-    // The compiler's constants need no sharing, both instances holding the same bytes that nothing writes: a
-    // module-local variable with such a name that CUDA gives no address for. Any other variable not shared would
-    // diverge.
-    let cubin = m.cubin();
-    let diverging = unplaced
-        .borrow()
-        .iter()
-        .find(|(name, none)| {
-            let constant = *none
-                && check::compiler_constant(name)
-                && cubin
-                    .and_then(|c| c.globals().iter().find(|g| g.name == *name))
-                    .is_some_and(|g| g.local);
-            !constant
-        })
-        .map(|(name, _)| name.clone());
-    if let Some(name) = diverging {
+    if let Some(name) = unplaced.into_inner() {
         return Err(Refusal::ModuleGlobals(name));
     }
     let checking = std::time::Instant::now();
@@ -489,6 +472,8 @@ mod tests {
     struct SlowAttach {
         open: AtomicBool,
         home: Option<VariableHome>,
+        /// The variables `global` was asked for.
+        asked: std::sync::Mutex<Vec<String>>,
     }
 
     impl CudaSide for SlowAttach {
@@ -514,7 +499,8 @@ mod tests {
         fn function_owner(&self, _: usize, _: &dyn Fn(usize) -> bool) -> Option<usize> {
             None
         }
-        fn global(&self, _: Owner, _: bool, _: &str) -> Option<VariableHome> {
+        fn global(&self, _: Owner, _: bool, name: &str) -> Option<VariableHome> {
+            self.asked.lock().unwrap().push(name.to_string());
             self.home
         }
         fn cuda_waits_for_apex(&self, _: &mut Queue, _: StreamKey) -> Result<(), String> {
@@ -543,8 +529,9 @@ mod tests {
         }
     }
 
-    /// A module loads when the only variables CUDA gives no address for are the compiler's constants (printf formats,
-    /// an assert's function name); a `__device__` variable CUDA does not give, or gives with another size, refuses it.
+    /// A module loads when CUDA gives every `__device__` variable it has at the same size; the compiler's constants
+    /// (printf formats, an assert's function name) are not asked for. A variable CUDA does not give, or gives at
+    /// another size, refuses it.
     #[test]
     fn only_compiler_constants_load_unshared() {
         const PRINTF: &[u8] =
@@ -558,7 +545,7 @@ mod tests {
             Err(Refusal::ModuleGlobals(name)) => assert_eq!(name, "dev_value"),
             other => panic!("module_data: {:?}", other.err()),
         }
-        // CUDA has the variable, at another size: not the same variable, and not one to keep unshared.
+        // CUDA has the variable, at another size: not the same variable.
         let wrong_size = SlowAttach {
             home: Some(VariableHome {
                 address: 0x7000_0000,
@@ -566,13 +553,25 @@ mod tests {
             }),
             ..SlowAttach::default()
         };
-        match load_module(&wrong_size, &gpu, 3, false, PRINTF, true) {
-            Err(Refusal::ModuleGlobals(name)) => assert!(
-                name.starts_with("__unnamed_") || name.starts_with("$str"),
-                "{name}"
-            ),
-            other => panic!("printf module with mismatched sizes: {:?}", other.err()),
+        match load_module(&wrong_size, &gpu, 3, false, DATA, true) {
+            Err(Refusal::ModuleGlobals(name)) => assert_eq!(name, "dev_value"),
+            other => panic!("module_data with mismatched sizes: {:?}", other.err()),
         }
+        let loaded = load_module(&wrong_size, &gpu, 4, false, PRINTF, true);
+        assert!(
+            loaded.is_ok(),
+            "constants never asked for: {:?}",
+            loaded.err()
+        );
+        // Every asked variable was a `__device__` variable, never a constant.
+        let asked = wrong_size.asked.lock().unwrap().clone();
+        assert!(asked.iter().any(|n| n == "dev_value"), "{asked:?}");
+        assert!(
+            !asked
+                .iter()
+                .any(|n| n.starts_with("__unnamed_") || n.starts_with("$str")),
+            "{asked:?}"
+        );
     }
 
     fn attach_job(ctx: usize) -> Job {

@@ -271,7 +271,11 @@ impl Gpu {
     /// program also loaded in the context this GPU is attached to ([`Gpu::attach_cuda`]), `place` gives CUDA's
     /// addresses (`cuModuleGetGlobal`), and APEX's kernels and CUDA's then share those variables (a random
     /// generator's state, a counter, a lookup table written at run time) instead of each updating a copy.
-    /// `__constant__` variables are never placed (they live in the constant bank launches bind).
+    /// `__constant__` variables are never placed (they live in the constant bank launches bind), nor are the
+    /// constants the compiler made ([`GlobalSymbol::is_compiler_constant`](crate::module::cubin::GlobalSymbol::is_compiler_constant):
+    /// string literals, assert messages), which hold the same bytes in every instance. A home given for a name that
+    /// several of the module's variables have (module-local variables of the objects it was linked from) is refused
+    /// with [`module::Error::AmbiguousGlobal`](crate::module::Error::AmbiguousGlobal).
     ///
     /// Direct path only: on the driver backend the module is CUDA's own instance already, and this returns
     /// [`Error::InvalidArgument`].

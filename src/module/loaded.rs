@@ -148,13 +148,28 @@ impl Module {
         eager: bool,
     ) -> Result<Arc<Module>> {
         let mut placed = Vec::new();
-        // Zero-size symbols (unsized `extern` arrays) cover no bytes: nothing to share.
-        for g in cubin
-            .globals()
-            .iter()
-            .filter(|g| !g.is_constant() && g.size > 0)
-        {
+        // Zero-size symbols (unsized `extern` arrays) cover no bytes: nothing to share. The compiler's constants are
+        // never placed: each instance holds the same bytes, which nothing writes, and their names are not unique.
+        let placeable =
+            |g: &&GlobalSymbol| !g.is_constant() && g.size > 0 && !g.is_compiler_constant();
+        // How many variables have each name, counted at the first home given.
+        let mut names: Option<std::collections::HashMap<&str, usize>> = None;
+        for g in cubin.globals().iter().filter(placeable) {
             if let Some(VariableHome { address, size }) = place(g) {
+                let names = names.get_or_insert_with(|| {
+                    let mut n = std::collections::HashMap::new();
+                    for o in cubin.globals() {
+                        *n.entry(o.name.as_str()).or_insert(0) += 1;
+                    }
+                    n
+                });
+                let count = names.get(g.name.as_str()).copied().unwrap_or(1);
+                if count > 1 {
+                    return Err(Error::AmbiguousGlobal {
+                        name: g.name.clone(),
+                        count,
+                    });
+                }
                 if size < g.size {
                     return Err(Error::GlobalRange {
                         name: g.name.clone(),
@@ -611,5 +626,61 @@ mod tests {
         );
         m.kernel("c").unwrap();
         assert_eq!(read(3), bytes(0xc3));
+    }
+
+    /// The compiler's constants are never given a home (each instance holds the same bytes, and a linked module has
+    /// several of one name); a home given for a name several variables have is refused, naming it.
+    #[test]
+    fn homes_go_by_unique_names_and_never_to_compiler_constants() {
+        let (gpu, _sim) = Simulator::open(SimConfig::default()).unwrap();
+        let cubin = || {
+            let c = Cubin::synthetic(&[(".nv.global.init", false, vec![7; 64])], &[], vec![]);
+            let global = |name: &str, at: u64, local: bool| GlobalSymbol {
+                name: name.into(),
+                image_offset: at,
+                size: 8,
+                section: ".nv.global.init".into(),
+                local,
+            };
+            c.with_globals(vec![
+                global("__unnamed_1", 0, true),
+                global("counter", 8, true),
+                global("__unnamed_1", 16, true),
+                global("counter", 24, true),
+                global("total", 32, false),
+            ])
+        };
+        let asked = std::cell::RefCell::new(Vec::new());
+        let home = |g: &GlobalSymbol, give: &[&str]| {
+            asked.borrow_mut().push(g.name.clone());
+            give.contains(&g.name.as_str()).then_some(VariableHome {
+                address: 0x9000_0000,
+                size: 8,
+            })
+        };
+        let printf = PrintfFifoCell::new();
+        let Err(e) = Module::from_cubin(
+            &gpu,
+            cubin(),
+            &printf,
+            &|g| home(g, &["counter", "total"]),
+            false,
+        ) else {
+            panic!("a home for an ambiguous name was taken");
+        };
+        assert!(
+            matches!(&e, Error::AmbiguousGlobal { name, count: 2 } if name == "counter"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("2 variables named `counter`"), "{e}");
+        asked.borrow_mut().clear();
+        let c = cubin();
+        let data = c.section_offset(".nv.global.init").unwrap();
+        let m = Module::from_cubin(&gpu, c, &printf, &|g| home(g, &["total"]), false).unwrap();
+        assert_eq!(*asked.borrow(), ["counter", "counter", "total"]);
+        // The constants and the unplaced counters hold their bytes in the module's own image.
+        let mut b = vec![0u8; 32];
+        m.image.read(data, &mut b).unwrap();
+        assert_eq!(b, vec![7; 32]);
     }
 }

@@ -78,6 +78,18 @@ pub enum Error {
         /// The module's `__device__` and `__constant__` variables.
         available: Vec<String>,
     },
+    /// A home was given for a variable whose name more than one of the module's variables have (module-local
+    /// variables of the objects it was linked from): a name cannot say which of them the home is for.
+    #[error(
+        "the module has {count} variables named `{name}` (module-local variables of the objects it was linked \
+         from): a home given by name cannot say which of them it is for; give none for that name"
+    )]
+    AmbiguousGlobal {
+        /// The name.
+        name: String,
+        /// How many of the module's variables have it.
+        count: usize,
+    },
     /// A copy to or from a module variable outside it.
     #[error(
         "{bytes} bytes at offset {offset} of the global `{name}`, which has {size} bytes: the copy would leave the variable"

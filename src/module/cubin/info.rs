@@ -107,6 +107,28 @@ impl GlobalSymbol {
     pub fn is_constant(&self) -> bool {
         self.section.starts_with(".nv.constant")
     }
+
+    /// Whether the variable is a constant the compiler made of the source (a string literal, the
+    /// `__PRETTY_FUNCTION__` an `assert` passes on, a constant aggregate): module-local and named as compilers name
+    /// them — `__unnamed_<n>` (NVVM, LLVM's NVPTX backend), `$str` and `$str$<n>` (NVVM), `_$_str` and
+    /// `_$_str_$_<n>` (LLVM's NVPTX backend: clang, Triton's libdevice). The source cannot name or write them
+    /// (writing the source's constant is undefined behaviour), so two instances of a module made from the same cubin
+    /// hold the same bytes for the whole run; and in a module linked from many objects each object brings its own
+    /// `__unnamed_1` (NCCL 2.28's kernel modules: hundreds, its primitives' assert strings), so their names do not
+    /// say which one is meant.
+    pub fn is_compiler_constant(&self) -> bool {
+        self.local && compiler_constant_name(&self.name)
+    }
+}
+
+/// Whether `name` is a name compilers give the constants they make ([`GlobalSymbol::is_compiler_constant`]).
+fn compiler_constant_name(name: &str) -> bool {
+    let numbered = |rest: &str| !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit());
+    name.strip_prefix("__unnamed_").is_some_and(numbered)
+        || name == "$str"
+        || name.strip_prefix("$str$").is_some_and(numbered)
+        || name == "_$_str"
+        || name.strip_prefix("_$_str_$_").is_some_and(numbered)
 }
 
 /// One section of the loadable image.
@@ -132,4 +154,52 @@ pub struct PlacedGlobal {
     pub size: u64,
     /// Where it lives.
     pub address: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn global(name: &str, local: bool) -> GlobalSymbol {
+        GlobalSymbol {
+            name: name.into(),
+            image_offset: 0,
+            size: 8,
+            section: ".nv.global.init".into(),
+            local,
+        }
+    }
+
+    #[test]
+    fn compiler_constants_are_local_and_named_as_compilers_name_them() {
+        for name in [
+            "__unnamed_1",
+            "__unnamed_407",
+            "$str",
+            "$str$12",
+            "_$_str",
+            "_$_str_$_3",
+        ] {
+            assert!(global(name, true).is_compiler_constant(), "{name}");
+            assert!(
+                !global(name, false).is_compiler_constant(),
+                "{name}, global binding"
+            );
+        }
+        for name in [
+            "__unnamed_",
+            "__unnamed_1x",
+            "__unnamed",
+            "unnamed_1",
+            "$str$",
+            "$strx",
+            "_$_str_$_",
+            "_$_strx",
+            "counter",
+            "_ZZ3runvE8nworkers",
+            "__unnamed_1 ",
+        ] {
+            assert!(!global(name, true).is_compiler_constant(), "{name}");
+        }
+    }
 }

@@ -606,6 +606,15 @@ impl Cubin {
     }
 }
 
+#[cfg(test)]
+impl Cubin {
+    /// The cubin with `globals` as its module variables (a test's).
+    pub(crate) fn with_globals(mut self, globals: Vec<GlobalSymbol>) -> Cubin {
+        self.globals = globals;
+        self
+    }
+}
+
 fn without_spaces(s: &str) -> String {
     s.chars().filter(|c| !c.is_whitespace()).collect()
 }
