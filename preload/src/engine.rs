@@ -356,6 +356,8 @@ struct Ready {
     sizes: Box<[usize]>,
     /// Their offsets in the parameter block (where a packed `extra` buffer holds them).
     offsets: Box<[usize]>,
+    /// Where the last parameter ends: the bytes a packed `extra` buffer may hold at most.
+    block: usize,
     owner: Owner,
     /// Most recently used first.
     prepared: Vec<Prepared>,
@@ -467,6 +469,9 @@ pub(crate) struct Engine {
     off: Option<Refusal>,
     /// The launch path's argument list, reused (empty between launches).
     args: Vec<Arg<'static>>,
+    /// A packed `extra` buffer shorter than the kernel's parameters, copied and padded with zeros (reused: its
+    /// capacity grows to the largest parameter block once, so the launch path does not allocate after that).
+    padded: Vec<u8>,
     summary: Summary,
     /// `APEX_PRELOAD_PROFILE`'s sums.
     phases: crate::profile::Phases,
@@ -717,6 +722,7 @@ impl Engine {
             stack_raised: false,
             held: None,
             args: Vec::new(),
+            padded: Vec::new(),
             summary: Summary {
                 attach: "not attempted".into(),
                 ..Summary::default()
@@ -1109,6 +1115,7 @@ impl Engine {
         let Engine {
             contexts,
             args,
+            padded,
             cuda,
             summary,
             ..
@@ -1178,17 +1185,28 @@ impl Engine {
         args.clear();
         if let Some((buffer, len)) = packed {
             // One packed buffer (`CU_LAUNCH_PARAM_BUFFER_POINTER`, as NCCL passes its arguments): each parameter at
-            // its offset in the parameter table, as the driver lays the buffer into constant bank 0.
+            // its offset in the parameter table, as the driver lays the buffer into constant bank 0. The driver
+            // takes a buffer shorter than the parameters (NCCL passes the bytes its arguments use of a 4 KiB
+            // parameter, rounded to 16) and no longer: the rest is zero here.
+            if len > ready.block {
+                return Err(Refusal::ExtraParams.into());
+            }
+            // SAFETY: the program's buffer holds `len` readable bytes during this call.
+            let given = unsafe { std::slice::from_raw_parts(buffer, len) };
+            let bytes: &[u8] = if len == ready.block {
+                given
+            } else {
+                padded.clear();
+                padded.extend_from_slice(given);
+                padded.resize(ready.block, 0);
+                padded.as_slice()
+            };
             for (&offset, &size) in ready.offsets.iter().zip(ready.sizes.iter()) {
-                if offset + size > len {
-                    args.clear();
-                    return Err(Refusal::ExtraParams.into());
-                }
-                // SAFETY: the program's buffer holds `len` readable bytes during this call; the slice is removed
-                // from `args` before this function returns.
-                args.push(Arg::Bytes(unsafe {
-                    std::slice::from_raw_parts(buffer.add(offset), size)
-                }));
+                // SAFETY: `bytes` (the program's buffer or `padded`, untouched until the next launch) outlives the
+                // slice, which is removed from `args` before this function returns.
+                let arg: &'static [u8] =
+                    unsafe { std::slice::from_raw_parts(bytes.as_ptr().add(offset), size) };
+                args.push(Arg::Bytes(arg));
             }
         } else {
             for (i, &size) in ready.sizes.iter().enumerate() {
@@ -1473,10 +1491,17 @@ impl Engine {
         }
         let sizes = info.params.iter().map(|p| p.size as usize).collect();
         let offsets = info.params.iter().map(|p| p.offset as usize).collect();
+        let block = info
+            .params
+            .iter()
+            .map(|p| p.offset as usize + p.size as usize)
+            .max()
+            .unwrap_or(0);
         Ok(Ready {
             kernel,
             sizes,
             offsets,
+            block,
             owner: origin.owner,
             prepared: Vec::new(),
         })
@@ -1899,19 +1924,22 @@ pub(crate) fn before_work(site: Site, name: &'static str) -> Ordered {
     with(|e| e.before_work(site, name)).unwrap_or(Ordered::UNKNOWN)
 }
 
-/// Before `cuStreamWaitEvent(site, event)`: as [`before_work`], under one lock when the preload did not keep the
-/// event (the usual case); an event it kept is recorded in libcuda first ([`materialize`]).
-pub(crate) fn before_wait(event: usize, site: Site, name: &'static str) -> Ordered {
-    let ordered = with(|e| {
-        e.event_home(event)
-            .is_none()
-            .then(|| e.before_work(site, name))
+/// Before `cuStreamWaitEvent(site, event)`, under one lock: `Ok(CUresult)` when the preload kept the event and the
+/// stream's queue waits for it ([`Engine::wait_on_apex`]); otherwise as [`before_work`], an event the preload kept
+/// recorded in libcuda first ([`materialize`]), `Err` holding the answer for [`after`].
+pub(crate) fn before_wait(event: usize, site: Site, name: &'static str) -> Result<c_int, Ordered> {
+    let step = with(|e| {
+        if e.event_home(event).is_none() {
+            Some(Err(e.before_work(site, name)))
+        } else {
+            e.wait_on_apex(event, site).map(Ok)
+        }
     });
-    if let Some(Some(o)) = ordered {
-        return o;
+    if let Some(Some(done)) = step {
+        return done;
     }
     materialize(event);
-    before_work(site, name)
+    Err(before_work(site, name))
 }
 
 /// Where a stream's work stands at a stream-ordered free the allocation cache keeps ([`Engine::free_point`]): the

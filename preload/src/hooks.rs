@@ -189,8 +189,11 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
                 return code;
             }
             let o = if kind == Kind::WaitEvent {
-                // One lock for the event and the ordering, unless the preload kept the event.
-                engine::before_wait(event, site, a.name)
+                // One lock for the event and the ordering (or the wait itself, on APEX).
+                match engine::before_wait(event, site, a.name) {
+                    Ok(code) => return code,
+                    Err(o) => o,
+                }
             } else {
                 engine::before_work(site, a.name)
             };

@@ -55,8 +55,8 @@ pub enum Refusal {
     /// The module has a device-writable global that CUDA's instance of the module does not give an address for (or
     /// a smaller one than the cubin says): APEX could not share it, and the two copies would diverge.
     #[error(
-        "the module has the device-writable global `{0}`, which CUDA's instance of the module does not expose; CUDA's \
-         and APEX's copies would diverge"
+        "the module has the device-writable global `{0}`, which CUDA's instance of the module does not expose (or \
+         exposes at another size); CUDA's and APEX's copies would diverge"
     )]
     ModuleGlobals(String),
     /// The program asked libcuda for the address of one of the module's `__constant__` globals (or a managed one):
@@ -73,9 +73,11 @@ pub enum Refusal {
     #[error("the kernel calls `{0}`, whose output or error APEX cannot report as CUDA does")]
     DeviceRuntime(String),
     /// Parameters missing, or passed through an `extra` array other than one packed buffer
-    /// (`CU_LAUNCH_PARAM_BUFFER_POINTER` and `..._SIZE`, which is taken), or given both ways.
+    /// (`CU_LAUNCH_PARAM_BUFFER_POINTER` and `..._SIZE`, which is taken) no longer than the kernel's parameters, or
+    /// given both ways.
     #[error(
-        "kernel parameters are missing, or passed in an `extra` array other than one packed buffer large enough          for the kernel's parameters"
+        "kernel parameters are missing, or passed in an `extra` array other than one packed buffer no longer than \
+         the kernel's parameters"
     )]
     ExtraParams,
     /// A `cuLaunchKernelEx` attribute the preload cannot honour.

@@ -132,6 +132,10 @@ pub struct Summary {
     /// Of those, recorded in libcuda later because libcuda had to read them.
     #[serde(default)]
     pub events_materialized: u64,
+    /// `cuStreamWaitEvent` calls for an event the preload kept, answered by the stream's APEX queue waiting for the
+    /// event's fence (no libcuda call, no hop).
+    #[serde(default)]
+    pub waits_on_apex: u64,
     /// Launch shapes (function, stream, grid, block, shared memory) prepared: each one once, unless more than 16
     /// shapes of one function alternate.
     #[serde(default)]

@@ -203,8 +203,8 @@ impl Compared {
     }
 }
 
-/// Builds `source` with nvcc (sm_90) into a scratch directory named after `name`; returns the directory and the
-/// executable.
+/// Builds `source` with nvcc (sm_90, linked with libcuda for programs that call the driver API) into a scratch
+/// directory named after `name`; returns the directory and the executable.
 fn build_cuda(name: &str, source: &str) -> (PathBuf, PathBuf) {
     let dir = scratch(name);
     let src = dir.join(format!("{name}.cu"));
@@ -214,6 +214,7 @@ fn build_cuda(name: &str, source: &str) -> (PathBuf, PathBuf) {
         .args(["-O2", "-arch=sm_90", "-o"])
         .arg(&exe)
         .arg(&src)
+        .arg("-lcuda")
         .output()
         .expect("run nvcc");
     assert!(
@@ -1177,4 +1178,75 @@ fn a_stream_is_taken_over_once_its_launches_pay_for_it() {
             assert!(s.warmup > 1000 && s.warmup < 15_000, "{s:?}");
         }
     }
+}
+
+/// Arguments packed in one `extra` buffer (NCCL's way of passing its kernels' 4 KiB parameter) run on APEX, also a
+/// buffer shorter than the kernel's parameters: the bytes given, then zeros, as libcuda gives them at a function's
+/// first launches. A buffer longer than the parameters goes to libcuda, which refuses it.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn arguments_packed_in_one_buffer_give_identical_results_through_apex() {
+    let lib = preload_lib();
+    let (dir, exe) = build_cuda("packed_params", include_str!("programs/packed_params.cu"));
+    let plain = run(Command::new(&exe), None, &dir, "plain");
+    let pre = run(inline(Command::new(&exe)), Some(&lib), &dir, "preload");
+    let (a, b) = both_succeeded(&plain, &pre);
+    let summary = pre.summary.clone().expect("summary");
+    report("packed_params", &summary);
+    assert_eq!(
+        results(&a),
+        results(&b),
+        "outputs differ:\nwithout:\n{a}\nwith:\n{b}"
+    );
+    assert!(
+        a.contains("result short_first 11*16 00*240"),
+        "libcuda zero-fills a short buffer's rest: {a}"
+    );
+    assert!(
+        a.contains("result long launch "),
+        "libcuda refuses a long buffer: {a}"
+    );
+    assert_eq!(summary.launches, 105, "{b}");
+    assert_eq!(
+        (summary.apex, summary.fallback),
+        (104, 1),
+        "all but the long buffer"
+    );
+    assert_eq!(summary.reasons["extra_params"].launches, 1);
+}
+
+/// A module linked from two objects, each with its own compiler constants under the same names (`__unnamed_1`,
+/// `$str`) and its own `static` counter: each kernel prints its own object's strings and counter, with the preload
+/// as without it.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_module_linked_from_several_objects_gives_identical_results_through_apex() {
+    let lib = preload_lib();
+    let (dir, exe) = build_cuda("linked_module", include_str!("programs/linked_module.cu"));
+    let cubin = dir.join("linked_locals.sm_90.cubin");
+    std::fs::write(
+        &cubin,
+        include_bytes!("../../kernels/conformance/linked_locals.sm_90.cubin"),
+    )
+    .unwrap();
+    let cmd = || {
+        let mut c = Command::new(&exe);
+        c.arg(&cubin);
+        c
+    };
+    let plain = run(cmd(), None, &dir, "plain");
+    let pre = run(inline(cmd()), Some(&lib), &dir, "preload");
+    let (a, b) = both_succeeded(&plain, &pre);
+    let summary = pre.summary.clone().expect("summary");
+    report("linked_module", &summary);
+    assert!(
+        a.contains("result fill_b round 2 name \"void fill_b(char *, char *, int *)\" literal \"object b's literal, which is longer than a's\" counter 202"),
+        "{a}"
+    );
+    assert_eq!(
+        results(&a),
+        results(&b),
+        "outputs differ:\nwithout:\n{a}\nwith:\n{b}"
+    );
+    assert_eq!(summary.launches, 4, "{b}");
 }

@@ -167,10 +167,37 @@ impl Queue {
     /// from any queue: of this GPU, or of another GPU of the process (no CPU in between: the queue acquires the
     /// other queue's semaphore; on the driver backend, an event). Returns once the wait is queued.
     pub fn wait_for(&mut self, fence: &Fence) -> Result<()> {
+        self.join(fence).map(drop)
+    }
+
+    /// As [`Queue::wait_for`], returning this queue's fence at the wait: it completes once `fence` has and all of
+    /// this queue's earlier work is done, so it stands for both (as a CUDA event recorded on a stream right after a
+    /// `cuStreamWaitEvent` does).
+    ///
+    /// ```no_run
+    /// # fn main() -> apex::Result<()> {
+    /// # let gpu = apex::Gpu::open(0)?;
+    /// let module = gpu.load_module_file("kernels.cubin")?;
+    /// let produce = module.kernel("produce")?;
+    /// let (mut a, mut b) = (gpu.queue()?, gpu.queue()?);
+    /// // SAFETY: `produce` takes no arguments.
+    /// let produced = unsafe { a.launch(&produce, &apex::LaunchConfig::linear(1, 32), &[]) }?;
+    /// // b's later work waits for a's; `both` completes after a's launch and b's earlier work.
+    /// let both = b.join(&produced)?;
+    /// both.wait(std::time::Duration::from_secs(1))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn join(&mut self, fence: &Fence) -> Result<Fence> {
         self.other_work();
         match (&mut self.inner, fence.direct(), fence.driver_part()) {
-            (Backed::Direct(q), Some(f), _) => Ok(q.wait_fence(f).map(drop)?),
-            (Backed::Driver(q), _, Some(f)) => Ok(q.wait_for(f)?),
+            (Backed::Direct(q), Some(f), _) => {
+                let joined = q.wait_fence(f)?;
+                Ok(Fence::from_direct(joined, q))
+            }
+            (Backed::Driver(q), _, Some(f)) => {
+                q.wait_for(f)?;
+                Ok(Fence::from_driver(q.fence()))
+            }
             _ => Err(Error::Mismatch),
         }
     }

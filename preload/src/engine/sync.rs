@@ -602,9 +602,11 @@ impl Engine {
         let untimed = self.event_untimed.get(&event).copied().unwrap_or(false);
         // Looked up once, for the record and for the ordering below.
         let found = self.site_context(site);
-        if untimed
-            && self.capturing.is_empty()
-            && let Some(ci) = found
+        let why = if !untimed {
+            "the event times or is interprocess"
+        } else if !self.capturing.is_empty() {
+            "a stream is capturing"
+        } else if let Some(ci) = found
             && self.contexts[ci].failed.is_none()
         {
             let cuda = self.cuda.as_ref();
@@ -614,19 +616,69 @@ impl Engine {
             // waited for every related queue's last launch (CUDA orders a record on a blocking stream after the
             // legacy stream's earlier work): then the queue's last launch stands for all of it. (The legacy stream
             // orders after every blocking stream's work: not kept.)
-            if stream.key != StreamKey::Legacy
-                && let Some(slot) = ctx.order.find(stream.key)
-                && ctx.order.cuda_clean(slot)
-                && ctx.order.covers_related(slot)
-                && let Some(Ok(fence)) = ctx.last_fence(slot)
-            {
-                ctx.events.insert(event, VirtualEvent { slot, fence });
-                self.summary.events_on_apex += 1;
-                return Answer::Done(CUDA_SUCCESS);
+            // The legacy stream's record stands for every blocking stream's earlier work too: `covers_related`
+            // (its queue waited for every related queue's last launch) and `cuda_clean` (no CUDA work on a related
+            // stream it did not wait for) say the last launch covers it, as for a stream-ordered free.
+            if let Some(slot) = ctx.order.find(stream.key) {
+                if !ctx.order.cuda_clean(slot) {
+                    "the stream has CUDA work its queue did not wait for"
+                } else if !ctx.order.covers_related(slot) {
+                    "a related queue launched since"
+                } else if let Some(Ok(fence)) = ctx.last_fence(slot) {
+                    ctx.events.insert(event, VirtualEvent { slot, fence });
+                    self.summary.events_on_apex += 1;
+                    return Answer::Done(CUDA_SUCCESS);
+                } else {
+                    "the queue launched nothing"
+                }
+            } else {
+                "the stream was not taken over"
             }
+        } else {
+            "the context is not attached"
+        };
+        if let Some(ci) = found
+            && self.logged.insert((self.contexts[ci].handle, why))
+        {
+            debug!(event, stream = raw, why, "event record left to libcuda");
         }
         self.before_at(found, site);
         Answer::Forward
+    }
+
+    /// `cuStreamWaitEvent(site, event)` for an event the preload kept, by a taken-over stream of the event's context:
+    /// the stream's queue waits for the event's fence on the GPU (a semaphore acquire; none when the event is of the
+    /// same queue or complete), and libcuda sees nothing. `None`: libcuda waits, the event recorded there first.
+    pub(crate) fn wait_on_apex(&mut self, event: usize, site: Site) -> Option<c_int> {
+        let Site::Stream(raw, pt) = site else {
+            return None;
+        };
+        if !self.capturing.is_empty() {
+            return None;
+        }
+        let ci = self.event_home(event)?;
+        if self.site_context(site) != Some(ci) || self.contexts[ci].failed.is_some() {
+            return None;
+        }
+        // Only a stream taken over already: taking one over here (NCCL's internal stream, which waits and records
+        // around every collective) made NCCL's kernels fault (an illegal address in all-reduce, 2× H200); left to
+        // libcuda until that is understood.
+        let slot = self.contexts[ci].order.find(StreamKey::of(raw, pt))?;
+        let cuda = self.cuda.as_ref();
+        let ctx = &mut self.contexts[ci];
+        let v = ctx.events.get(&event)?;
+        // Complete already, or of the same queue: nothing to wait for.
+        if v.slot != slot && !v.fence.is_done() {
+            let fence = v.fence.clone();
+            if let Err(e) =
+                ctx.run_on_queue(cuda, slot, |q, _| q.join(&fence).map_err(|e| e.to_string()))
+            {
+                debug!(error = %e, "a queue could not wait for another's fence; libcuda waits");
+                return None;
+            }
+        }
+        self.summary.waits_on_apex += 1;
+        Some(CUDA_SUCCESS)
     }
 
     pub(super) fn event_home(&self, event: usize) -> Option<usize> {

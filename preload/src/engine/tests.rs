@@ -896,19 +896,22 @@ fn the_stats_path_names_the_process_where_asked() {
     );
 }
 
-/// NCCL passes its kernels' arguments as one packed buffer in `extra`: such launches run on APEX; an `extra` the
-/// driver would refuse, or one with keys the preload does not know, goes to libcuda.
+/// NCCL passes its kernels' arguments as one packed buffer in `extra`, often shorter than the kernel's parameters:
+/// such launches run on APEX with the parameters' rest zero; an `extra` the driver would refuse (a buffer longer than
+/// the parameters), or one with keys the preload does not know, goes to libcuda.
 #[test]
 fn arguments_in_one_packed_buffer_run_on_apex() {
     let mut s = Setup::new();
-    // vector_add(a, b, out, n): three pointers and a 32-bit count, at their parameter-table offsets.
-    let mut buffer = [0u8; 28];
+    // vector_add(a, b, out, n): three pointers and a 32-bit count, at their parameter-table offsets; one byte more
+    // than the parameters, cut below.
+    let mut buffer = [0u8; 29];
     for (i, v) in s.params[..3].iter().enumerate() {
         buffer[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
     }
     buffer[24..28].copy_from_slice(&64u32.to_le_bytes());
+    buffer[28] = 0x5a;
     // Changed below through raw pointers, as the engine reads them through the array.
-    let size: *mut usize = Box::into_raw(Box::new(buffer.len()));
+    let size: *mut usize = Box::into_raw(Box::new(28));
     let extra: *mut [*mut c_void; 5] = Box::into_raw(Box::new([
         PARAM_BUFFER_POINTER as *mut c_void,
         buffer.as_mut_ptr().cast(),
@@ -924,14 +927,35 @@ fn arguments_in_one_packed_buffer_run_on_apex() {
         extra: extra.cast(),
         ..bare_launch()
     };
+    let ran = |s: &Setup, n: usize| {
+        s.sim
+            .wait_for(Duration::from_secs(10), |m| m.launches().len() == n)
+    };
+    let before = s.sim.launches().len();
     assert!(
         s.engine.launch(&l, 0).is_some(),
         "a packed buffer runs on APEX"
     );
-    // Too small for the parameter table: left to libcuda, which refuses it.
+    assert!(ran(&s, before + 1));
+    assert_eq!(
+        s.sim.launches().last().unwrap().params[..28],
+        buffer[..28],
+        "each parameter from its offset in the buffer"
+    );
+    // Shorter than the parameters, as NCCL's: what is given, then zeros.
     set_size(20);
+    assert!(
+        s.engine.launch(&l, 0).is_some(),
+        "a short buffer runs on APEX"
+    );
+    assert!(ran(&s, before + 2));
+    let mut expected = buffer[..28].to_vec();
+    expected[20..].fill(0);
+    assert_eq!(s.sim.launches().last().unwrap().params[..28], expected[..]);
+    // Longer than the parameters: left to libcuda, which answers for it.
+    set_size(29);
     assert!(s.engine.launch(&l, 0).is_none());
-    set_size(buffer.len());
+    set_size(28);
     // An unknown key.
     set_key(7);
     assert!(s.engine.launch(&l, 0).is_none());
@@ -945,7 +969,7 @@ fn arguments_in_one_packed_buffer_run_on_apex() {
     set_key(PARAM_END);
     assert!(s.engine.launch(&l, 0).is_none());
     let sum = s.engine.summary();
-    assert_eq!((sum.apex, sum.fallback), (1, 4));
+    assert_eq!((sum.apex, sum.fallback), (2, 4));
     assert_eq!(sum.reasons["extra_params"].launches, 4);
     // SAFETY: made by Box::into_raw above, no longer used.
     unsafe {
@@ -1316,3 +1340,46 @@ fn a_free_on_the_legacy_stream_is_the_queues_only_when_it_waited_for_the_blockin
 
 mod background;
 mod takeover;
+
+/// An event recorded after a stream's APEX work (the legacy stream's too, once its queue has waited for every
+/// blocking stream's) and waited for by another taken-over stream is waited for by that stream's queue on the GPU,
+/// with no libcuda call and no hop; its next record then stands for what it waited for. A stream not taken over
+/// waits in libcuda.
+#[test]
+fn a_stream_waits_for_a_kept_event_on_the_gpu_without_libcuda() {
+    let mut s = Setup::new();
+    let (nccl, other) = (NON_BLOCKING, NON_BLOCKING + 0x100);
+    let nccl_site = Site::Stream(nccl, false);
+    s.engine.event_created(EVENT, 2);
+    s.engine.event_created(EVENT + 1, 2);
+    assert!(s.launch_on(0, 1));
+    assert!(s.launch_on(nccl, 1));
+    s.idle();
+    s.calls();
+    s.sim.pause();
+    assert!(s.launch_on(0, 1));
+    // The legacy queue waited for every related queue (the non-blocking one is not related): kept.
+    assert_eq!(s.engine.event_record(EVENT, LEGACY), Answer::Done(0));
+    assert_eq!(s.engine.wait_on_apex(EVENT, nccl_site), Some(0));
+    assert!(s.launch_on(nccl, 1));
+    // After the wait, the stream's record stands for the legacy queue's launch too.
+    assert_eq!(s.engine.event_record(EVENT + 1, nccl_site), Answer::Done(0));
+    assert_eq!(
+        s.engine.event_sync(EVENT + 1, SyncKind::Query),
+        Answer::Done(CUDA_ERROR_NOT_READY)
+    );
+    assert_eq!(s.engine.wait_on_apex(EVENT, nccl_site), Some(0));
+    assert!(s.calls().is_empty(), "no libcuda call");
+    assert_eq!(
+        s.engine.wait_on_apex(EVENT, Site::Stream(other, false)),
+        None
+    );
+    s.sim.resume();
+    s.idle();
+    assert_eq!(
+        s.engine.event_sync(EVENT + 1, SyncKind::Wait),
+        Answer::Done(0)
+    );
+    assert_eq!(s.engine.summary().waits_on_apex, 2);
+    assert!(s.sim.errors().is_empty(), "{:?}", s.sim.errors());
+}
