@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds linked_locals.sm_90.cubin: linked_a.cu and linked_b.cu compiled as relocatable objects and linked by nvlink
-# into one executable cubin, two module-local variables named `_ZL7counter` and two sets of compiler constants in it.
+# into one executable cubin: two sets of compiler constants under the same names (`__unnamed_1`, `$str`) and two
+# `static` counters, which nvlink renames apart.
 # Needs nvcc/nvlink/cuobjdump (CUDA 13); run on the GPU machine:  bash kernels/conformance/build_linked.sh [outdir]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

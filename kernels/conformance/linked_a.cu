@@ -1,6 +1,7 @@
 // One of two objects linked into one module (nvlink; see kernels/conformance/build_linked.sh): each has its own
-// module-local counter named `_ZL7counter` and its own compiler constants (`__unnamed_1`, `$str`), as the many
-// objects of NCCL's kernel modules do. A loader must keep each object's variables apart though their names agree.
+// compiler constants (`__unnamed_1`, `$str`: nvlink keeps both objects' under the same names, as in NCCL's kernel
+// modules) and its own `static` counter (which nvlink renames apart: `__nv_static_<hash>_..._counter`). A loader
+// must keep each object's variables apart though their names agree.
 static __device__ int counter = 100;
 
 // Copies `s` (its NUL, then zeros) to out[0..n].

@@ -1236,11 +1236,13 @@ impl Engine {
             );
         }
         s[4] = crate::profile::stamp();
-        // The slot's previous last launch goes before the doorbell: dropping a fence is a locked instruction, which
-        // after the doorbell would wait for it to leave the core.
-        drop(last[slot].take());
+        // The slot's previous last launch, put back if this launch fails. Usually a ticket, a plain copy; a fence
+        // (the last was a copy or a wait) is dropped after the doorbell, a locked instruction that waits for the
+        // doorbell's write to leave the core, once after such work.
+        let previous = last[slot].take();
         let Some(queue) = queues[slot].as_mut() else {
             args.clear();
+            last[slot] = previous;
             return Err(Refusal::Internal.into());
         };
         // SAFETY: the program launches this kernel with these arguments on this stream; CUDA would run it the same
@@ -1263,9 +1265,14 @@ impl Engine {
                 order.after_apex(slot);
                 last[slot] = Some(l);
                 s[5] = crate::profile::stamp();
+                drop(previous);
                 Ok(())
             }
-            Err(e) => Err(Refusal::LaunchFailed(e.to_string()).into()),
+            Err(e) => {
+                // Nothing was sent: the slot's last launch is still the one before, which synchronizations wait for.
+                last[slot] = previous;
+                Err(Refusal::LaunchFailed(e.to_string()).into())
+            }
         }
     }
 

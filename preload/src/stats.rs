@@ -132,8 +132,9 @@ pub struct Summary {
     /// Of those, recorded in libcuda later because libcuda had to read them.
     #[serde(default)]
     pub events_materialized: u64,
-    /// `cuStreamWaitEvent` calls for an event the preload kept, answered by the stream's APEX queue waiting for the
-    /// event's fence (no libcuda call, no hop).
+    /// `cuStreamWaitEvent` calls for an event the preload kept, answered without libcuda: the stream's APEX queue
+    /// waits for the event's fence on the GPU, or nothing is left to wait for (the fence is complete, or the event
+    /// is of the same queue).
     #[serde(default)]
     pub waits_on_apex: u64,
     /// Launch shapes (function, stream, grid, block, shared memory) prepared: each one once, unless more than 16

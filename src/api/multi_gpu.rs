@@ -172,7 +172,8 @@ impl Queue {
 
     /// As [`Queue::wait_for`], returning this queue's fence at the wait: it completes once `fence` has and all of
     /// this queue's earlier work is done, so it stands for both (as a CUDA event recorded on a stream right after a
-    /// `cuStreamWaitEvent` does).
+    /// `cuStreamWaitEvent` does). On the driver backend a fence completes with its whole stream, so it may also wait
+    /// for work queued after the join.
     ///
     /// ```no_run
     /// # fn main() -> apex::Result<()> {

@@ -614,8 +614,7 @@ impl Engine {
             let stream = ctx.stream(cuda, raw, pt);
             // Only a taken-over stream whose CUDA side holds nothing the queue did not wait for, and whose queue
             // waited for every related queue's last launch (CUDA orders a record on a blocking stream after the
-            // legacy stream's earlier work): then the queue's last launch stands for all of it. (The legacy stream
-            // orders after every blocking stream's work: not kept.)
+            // legacy stream's earlier work): then the queue's last launch stands for all of it.
             // The legacy stream's record stands for every blocking stream's earlier work too: `covers_related`
             // (its queue waited for every related queue's last launch) and `cuda_clean` (no CUDA work on a related
             // stream it did not wait for) say the last launch covers it, as for a stream-ordered free.
@@ -635,7 +634,7 @@ impl Engine {
                 "the stream was not taken over"
             }
         } else {
-            "the context is not attached"
+            "the context is not attached, or failed"
         };
         if let Some(ci) = found
             && self.logged.insert((self.contexts[ci].handle, why))

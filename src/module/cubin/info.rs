@@ -115,9 +115,10 @@ impl GlobalSymbol {
     /// (writing the source's constant is undefined behaviour), so two instances of a module made from the same cubin
     /// hold the same bytes for the whole run; and in a module linked from many objects each object brings its own
     /// `__unnamed_1` (NCCL 2.28's kernel modules: hundreds, its primitives' assert strings), so their names do not
-    /// say which one is meant.
+    /// say which one is meant. Only initialized data (`.nv.global.init`) counts: a constant has bytes, and a
+    /// zero-initialized variable of such a name would be writable state.
     pub fn is_compiler_constant(&self) -> bool {
-        self.local && compiler_constant_name(&self.name)
+        self.local && self.section == ".nv.global.init" && compiler_constant_name(&self.name)
     }
 }
 
@@ -185,6 +186,11 @@ mod tests {
                 !global(name, false).is_compiler_constant(),
                 "{name}, global binding"
             );
+            let zeroed = GlobalSymbol {
+                section: ".nv.global".into(),
+                ..global(name, true)
+            };
+            assert!(!zeroed.is_compiler_constant(), "{name}, zero-initialized");
         }
         for name in [
             "__unnamed_",
