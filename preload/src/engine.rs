@@ -1932,14 +1932,21 @@ pub(crate) fn before_work(site: Site, name: &'static str) -> Ordered {
 }
 
 /// Before `cuStreamWaitEvent(site, event)`, under one lock: `Ok(CUresult)` when the preload kept the event and the
-/// stream's queue waits for it ([`Engine::wait_on_apex`]); otherwise as [`before_work`], an event the preload kept
-/// recorded in libcuda first ([`materialize`]), `Err` holding the answer for [`after`].
-pub(crate) fn before_wait(event: usize, site: Site, name: &'static str) -> Result<c_int, Ordered> {
+/// stream's queue waits for it ([`Engine::wait_on_apex`], only where `on_apex`); otherwise as [`before_work`], an
+/// event the preload kept recorded in libcuda first ([`materialize`]), `Err` holding the answer for [`after`].
+pub(crate) fn before_wait(
+    event: usize,
+    site: Site,
+    name: &'static str,
+    on_apex: bool,
+) -> Result<c_int, Ordered> {
     let step = with(|e| {
         if e.event_home(event).is_none() {
             Some(Err(e.before_work(site, name)))
-        } else {
+        } else if on_apex {
             e.wait_on_apex(event, site).map(Ok)
+        } else {
+            None
         }
     });
     if let Some(Some(done)) = step {

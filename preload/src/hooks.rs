@@ -86,6 +86,8 @@ struct Args {
     /// The driver function's name (the stats count CUDA work by it).
     name: &'static str,
     event: usize,
+    /// `cuStreamWaitEvent`'s flags.
+    flags: u32,
     /// A copy's destination, source and size.
     copy: (u64, u64, usize),
     /// A memset's destination, value and element count.
@@ -190,7 +192,8 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
             }
             let o = if kind == Kind::WaitEvent {
                 // One lock for the event and the ordering (or the wait itself, on APEX).
-                match engine::before_wait(event, site, a.name) {
+                // Flags other than CU_EVENT_WAIT_DEFAULT and _EXTERNAL are libcuda's to refuse.
+                match engine::before_wait(event, site, a.name, a.flags & !1 == 0) {
                     Ok(code) => return code,
                     Err(o) => o,
                 }
@@ -296,7 +299,7 @@ type P = *mut c_void;
 type Dptr = u64;
 
 macro_rules! hooks {
-    ($( $sym:ident, $base:literal, $pt:literal, $versioned:literal, $kind:ident, ($($a:ident: $t:ty),*) => $site:expr $(, event $ev:ident)? $(, copy $cd:ident $cs:ident $cn:ident)? $(, set $sd:ident $sv:ident $sn:ident)?; )*) => {
+    ($( $sym:ident, $base:literal, $pt:literal, $versioned:literal, $kind:ident, ($($a:ident: $t:ty),*) => $site:expr $(, event $ev:ident)? $(, flags $fl:ident)? $(, copy $cd:ident $cs:ident $cn:ident)? $(, set $sd:ident $sv:ident $sn:ident)?; )*) => {
         $(
             #[allow(non_snake_case)]
             mod $sym {
@@ -328,6 +331,7 @@ macro_rules! hooks {
                     ..Args::default()
                 };
                 $( args.event = $ev as usize; )?
+                $( args.flags = $fl as u32; )?
                 $( args.copy = ($cd as u64, $cs as u64, $cn); )?
                 $( args.set = ($sd, u32::from($sv), $sn); )?
                 // SAFETY: forwarded unchanged.
@@ -451,8 +455,8 @@ hooks! {
     cuMemsetD2D32_v2, "cuMemsetD2D32", false, false, Work, (d: Dptr, p: usize, v: u32, w: usize, h: usize) => default(false);
     cuMemsetD2D32_v2_ptds, "cuMemsetD2D32", true, false, Work, (d: Dptr, p: usize, v: u32, w: usize, h: usize) => default(true);
     // Stream work other than copies.
-    cuStreamWaitEvent, "cuStreamWaitEvent", false, false, WaitEvent, (st: P, ev: P, f: c_uint) => s(st, false), event ev;
-    cuStreamWaitEvent_ptsz, "cuStreamWaitEvent", true, false, WaitEvent, (st: P, ev: P, f: c_uint) => s(st, true), event ev;
+    cuStreamWaitEvent, "cuStreamWaitEvent", false, false, WaitEvent, (st: P, ev: P, f: c_uint) => s(st, false), event ev, flags f;
+    cuStreamWaitEvent_ptsz, "cuStreamWaitEvent", true, false, WaitEvent, (st: P, ev: P, f: c_uint) => s(st, true), event ev, flags f;
     cuStreamAddCallback, "cuStreamAddCallback", false, false, Work, (st: P, cb: P, ud: P, f: c_uint) => s(st, false);
     cuStreamAddCallback_ptsz, "cuStreamAddCallback", true, false, Work, (st: P, cb: P, ud: P, f: c_uint) => s(st, true);
     cuLaunchHostFunc, "cuLaunchHostFunc", false, true, Work, (st: P, cb: P, ud: P) => s(st, false);
