@@ -1383,3 +1383,55 @@ fn a_stream_waits_for_a_kept_event_on_the_gpu_without_libcuda() {
     assert_eq!(s.engine.summary().waits_on_apex, 2);
     assert!(s.sim.errors().is_empty(), "{:?}", s.sim.errors());
 }
+
+/// NCCL's pattern on APEX: a launch whose arguments are a packed buffer shorter than the kernel's parameters, an
+/// event kept after it and waited for by another taken-over stream. Once each has been seen, a round allocates
+/// nothing on the program's thread.
+#[test]
+fn packed_launches_kept_events_and_waits_on_apex_allocate_nothing() {
+    let mut s = Setup::new();
+    let other = NON_BLOCKING + 0x100;
+    let other_site = Site::Stream(other, false);
+    s.engine.event_created(EVENT, 2);
+    assert!(s.launch_on(other, 1), "the second stream taken over");
+    // vector_add's three pointers and its count, the count left out of the buffer (zero-filled).
+    let mut buffer = [0u8; 24];
+    for (i, v) in s.params[..3].iter().enumerate() {
+        buffer[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
+    }
+    let size: *mut usize = Box::into_raw(Box::new(buffer.len()));
+    let extra: *mut [*mut c_void; 5] = Box::into_raw(Box::new([
+        PARAM_BUFFER_POINTER as *mut c_void,
+        buffer.as_mut_ptr().cast(),
+        PARAM_BUFFER_SIZE as *mut c_void,
+        size.cast(),
+        PARAM_END as *mut c_void,
+    ]));
+    let packed = Launch {
+        extra: extra.cast(),
+        ..bare_launch()
+    };
+    let round = |s: &mut Setup| {
+        assert!(s.engine.launch(&packed, 0).is_some());
+        assert_eq!(s.engine.event_record(EVENT, LEGACY), Answer::Done(0));
+        assert_eq!(s.engine.wait_on_apex(EVENT, other_site), Some(0));
+    };
+    round(&mut s);
+    s.idle();
+    // The GPU held, so every wait is one the queue makes on the GPU.
+    s.sim.pause();
+    round(&mut s);
+    let before = allocations();
+    for _ in 0..50 {
+        round(&mut s);
+    }
+    assert_eq!(allocations() - before, 0, "allocations in 50 rounds");
+    s.sim.resume();
+    s.idle();
+    assert!(s.sim.errors().is_empty(), "{:?}", s.sim.errors());
+    // SAFETY: made by Box::into_raw above, no longer used.
+    unsafe {
+        drop(Box::from_raw(extra));
+        drop(Box::from_raw(size));
+    }
+}
