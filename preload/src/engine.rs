@@ -356,7 +356,8 @@ struct Ready {
     sizes: Box<[usize]>,
     /// Their offsets in the parameter block (where a packed `extra` buffer holds them).
     offsets: Box<[usize]>,
-    /// Where the last parameter ends: the bytes a packed `extra` buffer may hold at most.
+    /// The parameter block's size, as the launch packs it (`EIATTR_PARAM_CBANK`): the bytes a packed `extra` buffer may
+    /// hold at most.
     block: usize,
     owner: Owner,
     /// Most recently used first.
@@ -1498,12 +1499,8 @@ impl Engine {
         }
         let sizes = info.params.iter().map(|p| p.size as usize).collect();
         let offsets = info.params.iter().map(|p| p.offset as usize).collect();
-        let block = info
-            .params
-            .iter()
-            .map(|p| p.offset as usize + p.size as usize)
-            .max()
-            .unwrap_or(0);
+        // The block the launch packs parameters into (`EIATTR_PARAM_CBANK`).
+        let block = info.param_cbank_size as usize;
         Ok(Ready {
             kernel,
             sizes,

@@ -896,6 +896,55 @@ fn the_stats_path_names_the_process_where_asked() {
     );
 }
 
+/// An `extra` array holding one packed argument buffer (`buffer`, its size `size`), as NCCL passes its arguments;
+/// freed on drop. The test changes the size and the keys through raw pointers, as the engine reads them through the
+/// array.
+struct PackedExtra {
+    extra: *mut [*mut c_void; 5],
+    size: *mut usize,
+}
+
+impl PackedExtra {
+    fn new(buffer: &mut [u8], size: usize) -> PackedExtra {
+        let size: *mut usize = Box::into_raw(Box::new(size));
+        let extra = Box::into_raw(Box::new([
+            PARAM_BUFFER_POINTER as *mut c_void,
+            buffer.as_mut_ptr().cast(),
+            PARAM_BUFFER_SIZE as *mut c_void,
+            size.cast(),
+            PARAM_END as *mut c_void,
+        ]));
+        PackedExtra { extra, size }
+    }
+
+    fn launch(&self) -> Launch {
+        Launch {
+            extra: self.extra.cast(),
+            ..bare_launch()
+        }
+    }
+
+    fn set_size(&self, n: usize) {
+        // SAFETY: made by Box::into_raw in `new`, freed only on drop; no reference to it is held.
+        unsafe { *self.size = n }
+    }
+
+    fn set_key(&self, k: usize) {
+        // SAFETY: as above.
+        unsafe { (*self.extra)[2] = k as *mut c_void }
+    }
+}
+
+impl Drop for PackedExtra {
+    fn drop(&mut self) {
+        // SAFETY: made by Box::into_raw in `new`, no longer used.
+        unsafe {
+            drop(Box::from_raw(self.extra));
+            drop(Box::from_raw(self.size));
+        }
+    }
+}
+
 /// NCCL passes its kernels' arguments as one packed buffer in `extra`, often shorter than the kernel's parameters:
 /// such launches run on APEX with the parameters' rest zero; an `extra` the driver would refuse (a buffer longer than
 /// the parameters), or one with keys the preload does not know, goes to libcuda.
@@ -910,23 +959,10 @@ fn arguments_in_one_packed_buffer_run_on_apex() {
     }
     buffer[24..28].copy_from_slice(&64u32.to_le_bytes());
     buffer[28] = 0x5a;
-    // Changed below through raw pointers, as the engine reads them through the array.
-    let size: *mut usize = Box::into_raw(Box::new(28));
-    let extra: *mut [*mut c_void; 5] = Box::into_raw(Box::new([
-        PARAM_BUFFER_POINTER as *mut c_void,
-        buffer.as_mut_ptr().cast(),
-        PARAM_BUFFER_SIZE as *mut c_void,
-        size.cast(),
-        PARAM_END as *mut c_void,
-    ]));
-    // SAFETY: both boxes live until the end of the test (freed there); no reference to them is held.
-    let set_size = |n: usize| unsafe { *size = n };
-    // SAFETY: as above.
-    let set_key = |k: usize| unsafe { (*extra)[2] = k as *mut c_void };
-    let mut l = Launch {
-        extra: extra.cast(),
-        ..bare_launch()
-    };
+    let packed = PackedExtra::new(&mut buffer, 28);
+    let set_size = |n: usize| packed.set_size(n);
+    let set_key = |k: usize| packed.set_key(k);
+    let mut l = packed.launch();
     let ran = |s: &Setup, n: usize| {
         s.sim
             .wait_for(Duration::from_secs(10), |m| m.launches().len() == n)
@@ -971,11 +1007,6 @@ fn arguments_in_one_packed_buffer_run_on_apex() {
     let sum = s.engine.summary();
     assert_eq!((sum.apex, sum.fallback), (2, 4));
     assert_eq!(sum.reasons["extra_params"].launches, 4);
-    // SAFETY: made by Box::into_raw above, no longer used.
-    unsafe {
-        drop(Box::from_raw(extra));
-        drop(Box::from_raw(size));
-    }
 }
 
 /// Counts this thread's heap allocations (the other tests' threads keep their own counts).
@@ -1399,18 +1430,8 @@ fn packed_launches_kept_events_and_waits_on_apex_allocate_nothing() {
     for (i, v) in s.params[..3].iter().enumerate() {
         buffer[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
     }
-    let size: *mut usize = Box::into_raw(Box::new(buffer.len()));
-    let extra: *mut [*mut c_void; 5] = Box::into_raw(Box::new([
-        PARAM_BUFFER_POINTER as *mut c_void,
-        buffer.as_mut_ptr().cast(),
-        PARAM_BUFFER_SIZE as *mut c_void,
-        size.cast(),
-        PARAM_END as *mut c_void,
-    ]));
-    let packed = Launch {
-        extra: extra.cast(),
-        ..bare_launch()
-    };
+    let extra = PackedExtra::new(&mut buffer, 24);
+    let packed = extra.launch();
     let round = |s: &mut Setup| {
         assert!(s.engine.launch(&packed, 0).is_some());
         assert_eq!(s.engine.event_record(EVENT, LEGACY), Answer::Done(0));
@@ -1429,9 +1450,4 @@ fn packed_launches_kept_events_and_waits_on_apex_allocate_nothing() {
     s.sim.resume();
     s.idle();
     assert!(s.sim.errors().is_empty(), "{:?}", s.sim.errors());
-    // SAFETY: made by Box::into_raw above, no longer used.
-    unsafe {
-        drop(Box::from_raw(extra));
-        drop(Box::from_raw(size));
-    }
 }
