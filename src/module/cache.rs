@@ -25,6 +25,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use tracing::{debug, warn};
 
+use super::payload::Payload;
+
 /// Names the directory of APEX's caches (empty: none); module payloads go under `modules/` in it.
 pub const DIR_ENV: &str = "APEX_CACHE_DIR";
 /// Set to `1` (anything but `0` or empty), turns APEX's on-disk caches off.
@@ -236,12 +238,25 @@ impl ModuleCache {
         stated: Option<usize>,
         decompress: impl FnOnce() -> Result<Vec<u8>, E>,
     ) -> Result<Vec<u8>, E> {
+        self.get_or_insert_payload(stored, algorithm, stated, decompress)
+            .map(Payload::into_vec)
+    }
+
+    /// As [`ModuleCache::get_or_insert_with`], a hit mapped read-only instead of read into memory: the load then
+    /// reads only the parts of the payload it uses (a hit's content hash is still checked over all of it).
+    pub fn get_or_insert_payload<E>(
+        &self,
+        stored: &[u8],
+        algorithm: &str,
+        stated: Option<usize>,
+        decompress: impl FnOnce() -> Result<Vec<u8>, E>,
+    ) -> Result<Payload, E> {
         let worth = match stated {
             Some(size) => size >= MIN_BYTES,
             None => stored.len() >= MIN_BYTES / 4,
         };
         let Some(dir) = self.dir.as_deref().filter(|_| worth) else {
-            return decompress();
+            return decompress().map(Payload::from);
         };
         let started = Instant::now();
         let key = Key::new(stored, algorithm, stated);
@@ -279,7 +294,7 @@ impl ModuleCache {
         if bytes.len() >= MIN_BYTES {
             self.store(dir, &path, &key, &bytes);
         }
-        Ok(bytes)
+        Ok(bytes.into())
     }
 
     /// Writes `bytes` as the entry `path`, then evicts past the cap; failures are logged and dropped.
@@ -370,9 +385,10 @@ fn configure(var: impl Fn(&str) -> Option<OsString>) -> (Option<PathBuf>, u64) {
     (dir, max_bytes)
 }
 
-/// The content of the entry at `path` for `key`, if it checks out: magic, version, key, length (the stated one,
-/// and the file's), content hash.
-fn read_entry(path: &Path, key: &Key) -> Result<Vec<u8>, Miss> {
+/// The content of the entry at `path` for `key`, mapped, if it checks out: magic, version, key, length (the stated
+/// one, and the file's), content hash. Entries are never rewritten in place (see [`write_entry`]), so the mapping
+/// keeps the bytes checked here.
+fn read_entry(path: &Path, key: &Key) -> Result<Payload, Miss> {
     let mut f = match File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(Miss::Absent),
@@ -405,14 +421,8 @@ fn read_entry(path: &Path, key: &Key) -> Result<Vec<u8>, Miss> {
     if file_len != HEADER as u64 + len {
         return Err(Miss::Corrupt("file length does not match the header"));
     }
-    let mut bytes = Vec::with_capacity(len as usize);
-    (&mut f)
-        .take(len)
-        .read_to_end(&mut bytes)
-        .map_err(Miss::Io)?;
-    if bytes.len() as u64 != len {
-        return Err(Miss::Corrupt("truncated content"));
-    }
+    // `len <= MAX_ENTRY` fits a usize.
+    let bytes = Payload::map_file(&f, file_len, HEADER, len as usize).map_err(Miss::Io)?;
     if twox_hash::XxHash3_64::oneshot(&bytes) != u64_at(40) {
         return Err(Miss::Corrupt("content hash mismatch"));
     }

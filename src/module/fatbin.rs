@@ -30,6 +30,7 @@ use object::elf;
 use object::read::elf::{FileHeader, SectionHeader};
 
 use super::cache::ModuleCache;
+use super::payload::Payload;
 
 /// First four bytes of a fatbin container.
 pub const FATBIN_MAGIC: u32 = 0xBA55_ED50;
@@ -459,6 +460,11 @@ fn container(
 /// process-wide [`module_cache`](super::cache::module_cache), so a later process reads them instead of
 /// decompressing.
 pub fn payload(bytes: &[u8], entry: &FatbinEntry) -> Result<Vec<u8>, FatbinError> {
+    payload_bytes(bytes, entry).map(Payload::into_vec)
+}
+
+/// As [`payload`], a module cache hit mapped rather than copied into memory ([`Payload`]).
+pub fn payload_bytes(bytes: &[u8], entry: &FatbinEntry) -> Result<Payload, FatbinError> {
     // Fixed (from the environment, unless set before) only by the first compressed payload.
     decode(bytes, entry, super::cache::module_cache)
 }
@@ -469,20 +475,20 @@ pub fn payload_with(
     entry: &FatbinEntry,
     cache: &ModuleCache,
 ) -> Result<Vec<u8>, FatbinError> {
-    decode(bytes, entry, || cache)
+    decode(bytes, entry, || cache).map(Payload::into_vec)
 }
 
 fn decode<'c>(
     bytes: &[u8],
     entry: &FatbinEntry,
     cache: impl FnOnce() -> &'c ModuleCache,
-) -> Result<Vec<u8>, FatbinError> {
+) -> Result<Payload, FatbinError> {
     let end = entry.payload_offset.checked_add(entry.payload_size);
     let stored = end
         .and_then(|end| bytes.get(entry.payload_offset..end))
         .ok_or_else(|| corrupt("entry payload is outside the input"))?;
     let Some(algorithm) = entry.compression else {
-        return Ok(stored.to_vec());
+        return Ok(stored.to_vec().into());
     };
     let too_large = || FatbinError::TooLarge {
         entry: entry.to_string(),
@@ -500,7 +506,7 @@ fn decode<'c>(
         what,
     };
     // The cache keys on exactly what is decoded here; it only stores what passed the checks below.
-    cache().get_or_insert_with(stored, algorithm.tag(), stated, || {
+    cache().get_or_insert_payload(stored, algorithm.tag(), stated, || {
         let out = match algorithm {
             Compression::Lz4 => lz4_block(stored, stated),
             Compression::Zstd => zstd_frame(stored, stated),

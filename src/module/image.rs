@@ -17,6 +17,7 @@ use tracing::{debug, warn};
 use super::cubin::{Cubin, CubinError};
 use super::fatbin::{self, FatbinEntry, FatbinEntryKind, FatbinError};
 use super::jit::{InputKind, Jit, JitError};
+use super::payload::Payload;
 use super::select::{self, CubinArch};
 
 /// Why no cubin for the device could be had from the bytes.
@@ -267,30 +268,58 @@ fn from_entries<'a>(
         {
             continue;
         }
-        let code = fatbin::payload(bytes, entry)
+        // A cubin ready to run is parsed from the payload as it came (a module cache hit stays mapped); other code
+        // is compiled or linked from a copy.
+        let code = fatbin::payload_bytes(bytes, entry)
             .map_err(ImageError::from)
             .and_then(|payload| match entry.kind {
-                FatbinEntryKind::Ptx => ptx_code(Cow::Owned(payload), device_sm, jit, ptx),
+                FatbinEntryKind::Ptx => {
+                    ptx_code(Cow::Owned(payload.into_vec()), device_sm, jit, ptx).map(Chosen::Code)
+                }
                 FatbinEntryKind::Cubin => match select::cubin_arch(&payload) {
-                    Some(arch) => cubin_code(Cow::Owned(payload), arch, device_sm, jit),
+                    Some(arch) if !arch.relocatable => {
+                        check_arch_specific(arch, device_sm)?;
+                        Ok(Chosen::Cubin(payload))
+                    }
+                    Some(arch) => cubin_code(Cow::Owned(payload.into_vec()), arch, device_sm, jit)
+                        .map(Chosen::Code),
                     None => {
                         Err(CubinError::NotElf(format!("the {entry} is not a CUDA ELF")).into())
                     }
                 },
             });
-        let code = match code {
-            Ok(code) => code,
+        let chosen = match code {
+            Ok(chosen) => chosen,
             Err(e) => {
                 warn!(%entry, error = %e, "fatbin entry not usable; trying the next");
                 first_error.get_or_insert(e);
                 continue;
             }
         };
-        let mut resolved = Resolved {
-            chosen: format!("{entry}: {}", candidate.fit),
-            code,
+        let chosen_as = format!("{entry}: {}", candidate.fit);
+        let (resolved, has_kernels, cubin) = match chosen {
+            Chosen::Code(code) => {
+                let mut resolved = Resolved {
+                    chosen: chosen_as,
+                    code,
+                };
+                let (has_kernels, cubin) = resolved.code.kernels();
+                (resolved, has_kernels, cubin)
+            }
+            // Parsed where it lies; the bytes are the cubin's ([`Cubin::bytes`]), or come back if it does not parse.
+            Chosen::Cubin(payload) => {
+                let (code, cubin) = match Cubin::parse_payload(payload) {
+                    Ok(c) => (Vec::new(), Some(c)),
+                    Err((_, back)) => (back.into_vec(), None),
+                };
+                let has_kernels = cubin.as_ref().is_some_and(|c| !c.kernels().is_empty());
+                let resolved = Resolved {
+                    chosen: chosen_as,
+                    code: Code::Cubin(Cow::Owned(code)),
+                };
+                (resolved, has_kernels, cubin)
+            }
         };
-        let (has_kernels, cubin) = resolved.code.kernels();
         if has_kernels {
             return Ok(done(resolved, cubin));
         }
@@ -307,13 +336,15 @@ fn from_entries<'a>(
     }
 }
 
-/// An executable cubin from a cubin: checked for architecture-specific code, linked if relocatable.
-fn cubin_code<'a>(
-    bytes: Cow<'a, [u8]>,
-    arch: CubinArch,
-    device_sm: u32,
-    jit: &Jit,
-) -> Result<Code<'a>, ImageError> {
+/// A fatbin entry's code as chosen: a cubin ready to run, still to be parsed, or code compiled or linked for the
+/// device.
+enum Chosen<'a> {
+    Cubin(Payload),
+    Code(Code<'a>),
+}
+
+/// [`ImageError::ArchSpecific`] when `arch` is architecture-specific code for another SM than the device's.
+fn check_arch_specific(arch: CubinArch, device_sm: u32) -> Result<(), ImageError> {
     if arch.arch_specific && arch.sm != device_sm {
         return Err(ImageError::ArchSpecific {
             arch: arch.name(),
@@ -321,6 +352,17 @@ fn cubin_code<'a>(
             device_sm,
         });
     }
+    Ok(())
+}
+
+/// An executable cubin from a cubin: checked for architecture-specific code, linked if relocatable.
+fn cubin_code<'a>(
+    bytes: Cow<'a, [u8]>,
+    arch: CubinArch,
+    device_sm: u32,
+    jit: &Jit,
+) -> Result<Code<'a>, ImageError> {
+    check_arch_specific(arch, device_sm)?;
     if !arch.relocatable {
         return Ok(Code::Cubin(bytes));
     }

@@ -6,8 +6,9 @@
 //! launch layer ([`launch`](crate::launch)) uses it. Inside, lowest first (`a -> b`: a uses b):
 //!
 //! ```text
-//! cache         -> (nothing)           (decompressed payloads on disk)
-//! cubin         -> (nothing)
+//! payload       -> (nothing)           (a module's code bytes: owned, or a mapped cache entry)
+//! cache         -> payload             (decompressed payloads on disk)
+//! cubin         -> payload
 //! fatbin        -> cache
 //! select        -> cubin, fatbin
 //! jit           -> select, cache
@@ -22,6 +23,7 @@ pub mod fatbin;
 pub mod image;
 pub mod jit;
 mod loaded;
+pub mod payload;
 pub mod printf;
 pub mod select;
 

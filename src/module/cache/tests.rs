@@ -352,3 +352,30 @@ fn configuration_from_the_environment() {
         "unreadable cap: the default"
     );
 }
+
+#[test]
+fn a_hit_is_mapped_and_keeps_its_bytes_when_the_entry_is_removed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = ModuleCache::at(tmp.path(), 64 << 20);
+    let bytes = content(MIN_BYTES * 3 + 17, 9);
+    let lookup = |cache: &ModuleCache| {
+        cache
+            .get_or_insert_payload(b"mapped", "zstd", Some(bytes.len()), || {
+                Ok::<_, ()>(bytes.clone())
+            })
+            .unwrap()
+    };
+    let first = lookup(&cache);
+    assert!(
+        !first.is_mapped(),
+        "a miss hands back what was decompressed"
+    );
+    let hit = lookup(&cache);
+    assert!(hit.is_mapped());
+    assert_eq!(&hit[..], &bytes[..]);
+    // Eviction unlinks: a mapping made before stays whole.
+    fs::remove_file(entry_path(&cache, b"mapped", bytes.len())).unwrap();
+    assert_eq!(&hit[..], &bytes[..]);
+    assert_eq!(hit.into_vec(), bytes);
+    assert_eq!(cache.stats().hits, 1);
+}

@@ -46,6 +46,8 @@ use nvinfo::{SectionIndex, kernel_info, module_info};
 use relocate::{Relocation, SymbolValue, apply, range_mut, relocations};
 use sections::{LoadedSection, SectionMeta, SymbolMeta, global_symbols, layout};
 
+use super::payload::Payload;
+
 type Elf = elf::FileHeader64<LittleEndian>;
 
 /// `e_machine` of CUDA ELFs.
@@ -76,7 +78,7 @@ pub struct Cubin {
 
 /// A cubin's file, shared by its clones; printed as its length.
 #[derive(Clone)]
-struct File(std::sync::Arc<Vec<u8>>);
+struct File(std::sync::Arc<Payload>);
 
 impl std::fmt::Debug for File {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -107,13 +109,20 @@ impl Cubin {
     /// As [`Cubin::parse`], keeping `bytes` without copying them (a fatbin payload just decompressed); on failure
     /// they come back with the error.
     pub fn parse_vec(bytes: Vec<u8>) -> Result<Cubin, (CubinError, Vec<u8>)> {
+        Cubin::parse_payload(bytes.into()).map_err(|(e, back)| (e, back.into_vec()))
+    }
+
+    /// As [`Cubin::parse_vec`], keeping `bytes` as they are: a mapped module cache entry stays mapped, so only the
+    /// parts parsed and linked are ever read.
+    pub fn parse_payload(bytes: Payload) -> Result<Cubin, (CubinError, Payload)> {
         let file = std::sync::Arc::new(bytes);
         match Cubin::parse_file(&file) {
             Ok(cubin) => Ok(cubin),
             // Nothing else holds the file when parsing failed.
             Err(e) => Err((
                 e,
-                std::sync::Arc::try_unwrap(file).unwrap_or_else(|shared| shared.to_vec()),
+                std::sync::Arc::try_unwrap(file)
+                    .unwrap_or_else(|shared| Payload::from(shared.to_vec())),
             )),
         }
     }
@@ -123,12 +132,13 @@ impl Cubin {
         &self.file.0
     }
 
-    /// The ELF file the cubin was parsed from, copied only if a clone of the cubin still shares it.
+    /// The ELF file the cubin was parsed from, copied only if a clone of the cubin still shares it or it is mapped.
     pub fn into_bytes(self) -> Vec<u8> {
-        std::sync::Arc::try_unwrap(self.file.0).unwrap_or_else(|shared| shared.to_vec())
+        std::sync::Arc::try_unwrap(self.file.0)
+            .map_or_else(|shared| shared.to_vec(), Payload::into_vec)
     }
 
-    fn parse_file(file: &std::sync::Arc<Vec<u8>>) -> Result<Cubin, CubinError> {
+    fn parse_file(file: &std::sync::Arc<Payload>) -> Result<Cubin, CubinError> {
         let bytes: &[u8] = file;
         let header = Elf::parse(bytes).map_err(|e| CubinError::NotElf(e.to_string()))?;
         let endian = header
@@ -593,7 +603,7 @@ impl Cubin {
             })
             .collect();
         Cubin {
-            file: File(std::sync::Arc::new(file)),
+            file: File(std::sync::Arc::new(file.into())),
             sm: 90,
             kernels,
             sections: loaded,
