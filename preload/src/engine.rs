@@ -115,6 +115,15 @@ static ENGAGED: AtomicBool = AtomicBool::new(false);
 /// ([`fast`]).
 static FAST: fast::FastForward = fast::FastForward::new();
 
+/// What libcuda's launches cost in this process, timed on those forwarded on the credit ([`fast::LaunchCost`]).
+static LIBCUDA_LAUNCH: fast::LaunchCost = fast::LaunchCost::new();
+
+/// Hands a launch to libcuda (`forward`) on the credit, timing one in sixteen: what libcuda's launches cost prices
+/// the takeovers ([`crate::takeover::Takeover::libcuda_launch_took`]).
+pub(crate) fn forward_on_credit<R>(forward: impl FnOnce() -> R) -> R {
+    LIBCUDA_LAUNCH.forward(forward)
+}
+
 /// Whether launch `l` goes to libcuda on the engine's credit, without the engine ([`fast`]): nothing is attached, and
 /// the engine granted launches of this function on this stream.
 pub(crate) fn fast_forward(l: &Launch) -> bool {
@@ -791,6 +800,7 @@ impl Engine {
         s.setup.takeover = self.takeover.policy().label();
         s.setup.streams_not_earned += self.takeover.counted();
         s.setup.modules_owed_ms = self.takeover.owed_total_ns() as f64 / 1e6;
+        s.setup.libcuda_launch_ns = LIBCUDA_LAUNCH.estimate();
         for (name, n) in self.cuda_work.values() {
             *s.cuda_work.entry(name.to_string()).or_default() += n;
         }
@@ -908,6 +918,7 @@ impl Engine {
         {
             self.takeover.owe_module(handle, owner, image.bytes().len());
         }
+        self.takeover.libcuda_launch_took(LIBCUDA_LAUNCH.estimate());
         self.takeover.earned(handle, key, needs)
     }
 

@@ -1325,7 +1325,7 @@ fn launch(l: Launch, forward: impl FnOnce() -> c_int) -> c_int {
     }
     // Before anything is attached, a launch the engine has granted goes straight to libcuda ([`engine::fast_forward`]).
     if engine::fast_forward(&l) {
-        let r = forward();
+        let r = engine::forward_on_credit(forward);
         engine::after_unordered(Site::Stream(l.stream, l.per_thread));
         return r;
     }

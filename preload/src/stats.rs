@@ -64,6 +64,11 @@ pub struct SetupSummary {
     /// part of what their takeover has to pay for.
     #[serde(default)]
     pub modules_owed_ms: f64,
+    /// What libcuda's `cuLaunchKernel` cost in this process, timed on launches forwarded before a takeover
+    /// (nanoseconds; 0: none timed): the saving per launch that priced the takeovers is this less the hook's own
+    /// 0.4 µs.
+    #[serde(default)]
+    pub libcuda_launch_ns: u64,
     /// Freeing APEX's objects when the takeover ended (queues, modules, the attachment: RM's channel teardown).
     #[serde(default)]
     pub teardown: SetupTimes,

@@ -20,10 +20,18 @@ use std::time::Duration;
 
 use crate::order::StreamKey;
 
-/// The CPU time a launch through APEX saves against libcuda's, in nanoseconds: the hook's isolated launch costs
-/// 0.39-0.41 µs where libcuda's `cuLaunchKernel` costs 3.5-3.9 µs (H100, `preload/corpus/launch_sync.cu`); a
-/// launch followed by a synchronization saves more (about 5.8 µs), so this errs towards taking over later.
+/// The CPU time a launch through APEX saves against libcuda's, in nanoseconds, before this process has timed
+/// libcuda's: the hook's isolated launch costs 0.39-0.41 µs where libcuda's `cuLaunchKernel` costs 3.5-3.9 µs (H100,
+/// `preload/corpus/launch_sync.cu`); a launch followed by a synchronization saves more (about 5.8 µs), so this errs
+/// towards taking over later.
 pub(crate) const SAVED_PER_LAUNCH_NS: u64 = 3_000;
+
+/// What a launch through the hook costs once taken over (H100: 0.39-0.41 µs isolated), subtracted from libcuda's
+/// timed launch for the saving.
+const APEX_LAUNCH_NS: u64 = 400;
+
+/// The least saving per launch a timed libcuda launch is taken to show: a price is never divided by less.
+const MIN_SAVED_NS: u64 = 500;
 
 /// The price of attaching to a context before one was timed in this process: the attach and the queue that proves
 /// the channel, which then serves the stream (H100, 580.159.04: 3.6 ms and 5.4-5.7 ms).
@@ -112,6 +120,9 @@ pub(crate) struct Takeover {
     /// Module loads timed so far (with the prior): nanoseconds and image bytes.
     module_ns: u64,
     module_bytes: u64,
+    /// The CPU time a launch through APEX saves: [`SAVED_PER_LAUNCH_NS`] until libcuda's own launches were timed
+    /// in this process ([`Takeover::libcuda_launch_took`]).
+    saved_ns: u64,
 }
 
 impl Takeover {
@@ -126,7 +137,19 @@ impl Takeover {
             owed_ns: HashMap::new(),
             module_ns: MODULE_NS_PER_BYTE * MODULE_PRIOR_BYTES,
             module_bytes: MODULE_PRIOR_BYTES,
+            saved_ns: SAVED_PER_LAUNCH_NS,
         }
+    }
+
+    /// libcuda's `cuLaunchKernel` takes `ns` of the program's CPU time in this process (the engine's estimate of the
+    /// forwarded launches, [`crate::engine`]; 0: none yet): a launch through APEX saves that less the hook's own
+    /// cost, at least [`MIN_SAVED_NS`]. A program whose launches cost libcuda more earns its takeover sooner.
+    pub(crate) fn libcuda_launch_took(&mut self, ns: u64) {
+        self.saved_ns = if ns == 0 {
+            SAVED_PER_LAUNCH_NS
+        } else {
+            ns.saturating_sub(APEX_LAUNCH_NS).max(MIN_SAVED_NS)
+        };
     }
 
     pub(crate) fn policy(&self) -> Policy {
@@ -144,7 +167,7 @@ impl Takeover {
                     Needs::Queue => self.queue_ns,
                     Needs::Nothing => 0,
                 };
-                price.div_ceil(SAVED_PER_LAUNCH_NS)
+                price.div_ceil(self.saved_ns)
             }
         }
     }
@@ -157,7 +180,7 @@ impl Takeover {
             return base;
         }
         let owed = self.owed_ns.get(&ctx).copied().unwrap_or(0);
-        base + owed.div_ceil(SAVED_PER_LAUNCH_NS)
+        base + owed.div_ceil(self.saved_ns)
     }
 
     /// Whether module `owner`'s load is counted in context `ctx`'s takeover price already.
@@ -527,5 +550,36 @@ mod tests {
             assert!(!t.earned(CTX, StreamKey::Handle(h), Needs::Queue));
         }
         assert!(t.counts.len() <= MAX_COUNTED);
+    }
+
+    #[test]
+    fn the_saving_per_launch_follows_libcudas_timed_launches() {
+        let mut t = Takeover::new(Policy::Earned);
+        assert_eq!(
+            t.threshold(Needs::Attach),
+            ATTACH_NS.div_ceil(SAVED_PER_LAUNCH_NS),
+            "nothing timed: the prior"
+        );
+        // libcuda's launches cost 6.4 µs here: each through APEX saves 6 µs.
+        t.libcuda_launch_took(6_400);
+        assert_eq!(t.threshold(Needs::Attach), ATTACH_NS.div_ceil(6_000));
+        t.owe_module(CTX, 7, 1 << 20);
+        let owed = t.owed_total_ns();
+        assert_eq!(
+            t.threshold_in(CTX, Needs::Attach),
+            ATTACH_NS.div_ceil(6_000) + owed.div_ceil(6_000)
+        );
+        // A libcuda faster than the hook's own launch: never divided by less than the floor.
+        t.libcuda_launch_took(300);
+        assert_eq!(t.threshold(Needs::Queue), QUEUE_NS.div_ceil(MIN_SAVED_NS));
+        t.libcuda_launch_took(0);
+        assert_eq!(
+            t.threshold(Needs::Queue),
+            QUEUE_NS.div_ceil(SAVED_PER_LAUNCH_NS)
+        );
+        // Other policies never price.
+        let mut first = Takeover::new(Policy::First);
+        first.libcuda_launch_took(10_000);
+        assert_eq!(first.threshold(Needs::Attach), 0);
     }
 }

@@ -16,7 +16,7 @@
 //! launch than it was granted for (threads racing a new grant, a second context appearing) only counts that launch
 //! towards the wrong stream's takeover; the engine stops granting once it has seen two contexts.
 
-use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 /// Functions remembered as priced: open addressing over this many slots, probed this far.
 const SEEN_SLOTS: usize = 1024;
@@ -104,6 +104,76 @@ impl FastForward {
     }
 }
 
+/// Every this many forwarded launches, one is timed ([`LaunchCost`]).
+const SAMPLE_EVERY: u32 = 16;
+/// Timed launches per window: a window's fastest is its sample.
+const WINDOW: u32 = 8;
+
+/// What libcuda's `cuLaunchKernel` costs the program in this process, timed on the launches forwarded on the
+/// credit: one in [`SAMPLE_EVERY`] (two clock reads, ~40 ns, spread over sixteen launches), the fastest of each
+/// [`WINDOW`] of those taken as that window's cost (a launch that waited for room in libcuda's queue, or lost its
+/// core, would overstate what APEX saves), and the windows averaged with a weight of a quarter on the newest. Updates
+/// racing between threads may lose a sample: it is an estimate.
+#[derive(Debug)]
+pub(crate) struct LaunchCost {
+    count: AtomicU32,
+    window_min: AtomicU64,
+    window_n: AtomicU32,
+    /// Nanoseconds; 0 until a window is complete.
+    estimate: AtomicU64,
+}
+
+impl LaunchCost {
+    pub(crate) const fn new() -> LaunchCost {
+        LaunchCost {
+            count: AtomicU32::new(0),
+            window_min: AtomicU64::new(u64::MAX),
+            window_n: AtomicU32::new(0),
+            estimate: AtomicU64::new(0),
+        }
+    }
+
+    /// Runs `forward` (a launch handed to libcuda), timing it if it is the one of its [`SAMPLE_EVERY`] to be.
+    pub(crate) fn forward<R>(&self, forward: impl FnOnce() -> R) -> R {
+        if !self
+            .count
+            .fetch_add(1, Ordering::Relaxed)
+            .is_multiple_of(SAMPLE_EVERY)
+        {
+            return forward();
+        }
+        let started = std::time::Instant::now();
+        let r = forward();
+        self.record(started.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64);
+        r
+    }
+
+    /// Adds one timed launch of `ns`.
+    pub(crate) fn record(&self, ns: u64) {
+        self.window_min.fetch_min(ns, Ordering::Relaxed);
+        if self.window_n.fetch_add(1, Ordering::Relaxed) + 1 < WINDOW {
+            return;
+        }
+        self.window_n.store(0, Ordering::Relaxed);
+        let fastest = self.window_min.swap(u64::MAX, Ordering::Relaxed);
+        if fastest == u64::MAX {
+            return;
+        }
+        let old = self.estimate.load(Ordering::Relaxed);
+        let new = if old == 0 {
+            fastest
+        } else {
+            (old * 3 + fastest) / 4
+        };
+        self.estimate.store(new.max(1), Ordering::Relaxed);
+    }
+
+    /// The estimate in nanoseconds; 0 while no window is complete.
+    pub(crate) fn estimate(&self) -> u64 {
+        self.estimate.load(Ordering::Relaxed)
+    }
+}
+
 fn slot_of(f: usize) -> usize {
     // Function handles are pointers: drop the alignment bits, spread the rest.
     ((f >> 4).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40) % SEEN_SLOTS
@@ -149,5 +219,30 @@ mod tests {
         assert!(held >= 590, "{held} of 600 remembered");
         assert!(!ff.has_seen(0x1234_5670));
         assert!(!ff.has_seen(0));
+    }
+
+    #[test]
+    fn the_launch_cost_is_the_fastest_of_each_window_averaged() {
+        let c = LaunchCost::new();
+        for ns in [9_000, 4_000, 5_000, 4_500, 30_000, 4_200, 4_100, 6_000] {
+            assert_eq!(c.estimate(), 0, "no window complete yet");
+            c.record(ns);
+        }
+        assert_eq!(c.estimate(), 4_000, "a window's fastest");
+        for _ in 0..WINDOW {
+            c.record(8_000);
+        }
+        assert_eq!(
+            c.estimate(),
+            (4_000 * 3 + 8_000) / 4,
+            "a quarter of the newest window"
+        );
+        // Only one launch in SAMPLE_EVERY is timed.
+        let c = LaunchCost::new();
+        let timed = |c: &LaunchCost| c.window_n.load(Ordering::Relaxed);
+        for i in 0..SAMPLE_EVERY * 3 {
+            assert_eq!(c.forward(|| i), i);
+        }
+        assert_eq!(timed(&c), 3);
     }
 }
