@@ -41,11 +41,13 @@ const ATTACH_NS: u64 = 8_500_000;
 const QUEUE_NS: u64 = 5_400_000;
 
 /// What loading a module for APEX costs per byte of the image the program loaded, before a load was timed in this
-/// process: PyTorch's zstd-compressed fatbins, loaded lazily from cubins shared without a copy, took 4.4-5.9 ns per
-/// byte with the module cache warm and 7.3-11.6 with it cold (a decode process's 15 modules and a DDP rank's 31, H200,
-/// 580.159.04; 8-20 before lazy loading). 8, between the two. It counts as one MiB of loads measured, so the first
-/// timed loads outweigh it.
-const MODULE_NS_PER_BYTE: u64 = 8;
+/// process. With module cache hits mapped rather than read (2026-11-27, ninth session), a decode process's 12
+/// PyTorch modules (zstd-compressed fatbins, about 17 MB of images) took 33-47 ms at a takeover with the cache warm,
+/// 2.0-2.8 ns per byte, and 117 ms with it cold, 6.9 (H200, 580.159.04; a small-ops process's 14 on an H100: 37 ms,
+/// 2.1); before the mapping, 4.4-5.9 warm and 7.3-11.6 cold, when this was 8. 4, between warm and cold: a process
+/// that finds the cache cold (the first on a machine) pays at most 1.7 times the price it was quoted. It counts as
+/// one MiB of loads measured, so the first timed loads outweigh it.
+const MODULE_NS_PER_BYTE: u64 = 4;
 const MODULE_PRIOR_BYTES: u64 = 1 << 20;
 
 /// Streams counted at most: beyond this, counts of streams never taken over are forgotten (a program that makes
@@ -509,15 +511,15 @@ mod tests {
         t.attach_took(Duration::from_millis(3));
         let base = t.threshold(Needs::Attach);
         assert_eq!(base, 1000);
-        // Before any load was timed: the prior, 8 ns per image byte.
-        assert_eq!(t.module_estimate(1_000_000), 8_000_000);
+        // Before any load was timed: the prior, 4 ns per image byte.
+        assert_eq!(t.module_estimate(1_000_000), 4_000_000);
         t.owe_module(CTX, 0xa, 1_000_000);
         t.owe_module(CTX, 0xa, 1_000_000);
         assert!(t.owes(CTX, 0xa));
         assert_eq!(
             t.threshold_in(CTX, Needs::Attach),
-            base + 2667,
-            "one module of 8 ms (2667 launches at 3 µs saved each), owed once however often its kernels launch"
+            base + 1334,
+            "one module of 4 ms (1334 launches at 3 µs saved each), owed once however often its kernels launch"
         );
         assert_eq!(
             t.threshold_in(CTX + 1, Needs::Attach),
@@ -528,7 +530,7 @@ mod tests {
         let launches = (0..)
             .take_while(|_| !t.earned(CTX, s, Needs::Attach))
             .count();
-        assert_eq!(launches, 3667);
+        assert_eq!(launches, 2334);
         // Loaded: no later takeover pays for it.
         t.module_loaded(CTX, 0xa);
         assert!(!t.owes(CTX, 0xa));
