@@ -1,9 +1,10 @@
 //! The process-wide module cache through the loader's own calls: a fatbin whose cubin entry is zstd-compressed
-//! (and one LZ4-compressed), read by `fatbin::payload` and `select::select_cubin` twice; the second read is a hit
-//! with the same bytes. Its own test binary: the process-wide cache is fixed once per process.
+//! (and one LZ4-compressed), read by `fatbin::payload` and `select::select_cubin` twice, and by
+//! `image::cubin_for_device` (which parses the cubin where the cache holds it); the second read is a hit with the same
+//! bytes. Its own test binary: the process-wide cache is fixed once per process.
 
 use apex::module::fatbin::{self, Compression, flags};
-use apex::module::select;
+use apex::module::{image, select};
 use apex::{ModuleCache, errors::ModuleCacheAlreadySet, module_cache, set_module_cache};
 
 /// A fatbin of one sm_90 cubin entry holding `stored`, which decompresses to `size` bytes.
@@ -86,4 +87,21 @@ fn a_second_load_reads_the_cache() {
     assert!(fatbin::payload(&bad, &entries[0]).is_err());
     let s = cache.stats();
     assert_eq!((s.hits, s.misses, s.writes), (3, 4, 2));
+
+    // The loader's own path: the cubin is parsed where it lies, and a hit (mapped on a local filesystem) gives
+    // the bytes a miss gave. Another compression level is another key: first a miss, then a hit.
+    let jit = apex::module::jit::Jit::system();
+    let other = one_entry_fatbin(
+        &zstd::bulk::compress(&code, 3).unwrap(),
+        code.len(),
+        flags::COMPRESSED_ZSTD,
+    );
+    let missed = image::cubin_for_device(&other, 90, jit).unwrap();
+    assert_eq!(&missed[..], &code[..]);
+    let s = cache.stats();
+    assert_eq!((s.hits, s.misses, s.writes), (3, 5, 3));
+    let hit = image::cubin_for_device(&other, 90, jit).unwrap();
+    assert_eq!(&hit[..], &code[..]);
+    let s = cache.stats();
+    assert_eq!((s.hits, s.misses, s.writes), (4, 5, 3));
 }

@@ -30,8 +30,13 @@ pub(crate) const SAVED_PER_LAUNCH_NS: u64 = 3_000;
 /// timed launch for the saving.
 const APEX_LAUNCH_NS: u64 = 400;
 
-/// The least saving per launch a timed libcuda launch is taken to show: a price is never divided by less.
+/// The least saving per launch a timed libcuda launch is taken to show: a price is never divided by less (a launch
+/// taken over also saves on the synchronizations after it, which the timed launch does not show).
 const MIN_SAVED_NS: u64 = 500;
+
+/// The most: a `cuLaunchKernel` that takes longer waited for room in libcuda's queue (a GPU-bound program), where
+/// APEX's launches would wait as well and save nothing of it.
+const MAX_SAVED_NS: u64 = 4 * SAVED_PER_LAUNCH_NS;
 
 /// The price of attaching to a context before one was timed in this process: the attach and the queue that proves
 /// the channel, which then serves the stream (H100, 580.159.04: 3.6 ms and 5.4-5.7 ms).
@@ -145,12 +150,14 @@ impl Takeover {
 
     /// libcuda's `cuLaunchKernel` takes `ns` of the program's CPU time in this process (the engine's estimate of the
     /// forwarded launches, [`crate::engine`]; 0: none yet): a launch through APEX saves that less the hook's own
-    /// cost, at least [`MIN_SAVED_NS`]. A program whose launches cost libcuda more earns its takeover sooner.
+    /// cost, between [`MIN_SAVED_NS`] and [`MAX_SAVED_NS`]. A program whose launches cost libcuda more earns its
+    /// takeover sooner.
     pub(crate) fn libcuda_launch_took(&mut self, ns: u64) {
         self.saved_ns = if ns == 0 {
             SAVED_PER_LAUNCH_NS
         } else {
-            ns.saturating_sub(APEX_LAUNCH_NS).max(MIN_SAVED_NS)
+            ns.saturating_sub(APEX_LAUNCH_NS)
+                .clamp(MIN_SAVED_NS, MAX_SAVED_NS)
         };
     }
 
@@ -574,6 +581,9 @@ mod tests {
         // A libcuda faster than the hook's own launch: never divided by less than the floor.
         t.libcuda_launch_took(300);
         assert_eq!(t.threshold(Needs::Queue), QUEUE_NS.div_ceil(MIN_SAVED_NS));
+        // One that blocks for room in libcuda's queue: no more than the ceiling.
+        t.libcuda_launch_took(200_000);
+        assert_eq!(t.threshold(Needs::Queue), QUEUE_NS.div_ceil(MAX_SAVED_NS));
         t.libcuda_launch_took(0);
         assert_eq!(
             t.threshold(Needs::Queue),

@@ -12,7 +12,11 @@
 //! decompressed bytes, checked on every read. Anything wrong (a missing, short, corrupt or unreadable file, a full
 //! disk) is logged at debug level and the payload is decompressed as if there were no cache: the cache can make a
 //! load faster, never fail it or change its bytes. Entries are written to a temporary file and renamed into place,
-//! so concurrent processes and readers never see half of one; past the cap, the least recently used go first.
+//! so concurrent processes and readers never see half of one; past the cap, the least recently used go first. On a
+//! local filesystem a hit is mapped ([`Payload`]), not read: nothing rewrites an entry in place, and eviction
+//! unlinks, which leaves a mapping intact (an entry evicted while a process maps it keeps its disk space until that
+//! process unmaps it, so the directory can hold more than the cap meanwhile). On a network or FUSE filesystem hits
+//! are read, so that a failing read is a miss rather than a fault.
 
 use std::ffi::OsString;
 use std::fs::{self, DirBuilder, File, OpenOptions};
@@ -385,9 +389,9 @@ fn configure(var: impl Fn(&str) -> Option<OsString>) -> (Option<PathBuf>, u64) {
     (dir, max_bytes)
 }
 
-/// The content of the entry at `path` for `key`, mapped, if it checks out: magic, version, key, length (the stated
-/// one, and the file's), content hash. Entries are never rewritten in place (see [`write_entry`]), so the mapping
-/// keeps the bytes checked here.
+/// The content of the entry at `path` for `key`, if it checks out: magic, version, key, length (the stated one, and
+/// the file's), content hash. Mapped where the filesystem is local ([`super::payload::mappable`]), else read.
+/// Entries are never rewritten in place (see [`write_entry`]), so a mapping keeps the bytes checked here.
 fn read_entry(path: &Path, key: &Key) -> Result<Payload, Miss> {
     let mut f = match File::open(path) {
         Ok(f) => f,
@@ -422,7 +426,32 @@ fn read_entry(path: &Path, key: &Key) -> Result<Payload, Miss> {
         return Err(Miss::Corrupt("file length does not match the header"));
     }
     // `len <= MAX_ENTRY` fits a usize.
-    let bytes = Payload::map_file(&f, file_len, HEADER, len as usize).map_err(Miss::Io)?;
+    let len = len as usize;
+    let mapped = if super::payload::mappable(&f) {
+        // SAFETY: `file_len` is this open file's size (fstat above). Entries are written aside and renamed into place
+        // (`write_entry`), never written in place, and eviction unlinks them, which leaves a mapping intact on the
+        // local filesystem `mappable` found: the bytes stay as hashed below for as long as the payload lives.
+        unsafe { Payload::map_file(&f, file_len, HEADER, len) }
+            .inspect_err(|e| debug!(path = %path.display(), error = %e, "module cache entry read, not mapped"))
+            .ok()
+    } else {
+        None
+    };
+    // Not mappable (a network filesystem, or the map refused): read as a file, so an error is a miss, never a fault.
+    let bytes = match mapped {
+        Some(bytes) => bytes,
+        None => {
+            let mut bytes = Vec::with_capacity(len);
+            (&mut f)
+                .take(len as u64)
+                .read_to_end(&mut bytes)
+                .map_err(Miss::Io)?;
+            if bytes.len() != len {
+                return Err(Miss::Corrupt("truncated content"));
+            }
+            Payload::from(bytes)
+        }
+    };
     if twox_hash::XxHash3_64::oneshot(&bytes) != u64_at(40) {
         return Err(Miss::Corrupt("content hash mismatch"));
     }

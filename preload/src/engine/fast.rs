@@ -163,7 +163,7 @@ impl LaunchCost {
         let new = if old == 0 {
             fastest
         } else {
-            (old * 3 + fastest) / 4
+            old.saturating_mul(3).saturating_add(fastest) / 4
         };
         self.estimate.store(new.max(1), Ordering::Relaxed);
     }
@@ -219,6 +219,25 @@ mod tests {
         assert!(held >= 590, "{held} of 600 remembered");
         assert!(!ff.has_seen(0x1234_5670));
         assert!(!ff.has_seen(0));
+    }
+
+    /// Threads racing over the windows lose samples, never the bounds: the estimate stays between the fastest and
+    /// slowest launch timed.
+    #[test]
+    fn racing_threads_keep_the_estimate_between_the_samples() {
+        let c = LaunchCost::new();
+        std::thread::scope(|s| {
+            for t in 0..4u64 {
+                let c = &c;
+                s.spawn(move || {
+                    for i in 0..10_000u64 {
+                        c.record(3_000 + (i * 7 + t * 13) % 2_000);
+                    }
+                });
+            }
+        });
+        let e = c.estimate();
+        assert!((3_000..5_000).contains(&e), "{e}");
     }
 
     #[test]

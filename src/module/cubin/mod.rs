@@ -112,8 +112,8 @@ impl Cubin {
         Cubin::parse_payload(bytes.into()).map_err(|(e, back)| (e, back.into_vec()))
     }
 
-    /// As [`Cubin::parse_vec`], keeping `bytes` as they are: a mapped module cache entry stays mapped, so only the
-    /// parts parsed and linked are ever read.
+    /// As [`Cubin::parse_vec`], keeping `bytes` as they are: a mapped module cache entry stays mapped, never copied
+    /// into memory of the process's own.
     pub fn parse_payload(bytes: Payload) -> Result<Cubin, (CubinError, Payload)> {
         let file = std::sync::Arc::new(bytes);
         match Cubin::parse_file(&file) {
