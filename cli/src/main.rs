@@ -1058,10 +1058,21 @@ fn setup_line(v: &Value) -> Option<String> {
         parts.join(", ")
     };
     // The takeover policy, and the streams that never ran long enough to be worth APEX's set-up.
-    let policy = match v.get("takeover").and_then(Value::as_str) {
+    let mut policy = match v.get("takeover").and_then(Value::as_str) {
         Some(p) if !p.is_empty() => format!(", takeover {p}"),
         _ => String::new(),
     };
+    // What libcuda's own launches cost in the process: the saving per launch the takeovers were priced with.
+    if let Some(ns) = v
+        .get("libcuda_launch_ns")
+        .and_then(Value::as_u64)
+        .filter(|ns| *ns > 0)
+    {
+        policy.push_str(&format!(
+            ", libcuda's launch timed at {:.1} µs",
+            ns as f64 / 1000.0
+        ));
+    }
     let owed = match v.get("modules_owed_ms").and_then(Value::as_f64) {
         Some(ms) if ms > 0.0 => format!(", which would also load about {ms:.0} ms of modules"),
         _ => String::new(),
@@ -1187,7 +1198,7 @@ mod tests {
             "launches": 6, "apex": 3, "fallback": 1, "warmup": 2,
             "setup": {
                 "mode": "background", "failed": 0, "dropped": 0, "takeover": "earned",
-                "streams_not_earned": 2, "modules_owed_ms": 212.4,
+                "streams_not_earned": 2, "modules_owed_ms": 212.4, "libcuda_launch_ns": 4235,
                 "teardown": {"count": 1, "total_ms": 8.64, "max_ms": 8.64},
                 "attach": {"count": 1, "total_ms": 10.84, "max_ms": 10.84},
                 "queue": {"count": 2, "total_ms": 9.5, "max_ms": 5.0},
@@ -1206,7 +1217,7 @@ mod tests {
             [
                 "6 kernel launches: 3 through APEX (50.0%), 1 fell back to libcuda, 2 on libcuda before APEX took \
                  their stream over",
-                "set-up (background, takeover earned): 1 attach in 10.8 ms, 2 queues in 9.5 ms, freed at the end in \
+                "set-up (background, takeover earned, libcuda's launch timed at 4.2 µs): 1 attach in 10.8 ms, 2 queues in 9.5 ms, freed at the end in \
                  8.6 ms; 2 streams left on libcuda (too few launches to pay for a takeover, which would also load \
                  about 212 ms of modules)",
                 "fell back, by reason:",
