@@ -246,8 +246,8 @@ impl ModuleCache {
             .map(Payload::into_vec)
     }
 
-    /// As [`ModuleCache::get_or_insert_with`], a hit mapped read-only instead of read into memory: the load then
-    /// reads only the parts of the payload it uses (a hit's content hash is still checked over all of it).
+    /// As [`ModuleCache::get_or_insert_with`], a hit on a local filesystem mapped read-only instead of copied into
+    /// memory of the process's own ([`Payload`]; its content hash is still checked).
     pub fn get_or_insert_payload<E>(
         &self,
         stored: &[u8],

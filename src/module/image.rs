@@ -111,13 +111,11 @@ impl Code<'_> {
     /// parsing it.
     fn kernels(&mut self) -> (bool, Option<Cubin>) {
         let cubin = match self {
-            Code::Cubin(Cow::Owned(v)) => match Cubin::parse_vec(std::mem::take(v)) {
-                Ok(c) => Some(c),
-                Err((_, back)) => {
-                    *v = back;
-                    None
-                }
-            },
+            Code::Cubin(Cow::Owned(v)) => {
+                let (back, cubin) = parse_owned(std::mem::take(v).into());
+                *v = back;
+                cubin
+            }
             Code::Cubin(Cow::Borrowed(b)) => Cubin::parse(b).ok(),
             Code::Ptx(b) => return (b.windows(6).any(|w| w == b".entry"), None),
         };
@@ -125,6 +123,15 @@ impl Code<'_> {
             cubin.as_ref().is_some_and(|c| !c.kernels().is_empty()),
             cubin,
         )
+    }
+}
+
+/// `bytes` parsed as a cubin, kept without a copy: the cubin and no bytes (they are [`Cubin::bytes`]), or, where
+/// they do not parse, the bytes back.
+fn parse_owned(bytes: Payload) -> (Vec<u8>, Option<Cubin>) {
+    match Cubin::parse_payload(bytes) {
+        Ok(c) => (Vec::new(), Some(c)),
+        Err((_, back)) => (back.into_vec(), None),
     }
 }
 
@@ -308,10 +315,7 @@ fn from_entries<'a>(
             }
             // Parsed where it lies; the bytes are the cubin's ([`Cubin::bytes`]), or come back if it does not parse.
             Chosen::Cubin(payload) => {
-                let (code, cubin) = match Cubin::parse_payload(payload) {
-                    Ok(c) => (Vec::new(), Some(c)),
-                    Err((_, back)) => (back.into_vec(), None),
-                };
+                let (code, cubin) = parse_owned(payload);
                 let has_kernels = cubin.as_ref().is_some_and(|c| !c.kernels().is_empty());
                 let resolved = Resolved {
                     chosen: chosen_as,
