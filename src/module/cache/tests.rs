@@ -379,3 +379,84 @@ fn a_hit_is_mapped_and_keeps_its_bytes_when_the_entry_is_removed() {
     assert_eq!(hit.into_vec(), bytes);
     assert_eq!(cache.stats().hits, 1);
 }
+
+/// The content hash by its definition, on one thread: XXH3-64 over the chunks' XXH3-64 values.
+fn content_hash_by_definition(bytes: &[u8]) -> u64 {
+    let sums: Vec<u8> = bytes
+        .chunks(HASH_CHUNK)
+        .flat_map(|c| twox_hash::XxHash3_64::oneshot(c).to_le_bytes())
+        .collect();
+    twox_hash::XxHash3_64::oneshot(&sums)
+}
+
+#[test]
+fn the_content_hash_is_the_same_however_many_threads_compute_it() {
+    let sizes = [
+        0,
+        1,
+        HASH_CHUNK - 1,
+        HASH_CHUNK,
+        HASH_CHUNK + 1,
+        PARALLEL_FROM - 1,
+        PARALLEL_FROM,
+        PARALLEL_FROM * 3 + 12_345, // more chunks than MAX_HASH_THREADS
+    ];
+    for n in sizes {
+        let bytes = content(n, 7);
+        assert_eq!(
+            content_hash(&bytes),
+            content_hash_by_definition(&bytes),
+            "{n} bytes"
+        );
+    }
+    // Every chunk counts: a byte changed in any one of them changes the hash, and so does swapping two chunks.
+    let bytes = content(PARALLEL_FROM * 2 + 99, 9);
+    let h = content_hash(&bytes);
+    for chunk in 0..bytes.len().div_ceil(HASH_CHUNK) {
+        let mut b = bytes.clone();
+        let at = (chunk * HASH_CHUNK + 5).min(b.len() - 1);
+        b[at] ^= 0x40;
+        assert_ne!(content_hash(&b), h, "chunk {chunk}");
+    }
+    // Two chunks that differ (the content repeats every 256 bytes: mark the first), swapped.
+    let mut marked = bytes.clone();
+    marked[0] ^= 0xff;
+    let mut swapped = marked.clone();
+    let (first, second) = swapped.split_at_mut(HASH_CHUNK);
+    first.swap_with_slice(&mut second[..HASH_CHUNK]);
+    assert!(swapped != marked, "the swap changed the bytes");
+    assert_ne!(
+        content_hash(&swapped),
+        content_hash(&marked),
+        "chunks swapped"
+    );
+}
+
+/// A large entry (hashed on several threads) hits, and a byte flipped in its last chunk is caught.
+#[test]
+fn large_entries_are_checked_whole() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = ModuleCache::at(tmp.path(), 256 << 20);
+    let bytes = content(PARALLEL_FROM * 2 + 4321, 5);
+    assert_eq!(get(&cache, b"large", &bytes), (bytes.clone(), true));
+    assert_eq!(
+        get(&cache, b"large", &bytes),
+        (bytes.clone(), false),
+        "a hit"
+    );
+    let path = entry_path(&cache, b"large", bytes.len());
+    let mut bad = fs::read(&path).unwrap();
+    let last = bad.len() - 2;
+    bad[last] ^= 1;
+    fs::write(&path, &bad).unwrap();
+    assert_eq!(
+        get(&cache, b"large", &bytes),
+        (bytes.clone(), true),
+        "the flipped byte is a miss"
+    );
+    assert_eq!(
+        get(&cache, b"large", &bytes),
+        (bytes, false),
+        "rewritten, a hit again"
+    );
+}

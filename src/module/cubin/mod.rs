@@ -165,7 +165,7 @@ impl Cubin {
             let name = table
                 .section_name(endian, sh)
                 .map_err(|e| corrupt(format!("section {}: name: {e}", index.0)))?;
-            let name = String::from_utf8_lossy(name).into_owned();
+            let name = owned_name(name);
             let data = sh
                 .data(endian, bytes)
                 .map_err(|e| corrupt(format!("section {name}: contents: {e}")))?;
@@ -209,7 +209,7 @@ impl Cubin {
                 )));
             }
             symbols.push(SymbolMeta {
-                name: String::from_utf8_lossy(name).into_owned(),
+                name: owned_name(name),
                 st_type: sym.st_type().0,
                 local: sym.st_bind().0 == elf::STB_LOCAL.0,
                 other: sym.st_other().0,
@@ -613,6 +613,15 @@ impl Cubin {
             externals: Vec::new(),
             globals: Vec::new(),
         }
+    }
+}
+
+/// A section or symbol name as a `String`: names are ASCII in practice, and checking for that is several times
+/// quicker than the lossy conversion's walk (a PyTorch cubin has tens of thousands of names).
+fn owned_name(name: &[u8]) -> String {
+    match std::str::from_utf8(name) {
+        Ok(s) => s.to_owned(),
+        Err(_) => String::from_utf8_lossy(name).into_owned(),
     }
 }
 

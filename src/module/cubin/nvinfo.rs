@@ -1,6 +1,6 @@
 //! `.nv.info` sections: their record formats and attributes, and the kernel descriptions read from them.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 
 use object::elf;
 
@@ -90,9 +90,9 @@ pub(super) struct SectionIndex<'m> {
 impl<'m> SectionIndex<'m> {
     pub(super) fn new(metas: &'m [SectionMeta]) -> SectionIndex<'m> {
         let mut index = SectionIndex {
-            by_name: HashMap::with_capacity(metas.len()),
-            info_by_text: HashMap::new(),
-            constants: HashMap::new(),
+            by_name: HashMap::with_capacity_and_hasher(metas.len(), Default::default()),
+            info_by_text: HashMap::default(),
+            constants: HashMap::default(),
         };
         for (i, m) in metas.iter().enumerate() {
             index.by_name.entry(m.name.as_str()).or_insert(i);
