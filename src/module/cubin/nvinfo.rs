@@ -78,8 +78,10 @@ fn lookup(map: &HashMap<u32, u32>, symbol: u32) -> Option<u32> {
 /// The sections a kernel's description is read from, found by name once per cubin rather than searched for each
 /// kernel (PyTorch's cubins hold over a thousand kernels and several thousand sections).
 pub(super) struct SectionIndex<'m> {
-    /// Each section name's first section.
-    by_name: HashMap<&'m str, usize>,
+    /// `.nv.info.<owner>` by owner: the first section of each name.
+    info_by_owner: HashMap<&'m str, usize>,
+    /// `.nv.shared.<owner>` by owner: the first section of each name.
+    shared_by_owner: HashMap<&'m str, usize>,
     /// For each code section, the first `.nv.info.*` section whose `sh_info` names it.
     info_by_text: HashMap<usize, usize>,
     /// `.nv.constant<bank>` sections (no owner) and `.nv.constant<bank>.<kernel>` sections by owner: (bank digits,
@@ -90,12 +92,17 @@ pub(super) struct SectionIndex<'m> {
 impl<'m> SectionIndex<'m> {
     pub(super) fn new(metas: &'m [SectionMeta]) -> SectionIndex<'m> {
         let mut index = SectionIndex {
-            by_name: HashMap::with_capacity_and_hasher(metas.len(), Default::default()),
+            info_by_owner: HashMap::default(),
+            shared_by_owner: HashMap::default(),
             info_by_text: HashMap::default(),
             constants: HashMap::default(),
         };
         for (i, m) in metas.iter().enumerate() {
-            index.by_name.entry(m.name.as_str()).or_insert(i);
+            if let Some(owner) = m.name.strip_prefix(".nv.info.") {
+                index.info_by_owner.entry(owner).or_insert(i);
+            } else if let Some(owner) = m.name.strip_prefix(".nv.shared.") {
+                index.shared_by_owner.entry(owner).or_insert(i);
+            }
             if m.sh_type == SHT_CUDA_INFO
                 && m.name.starts_with(".nv.info.")
                 && let Ok(text) = usize::try_from(m.info)
@@ -267,10 +274,9 @@ pub(super) fn kernel_info(
     if text.name.strip_prefix(".text.") != Some(sym.name.as_str()) {
         return Ok(None);
     }
-    let info_name = format!(".nv.info.{}", sym.name);
     let info_section = index
-        .by_name
-        .get(info_name.as_str())
+        .info_by_owner
+        .get(sym.name.as_str())
         .or_else(|| index.info_by_text.get(&text_index))
         .and_then(|&i| metas.get(i));
     // Cubins mark kernels with STO_CUDA_ENTRY. Without the mark, a function is taken for a kernel only if its
@@ -437,10 +443,9 @@ pub(super) fn kernel_info(
     }
     k.barrier_count = barriers.unwrap_or(((text.flags >> 20) & 0x7f) as u32);
 
-    let shared_name = format!(".nv.shared.{}", k.name);
     k.static_shared = index
-        .by_name
-        .get(shared_name.as_str())
+        .shared_by_owner
+        .get(k.name.as_str())
         .and_then(|&i| metas.get(i))
         .map_or(0, |m| m.size);
 
