@@ -8,10 +8,8 @@
 //! [`set_module_cache`] fixed the cache first.
 //!
 //! An entry is named by an XXH3-128 hash of the stored (compressed) bytes, the algorithm, the size the entry states
-//! and [`FORMAT_VERSION`]; it holds a header (magic, version, that hash, length, content hash) and the
-//! decompressed bytes, checked on every read. The content hash is XXH3-64 over the XXH3-64 of each 1 MiB chunk, so
-//! that a large entry is checked on several cores at once ([`content_hash`]): checking took half of a warm module
-//! load on one core. Anything wrong (a missing, short, corrupt or unreadable file, a full
+//! and [`FORMAT_VERSION`]; it holds a header (magic, version, that hash, length, XXH3-64 of the content) and the
+//! decompressed bytes, checked on every read. Anything wrong (a missing, short, corrupt or unreadable file, a full
 //! disk) is logged at debug level and the payload is decompressed as if there were no cache: the cache can make a
 //! load faster, never fail it or change its bytes. Entries are written to a temporary file and renamed into place,
 //! so concurrent processes and readers never see half of one; past the cap, the least recently used go first. On a
@@ -44,7 +42,7 @@ pub const DEFAULT_MAX_BYTES: u64 = 2 << 30;
 /// Payloads that decompress to fewer bytes are not cached: they decode in less time than a file takes to open.
 pub const MIN_BYTES: usize = 256 << 10;
 /// Part of every key and header: a new format (or a decoder whose output could differ) misses the old entries.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 1;
 
 const MAGIC: &[u8; 8] = b"APEXMODC";
 /// Magic, version, reserved, key, length, content hash.
@@ -454,7 +452,7 @@ fn read_entry(path: &Path, key: &Key) -> Result<Payload, Miss> {
             Payload::from(bytes)
         }
     };
-    if content_hash(&bytes) != u64_at(40) {
+    if twox_hash::XxHash3_64::oneshot(&bytes) != u64_at(40) {
         return Err(Miss::Corrupt("content hash mismatch"));
     }
     // Least recently used, not least recently written, goes first: one cheap syscall per hit.
@@ -485,7 +483,7 @@ fn write_entry(dir: &Path, path: &Path, key: &Key, bytes: &[u8]) -> io::Result<(
         header.extend_from_slice(&[0; 4]);
         header.extend_from_slice(&key.hash.to_le_bytes());
         header.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
-        header.extend_from_slice(&content_hash(bytes).to_le_bytes());
+        header.extend_from_slice(&twox_hash::XxHash3_64::oneshot(bytes).to_le_bytes());
         f.write_all(&header)?;
         f.write_all(bytes)?;
         fs::rename(&tmp, path)
@@ -494,80 +492,6 @@ fn write_entry(dir: &Path, path: &Path, key: &Key, bytes: &[u8]) -> io::Result<(
         let _ = fs::remove_file(&tmp);
     }
     written
-}
-
-/// Bytes per chunk of the content hash.
-const HASH_CHUNK: usize = 1 << 20;
-/// Entries smaller than this are hashed on the calling thread: a thread costs more to start than a few chunks take.
-const PARALLEL_FROM: usize = 4 * HASH_CHUNK;
-/// The most threads one hash uses: past this many the memory bus, not the cores, limits it.
-const MAX_HASH_THREADS: usize = 8;
-
-/// An entry's content hash: XXH3-64 of the little-endian XXH3-64 of each [`HASH_CHUNK`] of `bytes` (the last one
-/// shorter), the chunks spread over up to [`MAX_HASH_THREADS`] threads when `bytes` is large and the process may run
-/// on several cores. A thread that cannot be started leaves its chunks to the caller's thread: the hash is the same
-/// however it is computed.
-fn content_hash(bytes: &[u8]) -> u64 {
-    let chunks = bytes.len().div_ceil(HASH_CHUNK);
-    let threads = if bytes.len() < PARALLEL_FROM {
-        1
-    } else {
-        hash_threads().min(chunks)
-    };
-    // Worker w hashes chunks w, w + threads, w + 2 × threads, …; worker 0 is the calling thread.
-    let chunk_sums = |worker: usize| -> Vec<(usize, u64)> {
-        (worker..chunks)
-            .step_by(threads)
-            .map(|i| {
-                let start = i * HASH_CHUNK;
-                let end = (start + HASH_CHUNK).min(bytes.len());
-                (i, twox_hash::XxHash3_64::oneshot(&bytes[start..end]))
-            })
-            .collect()
-    };
-    let mut sums = vec![0u64; chunks];
-    std::thread::scope(|s| {
-        let spawned: Vec<_> = (1..threads)
-            .map(|worker| {
-                let started = std::thread::Builder::new()
-                    .name("apex-cache-hash".into())
-                    .spawn_scoped(s, move || chunk_sums(worker));
-                (worker, started)
-            })
-            .collect();
-        let mut done = chunk_sums(0);
-        for (worker, started) in spawned {
-            match started.map(|t| t.join()) {
-                Ok(Ok(part)) => done.extend(part),
-                // A thread that did not start (or panicked, which hashing cannot): its chunks are hashed here.
-                Ok(Err(_)) | Err(_) => {
-                    debug!(
-                        worker,
-                        "module cache: a hashing thread did not run; hashing its chunks here"
-                    );
-                    done.extend(chunk_sums(worker));
-                }
-            }
-        }
-        for (i, sum) in done {
-            sums[i] = sum;
-        }
-    });
-    let mut all = Vec::with_capacity(chunks * 8);
-    for sum in &sums {
-        all.extend_from_slice(&sum.to_le_bytes());
-    }
-    twox_hash::XxHash3_64::oneshot(&all)
-}
-
-/// Threads a large hash may use: the cores this process may run on (affinity and CPU quota counted), read once.
-fn hash_threads() -> usize {
-    static THREADS: OnceLock<usize> = OnceLock::new();
-    *THREADS.get_or_init(|| {
-        std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .clamp(1, MAX_HASH_THREADS)
-    })
 }
 
 #[cfg(test)]

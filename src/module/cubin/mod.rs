@@ -616,8 +616,9 @@ impl Cubin {
     }
 }
 
-/// A section or symbol name as a `String`: names are ASCII in practice, and checking for that is several times
-/// quicker than the lossy conversion's walk (a PyTorch cubin has tens of thousands of names).
+/// A section or symbol name as a `String`: names are valid UTF-8 (ASCII) in practice, and `from_utf8` checks that
+/// several times quicker than the lossy conversion's walk (a PyTorch cubin has tens of thousands of names); only an
+/// invalid name takes the lossy path.
 fn owned_name(name: &[u8]) -> String {
     match std::str::from_utf8(name) {
         Ok(s) => s.to_owned(),
