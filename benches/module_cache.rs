@@ -5,7 +5,8 @@
 //! instruction words (a small set of opcodes with varying register and immediate fields), compressed with zstd
 //! level 19; it prints its compression ratio (PyTorch's cubins compress 5-11 times). Group `module_cache/8MiB`:
 //! - `zstd_decompress`: `fatbin::payload_with` through a disabled cache;
-//! - `cache_hit`: the same call through a cache holding the entry (open, read, XXH3 check, mtime refresh);
+//! - `cache_hit`: the same call through a cache holding the entry (open, map, the mark its first full check left
+//!   in this boot, the copy into a `Vec` this call returns, mtime refresh);
 //! - `cache_miss_and_store`: the first process's cost, a lookup that misses, the decompression, and the entry
 //!   written (no fsync) and renamed into place.
 

@@ -9,7 +9,10 @@
 //!
 //! An entry is named by an XXH3-128 hash of the stored (compressed) bytes, the algorithm, the size the entry states
 //! and [`FORMAT_VERSION`]; it holds a header (magic, version, that hash, length, XXH3-64 of the content) and the
-//! decompressed bytes, checked on every read. Anything wrong (a missing, short, corrupt or unreadable file, a full
+//! decompressed bytes. The header and the file's length are checked on every read, the content hash at an entry's
+//! first read after each boot: later reads in the same boot find a mark that check left (`<entry>.ok`, naming the
+//! boot, the file and the hash), so a warm load maps the entry without reading all of it; entries on network
+//! filesystems are hashed at every read. Anything wrong (a missing, short, corrupt or unreadable file, a full
 //! disk) is logged at debug level and the payload is decompressed as if there were no cache: the cache can make a
 //! load faster, never fail it or change its bytes. Entries are written to a temporary file and renamed into place,
 //! so concurrent processes and readers never see half of one; past the cap, the least recently used go first. On a
@@ -30,6 +33,8 @@ use std::time::{Duration, Instant, SystemTime};
 use tracing::{debug, warn};
 
 use super::payload::Payload;
+
+mod checked;
 
 /// Names the directory of APEX's caches (empty: none); module payloads go under `modules/` in it.
 pub const DIR_ENV: &str = "APEX_CACHE_DIR";
@@ -265,8 +270,8 @@ impl ModuleCache {
         let started = Instant::now();
         let key = Key::new(stored, algorithm, stated);
         let path = dir.join(key.file_name());
-        match read_entry(&path, &key) {
-            Ok(bytes) => {
+        match read_entry(&path, &key, checked::boot_id()) {
+            Ok((bytes, check)) => {
                 self.hits.fetch_add(1, Ordering::Relaxed);
                 self.bytes_read
                     .fetch_add(bytes.len() as u64, Ordering::Relaxed);
@@ -274,6 +279,7 @@ impl ModuleCache {
                     algorithm,
                     bytes = bytes.len(),
                     micros = started.elapsed().as_micros() as u64,
+                    checked = ?check,
                     "module cache hit"
                 );
                 return Ok(bytes);
@@ -285,6 +291,7 @@ impl ModuleCache {
             Err(Miss::Corrupt(what)) => {
                 debug!(path = %path.display(), what, "corrupt module cache entry removed");
                 let _ = fs::remove_file(&path);
+                checked::unmark(&path);
             }
         }
         self.misses.fetch_add(1, Ordering::Relaxed);
@@ -332,6 +339,7 @@ impl ModuleCache {
         };
         let now = SystemTime::now();
         let mut entries = Vec::new();
+        let mut marks = Vec::new();
         let mut total = 0u64;
         for e in listing.flatten() {
             let name = e.file_name();
@@ -350,6 +358,15 @@ impl ModuleCache {
             if name.ends_with(SUFFIX) {
                 total += meta.len();
                 entries.push((modified, meta.len(), e.path()));
+            } else if name.ends_with(checked::MARK_SUFFIX) {
+                marks.push(e.path());
+            }
+        }
+        // Marks whose entry is gone (evicted by another process, or by an APEX that wrote none).
+        for mark in marks {
+            let entry = mark.with_extension("");
+            if !entries.iter().any(|(_, _, path)| *path == entry) {
+                let _ = fs::remove_file(&mark);
             }
         }
         if total <= self.max_bytes {
@@ -364,6 +381,7 @@ impl ModuleCache {
             }
             // Another process may have removed it already: either way it no longer counts.
             let _ = fs::remove_file(&path);
+            checked::unmark(&path);
             total = total.saturating_sub(len);
             removed += 1;
         }
@@ -389,10 +407,25 @@ fn configure(var: impl Fn(&str) -> Option<OsString>) -> (Option<PathBuf>, u64) {
     (dir, max_bytes)
 }
 
+/// How a hit's content was found sound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Check {
+    /// Hashed in full.
+    Full,
+    /// Hashed in full earlier in this boot ([`checked`]'s mark).
+    Marked,
+}
+
 /// The content of the entry at `path` for `key`, if it checks out: magic, version, key, length (the stated one, and
 /// the file's), content hash. Mapped where the filesystem is local ([`super::payload::mappable`]), else read.
-/// Entries are never rewritten in place (see [`write_entry`]), so a mapping keeps the bytes checked here.
-fn read_entry(path: &Path, key: &Key) -> Result<Payload, Miss> {
+/// Entries are never rewritten in place (see [`write_entry`]), so a mapping keeps the bytes checked here. A mapped
+/// entry marked as hashed in full in boot `boot` is not hashed again; one hashed here is marked (`boot` `None`: no
+/// marks).
+fn read_entry(
+    path: &Path,
+    key: &Key,
+    boot: Option<checked::BootId>,
+) -> Result<(Payload, Check), Miss> {
     let mut f = match File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(Miss::Absent),
@@ -437,6 +470,13 @@ fn read_entry(path: &Path, key: &Key) -> Result<Payload, Miss> {
     } else {
         None
     };
+    // Marks only for mapped entries: on a network filesystem another host can replace an entry behind our back.
+    let marking = match (boot, mapped.is_some()) {
+        (Some(boot), true) => checked::Identity::of(&f, u64_at(40))
+            .ok()
+            .map(|id| (boot, id)),
+        _ => None,
+    };
     // Not mappable (a network filesystem, or the map refused): read as a file, so an error is a miss, never a fault.
     let bytes = match mapped {
         Some(bytes) => bytes,
@@ -452,12 +492,23 @@ fn read_entry(path: &Path, key: &Key) -> Result<Payload, Miss> {
             Payload::from(bytes)
         }
     };
-    if twox_hash::XxHash3_64::oneshot(&bytes) != u64_at(40) {
-        return Err(Miss::Corrupt("content hash mismatch"));
-    }
+    let check = match &marking {
+        Some((boot, id)) if checked::is_marked(path, *boot, id) => Check::Marked,
+        _ => {
+            if twox_hash::XxHash3_64::oneshot(&bytes) != u64_at(40) {
+                return Err(Miss::Corrupt("content hash mismatch"));
+            }
+            if let (Some((boot, id)), Some(dir)) = (&marking, path.parent())
+                && let Err(e) = checked::mark(dir, path, *boot, id)
+            {
+                debug!(path = %path.display(), error = %e, "module cache entry checked, not marked");
+            }
+            Check::Full
+        }
+    };
     // Least recently used, not least recently written, goes first: one cheap syscall per hit.
     let _ = f.set_modified(SystemTime::now());
-    Ok(bytes)
+    Ok((bytes, check))
 }
 
 /// Writes the entry for `key` to a temporary file in `dir` and renames it to `path`, so no reader sees part of it.

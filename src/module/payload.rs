@@ -2,7 +2,8 @@
 //!
 //! PyTorch's cubins decompress to 10-22 MB each. Read from the cache into fresh memory, one costs 5-13 ms (page
 //! faults on the new memory, then the copy); mapped, the kernel shares the page cache's pages, and the only pass
-//! over all of them is the cache's content hash (about 2 ms for 22 MB).
+//! over all of them is the cache's content hash (about 2 ms for 22 MB), once per entry and boot; later loads read only
+//! the pages the loader uses.
 //!
 //! Only files on local filesystems are mapped: a page of a mapped file that cannot be read (an I/O
 //! error, a network filesystem's stale handle after another host removed the entry) faults the process at the read,

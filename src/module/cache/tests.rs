@@ -56,7 +56,12 @@ fn hit_returns_the_same_bytes() {
     // Another cache on the same directory (another process) hits too.
     let other = ModuleCache::at(tmp.path().join("a/b"), 64 << 20);
     assert_eq!(get(&other, b"stored", &bytes), (bytes.clone(), false));
-    assert_eq!(files(cache.dir().unwrap()).len(), 1);
+    // The entry, and the mark its first hit left (the content hashed in full in this boot).
+    let name = Key::new(b"stored", "zstd", Some(bytes.len())).file_name();
+    assert_eq!(
+        files(cache.dir().unwrap()),
+        [name.clone(), format!("{name}{}", checked::MARK_SUFFIX)]
+    );
     let mode = |p: &Path| {
         use std::os::unix::fs::PermissionsExt;
         fs::metadata(p).unwrap().permissions().mode() & 0o777
@@ -285,8 +290,14 @@ fn concurrent_writers_leave_one_complete_entry() {
             });
         }
     });
+    // One entry, and at most its mark (threads that found the entry written marked it): nothing half written.
+    let name = Key::new(b"same", "zstd", Some(bytes.len())).file_name();
     let names = files(tmp.path());
-    assert_eq!(names.len(), 1, "{names:?}");
+    assert!(
+        names == [name.clone()]
+            || names == [name.clone(), format!("{name}{}", checked::MARK_SUFFIX)],
+        "{names:?}"
+    );
     let cache = ModuleCache::at(tmp.path(), 64 << 20);
     assert_eq!(get(&cache, b"same", &bytes), (bytes.clone(), false));
     // And one shared cache hammered by readers and writers.
@@ -302,7 +313,11 @@ fn concurrent_writers_leave_one_complete_entry() {
     });
     let stats = shared.stats();
     assert_eq!(stats.hits + stats.misses, 4 * threads as u64);
-    assert_eq!(files(shared.dir().unwrap()).len(), 1);
+    let names = files(shared.dir().unwrap());
+    assert_eq!(
+        names,
+        [name.clone(), format!("{name}{}", checked::MARK_SUFFIX)]
+    );
 }
 
 #[test]
@@ -378,4 +393,180 @@ fn a_hit_is_mapped_and_keeps_its_bytes_when_the_entry_is_removed() {
     assert_eq!(&hit[..], &bytes[..]);
     assert_eq!(hit.into_vec(), bytes);
     assert_eq!(cache.stats().hits, 1);
+}
+
+// ---- marks: a hit hashed in full once per boot ----
+
+const BOOT_A: checked::BootId = checked::BootId([0xa; 16]);
+const BOOT_B: checked::BootId = checked::BootId([0xb; 16]);
+
+/// The check a read of the entry for (`stored`, `bytes`) made, in boot `boot`.
+fn read_check(
+    cache: &ModuleCache,
+    stored: &[u8],
+    bytes: &[u8],
+    boot: Option<checked::BootId>,
+) -> Check {
+    let key = Key::new(stored, "zstd", Some(bytes.len()));
+    match read_entry(&entry_path(cache, stored, bytes.len()), &key, boot) {
+        Ok((got, check)) => {
+            assert!(
+                got.is_mapped(),
+                "the temporary directory is on a local filesystem"
+            );
+            assert!(&got[..] == bytes, "a hit's bytes");
+            check
+        }
+        Err(Miss::Absent) => panic!("no entry"),
+        Err(Miss::Io(e)) => panic!("{e}"),
+        Err(Miss::Corrupt(what)) => panic!("corrupt: {what}"),
+    }
+}
+
+#[test]
+fn a_hit_is_hashed_in_full_once_per_boot() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = ModuleCache::at(tmp.path(), 64 << 20);
+    let bytes = content(MIN_BYTES + 77, 4);
+    get(&cache, b"m", &bytes);
+    let entry = entry_path(&cache, b"m", bytes.len());
+    let mark = checked::mark_path(&entry);
+    assert!(
+        !mark.exists(),
+        "a write leaves no mark: only a full check does"
+    );
+    assert_eq!(read_check(&cache, b"m", &bytes, Some(BOOT_A)), Check::Full);
+    assert!(mark.exists());
+    assert_eq!(
+        read_check(&cache, b"m", &bytes, Some(BOOT_A)),
+        Check::Marked
+    );
+    assert_eq!(
+        read_check(&cache, b"m", &bytes, Some(BOOT_A)),
+        Check::Marked
+    );
+    // Another boot hashes in full again, and its mark replaces the old one.
+    assert_eq!(read_check(&cache, b"m", &bytes, Some(BOOT_B)), Check::Full);
+    assert_eq!(
+        read_check(&cache, b"m", &bytes, Some(BOOT_B)),
+        Check::Marked
+    );
+    assert_eq!(read_check(&cache, b"m", &bytes, Some(BOOT_A)), Check::Full);
+    // No boot id: every read hashes.
+    assert_eq!(read_check(&cache, b"m", &bytes, None), Check::Full);
+    assert_eq!(read_check(&cache, b"m", &bytes, None), Check::Full);
+}
+
+#[test]
+fn a_mark_never_stands_for_other_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = ModuleCache::at(tmp.path(), 64 << 20);
+    let bytes = content(MIN_BYTES + 9, 6);
+    get(&cache, b"n", &bytes);
+    let entry = entry_path(&cache, b"n", bytes.len());
+    let mark = checked::mark_path(&entry);
+    assert_eq!(read_check(&cache, b"n", &bytes, Some(BOOT_A)), Check::Full);
+    let good_mark = fs::read(&mark).unwrap();
+    // A mark torn, flipped, lengthened or emptied is no mark.
+    let mut flipped = good_mark.clone();
+    flipped[30] ^= 1;
+    for bad in [
+        good_mark[..good_mark.len() - 1].to_vec(),
+        flipped,
+        [&good_mark[..], b"x"].concat(),
+        Vec::new(),
+    ] {
+        fs::write(&mark, &bad).unwrap();
+        assert_eq!(read_check(&cache, b"n", &bytes, Some(BOOT_A)), Check::Full);
+        assert_eq!(
+            fs::read(&mark).unwrap(),
+            good_mark,
+            "the full check marked it again"
+        );
+    }
+    // The entry replaced by another file (a new inode, as every write makes) whose content is torn: the mark of the
+    // old file does not vouch for it, and the torn content is caught.
+    let mut torn = fs::read(&entry).unwrap();
+    let last = torn.len() - 1;
+    torn[last] ^= 0x80;
+    let aside = tmp.path().join("aside");
+    fs::write(&aside, &torn).unwrap();
+    fs::rename(&aside, &entry).unwrap();
+    fs::write(&mark, &good_mark).unwrap();
+    let key = Key::new(b"n", "zstd", Some(bytes.len()));
+    assert!(matches!(
+        read_entry(&entry, &key, Some(BOOT_A)),
+        Err(Miss::Corrupt("content hash mismatch"))
+    ));
+    // Through the cache: the torn entry and its mark are removed, the payload decompressed and stored again.
+    assert_eq!(get(&cache, b"n", &bytes), (bytes.clone(), true));
+    assert!(!mark.exists());
+    assert_eq!(get(&cache, b"n", &bytes), (bytes.clone(), false));
+}
+
+#[test]
+fn eviction_takes_marks_with_their_entries() {
+    let tmp = tempfile::tempdir().unwrap();
+    let entry = MIN_BYTES + 1000;
+    // Room for 3 entries.
+    let cap = ((HEADER + entry) * 3 + 100) as u64;
+    let cache = ModuleCache::at(tmp.path(), cap);
+    let dir = cache.dir().unwrap().to_owned();
+    let stored = |i: usize| format!("payload {i}").into_bytes();
+    let base = SystemTime::now() - Duration::from_secs(10_000);
+    for i in 0..3 {
+        let bytes = content(entry, i as u8);
+        get(&cache, &stored(i), &bytes);
+        assert_eq!(
+            read_check(&cache, &stored(i), &bytes, Some(BOOT_A)),
+            Check::Full
+        );
+        File::options()
+            .write(true)
+            .open(entry_path(&cache, &stored(i), entry))
+            .unwrap()
+            .set_modified(base + Duration::from_secs(i as u64))
+            .unwrap();
+    }
+    // A mark whose entry is gone (evicted by a process that left it).
+    let orphan = dir.join(format!("{:032x}{SUFFIX}{}", 7u128, checked::MARK_SUFFIX));
+    fs::write(&orphan, b"old").unwrap();
+    // The fourth entry passes the cap: the oldest go (down to 90%), each with its mark; the orphan mark goes too.
+    get(&cache, &stored(3), &content(entry, 3));
+    assert!(!entry_path(&cache, &stored(0), entry).exists());
+    assert!(!orphan.exists());
+    let kept: Vec<(bool, bool)> = (0..3)
+        .map(|i| {
+            let path = entry_path(&cache, &stored(i), entry);
+            (path.exists(), checked::mark_path(&path).exists())
+        })
+        .collect();
+    assert!(
+        kept.iter().all(|(e, m)| e == m),
+        "a mark without its entry, or the reverse: {kept:?}"
+    );
+    assert!(kept[2].0, "the newest of the three is kept");
+}
+
+#[test]
+fn boot_ids_parse_from_the_kernel_s_text() {
+    let id = checked::BootId::parse("0123abcd-4567-89ef-0123-456789abcdef\n").unwrap();
+    assert_eq!(id.0[..4], [0x01, 0x23, 0xab, 0xcd]);
+    assert_eq!(id.0[15], 0xef);
+    assert_eq!(
+        checked::BootId::parse("0123ABCD456789EF0123456789ABCDEF"),
+        Some(id)
+    );
+    for bad in [
+        "",
+        "0123",
+        "0123abcd-4567-89ef-0123-456789abcdeg",
+        "0123abcd-4567-89ef-0123-456789abcdef00",
+    ] {
+        assert_eq!(checked::BootId::parse(bad), None, "{bad}");
+    }
+    // This machine's, where /proc has it (Linux CI does).
+    if Path::new("/proc/sys/kernel/random/boot_id").exists() {
+        assert!(checked::boot_id().is_some());
+    }
 }
