@@ -11,8 +11,9 @@
 //! and [`FORMAT_VERSION`]; it holds a header (magic, version, that hash, length, XXH3-64 of the content) and the
 //! decompressed bytes. The header and the file's length are checked on every read, the content hash at an entry's
 //! first read after each boot: later reads in the same boot find a mark that check left (`<entry>.ok`, naming the
-//! boot, the file and the hash), so a warm load maps the entry without reading all of it; entries on network
-//! filesystems are hashed at every read. Anything wrong (a missing, short, corrupt or unreadable file, a full
+//! boot, the file, its birth time and the hash), so a warm load maps the entry without reading all of it. Entries on
+//! network filesystems, entries whose map failed, and every hit where the boot id or the file's birth time cannot be
+//! read are hashed at every read. Anything wrong (a missing, short, corrupt or unreadable file, a full
 //! disk) is logged at debug level and the payload is decompressed as if there were no cache: the cache can make a
 //! load faster, never fail it or change its bytes. Entries are written to a temporary file and renamed into place,
 //! so concurrent processes and readers never see half of one; past the cap, the least recently used go first. On a
@@ -252,7 +253,8 @@ impl ModuleCache {
     }
 
     /// As [`ModuleCache::get_or_insert_with`], a hit on a local filesystem mapped read-only instead of copied into
-    /// memory of the process's own ([`Payload`]; its content hash is still checked).
+    /// memory of the process's own ([`Payload`]; its content is checked as a read's is, hashed at the entry's first hit
+    /// in each boot).
     pub fn get_or_insert_payload<E>(
         &self,
         stored: &[u8],
@@ -363,10 +365,13 @@ impl ModuleCache {
             }
         }
         // Marks whose entry is gone (evicted by another process, or by an APEX that wrote none).
-        for mark in marks {
-            let entry = mark.with_extension("");
-            if !entries.iter().any(|(_, _, path)| *path == entry) {
-                let _ = fs::remove_file(&mark);
+        if !marks.is_empty() {
+            let live: std::collections::HashSet<&Path> =
+                entries.iter().map(|(_, _, path)| path.as_path()).collect();
+            for mark in marks {
+                if !live.contains(mark.with_extension("").as_path()) {
+                    let _ = fs::remove_file(&mark);
+                }
             }
         }
         if total <= self.max_bytes {
@@ -460,22 +465,33 @@ fn read_entry(
     }
     // `len <= MAX_ENTRY` fits a usize.
     let len = len as usize;
-    let mapped = if super::payload::mappable(&f) {
+    let local = super::payload::mappable(&f);
+    // Marks only for entries on local filesystems (the mapped ones): on a network filesystem another host can replace
+    // an entry behind this host's back.
+    let marking = match (boot, local) {
+        (Some(boot), true) => checked::Identity::of(&f, u64_at(40)).map(|id| (boot, id)),
+        _ => None,
+    };
+    let marked = marking
+        .as_ref()
+        .is_some_and(|(boot, id)| checked::is_marked(path, *boot, id));
+    let mapped = if local {
         // SAFETY: `file_len` is this open file's size (fstat above). Entries are written aside and renamed into place
         // (`write_entry`), never written in place, and eviction unlinks them, which leaves a mapping intact on the
-        // local filesystem `mappable` found: the bytes stay as hashed below for as long as the payload lives.
-        unsafe { Payload::map_file(&f, file_len, HEADER, len) }
+        // local filesystem `mappable` found: the bytes stay as they were checked (below, or when the mark was made)
+        // for as long as the payload lives. A marked entry's pages are mapped as the loader reads them; one to be
+        // hashed has them all mapped at once.
+        unsafe { Payload::map_file(&f, file_len, HEADER, len, !marked) }
             .inspect_err(|e| debug!(path = %path.display(), error = %e, "module cache entry read, not mapped"))
             .ok()
     } else {
         None
     };
-    // Marks only for mapped entries: on a network filesystem another host can replace an entry behind our back.
-    let marking = match (boot, mapped.is_some()) {
-        (Some(boot), true) => checked::Identity::of(&f, u64_at(40))
-            .ok()
-            .map(|id| (boot, id)),
-        _ => None,
+    let (marked, marking) = if mapped.is_some() {
+        (marked, marking)
+    } else {
+        // Read, not mapped: hashed, and no mark taken or made.
+        (false, None)
     };
     // Not mappable (a network filesystem, or the map refused): read as a file, so an error is a miss, never a fault.
     let bytes = match mapped {
@@ -492,19 +508,18 @@ fn read_entry(
             Payload::from(bytes)
         }
     };
-    let check = match &marking {
-        Some((boot, id)) if checked::is_marked(path, *boot, id) => Check::Marked,
-        _ => {
-            if twox_hash::XxHash3_64::oneshot(&bytes) != u64_at(40) {
-                return Err(Miss::Corrupt("content hash mismatch"));
-            }
-            if let (Some((boot, id)), Some(dir)) = (&marking, path.parent())
-                && let Err(e) = checked::mark(dir, path, *boot, id)
-            {
-                debug!(path = %path.display(), error = %e, "module cache entry checked, not marked");
-            }
-            Check::Full
+    let check = if marked {
+        Check::Marked
+    } else {
+        if twox_hash::XxHash3_64::oneshot(&bytes) != u64_at(40) {
+            return Err(Miss::Corrupt("content hash mismatch"));
         }
+        if let (Some((boot, id)), Some(dir)) = (&marking, path.parent())
+            && let Err(e) = checked::mark(dir, path, *boot, id)
+        {
+            debug!(path = %path.display(), error = %e, "module cache entry checked, not marked");
+        }
+        Check::Full
     };
     // Least recently used, not least recently written, goes first: one cheap syscall per hit.
     let _ = f.set_modified(SystemTime::now());

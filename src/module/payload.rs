@@ -57,7 +57,8 @@ impl Drop for Mapped {
 }
 
 impl Payload {
-    /// Maps `len` bytes at `offset` of `file` (whose length is `file_len`) read-only.
+    /// Maps `len` bytes at `offset` of `file` (whose length is `file_len`) read-only; with `populate`, every page at
+    /// once (for a pass over all of them), else each page at its first read.
     ///
     /// # Safety
     ///
@@ -70,6 +71,7 @@ impl Payload {
         file_len: u64,
         offset: usize,
         len: usize,
+        populate: bool,
     ) -> std::io::Result<Payload> {
         let map_len = usize::try_from(file_len).map_err(|_| std::io::ErrorKind::InvalidInput)?;
         let end = offset.checked_add(len);
@@ -79,12 +81,17 @@ impl Payload {
         // SAFETY: a fresh private read-only map of `map_len` bytes of an open file at file offset 0 and an address
         // of the kernel's choosing: it aliases no Rust memory. POPULATE maps the page cache's pages in one call
         // instead of one fault per 16 pages as the content hash reads them.
+        let flags = if populate {
+            MapFlags::PRIVATE | MapFlags::POPULATE
+        } else {
+            MapFlags::PRIVATE
+        };
         let base = unsafe {
             mmap(
                 std::ptr::null_mut(),
                 map_len,
                 ProtFlags::READ,
-                MapFlags::PRIVATE | MapFlags::POPULATE,
+                flags,
                 file,
                 0,
             )
@@ -192,10 +199,20 @@ mod tests {
     use super::*;
     use std::io::Write;
 
-    /// Maps a range of a temporary file nothing else writes.
-    fn map(f: &File, file_len: u64, offset: usize, len: usize) -> std::io::Result<Payload> {
+    /// Maps a range of a temporary file nothing else writes, its pages populated at once or at their first read.
+    fn map_as(
+        f: &File,
+        file_len: u64,
+        offset: usize,
+        len: usize,
+        populate: bool,
+    ) -> std::io::Result<Payload> {
         // SAFETY: `file_len` is the file's size, and the test's own temporary file is never written again.
-        unsafe { Payload::map_file(f, file_len, offset, len) }
+        unsafe { Payload::map_file(f, file_len, offset, len, populate) }
+    }
+
+    fn map(f: &File, file_len: u64, offset: usize, len: usize) -> std::io::Result<Payload> {
+        map_as(f, file_len, offset, len, true)
     }
 
     #[test]
@@ -203,11 +220,13 @@ mod tests {
         let mut f = tempfile::tempfile().unwrap();
         let content: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
         f.write_all(&content).unwrap();
-        let p = map(&f, content.len() as u64, 100, 5000).unwrap();
-        assert!(p.is_mapped());
-        assert_eq!(&p[..], &content[100..5100]);
-        assert_eq!(p, Payload::from(content[100..5100].to_vec()));
-        assert_eq!(p.into_vec(), content[100..5100].to_vec());
+        for populate in [true, false] {
+            let p = map_as(&f, content.len() as u64, 100, 5000, populate).unwrap();
+            assert!(p.is_mapped());
+            assert_eq!(&p[..], &content[100..5100]);
+            assert_eq!(p, Payload::from(content[100..5100].to_vec()));
+            assert_eq!(p.into_vec(), content[100..5100].to_vec());
+        }
     }
 
     #[test]

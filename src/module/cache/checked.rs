@@ -5,26 +5,33 @@
 //! What the content hash guards against is an entry that is not what was written: one torn by a crash (the rename
 //! that publishes an entry can reach the disk before its data does), or bytes the disk gave back wrong at the first
 //! read. Both show in the first full check after the boot they happen in, and a mark is only ever written after such
-//! a check passed. A mark names the boot (`/proc/sys/kernel/random/boot_id`), the entry file (device, inode, length)
-//! and the content hash its header claims; an entry is never rewritten in place (a new one is a new file, renamed
-//! over the name), so a file with the same identity in the same boot holds the bytes that were checked. Whoever can
-//! write the cache directory can forge a mark as easily as an entry: the directory is trusted as before (SECURITY.md).
+//! a check passed. A mark names the boot (`/proc/sys/kernel/random/boot_id`, read at every check, so a process
+//! restored in a later boot does not take an earlier boot's marks), the entry file (device, inode, length, and its
+//! birth time to the nanosecond: an inode number freed by an eviction or a restore of the directory is soon given to
+//! another file, never with the same birth time) and the content hash its header claims. An entry is never rewritten
+//! in place (a new one is a new file, renamed over the name), so a file with the same identity in the same boot holds
+//! the bytes that were checked, as long as nothing else changes it in place. Whoever can write the cache directory can
+//! forge a mark as easily as an entry: the directory is trusted as before (SECURITY.md).
 //!
-//! Marks are used only for entries on local filesystems (those that are mapped): on a network filesystem another host
-//! can replace an entry behind this host's back. Where the boot id cannot be read, every hit is checked in full.
+//! What a mark cannot vouch for: a page of a checked entry that left the page cache and reads back wrong from the
+//! disk later in the same boot (as a page of a shared library would). Marks are used only for entries on local
+//! filesystems (those that are mapped): on a network filesystem another host can replace an entry behind this
+//! host's back. Where the boot id or a file's birth time cannot be read (`statx` without `STATX_BTIME`), every hit is
+//! checked in full. A mark is a small file of its own (an inode and a block); marks do not count towards the cap.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+use rustix::fs::{AtFlags, StatxFlags};
 
 /// What a mark file's name adds to its entry's.
 pub(super) const MARK_SUFFIX: &str = ".ok";
-const MARK_MAGIC: &[u8; 8] = b"APEXMOK1";
-/// Magic, boot id, device, inode, file length, content hash.
-const MARK_LEN: usize = 8 + 16 + 8 + 8 + 8 + 8;
+const MARK_MAGIC: &[u8; 8] = b"APEXMOK2";
+/// Magic, boot id, then the identity's six `u64`s.
+const MARK_LEN: usize = 8 + 16 + 6 * 8;
 
 /// A boot's identity: the 128 bits of the kernel's boot id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,14 +57,12 @@ impl BootId {
     }
 }
 
-/// This boot's id, read once; `None` where it cannot be read (not Linux, `/proc` not mounted).
+/// This boot's id, read at each call (a few µs; a process may outlive a boot, restored from a checkpoint); `None` where
+/// it cannot be read (not Linux, `/proc` not mounted).
 pub(super) fn boot_id() -> Option<BootId> {
-    static BOOT: OnceLock<Option<BootId>> = OnceLock::new();
-    *BOOT.get_or_init(|| {
-        fs::read_to_string("/proc/sys/kernel/random/boot_id")
-            .ok()
-            .and_then(|t| BootId::parse(&t))
-    })
+    fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .ok()
+        .and_then(|t| BootId::parse(&t))
 }
 
 /// An entry file's identity for a mark: the file, and the content hash its header claims.
@@ -66,24 +71,40 @@ pub(super) struct Identity {
     dev: u64,
     ino: u64,
     len: u64,
+    born_s: u64,
+    born_ns: u64,
     content_hash: u64,
 }
 
 impl Identity {
-    /// The identity of the open entry `file` whose header claims `content_hash`.
-    pub(super) fn of(file: &File, content_hash: u64) -> io::Result<Identity> {
-        let meta = file.metadata()?;
-        Ok(Identity {
-            dev: meta.dev(),
-            ino: meta.ino(),
-            len: meta.len(),
+    /// The identity of the open entry `file` whose header claims `content_hash`; `None` where the filesystem does not
+    /// give a birth time (the entry is then hashed at every read).
+    pub(super) fn of(file: &File, content_hash: u64) -> Option<Identity> {
+        let want = StatxFlags::INO | StatxFlags::SIZE | StatxFlags::BTIME;
+        let st = rustix::fs::statx(file, "", AtFlags::EMPTY_PATH, want).ok()?;
+        if !StatxFlags::from_bits_retain(st.stx_mask).contains(want) {
+            return None;
+        }
+        Some(Identity {
+            dev: u64::from(st.stx_dev_major) << 32 | u64::from(st.stx_dev_minor),
+            ino: st.stx_ino,
+            len: st.stx_size,
+            born_s: st.stx_btime.tv_sec as u64,
+            born_ns: u64::from(st.stx_btime.tv_nsec),
             content_hash,
         })
     }
 
     fn encode(&self, boot: BootId) -> [u8; MARK_LEN] {
         let mut out = [0u8; MARK_LEN];
-        let fields = [self.dev, self.ino, self.len, self.content_hash];
+        let fields = [
+            self.dev,
+            self.ino,
+            self.len,
+            self.born_s,
+            self.born_ns,
+            self.content_hash,
+        ];
         out[..8].copy_from_slice(MARK_MAGIC);
         out[8..24].copy_from_slice(&boot.0);
         for (i, v) in fields.iter().enumerate() {
