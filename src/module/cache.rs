@@ -424,8 +424,8 @@ enum Check {
 /// The content of the entry at `path` for `key`, if it checks out: magic, version, key, length (the stated one, and
 /// the file's), content hash. Mapped where the filesystem is local ([`super::payload::mappable`]), else read.
 /// Entries are never rewritten in place (see [`write_entry`]), so a mapping keeps the bytes checked here. A mapped
-/// entry marked as hashed in full in boot `boot` is not hashed again; one hashed here is marked (`boot` `None`: no
-/// marks).
+/// entry marked as hashed in full in boot `boot` is not hashed again; one hashed here is marked when it is mapped
+/// and its filesystem gives birth times (`boot` `None`: no marks).
 fn read_entry(
     path: &Path,
     key: &Key,
@@ -478,9 +478,8 @@ fn read_entry(
     let mapped = if local {
         // SAFETY: `file_len` is this open file's size (fstat above). Entries are written aside and renamed into place
         // (`write_entry`), never written in place, and eviction unlinks them, which leaves a mapping intact on the
-        // local filesystem `mappable` found: the bytes stay as they were checked (below, or when the mark was made)
-        // for as long as the payload lives. A marked entry's pages are mapped as the loader reads them; one to be
-        // hashed has them all mapped at once.
+        // local filesystem `mappable` found: the mapped bytes do not change for as long as the payload lives. A
+        // marked entry's pages are mapped as the loader reads them; one to be hashed has them all mapped at once.
         unsafe { Payload::map_file(&f, file_len, HEADER, len, !marked) }
             .inspect_err(|e| debug!(path = %path.display(), error = %e, "module cache entry read, not mapped"))
             .ok()

@@ -7,8 +7,9 @@
 //! read. Both show in the first full check after the boot they happen in, and a mark is only ever written after such
 //! a check passed. A mark names the boot (`/proc/sys/kernel/random/boot_id`, read at every check, so a process
 //! restored in a later boot does not take an earlier boot's marks), the entry file (device, inode, length, and its
-//! birth time to the nanosecond: an inode number freed by an eviction or a restore of the directory is soon given to
-//! another file, never with the same birth time) and the content hash its header claims. An entry is never rewritten
+//! birth time: an inode number freed by an eviction or a restore of the directory is soon given to another file,
+//! whose birth time differs unless it was made within the same tick of the filesystem's clock, about 1-4 ms on
+//! kernels before 6.13) and the content hash its header claims. An entry is never rewritten
 //! in place (a new one is a new file, renamed over the name), so a file with the same identity in the same boot holds
 //! the bytes that were checked, as long as nothing else changes it in place. Whoever can write the cache directory can
 //! forge a mark as easily as an entry: the directory is trusted as before (SECURITY.md).
@@ -166,4 +167,47 @@ pub(super) fn mark(dir: &Path, entry: &Path, boot: BootId, id: &Identity) -> io:
 /// Removes `entry`'s mark, if any (with the entry, or when the entry proved unsound).
 pub(super) fn unmark(entry: &Path) {
     let _ = fs::remove_file(mark_path(entry));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every field of the identity, and the boot, is in the mark: an identity that differs in any one of them finds
+    /// no mark (the birth time is what tells a file from an earlier one given the same inode number).
+    #[test]
+    fn a_mark_is_for_one_boot_and_one_identity() {
+        let dir = tempfile::tempdir().unwrap();
+        let entry = dir.path().join("e.payload");
+        fs::write(&entry, b"entry").unwrap();
+        let id = Identity {
+            dev: 1,
+            ino: 2,
+            len: 3,
+            born_s: 4,
+            born_ns: 5,
+            content_hash: 6,
+        };
+        let boot = BootId([7; 16]);
+        mark(dir.path(), &entry, boot, &id).unwrap();
+        assert!(is_marked(&entry, boot, &id));
+        let others = [
+            Identity { dev: 9, ..id },
+            Identity { ino: 9, ..id },
+            Identity { len: 9, ..id },
+            Identity { born_s: 9, ..id },
+            Identity { born_ns: 9, ..id },
+            Identity {
+                content_hash: 9,
+                ..id
+            },
+        ];
+        for (i, other) in others.iter().enumerate() {
+            assert!(!is_marked(&entry, boot, other), "field {i}");
+        }
+        assert!(!is_marked(&entry, BootId([8; 16]), &id), "another boot");
+        unmark(&entry);
+        assert!(!is_marked(&entry, boot, &id), "unmarked");
+        assert!(!mark_path(&entry).exists());
+    }
 }
