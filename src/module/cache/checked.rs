@@ -7,9 +7,11 @@
 //! read. Both show in the first full check after the boot they happen in, and a mark is only ever written after such
 //! a check passed. A mark names the boot (`/proc/sys/kernel/random/boot_id`, read at every check, so a process
 //! restored in a later boot does not take an earlier boot's marks), the entry file (device, inode, length, and its
-//! birth time: an inode number freed by an eviction or a restore of the directory is soon given to another file,
-//! whose birth time differs unless it was made within the same tick of the filesystem's clock, about 1-4 ms on
-//! kernels before 6.13) and the content hash its header claims. An entry is never rewritten
+//! birth time and, where the filesystem keeps one (ext4, xfs, f2fs), its inode generation: an inode number freed by
+//! an eviction or a restore of the directory is given to the next file made, at once on ext4, and birth times are
+//! stamped from a clock that moves once per scheduler tick (three files made in turn here, Linux 6.18 on ext4, got
+//! the same inode number and the same birth time to the nanosecond), but each new inode draws a new generation) and
+//! the content hash its header claims. An entry is never rewritten
 //! in place (a new one is a new file, renamed over the name), so a file with the same identity in the same boot holds
 //! the bytes that were checked, as long as nothing else changes it in place. Whoever can write the cache directory can
 //! forge a mark as easily as an entry: the directory is trusted as before (SECURITY.md).
@@ -30,9 +32,9 @@ use rustix::fs::{AtFlags, StatxFlags};
 
 /// What a mark file's name adds to its entry's.
 pub(super) const MARK_SUFFIX: &str = ".ok";
-const MARK_MAGIC: &[u8; 8] = b"APEXMOK2";
-/// Magic, boot id, then the identity's six `u64`s.
-const MARK_LEN: usize = 8 + 16 + 6 * 8;
+const MARK_MAGIC: &[u8; 8] = b"APEXMOK3";
+/// Magic, boot id, then the identity's seven `u64`s.
+const MARK_LEN: usize = 8 + 16 + 7 * 8;
 
 /// A boot's identity: the 128 bits of the kernel's boot id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,6 +76,8 @@ pub(super) struct Identity {
     len: u64,
     born_s: u64,
     born_ns: u64,
+    /// The inode's generation (`FS_IOC_GETVERSION`); 0 where the filesystem keeps none.
+    generation: u64,
     content_hash: u64,
 }
 
@@ -92,6 +96,7 @@ impl Identity {
             len: st.stx_size,
             born_s: st.stx_btime.tv_sec as u64,
             born_ns: u64::from(st.stx_btime.tv_nsec),
+            generation: generation(file).unwrap_or(0),
             content_hash,
         })
     }
@@ -104,6 +109,7 @@ impl Identity {
             self.len,
             self.born_s,
             self.born_ns,
+            self.generation,
             self.content_hash,
         ];
         out[..8].copy_from_slice(MARK_MAGIC);
@@ -113,6 +119,25 @@ impl Identity {
         }
         out
     }
+}
+
+/// `FS_IOC_GETVERSION`: `_IOR('v', 1, long)`.
+const FS_IOC_GETVERSION: rustix::ioctl::Opcode =
+    rustix::ioctl::opcode::read::<std::ffi::c_long>(b'v', 1);
+
+/// The inode generation of `file` where its filesystem keeps one (ext4, xfs and f2fs write it as an `int`; others
+/// refuse the request).
+fn generation(file: &File) -> Option<u64> {
+    let mut value: std::ffi::c_long = 0;
+    // SAFETY: FS_IOC_GETVERSION writes at most a `long` (the filesystems that answer it write an `int`) through the
+    // pointer, which points at `value`, a `long` that outlives the call; `file` is an open regular file (callers map
+    // only entries on local filesystems), and a filesystem that does not know the request refuses it.
+    unsafe {
+        let updater =
+            rustix::ioctl::Updater::<FS_IOC_GETVERSION, std::ffi::c_long>::new(&mut value);
+        rustix::ioctl::ioctl(file, updater).ok()?;
+    }
+    Some(value as u64)
 }
 
 /// The mark file of the entry at `entry`.
@@ -186,6 +211,7 @@ mod tests {
             len: 3,
             born_s: 4,
             born_ns: 5,
+            generation: 10,
             content_hash: 6,
         };
         let boot = BootId([7; 16]);
@@ -197,6 +223,10 @@ mod tests {
             Identity { len: 9, ..id },
             Identity { born_s: 9, ..id },
             Identity { born_ns: 9, ..id },
+            Identity {
+                generation: 9,
+                ..id
+            },
             Identity {
                 content_hash: 9,
                 ..id
