@@ -7,11 +7,12 @@
 //! read. Both show in the first full check after the boot they happen in, and a mark is only ever written after such
 //! a check passed. A mark names the boot (`/proc/sys/kernel/random/boot_id`, read at every check, so a process
 //! restored in a later boot does not take an earlier boot's marks), the entry file (device, inode, length, and its
-//! birth time and, where the filesystem keeps one (ext4, xfs, f2fs), its inode generation: an inode number freed by
+//! birth time and, where the filesystem answers `FS_IOC_GETVERSION`, its inode generation: an inode number freed by
 //! an eviction or a restore of the directory is given to the next file made, at once on ext4, and birth times are
 //! stamped from a clock that moves once per scheduler tick (three files made in turn here, Linux 6.18 on ext4, got
-//! the same inode number and the same birth time to the nanosecond), but each new inode draws a new generation) and
-//! the content hash its header claims. An entry is never rewritten
+//! the same inode number and the same birth time to the nanosecond), but ext4, xfs and f2fs draw each new inode's
+//! generation at random (btrfs and zfs give the creating transaction, and do not hand freed inode numbers out again
+//! at once)) and the content hash its header claims. An entry is never rewritten
 //! in place (a new one is a new file, renamed over the name), so a file with the same identity in the same boot holds
 //! the bytes that were checked, as long as nothing else changes it in place. Whoever can write the cache directory can
 //! forge a mark as easily as an entry: the directory is trusted as before (SECURITY.md).
@@ -85,9 +86,11 @@ impl Identity {
     /// The identity of the open entry `file` whose header claims `content_hash`; `None` where the filesystem does not
     /// give a birth time (the entry is then hashed at every read).
     pub(super) fn of(file: &File, content_hash: u64) -> Option<Identity> {
-        let want = StatxFlags::INO | StatxFlags::SIZE | StatxFlags::BTIME;
+        let want = StatxFlags::TYPE | StatxFlags::INO | StatxFlags::SIZE | StatxFlags::BTIME;
         let st = rustix::fs::statx(file, "", AtFlags::EMPTY_PATH, want).ok()?;
-        if !StatxFlags::from_bits_retain(st.stx_mask).contains(want) {
+        let regular = rustix::fs::FileType::from_raw_mode(st.stx_mode.into())
+            == rustix::fs::FileType::RegularFile;
+        if !StatxFlags::from_bits_retain(st.stx_mask).contains(want) || !regular {
             return None;
         }
         Some(Identity {
@@ -125,13 +128,13 @@ impl Identity {
 const FS_IOC_GETVERSION: rustix::ioctl::Opcode =
     rustix::ioctl::opcode::read::<std::ffi::c_long>(b'v', 1);
 
-/// The inode generation of `file` where its filesystem keeps one (ext4, xfs and f2fs write it as an `int`; others
-/// refuse the request).
+/// The inode generation of `file` where its filesystem answers `FS_IOC_GETVERSION` (ext4, xfs, f2fs, btrfs and zfs
+/// write an `int`; tmpfs, overlayfs and bcachefs refuse the request).
 fn generation(file: &File) -> Option<u64> {
     let mut value: std::ffi::c_long = 0;
     // SAFETY: FS_IOC_GETVERSION writes at most a `long` (the filesystems that answer it write an `int`) through the
-    // pointer, which points at `value`, a `long` that outlives the call; `file` is an open regular file (callers map
-    // only entries on local filesystems), and a filesystem that does not know the request refuses it.
+    // pointer, which points at `value`, a `long` that outlives the call; `file` is an open regular file
+    // (`Identity::of` checks), and a filesystem that does not know the request refuses it.
     unsafe {
         let updater =
             rustix::ioctl::Updater::<FS_IOC_GETVERSION, std::ffi::c_long>::new(&mut value);
