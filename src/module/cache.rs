@@ -272,7 +272,7 @@ impl ModuleCache {
         let started = Instant::now();
         let key = Key::new(stored, algorithm, stated);
         let path = dir.join(key.file_name());
-        match read_entry(&path, &key, checked::boot_id()) {
+        match read_entry(&path, &key, checked::boot_id) {
             Ok((bytes, check)) => {
                 self.hits.fetch_add(1, Ordering::Relaxed);
                 self.bytes_read
@@ -424,12 +424,13 @@ enum Check {
 /// The content of the entry at `path` for `key`, if it checks out: magic, version, key, length (the stated one, and
 /// the file's), content hash. Mapped where the filesystem is local ([`super::payload::mappable`]), else read.
 /// Entries are never rewritten in place (see [`write_entry`]), so a mapping keeps the bytes checked here. A mapped
-/// entry marked as hashed in full in boot `boot` is not hashed again; one hashed here is marked when it is mapped
-/// and its filesystem gives birth times (`boot` `None`: no marks).
+/// entry marked as hashed in full in the boot `boot()` names is not hashed again; one hashed here is marked when it
+/// is mapped and its filesystem gives birth times (`boot()` `None`: no marks). `boot` is asked only for an entry on a
+/// local filesystem.
 fn read_entry(
     path: &Path,
     key: &Key,
-    boot: Option<checked::BootId>,
+    boot: impl FnOnce() -> Option<checked::BootId>,
 ) -> Result<(Payload, Check), Miss> {
     let mut f = match File::open(path) {
         Ok(f) => f,
@@ -468,9 +469,10 @@ fn read_entry(
     let local = super::payload::mappable(&f);
     // Marks only for entries on local filesystems (the mapped ones): on a network filesystem another host can replace
     // an entry behind this host's back.
-    let marking = match (boot, local) {
-        (Some(boot), true) => checked::Identity::of(&f, u64_at(40)).map(|id| (boot, id)),
-        _ => None,
+    let marking = if local {
+        boot().and_then(|boot| Some((boot, checked::Identity::of(&f, u64_at(40))?)))
+    } else {
+        None
     };
     let marked = marking
         .as_ref()
@@ -528,11 +530,24 @@ fn read_entry(
 /// Writes the entry for `key` to a temporary file in `dir` and renames it to `path`, so no reader sees part of it.
 /// No fsync: an entry torn by a crash fails its content hash and is rewritten.
 fn write_entry(dir: &Path, path: &Path, key: &Key, bytes: &[u8]) -> io::Result<()> {
-    static UNIQUE: AtomicU64 = AtomicU64::new(0);
     DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+    let mut header = Vec::with_capacity(HEADER);
+    header.extend_from_slice(MAGIC);
+    header.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    header.extend_from_slice(&[0; 4]);
+    header.extend_from_slice(&key.hash.to_le_bytes());
+    header.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+    header.extend_from_slice(&twox_hash::XxHash3_64::oneshot(bytes).to_le_bytes());
+    write_aside(dir, &format!("{:032x}", key.hash), path, &[&header, bytes])
+}
+
+/// Writes `parts` to a new temporary file in `dir` (`.<stem>.<pid>.<n>.tmp`, mode 0600, which eviction removes once
+/// stale) and renames it to `path`, so that no reader ever sees part of the file; the temporary file is removed if
+/// anything fails. Entries and marks are both written so.
+fn write_aside(dir: &Path, stem: &str, path: &Path, parts: &[&[u8]]) -> io::Result<()> {
+    static UNIQUE: AtomicU64 = AtomicU64::new(0);
     let tmp = dir.join(format!(
-        ".{:032x}.{}.{}.tmp",
-        key.hash,
+        ".{stem}.{}.{}.tmp",
         std::process::id(),
         UNIQUE.fetch_add(1, Ordering::Relaxed)
     ));
@@ -542,15 +557,9 @@ fn write_entry(dir: &Path, path: &Path, key: &Key, bytes: &[u8]) -> io::Result<(
             .create_new(true)
             .mode(0o600)
             .open(&tmp)?;
-        let mut header = Vec::with_capacity(HEADER);
-        header.extend_from_slice(MAGIC);
-        header.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-        header.extend_from_slice(&[0; 4]);
-        header.extend_from_slice(&key.hash.to_le_bytes());
-        header.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
-        header.extend_from_slice(&twox_hash::XxHash3_64::oneshot(bytes).to_le_bytes());
-        f.write_all(&header)?;
-        f.write_all(bytes)?;
+        for part in parts {
+            f.write_all(part)?;
+        }
         fs::rename(&tmp, path)
     })();
     if written.is_err() {

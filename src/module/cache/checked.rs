@@ -23,11 +23,9 @@
 //! host's back. Where the boot id or a file's birth time cannot be read (`statx` without `STATX_BTIME`), every hit is
 //! checked in full. A mark is a small file of its own (an inode and a block); marks do not count towards the cap.
 
-use std::fs::{self, File, OpenOptions};
-use std::io::{self, Read, Write};
-use std::os::unix::fs::OpenOptionsExt;
+use std::fs::{self, File};
+use std::io::{self, Read};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use rustix::fs::{AtFlags, StatxFlags};
 
@@ -167,29 +165,16 @@ pub(super) fn is_marked(entry: &Path, boot: BootId, id: &Identity) -> bool {
 /// Marks `entry` (in `dir`) as checked in full in this boot: written aside and renamed into place, so a reader never
 /// takes half a mark for one.
 pub(super) fn mark(dir: &Path, entry: &Path, boot: BootId, id: &Identity) -> io::Result<()> {
-    static UNIQUE: AtomicU64 = AtomicU64::new(0);
     let name = entry
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let tmp = dir.join(format!(
-        ".{name}{MARK_SUFFIX}.{}.{}.tmp",
-        std::process::id(),
-        UNIQUE.fetch_add(1, Ordering::Relaxed)
-    ));
-    let written = (|| {
-        let mut f = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        f.write_all(&id.encode(boot))?;
-        fs::rename(&tmp, mark_path(entry))
-    })();
-    if written.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    written
+    super::write_aside(
+        dir,
+        &format!("{name}{MARK_SUFFIX}"),
+        &mark_path(entry),
+        &[&id.encode(boot)],
+    )
 }
 
 /// Removes `entry`'s mark, if any (with the entry, or when the entry proved unsound).

@@ -55,6 +55,18 @@ fn entry_and_mark(dir: &Path, name: &str) -> Vec<String> {
     names
 }
 
+/// Whether a test of marks has nothing to test in `dir` (see [`marks_here`]); says so.
+fn skip_without_marks(dir: &Path) -> bool {
+    let skip = !marks_here(dir);
+    if skip {
+        eprintln!(
+            "no boot id or no birth times in {}: marks are not made, so not tested",
+            dir.display()
+        );
+    }
+    skip
+}
+
 fn entry_path(cache: &ModuleCache, stored: &[u8], len: usize) -> PathBuf {
     let key = Key::new(stored, "zstd", Some(len));
     cache.dir().unwrap().join(key.file_name())
@@ -428,7 +440,7 @@ fn read_check(
     boot: Option<checked::BootId>,
 ) -> Check {
     let key = Key::new(stored, "zstd", Some(bytes.len()));
-    match read_entry(&entry_path(cache, stored, bytes.len()), &key, boot) {
+    match read_entry(&entry_path(cache, stored, bytes.len()), &key, || boot) {
         Ok((got, check)) => {
             assert!(
                 got.is_mapped(),
@@ -446,10 +458,7 @@ fn read_check(
 #[test]
 fn a_hit_is_hashed_in_full_once_per_boot() {
     let tmp = tempfile::tempdir().unwrap();
-    if !marks_here(tmp.path()) {
-        eprintln!(
-            "no boot id or no birth times here: every hit is hashed (a_mark_that_cannot_be_written… covers it)"
-        );
+    if skip_without_marks(tmp.path()) {
         return;
     }
     let cache = ModuleCache::at(tmp.path(), 64 << 20);
@@ -486,10 +495,7 @@ fn a_hit_is_hashed_in_full_once_per_boot() {
 #[test]
 fn a_mark_never_stands_for_other_bytes() {
     let tmp = tempfile::tempdir().unwrap();
-    if !marks_here(tmp.path()) {
-        eprintln!(
-            "no boot id or no birth times here: every hit is hashed (a_mark_that_cannot_be_written… covers it)"
-        );
+    if skip_without_marks(tmp.path()) {
         return;
     }
     let cache = ModuleCache::at(tmp.path(), 64 << 20);
@@ -529,7 +535,7 @@ fn a_mark_never_stands_for_other_bytes() {
     fs::write(&mark, &good_mark).unwrap();
     let key = Key::new(b"n", "zstd", Some(bytes.len()));
     assert!(matches!(
-        read_entry(&entry, &key, Some(BOOT_A)),
+        read_entry(&entry, &key, || Some(BOOT_A)),
         Err(Miss::Corrupt("content hash mismatch"))
     ));
     // Through the cache: the torn entry and its mark are removed, the payload decompressed and stored again.
@@ -541,10 +547,7 @@ fn a_mark_never_stands_for_other_bytes() {
 #[test]
 fn eviction_takes_marks_with_their_entries() {
     let tmp = tempfile::tempdir().unwrap();
-    if !marks_here(tmp.path()) {
-        eprintln!(
-            "no boot id or no birth times here: every hit is hashed (a_mark_that_cannot_be_written… covers it)"
-        );
+    if skip_without_marks(tmp.path()) {
         return;
     }
     let entry = MIN_BYTES + 1000;
@@ -616,10 +619,7 @@ fn boot_ids_parse_from_the_kernel_s_text() {
 #[test]
 fn a_marked_entry_is_not_hashed_again_until_the_next_boot() {
     let tmp = tempfile::tempdir().unwrap();
-    if !marks_here(tmp.path()) {
-        eprintln!(
-            "no boot id or no birth times here: every hit is hashed (a_mark_that_cannot_be_written… covers it)"
-        );
+    if skip_without_marks(tmp.path()) {
         return;
     }
     let cache = ModuleCache::at(tmp.path(), 64 << 20);
@@ -633,13 +633,13 @@ fn a_marked_entry_is_not_hashed_again_until_the_next_boot() {
     f.write_all(&[bytes[1000] ^ 0xff]).unwrap();
     drop(f);
     let key = Key::new(b"p", "zstd", Some(bytes.len()));
-    let (got, check) = match read_entry(&entry, &key, Some(BOOT_A)) {
+    let (got, check) = match read_entry(&entry, &key, || Some(BOOT_A)) {
         Ok(hit) => hit,
         Err(_) => panic!("the marked entry was hashed"),
     };
     assert_eq!((check, got[1000]), (Check::Marked, bytes[1000] ^ 0xff));
     assert!(matches!(
-        read_entry(&entry, &key, Some(BOOT_B)),
+        read_entry(&entry, &key, || Some(BOOT_B)),
         Err(Miss::Corrupt("content hash mismatch"))
     ));
 }
