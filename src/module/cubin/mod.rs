@@ -165,7 +165,7 @@ impl Cubin {
             let name = table
                 .section_name(endian, sh)
                 .map_err(|e| corrupt(format!("section {}: name: {e}", index.0)))?;
-            let name = owned_name(name);
+            let name = borrowed_name(name);
             let data = sh
                 .data(endian, bytes)
                 .map_err(|e| corrupt(format!("section {name}: contents: {e}")))?;
@@ -209,7 +209,7 @@ impl Cubin {
                 )));
             }
             symbols.push(SymbolMeta {
-                name: owned_name(name),
+                name: borrowed_name(name),
                 st_type: sym.st_type().0,
                 local: sym.st_bind().0 == elf::STB_LOCAL.0,
                 other: sym.st_other().0,
@@ -243,7 +243,7 @@ impl Cubin {
                             kernel.name
                         ))
                     })?;
-                    *name = sym.name.clone();
+                    *name = sym.name.to_string();
                 }
                 kernels.push(kernel);
             }
@@ -616,13 +616,13 @@ impl Cubin {
     }
 }
 
-/// A section or symbol name as a `String`: names are valid UTF-8 (ASCII) in practice, and `from_utf8` checks that
-/// several times quicker than the lossy conversion's walk (a PyTorch cubin has tens of thousands of names); only an
-/// invalid name takes the lossy path.
-fn owned_name(name: &[u8]) -> String {
+/// A section or symbol name, borrowed from the file: names are valid UTF-8 (ASCII) in practice, and a PyTorch cubin
+/// has tens of thousands of them, most never kept (only kernels', variables' and externals' are); `from_utf8` checks
+/// that several times quicker than the lossy conversion's walk, which only an invalid name takes.
+fn borrowed_name(name: &[u8]) -> std::borrow::Cow<'_, str> {
     match std::str::from_utf8(name) {
-        Ok(s) => s.to_owned(),
-        Err(_) => String::from_utf8_lossy(name).into_owned(),
+        Ok(s) => std::borrow::Cow::Borrowed(s),
+        Err(_) => String::from_utf8_lossy(name),
     }
 }
 

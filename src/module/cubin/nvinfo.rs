@@ -272,12 +272,12 @@ pub(super) fn kernel_info(
     let Some(text) = metas.get(text_index) else {
         return Ok(None);
     };
-    if text.name.strip_prefix(".text.") != Some(sym.name.as_str()) {
+    if text.name.strip_prefix(".text.") != Some(&*sym.name) {
         return Ok(None);
     }
     let info_section = index
         .info_by_owner
-        .get(sym.name.as_str())
+        .get(&*sym.name)
         .or_else(|| index.info_by_text.get(&text_index))
         .and_then(|&i| metas.get(i));
     // Cubins mark kernels with STO_CUDA_ENTRY. Without the mark, a function is taken for a kernel only if its
@@ -301,7 +301,7 @@ pub(super) fn kernel_info(
     if sym.other & STO_CUDA_ENTRY == 0 && !info_section.is_some_and(describes_launch) {
         return Ok(None); // a __device__ function
     }
-    let name = sym.name.clone();
+    let name = sym.name.to_string();
     let image = image_index
         .get(text_index)
         .copied()
@@ -339,7 +339,7 @@ pub(super) fn kernel_info(
     let mut barriers = None;
 
     if let Some(meta) = info_section {
-        let section = meta.name.as_str();
+        let section = &*meta.name;
         for record in records(meta.data, section)? {
             match record.attr {
                 eiattr::PARAM_CBANK => {

@@ -173,7 +173,7 @@ pub(super) fn relocations(
         for (offset, kind, sym, addend) in entries {
             let width = reloc_width(kind).ok_or_else(|| CubinError::UnknownRelocation {
                 kind,
-                section: meta.name.clone(),
+                section: meta.name.to_string(),
             })?;
             if kind == reloc::R_CUDA_NONE {
                 continue;
@@ -243,14 +243,14 @@ fn symbol_value(
         return Ok((SymbolValue::Absolute(s.value), None));
     }
     if s.section.is_none() && !s.name.is_empty() {
-        return Ok((SymbolValue::External(s.name.clone()), None));
+        return Ok((SymbolValue::External(s.name.to_string()), None));
     }
     let (at, base) = s
         .section
         .and_then(|i| image_index.get(i).copied().flatten())
         .and_then(|i| Some((i, sections.get(i)?)))
         .ok_or_else(|| CubinError::UnresolvedSymbol {
-            symbol: s.name.clone(),
+            symbol: s.name.to_string(),
             section: section.to_owned(),
         })?;
     // Executable cubins give symbol values relative to their section.

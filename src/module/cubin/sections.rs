@@ -17,7 +17,8 @@ pub(super) struct LoadedSection {
 
 /// The fields of a section header this module uses, read once.
 pub(super) struct SectionMeta<'data> {
-    pub(super) name: String,
+    /// Borrowed from the file where it is valid UTF-8 (always, in practice).
+    pub(super) name: std::borrow::Cow<'data, str>,
     pub(super) sh_type: u32,
     pub(super) flags: u64,
     pub(super) size: u64,
@@ -30,8 +31,9 @@ pub(super) struct SectionMeta<'data> {
     pub(super) file_offset: usize,
 }
 
-pub(super) struct SymbolMeta {
-    pub(super) name: String,
+pub(super) struct SymbolMeta<'data> {
+    /// Borrowed from the file where it is valid UTF-8 (always, in practice).
+    pub(super) name: std::borrow::Cow<'data, str>,
     pub(super) st_type: u8,
     /// `STB_LOCAL` binding.
     pub(super) local: bool,
@@ -109,7 +111,7 @@ pub(super) fn layout(metas: &[SectionMeta]) -> Result<Layout, CubinError> {
         }
         sections.push(LoadedSection {
             info: ImageSection {
-                name: meta.name.clone(),
+                name: meta.name.to_string(),
                 image_offset: offset,
                 size: meta.size,
                 nobits,
@@ -148,7 +150,7 @@ pub(super) fn global_symbols(
             )));
         }
         out.push(GlobalSymbol {
-            name: sym.name.clone(),
+            name: sym.name.to_string(),
             image_offset: section.info.image_offset + sym.value,
             size: sym.size,
             section: section.info.name.clone(),
