@@ -1084,7 +1084,14 @@ fn setup_line(v: &Value) -> Option<String> {
         ),
         _ => String::new(),
     };
-    Some(format!("set-up ({mode}{policy}): {what}{unearned}"))
+    // What the program's earlier runs advised (`APEX_PRELOAD_HISTORY`), where records are kept.
+    let history = match v.get("history").and_then(Value::as_str) {
+        Some(h) if !h.is_empty() && h != "off" => format!("; earlier runs: {h}"),
+        _ => String::new(),
+    };
+    Some(format!(
+        "set-up ({mode}{policy}): {what}{unearned}{history}"
+    ))
 }
 
 // ----------------------------------------------------------------------------------------- occupancy
@@ -1199,6 +1206,7 @@ mod tests {
             "setup": {
                 "mode": "background", "failed": 0, "dropped": 0, "takeover": "earned",
                 "streams_not_earned": 2, "modules_owed_ms": 212.4, "libcuda_launch_ns": 4235,
+                "history": "no earlier run recorded",
                 "teardown": {"count": 1, "total_ms": 8.64, "max_ms": 8.64},
                 "attach": {"count": 1, "total_ms": 10.84, "max_ms": 10.84},
                 "queue": {"count": 2, "total_ms": 9.5, "max_ms": 5.0},
@@ -1219,7 +1227,7 @@ mod tests {
                  their stream over",
                 "set-up (background, takeover earned, libcuda's launch timed at 4.2 µs): 1 attach in 10.8 ms, 2 queues in 9.5 ms, freed at the end in \
                  8.6 ms; 2 streams left on libcuda (too few launches to pay for a takeover, which would also load \
-                 about 212 ms of modules)",
+                 about 212 ms of modules); earlier runs: no earlier run recorded",
                 "fell back, by reason:",
                 "  capturing: 1 launch, e.g. the stream is capturing",
                 "  device_runtime: 1 launch, e.g. vprintf",

@@ -27,6 +27,7 @@ use crate::attrs::Extras;
 use crate::cuda::{
     CUDA_ERROR_ASSERT, CUDA_ERROR_NOT_READY, CUDA_SUCCESS, CudaSide, Libcuda, Pointer,
 };
+use crate::history::History;
 use crate::lock::StoreLock;
 use crate::order::{Hops, Order, Stream, StreamKey, Target};
 use crate::registry::{ImageBytes, Owner, Registry};
@@ -447,6 +448,8 @@ struct Ctx {
 
 pub(crate) struct Engine {
     config: Config,
+    /// What earlier runs of the program advise, and where this run's record goes.
+    history: History,
     /// Shared with the set-up worker.
     cuda: Arc<dyn CudaSide>,
     /// The set-up worker ([`Mode::Background`]).
@@ -631,6 +634,7 @@ extern "C" fn at_exit() {
     crate::exit_safe::exiting();
     if let Some(_g) = apex_interpose::enter() {
         shutdown("the program exits");
+        with(|e| e.record_run());
     }
 }
 
@@ -713,9 +717,20 @@ impl Engine {
         crate::watchdog::start();
         crate::profile::start();
         let cuda: Arc<dyn CudaSide> = Arc::from(cuda);
+        // Tests' engines neither read nor leave records.
+        let history = if cfg!(test) || !config.enabled {
+            History::off()
+        } else {
+            History::open()
+        };
+        let mut takeover = Takeover::new(config.takeover);
+        if history.advised() {
+            takeover.advise();
+        }
         let mut engine = Engine {
             off: (!config.enabled).then_some(Refusal::Disabled),
-            takeover: Takeover::new(config.takeover),
+            takeover,
+            history,
             config,
             setup: Worker::new(cuda.clone()),
             attaching: Handles::default(),
@@ -798,6 +813,12 @@ impl Engine {
         s.profile = self.phases.report().into_iter().collect();
         s.setup.mode = self.config.setup.label().to_string();
         s.setup.takeover = self.takeover.policy().label();
+        s.setup.history = self.history.describe();
+        if self.history.advised() && !self.takeover.advised() {
+            s.setup
+                .history
+                .push_str(" (not followed: the policy is not earned)");
+        }
         s.setup.streams_not_earned += self.takeover.counted();
         s.setup.modules_owed_ms = self.takeover.owed_total_ns() as f64 / 1e6;
         s.setup.libcuda_launch_ns = LIBCUDA_LAUNCH.estimate();
@@ -1425,7 +1446,7 @@ impl Engine {
             // The worker could not start: loaded here, as in the inline mode.
         }
         let started = Instant::now();
-        let loaded = setup::load_module(
+        let (loaded, placing) = setup::load_module_timed(
             self.cuda.as_ref(),
             &gpu,
             owner,
@@ -1434,10 +1455,13 @@ impl Engine {
             asserts,
         );
         self.summary.setup.module.add(started.elapsed());
-        // Only loads that did the work price later ones (a refusal can come early).
+        // Only loads that did the work price later ones (a refusal can come early); CUDA's loading of its own
+        // instance (asked where the variables live) is not APEX's price.
         if loaded.is_ok() {
-            self.takeover
-                .module_took(image.bytes().len(), started.elapsed());
+            self.takeover.module_took(
+                image.bytes().len(),
+                started.elapsed().saturating_sub(placing),
+            );
         }
         self.module_loaded(ci, owner, loaded).map(Some)
     }
@@ -1751,6 +1775,24 @@ impl Engine {
                 "unknown driver entry point variant: apex-preload stops taking launches over"
             );
             self.off = Some(Refusal::UnknownEntryPoint(name.to_string()));
+        }
+    }
+
+    /// Leaves this run's record for the program's next runs ([`crate::history`]), at exit: a process that made no
+    /// launch (a launcher, a parent that spawns the workers) leaves none.
+    fn record_run(&mut self) {
+        let launches = self.summary().launches;
+        if !self.config.enabled || launches == 0 {
+            return;
+        }
+        self.takeover.libcuda_launch_took(LIBCUDA_LAUNCH.estimate());
+        let run = crate::history::Run {
+            launches,
+            price_ns: self.takeover.run_price(),
+            saved_ns: self.takeover.timed_saving(),
+        };
+        if let Err(e) = self.history.record(&run) {
+            debug!(error = %e, "cannot leave this run's record for the next runs");
         }
     }
 

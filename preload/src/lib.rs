@@ -18,7 +18,10 @@
 //! default) leaves each stream's launches to libcuda until they have cost, at about 3 µs saved per launch, what its
 //! takeover costs (an attach, a queue: milliseconds; the modules its kernels need loaded: up to hundreds of ms), so a program too short to earn APEX's set-up back never pays
 //! for it (launches before are counted as `warmup`), `first` takes every stream over at its first launch, a number
-//! after that many launches (`takeover.rs`); `APEX_PRELOAD_STATS=FILE` writes a JSON
+//! after that many launches (`takeover.rs`); with `earned`, a program whose last runs (the same executable and
+//! command line, up to three) each made launches enough to pay for its takeover from the first launch on is taken over
+//! at its first launch (`history.rs`: a record per program in APEX's cache directory, `runs/`, written at exit;
+//! `APEX_PRELOAD_HISTORY=0` neither reads nor writes them); `APEX_PRELOAD_STATS=FILE` writes a JSON
 //! summary at exit ([`stats::Summary`]; `%p` in FILE becomes the process id, one file per process of a job);
 //! `APEX_PRELOAD_QUEUES=N` (default 8) bounds the streams taken over; `APEX_PRELOAD_ALLOC_CACHE=MIB|off` bounds the
 //! allocation cache that serves `cuMemAlloc` and, with `APEX_PRELOAD_ALLOC_ASYNC=on` (opt-in), `cuMemAllocAsync`
@@ -41,6 +44,7 @@ pub mod check;
 mod cuda;
 mod engine;
 mod exit_safe;
+mod history;
 mod hooks;
 pub mod image;
 mod lock;

@@ -172,12 +172,42 @@ pub(crate) fn load_module(
     image: &[u8],
     asserts: bool,
 ) -> Result<Module, Refusal> {
+    load_module_timed(cuda, gpu, owner, library, image, asserts).0
+}
+
+/// As [`load_module`], with the time spent asking CUDA where the variables live: CUDA loads its instance of the
+/// module to answer, which a program that ran the module's kernels on libcuda has paid for already and one run
+/// through APEX from its first launch pays for in CUDA's place (its price is not APEX's).
+pub(crate) fn load_module_timed(
+    cuda: &dyn CudaSide,
+    gpu: &Gpu,
+    owner: Owner,
+    library: bool,
+    image: &[u8],
+    asserts: bool,
+) -> (Result<Module, Refusal>, std::time::Duration) {
+    let placing = std::cell::Cell::new(std::time::Duration::ZERO);
+    let loaded = load_module_placing(cuda, gpu, owner, library, image, asserts, &placing);
+    (loaded, placing.get())
+}
+
+fn load_module_placing(
+    cuda: &dyn CudaSide,
+    gpu: &Gpu,
+    owner: Owner,
+    library: bool,
+    image: &[u8],
+    asserts: bool,
+    placing: &std::cell::Cell<std::time::Duration>,
+) -> Result<Module, Refusal> {
     // The module's `__device__` variables are CUDA's instance's: kernels on both sides share them. Any one CUDA does
     // not give (or gives at another size: not the same variable) would diverge. The compiler's constants are not
     // asked for (`Gpu::load_module_sharing`): both instances hold the same bytes, which nothing writes.
     let unplaced = std::cell::RefCell::new(None);
     let place = |name: &str, size: u64| {
+        let asked = std::time::Instant::now();
         let home = cuda.global(owner, library, name).filter(|h| h.size == size);
+        placing.set(placing.get() + asked.elapsed());
         if home.is_none() {
             unplaced
                 .borrow_mut()

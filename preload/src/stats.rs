@@ -57,6 +57,11 @@ pub struct SetupSummary {
     /// [`Summary::warmup`].
     #[serde(default)]
     pub takeover: String,
+    /// What earlier runs of the program advised (`APEX_PRELOAD_HISTORY`): `off`, `no earlier run recorded`, or
+    /// whether their launches paid for a takeover from the first launch on (then this run was taken over at its
+    /// first launch, with `earned`).
+    #[serde(default)]
+    pub history: String,
     /// Streams whose launches went to libcuda for the policy above and that were never taken over.
     #[serde(default)]
     pub streams_not_earned: u64,

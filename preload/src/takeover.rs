@@ -130,6 +130,14 @@ pub(crate) struct Takeover {
     /// The CPU time a launch through APEX saves: [`SAVED_PER_LAUNCH_NS`] until libcuda's own launches were timed
     /// in this process ([`Takeover::libcuda_launch_took`]).
     saved_ns: u64,
+    /// Whether [`Takeover::saved_ns`] comes from libcuda's launches timed in this process.
+    saved_timed: bool,
+    /// Earlier runs of the program advise taking it over at its first launch ([`crate::history`]): with `earned`, an
+    /// attach is paid for at once.
+    advised: bool,
+    /// What this process's takeovers cost, as timed: attaches and module loads (without CUDA's loading of its own
+    /// instances), nanoseconds.
+    paid_ns: u64,
 }
 
 impl Takeover {
@@ -145,7 +153,37 @@ impl Takeover {
             module_ns: MODULE_NS_PER_BYTE * MODULE_PRIOR_BYTES,
             module_bytes: MODULE_PRIOR_BYTES,
             saved_ns: SAVED_PER_LAUNCH_NS,
+            saved_timed: false,
+            advised: false,
+            paid_ns: 0,
         }
+    }
+
+    /// Earlier runs of the program made launches enough to pay for its takeover from the first launch on
+    /// ([`crate::history::History::advised`]): with `earned`, an attach (with the modules its kernels need) is
+    /// taken as paid. Queues for further streams are still paid for by their own launches.
+    pub(crate) fn advise(&mut self) {
+        self.advised = self.policy == Policy::Earned;
+    }
+
+    /// Whether the takeover follows the earlier runs' advice.
+    pub(crate) fn advised(&self) -> bool {
+        self.advised
+    }
+
+    /// What this run's takeover cost for its record ([`crate::history`]): paid where an attach or a module load was
+    /// timed, else the estimate of attaching and loading the modules owed so far.
+    pub(crate) fn run_price(&self) -> crate::history::Price {
+        if self.paid_ns > 0 {
+            crate::history::Price::Paid(self.paid_ns)
+        } else {
+            crate::history::Price::Estimated(self.attach_ns.saturating_add(self.owed_total_ns()))
+        }
+    }
+
+    /// The saving per launch, where libcuda's launches were timed in this process.
+    pub(crate) fn timed_saving(&self) -> Option<u64> {
+        self.saved_timed.then_some(self.saved_ns)
     }
 
     /// libcuda's `cuLaunchKernel` takes `ns` of the program's CPU time in this process (the engine's estimate of the
@@ -153,6 +191,7 @@ impl Takeover {
     /// cost, between [`MIN_SAVED_NS`] and [`MAX_SAVED_NS`]. A program whose launches cost libcuda more earns its
     /// takeover sooner.
     pub(crate) fn libcuda_launch_took(&mut self, ns: u64) {
+        self.saved_timed = ns != 0;
         self.saved_ns = if ns == 0 {
             SAVED_PER_LAUNCH_NS
         } else {
@@ -187,6 +226,9 @@ impl Takeover {
         let base = self.threshold(needs);
         if self.policy != Policy::Earned {
             return base;
+        }
+        if self.advised && needs == Needs::Attach {
+            return 0;
         }
         let owed = self.owed_ns.get(&ctx).copied().unwrap_or(0);
         base + owed.div_ceil(self.saved_ns)
@@ -243,6 +285,7 @@ impl Takeover {
     /// A module load of an `image_bytes` image took `took`: later estimates follow this process's loads.
     pub(crate) fn module_took(&mut self, image_bytes: usize, took: Duration) {
         let ns = took.as_nanos().min(u128::from(u64::MAX / 2)) as u64;
+        self.paid_ns = self.paid_ns.saturating_add(ns);
         self.module_ns = self.module_ns.saturating_add(ns);
         self.module_bytes = self.module_bytes.saturating_add(image_bytes as u64);
     }
@@ -357,6 +400,7 @@ impl Takeover {
     /// An attach (with its proving queue) took `took`: later prices follow it.
     pub(crate) fn attach_took(&mut self, took: Duration) {
         self.attach_ns = took.as_nanos().min(u128::from(u64::MAX)) as u64;
+        self.paid_ns = self.paid_ns.saturating_add(self.attach_ns);
     }
 
     /// A queue build took `took`: later prices follow it.
@@ -550,6 +594,39 @@ mod tests {
         let mut f = Takeover::new(Policy::After(3));
         f.owe_module(CTX, 0xa, 1 << 30);
         assert_eq!(f.threshold_in(CTX, Needs::Attach), 3);
+    }
+
+    #[test]
+    fn advice_from_earlier_runs_pays_for_an_attach_at_once_and_a_run_records_its_price() {
+        use crate::history::Price;
+        let mut t = Takeover::new(Policy::Earned);
+        t.owe_module(CTX, 0xa, 4 << 20);
+        assert_eq!(
+            t.run_price(),
+            Price::Estimated(ATTACH_NS + t.owed_total_ns()),
+            "not taken over: the estimate"
+        );
+        assert_eq!(t.timed_saving(), None);
+        t.advise();
+        assert!(t.advised());
+        assert_eq!(t.threshold_in(CTX, Needs::Attach), 0);
+        assert!(t.earned(CTX, StreamKey::Legacy, Needs::Attach));
+        assert_eq!(
+            t.threshold_in(CTX, Needs::Queue),
+            t.threshold(Needs::Queue) + t.owed_total_ns().div_ceil(SAVED_PER_LAUNCH_NS),
+            "a further stream's queue (and the modules owed) is still paid for by its launches"
+        );
+        assert!(t.threshold(Needs::Queue) > 0);
+        t.attach_took(Duration::from_millis(9));
+        t.module_took(1 << 20, Duration::from_millis(2));
+        assert_eq!(t.run_price(), Price::Paid(11_000_000));
+        t.libcuda_launch_took(4_400);
+        assert_eq!(t.timed_saving(), Some(4_000));
+        // Only `earned` takes advice.
+        let mut first = Takeover::new(Policy::After(50));
+        first.advise();
+        assert!(!first.advised());
+        assert_eq!(first.threshold_in(CTX, Needs::Attach), 50);
     }
 
     #[test]

@@ -95,6 +95,11 @@ fn run(mut cmd: Command, preload: Option<&Path>, dir: &Path, tag: &str) -> Run {
         if !cmd.get_envs().any(|(k, _)| k == "APEX_PRELOAD_TAKEOVER") {
             cmd.env("APEX_PRELOAD_TAKEOVER", "first");
         }
+        // Each test is about one run, whatever ran before on this machine: earlier runs' advice is asked for only
+        // by the test of it.
+        if !cmd.get_envs().any(|(k, _)| k == "APEX_PRELOAD_HISTORY") {
+            cmd.env("APEX_PRELOAD_HISTORY", "0");
+        }
     }
     let t = Instant::now();
     let out = cmd.output().expect("run the program");
@@ -1178,6 +1183,68 @@ fn a_stream_is_taken_over_once_its_launches_pay_for_it() {
             assert!(s.warmup > 1000 && s.warmup < 15_000, "{s:?}");
         }
     }
+}
+
+/// With the default policy, a program whose earlier run made launches enough to pay for its takeover from the first
+/// launch on is taken over at its first launch: the record left at exit advises the next run (`APEX_PRELOAD_HISTORY`,
+/// records kept in the cache directory, here one of the test's own). Outputs stay identical.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn an_earlier_run_that_paid_for_its_takeover_advises_taking_the_next_over_at_once() {
+    let lib = preload_lib();
+    let (dir, exe) = build_cuda("short_program", include_str!("../corpus/short_program.cu"));
+    let cache = dir.join("history-cache");
+    let _ = std::fs::remove_dir_all(&cache);
+    let cmd = || {
+        let mut c = Command::new(&exe);
+        c.arg("1").arg("60000");
+        c
+    };
+    let plain = run(cmd(), None, &dir, "history-plain");
+    let mut summaries = Vec::new();
+    for i in 0..2 {
+        let mut c = cmd();
+        c.env("APEX_PRELOAD_TAKEOVER", "earned")
+            .env("APEX_PRELOAD_SETUP", "inline")
+            .env("APEX_PRELOAD_HISTORY", "1")
+            .env("APEX_CACHE_DIR", &cache);
+        let pre = run(c, Some(&lib), &dir, &format!("history-{i}"));
+        let (a, b) = both_succeeded(&plain, &pre);
+        assert_eq!(
+            results(&a),
+            results(&b),
+            "outputs differ:\nwithout:\n{a}\nwith:\n{b}"
+        );
+        let s = pre.summary.clone().expect("summary");
+        report(
+            &format!("short_program, 1 stream, 60000 launches, run {i}"),
+            &s,
+        );
+        assert_eq!(s.launches, 60_000, "{s:?}");
+        assert_eq!(s.fallback, 0, "no refusal: {:?}", s.reasons);
+        summaries.push(s);
+    }
+    let (first, second) = (&summaries[0], &summaries[1]);
+    assert_eq!(first.setup.history, "no earlier run recorded", "{first:?}");
+    assert!(
+        first.warmup > 1000,
+        "the first run pays with launches on libcuda: {first:?}"
+    );
+    assert!(
+        second.setup.history.starts_with("advised"),
+        "{}",
+        second.setup.history
+    );
+    assert_eq!(
+        (second.warmup, second.apex),
+        (0, 60_000),
+        "advised: every launch through APEX from the first on: {second:?}"
+    );
+    let records: Vec<_> = std::fs::read_dir(cache.join("runs"))
+        .expect("the runs' records")
+        .filter_map(|e| e.ok())
+        .collect();
+    assert_eq!(records.len(), 1, "one record for one program: {records:?}");
 }
 
 /// Arguments packed in one `extra` buffer (NCCL's way of passing its kernels' 4 KiB parameter) run on APEX, also a
