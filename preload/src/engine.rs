@@ -1778,10 +1778,12 @@ impl Engine {
         }
     }
 
-    /// Leaves this run's record for the program's next runs ([`crate::history`]), at exit: a process that made no
-    /// launch (a launcher, a parent that spawns the workers) leaves none.
+    /// Leaves this run's record for the program's next runs ([`crate::history`]), at exit. The launches counted are
+    /// those a takeover could have served (through APEX, or on libcuda before their stream's takeover): refused ones
+    /// pay for nothing. A process that made none (a launcher, a parent that spawns the workers) leaves no record.
     fn record_run(&mut self) {
-        let launches = self.summary().launches;
+        let s = self.summary();
+        let launches = s.apex.saturating_add(s.warmup);
         if !self.config.enabled || launches == 0 {
             return;
         }
@@ -1791,9 +1793,8 @@ impl Engine {
             price_ns: self.takeover.run_price(),
             saved_ns: self.takeover.timed_saving(),
         };
-        if let Err(e) = self.history.record(&run) {
-            debug!(error = %e, "cannot leave this run's record for the next runs");
-        }
+        // At exit nothing may be logged (thread-local state is gone): a record that cannot be written is left out.
+        let _ = self.history.record(&run);
     }
 
     pub(crate) fn shutdown(&mut self, why: &str) {

@@ -6,8 +6,12 @@
 //! again (the same executable with the same arguments) makes about as many launches as it did before. So each run
 //! leaves a record at exit — how many launches it made, what its takeover cost or would have cost, what a launch
 //! through APEX saved — and a run whose last runs (up to [`KEPT`]) each made enough launches to pay for the takeover
-//! from the first launch on is taken over at its first launch (it is "advised"). A run that goes differently is
-//! recorded too: one short run is enough to stop the advice for the next.
+//! from the first launch on is "advised": each context is attached at its first launch (with the inline set-up, the
+//! default, that launch goes through APEX; with `APEX_PRELOAD_SETUP=background` the launches go to libcuda while the
+//! attach is made), and further streams of the context still pay for their queues with their own launches. A run
+//! that goes differently is recorded too: one short run is enough to stop the advice for the next. The launches
+//! counted are those a takeover could serve (refused ones pay for nothing). A run that ends without its exit
+//! handlers (killed by a signal, `_exit`, `exec`) or a forked child leaves no record.
 //!
 //! The record lives in the cache directory of APEX ([`apex::module::cache::cache_root`]: `$APEX_CACHE_DIR`, else
 //! `$XDG_CACHE_HOME/apex`, else `~/.cache/apex`), in `runs/<key>`, where the key is a hash of the executable's path
@@ -15,12 +19,13 @@
 //! that does not read as one, or names another executable, is ignored and replaced. `APEX_PRELOAD_HISTORY=0` (or
 //! `APEX_CACHE_DISABLE=1`) neither reads nor writes records.
 
-use std::ffi::OsString;
 use std::fmt::Write as _;
 use std::fs;
-use std::io::Write as _;
-use std::os::unix::fs::OpenOptionsExt as _;
+use std::io::{Read as _, Write as _};
+use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
 
 /// Runs kept in a record: advice needs each of them to have paid for the takeover.
 pub(crate) const KEPT: usize = 3;
@@ -30,6 +35,13 @@ const MAGIC: &str = "apex-preload run record 1";
 
 /// The largest record read (a record is under 200 bytes).
 const MAX_RECORD: u64 = 4096;
+
+/// Records kept: a new one beyond this many removes the least recently written (a program run with ever-changing
+/// arguments leaves one per command line).
+const MAX_RECORDS: usize = 512;
+
+/// A temporary file of a process that died between writing and renaming it is removed after this long.
+const STALE_TMP: Duration = Duration::from_secs(3600);
 
 /// What the last runs of a program did.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -237,8 +249,9 @@ impl History {
         }
     }
 
-    /// Records `run` (at exit): the record is replaced whole, through a file renamed over it, so a reader never
-    /// sees half of one and concurrent runs (a job's ranks) leave one of theirs. Errors are for the log.
+    /// Records `run` (at exit): the record is replaced whole, through a new file of this process's renamed over it,
+    /// so a reader never sees half of one and concurrent runs (a job's ranks) leave one of theirs. A first record of
+    /// a program makes room beyond [`MAX_RECORDS`].
     pub(crate) fn record(&self, run: &Run) -> std::io::Result<()> {
         let Some(path) = &self.path else {
             return Ok(());
@@ -247,7 +260,12 @@ impl History {
         let now = read(path).filter(|r| r.exe == self.exe);
         let record = match now.as_ref().or(self.previous.as_ref()) {
             Some(r) => r.with(run),
-            None => Record::first(self.exe.clone(), run),
+            None => {
+                if let Some(dir) = path.parent() {
+                    make_room(dir);
+                }
+                Record::first(self.exe.clone(), run)
+            }
         };
         write(path, record.render().as_bytes())
     }
@@ -262,28 +280,47 @@ fn key(exe: &str, cmdline: &[u8]) -> u64 {
     h
 }
 
-/// The record at `path`, if there is one that reads as one.
+/// The record at `path`, if there is one that reads as one: a regular file (not followed through a link; a FIFO
+/// does not block the open) of at most [`MAX_RECORD`] bytes.
 fn read(path: &Path) -> Option<Record> {
-    let meta = fs::metadata(path).ok()?;
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .ok()?;
+    let meta = file.metadata().ok()?;
     if !meta.is_file() || meta.len() > MAX_RECORD {
         return None;
     }
-    Record::parse(&fs::read_to_string(path).ok()?)
+    let mut text = String::new();
+    file.take(MAX_RECORD).read_to_string(&mut text).ok()?;
+    Record::parse(&text)
 }
 
-/// Writes `bytes` to `path` through a file of this process's beside it, renamed over `path`.
+/// Writes `bytes` to `path` through a new file beside it (created exclusively, not through a link, mode 0600, named
+/// after this process and a counter), renamed over `path`; the directory is made 0700 where it is missing.
 fn write(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    static UNIQUE: AtomicU64 = AtomicU64::new(0);
     let dir = path.parent().unwrap_or(Path::new("."));
-    fs::create_dir_all(dir)?;
-    let mut tmp: OsString = path.as_os_str().to_owned();
-    tmp.push(format!(".{}.tmp", std::process::id()));
-    let tmp = PathBuf::from(tmp);
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = dir.join(format!(
+        ".{name}.{}.{}.tmp",
+        std::process::id(),
+        UNIQUE.fetch_add(1, Ordering::Relaxed)
+    ));
     let written = (|| {
         let mut f = fs::OpenOptions::new()
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
             .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&tmp)?;
         f.write_all(bytes)?;
         fs::rename(&tmp, path)
@@ -292,6 +329,37 @@ fn write(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         let _ = fs::remove_file(&tmp);
     }
     written
+}
+
+/// Removes the least recently written records beyond [`MAX_RECORDS`] less one (room for a new one), and temporary
+/// files older than [`STALE_TMP`]. Best effort: what cannot be read or removed stays.
+fn make_room(dir: &Path) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    let now = SystemTime::now();
+    let mut records = Vec::new();
+    for e in entries.flatten() {
+        let Ok(meta) = e.metadata() else { continue };
+        if !meta.is_file() {
+            continue;
+        }
+        let written = meta.modified().unwrap_or(SystemTime::UNIX_EPOCH);
+        if e.file_name().to_string_lossy().starts_with('.') {
+            if now.duration_since(written).unwrap_or_default() > STALE_TMP {
+                let _ = fs::remove_file(e.path());
+            }
+            continue;
+        }
+        records.push((written, e.path()));
+    }
+    if records.len() < MAX_RECORDS {
+        return;
+    }
+    records.sort();
+    for (_, path) in &records[..=records.len() - MAX_RECORDS] {
+        let _ = fs::remove_file(path);
+    }
 }
 
 #[cfg(test)]
@@ -427,6 +495,114 @@ mod tests {
             .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
             .collect();
         assert!(leftovers.is_empty(), "no temporary file left");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn scratch(tag: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("apex-history-{tag}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        dir
+    }
+
+    #[test]
+    fn a_run_keeps_what_another_run_recorded_meanwhile() {
+        let dir = scratch("merge");
+        let open = || History::at(Some(dir.clone()), "/bin/job".into(), b"job\0--rank\0");
+        let (rank0, rank1) = (open(), open());
+        rank1.record(&run(500, Price::Paid(7), Some(3))).unwrap();
+        rank0.record(&run(600, Price::Paid(8), None)).unwrap();
+        let path = dir.join(format!("{:016x}", key("/bin/job", b"job\0--rank\0")));
+        let r = read(&path).unwrap();
+        assert_eq!(
+            r.launches,
+            vec![600, 500],
+            "both ranks' runs are in the record"
+        );
+        assert_eq!((r.price_ns, r.saved_ns), (8, 3));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn links_and_directories_in_a_records_place_are_neither_read_nor_written_through() {
+        let dir = scratch("links");
+        fs::create_dir_all(&dir).unwrap();
+        let target = dir.join("elsewhere");
+        let good = Record {
+            exe: "/bin/p".into(),
+            launches: vec![1_000_000],
+            price_ns: 1,
+            saved_ns: 1_000,
+        };
+        fs::write(&target, good.render()).unwrap();
+        let path = dir.join(format!("{:016x}", key("/bin/p", b"p\0")));
+        std::os::unix::fs::symlink(&target, &path).unwrap();
+        let h = History::at(Some(dir.clone()), "/bin/p".into(), b"p\0");
+        assert!(!h.advised(), "a record behind a link is not read");
+        h.record(&run(3, Price::Paid(1), None)).unwrap();
+        assert_eq!(
+            fs::read_to_string(&target).unwrap(),
+            good.render(),
+            "the link's target is untouched"
+        );
+        assert!(
+            !fs::symlink_metadata(&path)
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
+        assert_eq!(read(&path).unwrap().launches, vec![3]);
+        // A directory where the record goes: nothing read, and the write fails with an error, not a panic.
+        let q = dir.join(format!("{:016x}", key("/bin/q", b"q\0")));
+        fs::create_dir(&q).unwrap();
+        let h = History::at(Some(dir.clone()), "/bin/q".into(), b"q\0");
+        assert!(!h.advised());
+        assert!(h.record(&run(3, Price::Paid(1), None)).is_err());
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn records_beyond_the_bound_and_stale_temporary_files_go() {
+        let dir = scratch("bound");
+        fs::create_dir_all(&dir).unwrap();
+        let old = SystemTime::now() - Duration::from_secs(7200);
+        for i in 0..MAX_RECORDS {
+            let f = dir.join(format!("{i:016x}"));
+            fs::write(&f, b"x").unwrap();
+            // The first written is the oldest.
+            fs::File::options()
+                .write(true)
+                .open(&f)
+                .unwrap()
+                .set_modified(old + Duration::from_secs(i as u64))
+                .unwrap();
+        }
+        let stale = dir.join(".0000000000000001.99.0.tmp");
+        fs::write(&stale, b"half").unwrap();
+        fs::File::options()
+            .write(true)
+            .open(&stale)
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+        let fresh = dir.join(".0000000000000002.98.0.tmp");
+        fs::write(&fresh, b"being written").unwrap();
+        let h = History::at(Some(dir.clone()), "/bin/new".into(), b"new\0");
+        h.record(&run(1, Price::Paid(1), None)).unwrap();
+        let names: Vec<String> = fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        let records = names.iter().filter(|n| !n.starts_with('.')).count();
+        assert_eq!(records, MAX_RECORDS, "the oldest went to make room");
+        assert!(
+            !names.contains(&format!("{:016x}", 0)),
+            "the oldest record went"
+        );
+        assert!(
+            !stale.exists(),
+            "a temporary file left by a dead process goes"
+        );
+        assert!(fresh.exists(), "one being written stays");
         fs::remove_dir_all(&dir).unwrap();
     }
 }

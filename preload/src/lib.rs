@@ -19,8 +19,8 @@
 //! takeover costs (an attach, a queue: milliseconds; the modules its kernels need loaded: up to hundreds of ms), so a program too short to earn APEX's set-up back never pays
 //! for it (launches before are counted as `warmup`), `first` takes every stream over at its first launch, a number
 //! after that many launches (`takeover.rs`); with `earned`, a program whose last runs (the same executable and
-//! command line, up to three) each made launches enough to pay for its takeover from the first launch on is taken over
-//! at its first launch (`history.rs`: a record per program in APEX's cache directory, `runs/`, written at exit;
+//! command line, up to three) each made launches enough to pay for its takeover from the first launch on has each
+//! context attached at its first launch, further streams still paying for their queues (`history.rs`: a record per program in APEX's cache directory, `runs/`, written at exit;
 //! `APEX_PRELOAD_HISTORY=0` neither reads nor writes them); `APEX_PRELOAD_STATS=FILE` writes a JSON
 //! summary at exit ([`stats::Summary`]; `%p` in FILE becomes the process id, one file per process of a job);
 //! `APEX_PRELOAD_QUEUES=N` (default 8) bounds the streams taken over; `APEX_PRELOAD_ALLOC_CACHE=MIB|off` bounds the

@@ -116,6 +116,7 @@ impl Job {
             Job::Module { owner, .. } => Outcome::Module {
                 owner: *owner,
                 result: Err(Refusal::ModuleRefused(why)),
+                placing: std::time::Duration::ZERO,
             },
         }
     }
@@ -135,6 +136,8 @@ pub(crate) enum Outcome {
     Module {
         owner: Owner,
         result: Result<Module, Refusal>,
+        /// Of the load's time, what asking CUDA where the variables live took ([`load_module_timed`]).
+        placing: std::time::Duration,
     },
 }
 
@@ -161,9 +164,8 @@ pub(crate) fn attach(cuda: &dyn CudaSide, options: QueueOptions) -> Outcome {
     Outcome::Attached { result, first }
 }
 
-/// Loads `image` (of `owner`, a library when `library`) into `gpu`, every `__device__` variable placed at the
-/// address CUDA's instance of the module has for it (asked of the context current on this thread), and checks it
-/// for what APEX cannot run (`asserts`: failed asserts end their thread).
+/// As [`load_module_timed`], without the time (the tests').
+#[cfg(test)]
 pub(crate) fn load_module(
     cuda: &dyn CudaSide,
     gpu: &Gpu,
@@ -175,9 +177,12 @@ pub(crate) fn load_module(
     load_module_timed(cuda, gpu, owner, library, image, asserts).0
 }
 
-/// As [`load_module`], with the time spent asking CUDA where the variables live: CUDA loads its instance of the
-/// module to answer, which a program that ran the module's kernels on libcuda has paid for already and one run
-/// through APEX from its first launch pays for in CUDA's place (its price is not APEX's).
+/// Loads `image` (of `owner`, a library when `library`) into `gpu`, every `__device__` variable placed at the
+/// address CUDA's instance of the module has for it (asked of the context current on this thread), and checks it
+/// for what APEX cannot run (`asserts`: failed asserts end their thread). With the module, the time spent asking
+/// CUDA where the variables live: CUDA loads its instance of the module to answer, which a program that ran the
+/// module's kernels on libcuda has paid for already and one run through APEX from its first launch pays for in
+/// CUDA's place (its price is not APEX's).
 pub(crate) fn load_module_timed(
     cuda: &dyn CudaSide,
     gpu: &Gpu,
@@ -252,10 +257,15 @@ fn run(cuda: &dyn CudaSide, job: &Job) -> Outcome {
             image,
             asserts,
             ..
-        } => Outcome::Module {
-            owner: *owner,
-            result: load_module(cuda, gpu, *owner, *library, image.bytes(), *asserts),
-        },
+        } => {
+            let (result, placing) =
+                load_module_timed(cuda, gpu, *owner, *library, image.bytes(), *asserts);
+            Outcome::Module {
+                owner: *owner,
+                result,
+                placing,
+            }
+        }
     };
     // The thread keeps no context: one destroyed later is not left current here.
     let _ = cuda.set_current(None);

@@ -119,7 +119,11 @@ impl Engine {
                     }
                 }
             }
-            Outcome::Module { owner, result } => {
+            Outcome::Module {
+                owner,
+                result,
+                placing,
+            } => {
                 self.summary.setup.module.add(took);
                 let Some(ci) =
                     ci.filter(|&ci| self.contexts[ci].loading.get(&owner) == Some(&ticket))
@@ -132,7 +136,9 @@ impl Engine {
                 if result.is_ok()
                     && let Some(image) = self.registry.image(owner)
                 {
-                    self.takeover.module_took(image.bytes().len(), took);
+                    // CUDA's loading of its own instance is not APEX's price (as inline).
+                    self.takeover
+                        .module_took(image.bytes().len(), took.saturating_sub(placing));
                 }
                 self.contexts[ci].loading.remove(&owner);
                 if result.is_err() {
