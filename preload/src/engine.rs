@@ -1788,9 +1788,17 @@ impl Engine {
             return;
         }
         self.takeover.libcuda_launch_took(LIBCUDA_LAUNCH.estimate());
+        // A takeover made is also paid for at exit, freeing APEX's objects (RM's channel teardown: 6-18 ms on an H100).
+        let price_ns = match self.takeover.run_price() {
+            crate::history::Price::Paid(ns) => {
+                let freeing = (s.setup.teardown.total_ms * 1e6) as u64;
+                crate::history::Price::Paid(ns.saturating_add(freeing))
+            }
+            estimated => estimated,
+        };
         let run = crate::history::Run {
             launches,
-            price_ns: self.takeover.run_price(),
+            price_ns,
             saved_ns: self.takeover.timed_saving(),
         };
         // At exit nothing may be logged (thread-local state is gone): a record that cannot be written is left out.

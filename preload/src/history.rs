@@ -51,7 +51,8 @@ pub(crate) struct Record {
     /// The launches each run made, most recent first, at most [`KEPT`].
     pub(crate) launches: Vec<u64>,
     /// What the takeover cost (or, in a run that was not taken over, would have cost), nanoseconds: attaching to
-    /// the context and loading the modules its kernels came from, without what CUDA's own loading of them took.
+    /// the context and loading the modules its kernels came from, without what CUDA's own loading of them took, and
+    /// freeing APEX's objects at exit (a run that made no takeover: the estimate of the first two).
     pub(crate) price_ns: u64,
     /// What a launch through APEX saved, nanoseconds (libcuda's launch, timed in a run, less the hook's).
     pub(crate) saved_ns: u64,
@@ -214,6 +215,12 @@ impl History {
             exe,
             previous,
         }
+    }
+
+    /// The record as read at the start, where there was one (tests).
+    #[cfg(test)]
+    pub(crate) fn previous(&self) -> Option<&Record> {
+        self.previous.as_ref()
     }
 
     /// Whether the earlier runs advise taking the program over at its first launch.

@@ -362,3 +362,54 @@ fn an_unloaded_module_is_no_longer_owed() {
     assert_eq!(s.engine.takeover.threshold_in(CTX, Needs::Attach), base);
     assert_eq!(s.engine.summary().setup.modules_owed_ms, 0.0);
 }
+
+/// At exit a run leaves its record: the launches a takeover could serve (refused ones left out), the price it paid
+/// (the attach, the module load and the freeing at exit, all timed), and a process that made no launch leaves none.
+/// The next run of the program is advised by it.
+#[test]
+fn a_run_records_its_servable_launches_and_its_paid_price_at_exit() {
+    use crate::history::History;
+    let dir = std::env::temp_dir().join(format!("apex-engine-history-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let open = || History::at(Some(dir.clone()), "/bin/prog".into(), b"prog\0");
+    // A process that made no launch (a launcher) leaves nothing.
+    let mut idle = Setup::with_takeover(Policy::Earned);
+    idle.engine.history = open();
+    idle.engine.shutdown("the program exits");
+    idle.engine.record_run();
+    assert!(open().previous().is_none(), "no launch: no record");
+    let mut s = Setup::with_takeover(Policy::After(3));
+    s.engine.history = open();
+    for _ in 0..10 {
+        s.hook_launch(0);
+    }
+    // A launch of a refused function pays for nothing and is not counted.
+    let f = bare_launch().f;
+    s.engine.contexts[0]
+        .funcs
+        .insert(f, FuncState::Refused(Refusal::ModuleGlobals("v".into())));
+    assert!(!s.hook_launch(0));
+    let sum = s.engine.summary();
+    assert_eq!((sum.apex, sum.warmup, sum.fallback), (7, 3, 1), "{sum:?}");
+    s.engine.shutdown("the program exits");
+    s.engine.record_run();
+    let r = open().previous().cloned().expect("a record");
+    assert_eq!(
+        r.launches,
+        vec![10],
+        "launches through APEX and before the takeover, not the refused one"
+    );
+    let sum = s.engine.summary();
+    let timed =
+        (sum.setup.attach.total_ms + sum.setup.module.total_ms + sum.setup.teardown.total_ms) * 1e6;
+    assert!(r.price_ns > 0, "{r:?}");
+    assert!(
+        r.price_ns as f64 <= timed * 1.01 + 20_000.0, // each piece is timed twice, a few µs apart
+        "the price paid is what the attach, the load and the freeing took, CUDA's own loading left out: {r:?}, {timed} ns timed"
+    );
+    assert!(
+        sum.setup.teardown.count > 0,
+        "the freeing at exit was timed"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
