@@ -187,6 +187,9 @@ def summarize_program(name, runs, pairs_requested, metric="step_us"):
         identical = not mismatches
 
     stats = aggregate_stats([r.get("stats") for r in runs if r["side"] == "preload"])
+    # Runs the program's earlier runs advised to take over at the first launch (APEX_PRELOAD_HISTORY): the first
+    # preloaded run of a program on a machine never is, so a median over pairs mixes both.
+    advised = sum(1 for r in runs if r["side"] == "preload" and history_of(r.get("stats")).startswith("advised"))
     missing_stats = sum(1 for r in runs if r["side"] == "preload" and run_ok(r) and r.get("stats") is None)
     # Panic / apex-preload stderr lines of the preload runs, each once, with the pairs it came in.
     notable = []
@@ -223,9 +226,17 @@ def summarize_program(name, runs, pairs_requested, metric="step_us"):
         "failures": failures,
         "stats": stats,
         "preload_runs_without_stats": missing_stats,
+        "advised_runs": advised,
         "notable_stderr": notable,
         "notable_stderr_total": notable_total,
     }
+
+
+def history_of(stats):
+    """What a preload summary says its program's earlier runs advised ("" when it says nothing)."""
+    setup = stats.get("setup") if isinstance(stats, dict) else None
+    history = setup.get("history") if isinstance(setup, dict) else None
+    return history if isinstance(history, str) else ""
 
 
 def _is_number(v):
@@ -393,6 +404,11 @@ def format_program_report(summary):
             for d in m["differences"]:
                 out.append(f"  !!!   pair {m['pair']} {m['side']}: {d}")
     out.extend(format_stats(s["stats"], s["preload_runs_without_stats"]))
+    if s["stats"]:
+        out.append(
+            f"    earlier runs' advice (APEX_PRELOAD_HISTORY): {s['advised_runs']} of {s['stats']['runs']} preloaded runs "
+            "taken over at their first launch"
+        )
     if s["notable_stderr"]:
         preload_runs = sorted({r for n in s["notable_stderr"] for r in n["pairs"]})
         out.append(

@@ -90,6 +90,8 @@ FAKE = textwrap.dedent(
             "reasons": {"device_runtime": {"launches": 100, "example": "kernel calls __assertfail"}},
             "hops_to_cuda": 7, "hops_to_apex": 8, "cpu_syncs": 0,
             "queues": 1, "attach": "direct",
+            # The first preloaded run of a program has no earlier run to advise it; later ones are advised.
+            "setup": {"history": "no earlier run recorded" if n == 0 else "advised: the last 1 run(s) made ..."},
         }
         path = os.environ["APEX_PRELOAD_STATS"]
         ranks = config.get("ranks", 0)
@@ -176,6 +178,9 @@ class EndToEnd(unittest.TestCase):
         self.assertIn("fallback device_runtime: 100 e.g. 'kernel calls __assertfail'", proc.stdout)
         self.assertIn("hops_to_cuda 7, hops_to_apex 8, cpu_syncs 0", proc.stdout)
         self.assertIn("queues 1, attach direct", proc.stdout)
+        self.assertEqual(s["advised_runs"], 2)
+        self.assertIn("earlier runs' advice (APEX_PRELOAD_HISTORY): 2 of 3 preloaded runs taken over at their first "
+                      "launch", proc.stdout)
 
     def test_processes_of_a_run_each_write_a_summary(self):
         prog = self.fake("ranks", {"plain": [100] * 5, "preload": [50] * 5, "ranks": 2})
