@@ -189,7 +189,12 @@ def summarize_program(name, runs, pairs_requested, metric="step_us"):
     stats = aggregate_stats([r.get("stats") for r in runs if r["side"] == "preload"])
     # Runs the program's earlier runs advised to take over at the first launch (APEX_PRELOAD_HISTORY): the first
     # preloaded run of a program on a machine never is, so a median over pairs mixes both.
-    advised = sum(1 for r in runs if r["side"] == "preload" and history_of(r.get("stats")).startswith("advised"))
+    advised = sum(
+        1
+        for r in runs
+        if r["side"] == "preload" and history_of(r.get("stats")).startswith("advised")
+        and "not followed" not in history_of(r.get("stats"))
+    )
     missing_stats = sum(1 for r in runs if r["side"] == "preload" and run_ok(r) and r.get("stats") is None)
     # Panic / apex-preload stderr lines of the preload runs, each once, with the pairs it came in.
     notable = []

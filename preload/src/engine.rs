@@ -896,9 +896,10 @@ impl Engine {
             .cuda
             .attach()
             .map(|(gpu, asserts)| (Arc::new(gpu), asserts));
-        self.summary.setup.attach.add(started.elapsed());
+        let took = started.elapsed();
+        self.summary.setup.attach.add(took);
         if result.is_ok() {
-            self.takeover.attach_took(started.elapsed());
+            self.takeover.attach_took(took);
         }
         Ok(self.adopt(handle, result, None)?)
     }
@@ -1454,14 +1455,13 @@ impl Engine {
             image.bytes(),
             asserts,
         );
-        self.summary.setup.module.add(started.elapsed());
+        let took = started.elapsed();
+        self.summary.setup.module.add(took);
         // Only loads that did the work price later ones (a refusal can come early); CUDA's loading of its own
         // instance (asked where the variables live) is not APEX's price.
         if loaded.is_ok() {
-            self.takeover.module_took(
-                image.bytes().len(),
-                started.elapsed().saturating_sub(placing),
-            );
+            self.takeover
+                .module_took(image.bytes().len(), took.saturating_sub(placing));
         }
         self.module_loaded(ci, owner, loaded).map(Some)
     }
@@ -1611,10 +1611,11 @@ impl Engine {
             .gpu
             .queue_with(self.queue_options())
             .map_err(|e| Refusal::QueueFailed(e.to_string()))?;
-        self.summary.setup.queue.add(started.elapsed());
+        let took = started.elapsed();
+        self.summary.setup.queue.add(took);
         if !built {
             // The kept proving queue costs nothing: only a real build prices the next takeover.
-            self.takeover.queue_took(started.elapsed());
+            self.takeover.queue_took(took);
         }
         self.summary.queues += 1;
         Ok(q)
@@ -1788,17 +1789,11 @@ impl Engine {
             return;
         }
         self.takeover.libcuda_launch_took(LIBCUDA_LAUNCH.estimate());
-        // A takeover made is also paid for at exit, freeing APEX's objects (RM's channel teardown: 6-18 ms on an H100).
-        let price_ns = match self.takeover.run_price() {
-            crate::history::Price::Paid(ns) => {
-                let freeing = (s.setup.teardown.total_ms * 1e6) as u64;
-                crate::history::Price::Paid(ns.saturating_add(freeing))
-            }
-            estimated => estimated,
-        };
+        // The price is the takeover's as `earned` prices it (the attach and the module loads): freeing APEX's objects at
+        // exit (6-18 ms on an H100) is left out of both alike.
         let run = crate::history::Run {
             launches,
-            price_ns,
+            price_ns: self.takeover.run_price(),
             saved_ns: self.takeover.timed_saving(),
         };
         // At exit nothing may be logged (thread-local state is gone): a record that cannot be written is left out.

@@ -11,7 +11,9 @@
 //! attach is made), and further streams of the context still pay for their queues with their own launches. A run
 //! that goes differently is recorded too: one short run is enough to stop the advice for the next. The launches
 //! counted are those a takeover could serve (refused ones pay for nothing). A run that ends without its exit
-//! handlers (killed by a signal, `_exit`, `exec`) or a forked child leaves no record.
+//! handlers (killed by a signal, `_exit`, `exec`) or a forked child leaves no record; of runs that end at the same
+//! moment (a job's ranks, which share a command line and so a record) one may overwrite the other's, and the runs kept
+//! are the last processes, not the last jobs.
 //!
 //! The record lives in the cache directory of APEX ([`apex::module::cache::cache_root`]: `$APEX_CACHE_DIR`, else
 //! `$XDG_CACHE_HOME/apex`, else `~/.cache/apex`), in `runs/<key>`, where the key is a hash of the executable's path
@@ -51,8 +53,8 @@ pub(crate) struct Record {
     /// The launches each run made, most recent first, at most [`KEPT`].
     pub(crate) launches: Vec<u64>,
     /// What the takeover cost (or, in a run that was not taken over, would have cost), nanoseconds: attaching to
-    /// the context and loading the modules its kernels came from, without what CUDA's own loading of them took, and
-    /// freeing APEX's objects at exit (a run that made no takeover: the estimate of the first two).
+    /// the context and loading the modules its kernels came from, without what CUDA's own loading of them took (as
+    /// the `earned` policy prices it; freeing APEX's objects at exit is left out of both).
     pub(crate) price_ns: u64,
     /// What a launch through APEX saved, nanoseconds (libcuda's launch, timed in a run, less the hook's).
     pub(crate) saved_ns: u64,
@@ -317,21 +319,23 @@ fn write(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
+    // The clock's nanoseconds too: processes of other PID namespaces may share the directory.
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
     let tmp = dir.join(format!(
-        ".{name}.{}.{}.tmp",
+        ".{name}.{}.{}.{nanos}.tmp",
         std::process::id(),
         UNIQUE.fetch_add(1, Ordering::Relaxed)
     ));
-    let written = (|| {
-        let mut f = fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&tmp)?;
-        f.write_all(bytes)?;
-        fs::rename(&tmp, path)
-    })();
+    // Created exclusively: a name taken by another process is its file, never removed here.
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&tmp)?;
+    let written = f.write_all(bytes).and_then(|()| fs::rename(&tmp, path));
     if written.is_err() {
         let _ = fs::remove_file(&tmp);
     }

@@ -364,7 +364,7 @@ fn an_unloaded_module_is_no_longer_owed() {
 }
 
 /// At exit a run leaves its record: the launches a takeover could serve (refused ones left out), the price it paid
-/// (the attach, the module load and the freeing at exit, all timed), and a process that made no launch leaves none.
+/// (the attach and the module load, as timed), and a process that made no launch leaves none.
 /// The next run of the program is advised by it.
 #[test]
 fn a_run_records_its_servable_launches_and_its_paid_price_at_exit() {
@@ -400,16 +400,11 @@ fn a_run_records_its_servable_launches_and_its_paid_price_at_exit() {
         "launches through APEX and before the takeover, not the refused one"
     );
     let sum = s.engine.summary();
-    let timed =
-        (sum.setup.attach.total_ms + sum.setup.module.total_ms + sum.setup.teardown.total_ms) * 1e6;
-    assert!(r.price_ns > 0, "{r:?}");
+    let timed = (sum.setup.attach.total_ms + sum.setup.module.total_ms) * 1e6;
     assert!(
-        r.price_ns as f64 <= timed * 1.01 + 20_000.0, // each piece is timed twice, a few µs apart
-        "the price paid is what the attach, the load and the freeing took, CUDA's own loading left out: {r:?}, {timed} ns timed"
-    );
-    assert!(
-        sum.setup.teardown.count > 0,
-        "the freeing at exit was timed"
+        r.price_ns > 0 && (r.price_ns as f64 - timed).abs() <= 10_000.0, // the same durations, summed as ms
+        "the price paid is what the attach and the load took (CUDA's own loading, none here, left out): {r:?}, \
+         {timed} ns timed"
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
