@@ -164,19 +164,6 @@ pub(crate) fn attach(cuda: &dyn CudaSide, options: QueueOptions) -> Outcome {
     Outcome::Attached { result, first }
 }
 
-/// As [`load_module_timed`], without the time (the tests').
-#[cfg(test)]
-pub(crate) fn load_module(
-    cuda: &dyn CudaSide,
-    gpu: &Gpu,
-    owner: Owner,
-    library: bool,
-    image: &[u8],
-    asserts: bool,
-) -> Result<Module, Refusal> {
-    load_module_timed(cuda, gpu, owner, library, image, asserts).0
-}
-
 /// Loads `image` (of `owner`, a library when `library`) into `gpu`, every `__device__` variable placed at the
 /// address CUDA's instance of the module has for it (asked of the context current on this thread), and checks it
 /// for what APEX cannot run (`asserts`: failed asserts end their thread). With the module, the time spent asking
@@ -192,11 +179,12 @@ pub(crate) fn load_module_timed(
     asserts: bool,
 ) -> (Result<Module, Refusal>, std::time::Duration) {
     let placing = std::cell::Cell::new(std::time::Duration::ZERO);
-    let loaded = load_module_placing(cuda, gpu, owner, library, image, asserts, &placing);
+    let loaded = load_placing(cuda, gpu, owner, library, image, asserts, &placing);
     (loaded, placing.get())
 }
 
-fn load_module_placing(
+/// [`load_module_timed`]'s load, adding the time of each question to CUDA to `placing`.
+fn load_placing(
     cuda: &dyn CudaSide,
     gpu: &Gpu,
     owner: Owner,
@@ -579,9 +567,9 @@ mod tests {
         const DATA: &[u8] = include_bytes!("../../kernels/conformance/module_data.sm_90.cubin");
         let (gpu, _sim) = Gpu::open_simulated(apex::rm::sim::SimConfig::default()).unwrap();
         let none = SlowAttach::default();
-        let loaded = load_module(&none, &gpu, 1, false, PRINTF, true);
+        let loaded = load_module_timed(&none, &gpu, 1, false, PRINTF, true).0;
         assert!(loaded.is_ok(), "{:?}", loaded.err());
-        match load_module(&none, &gpu, 2, false, DATA, true) {
+        match load_module_timed(&none, &gpu, 2, false, DATA, true).0 {
             Err(Refusal::ModuleGlobals(name)) => assert_eq!(name, "dev_value"),
             other => panic!("module_data: {:?}", other.err()),
         }
@@ -593,11 +581,11 @@ mod tests {
             }),
             ..SlowAttach::default()
         };
-        match load_module(&wrong_size, &gpu, 3, false, DATA, true) {
+        match load_module_timed(&wrong_size, &gpu, 3, false, DATA, true).0 {
             Err(Refusal::ModuleGlobals(name)) => assert_eq!(name, "dev_value"),
             other => panic!("module_data with mismatched sizes: {:?}", other.err()),
         }
-        let loaded = load_module(&wrong_size, &gpu, 4, false, PRINTF, true);
+        let loaded = load_module_timed(&wrong_size, &gpu, 4, false, PRINTF, true).0;
         assert!(
             loaded.is_ok(),
             "constants never asked for: {:?}",
