@@ -178,24 +178,10 @@ pub(crate) fn load_module_timed(
     image: &[u8],
     asserts: bool,
 ) -> (Result<Module, Refusal>, std::time::Duration) {
-    let placing = std::cell::Cell::new(std::time::Duration::ZERO);
-    let loaded = load_placing(cuda, gpu, owner, library, image, asserts, &placing);
-    (loaded, placing.get())
-}
-
-/// [`load_module_timed`]'s load, adding the time of each question to CUDA to `placing`.
-fn load_placing(
-    cuda: &dyn CudaSide,
-    gpu: &Gpu,
-    owner: Owner,
-    library: bool,
-    image: &[u8],
-    asserts: bool,
-    placing: &std::cell::Cell<std::time::Duration>,
-) -> Result<Module, Refusal> {
     // The module's `__device__` variables are CUDA's instance's: kernels on both sides share them. Any one CUDA does
     // not give (or gives at another size: not the same variable) would diverge. The compiler's constants are not
     // asked for (`Gpu::load_module_sharing`): both instances hold the same bytes, which nothing writes.
+    let placing = std::cell::Cell::new(std::time::Duration::ZERO);
     let unplaced = std::cell::RefCell::new(None);
     let place = |name: &str, size: u64| {
         let asked = std::time::Instant::now();
@@ -208,22 +194,26 @@ fn load_placing(
         }
         home
     };
-    let m = gpu
+    let loaded = gpu
         .load_module_sharing(image, &place)
-        .map_err(|e| Refusal::ModuleRefused(e.to_string()))?;
-    if let Some(name) = unplaced.into_inner() {
-        return Err(Refusal::ModuleGlobals(name));
-    }
-    let checking = std::time::Instant::now();
-    let refusal = m.cubin().and_then(|c| check::module_refusal(c, asserts));
-    tracing::debug!(
-        check_us = checking.elapsed().as_micros(),
-        "module checked for what APEX refuses"
-    );
-    match refusal {
-        Some(r) => Err(r),
-        None => Ok(m),
-    }
+        .map_err(|e| Refusal::ModuleRefused(e.to_string()))
+        .and_then(|m| match unplaced.borrow_mut().take() {
+            Some(name) => Err(Refusal::ModuleGlobals(name)),
+            None => Ok(m),
+        })
+        .and_then(|m| {
+            let checking = std::time::Instant::now();
+            let refusal = m.cubin().and_then(|c| check::module_refusal(c, asserts));
+            tracing::debug!(
+                check_us = checking.elapsed().as_micros(),
+                "module checked for what APEX refuses"
+            );
+            match refusal {
+                Some(r) => Err(r),
+                None => Ok(m),
+            }
+        });
+    (loaded, placing.get())
 }
 
 /// Runs `job` with its context current on this thread (the worker's).
