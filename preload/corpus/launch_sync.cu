@@ -19,6 +19,12 @@ static double now_ns() {
   return std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 static void spin(double ns) { double t = now_ns(); while (now_ns() - t < ns) {} }
+// The program's own work after a launch: plain stores, as an interpreter makes. A launch's last stores to the GPU
+// (write-combined lines, a store fence, the uncached doorbell) leave the core after the call returns; stores queued
+// behind them wait until they have, so "from call to return" alone can leave part of a launch's cost to whatever the
+// program does next. `driver_launch_then_work_ns` is a launch followed by 256 stores, less the stores alone.
+static volatile unsigned long work_sink[256];
+__attribute__((noinline)) static void work() { for (int i = 0; i < 256; i++) work_sink[i] = i; }
 
 // Median of `n` timings of `body`, each after `before` (untimed).
 template <typename B, typename F> static double median(int n, B before, F body) {
@@ -50,6 +56,9 @@ int main(int argc, char **argv) {
   auto every = [&](int i) { if (i % 128 == 0) CHECK(cudaStreamSynchronize(st)); };
   printf("metric driver_launch_isolated_ns %.0f\n", median(n, idle, [&](int) {
     cuLaunchKernel(cf, 1, 1, 1, 1, 1, 1, 0, (CUstream)st, nullptr, nullptr); }));
+  double work_alone = median(n, idle, [&](int) { work(); });
+  printf("metric driver_launch_then_work_ns %.0f\n", median(n, idle, [&](int) {
+    cuLaunchKernel(cf, 1, 1, 1, 1, 1, 1, 0, (CUstream)st, nullptr, nullptr); work(); }) - work_alone);
   printf("metric driver_launch_b2b_ns %.0f\n", median(n, every, [&](int) {
     cuLaunchKernel(cf, 1, 1, 1, 1, 1, 1, 0, (CUstream)st, nullptr, nullptr); }));
   printf("metric runtime_launch_isolated_ns %.0f\n", median(n, idle, [&](int i) {

@@ -1,6 +1,5 @@
-//! The preload's allocation cache (issue 30): `cuMemAlloc`/`cuMemFree` and, opt-in (`APEX_PRELOAD_ALLOC_ASYNC=on`: a served free
-//! costs more than libcuda's, so not yet shown never slower), `cuMemAllocAsync`/`cuMemFreeAsync` (the
-//! runtime's `cudaMalloc`/`cudaFree` and `cudaMallocAsync`/`cudaFreeAsync`) served from a per-context cache of CUDA's
+//! The preload's allocation cache (issue 30): `cuMemAlloc`/`cuMemFree` and `cuMemAllocAsync`/`cuMemFreeAsync`
+//! (`APEX_PRELOAD_ALLOC_ASYNC=off` leaves the second pair to libcuda) (the runtime's `cudaMalloc`/`cudaFree` and `cudaMallocAsync`/`cudaFreeAsync`) served from a per-context cache of CUDA's
 //! own allocations: a freed block is kept and handed back to the next allocation of the same size in the same context,
 //! so a program that allocates and frees in a loop pays a lookup instead of RM and UVM work (and, on a stream APEX took
 //! over, instead of the two hops a call left to libcuda costs).
@@ -18,9 +17,14 @@
 //! - `cuMemFree` waits, as libcuda's free does, for the context's work before the block can be handed out again.
 //! - `cuMemFreeAsync(block, S)` returns at once; the block is handed to a later `cuMemAllocAsync` on `S` at once (stream
 //!   order puts every later use after every earlier one) and to one on another stream only once `S`'s work up to the
-//!   free is known complete: the free's [`Marker`] is the fence of the APEX queue of `S` (taken over, its queue's last
-//!   launch standing for all of `S`'s work) or an event of the preload's recorded on `S` at the free. A block not yet
-//!   safe is simply not used: the allocation goes to libcuda. The stream-ordered path serves only while the device's
+//!   free is known complete. The free itself asks nothing of libcuda or the engine (a lookup): the block is held
+//!   unmarked ([`Marker::Stream`]) and completes when `S` returns from a synchronization (`cuStreamSynchronize`, an
+//!   idle `cuStreamQuery`, a context synchronization). An allocation on another stream that finds only such blocks
+//!   marks one: the fence of `S`'s APEX queue (taken over, its last launch standing for all of `S`'s work) or an
+//!   event of the preload's recorded on `S` (later work on `S` completes after the free), and from then on frees of
+//!   that size are marked at once, as blocks of it cross between streams (the per-thread default stream's frees are
+//!   always marked at once). A block not yet safe is simply not used: the allocation goes to libcuda. A stream
+//!   destroyed with unmarked blocks freed on it gets them freed through libcuda on it first. The stream-ordered path serves only while the device's
 //!   current pool is its default pool (`cuDeviceSetMemPool` never made another one current), never during a graph
 //!   capture (an allocation there is a graph node), and never `cuMemAllocFromPoolAsync`.
 //! - A block freed through the other path's entry point (`cuMemFree` of a stream-ordered block, `cuMemFreeAsync` of a
@@ -44,8 +48,8 @@
 
 pub mod stream_ordered;
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use crate::order::StreamKey;
@@ -99,8 +103,14 @@ pub enum Marker {
     /// Complete once this fence of the stream's APEX queue is: the queue's last launch stood for all of the stream's
     /// work at the free.
     Fence(apex::Fence),
-    /// Complete once this CUDA event (the preload's own, recorded on the stream at the free) is.
+    /// Complete once this CUDA event (the preload's own, recorded on the stream at or after the free) is.
     Event(usize),
+    /// Nothing asked at the free (it cost a lookup, not a driver call): complete once the block's stream (its
+    /// [`HeldBlock::lane`], never `None` with this marker) has done its work up to the free. A synchronization of that
+    /// stream that returned makes it [`Marker::Done`]; a fence or event taken on the stream later stands for it (later
+    /// work on a stream completes after earlier work), which an allocation on another stream asks for when it finds
+    /// no block ready ([`AllocCache::to_mark`]).
+    Stream,
 }
 
 impl Marker {
@@ -192,12 +202,26 @@ pub struct AllocCache {
     asked: HashMap<(usize, usize, bool), u32>,
     held: usize,
     held_async: usize,
+    /// Stream-ordered blocks held without a marker ([`Marker::Stream`]).
+    unmarked: usize,
+    /// (context, size) of stream-ordered allocations that found blocks of their size freed on another stream and
+    /// not marked: frees of that size are marked at once from then on (a program that hands blocks between streams).
+    crossing: HashSet<(usize, usize)>,
     pools: HashMap<usize, Pools>,
     /// Stream handle → its context, as libcuda said.
     streams: HashMap<usize, usize>,
     /// (context, event): the preload's events no marker holds.
     spare_events: Vec<(usize, usize)>,
     stats: CacheStats,
+}
+
+/// Stream-ordered blocks held without a marker ([`Marker::Stream`]), so that a synchronization with none held costs
+/// one load.
+static UNMARKED: AtomicUsize = AtomicUsize::new(0);
+
+/// Whether any stream-ordered block is held without a marker (a synchronization may then complete it).
+pub fn unmarked_held() -> bool {
+    UNMARKED.load(Ordering::Relaxed) > 0
 }
 
 /// Bumped whenever the program changes a device's current pool: what the cache knows of pools is asked again.
@@ -224,6 +248,8 @@ impl AllocCache {
             asked: HashMap::new(),
             held: 0,
             held_async: 0,
+            unmarked: 0,
+            crossing: HashSet::new(),
             pools: HashMap::new(),
             streams: HashMap::new(),
             spare_events: Vec::new(),
@@ -451,14 +477,135 @@ impl AllocCache {
 
     /// The program destroyed stream `handle`: blocks freed on it are handed out only once their free is complete (a
     /// new stream may get the same handle), and its context is asked again if the handle comes back.
-    pub fn stream_destroyed(&mut self, handle: usize) {
+    ///
+    /// Returns the blocks freed on it whose free was never marked ([`Marker::Stream`]): out of the cache now, for
+    /// libcuda to free on the stream before it goes (stream order keeps that free after the program's).
+    pub fn stream_destroyed(&mut self, handle: usize) -> Vec<u64> {
         self.streams.remove(&handle);
         let gone = Some(StreamKey::Handle(handle));
+        let mut unmarked = Vec::new();
         for list in self.free_async.values_mut() {
-            for b in list.iter_mut().filter(|b| b.lane == gone) {
+            list.retain_mut(|b| {
+                if b.lane != gone {
+                    return true;
+                }
+                if matches!(b.marker, Marker::Stream) {
+                    unmarked.push(b.ptr);
+                    return false;
+                }
                 b.lane = None;
+                true
+            });
+        }
+        self.forget_held(&unmarked);
+        unmarked
+    }
+
+    /// Blocks taken out of the stream-ordered lists for libcuda: no longer the cache's.
+    fn forget_held(&mut self, ptrs: &[u64]) {
+        for p in ptrs {
+            if let Some(e) = self.blocks.remove(p) {
+                self.held -= e.bytes;
+                self.held_async -= 1;
             }
         }
+        self.free_async.retain(|_, l| !l.is_empty());
+        self.count_unmarked();
+    }
+
+    /// Recounts the blocks held without a marker ([`unmarked_held`]).
+    fn count_unmarked(&mut self) {
+        let n = self
+            .free_async
+            .values()
+            .flat_map(|l| l.iter())
+            .filter(|b| matches!(b.marker, Marker::Stream))
+            .count();
+        self.set_unmarked(n);
+    }
+
+    /// Sets the count of blocks held without a marker, and its copy for [`unmarked_held`].
+    fn set_unmarked(&mut self, n: usize) {
+        self.unmarked = n;
+        UNMARKED.store(n, Ordering::Relaxed);
+    }
+
+    /// A synchronization returned: of stream `lane` (a handle names one stream in any context; the legacy stream
+    /// is `ctx`'s), or with `lane` `None` of context `ctx` as a whole. The frees made there so far are complete.
+    pub fn synchronized(&mut self, ctx: Option<usize>, lane: Option<StreamKey>) {
+        let any_context = matches!(lane, Some(StreamKey::Handle(_)));
+        for (k, list) in self
+            .free_async
+            .iter_mut()
+            .filter(|(k, _)| any_context || Some(k.0) == ctx)
+        {
+            for b in list.iter_mut() {
+                if lane.is_none() || b.lane == lane {
+                    // Whatever marked it, the free is complete: a marker's event goes back to the spares.
+                    let m = std::mem::replace(&mut b.marker, Marker::Done);
+                    if let Some(e) = m.event() {
+                        self.spare_events.push((k.0, e));
+                    }
+                }
+            }
+        }
+        self.count_unmarked();
+    }
+
+    /// After an allocation of `bytes` on `lane` in `ctx` found no block ready: the oldest block of that size freed
+    /// on another stream and not marked yet, with its stream, for the caller to mark ([`AllocCache::mark`]) so that
+    /// a later allocation can tell when it is free. Such a find also predicts that blocks of this size cross between
+    /// streams: their frees are marked at once from then on ([`AllocCache::marks_at_free`]).
+    pub fn to_mark(
+        &mut self,
+        ctx: usize,
+        bytes: usize,
+        lane: Option<StreamKey>,
+    ) -> Option<(u64, StreamKey)> {
+        let found =
+            self.free_async
+                .get(&(ctx, bytes))?
+                .iter()
+                .find_map(|b| match (b.lane, &b.marker) {
+                    (Some(l), Marker::Stream) if Some(l) != lane => Some((b.ptr, l)),
+                    _ => None,
+                });
+        if found.is_some() {
+            if self.crossing.len() >= HISTORY {
+                self.crossing.clear();
+            }
+            self.crossing.insert((ctx, bytes));
+        }
+        found
+    }
+
+    /// Whether the free of stream-ordered block `ptr` in `ctx` is marked at once rather than left unmarked: its size
+    /// was seen crossing between streams ([`AllocCache::to_mark`]).
+    pub fn marks_at_free(&self, ctx: usize, ptr: u64) -> bool {
+        self.blocks
+            .get(&ptr)
+            .is_some_and(|e| self.crossing.contains(&(ctx, e.bytes)))
+    }
+
+    /// Gives held block `ptr`, not marked yet, `marker` (taken on its stream after its free). `Err` (with the marker,
+    /// for its event) when the block is gone or was marked meanwhile.
+    pub fn mark(&mut self, ctx: usize, ptr: u64, marker: Marker) -> Result<(), Marker> {
+        let Some(bytes) = self.blocks.get(&ptr).filter(|e| e.held).map(|e| e.bytes) else {
+            return Err(marker);
+        };
+        let Some(b) = self
+            .free_async
+            .get_mut(&(ctx, bytes))
+            .and_then(|l| l.iter_mut().find(|b| b.ptr == ptr))
+        else {
+            return Err(marker);
+        };
+        if !matches!(b.marker, Marker::Stream) {
+            return Err(marker);
+        }
+        b.marker = marker;
+        self.set_unmarked(self.unmarked.saturating_sub(1));
+        Ok(())
     }
 
     /// A stream-ordered allocation of `bytes` in `ctx` on stream `lane` (see [`lane`]): a held block freed on the same
@@ -504,6 +651,9 @@ impl AllocCache {
         };
         self.held -= b.bytes;
         self.held_async -= 1;
+        if matches!(b.marker, Marker::Stream) {
+            self.set_unmarked(self.unmarked.saturating_sub(1));
+        }
         if let Some(e) = b.marker.event() {
             self.spare_events.push((ctx, e));
         }
@@ -554,6 +704,9 @@ impl AllocCache {
         };
         e.held = true;
         let bytes = e.bytes;
+        if matches!(marker, Marker::Stream) {
+            self.set_unmarked(self.unmarked + 1);
+        }
         self.free_async
             .entry((ctx, bytes))
             .or_default()
@@ -571,7 +724,8 @@ impl AllocCache {
     }
 
     /// Takes stream-ordered blocks of `ctx` out of the cache, for libcuda to free: those whose free `done` says is
-    /// complete (their events back to the spares), and with `all` every other one too. Returns (the complete ones'
+    /// complete (their events back to the spares), those never marked ([`Marker::Stream`]: libcuda frees them on their
+    /// streams), and with `all` every other one too. Returns (the complete ones'
     /// addresses, the others).
     pub fn drain_async(
         &mut self,
@@ -599,7 +753,9 @@ impl AllocCache {
                         self.spare_events.push((ctx, e));
                     }
                     ready.push(b.ptr);
-                } else if all {
+                } else if all || matches!(b.marker, Marker::Stream) {
+                    // Not marked: nothing tells whether its free is complete, and libcuda can tell once it has the
+                    // block, freed on its own stream after the program's free.
                     pending.push(b);
                 } else {
                     kept.push_back(b);
@@ -614,6 +770,7 @@ impl AllocCache {
             }
         }
         self.free_async.retain(|_, l| !l.is_empty());
+        self.count_unmarked();
         (ready, pending)
     }
 
@@ -667,6 +824,7 @@ impl AllocCache {
                 .map(|(k, v)| k.1 * v.len())
                 .sum::<usize>();
         self.held_async = self.free_async.values().map(VecDeque::len).sum();
+        self.count_unmarked();
     }
 
     /// The counters so far.

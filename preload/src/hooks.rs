@@ -38,6 +38,9 @@ enum Kind {
     EventRecord,
     /// `cuCtxSynchronize`: APEX's queues waited for on the CPU; libcuda only if CUDA had work.
     CtxSync,
+    /// `cuCtxSynchronize_v2(ctx)`: as `Device` (the context named may not be the current one); when it names the
+    /// current context (or none), its success completes that context's work as `CtxSync`'s does.
+    CtxSyncOf,
     /// A copy between the host and the device, run on the stream's APEX queue where it can be (else `Work`):
     /// `cuMemcpyDtoHAsync`, `cuMemcpyHtoDAsync`, `cuMemcpyAsync`, and their synchronous forms.
     CopyDtoHAsync,
@@ -63,7 +66,16 @@ impl Kind {
     /// context): ordering with queues, events kept on APEX, answers from fences, copies and sets run on queues.
     /// `Device` and `Teardown` also keep the preload's books (frees, the end of a context): always handled.
     fn needs_apex_only(self) -> bool {
-        !matches!(self, Kind::Device | Kind::Teardown)
+        !matches!(self, Kind::Device | Kind::CtxSyncOf | Kind::Teardown)
+    }
+
+    /// Whether the call, answered with success, says its site's work so far is complete (the allocation cache's
+    /// unmarked frees there are then complete).
+    fn completes(self) -> bool {
+        matches!(
+            self,
+            Kind::StreamSync | Kind::StreamQuery | Kind::CtxSync | Kind::CtxSyncOf
+        )
     }
 
     /// Whether the call puts work on its stream (a queue that takes the stream over must wait for it).
@@ -75,6 +87,7 @@ impl Kind {
                 | Kind::EventRecord
                 | Kind::CtxSync
                 | Kind::Device
+                | Kind::CtxSyncOf
                 | Kind::Teardown
         )
     }
@@ -88,6 +101,8 @@ struct Args {
     event: usize,
     /// `cuStreamWaitEvent`'s flags.
     flags: u32,
+    /// The context `cuCtxSynchronize_v2` names (0: the current one).
+    context: usize,
     /// A copy's destination, source and size.
     copy: (u64, u64, usize),
     /// A memset's destination, value and element count.
@@ -236,7 +251,7 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
                 after_waiting(r)
             }
         },
-        Kind::Device => match engine::device_quiet() {
+        Kind::Device | Kind::CtxSyncOf => match engine::device_quiet() {
             Answer::Done(code) => code,
             Answer::Forward => after_waiting(call()),
         },
@@ -299,7 +314,7 @@ type P = *mut c_void;
 type Dptr = u64;
 
 macro_rules! hooks {
-    ($( $sym:ident, $base:literal, $pt:literal, $versioned:literal, $kind:ident, ($($a:ident: $t:ty),*) => $site:expr $(, event $ev:ident)? $(, flags $fl:ident)? $(, copy $cd:ident $cs:ident $cn:ident)? $(, set $sd:ident $sv:ident $sn:ident)?; )*) => {
+    ($( $sym:ident, $base:literal, $pt:literal, $versioned:literal, $kind:ident, ($($a:ident: $t:ty),*) => $site:expr $(, event $ev:ident)? $(, flags $fl:ident)? $(, context $cx:ident)? $(, copy $cd:ident $cs:ident $cn:ident)? $(, set $sd:ident $sv:ident $sn:ident)?; )*) => {
         $(
             #[allow(non_snake_case)]
             mod $sym {
@@ -332,10 +347,15 @@ macro_rules! hooks {
                 };
                 $( args.event = $ev as usize; )?
                 $( args.flags = $fl as u32; )?
+                $( args.context = $cx as usize; )?
                 $( args.copy = ($cd as u64, $cs as u64, $cn); )?
                 $( args.set = ($sd, u32::from($sv), $sn); )?
                 // SAFETY: forwarded unchanged.
-                around(Kind::$kind, site, args, || unsafe { real($($a),*) })
+                let r = around(Kind::$kind, site, args, || unsafe { real($($a),*) });
+                if r == 0 && Kind::$kind.completes() {
+                    memory::synchronized(site, args.context);
+                }
+                r
             }
         )*
 
@@ -520,7 +540,7 @@ hooks! {
     // The whole context.
     cuCtxSynchronize, "cuCtxSynchronize", false, true, CtxSync, () => Site::Device;
     // A context that may not be the current one: its queues are waited for, and libcuda always synchronizes it.
-    cuCtxSynchronize_v2, "cuCtxSynchronize", false, true, Device, (c: P) => Site::Device;
+    cuCtxSynchronize_v2, "cuCtxSynchronize", false, true, CtxSyncOf, (c: P) => Site::Device, context c;
     cuMemFreeHost, "cuMemFreeHost", false, false, Device, (p: P) => Site::Device;
     cuMemHostUnregister, "cuMemHostUnregister", false, false, Device, (p: P) => Site::Device;
     cuMemUnmap, "cuMemUnmap", false, false, Device, (d: Dptr, n: usize) => Site::Device;

@@ -24,8 +24,8 @@
 //! `APEX_PRELOAD_HISTORY=0` neither reads nor writes them); `APEX_PRELOAD_STATS=FILE` writes a JSON
 //! summary at exit ([`stats::Summary`]; `%p` in FILE becomes the process id, one file per process of a job);
 //! `APEX_PRELOAD_QUEUES=N` (default 8) bounds the streams taken over; `APEX_PRELOAD_ALLOC_CACHE=MIB|off` bounds the
-//! allocation cache that serves `cuMemAlloc` and, with `APEX_PRELOAD_ALLOC_ASYNC=on` (opt-in), `cuMemAllocAsync`
-//! ([`alloc_cache`], default 1024 MiB); `APEX_PRELOAD_LOG=LEVEL` (`info`, `debug`, ...) sends the
+//! allocation cache that serves `cuMemAlloc` and `cuMemAllocAsync` (`APEX_PRELOAD_ALLOC_ASYNC=off`: not the
+//! second) ([`alloc_cache`], default 1024 MiB); `APEX_PRELOAD_LOG=LEVEL` (`info`, `debug`, ...) sends the
 //! library's `tracing` events to stderr; `APEX_PRELOAD_PROFILE=1` adds where a launch's time goes to the summary;
 //! `APEX_PRELOAD_LAUNCH_MEMORY=host` puts the queues' launch memory in host memory; `APEX_PRELOAD_CHAINED=1` makes
 //! them chained queues (launches made while a queue is busy held as GPU-scheduled links, sent by the next CUDA call

@@ -820,8 +820,8 @@ fn line_value<'a>(text: &'a str, key: &str) -> &'a str {
 /// buffers of three sizes on one stream every iteration (two of a size alive at once), and one more filled on that
 /// stream and freed on a second one after it read it, gives the same bits with the preload (with CUDA's default pool
 /// settings and with the release threshold raised), nearly every allocation after the first iterations is answered
-/// from the cache, the pool reports nothing in use once everything is freed, and with the cache off the program
-/// still runs the same.
+/// from the cache, the pool reports nothing in use once everything is freed, and with the cache off (or only its
+/// stream-ordered path) the program still runs the same.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn stream_ordered_allocations_in_a_loop_are_served_from_the_cache() {
@@ -839,12 +839,8 @@ fn stream_ordered_allocations_in_a_loop_are_served_from_the_cache() {
         }
         c
     };
-    // The stream-ordered path is opt-in (APEX_PRELOAD_ALLOC_ASYNC=on); by default both calls are forwarded.
-    let on = |keep: bool| {
-        let mut c = cmd(keep);
-        c.env("APEX_PRELOAD_ALLOC_ASYNC", "on");
-        c
-    };
+    // The stream-ordered path is on by default; APEX_PRELOAD_ALLOC_ASYNC=off forwards both calls.
+    let on = |keep: bool| cmd(keep);
     let _ = run(cmd(false), None, &dir, "warm");
     let plain = run(cmd(false), None, &dir, "plain");
     let pre = run(on(false), Some(&lib), &dir, "preload");
@@ -853,14 +849,16 @@ fn stream_ordered_allocations_in_a_loop_are_served_from_the_cache() {
     let mut off_cmd = on(false);
     off_cmd.env("APEX_PRELOAD_ALLOC_CACHE", "off");
     let off = run(off_cmd, Some(&lib), &dir, "cache-off");
-    let default = run(cmd(false), Some(&lib), &dir, "preload-default");
+    let mut path_off = cmd(false);
+    path_off.env("APEX_PRELOAD_ALLOC_ASYNC", "off");
+    let default = run(path_off, Some(&lib), &dir, "preload-path-off");
     let runs = [
         ("plain", &plain),
         ("preload", &pre),
         ("plain, threshold raised", &plain_keep),
         ("preload, threshold raised", &pre_keep),
         ("cache off", &off),
-        ("preload, default (stream-ordered path off)", &default),
+        ("preload, stream-ordered path off", &default),
     ];
     for (what, r) in runs {
         assert!(
@@ -883,7 +881,7 @@ fn stream_ordered_allocations_in_a_loop_are_served_from_the_cache() {
     assert_eq!(
         default.summary.clone().expect("summary").alloc_async_hits,
         0,
-        "the stream-ordered path is off by default"
+        "APEX_PRELOAD_ALLOC_ASYNC=off turns the stream-ordered path off"
     );
     let s = pre.summary.clone().expect("summary");
     report("alloc_async_loop", &s);
@@ -958,9 +956,8 @@ fn nothing_leaks_across_a_million_allocation_cycles() {
     // first launch on each stream, so the baseline holds them and the drift measures the cache alone. Under the
     // default background set-up the warm-up's launches may go to libcuda while queues are still being built, and
     // queues made after the baseline count as drift (two of them: 842 MiB and 9 mappings on an H100).
-    let mut preloaded = inline(cmd(cycles));
-    // The stream-ordered path is opt-in; this test checks it leaks nothing either.
-    preloaded.env("APEX_PRELOAD_ALLOC_ASYNC", "on");
+    // The stream-ordered path is on by default: this test checks it leaks nothing either.
+    let preloaded = inline(cmd(cycles));
     let pre = run(preloaded, Some(&lib), &dir, "preload");
     let (a, b) = (stdout(&plain), stdout(&pre));
     assert!(

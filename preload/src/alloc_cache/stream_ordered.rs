@@ -92,6 +92,39 @@ fn done<D: Driver>(d: &D, m: &Marker) -> bool {
         Marker::Done => true,
         Marker::Fence(f) => d.fence_done(f),
         Marker::Event(e) => d.event_query(*e) == CUDA_SUCCESS,
+        // Not known until the stream is synchronized or the block marked.
+        Marker::Stream => false,
+    }
+}
+
+/// A marker for the work stream `key` of `ctx` has been given so far (so for any free made on it before): the fence
+/// of its APEX queue's last launch, else an event of the preload's recorded on it. `None` when neither can be had
+/// (its queue is another context's, or libcuda refused the record).
+fn marker_on<D: Driver>(
+    cache: &Mutex<AllocCache>,
+    d: &D,
+    ctx: usize,
+    key: StreamKey,
+) -> Option<Marker> {
+    let (stream, pt) = (key.raw(), key == StreamKey::PerThread);
+    match d.free_point(stream, pt) {
+        FreePoint::Fence { ctx: owner, fence } if owner == ctx => Some(Marker::Fence(fence)),
+        FreePoint::Fence { .. } => None,
+        FreePoint::Cuda(o) => {
+            let spare = locked(cache).spare_event(ctx);
+            let event = spare.or_else(|| d.event_create());
+            let recorded = event.map(|e| (e, d.event_record(e, stream)));
+            d.after(stream, pt, o);
+            match recorded {
+                Some((e, CUDA_SUCCESS)) => Some(Marker::Event(e)),
+                failed => {
+                    if let Some((e, _)) = failed {
+                        locked(cache).recycle(ctx, Marker::Event(e));
+                    }
+                    None
+                }
+            }
+        }
     }
 }
 
@@ -158,7 +191,7 @@ pub unsafe fn alloc<D: Driver>(
         return forward();
     };
     let key = StreamKey::of(stream, pt);
-    {
+    let unmarked = {
         let mut c = locked(cache);
         if !serves(&mut c, d, ctx) || !in_context(&mut c, d, key, ctx) {
             drop(c);
@@ -169,6 +202,15 @@ pub unsafe fn alloc<D: Driver>(
             unsafe { *dptr = p };
             return CUDA_SUCCESS;
         }
+        c.to_mark(ctx, bytes, lane(key))
+    };
+    // A block freed on another stream and never marked cannot be handed out here: marked now (a driver call, which a
+    // free on that stream did not cost), a later allocation of this size can tell when it is.
+    if let Some((p, on)) = unmarked
+        && let Some(m) = marker_on(cache, d, ctx, on)
+        && let Err(m) = locked(cache).mark(ctx, p, m)
+    {
+        locked(cache).recycle(ctx, m);
     }
     let mut r = forward();
     if r == CUDA_ERROR_OUT_OF_MEMORY && give_back(cache, d, ctx, true, true) {
@@ -195,9 +237,9 @@ pub fn free<D: Driver>(
     let capturing = d.capturing();
     let ctx = d.current_context();
     let key = StreamKey::of(stream, pt);
-    let keep = {
+    let (keep, eager) = {
         let mut c = locked(cache);
-        match c.block(ptr) {
+        let keep = match c.block(ptr) {
             // A second free: libcuda must not free a block the cache holds; this is its answer to one it freed.
             Block::Held => return CUDA_ERROR_INVALID_VALUE,
             Block::Unknown => false,
@@ -221,36 +263,28 @@ pub fn free<D: Driver>(
                 }
                 keep
             }
-        }
+        };
+        (
+            keep,
+            keep && ctx.is_some_and(|ctx| c.marks_at_free(ctx, ptr)),
+        )
     };
     let (true, Some(ctx)) = (keep, ctx) else {
         return forward();
     };
-    let marker = match d.free_point(stream, pt) {
-        FreePoint::Fence { ctx: owner, fence } if owner == ctx => Marker::Fence(fence),
-        FreePoint::Fence { .. } => {
+    // A named stream: the block is held unmarked. An allocation on the same stream may take it at once (stream
+    // order), any other once the stream is synchronized or the block marked (`alloc`): the free costs no driver call.
+    // Marked now: a block of a size seen crossing between streams (the next allocation is likely another stream's),
+    // and one freed on the per-thread default stream, which names another stream in each thread.
+    let marker = if lane(key).is_some() && !eager {
+        Marker::Stream
+    } else {
+        let Some(m) = marker_on(cache, d, ctx, key) else {
+            // The stream's queue is another context's, or libcuda refused the record: the free is libcuda's.
             locked(cache).release(ptr);
             return forward();
-        }
-        FreePoint::Cuda(o) => {
-            let spare = locked(cache).spare_event(ctx);
-            let event = spare.or_else(|| d.event_create());
-            let recorded = event.map(|e| (e, d.event_record(e, key.raw())));
-            d.after(stream, pt, o);
-            match recorded {
-                Some((e, CUDA_SUCCESS)) => Marker::Event(e),
-                failed => {
-                    // libcuda refused the record (the stream is not usable): the free is libcuda's to answer.
-                    let mut c = locked(cache);
-                    if let Some((e, _)) = failed {
-                        c.recycle(ctx, Marker::Event(e));
-                    }
-                    c.release(ptr);
-                    drop(c);
-                    return forward();
-                }
-            }
-        }
+        };
+        m
     };
     let held = locked(cache).hold_async(ctx, ptr, lane(key), marker);
     match held {
@@ -259,6 +293,31 @@ pub fn free<D: Driver>(
             locked(cache).recycle(ctx, m);
             forward()
         }
+    }
+}
+
+/// A synchronization returned success: of stream `key`, or with `key` `None` of the current context. The frees made
+/// there so far are complete, so their blocks may go to any stream. (The hooks call it only while
+/// [`super::unmarked_held`].)
+pub fn synchronized<D: Driver>(cache: &Mutex<AllocCache>, d: &D, key: Option<StreamKey>) {
+    let lane = match key {
+        // Another thread's default stream: nothing is held unmarked on it.
+        Some(k) => match lane(k) {
+            Some(l) => Some(l),
+            None => return,
+        },
+        None => None,
+    };
+    let ctx = d.current_context();
+    locked(cache).synchronized(ctx, lane);
+}
+
+/// Before stream `handle` is destroyed: the blocks freed on it and never marked go back to libcuda, freed on it
+/// (after the program's free, in its order); the others are handed out once their free is complete.
+pub fn stream_destroyed<D: Driver>(cache: &Mutex<AllocCache>, d: &D, handle: usize) {
+    let unmarked = locked(cache).stream_destroyed(handle);
+    for p in unmarked {
+        let _ = d.free_async(p, handle, false);
     }
 }
 
@@ -320,6 +379,8 @@ fn wait_marker<D: Driver>(d: &D, m: &Marker) -> Result<(), String> {
             CUDA_SUCCESS => Ok(()),
             r => Err(format!("cuEventSynchronize returned CUresult {r}")),
         },
+        // Never held without its stream (`AllocCache::stream_destroyed` hands such blocks back on it).
+        Marker::Stream => Err("the free was not marked and its stream is unknown".into()),
     }
 }
 

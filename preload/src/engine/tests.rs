@@ -1249,7 +1249,7 @@ fn fence_done(m: &crate::alloc_cache::Marker) -> bool {
     match m {
         crate::alloc_cache::Marker::Done => true,
         crate::alloc_cache::Marker::Fence(f) => f.is_done(),
-        crate::alloc_cache::Marker::Event(_) => false,
+        crate::alloc_cache::Marker::Event(_) | crate::alloc_cache::Marker::Stream => false,
     }
 }
 

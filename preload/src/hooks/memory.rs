@@ -16,6 +16,7 @@ use crate::alloc_cache::stream_ordered::{
 };
 use crate::alloc_cache::{self, Block};
 use crate::engine::{self, Answer, Ordered, Site};
+use crate::order::StreamKey;
 
 real_fn!(REAL_MEM_ALLOC, c"cuMemAlloc_v2");
 real_fn!(REAL_MEM_FREE, c"cuMemFree_v2");
@@ -376,19 +377,19 @@ impl Driver for Preload {
 ///
 /// # Safety
 /// As `cuMemAllocAsync`.
-/// Whether `cuMemAllocAsync`/`cuMemFreeAsync` are served from the cache (`APEX_PRELOAD_ALLOC_ASYNC=on`; off by
-/// default). Opt-in until it is shown never slower: on an H100 a served `cuMemFreeAsync` costs more than libcuda's
-/// (0.97 against 0.77 µs), and one run of `preload/corpus/alloc_async_loop.cu` against a pool with its release
-/// threshold raised took longer per iteration preloaded (138 against 79 µs; 5 pairs with the default pool: 5.4×
-/// faster). Off, both calls are forwarded, ordered with APEX's queues.
+/// Whether `cuMemAllocAsync`/`cuMemFreeAsync` are served from the cache (on unless `APEX_PRELOAD_ALLOC_ASYNC` is
+/// `off`, `0` or `false`; the cache itself must be on). Off, both calls are forwarded, ordered with APEX's queues.
 fn stream_ordered_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        matches!(
-            std::env::var("APEX_PRELOAD_ALLOC_ASYNC").as_deref(),
-            Ok("1" | "on" | "true")
-        )
-    })
+    *ON.get_or_init(|| stream_ordered_by(std::env::var("APEX_PRELOAD_ALLOC_ASYNC").ok().as_deref()))
+}
+
+/// Whether a value of `APEX_PRELOAD_ALLOC_ASYNC` leaves the stream-ordered path on. It was opt-in while a served free
+/// cost more than libcuda's (an event recorded at each free); a free now costs a lookup (H100, 580.159.04:
+/// `cudaFreeAsync` 1.31-1.45× faster than libcuda's, an iteration of `alloc_async_loop.cu` 1.68× (release threshold
+/// raised) to 4.51× (CUDA's default pool) faster, 5 pairs each).
+fn stream_ordered_by(value: Option<&str>) -> bool {
+    !matches!(value, Some("0" | "off" | "false"))
 }
 
 unsafe fn alloc_async(dptr: *mut Dptr, bytes: usize, stream: P, pt: bool) -> c_int {
@@ -531,8 +532,28 @@ pub unsafe extern "C" fn cuMemPoolGetAttribute(pool: P, attr: c_int, value: P) -
 /// Before `cuStreamDestroy(stream)` is forwarded: blocks freed on the stream are handed out only once their free is
 /// complete (a stream made afterwards may get its handle).
 pub(super) fn stream_destroyed(stream: usize) {
-    if let Some(mut c) = alloc_cache::lock() {
-        c.stream_destroyed(stream);
+    if let Some(cache) = alloc_cache::global() {
+        so::stream_destroyed(cache, &Preload, stream);
+    }
+}
+
+/// After a synchronization that returned success (`cuStreamSynchronize`, a `cuStreamQuery` that found the stream
+/// idle, `cuCtxSynchronize`, `cuCtxSynchronize_v2` of `context`; `site`: its stream, or the device for a context):
+/// the stream-ordered blocks freed there and held unmarked may go to any stream. One load when none is held.
+pub(super) fn synchronized(site: Site, context: usize) {
+    if !alloc_cache::unmarked_held() {
+        return;
+    }
+    // Another context than the current one: its blocks are not told apart here, so none is completed.
+    if context != 0 && crate::cuda::current_context() != Some(context) {
+        return;
+    }
+    if let Some(cache) = alloc_cache::global() {
+        let key = match site {
+            Site::Stream(raw, pt) => Some(StreamKey::of(raw, pt)),
+            Site::Device => None,
+        };
+        so::synchronized(cache, &Preload, key);
     }
 }
 
@@ -653,4 +674,26 @@ pub(super) fn register(v: &mut Vec<Hook>) {
         &REAL_MEM_POOL_GET_ATTRIBUTE,
         cuMemPoolGetAttribute as *const () as usize,
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::stream_ordered_by;
+
+    #[test]
+    fn the_stream_ordered_path_is_on_unless_turned_off() {
+        for v in [
+            None,
+            Some(""),
+            Some("on"),
+            Some("1"),
+            Some("true"),
+            Some("yes"),
+        ] {
+            assert!(stream_ordered_by(v), "{v:?}");
+        }
+        for v in ["off", "0", "false"] {
+            assert!(!stream_ordered_by(Some(v)), "{v}");
+        }
+    }
 }

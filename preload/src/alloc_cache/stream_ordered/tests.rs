@@ -1,6 +1,7 @@
 //! The stream-ordered flows against a driver double that records what would reach libcuda: a loop served without
-//! libcuda, another stream served only once the free is complete, the default-pool and capture conditions, streams
-//! of another context, a second free, out-of-memory retries, trims and pool queries.
+//! libcuda, another stream served only once the free is complete (a synchronization, or a marker taken when another
+//! stream asks), the default-pool and capture conditions, streams of another context, a second free, a destroyed
+//! stream, out-of-memory retries, trims and pool queries.
 
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
@@ -185,6 +186,12 @@ fn cache() -> Mutex<AllocCache> {
     Mutex::new(AllocCache::new(1 << 30))
 }
 
+/// The program synchronized the context (`cudaDeviceSynchronize`): every stream's work is complete, events too.
+fn settle(c: &Mutex<AllocCache>, d: &Fake) {
+    d.complete_all();
+    synchronized(c, d, None);
+}
+
 /// `cudaMallocAsync` through the flow: (CUresult, pointer).
 fn malloc(c: &Mutex<AllocCache>, d: &Fake, bytes: usize, stream: usize) -> (c_int, u64) {
     let mut p = 0u64;
@@ -215,23 +222,21 @@ fn a_loop_on_one_stream_is_served_without_libcuda() {
         got.push(p);
         assert_eq!(free(&c, &d, p, S1, false), CUDA_SUCCESS);
         if got.len() == 2 {
-            // The first free was a one-off's; the second block is kept, its point marked on the stream.
+            // The first free was a one-off's; the second block is kept, with no driver call.
             assert_eq!(
                 d.calls(),
                 [
                     "alloc 4096 on 0x5000",
                     "free 0x100000 on 0x5000",
                     "alloc 4096 on 0x5000",
-                    "create 1",
-                    "record 1 on 0x5000"
                 ]
             );
         }
     }
     assert_eq!(got[2], got[1]);
     assert_eq!(got[3], got[1]);
-    // From then on: no allocation, no free, no new event (the marker's event is recorded again).
-    assert_eq!(d.calls(), ["record 1 on 0x5000", "record 1 on 0x5000"]);
+    // From then on: no allocation, no free, no event: nothing reaches libcuda.
+    assert!(d.calls().is_empty());
     let s = locked(&c).stats();
     assert_eq!(
         (s.async_hits, s.async_misses, s.async_kept, s.async_unready),
@@ -245,15 +250,75 @@ fn another_stream_gets_the_block_only_once_the_free_is_complete() {
     let (c, d) = (cache(), Fake::new());
     let p = held_block(&c, &d, 4096, S1);
     d.calls();
-    // S1's work up to the free may still run: S2's allocation goes to libcuda.
+    // S1's work up to the free may still run: S2's allocation goes to libcuda, and the block is marked on S1 (an
+    // event recorded there now stands for the free, which came before it).
     let (r, q) = malloc(&c, &d, 4096, S2);
     assert_eq!(r, CUDA_SUCCESS);
     assert_ne!(q, p);
-    assert_eq!(d.calls(), ["alloc 4096 on 0x6000"]);
+    assert_eq!(
+        d.calls(),
+        ["create 1", "record 1 on 0x5000", "alloc 4096 on 0x6000"]
+    );
     assert_eq!(locked(&c).stats().async_unready, 1);
+    // Not yet complete: libcuda again, and no second marker.
+    let (_, q2) = malloc(&c, &d, 4096, S2);
+    assert_ne!(q2, p);
+    assert_eq!(d.calls(), ["alloc 4096 on 0x6000"]);
     d.complete_all();
     assert_eq!(malloc(&c, &d, 4096, S2), (CUDA_SUCCESS, p));
     assert!(d.calls().is_empty());
+}
+
+#[test]
+fn a_synchronized_stream_hands_its_frees_to_any_stream_without_libcuda() {
+    let (c, d) = (cache(), Fake::new());
+    let p = held_block(&c, &d, 4096, S1);
+    let q = held_block(&c, &d, 8192, S2);
+    d.calls();
+    // S2 synchronized: its free is complete, S1's is not known to be.
+    synchronized(&c, &d, Some(StreamKey::Handle(S2)));
+    assert_eq!(malloc(&c, &d, 8192, S1), (CUDA_SUCCESS, q));
+    assert!(d.calls().is_empty());
+    let (_, r) = malloc(&c, &d, 4096, S2);
+    assert_ne!(r, p);
+    // The context synchronized (cudaDeviceSynchronize): every free so far is complete.
+    synchronized(&c, &d, None);
+    d.calls();
+    free(&c, &d, r, S2, false);
+    // 4096 was seen crossing from S1 to S2: its frees are marked at once now (the marker's event is a spare one).
+    assert_eq!(d.calls(), ["record 1 on 0x6000"]);
+    assert_eq!(
+        malloc(&c, &d, 4096, S2),
+        (CUDA_SUCCESS, r),
+        "its own stream first"
+    );
+    assert_eq!(malloc(&c, &d, 4096, S2).1, p, "then a complete one");
+    assert!(d.calls().is_empty());
+    // 8192 never crossed unmarked (S2's block was complete when S1 took it): its frees stay unmarked.
+    free(&c, &d, q, S1, false);
+    assert!(d.calls().is_empty());
+    // A synchronization of another thread's default stream completes nothing held.
+    synchronized(&c, &d, Some(StreamKey::PerThread));
+}
+
+#[test]
+fn a_destroyed_stream_frees_its_unmarked_blocks_on_itself_first() {
+    let (c, d) = (cache(), Fake::new());
+    let p = held_block(&c, &d, 4096, S1);
+    let q = held_block(&c, &d, 8192, S1);
+    // q marked: another stream asked for its size.
+    malloc(&c, &d, 8192, S2);
+    d.calls();
+    stream_destroyed(&c, &d, S1);
+    // p goes back on S1 while S1 exists (after the program's free, in S1's order); q stays, its marker holds.
+    assert_eq!(d.calls(), [format!("free {p:#x} on 0x5000")]);
+    assert_eq!(locked(&c).block(p), Block::Unknown);
+    assert_eq!(locked(&c).block(q), Block::Held);
+    // A new stream with S1's handle does not take q before its free is complete.
+    assert_ne!(malloc(&c, &d, 8192, S1).1, q);
+    d.complete_all();
+    d.calls();
+    assert_eq!(malloc(&c, &d, 8192, S1), (CUDA_SUCCESS, q));
 }
 
 #[test]
@@ -280,10 +345,9 @@ fn nothing_is_served_while_another_pool_is_current() {
     let before = d.calls().len();
     let (_, q) = malloc(&c, &d, 256, S1);
     assert_eq!(free(&c, &d, q, S1, false), CUDA_SUCCESS);
-    assert_eq!(
-        d.calls().len(),
-        1,
-        "after {before} calls, only the marker's record"
+    assert!(
+        d.calls().is_empty(),
+        "after {before} calls, served with no libcuda call"
     );
 }
 
@@ -342,14 +406,39 @@ fn a_second_free_is_refused_without_libcuda() {
 #[test]
 fn a_failed_record_leaves_the_free_to_libcuda() {
     let (c, d) = (cache(), Fake::new());
-    held_block(&c, &d, 256, S1);
-    let (_, p) = malloc(&c, &d, 256, S1);
+    // The per-thread default stream names another stream in each thread: its frees are marked at once.
+    for _ in 0..2 {
+        let (_, p) = malloc(&c, &d, 256, 0);
+        assert_eq!(free(&c, &d, p, 0, true), CUDA_SUCCESS);
+    }
+    let (_, p) = malloc(&c, &d, 256, 0);
     d.calls();
-    d.bad_streams.borrow_mut().insert(S1);
-    assert_eq!(free(&c, &d, p, S1, false), CUDA_SUCCESS);
-    assert_eq!(d.calls(), [format!("free {p:#x} on 0x5000")]);
+    d.bad_streams
+        .borrow_mut()
+        .insert(crate::order::CU_STREAM_PER_THREAD);
+    assert_eq!(free(&c, &d, p, 0, true), CUDA_SUCCESS);
+    // The first kept block holds event 1: a new one for this free, refused, so the free is libcuda's.
+    assert_eq!(
+        d.calls(),
+        ["create 2".to_string(), format!("free {p:#x} on 0x0")]
+    );
     assert_eq!(locked(&c).block(p), Block::Unknown);
     // Its event was kept for the next free.
+    assert_eq!(locked(&c).spare_event(CTX), Some(2));
+}
+
+#[test]
+fn a_marker_libcuda_refuses_leaves_the_block_unmarked() {
+    let (c, d) = (cache(), Fake::new());
+    let p = held_block(&c, &d, 256, S1);
+    d.bad_streams.borrow_mut().insert(S1);
+    d.calls();
+    assert_ne!(malloc(&c, &d, 256, S2).1, p);
+    assert_eq!(d.calls(), ["create 1", "alloc 256 on 0x6000"]);
+    assert_eq!(locked(&c).block(p), Block::Held);
+    // The event is kept for another marker; a synchronization of S1 still completes the free.
+    synchronized(&c, &d, Some(StreamKey::Handle(S1)));
+    assert_eq!(malloc(&c, &d, 256, S2), (CUDA_SUCCESS, p));
     assert_eq!(locked(&c).spare_event(CTX), Some(1));
 }
 
@@ -357,7 +446,7 @@ fn a_failed_record_leaves_the_free_to_libcuda() {
 fn out_of_memory_gives_back_what_is_held_and_retries_once() {
     let (c, d) = (cache(), Fake::new());
     let a = held_block(&c, &d, 256, S1);
-    d.complete_all();
+    settle(&c, &d);
     let b = held_block(&c, &d, 512, S2);
     let (_, x) = malloc(&c, &d, 1024, 0);
     free(&c, &d, x, 0, true);
@@ -398,7 +487,7 @@ fn out_of_memory_gives_back_what_is_held_and_retries_once() {
 fn a_synchronous_allocation_out_of_memory_trims_the_pool_after_giving_back() {
     let (c, d) = (cache(), Fake::new());
     let a = held_block(&c, &d, 256, S1);
-    d.complete_all();
+    settle(&c, &d);
     d.calls();
     assert!(give_back_for_memory(&c, &d, CTX));
     assert_eq!(
@@ -413,8 +502,12 @@ fn a_synchronous_allocation_out_of_memory_trims_the_pool_after_giving_back() {
 fn a_trim_gives_back_what_is_complete_and_the_spare_events() {
     let (c, d) = (cache(), Fake::new());
     let a = held_block(&c, &d, 256, S1);
-    d.complete_all();
+    settle(&c, &d);
     let b = held_block(&c, &d, 512, S1);
+    // b marked: another stream asked for its size while S1 ran (an event of the preload's on S1).
+    let (_, y) = malloc(&c, &d, 512, S2);
+    assert_ne!(y, b);
+    let e = held_block(&c, &d, 1024, S1);
     let (_, x) = malloc(&c, &d, 256, S2);
     assert_eq!(x, a, "complete: another stream takes it");
     d.calls();
@@ -422,10 +515,12 @@ fn a_trim_gives_back_what_is_complete_and_the_spare_events() {
     before_trim(&c, &d, 0xe0);
     assert!(d.calls().is_empty());
     before_trim(&c, &d, DEFAULT_POOL);
-    // b's free is still running (CUDA's trim keeps such memory too); the spare event goes.
-    assert_eq!(d.calls(), ["destroy 1"]);
+    // b's free is still running (CUDA's trim keeps such memory too). e was never marked: libcuda gets it, freed on
+    // its stream after the program's free, and its trim decides as without the preload.
+    assert_eq!(d.calls(), [format!("free {e:#x} on 0x5000")]);
+    assert_eq!(locked(&c).block(b), Block::Held);
     assert_eq!(free(&c, &d, x, S2, false), CUDA_SUCCESS);
-    d.complete_all();
+    settle(&c, &d);
     d.calls();
     before_trim(&c, &d, DEFAULT_POOL);
     assert_eq!(
@@ -433,9 +528,8 @@ fn a_trim_gives_back_what_is_complete_and_the_spare_events() {
         [
             format!("free {a:#x} on 0x0"),
             format!("free {b:#x} on 0x0"),
-            // The events of their markers, in the order the blocks were given back.
-            "destroy 3".into(),
-            "destroy 2".into(),
+            // The event of b's marker, back with the spares.
+            "destroy 1".into(),
         ]
     );
     assert_eq!(locked(&c).stats().held_bytes, 0);
@@ -477,11 +571,12 @@ fn a_pool_query_counts_no_block_the_program_freed_while_the_frees_are_pending() 
         }
         let (_, x) = malloc(&c, &d, 65536, S1);
         assert_eq!(free(&c, &d, x, S2, false), CUDA_SUCCESS);
-        // cudaStreamSynchronize(S1), (S2): libcuda reaches the frees it was given. The last iteration's markers are
+        // cudaStreamSynchronize(S1), (S2): libcuda reaches the frees it was given. The last iteration's frees are
         // not seen complete when the pool is asked.
         d.reach_all();
         if i < 3 {
-            d.complete_all();
+            synchronized(&c, &d, Some(StreamKey::Handle(S1)));
+            synchronized(&c, &d, Some(StreamKey::Handle(S2)));
         }
     }
     let held = locked(&c).stats().held_bytes;
@@ -503,7 +598,7 @@ fn a_pool_query_counts_no_block_the_program_freed_while_the_frees_are_pending() 
     // Complete frees need no wait.
     let a = held_block(&c, &d, 256, S1);
     d.reach_all();
-    d.complete_all();
+    settle(&c, &d);
     d.calls();
     before_pool_query(&c, &d, DEFAULT_POOL, ATTR_USED_MEM_CURRENT);
     assert_eq!(d.calls(), [format!("free {a:#x} on 0x0")]);
@@ -516,6 +611,8 @@ fn a_pool_query_counts_no_block_the_program_freed_while_the_frees_are_pending() 
 fn a_pool_query_frees_in_stream_order_what_it_cannot_wait_for() {
     let (c, d) = (cache(), Fake::new());
     let a = held_block(&c, &d, 256, S1);
+    // Marked with event 1: another stream asked for its size.
+    malloc(&c, &d, 256, S2);
     d.bad_events.borrow_mut().insert(1);
     d.calls();
     before_pool_query(&c, &d, DEFAULT_POOL, ATTR_USED_MEM_CURRENT);
