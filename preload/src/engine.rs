@@ -1998,7 +1998,9 @@ pub(crate) fn before_wait(
         if e.event_home(event).is_none() {
             Some(Err(e.before_work(site, name)))
         } else if on_apex {
-            e.wait_on_apex(event, site).map(Ok)
+            e.wait_on_apex(event, site)
+                .or_else(|| e.wait_cuda_on_kept(event, site, name))
+                .map(Ok)
         } else {
             None
         }

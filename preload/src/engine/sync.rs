@@ -680,6 +680,72 @@ impl Engine {
         Some(CUDA_SUCCESS)
     }
 
+    /// `cuStreamWaitEvent(site, event)` on a stream APEX did not take over, for an event the preload kept: the wait
+    /// made without libcuda recording the event. Complete already: nothing to wait for (no call at all). Standing for
+    /// all of its queue's work so far (nothing sent on the queue since the record): the stream waits on the GPU for a
+    /// release of the queue (`cuStreamWaitValue64`, the hop a forwarded call after the queue's work makes), where
+    /// libcuda would otherwise record the event after the queue on the preload's own stream and the program's wait
+    /// follow it (three driver calls). The event stays kept. `None`: the usual way (libcuda records it, then waits).
+    pub(crate) fn wait_cuda_on_kept(
+        &mut self,
+        event: usize,
+        site: Site,
+        name: &'static str,
+    ) -> Option<c_int> {
+        let Site::Stream(raw, pt) = site else {
+            return None;
+        };
+        if !self.capturing.is_empty() {
+            return None;
+        }
+        let ci = self.event_home(event)?;
+        if self.site_context(site) != Some(ci) || self.contexts[ci].failed.is_some() {
+            return None;
+        }
+        let key = StreamKey::of(raw, pt);
+        let ctx = &self.contexts[ci];
+        if ctx.order.find(key).is_some() {
+            // A stream taken over waits on APEX ([`Engine::wait_on_apex`]).
+            return None;
+        }
+        let v = ctx.events.get(&event)?;
+        let slot = v.slot;
+        if v.fence.is_done() {
+            self.summary.hops_avoided += 1;
+            return Some(CUDA_SUCCESS);
+        }
+        let latest = ctx
+            .last_fence(slot)
+            .and_then(Result::ok)
+            .and_then(|f| Some(f.direct()?.value()));
+        if latest.is_none() || latest != v.fence.direct().map(|f| f.value()) {
+            return None;
+        }
+        ctx.queues.get(slot)?.as_ref()?;
+        // Ordered as the program's own call would be, with the hop in its place.
+        let o = self.before_work(site, name);
+        let cuda = self.cuda.as_ref();
+        let hop = match self.contexts[ci]
+            .queues
+            .get_mut(slot)
+            .and_then(Option::as_mut)
+        {
+            Some(q) => cuda.cuda_waits_for_apex(q, key),
+            None => Err("the event's queue is gone".into()),
+        };
+        self.after(site, o, false);
+        match hop {
+            Ok(()) => {
+                self.summary.hops_to_cuda += 1;
+                Some(CUDA_SUCCESS)
+            }
+            Err(e) => {
+                debug!(error = %e, "a stream could not wait for a queue's release; libcuda records the event");
+                None
+            }
+        }
+    }
+
     pub(super) fn event_home(&self, event: usize) -> Option<usize> {
         self.contexts
             .iter()

@@ -67,6 +67,8 @@ struct FakeCuda {
     device: Arc<Mutex<Vec<(u64, u64)>>>,
     /// The attach passes it first.
     gate: Arc<Gate>,
+    /// Every job of the set-up worker passes it first (when it makes the job's context current).
+    jobs: Arc<Gate>,
     /// The attach fails with this.
     fail_attach: Option<String>,
     /// What `set_current` was asked, on which thread, in order.
@@ -80,6 +82,7 @@ impl FakeCuda {
             calls: Arc::default(),
             device: Arc::default(),
             gate: Arc::default(),
+            jobs: Arc::default(),
             fail_attach: None,
             made_current: Arc::default(),
         }
@@ -97,6 +100,9 @@ impl CudaSide for FakeCuda {
         CURRENT.get().unwrap_or_else(|| (!worker).then_some(CTX))
     }
     fn set_current(&self, ctx: Option<usize>) -> Result<(), String> {
+        if ctx.is_some() {
+            self.jobs.pass();
+        }
         let thread = std::thread::current().name().unwrap_or("").to_string();
         self.made_current.lock().unwrap().push((thread, ctx));
         CURRENT.set(Some(ctx));
@@ -171,6 +177,8 @@ struct Setup {
     device: Arc<Mutex<Vec<(u64, u64)>>>,
     /// The double's attach waits while it is closed.
     gate: Arc<Gate>,
+    /// The set-up worker's jobs wait while it is closed.
+    jobs: Arc<Gate>,
     made_current: MadeCurrent,
     /// Parameter values of vector_add: a, b, out, n.
     params: [u64; 4],
@@ -237,10 +245,11 @@ impl Setup {
         let (gpu, sim) = Gpu::open_simulated(SimConfig::default()).unwrap();
         let mut cuda = FakeCuda::new(gpu);
         cuda.fail_attach = fail_attach.map(str::to_string);
-        let (calls, device, gate, made_current) = (
+        let (calls, device, gate, jobs, made_current) = (
             cuda.calls.clone(),
             cuda.device.clone(),
             cuda.gate.clone(),
+            cuda.jobs.clone(),
             cuda.made_current.clone(),
         );
         let config = Config {
@@ -263,6 +272,7 @@ impl Setup {
             calls,
             device,
             gate,
+            jobs,
             made_current,
             params: [0x1000, 0x2000, 0x3000, 64],
         }
@@ -494,6 +504,49 @@ fn a_kept_event_of_running_work_is_recorded_after_the_queue() {
     s.engine.materialize(EVENT);
     assert_eq!(s.calls(), vec!["record after 0xe0"]);
     s.sim.resume();
+}
+
+#[test]
+fn a_cuda_stream_waits_for_a_kept_event_without_libcuda_recording_it() {
+    let mut s = Setup::new();
+    let apex = Site::Stream(0x5000, false);
+    let cuda = Site::Stream(0x6000, false);
+    s.engine.event_created(EVENT, 2);
+    assert!(s.launch_on(0x5000, 1));
+    s.idle();
+    // Complete: nothing to wait for, no libcuda call.
+    assert_eq!(s.engine.event_record(EVENT, apex), Answer::Done(0));
+    s.calls();
+    assert_eq!(
+        s.engine.wait_cuda_on_kept(EVENT, cuda, "cuStreamWaitEvent"),
+        Some(CUDA_SUCCESS)
+    );
+    assert!(s.calls().is_empty());
+    assert_eq!(s.engine.summary().hops_avoided, 1);
+    // Running, and all of its queue's work: the stream waits for a release of the queue, one call.
+    s.sim.pause();
+    assert!(s.launch_on(0x5000, 1));
+    assert_eq!(s.engine.event_record(EVENT, apex), Answer::Done(0));
+    s.calls();
+    assert_eq!(
+        s.engine.wait_cuda_on_kept(EVENT, cuda, "cuStreamWaitEvent"),
+        Some(CUDA_SUCCESS)
+    );
+    assert_eq!(s.calls(), vec!["cuda<-apex Handle(24576)"]);
+    assert_eq!(s.engine.summary().events_materialized, 0, "still kept");
+    // Work sent on the queue after the record: the stream must not wait for it; libcuda records the event.
+    assert!(s.launch_on(0x5000, 1));
+    assert_eq!(
+        s.engine.wait_cuda_on_kept(EVENT, cuda, "cuStreamWaitEvent"),
+        None
+    );
+    // A stream taken over waits on APEX instead.
+    assert_eq!(
+        s.engine.wait_cuda_on_kept(EVENT, apex, "cuStreamWaitEvent"),
+        None
+    );
+    s.sim.resume();
+    s.idle();
 }
 
 #[test]

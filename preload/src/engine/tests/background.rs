@@ -266,6 +266,8 @@ fn a_stream_destroyed_while_its_queue_is_built_leaves_the_queue_to_the_next_stre
     let mut s = Setup::background(None);
     s.warm_up(0);
     s.settle();
+    // The worker's jobs wait until B is gone: a queue built between A's launch and B's would take B over.
+    s.jobs.close();
     // A takes the spare; B finds none ready and asks for one (forwarded meanwhile).
     assert!(s.hook_launch(SITE_A));
     assert!(!s.hook_launch(SITE_B));
@@ -273,6 +275,7 @@ fn a_stream_destroyed_while_its_queue_is_built_leaves_the_queue_to_the_next_stre
     assert_eq!(s.engine.contexts[0].building, 2, "B's, and one ahead");
     s.engine.stream_destroyed(SITE_B);
     assert!(s.engine.contexts[0].wanted.is_empty());
+    s.jobs.open();
     s.settle();
     // C's first launch picks both queues up and takes one over.
     assert!(s.hook_launch(SITE_C));
