@@ -141,6 +141,19 @@ pub struct HeldBlock {
     pub lane: Option<StreamKey>,
     /// Where the stream's work up to the free stands.
     pub marker: Marker,
+    /// The free's place among every stream-ordered free the cache kept ([`frees_so_far`]): a synchronization
+    /// completes only frees made before it began.
+    pub freed: u64,
+}
+
+/// Stream-ordered frees the cache has kept so far, in this process (each [`HeldBlock::freed`] is its place).
+static FREES: AtomicU64 = AtomicU64::new(0);
+
+/// How many stream-ordered frees the cache had kept when this was asked: a hook reads it before it forwards a
+/// synchronization, and hands the count to [`AllocCache::synchronized`], so that a free another thread made while the
+/// synchronization ran (after work the synchronization may not have waited for) is not taken as complete.
+pub fn frees_so_far() -> u64 {
+    FREES.load(Ordering::SeqCst)
 }
 
 /// What the cache knows of a context's device's memory pools, for one value of [`pool_generation`].
@@ -531,8 +544,9 @@ impl AllocCache {
     }
 
     /// A synchronization returned: of stream `lane` (a handle names one stream in any context; the legacy stream
-    /// is `ctx`'s), or with `lane` `None` of context `ctx` as a whole. The frees made there so far are complete.
-    pub fn synchronized(&mut self, ctx: Option<usize>, lane: Option<StreamKey>) {
+    /// is `ctx`'s), or with `lane` `None` of context `ctx` as a whole. The frees made there before it began (the
+    /// first `before` of them: [`frees_so_far`] read before the synchronization was forwarded) are complete.
+    pub fn synchronized(&mut self, ctx: Option<usize>, lane: Option<StreamKey>, before: u64) {
         let any_context = matches!(lane, Some(StreamKey::Handle(_)));
         for (k, list) in self
             .free_async
@@ -540,7 +554,7 @@ impl AllocCache {
             .filter(|(k, _)| any_context || Some(k.0) == ctx)
         {
             for b in list.iter_mut() {
-                if lane.is_none() || b.lane == lane {
+                if b.freed < before && (lane.is_none() || b.lane == lane) {
                     // Whatever marked it, the free is complete: a marker's event goes back to the spares.
                     let m = std::mem::replace(&mut b.marker, Marker::Done);
                     if let Some(e) = m.event() {
@@ -715,6 +729,7 @@ impl AllocCache {
                 bytes,
                 lane,
                 marker,
+                freed: FREES.fetch_add(1, Ordering::SeqCst),
             });
         self.held += bytes;
         self.held_async += 1;

@@ -350,10 +350,12 @@ macro_rules! hooks {
                 $( args.context = $cx as usize; )?
                 $( args.copy = ($cd as u64, $cs as u64, $cn); )?
                 $( args.set = ($sd, u32::from($sv), $sn); )?
+                // Frees kept before the call are the ones a synchronization that succeeds completes.
+                let frees = if Kind::$kind.completes() { crate::alloc_cache::frees_so_far() } else { 0 };
                 // SAFETY: forwarded unchanged.
                 let r = around(Kind::$kind, site, args, || unsafe { real($($a),*) });
                 if r == 0 && Kind::$kind.completes() {
-                    memory::synchronized(site, args.context);
+                    memory::synchronized(site, args.context, frees);
                 }
                 r
             }

@@ -297,9 +297,14 @@ pub fn free<D: Driver>(
 }
 
 /// A synchronization returned success: of stream `key`, or with `key` `None` of the current context. The frees made
-/// there so far are complete, so their blocks may go to any stream. (The hooks call it only while
-/// [`super::unmarked_held`].)
-pub fn synchronized<D: Driver>(cache: &Mutex<AllocCache>, d: &D, key: Option<StreamKey>) {
+/// there before it began (`before`: [`super::frees_so_far`] read before it was forwarded) are complete, so their
+/// blocks may go to any stream. (The hooks call it only while [`super::unmarked_held`].)
+pub fn synchronized<D: Driver>(
+    cache: &Mutex<AllocCache>,
+    d: &D,
+    key: Option<StreamKey>,
+    before: u64,
+) {
     let lane = match key {
         // Another thread's default stream: nothing is held unmarked on it.
         Some(k) => match lane(k) {
@@ -309,7 +314,7 @@ pub fn synchronized<D: Driver>(cache: &Mutex<AllocCache>, d: &D, key: Option<Str
         None => None,
     };
     let ctx = d.current_context();
-    locked(cache).synchronized(ctx, lane);
+    locked(cache).synchronized(ctx, lane, before);
 }
 
 /// Before stream `handle` is destroyed: the blocks freed on it and never marked go back to libcuda, freed on it

@@ -540,7 +540,7 @@ pub(super) fn stream_destroyed(stream: usize) {
 /// After a synchronization that returned success (`cuStreamSynchronize`, a `cuStreamQuery` that found the stream
 /// idle, `cuCtxSynchronize`, `cuCtxSynchronize_v2` of `context`; `site`: its stream, or the device for a context):
 /// the stream-ordered blocks freed there and held unmarked may go to any stream. One load when none is held.
-pub(super) fn synchronized(site: Site, context: usize) {
+pub(super) fn synchronized(site: Site, context: usize, before: u64) {
     if !alloc_cache::unmarked_held() {
         return;
     }
@@ -553,7 +553,7 @@ pub(super) fn synchronized(site: Site, context: usize) {
             Site::Stream(raw, pt) => Some(StreamKey::of(raw, pt)),
             Site::Device => None,
         };
-        so::synchronized(cache, &Preload, key);
+        so::synchronized(cache, &Preload, key, before);
     }
 }
 

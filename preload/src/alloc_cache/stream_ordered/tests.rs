@@ -7,6 +7,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
 
 use super::*;
+use crate::alloc_cache::frees_so_far;
 
 const CTX: usize = 0xc0;
 const DEFAULT_POOL: usize = 0xd0;
@@ -189,7 +190,7 @@ fn cache() -> Mutex<AllocCache> {
 /// The program synchronized the context (`cudaDeviceSynchronize`): every stream's work is complete, events too.
 fn settle(c: &Mutex<AllocCache>, d: &Fake) {
     d.complete_all();
-    synchronized(c, d, None);
+    synchronized(c, d, None, frees_so_far());
 }
 
 /// `cudaMallocAsync` through the flow: (CUresult, pointer).
@@ -276,13 +277,13 @@ fn a_synchronized_stream_hands_its_frees_to_any_stream_without_libcuda() {
     let q = held_block(&c, &d, 8192, S2);
     d.calls();
     // S2 synchronized: its free is complete, S1's is not known to be.
-    synchronized(&c, &d, Some(StreamKey::Handle(S2)));
+    synchronized(&c, &d, Some(StreamKey::Handle(S2)), frees_so_far());
     assert_eq!(malloc(&c, &d, 8192, S1), (CUDA_SUCCESS, q));
     assert!(d.calls().is_empty());
     let (_, r) = malloc(&c, &d, 4096, S2);
     assert_ne!(r, p);
     // The context synchronized (cudaDeviceSynchronize): every free so far is complete.
-    synchronized(&c, &d, None);
+    synchronized(&c, &d, None, frees_so_far());
     d.calls();
     free(&c, &d, r, S2, false);
     // 4096 was seen crossing from S1 to S2: its frees are marked at once now (the marker's event is a spare one).
@@ -298,7 +299,35 @@ fn a_synchronized_stream_hands_its_frees_to_any_stream_without_libcuda() {
     free(&c, &d, q, S1, false);
     assert!(d.calls().is_empty());
     // A synchronization of another thread's default stream completes nothing held.
-    synchronized(&c, &d, Some(StreamKey::PerThread));
+    synchronized(&c, &d, Some(StreamKey::PerThread), frees_so_far());
+}
+
+/// A free another thread makes while a synchronization of its stream runs may follow work that synchronization did
+/// not wait for: only the frees kept before it began are completed.
+#[test]
+fn a_synchronization_completes_only_the_frees_made_before_it_began() {
+    let (c, d) = (cache(), Fake::new());
+    let p = held_block(&c, &d, 4096, S1);
+    // cuStreamSynchronize(S1) begins (the hook reads the count), then another thread frees q on S1.
+    let before = frees_so_far();
+    let (_, q) = malloc(&c, &d, 4096, S1);
+    assert_eq!(q, p, "the same stream takes it at once");
+    let (_, r) = malloc(&c, &d, 4096, S1);
+    free(&c, &d, q, S1, false);
+    free(&c, &d, r, S1, false);
+    synchronized(&c, &d, Some(StreamKey::Handle(S1)), before);
+    d.calls();
+    // Neither free is known complete: S2 marks one and goes to libcuda.
+    let (_, x) = malloc(&c, &d, 4096, S2);
+    assert!(x != q && x != r);
+    assert!(
+        d.calls()
+            .iter()
+            .any(|c| c.starts_with("alloc 4096 on 0x6000"))
+    );
+    // The next synchronization completes them.
+    synchronized(&c, &d, Some(StreamKey::Handle(S1)), frees_so_far());
+    assert!([q, r].contains(&malloc(&c, &d, 4096, S2).1));
 }
 
 #[test]
@@ -437,7 +466,7 @@ fn a_marker_libcuda_refuses_leaves_the_block_unmarked() {
     assert_eq!(d.calls(), ["create 1", "alloc 256 on 0x6000"]);
     assert_eq!(locked(&c).block(p), Block::Held);
     // The event is kept for another marker; a synchronization of S1 still completes the free.
-    synchronized(&c, &d, Some(StreamKey::Handle(S1)));
+    synchronized(&c, &d, Some(StreamKey::Handle(S1)), frees_so_far());
     assert_eq!(malloc(&c, &d, 256, S2), (CUDA_SUCCESS, p));
     assert_eq!(locked(&c).spare_event(CTX), Some(1));
 }
@@ -575,8 +604,8 @@ fn a_pool_query_counts_no_block_the_program_freed_while_the_frees_are_pending() 
         // not seen complete when the pool is asked.
         d.reach_all();
         if i < 3 {
-            synchronized(&c, &d, Some(StreamKey::Handle(S1)));
-            synchronized(&c, &d, Some(StreamKey::Handle(S2)));
+            synchronized(&c, &d, Some(StreamKey::Handle(S1)), frees_so_far());
+            synchronized(&c, &d, Some(StreamKey::Handle(S2)), frees_so_far());
         }
     }
     let held = locked(&c).stats().held_bytes;
