@@ -18,13 +18,16 @@
 //! - `cuMemFreeAsync(block, S)` returns at once; the block is handed to a later `cuMemAllocAsync` on `S` at once (stream
 //!   order puts every later use after every earlier one) and to one on another stream only once `S`'s work up to the
 //!   free is known complete. The free itself asks nothing of libcuda or the engine (a lookup): the block is held
-//!   unmarked ([`Marker::Stream`]) and completes when `S` returns from a synchronization (`cuStreamSynchronize`, an
-//!   idle `cuStreamQuery`, a context synchronization). An allocation on another stream that finds only such blocks
-//!   marks one: the fence of `S`'s APEX queue (taken over, its last launch standing for all of `S`'s work) or an
-//!   event of the preload's recorded on `S` (later work on `S` completes after the free), and from then on frees of
-//!   that size are marked at once, as blocks of it cross between streams (the per-thread default stream's frees are
-//!   always marked at once). A block not yet safe is simply not used: the allocation goes to libcuda. A stream
-//!   destroyed with unmarked blocks freed on it gets them freed through libcuda on it first. The stream-ordered path serves only while the device's
+//!   unmarked ([`Marker::Stream`]) and completes with a synchronization that began after the free and returned
+//!   success: of the context, or of `S` itself where `S` is non-blocking (`cuStreamSynchronize`, an idle
+//!   `cuStreamQuery`) — a free on the legacy stream or a blocking one also follows the other's earlier work, which a
+//!   synchronization of `S` alone does not wait for. An allocation on another stream that finds only such blocks
+//!   marks one: the fence of `S`'s APEX queue (taken over, its last launch standing for all of `S`'s work) or an event
+//!   of the preload's recorded on `S` after the ordering a forwarded call gets (later work on `S` completes after the
+//!   free), and from then on frees of that size are marked at once, as blocks of it cross between streams (the
+//!   per-thread default stream's frees are always marked at once). A block not yet safe is simply not used: the
+//!   allocation goes to libcuda. A stream destroyed with unmarked blocks freed on it gets them marked on it first (or,
+//!   past 64 or where libcuda refuses the record, freed through libcuda on it). The stream-ordered path serves only while the device's
 //!   current pool is its default pool (`cuDeviceSetMemPool` never made another one current), never during a graph
 //!   capture (an allocation there is a graph node), and never `cuMemAllocFromPoolAsync`.
 //! - A block freed through the other path's entry point (`cuMemFree` of a stream-ordered block, `cuMemFreeAsync` of a
@@ -356,6 +359,9 @@ impl AllocCache {
                 .and_then(|l| l.remove(l.iter().position(|b| b.ptr == ptr)?));
             if let Some(b) = &removed {
                 self.held_async -= 1;
+                if matches!(b.marker, Marker::Stream) {
+                    self.set_unmarked(self.unmarked.saturating_sub(1));
+                }
                 if let Some(e) = b.marker.event() {
                     self.spare_events.push((old.ctx, e));
                 }
@@ -488,11 +494,24 @@ impl AllocCache {
         self.streams.insert(handle, ctx);
     }
 
+    /// The blocks freed on stream `handle` and not marked: (address, context, the free's place), for the caller to
+    /// mark on the stream before it is destroyed ([`AllocCache::mark`]).
+    pub fn unmarked_on(&self, handle: usize) -> Vec<(u64, usize, u64)> {
+        let on = Some(StreamKey::Handle(handle));
+        self.free_async
+            .iter()
+            .flat_map(|(k, l)| l.iter().map(move |b| (k.0, b)))
+            .filter(|(_, b)| b.lane == on && matches!(b.marker, Marker::Stream))
+            .map(|(ctx, b)| (b.ptr, ctx, b.freed))
+            .collect()
+    }
+
     /// The program destroyed stream `handle`: blocks freed on it are handed out only once their free is complete (a
     /// new stream may get the same handle), and its context is asked again if the handle comes back.
     ///
-    /// Returns the blocks freed on it whose free was never marked ([`Marker::Stream`]): out of the cache now, for
-    /// libcuda to free on the stream before it goes (stream order keeps that free after the program's).
+    /// Returns the blocks freed on it that are still not marked ([`Marker::Stream`]: marking them on the stream failed,
+    /// see [`AllocCache::unmarked_on`]): out of the cache now, for libcuda to free on the stream before it goes (stream
+    /// order keeps that free after the program's).
     pub fn stream_destroyed(&mut self, handle: usize) -> Vec<u64> {
         self.streams.remove(&handle);
         let gone = Some(StreamKey::Handle(handle));
@@ -569,19 +588,20 @@ impl AllocCache {
     /// After an allocation of `bytes` on `lane` in `ctx` found no block ready: the oldest block of that size freed
     /// on another stream and not marked yet, with its stream, for the caller to mark ([`AllocCache::mark`]) so that
     /// a later allocation can tell when it is free. Such a find also predicts that blocks of this size cross between
-    /// streams: their frees are marked at once from then on ([`AllocCache::marks_at_free`]).
+    /// streams: their frees are marked at once from then on ([`AllocCache::marks_at_free`]). Returns the block's
+    /// address, its stream and its free's place ([`HeldBlock::freed`], for [`AllocCache::mark`]).
     pub fn to_mark(
         &mut self,
         ctx: usize,
         bytes: usize,
         lane: Option<StreamKey>,
-    ) -> Option<(u64, StreamKey)> {
+    ) -> Option<(u64, StreamKey, u64)> {
         let found =
             self.free_async
                 .get(&(ctx, bytes))?
                 .iter()
                 .find_map(|b| match (b.lane, &b.marker) {
-                    (Some(l), Marker::Stream) if Some(l) != lane => Some((b.ptr, l)),
+                    (Some(l), Marker::Stream) if Some(l) != lane => Some((b.ptr, l, b.freed)),
                     _ => None,
                 });
         if found.is_some() {
@@ -601,9 +621,10 @@ impl AllocCache {
             .is_some_and(|e| self.crossing.contains(&(ctx, e.bytes)))
     }
 
-    /// Gives held block `ptr`, not marked yet, `marker` (taken on its stream after its free). `Err` (with the marker,
-    /// for its event) when the block is gone or was marked meanwhile.
-    pub fn mark(&mut self, ctx: usize, ptr: u64, marker: Marker) -> Result<(), Marker> {
+    /// Gives held block `ptr`, not marked yet, `marker` (taken on its stream after its free, the one at place
+    /// `freed`). `Err` (with the marker, for its event) when the block is gone, was marked meanwhile, or was handed out
+    /// and freed again since (the marker may then stand for less than its last use).
+    pub fn mark(&mut self, ctx: usize, ptr: u64, freed: u64, marker: Marker) -> Result<(), Marker> {
         let Some(bytes) = self.blocks.get(&ptr).filter(|e| e.held).map(|e| e.bytes) else {
             return Err(marker);
         };
@@ -614,7 +635,7 @@ impl AllocCache {
         else {
             return Err(marker);
         };
-        if !matches!(b.marker, Marker::Stream) {
+        if !matches!(b.marker, Marker::Stream) || b.freed != freed {
             return Err(marker);
         }
         b.marker = marker;

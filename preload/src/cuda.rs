@@ -295,6 +295,14 @@ pub(crate) fn event_destroy(event: usize) {
     }
 }
 
+/// Whether stream `handle` was made with `CU_STREAM_NON_BLOCKING` (`false` when libcuda cannot say).
+pub(crate) fn stream_nonblocking(handle: usize) -> bool {
+    let mut flags: c_uint = 0;
+    // SAFETY: a live out-parameter; the driver validates the handle.
+    cu_stream_get_flags()
+        .is_some_and(|get| unsafe { get(handle, &mut flags) } == CUDA_SUCCESS && flags & 1 != 0)
+}
+
 /// The context of stream `handle` (a stream the program created).
 pub(crate) fn stream_context(handle: usize) -> Option<usize> {
     let get = cu_stream_get_ctx()?;

@@ -54,6 +54,9 @@ pub trait Driver {
     fn pools(&self) -> Option<(usize, usize)>;
     /// The context of stream `handle`.
     fn stream_context(&self, handle: usize) -> Option<usize>;
+    /// Whether stream `handle` was made non-blocking (`CU_STREAM_NON_BLOCKING`): its work is not ordered with the
+    /// legacy default stream's. `false` when libcuda cannot say.
+    fn stream_nonblocking(&self, handle: usize) -> bool;
     /// The program's `cuMemAllocAsync`, forwarded to libcuda in order with APEX's queues.
     ///
     /// # Safety
@@ -206,11 +209,14 @@ pub unsafe fn alloc<D: Driver>(
     };
     // A block freed on another stream and never marked cannot be handed out here: marked now (a driver call, which a
     // free on that stream did not cost), a later allocation of this size can tell when it is.
-    if let Some((p, on)) = unmarked
+    if let Some((p, on, freed)) = unmarked
         && let Some(m) = marker_on(cache, d, ctx, on)
-        && let Err(m) = locked(cache).mark(ctx, p, m)
     {
-        locked(cache).recycle(ctx, m);
+        // The guard must be gone before `recycle` locks again.
+        let marked = locked(cache).mark(ctx, p, freed, m);
+        if let Err(m) = marked {
+            locked(cache).recycle(ctx, m);
+        }
     }
     let mut r = forward();
     if r == CUDA_ERROR_OUT_OF_MEMORY && give_back(cache, d, ctx, true, true) {
@@ -306,25 +312,47 @@ pub fn synchronized<D: Driver>(
     before: u64,
 ) {
     let lane = match key {
-        // Another thread's default stream: nothing is held unmarked on it.
-        Some(k) => match lane(k) {
-            Some(l) => Some(l),
-            None => return,
-        },
+        // A non-blocking stream: its frees followed its own work only.
+        Some(StreamKey::Handle(h)) if d.stream_nonblocking(h) => Some(StreamKey::Handle(h)),
+        // A free on the legacy stream or a blocking one also follows the other's earlier work (implicit
+        // synchronization), which a synchronization of the stream alone does not wait for when the free itself never
+        // reached libcuda: such frees complete with their context's synchronization, or when marked. Another thread's
+        // default stream holds nothing unmarked.
+        Some(_) => return,
         None => None,
     };
     let ctx = d.current_context();
     locked(cache).synchronized(ctx, lane, before);
 }
 
-/// Before stream `handle` is destroyed: the blocks freed on it and never marked go back to libcuda, freed on it
-/// (after the program's free, in its order); the others are handed out once their free is complete.
+/// Before stream `handle` is destroyed: the blocks freed on it and never marked are marked on it (at most
+/// [`MARKS_AT_DESTROY`]; a marker outlives the stream), then handed out once their free is complete; any left unmarked
+/// go back to libcuda, freed on the stream (after the program's free, in its order).
 pub fn stream_destroyed<D: Driver>(cache: &Mutex<AllocCache>, d: &D, handle: usize) {
-    let unmarked = locked(cache).stream_destroyed(handle);
-    for p in unmarked {
-        let _ = d.free_async(p, handle, false);
+    let unmarked = locked(cache).unmarked_on(handle);
+    for (p, ctx, freed) in unmarked.into_iter().take(MARKS_AT_DESTROY) {
+        if let Some(m) = marker_on(cache, d, ctx, StreamKey::Handle(handle)) {
+            let marked = locked(cache).mark(ctx, p, freed, m);
+            if let Err(m) = marked {
+                locked(cache).recycle(ctx, m);
+            }
+        }
+    }
+    let left = locked(cache).stream_destroyed(handle);
+    for p in left {
+        let r = d.free_async(p, handle, false);
+        if r != CUDA_SUCCESS {
+            tracing::warn!(
+                ptr = format_args!("{p:#x}"),
+                result = r,
+                "libcuda refused to free a cached block on a stream being destroyed; the block stays allocated"
+            );
+        }
     }
 }
+
+/// The most blocks marked one by one when their stream is destroyed (a record each); more go back to libcuda.
+const MARKS_AT_DESTROY: usize = 64;
 
 /// Gives back to libcuda what the cache holds for the current context `ctx`: with `sync`, its `cuMemAlloc` blocks;
 /// its stream-ordered blocks whose free is complete; and with `all` every other stream-ordered block, freed in its

@@ -305,6 +305,10 @@ impl Driver for Preload {
         crate::cuda::stream_context(handle)
     }
 
+    fn stream_nonblocking(&self, handle: usize) -> bool {
+        crate::cuda::stream_nonblocking(handle)
+    }
+
     unsafe fn alloc_async(&self, dptr: *mut u64, bytes: usize, stream: usize, pt: bool) -> c_int {
         // The allocation may reuse memory CUDA freed on another stream behind a dependency it adds to this one: the
         // stream's queue waits for the stream before its next launch, as for any CUDA work.
@@ -541,7 +545,8 @@ pub(super) fn stream_destroyed(stream: usize) {
 /// idle, `cuCtxSynchronize`, `cuCtxSynchronize_v2` of `context`; `site`: its stream, or the device for a context):
 /// the stream-ordered blocks freed there and held unmarked may go to any stream. One load when none is held.
 pub(super) fn synchronized(site: Site, context: usize, before: u64) {
-    if !alloc_cache::unmarked_held() {
+    // Off, or a forked child (whose copy of the cache is the parent's): nothing to complete.
+    if !alloc_cache::unmarked_held() || engine::disabled() {
         return;
     }
     // Another context than the current one: its blocks are not told apart here, so none is completed.

@@ -31,6 +31,10 @@ struct Fake {
     bad_streams: RefCell<HashSet<usize>>,
     /// libcuda refuses waits for these events.
     bad_events: RefCell<HashSet<usize>>,
+    /// Streams made without `CU_STREAM_NON_BLOCKING` (the others are non-blocking).
+    blocking: RefCell<HashSet<usize>>,
+    /// Runs inside `event_record`: what another thread does meanwhile.
+    on_record: RefCell<Option<Box<dyn Fn()>>>,
     calls: RefCell<Vec<String>>,
     /// Pool queries made (`pools`).
     asked: Cell<u32>,
@@ -54,6 +58,8 @@ impl Fake {
             complete: RefCell::new(HashSet::new()),
             bad_streams: RefCell::new(HashSet::new()),
             bad_events: RefCell::new(HashSet::new()),
+            blocking: RefCell::new(HashSet::new()),
+            on_record: RefCell::new(None),
             calls: RefCell::new(Vec::new()),
             asked: Cell::new(0),
             streams: HashMap::from([(S1, CTX), (S2, CTX), (ELSEWHERE, CTX + 1)]),
@@ -109,6 +115,9 @@ impl Driver for Fake {
     fn stream_context(&self, handle: usize) -> Option<usize> {
         self.streams.get(&handle).copied()
     }
+    fn stream_nonblocking(&self, handle: usize) -> bool {
+        !self.blocking.borrow().contains(&handle)
+    }
     unsafe fn alloc_async(&self, dptr: *mut u64, bytes: usize, stream: usize, _: bool) -> c_int {
         self.log(format!("alloc {bytes} on {stream:#x}"));
         if self.oom.get() > 0 {
@@ -152,6 +161,9 @@ impl Driver for Fake {
         }
         self.complete.borrow_mut().remove(&event);
         self.log(format!("record {event} on {stream:#x}"));
+        if let Some(f) = self.on_record.borrow().as_ref() {
+            f();
+        }
         CUDA_SUCCESS
     }
     fn event_query(&self, event: usize) -> c_int {
@@ -331,23 +343,59 @@ fn a_synchronization_completes_only_the_frees_made_before_it_began() {
 }
 
 #[test]
-fn a_destroyed_stream_frees_its_unmarked_blocks_on_itself_first() {
+fn a_destroyed_stream_marks_its_unmarked_blocks_on_itself_first() {
     let (c, d) = (cache(), Fake::new());
     let p = held_block(&c, &d, 4096, S1);
     let q = held_block(&c, &d, 8192, S1);
-    // q marked: another stream asked for its size.
+    // q marked (event 1): another stream asked for its size.
     malloc(&c, &d, 8192, S2);
     d.calls();
     stream_destroyed(&c, &d, S1);
-    // p goes back on S1 while S1 exists (after the program's free, in S1's order); q stays, its marker holds.
-    assert_eq!(d.calls(), [format!("free {p:#x} on 0x5000")]);
-    assert_eq!(locked(&c).block(p), Block::Unknown);
+    // p is marked on S1 while S1 exists (a marker outlives its stream); both stay held.
+    assert_eq!(d.calls(), ["create 2", "record 2 on 0x5000"]);
+    assert_eq!(locked(&c).block(p), Block::Held);
     assert_eq!(locked(&c).block(q), Block::Held);
-    // A new stream with S1's handle does not take q before its free is complete.
+    // A new stream with S1's handle does not take either before its free is complete.
     assert_ne!(malloc(&c, &d, 8192, S1).1, q);
+    assert_ne!(malloc(&c, &d, 4096, S1).1, p);
     d.complete_all();
     d.calls();
     assert_eq!(malloc(&c, &d, 8192, S1), (CUDA_SUCCESS, q));
+    assert_eq!(malloc(&c, &d, 4096, S1), (CUDA_SUCCESS, p));
+    assert!(d.calls().is_empty());
+}
+
+#[test]
+fn a_destroyed_stream_frees_on_itself_the_blocks_it_cannot_mark() {
+    let (c, d) = (cache(), Fake::new());
+    let p = held_block(&c, &d, 4096, S1);
+    d.bad_streams.borrow_mut().insert(S1);
+    d.calls();
+    stream_destroyed(&c, &d, S1);
+    // The record is refused: the block goes back to libcuda on S1, after the program's free.
+    assert_eq!(
+        d.calls(),
+        ["create 1".to_string(), format!("free {p:#x} on 0x5000")]
+    );
+    assert_eq!(locked(&c).block(p), Block::Unknown);
+    assert_eq!(locked(&c).stats().held_bytes, 0);
+}
+
+/// A free on a blocking stream (or the legacy one) also follows the other's earlier work (implicit synchronization),
+/// which a synchronization of that stream alone does not wait for: only the context's synchronization, or a marker,
+/// completes it.
+#[test]
+fn a_synchronized_blocking_stream_does_not_complete_its_frees() {
+    let (c, d) = (cache(), Fake::new());
+    d.blocking.borrow_mut().insert(S1);
+    let p = held_block(&c, &d, 4096, S1);
+    synchronized(&c, &d, Some(StreamKey::Handle(S1)), frees_so_far());
+    synchronized(&c, &d, Some(StreamKey::Legacy), frees_so_far());
+    d.calls();
+    assert_ne!(malloc(&c, &d, 4096, S2).1, p);
+    // Marked on demand meanwhile; the context's synchronization completes it either way.
+    synchronized(&c, &d, None, frees_so_far());
+    assert_eq!(malloc(&c, &d, 4096, S2), (CUDA_SUCCESS, p));
 }
 
 #[test]
@@ -454,6 +502,25 @@ fn a_failed_record_leaves_the_free_to_libcuda() {
     assert_eq!(locked(&c).block(p), Block::Unknown);
     // Its event was kept for the next free.
     assert_eq!(locked(&c).spare_event(CTX), Some(2));
+}
+
+/// Another thread completes the block while its marker is recorded (the cache unlocked meanwhile): the marker is not
+/// used, its event goes back to the spares, and the allocation goes on (it once waited for ever on the cache's lock).
+#[test]
+fn a_block_completed_while_its_marker_is_recorded_keeps_the_cache_usable() {
+    let c = std::sync::Arc::new(cache());
+    let d = Fake::new();
+    let p = held_block(&c, &d, 4096, S1);
+    let other = c.clone();
+    d.on_record.replace(Some(Box::new(move || {
+        locked(&other).synchronized(Some(CTX), None, u64::MAX);
+    })));
+    d.calls();
+    let (r, x) = malloc(&c, &d, 4096, S2);
+    assert_eq!(r, CUDA_SUCCESS);
+    assert_ne!(x, p);
+    assert_eq!(locked(&c).spare_event(CTX), Some(1));
+    assert_eq!(malloc(&c, &d, 4096, S2), (CUDA_SUCCESS, p));
 }
 
 #[test]
