@@ -541,13 +541,18 @@ fn write_entry(dir: &Path, path: &Path, key: &Key, bytes: &[u8]) -> io::Result<(
     write_aside(dir, &format!("{:032x}", key.hash), path, &[&header, bytes])
 }
 
-/// Writes `parts` to a new temporary file in `dir` (`.<stem>.<pid>.<n>.tmp`, mode 0600, which eviction removes once
-/// stale) and renames it to `path`, so that no reader ever sees part of the file; the temporary file is removed if
-/// anything fails. Entries and marks are both written so.
+/// Writes `parts` to a new temporary file in `dir` (`.<stem>.<pid>.<n>.<nanos>.tmp`, mode 0600, created exclusively,
+/// which eviction removes once stale) and renames it to `path`, so that no reader ever sees part of the file; the
+/// temporary file is removed if anything fails. Entries and marks are both written so.
 fn write_aside(dir: &Path, stem: &str, path: &Path, parts: &[&[u8]]) -> io::Result<()> {
     static UNIQUE: AtomicU64 = AtomicU64::new(0);
+    // The clock's nanoseconds too: processes of other PID namespaces may share the directory (an exclusive create
+    // would fail on a name another one took, never write into its file).
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
     let tmp = dir.join(format!(
-        ".{stem}.{}.{}.tmp",
+        ".{stem}.{}.{}.{nanos}.tmp",
         std::process::id(),
         UNIQUE.fetch_add(1, Ordering::Relaxed)
     ));
