@@ -645,10 +645,9 @@ impl Engine {
         Answer::Forward
     }
 
-    /// `cuStreamWaitEvent(site, event)` for an event the preload kept, by a taken-over stream of the event's context:
-    /// the stream's queue waits for the event's fence on the GPU (a semaphore acquire; none when the event is of the
-    /// same queue or complete), and libcuda sees nothing. `None`: libcuda waits, the event recorded there first.
-    pub(crate) fn wait_on_apex(&mut self, event: usize, site: Site) -> Option<c_int> {
+    /// A wait of stream `site` for `event` the preload may answer itself: the event is kept, the stream is of the
+    /// event's context, which has not failed, and no capture runs. The context's index and the stream.
+    fn kept_wait(&mut self, event: usize, site: Site) -> Option<(usize, StreamKey)> {
         let Site::Stream(raw, pt) = site else {
             return None;
         };
@@ -659,10 +658,18 @@ impl Engine {
         if self.site_context(site) != Some(ci) || self.contexts[ci].failed.is_some() {
             return None;
         }
+        Some((ci, StreamKey::of(raw, pt)))
+    }
+
+    /// `cuStreamWaitEvent(site, event)` for an event the preload kept, by a taken-over stream of the event's context:
+    /// the stream's queue waits for the event's fence on the GPU (a semaphore acquire; none when the event is of the
+    /// same queue or complete), and libcuda sees nothing. `None`: libcuda waits, the event recorded there first.
+    pub(crate) fn wait_on_apex(&mut self, event: usize, site: Site) -> Option<c_int> {
+        let (ci, key) = self.kept_wait(event, site)?;
         // Only a stream taken over already: taking one over here (NCCL's internal stream, which waits and records
         // around every collective) made NCCL's kernels fault (an illegal address in all-reduce, 2× H200); left to
         // libcuda until that is understood.
-        let slot = self.contexts[ci].order.find(StreamKey::of(raw, pt))?;
+        let slot = self.contexts[ci].order.find(key)?;
         let cuda = self.cuda.as_ref();
         let ctx = &mut self.contexts[ci];
         let v = ctx.events.get(&event)?;
@@ -692,17 +699,7 @@ impl Engine {
         site: Site,
         name: &'static str,
     ) -> Option<c_int> {
-        let Site::Stream(raw, pt) = site else {
-            return None;
-        };
-        if !self.capturing.is_empty() {
-            return None;
-        }
-        let ci = self.event_home(event)?;
-        if self.site_context(site) != Some(ci) || self.contexts[ci].failed.is_some() {
-            return None;
-        }
-        let key = StreamKey::of(raw, pt);
+        let (ci, key) = self.kept_wait(event, site)?;
         let ctx = &self.contexts[ci];
         if ctx.order.find(key).is_some() {
             // A stream taken over waits on APEX ([`Engine::wait_on_apex`]).
