@@ -17,14 +17,17 @@
 // plus, every 10 collectives, NCCL's callback poll (cudaThreadExchangeStreamCaptureMode x2, cudaEventQuery), every 64 a
 // new scratch event (NCCL's KernelFinishCallback: cudaEventCreateWithFlags, later cudaEventDestroy), and PyTorch's
 // watchdog thread querying the last end event every 100 ms. The compute stream is the legacy default stream, which
-// the preload took over at the setup's launch (as PyTorch's tensor creation); NCCL's streams are non-blocking and
-// never taken over. The collective kernel calls printf on a branch never taken: the preload refuses it for a reason
-// with text (`device_runtime`), as it refuses NCCL's (`module_globals`), so it runs on libcuda.
+// the preload took over at the setup's launch (as PyTorch's tensor creation); NCCL's streams are non-blocking. By
+// default the collective kernel calls printf on a branch never taken: the preload refuses it for a reason with text
+// (`device_runtime`), so it runs on libcuda and NCCL's streams are never taken over (as with NCCL builds whose
+// kernels the preload refuses). With `apex` as the third argument the kernel has no printf: under the preload (with
+// `first`) it runs on APEX and NCCL's stream is taken over, as NCCL 2.28's kernels are.
 //
 // stdout: `metric collective_ns` (median over rounds of `iters` back-to-back collectives then a device synchronize,
 // per collective), `metric collective_sync_ns` (median of one collective then a synchronize), `result` lines.
 //   nvcc -O2 -arch=sm_90 -o /tmp/np preload/corpus/nccl_pattern.cu -lcuda
 //   python3 preload/corpus/cost_pairs.py --lib target/release/libapex_preload.so --pairs 7 -- /tmp/np 100 40
+//   APEX_PRELOAD_TAKEOVER=first python3 preload/corpus/cost_pairs.py --lib ... -- /tmp/np 100 40 apex
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -46,6 +49,10 @@ __global__ void collective(float *out, const float *in, int n, int flag) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] += in[i];
   if (flag == 12345) printf("never\n");
 }
+// The same without printf: a kernel the preload takes over.
+__global__ void collective_plain(float *out, const float *in, int n, int flag) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] += in[i];
+}
 // PyTorch's tensor creation on the compute stream (taken over by the preload).
 __global__ void fill(float *p, int n) {
   int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) p[i] = (float)(i % 7);
@@ -63,6 +70,7 @@ struct Pattern {
   cudaStream_t nccl, device;
   cudaEvent_t sync, scratch, end[8], callback = nullptr;
   CUfunction fn;
+  const void *kernel = nullptr;
   Args args;
   size_t args_size = sizeof(Args);
   long calls = 0;
@@ -101,7 +109,7 @@ struct Pattern {
     CHECK(cudaSetDevice(dev));
     CHECK(cudaEventRecord(scratch, device));
     CHECK(cudaStreamWaitEvent(nccl, scratch, 0));
-    cudaFunction_t f; CHECK(cudaGetFuncBySymbol(&f, (const void *)collective));
+    cudaFunction_t f; CHECK(cudaGetFuncBySymbol(&f, kernel));
     CHECK(cudaSetDevice(dev));
     launch();
     cudaEvent_t finished = scratch;
@@ -131,7 +139,11 @@ struct Pattern {
 int main(int argc, char **argv) {
   int iters = argc > 1 ? atoi(argv[1]) : 100;
   int rounds = argc > 2 ? atoi(argv[2]) : 40;
-  if (iters < 1 || rounds < 1) { printf("usage: %s [iters per round] [rounds]\n", argv[0]); return 2; }
+  bool on_apex = argc > 3 && strcmp(argv[3], "apex") == 0;
+  if (iters < 1 || rounds < 1 || (argc > 3 && !on_apex)) {
+    printf("usage: %s [iters per round] [rounds] [apex]\n", argv[0]);
+    return 2;
+  }
   Pattern p;
   CHECK(cudaSetDevice(0));
   CHECK(cudaStreamCreateWithFlags(&p.nccl, cudaStreamNonBlocking));
@@ -143,8 +155,10 @@ int main(int argc, char **argv) {
   CHECK(cudaMalloc(&in, N * 4)); CHECK(cudaMalloc(&out, N * 4));
   fill<<<(N + 255) / 256, 256>>>(in, N);  // the compute stream's tensor (through APEX under the preload)
   CHECK(cudaMemsetAsync(out, 0, N * 4, p.compute));
-  cudaFunction_t f; CHECK(cudaGetFuncBySymbol(&f, (const void *)collective));
+  cudaFunction_t f;
+  CHECK(cudaGetFuncBySymbol(&f, on_apex ? (const void *)collective_plain : (const void *)collective));
   p.fn = (CUfunction)f;
+  p.kernel = on_apex ? (const void *)collective_plain : (const void *)collective;
   p.args = Args{out, in, N, 0};
   CHECK(cudaDeviceSynchronize());
 

@@ -38,12 +38,14 @@ use crate::{Refusal, check, image};
 
 mod copies;
 mod fast;
+mod plain;
 mod sync;
 mod warmup;
 
 use copies::Staging;
 pub(crate) use copies::{CopyDir, CopyOp, SetOp};
-pub(crate) use sync::{Answer, Ordered, Step, SyncKind, Waits, sticky};
+pub(crate) use plain::Ticket as PlainTicket;
+pub(crate) use sync::{Answer, CtxMark, Ordered, Step, SyncKind, Waits, sticky};
 use sync::{SlotState, fence_state};
 
 /// Prepared launch shapes kept per function (the least recently used is replaced beyond this).
@@ -115,6 +117,9 @@ static ENGAGED: AtomicBool = AtomicBool::new(false);
 /// The credit the launch hooks spend forwarding launches without the engine before anything is attached
 /// ([`fast`]).
 static FAST: fast::FastForward = fast::FastForward::new();
+
+/// Streams no queue relates to, which the hooks forward calls on without the engine ([`plain`]).
+static PLAIN: plain::Plain = plain::Plain::new();
 
 /// What libcuda's launches cost in this process, timed on those forwarded on the credit ([`fast::LaunchCost`]).
 static LIBCUDA_LAUNCH: fast::LaunchCost = fast::LaunchCost::new();
@@ -404,6 +409,73 @@ struct VirtualEvent {
     fence: Fence,
 }
 
+/// The events a context keeps, each counted in the hooks' table ([`plain::Plain::keep`]) while it is kept, so
+/// that a hook tells without the engine's lock that an event is not.
+struct KeptEvents {
+    map: Handles<VirtualEvent>,
+    plain: &'static plain::Plain,
+}
+
+impl KeptEvents {
+    fn new(plain: &'static plain::Plain) -> KeptEvents {
+        KeptEvents {
+            map: Handles::default(),
+            plain,
+        }
+    }
+
+    fn insert(&mut self, event: usize, v: VirtualEvent) {
+        if self.map.insert(event, v).is_none() {
+            self.plain.keep(event);
+        }
+    }
+
+    fn remove(&mut self, event: &usize) -> Option<VirtualEvent> {
+        let v = self.map.remove(event);
+        if v.is_some() {
+            self.plain.unkeep(*event);
+        }
+        v
+    }
+
+    fn get(&self, event: &usize) -> Option<&VirtualEvent> {
+        self.map.get(event)
+    }
+
+    fn contains_key(&self, event: &usize) -> bool {
+        self.map.contains_key(event)
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (&usize, &VirtualEvent)> {
+        self.map.iter()
+    }
+
+    fn keys(&self) -> impl Iterator<Item = &usize> {
+        self.map.keys()
+    }
+
+    fn retain(&mut self, mut keep: impl FnMut(&usize, &mut VirtualEvent) -> bool) {
+        let plain = self.plain;
+        self.map.retain(|e, v| {
+            let k = keep(e, v);
+            if !k {
+                plain.unkeep(*e);
+            }
+            k
+        });
+    }
+
+    fn clear(&mut self) {
+        self.retain(|_, _| false);
+    }
+}
+
+impl Drop for KeptEvents {
+    fn drop(&mut self) {
+        self.clear();
+    }
+}
+
 /// APEX inside one CUDA context.
 struct Ctx {
     handle: usize,
@@ -431,7 +503,7 @@ struct Ctx {
     order: Order,
     /// Stream handle → blocking (not `CU_STREAM_NON_BLOCKING`).
     blocking: Handles<bool>,
-    events: Handles<VirtualEvent>,
+    events: KeptEvents,
     /// The preload's own stream for recording events (0 until first used).
     side: usize,
     /// Pinned memory for copies from and to pageable host memory (made on first use).
@@ -439,6 +511,9 @@ struct Ctx {
     /// CUDA work was submitted in this context since its last `cuCtxSynchronize` (launches left to libcuda, copies,
     /// hops): a context synchronize must then reach libcuda.
     cuda_work: bool,
+    /// The count of calls the hooks forwarded on streams no queue relates to ([`plain`]) that the last context
+    /// synchronize through libcuda covered: a different count is CUDA work too.
+    plain_synced: u64,
     /// Set when APEX stops in this context (a replayed assert, a fault): launches go to libcuda.
     failed: Option<Refusal>,
     /// Bumped by every piece of work submitted in the context (APEX's or CUDA's): a synchronization through libcuda
@@ -498,6 +573,8 @@ pub(crate) struct Engine {
     exit_hook: bool,
     /// The hooks' credit for launches forwarded without the engine (the process's one; a test engine's own).
     fast: &'static fast::FastForward,
+    /// The streams the hooks forward calls on without the engine (the process's table; a test engine's own).
+    plain: &'static plain::Plain,
     /// What is granted on it now.
     grant: Option<Grant>,
     /// The context grants were made for: a second one stops them for good.
@@ -763,6 +840,11 @@ impl Engine {
             } else {
                 &FAST
             },
+            plain: if cfg!(test) {
+                Box::leak(Box::new(plain::Plain::new()))
+            } else {
+                &PLAIN
+            },
             grant: None,
             grant_ctx: None,
             grants_off: false,
@@ -772,6 +854,15 @@ impl Engine {
             engine.exit_hooks();
         }
         engine
+    }
+
+    /// Starts a new generation: [`Ordered`] answers from before are looked at again, and the hooks forget the
+    /// streams they forwarded calls on without the engine ([`plain`]). Called before a context is attached or a
+    /// stream taken over or released, so that a call forwarded without the engine either ended before the change or
+    /// is ordered by the engine after it.
+    fn new_generation(&mut self) {
+        self.plain.forget_streams();
+        self.generation += 1;
     }
 
     /// Registers the exit handler (after the CUDA runtime's own, so it runs before the context goes away) and the
@@ -823,6 +914,9 @@ impl Engine {
         s.setup.modules_owed_ms = self.takeover.owed_total_ns() as f64 / 1e6;
         s.setup.libcuda_launch_ns = LIBCUDA_LAUNCH.estimate();
         for (name, n) in self.cuda_work.values() {
+            *s.cuda_work.entry(name.to_string()).or_default() += n;
+        }
+        for (name, n) in self.plain.counted() {
             *s.cuda_work.entry(name.to_string()).or_default() += n;
         }
         let off = DISABLED_LAUNCHES.load(Ordering::Relaxed);
@@ -953,7 +1047,7 @@ impl Engine {
         first: Option<Result<Queue, String>>,
     ) -> Result<usize, Refusal> {
         self.exit_hooks();
-        self.generation += 1;
+        self.new_generation();
         let result = match result {
             Ok((gpu, asserts)) if gpu.backend() == Backend::Direct => {
                 ENGAGED.store(true, Ordering::Release);
@@ -1002,10 +1096,11 @@ impl Engine {
                     loading: HashMap::new(),
                     order: Order::new(),
                     blocking: Handles::default(),
-                    events: Handles::default(),
+                    events: KeptEvents::new(self.plain),
                     side: 0,
                     staging: None,
                     cuda_work: true,
+                    plain_synced: 0,
                     failed: None,
                     epoch: 1,
                 });
@@ -1583,6 +1678,8 @@ impl Engine {
             }
             None => self.build_queue(ci)?,
         };
+        // Before the stream is related to a queue: a hook that forwards a call on it without the engine must see it.
+        self.new_generation();
         let cuda = self.cuda.as_ref();
         let ctx = &mut self.contexts[ci];
         let stream = ctx.stream(cuda, raw, per_thread);
@@ -1593,7 +1690,6 @@ impl Engine {
         }
         ctx.queues[slot] = Some(queue);
         ctx.last[slot] = None;
-        self.generation += 1;
         info!(stream = ?key, slot, "stream taken over by an APEX queue");
         if background {
             // The next new stream should find a queue ready.
@@ -1733,7 +1829,7 @@ impl Engine {
         for e in kept {
             self.materialize(e);
         }
-        self.generation += 1;
+        self.new_generation();
         for c in &mut self.contexts {
             if let Some(slot) = c.order.find(key) {
                 c.order.remove(slot);
@@ -1836,7 +1932,7 @@ impl Engine {
             self.summary.setup.teardown.add(freeing.elapsed());
             summary.setup.teardown = self.summary.setup.teardown.clone();
         }
-        self.generation += 1;
+        self.new_generation();
         self.settle_grant();
         self.off = Some(Refusal::Disabled);
         if let Some(path) = &self.config.stats {
@@ -1964,19 +2060,19 @@ pub(crate) fn stream_synced(site: Site, result: c_int, epoch: u64) {
     with(|e| e.stream_synced(site, result, epoch));
 }
 
-/// A context synchronize; the epoch is for [`context_synced`].
-pub(crate) fn context_sync() -> (Answer, u64) {
+/// A context synchronize; the mark is for [`context_synced`].
+pub(crate) fn context_sync() -> (Answer, CtxMark) {
     two_steps(
         |e| e.context_sync_begin(),
         |e, w, r| e.context_sync_end(w, r),
-        (Answer::Forward, 0),
-        |a| (a, 0),
+        (Answer::Forward, CtxMark::NONE),
+        |a| (a, CtxMark::NONE),
     )
 }
 
 /// After a forwarded context synchronize.
-pub(crate) fn context_synced(result: c_int, epoch: u64) {
-    with(|e| e.context_synced(result, epoch));
+pub(crate) fn context_synced(result: c_int, mark: CtxMark) {
+    with(|e| e.context_synced(result, mark));
 }
 
 /// Before CUDA work the program submits through driver function `name`: counted by name (for the stats), then
@@ -2176,6 +2272,36 @@ pub(crate) fn limit(limit: c_int, value: usize) {
     // CU_LIMIT_STACK_SIZE
     if limit == 0 && value > DEFAULT_STACK {
         with(|e| e.raise_stack());
+    }
+}
+
+/// Before libcuda destroys a stream: the hooks stop forwarding calls on it without the engine ([`plain`]), so that
+/// a stream made later with the same handle is looked at afresh.
+pub(crate) fn stream_destroying() {
+    with(|e| e.new_generation());
+}
+
+/// A call at `site` (naming `event`, if any) that needs nothing of the engine where the stream is related to no
+/// queue and the event is not kept: `Some` when the hooks may forward it without the engine ([`plain`]); the ticket
+/// goes to [`plain_end`] after the call.
+pub(crate) fn plain_begin(site: Site, event: Option<usize>) -> Option<PlainTicket> {
+    let Site::Stream(raw, pt) = site else {
+        return None;
+    };
+    let StreamKey::Handle(h) = StreamKey::of(raw, pt) else {
+        return None;
+    };
+    if FORKED.load(Ordering::Relaxed) {
+        return None;
+    }
+    PLAIN.begin(h, event)
+}
+
+/// After a call [`plain_begin`] let through: counted as CUDA work by driver function `name` (if it counts), and
+/// ordered by the engine after all if relations changed while it ran.
+pub(crate) fn plain_end(t: PlainTicket, site: Site, name: Option<&'static str>) {
+    if !PLAIN.end(t, name) {
+        after(site, Ordered::UNKNOWN, false);
     }
 }
 

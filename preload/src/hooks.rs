@@ -129,6 +129,17 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
     if let Some(e) = engine::sticky() {
         return e;
     }
+    // Work, a wait or an event record on a stream no queue relates to, naming no event the preload kept: libcuda's
+    // alone, forwarded without the engine's lock (counted as the context's CUDA work).
+    if matches!(kind, Kind::Work | Kind::WaitEvent | Kind::EventRecord) {
+        let event = (kind != Kind::Work).then_some(a.event);
+        if let Some(t) = engine::plain_begin(site, event) {
+            let r = call();
+            // Counted by name as the engine counts the work it orders (event records are not).
+            engine::plain_end(t, site, (kind != Kind::EventRecord).then_some(a.name));
+            return r;
+        }
+    }
     let event = a.event;
     let copy = |dir: CopyDir, blocking: bool| {
         let (dst, src, bytes) = a.copy;
@@ -1005,6 +1016,7 @@ pub unsafe extern "C" fn cuStreamDestroy_v2(stream: P) -> c_int {
     if g.is_some() {
         engine::before(Site::Stream(stream as usize, false));
         memory::stream_destroyed(stream as usize);
+        engine::stream_destroying();
     }
     let r = forward!(REAL_STREAM_DESTROY, c"cuStreamDestroy_v2", F, (stream));
     if r == 0 && g.is_some() {

@@ -106,6 +106,19 @@ pub(crate) struct Ordered {
     related: bool,
 }
 
+/// What a forwarded context synchronize must find unchanged when it returns for the context's CUDA work to count as
+/// complete: the context's epoch and the count of calls forwarded without the engine ([`super::plain`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct CtxMark {
+    epoch: u64,
+    plain: u64,
+}
+
+impl CtxMark {
+    /// Nothing to complete (the synchronize was answered, or failed). Epochs start at 1.
+    pub(crate) const NONE: CtxMark = CtxMark { epoch: 0, plain: 0 };
+}
+
 impl Ordered {
     /// No answer from the engine (it was unreachable): `after` looks again.
     pub(crate) const UNKNOWN: Ordered = Ordered {
@@ -175,6 +188,7 @@ impl Engine {
     pub(super) fn before_at(&mut self, ci: Option<usize>, site: Site) -> Ordered {
         let generation = self.generation;
         let Some(ci) = ci else {
+            self.remember_plain(site, None);
             return Ordered {
                 generation,
                 ctx: None,
@@ -202,10 +216,26 @@ impl Engine {
                 }
             }
         }
+        let epoch = ctx.epoch;
+        if !related {
+            self.remember_plain(site, Some(ci));
+        }
         Ordered {
             generation,
-            ctx: Some((ci, ctx.epoch)),
+            ctx: Some((ci, epoch)),
             related,
+        }
+    }
+
+    /// A stream no queue relates to, in context `ci` (`None`: no attached one): the hooks forward its next calls
+    /// that need nothing else of the engine without it ([`super::plain`]) until relations change. Not with chained
+    /// queues, whose held launches every entry into the engine sends.
+    fn remember_plain(&self, site: Site, ci: Option<usize>) {
+        if let Site::Stream(raw, pt) = site
+            && let StreamKey::Handle(h) = StreamKey::of(raw, pt)
+            && !self.config.chained
+        {
+            self.plain.remember(h, ci);
         }
     }
 
@@ -428,20 +458,32 @@ impl Engine {
         &mut self,
         w: &Waits,
         waited: &Result<(), String>,
-    ) -> (Answer, u64) {
+    ) -> (Answer, CtxMark) {
         let Some(ci) = self.waited(w, waited) else {
-            return (self.forward_after_asserts(w.ctx, w.handle), 0);
+            return (self.forward_after_asserts(w.ctx, w.handle), CtxMark::NONE);
         };
         if let Some(a) = self.report_asserts(ci) {
-            return (a, 0);
+            return (a, CtxMark::NONE);
         }
         let ctx = &self.contexts[ci];
-        if ctx.cuda_work || ctx.failed.is_some() || !self.capturing.is_empty() {
+        // Calls the hooks forwarded without the engine since the last synchronize are CUDA work too.
+        let plain = self.plain.work(ci);
+        if ctx.cuda_work
+            || plain != ctx.plain_synced
+            || ctx.failed.is_some()
+            || !self.capturing.is_empty()
+        {
             self.summary.syncs_forwarded += 1;
-            (Answer::Forward, ctx.epoch)
+            (
+                Answer::Forward,
+                CtxMark {
+                    epoch: ctx.epoch,
+                    plain,
+                },
+            )
         } else {
             self.summary.syncs_on_cpu += 1;
-            (Answer::Done(CUDA_SUCCESS), 0)
+            (Answer::Done(CUDA_SUCCESS), CtxMark::NONE)
         }
     }
 
@@ -457,17 +499,20 @@ impl Engine {
         }
     }
 
-    /// After a forwarded `cuCtxSynchronize` returned `result` (`epoch`: what `context_sync_end` returned).
-    pub(crate) fn context_synced(&mut self, result: c_int, epoch: u64) {
-        if result != CUDA_SUCCESS || epoch == 0 {
+    /// After a forwarded `cuCtxSynchronize` returned `result` (`mark`: what `context_sync_end` returned).
+    pub(crate) fn context_synced(&mut self, result: c_int, mark: CtxMark) {
+        if result != CUDA_SUCCESS || mark == CtxMark::NONE {
             return;
         }
         if let Some(ci) = self.site_context(Site::Device) {
+            let plain = self.plain.work(ci);
             let ctx = &mut self.contexts[ci];
-            // Work another thread submitted while libcuda synchronized is not complete.
-            if ctx.epoch == epoch {
+            // Work another thread submitted while libcuda synchronized is not complete, whether through the engine
+            // or forwarded without it.
+            if ctx.epoch == mark.epoch && plain == mark.plain {
                 ctx.order.context_synchronized();
                 ctx.cuda_work = false;
+                ctx.plain_synced = plain;
             }
         }
     }

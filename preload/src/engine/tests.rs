@@ -331,7 +331,7 @@ fn forwarded_stream_sync(s: &mut Setup) -> u64 {
 }
 
 /// A context synchronize that must reach libcuda: the epoch it returns.
-fn forwarded_context_sync(s: &mut Setup) -> u64 {
+fn forwarded_context_sync(s: &mut Setup) -> CtxMark {
     let Step::Wait(w) = s.engine.context_sync_begin() else {
         panic!("the queues' work is waited for first");
     };
@@ -1423,6 +1423,7 @@ fn a_free_on_the_legacy_stream_is_the_queues_only_when_it_waited_for_the_blockin
 }
 
 mod background;
+mod plain;
 mod takeover;
 
 /// An event recorded after a stream's APEX work (the legacy stream's too, once its queue has waited for every
