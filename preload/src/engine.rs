@@ -2082,8 +2082,9 @@ pub(crate) fn before_work(site: Site, name: &'static str) -> Ordered {
 }
 
 /// Before `cuStreamWaitEvent(site, event)`, under one lock: `Ok(CUresult)` when the preload kept the event and the
-/// stream's queue waits for it ([`Engine::wait_on_apex`], only where `on_apex`); otherwise as [`before_work`], an
-/// event the preload kept recorded in libcuda first ([`materialize`]), `Err` holding the answer for [`after`].
+/// stream's queue waits for it ([`Engine::wait_on_apex`], only where `on_apex`); otherwise ordered as a wait
+/// ([`Engine::before_stream_wait`]: nothing handed to CUDA first), an event the preload kept recorded in libcuda
+/// first ([`materialize`]), `Err` holding the answer for [`after`].
 pub(crate) fn before_wait(
     event: usize,
     site: Site,
@@ -2092,7 +2093,7 @@ pub(crate) fn before_wait(
 ) -> Result<c_int, Ordered> {
     let step = with(|e| {
         if e.event_home(event).is_none() {
-            Some(Err(e.before_work(site, name)))
+            Some(Err(e.before_stream_wait(site, name)))
         } else if on_apex {
             e.wait_on_apex(event, site)
                 .or_else(|| e.wait_cuda_on_kept(event, site, name))
@@ -2105,7 +2106,7 @@ pub(crate) fn before_wait(
         return done;
     }
     materialize(event);
-    Err(before_work(site, name))
+    Err(with(|e| e.before_stream_wait(site, name)).unwrap_or(Ordered::UNKNOWN))
 }
 
 /// Where a stream's work stands at a stream-ordered free the allocation cache keeps ([`Engine::free_point`]): the

@@ -184,8 +184,24 @@ impl Engine {
         Err(self.before_at(found, site))
     }
 
+    /// Before a stream waits for an event in libcuda (`cuStreamWaitEvent` for an event the preload did not keep),
+    /// counted as `name`: as [`before_work`](Self::before_work), but related queues' work is not handed to CUDA first.
+    /// A wait adds no work of its own, only a condition on what follows it: the stream's later APEX launches wait for
+    /// its CUDA side (which holds the wait), and later CUDA work hands the queues' work over when it comes. Handing it
+    /// over here cost a `cuStreamWaitValue64` per wait (NCCL waits on its internal stream before every collective).
+    pub(crate) fn before_stream_wait(&mut self, site: Site, name: &'static str) -> Ordered {
+        self.count_work(name);
+        let ci = self.site_context(site);
+        self.ordered_at(ci, site, false)
+    }
+
     /// [`before`](Self::before) with the site's context found already (`ci`, under the same lock).
     pub(super) fn before_at(&mut self, ci: Option<usize>, site: Site) -> Ordered {
+        self.ordered_at(ci, site, true)
+    }
+
+    /// [`before_at`](Self::before_at); `hand_over`: related queues' work is handed to CUDA (not for a wait).
+    fn ordered_at(&mut self, ci: Option<usize>, site: Site, hand_over: bool) -> Ordered {
         let generation = self.generation;
         let Some(ci) = ci else {
             self.remember_plain(site, None);
@@ -209,7 +225,7 @@ impl Engine {
                 Target::Stream(s) => ctx.order.related(s).next().is_some(),
                 Target::Device => true,
             };
-            if related {
+            if related && hand_over {
                 let (mut hops, order) = ctx.hops(cuda);
                 if let Err(e) = order.before_cuda(target, &mut hops) {
                     warn!(error = %e, "cannot order a CUDA operation after APEX's queue");

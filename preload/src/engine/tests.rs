@@ -550,6 +550,30 @@ fn a_cuda_stream_waits_for_a_kept_event_without_libcuda_recording_it() {
 }
 
 #[test]
+fn a_wait_for_a_libcuda_event_on_a_taken_over_stream_hands_nothing_to_cuda() {
+    let mut s = Setup::new();
+    assert!(s.launch());
+    s.idle();
+    s.sim.pause();
+    assert!(s.launch());
+    s.calls();
+    // cuStreamWaitEvent(legacy, an event libcuda recorded): forwarded as it is, no hop before it.
+    let o = s.engine.before_stream_wait(LEGACY, "cuStreamWaitEvent");
+    s.engine.after(LEGACY, o, false);
+    assert!(s.calls().is_empty());
+    // The stream's next APEX launch waits for its CUDA side, which holds the wait.
+    assert!(s.launch());
+    assert_eq!(s.calls(), vec!["apex<-cuda Legacy"]);
+    // Work libcuda runs on the stream later still follows the queue's work: handed over then.
+    let o = s.engine.before_work(LEGACY, "cuMemcpy2DAsync_v2");
+    assert_eq!(s.calls(), vec!["cuda<-apex Legacy"]);
+    s.engine.after(LEGACY, o, false);
+    assert_eq!(s.engine.summary().cuda_work.get("cuStreamWaitEvent"), Some(&1));
+    s.sim.resume();
+    s.idle();
+}
+
+#[test]
 fn timed_events_and_events_after_cuda_work_go_to_libcuda() {
     let mut s = Setup::new();
     let stream = Site::Stream(0x5000, false);
