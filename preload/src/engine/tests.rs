@@ -568,7 +568,10 @@ fn a_wait_for_a_libcuda_event_on_a_taken_over_stream_hands_nothing_to_cuda() {
     let o = s.engine.before_work(LEGACY, "cuMemcpy2DAsync_v2");
     assert_eq!(s.calls(), vec!["cuda<-apex Legacy"]);
     s.engine.after(LEGACY, o, false);
-    assert_eq!(s.engine.summary().cuda_work.get("cuStreamWaitEvent"), Some(&1));
+    assert_eq!(
+        s.engine.summary().cuda_work.get("cuStreamWaitEvent"),
+        Some(&1)
+    );
     s.sim.resume();
     s.idle();
 }
