@@ -1,7 +1,8 @@
 //! The preload's state and decisions: one attachment per CUDA context, one APEX queue per taken-over stream, the
 //! function cache, the ordering of queues with CUDA streams ([`crate::order`]), synchronizations answered from APEX's
 //! fences, events recorded after APEX's work, and device asserts. Every entry point takes the one lock; hooks call
-//! them only from the outermost hook of a thread (never from APEX's own calls into libcuda).
+//! them only from the outermost hook of a thread (never from APEX's own calls into libcuda). Calls on streams no queue
+//! relates to skip the engine altogether once it has seen such a stream ([`plain`]).
 //!
 //! The launch path is one lock, one `cuCtxGetCurrent`, one load (is set-up work waiting to be picked up:
 //! [`crate::setup`]), three lookups (context, function, stream) and APEX's prepared launch, which returns a ticket
