@@ -46,6 +46,8 @@ pub(crate) trait CudaSide: Send + Sync {
     /// Whether a stream synchronizes with the legacy default stream (not `CU_STREAM_NON_BLOCKING`). Unknown:
     /// `true`, which relates it to more streams (more hops, never fewer).
     fn stream_blocking(&self, stream: usize) -> bool;
+    /// The context a stream belongs to (`cuStreamGetCtx`); `None` when libcuda cannot say.
+    fn stream_context(&self, stream: usize) -> Option<usize>;
     /// A function's or kernel's name, asked of the driver.
     fn function_name(&self, f: usize) -> Option<String>;
     /// A function's module, if `known` says the preload saw it loaded; else a kernel's library.
@@ -474,6 +476,10 @@ impl CudaSide for Libcuda {
         // SAFETY: a live out-parameter; the driver validates the handle.
         cu_stream_get_flags()
             .is_none_or(|get| unsafe { get(stream, &mut flags) } != 0 || flags & 1 == 0)
+    }
+
+    fn stream_context(&self, stream: usize) -> Option<usize> {
+        stream_context(stream)
     }
 
     fn function_name(&self, f: usize) -> Option<String> {

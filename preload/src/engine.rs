@@ -576,6 +576,8 @@ pub(crate) struct Engine {
     fast: &'static fast::FastForward,
     /// The streams the hooks forward calls on without the engine (the process's table; a test engine's own).
     plain: &'static plain::Plain,
+    /// Stream handle → its own context (0: libcuda could not say), asked before a stream is remembered in `plain`.
+    stream_ctx: Handles<usize>,
     /// What is granted on it now.
     grant: Option<Grant>,
     /// The context grants were made for: a second one stops them for good.
@@ -846,6 +848,7 @@ impl Engine {
             } else {
                 &PLAIN
             },
+            stream_ctx: Handles::default(),
             grant: None,
             grant_ctx: None,
             grants_off: false,
@@ -1849,6 +1852,7 @@ impl Engine {
             c.wanted.retain(|k| *k != key);
             c.blocking.remove(&raw);
         }
+        self.stream_ctx.remove(&raw);
     }
 
     pub(crate) fn capture(&mut self, raw: usize, per_thread: bool, begins: bool) {

@@ -354,6 +354,25 @@ impl Order {
         result
     }
 
+    /// Before `stream` waits for an event in CUDA: the queues of related streams other than its own are handed to
+    /// CUDA (CUDA orders a blocking stream's wait after the legacy stream's earlier work, and the legacy stream's
+    /// after every blocking stream's); its own queue is not, since the wait adds no work of its own: the queue's next
+    /// launch waits for the stream, and later CUDA work on the stream hands the queue over when it comes.
+    pub fn before_cuda_wait(&mut self, stream: Stream, hops: &mut dyn Hops) -> Result<(), String> {
+        let mut result = Ok(());
+        for i in 0..self.slots.len() {
+            let s = self.slots[i];
+            if s.live
+                && s.stream.key != stream.key
+                && stream.related(s.stream)
+                && let Err(e) = self.hand_over(i, hops)
+            {
+                result = Err(e);
+            }
+        }
+        result
+    }
+
     /// After a CUDA operation that added work ordered with `stream`: related queues wait for it before their next
     /// launch.
     pub fn after_cuda(&mut self, stream: Stream) {
@@ -483,6 +502,30 @@ mod tests {
             "two created streams do not synchronize"
         );
         assert!(NON_BLOCKING.related(NON_BLOCKING));
+    }
+
+    #[test]
+    fn a_wait_hands_over_the_queues_of_related_streams_but_not_its_own() {
+        let mut o = Order::new();
+        let mut log = Log::default();
+        let legacy = o.add(LEGACY);
+        let blocking = o.add(BLOCKING);
+        let other = o.add(NON_BLOCKING);
+        for s in [legacy, blocking, other] {
+            launch(&mut o, s, &mut log);
+        }
+        log.hops.clear();
+        // A blocking stream's wait follows the legacy stream's earlier work in CUDA: that queue is handed over.
+        o.before_cuda_wait(BLOCKING, &mut log).unwrap();
+        assert_eq!(log.hops, vec![("cuda<-apex", legacy)]);
+        log.hops.clear();
+        // A non-blocking stream's wait hands nothing over.
+        o.before_cuda_wait(NON_BLOCKING, &mut log).unwrap();
+        assert!(log.hops.is_empty());
+        // Its own queue is still to be handed over to later CUDA work on the stream.
+        o.before_cuda(Target::Stream(NON_BLOCKING), &mut log)
+            .unwrap();
+        assert_eq!(log.hops, vec![("cuda<-apex", other)]);
     }
 
     #[test]

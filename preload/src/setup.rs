@@ -511,6 +511,9 @@ mod tests {
         fn stream_blocking(&self, _: usize) -> bool {
             true
         }
+        fn stream_context(&self, _: usize) -> Option<usize> {
+            None
+        }
         fn function_name(&self, _: usize) -> Option<String> {
             None
         }

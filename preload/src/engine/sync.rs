@@ -185,10 +185,11 @@ impl Engine {
     }
 
     /// Before a stream waits for an event in libcuda (`cuStreamWaitEvent` for an event the preload did not keep),
-    /// counted as `name`: as [`before_work`](Self::before_work), but related queues' work is not handed to CUDA first.
-    /// A wait adds no work of its own, only a condition on what follows it: the stream's later APEX launches wait for
-    /// its CUDA side (which holds the wait), and later CUDA work hands the queues' work over when it comes. Handing it
-    /// over here cost a `cuStreamWaitValue64` per wait (NCCL waits on its internal stream before every collective).
+    /// counted as `name`: as [`before_work`](Self::before_work), but the stream's own queue is not handed to CUDA
+    /// first ([`Order::before_cuda_wait`]; related streams' queues are, as CUDA orders the wait after them). A wait
+    /// adds no work of its own, only a condition on what follows it: the stream's later APEX launches wait for its
+    /// CUDA side (which holds the wait), and later CUDA work hands the queue over when it comes. Handing it over here
+    /// cost a `cuStreamWaitValue64` per wait (NCCL waits on its stream before every collective).
     pub(crate) fn before_stream_wait(&mut self, site: Site, name: &'static str) -> Ordered {
         self.count_work(name);
         let ci = self.site_context(site);
@@ -225,9 +226,13 @@ impl Engine {
                 Target::Stream(s) => ctx.order.related(s).next().is_some(),
                 Target::Device => true,
             };
-            if related && hand_over {
+            if related {
                 let (mut hops, order) = ctx.hops(cuda);
-                if let Err(e) = order.before_cuda(target, &mut hops) {
+                let handed = match (hand_over, target) {
+                    (false, Target::Stream(s)) => order.before_cuda_wait(s, &mut hops),
+                    _ => order.before_cuda(target, &mut hops),
+                };
+                if let Err(e) = handed {
                     warn!(error = %e, "cannot order a CUDA operation after APEX's queue");
                 }
             }
@@ -243,15 +248,28 @@ impl Engine {
         }
     }
 
-    /// A stream no queue relates to, in context `ci` (`None`: no attached one): the hooks forward its next calls
-    /// that need nothing else of the engine without it ([`super::plain`]) until relations change. Not with chained
-    /// queues, whose held launches every entry into the engine sends.
-    fn remember_plain(&self, site: Site, ci: Option<usize>) {
-        if let Site::Stream(raw, pt) = site
-            && let StreamKey::Handle(h) = StreamKey::of(raw, pt)
-            && !self.config.chained
-        {
-            self.plain.remember(h, ci);
+    /// A stream no queue relates to, found in context `ci`: the hooks forward its next calls that need nothing else
+    /// of the engine without it ([`super::plain`]) until relations change. Only where `ci` is the stream's own
+    /// context (libcuda asked once per stream): the context was found through the calling thread's current one,
+    /// which another thread's later calls on the stream need not share. Not with chained queues, whose held launches
+    /// every entry into the engine sends.
+    fn remember_plain(&mut self, site: Site, ci: Option<usize>) {
+        let (Site::Stream(raw, pt), Some(ci)) = (site, ci) else {
+            return;
+        };
+        let StreamKey::Handle(h) = StreamKey::of(raw, pt) else {
+            return;
+        };
+        if self.config.chained {
+            return;
+        }
+        let cuda = self.cuda.as_ref();
+        let own = *self
+            .stream_ctx
+            .entry(h)
+            .or_insert_with(|| cuda.stream_context(h).unwrap_or(0));
+        if own != 0 && self.contexts.get(ci).is_some_and(|c| c.handle == own) {
+            self.plain.remember(h, Some(ci));
         }
     }
 

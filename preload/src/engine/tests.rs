@@ -21,6 +21,9 @@ const FUNC: usize = 0x100;
 const EVENT: usize = 0xe0;
 /// Stream handles from here on are non-blocking.
 const NON_BLOCKING: usize = 0x100_0000;
+/// A non-blocking stream of another context, never attached.
+const FOREIGN: usize = NON_BLOCKING + 0xf000;
+const FOREIGN_CTX: usize = 0xf0;
 
 /// What the engine asked of "libcuda".
 #[derive(Default)]
@@ -124,6 +127,10 @@ impl CudaSide for FakeCuda {
     fn stream_blocking(&self, stream: usize) -> bool {
         // Streams at NON_BLOCKING and above were made with CU_STREAM_NON_BLOCKING (as NCCL's and PyTorch's are).
         stream < NON_BLOCKING
+    }
+    fn stream_context(&self, stream: usize) -> Option<usize> {
+        // Every stream is CTX's, but FOREIGN, of a context APEX never attached to.
+        Some(if stream == FOREIGN { FOREIGN_CTX } else { CTX })
     }
     fn function_name(&self, _: usize) -> Option<String> {
         None

@@ -88,16 +88,52 @@ fn a_call_that_ran_while_its_stream_was_taken_over_is_waited_for_by_the_next_lau
 }
 
 #[test]
-fn a_destroyed_stream_is_forgotten_before_libcuda_destroys_it() {
+fn a_destroyed_stream_is_forgotten() {
     let mut s = Setup::new();
     assert!(s.launch());
     s.forward_work(QUIET_SITE);
     assert_eq!(s.forward_plain(QUIET, None), Some(true));
-    s.engine.new_generation();
-    assert_eq!(s.forward_plain(QUIET, None), None);
-    s.forward_work(QUIET_SITE);
     s.engine.stream_destroyed(QUIET);
     assert_eq!(s.forward_plain(QUIET, None), None);
+}
+
+#[test]
+fn a_stream_is_remembered_only_with_its_own_context() {
+    let mut s = Setup::new();
+    assert!(s.launch());
+    // A thread with no context current forwards a call on the stream: its context is not known, so not remembered
+    // (another thread's calls on it would otherwise skip the engine uncounted).
+    CURRENT.set(Some(None));
+    s.forward_work(QUIET_SITE);
+    CURRENT.set(None);
+    assert_eq!(s.forward_plain(QUIET, None), None);
+    // Found through its own context: remembered.
+    s.forward_work(QUIET_SITE);
+    assert_eq!(s.forward_plain(QUIET, None), Some(true));
+    // A stream of another context, used while CTX is current: never remembered under CTX.
+    s.forward_work(Site::Stream(FOREIGN, false));
+    assert_eq!(s.forward_plain(FOREIGN, None), None);
+}
+
+#[test]
+fn a_blocking_stream_s_wait_still_follows_the_legacy_stream_s_apex_work() {
+    let mut s = Setup::new();
+    assert!(s.launch());
+    s.idle();
+    s.sim.pause();
+    assert!(s.launch());
+    s.calls();
+    // CUDA orders a blocking stream's wait after the legacy stream's earlier work: that queue is handed over.
+    let blocking = Site::Stream(BLOCKING, false);
+    let o = s.engine.before_stream_wait(blocking, "cuStreamWaitEvent");
+    s.engine.after(blocking, o, false);
+    assert_eq!(s.calls(), vec!["cuda<-apex Legacy"]);
+    // A non-blocking stream's wait hands nothing over.
+    let o = s.engine.before_stream_wait(QUIET_SITE, "cuStreamWaitEvent");
+    s.engine.after(QUIET_SITE, o, false);
+    assert!(s.calls().is_empty());
+    s.sim.resume();
+    s.idle();
 }
 
 #[test]
