@@ -2096,18 +2096,7 @@ pub(crate) fn before_wait(
     name: &'static str,
     on_apex: bool,
 ) -> Result<c_int, Ordered> {
-    let step = with(|e| {
-        if e.event_home(event).is_none() {
-            Some(Err(e.before_stream_wait(site, name)))
-        } else if on_apex {
-            e.wait_on_apex(event, site)
-                .or_else(|| e.wait_cuda_on_kept(event, site, name))
-                .map(Ok)
-        } else {
-            None
-        }
-    });
-    if let Some(Some(done)) = step {
+    if let Some(Some(done)) = with(|e| e.stream_wait(event, site, name, on_apex)) {
         return done;
     }
     materialize(event);

@@ -196,6 +196,29 @@ impl Engine {
         self.ordered_at(ci, site, false)
     }
 
+    /// `cuStreamWaitEvent(site, event)`, what can be decided under one lock: for an event the preload did not keep,
+    /// the wait ordered ([`before_stream_wait`](Self::before_stream_wait), `Err` for [`after`](Self::after)); for one
+    /// it kept, the wait made on the GPU (`Ok`: [`wait_on_apex`](Self::wait_on_apex), else
+    /// [`wait_cuda_on_kept`](Self::wait_cuda_on_kept), only where `on_apex`). `None`: the kept event must be recorded
+    /// in libcuda first ([`super::materialize`], which waits without the lock), then the wait ordered.
+    pub(crate) fn stream_wait(
+        &mut self,
+        event: usize,
+        site: Site,
+        name: &'static str,
+        on_apex: bool,
+    ) -> Option<Result<c_int, Ordered>> {
+        if self.event_home(event).is_none() {
+            return Some(Err(self.before_stream_wait(site, name)));
+        }
+        if !on_apex {
+            return None;
+        }
+        self.wait_on_apex(event, site)
+            .or_else(|| self.wait_cuda_on_kept(event, site, name))
+            .map(Ok)
+    }
+
     /// [`before`](Self::before) with the site's context found already (`ci`, under the same lock).
     pub(super) fn before_at(&mut self, ci: Option<usize>, site: Site) -> Ordered {
         self.ordered_at(ci, site, true)

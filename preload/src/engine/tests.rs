@@ -24,6 +24,8 @@ const NON_BLOCKING: usize = 0x100_0000;
 /// A non-blocking stream of another context, never attached.
 const FOREIGN: usize = NON_BLOCKING + 0xf000;
 const FOREIGN_CTX: usize = 0xf0;
+/// A non-blocking stream APEX never takes over in the tests that use it.
+const QUIET_OTHER: Site = Site::Stream(NON_BLOCKING + 0x3000, false);
 
 /// What the engine asked of "libcuda".
 #[derive(Default)]
@@ -565,7 +567,12 @@ fn a_wait_for_a_libcuda_event_on_a_taken_over_stream_hands_nothing_to_cuda() {
     assert!(s.launch());
     s.calls();
     // cuStreamWaitEvent(legacy, an event libcuda recorded): forwarded as it is, no hop before it.
-    let o = s.engine.before_stream_wait(LEGACY, "cuStreamWaitEvent");
+    let Some(Err(o)) = s
+        .engine
+        .stream_wait(EVENT, LEGACY, "cuStreamWaitEvent", true)
+    else {
+        panic!("an event the preload did not keep: libcuda waits");
+    };
     s.engine.after(LEGACY, o, false);
     assert!(s.calls().is_empty());
     // The stream's next APEX launch waits for its CUDA side, which holds the wait.
@@ -578,6 +585,43 @@ fn a_wait_for_a_libcuda_event_on_a_taken_over_stream_hands_nothing_to_cuda() {
     assert_eq!(
         s.engine.summary().cuda_work.get("cuStreamWaitEvent"),
         Some(&1)
+    );
+    s.sim.resume();
+    s.idle();
+}
+
+#[test]
+fn a_wait_for_a_kept_event_is_made_on_the_gpu_or_left_for_libcuda_to_record_first() {
+    let mut s = Setup::new();
+    let apex = Site::Stream(0x5000, false);
+    let other = Site::Stream(NON_BLOCKING + 0x2000, false);
+    s.engine.event_created(EVENT, 2);
+    assert!(s.launch_on(0x5000, 1));
+    assert!(s.launch_on(NON_BLOCKING + 0x2000, 1));
+    s.idle();
+    s.sim.pause();
+    assert!(s.launch_on(0x5000, 1));
+    assert_eq!(s.engine.event_record(EVENT, apex), Answer::Done(0));
+    s.calls();
+    // A taken-over stream joins the event's fence on the GPU: no libcuda call.
+    assert_eq!(
+        s.engine
+            .stream_wait(EVENT, other, "cuStreamWaitEvent", true),
+        Some(Ok(CUDA_SUCCESS))
+    );
+    assert!(s.calls().is_empty());
+    // Flags libcuda must judge: recorded in libcuda first.
+    assert_eq!(
+        s.engine
+            .stream_wait(EVENT, other, "cuStreamWaitEvent", false),
+        None
+    );
+    // Work sent after the record: a stream APEX did not take over cannot wait for a release of the queue.
+    assert!(s.launch_on(0x5000, 1));
+    assert_eq!(
+        s.engine
+            .stream_wait(EVENT, QUIET_OTHER, "cuStreamWaitEvent", true),
+        None
     );
     s.sim.resume();
     s.idle();
