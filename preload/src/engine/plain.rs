@@ -8,9 +8,9 @@
 //! forwarded; `cudaStreamWaitEvent` 245 and 451 ns): two passes of the engine's lock and a `cuCtxGetCurrent` to
 //! find the context. NCCL makes several such calls around every collective, PyTorch around every cross-stream use.
 //!
-//! The engine remembers such a stream here (with its context) when it forwards a call on one, and forgets every
-//! stream at once whenever relations could change (a context attached, a stream taken over or released, the end),
-//! before it changes them. The events it keeps are counted here by a hash of their handle, so that a hook tells
+//! The engine remembers such a stream here (with its own context, never the calling thread's current one) when it
+//! forwards a call on one, and forgets every stream at once whenever relations could change (a context attached, a
+//! stream taken over, released or destroyed, the end), before it changes them. The events it keeps are counted here by a hash of their handle, so that a hook tells
 //! without the lock that an event is not kept. A hook that finds its stream remembered (and its event, if any, not
 //! kept) bumps the context's work count, forwards, bumps it again, and, if the streams were forgotten meanwhile, has
 //! the engine order the call after all ([`super::after_unordered`]), as for a call forwarded before anything was
@@ -35,16 +35,14 @@ pub(crate) const MAX_CONTEXTS: usize = 64;
 /// Driver functions whose forwarded calls are counted by name (for the summary's `cuda_work`): more than the hooks
 /// that forward work (about a hundred).
 const NAME_SLOTS: usize = 256;
-/// A remembered stream's tag when no attached context was found for it (tags are stored plus one, in 8 bits).
-const NO_CONTEXT: u64 = 0xfe;
-const _: () = assert!((MAX_CONTEXTS as u64) < NO_CONTEXT);
-/// Where the context's tag sits in an entry; a stream handle (a user-space address) stays below it.
+const _: () = assert!(MAX_CONTEXTS < 0xff);
+/// Where the context's index (plus one) sits in an entry; a stream handle (a user-space address) stays below it.
 const TAG_SHIFT: u32 = 56;
 
 /// The streams, kept-event counts and work counts the hooks read without the engine's lock.
 #[derive(Debug)]
 pub(crate) struct Plain {
-    /// `(context tag + 1) << 56 | stream handle`; 0: empty.
+    /// `(context index + 1) << 56 | stream handle`; 0: empty.
     streams: [AtomicU64; STREAM_SLOTS],
     kept: [AtomicU32; KEPT_BUCKETS],
     /// Bumped each time the streams are forgotten (after they are).
@@ -116,7 +114,8 @@ thread_local! {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Ticket {
     generation: u64,
-    ctx: Option<usize>,
+    /// The stream's context (its index).
+    ctx: usize,
     /// The calling thread's counts (kept alive by its thread-local registration while the thread runs).
     counts: *const Counts,
 }
@@ -182,20 +181,16 @@ impl Plain {
         t.live.retain(|c| !Arc::ptr_eq(c, counts));
     }
 
-    fn entry(stream: usize, ctx: Option<usize>) -> Option<u64> {
-        let tag = match ctx {
-            Some(ci) if ci < MAX_CONTEXTS => ci as u64,
-            Some(_) => return None,
-            None => NO_CONTEXT,
-        };
+    fn entry(stream: usize, ctx: usize) -> Option<u64> {
         let s = stream as u64;
-        (s != 0 && s >> TAG_SHIFT == 0).then_some((tag + 1) << TAG_SHIFT | s)
+        (ctx < MAX_CONTEXTS && s != 0 && s >> TAG_SHIFT == 0)
+            .then_some((ctx as u64 + 1) << TAG_SHIFT | s)
     }
 
-    /// Remembers `stream` (a handle, not the legacy or per-thread stream) as related to no queue, in context `ctx`
-    /// (`None`: no attached context). Called under the engine's lock. A full neighbourhood remembers nothing: the
-    /// stream's calls keep going through the engine.
-    pub(crate) fn remember(&self, stream: usize, ctx: Option<usize>) {
+    /// Remembers `stream` (a handle, not the legacy or per-thread stream) as related to no queue, in the context of
+    /// index `ctx` (its own). Called under the engine's lock. A full neighbourhood remembers nothing: the stream's
+    /// calls keep going through the engine.
+    pub(crate) fn remember(&self, stream: usize, ctx: usize) {
         let Some(entry) = Plain::entry(stream, ctx) else {
             return;
         };
@@ -226,8 +221,8 @@ impl Plain {
         self.generation.fetch_add(1, Ordering::SeqCst);
     }
 
-    /// The remembered stream's context tag: `Some(None)` remembered without a context.
-    fn find(&self, stream: usize) -> Option<Option<usize>> {
+    /// The remembered stream's context.
+    fn find(&self, stream: usize) -> Option<usize> {
         let start = hash(stream);
         for i in 0..PROBE {
             let v = self.streams[(start + i) % STREAM_SLOTS].load(Ordering::SeqCst);
@@ -235,8 +230,7 @@ impl Plain {
                 return None;
             }
             if v & ((1 << TAG_SHIFT) - 1) == stream as u64 {
-                let tag = (v >> TAG_SHIFT) - 1;
-                return Some((tag != NO_CONTEXT).then_some(tag as usize));
+                return Some(((v >> TAG_SHIFT) - 1) as usize);
             }
         }
         None
@@ -272,10 +266,8 @@ impl Plain {
             return None;
         }
         let counts = self.counts()?;
-        if let Some(ci) = ctx {
-            // SAFETY: this thread's counts, alive while its registration is (until the thread ends).
-            bump(unsafe { &(*counts).work[ci] });
-        }
+        // SAFETY: this thread's counts, alive while its registration is (until the thread ends).
+        bump(unsafe { &(*counts).work[ctx] });
         Some(Ticket {
             generation,
             ctx,
@@ -288,9 +280,7 @@ impl Plain {
     pub(crate) fn end(&self, t: Ticket, name: Option<&'static str>) -> bool {
         // SAFETY: `t` was made by this thread (tickets do not cross threads), whose counts outlive the call.
         let counts = unsafe { &*t.counts };
-        if let Some(ci) = t.ctx {
-            bump(&counts.work[ci]);
-        }
+        bump(&counts.work[t.ctx]);
         if let Some(k) = name.and_then(|n| self.name_slot(n)) {
             bump(&counts.names[k]);
         }
@@ -350,17 +340,17 @@ mod tests {
     fn a_remembered_stream_is_found_with_its_context_until_forgotten() {
         let p: &'static Plain = Box::leak(Box::new(Plain::new()));
         assert_eq!(p.begin(0x7f00_1000, None), None);
-        p.remember(0x7f00_1000, Some(3));
-        p.remember(0x7f00_2000, None);
+        p.remember(0x7f00_1000, 3);
+        p.remember(0x7f00_2000, 0);
         let t = p.begin(0x7f00_1000, None).expect("remembered");
-        assert_eq!(t.ctx, Some(3));
+        assert_eq!(t.ctx, 3);
         assert_eq!(p.work(3), 1);
         assert!(p.end(t, None));
         assert_eq!(p.work(3), 2);
-        assert_eq!(p.begin(0x7f00_2000, None).map(|t| t.ctx), Some(None));
-        // Remembered once, with the first context seen.
-        p.remember(0x7f00_1000, Some(5));
-        assert_eq!(p.begin(0x7f00_1000, None).map(|t| t.ctx), Some(Some(3)));
+        assert_eq!(p.begin(0x7f00_2000, None).map(|t| t.ctx), Some(0));
+        // Remembered once.
+        p.remember(0x7f00_1000, 5);
+        assert_eq!(p.begin(0x7f00_1000, None).map(|t| t.ctx), Some(3));
         p.forget_streams();
         assert_eq!(p.begin(0x7f00_1000, None), None);
         assert_eq!(p.begin(0x7f00_2000, None), None);
@@ -369,7 +359,7 @@ mod tests {
     #[test]
     fn a_call_that_spans_a_forgetting_is_told_so() {
         let p: &'static Plain = Box::leak(Box::new(Plain::new()));
-        p.remember(0x5000, Some(0));
+        p.remember(0x5000, 0);
         let t = p.begin(0x5000, None).expect("remembered");
         p.forget_streams();
         assert!(!p.end(t, None));
@@ -380,7 +370,7 @@ mod tests {
     #[test]
     fn a_kept_event_sends_the_call_through_the_engine() {
         let p: &'static Plain = Box::leak(Box::new(Plain::new()));
-        p.remember(0x5000, Some(1));
+        p.remember(0x5000, 1);
         p.keep(0xabc0);
         assert_eq!(p.begin(0x5000, Some(0xabc0)), None);
         // Another event (in another bucket) is not held up.
@@ -400,9 +390,9 @@ mod tests {
     #[test]
     fn handles_that_cannot_be_tagged_and_contexts_past_the_table_are_not_remembered() {
         let p: &'static Plain = Box::leak(Box::new(Plain::new()));
-        p.remember(0, Some(0));
-        p.remember(1 << 60, Some(0));
-        p.remember(0x6000, Some(MAX_CONTEXTS));
+        p.remember(0, 0);
+        p.remember(1 << 60, 0);
+        p.remember(0x6000, MAX_CONTEXTS);
         assert_eq!(p.begin(0, None), None);
         assert_eq!(p.begin(1 << 60, None), None);
         assert_eq!(p.begin(0x6000, None), None);
@@ -420,7 +410,7 @@ mod tests {
             .collect();
         assert_eq!(same.len(), PROBE + 1);
         for &h in &same {
-            p.remember(h, Some(0));
+            p.remember(h, 0);
         }
         for &h in &same[..PROBE] {
             assert!(p.begin(h, None).is_some());
@@ -433,7 +423,7 @@ mod tests {
         let p: &'static Plain = Box::leak(Box::new(Plain::new()));
         static A: &str = "cuStreamWaitEvent";
         static B: &str = "cuMemcpy2DAsync_v2";
-        p.remember(0x5000, Some(2));
+        p.remember(0x5000, 2);
         let call = move |name| {
             let t = p.begin(0x5000, None).expect("remembered");
             assert!(p.end(t, name));

@@ -292,7 +292,7 @@ impl Engine {
             .entry(h)
             .or_insert_with(|| cuda.stream_context(h).unwrap_or(0));
         if own != 0 && self.contexts.get(ci).is_some_and(|c| c.handle == own) {
-            self.plain.remember(h, Some(ci));
+            self.plain.remember(h, ci);
         }
     }
 
