@@ -78,6 +78,24 @@ impl Kind {
         )
     }
 
+    /// Whether the call, on a stream no queue relates to, goes to libcuda without the engine (as the engine would
+    /// only forward it: [`engine::plain_begin`]). Not synchronizations and queries (a failed assert of APEX's is
+    /// reported there), not copies to the host (they report one too), not graphs (kept events are recorded first).
+    fn forwards_alone(self) -> bool {
+        matches!(
+            self,
+            Kind::Work
+                | Kind::WaitEvent
+                | Kind::EventRecord
+                | Kind::CopyHtoDAsync
+                | Kind::CopyAnyAsync
+                | Kind::CopyDtoD
+                | Kind::Set8
+                | Kind::Set16
+                | Kind::Set32
+        )
+    }
+
     /// Whether the call puts work on its stream (a queue that takes the stream over must wait for it).
     fn adds_work(self) -> bool {
         !matches!(
@@ -131,8 +149,8 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
     }
     // Work, a wait or an event record on a stream no queue relates to, naming no event the preload kept: libcuda's
     // alone, forwarded without the engine's lock (counted as the context's CUDA work).
-    if matches!(kind, Kind::Work | Kind::WaitEvent | Kind::EventRecord) {
-        let event = (kind != Kind::Work).then_some(a.event);
+    if kind.forwards_alone() {
+        let event = matches!(kind, Kind::WaitEvent | Kind::EventRecord).then_some(a.event);
         if let Some(t) = engine::plain_begin(site, event) {
             let r = call();
             // Counted by name as the engine counts the work it orders (event records are not).
@@ -2064,6 +2082,41 @@ mod tests {
     /// Before anything is attached, only the calls that keep the preload's own books (frees and unloads, a
     /// context's end) reach the engine; ordering, kept events, answers from fences and copies on queues need
     /// something of APEX's to exist.
+    /// On a stream no queue relates to, only calls the engine would merely forward skip it: never one that answers
+    /// or reports a failed assert of APEX's (synchronizations, queries, copies to the host), a graph's launch (kept
+    /// events are recorded first), or the calls that keep the preload's books.
+    #[test]
+    fn only_calls_the_engine_would_merely_forward_skip_it() {
+        use Kind::*;
+        let alone = [
+            Work,
+            WaitEvent,
+            EventRecord,
+            CopyHtoDAsync,
+            CopyAnyAsync,
+            CopyDtoD,
+            Set8,
+            Set16,
+            Set32,
+        ];
+        let engine = [
+            WorkDone,
+            Graph,
+            StreamSync,
+            StreamQuery,
+            CtxSync,
+            CtxSyncOf,
+            CopyDtoHAsync,
+            CopyDtoH,
+            CopyHtoD,
+            CopyAny,
+            Device,
+            Teardown,
+        ];
+        assert!(alone.iter().all(|k| k.forwards_alone()));
+        assert!(engine.iter().all(|k| !k.forwards_alone()));
+    }
+
     #[test]
     fn only_bookkeeping_calls_reach_the_engine_before_an_attach() {
         use Kind::*;
