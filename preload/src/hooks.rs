@@ -147,8 +147,9 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
     if let Some(e) = engine::sticky() {
         return e;
     }
-    // Work, a wait or an event record on a stream no queue relates to, naming no event the preload kept: libcuda's
-    // alone, forwarded without the engine's lock (counted as the context's CUDA work).
+    // Work, a wait, an event record, a copy or memset that does not return to the host, on a stream no queue relates
+    // to and naming no event the preload kept: libcuda's alone, forwarded without the engine's lock (counted as the
+    // context's CUDA work).
     if kind.forwards_alone() {
         let event = matches!(kind, Kind::WaitEvent | Kind::EventRecord).then_some(a.event);
         if let Some(t) = engine::plain_begin(site, event) {
@@ -2079,9 +2080,6 @@ pub unsafe extern "C" fn cuGetProcAddress(
 mod tests {
     use super::*;
 
-    /// Before anything is attached, only the calls that keep the preload's own books (frees and unloads, a
-    /// context's end) reach the engine; ordering, kept events, answers from fences and copies on queues need
-    /// something of APEX's to exist.
     /// On a stream no queue relates to, only calls the engine would merely forward skip it: never one that answers
     /// or reports a failed assert of APEX's (synchronizations, queries, copies to the host), a graph's launch (kept
     /// events are recorded first), or the calls that keep the preload's books.
@@ -2117,6 +2115,9 @@ mod tests {
         assert!(engine.iter().all(|k| !k.forwards_alone()));
     }
 
+    /// Before anything is attached, only the calls that keep the preload's own books (frees and unloads, a
+    /// context's end) reach the engine; ordering, kept events, answers from fences and copies on queues need
+    /// something of APEX's to exist.
     #[test]
     fn only_bookkeeping_calls_reach_the_engine_before_an_attach() {
         use Kind::*;
