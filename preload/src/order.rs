@@ -337,21 +337,10 @@ impl Order {
 
     /// Before a CUDA operation ordered with `target`: every related queue's work is handed to CUDA.
     pub fn before_cuda(&mut self, target: Target, hops: &mut dyn Hops) -> Result<(), String> {
-        let mut result = Ok(());
-        for i in 0..self.slots.len() {
-            let s = self.slots[i];
-            let related = match target {
-                Target::Device => true,
-                Target::Stream(t) => t.related(s.stream),
-            };
-            if s.live
-                && related
-                && let Err(e) = self.hand_over(i, hops)
-            {
-                result = Err(e);
-            }
-        }
-        result
+        self.hand_over_where(hops, |s| match target {
+            Target::Device => true,
+            Target::Stream(t) => t.related(s),
+        })
     }
 
     /// Before `stream` waits for an event in CUDA: the queues of related streams other than its own are handed to
@@ -359,12 +348,20 @@ impl Order {
     /// after every blocking stream's); its own queue is not, since the wait adds no work of its own: the queue's next
     /// launch waits for the stream, and later CUDA work on the stream hands the queue over when it comes.
     pub fn before_cuda_wait(&mut self, stream: Stream, hops: &mut dyn Hops) -> Result<(), String> {
+        self.hand_over_where(hops, |s| s.key != stream.key && stream.related(s))
+    }
+
+    /// Hands the work of every live slot whose stream `which` picks to CUDA; the last failure, if any.
+    fn hand_over_where(
+        &mut self,
+        hops: &mut dyn Hops,
+        which: impl Fn(Stream) -> bool,
+    ) -> Result<(), String> {
         let mut result = Ok(());
         for i in 0..self.slots.len() {
             let s = self.slots[i];
             if s.live
-                && s.stream.key != stream.key
-                && stream.related(s.stream)
+                && which(s.stream)
                 && let Err(e) = self.hand_over(i, hops)
             {
                 result = Err(e);
