@@ -19,7 +19,7 @@ use crate::record::{ChannelRecord, DriverLaunchRecord, IoctlRecord, Record};
 use crate::tracer::{self, DISABLED, Node};
 
 /// `None` when tracing must not happen on this thread now (nested call, tracer thread, fork child).
-fn enter() -> Option<Guard> {
+pub(crate) fn enter() -> Option<Guard> {
     if DISABLED.load(Ordering::Relaxed) {
         return None;
     }
@@ -516,7 +516,7 @@ fn wrap(name: &[u8], real: usize, per_thread: bool) -> Option<usize> {
             &REAL_LAUNCH_EX[1],
             cuLaunchKernelEx_ptsz as *const () as usize,
         ),
-        _ => return None,
+        _ => return crate::calls::wrap(name, real, per_thread),
     };
     install(store, real, ours)
 }

@@ -1,5 +1,5 @@
-//! The JSON-lines records the tracer writes: one per ioctl, channel, GPFIFO entry, QMD launch and
-//! driver-API launch, and a summary at exit. Every type round-trips through serde.
+//! The JSON-lines records the tracer writes: one per ioctl, channel, GPFIFO entry, QMD launch,
+//! driver-API launch and driver-API stream or event call, and a summary at exit. Every type round-trips through serde.
 
 use serde::{Deserialize, Serialize};
 
@@ -22,6 +22,9 @@ pub enum Record {
     QmdUpload(LaunchRecord),
     /// A kernel launch through the CUDA driver API.
     DriverLaunch(DriverLaunchRecord),
+    /// A driver-API call that orders or waits for work (event records, stream waits, queries,
+    /// synchronizations, stream and event creation and destruction, host functions).
+    DriverCall(DriverCallRecord),
     /// Totals and per-kernel summaries, written at exit.
     Summary(SummaryRecord),
 }
@@ -196,6 +199,40 @@ pub struct DriverLaunchRecord {
     pub result: i32,
 }
 
+/// A driver-API call on streams and events: what a program (or a library such as NCCL) does to order its work,
+/// in the order the calls returned on each thread.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+pub struct DriverCallRecord {
+    /// Nanoseconds since the tracer started, when the call began.
+    pub t_ns: u64,
+    /// How long the call took, in nanoseconds.
+    pub dur_ns: u64,
+    /// The entry point called (`cuEventRecord`, `cuStreamWaitEvent_ptsz`, ...).
+    pub api: String,
+    /// The calling thread's kernel thread id.
+    pub thread: u64,
+    /// The `CUstream` the call names (0 for the legacy default stream), or created.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<u64>,
+    /// The `CUevent` the call names, or created.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub event: Option<u64>,
+    /// The call's flags argument, where it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flags: Option<u64>,
+    /// The `CUresult` returned (0 is `CUDA_SUCCESS`, 600 `CUDA_ERROR_NOT_READY`).
+    pub result: i32,
+}
+
+/// How often one driver-API entry point was called.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct CallCount {
+    /// The entry point.
+    pub api: String,
+    /// Calls traced.
+    pub count: u64,
+}
+
 /// How often one launch shape occurred.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub struct ShapeCount {
@@ -244,6 +281,9 @@ pub struct SummaryRecord {
     pub qmd_launches: u64,
     /// Driver-API launches.
     pub driver_launches: u64,
+    /// Driver-API stream and event calls, by entry point, most frequent first.
+    #[serde(default)]
+    pub driver_calls: Vec<CallCount>,
     /// Submissions with words that could not be decoded.
     pub undecoded: u64,
     /// Records lost because the queue was full.

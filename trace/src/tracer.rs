@@ -207,6 +207,8 @@ struct Stats {
     /// Driver launches not yet matched to a QMD, in order: (name, grid, block).
     unmatched: VecDeque<(String, [u32; 3], [u32; 3])>,
     names: BTreeMap<u64, String>,
+    /// Driver-API stream and event calls by entry point.
+    calls: BTreeMap<String, u64>,
 }
 
 /// Records kept in memory before the writer thread catches up; beyond this they are dropped.
@@ -240,7 +242,7 @@ pub fn get() -> &'static Tracer {
     let t = TRACER.get_or_init(|| {
         fresh = true;
         let writer = std::env::var_os("APEX_TRACE_FILE")
-            .and_then(|p| File::create(p).ok())
+            .and_then(|p| File::create(trace_path(&p, std::process::id())).ok())
             .map(BufWriter::new);
         Tracer {
             start: Instant::now(),
@@ -477,7 +479,8 @@ impl Tracer {
         self.stop.store(true, Ordering::SeqCst);
         self.poll();
         let summary = lock(&self.stats).summary();
-        let traced = summary.ioctls > 0 || summary.driver_launches > 0;
+        let traced =
+            summary.ioctls > 0 || summary.driver_launches > 0 || !summary.driver_calls.is_empty();
         {
             let mut w = lock(&self.writer);
             if let Some(w) = w.as_mut() {
@@ -539,6 +542,13 @@ impl Stats {
                     self.unmatched.push_back((name, d.grid, d.block));
                 }
             }
+            Record::DriverCall(c) => {
+                if let Some(n) = self.calls.get_mut(c.api.as_str()) {
+                    *n += 1;
+                } else {
+                    self.calls.insert(c.api.clone(), 1);
+                }
+            }
             Record::Summary(_) => {}
         }
     }
@@ -563,6 +573,16 @@ impl Stats {
             v
         };
         let mut s = self.s.clone();
+        s.driver_calls = self
+            .calls
+            .iter()
+            .map(|(api, &count)| CallCount {
+                api: api.clone(),
+                count,
+            })
+            .collect();
+        s.driver_calls
+            .sort_by(|a, b| b.count.cmp(&a.count).then_with(|| a.api.cmp(&b.api)));
         s.kernels = self
             .by_address
             .iter()
@@ -622,6 +642,25 @@ fn advise(a: &Agg, shapes: &[ShapeCount], sm_count: u32) -> (Option<String>, Vec
     (Some(occ), advice)
 }
 
+/// The trace file's path: `APEX_TRACE_FILE` with every `%p` replaced by the process id, so that the processes of
+/// one job (`torchrun`'s ranks, spawned workers) write one file each.
+pub fn trace_path(setting: &std::ffi::OsStr, pid: u32) -> std::path::PathBuf {
+    use std::os::unix::ffi::{OsStrExt, OsStringExt};
+    let bytes = setting.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len() + 8);
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i..].starts_with(b"%p") {
+            out.extend_from_slice(pid.to_string().as_bytes());
+            i += 2;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    std::ffi::OsString::from_vec(out).into()
+}
+
 /// The stderr summary.
 pub fn render(s: &SummaryRecord) -> String {
     let mut o = format!(
@@ -663,5 +702,30 @@ pub fn render(s: &SummaryRecord) -> String {
             k.launches
         );
     }
+    if !s.driver_calls.is_empty() {
+        let calls: Vec<String> = s
+            .driver_calls
+            .iter()
+            .map(|c| format!("{} {}", c.api, c.count))
+            .collect();
+        o += &format!("  stream and event calls: {}\n", calls.join(", "));
+    }
     o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trace_path_names_each_process() {
+        let p = |s: &str| trace_path(std::ffi::OsStr::new(s), 4242);
+        assert_eq!(
+            p("/tmp/t-%p.jsonl"),
+            std::path::PathBuf::from("/tmp/t-4242.jsonl")
+        );
+        assert_eq!(p("/tmp/t.jsonl"), std::path::PathBuf::from("/tmp/t.jsonl"));
+        assert_eq!(p("%p/%p"), std::path::PathBuf::from("4242/4242"));
+        assert_eq!(p("100%"), std::path::PathBuf::from("100%"));
+    }
 }

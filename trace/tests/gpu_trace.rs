@@ -113,6 +113,7 @@ fn summarize(records: &[Record]) {
             Record::Launch(_) => "launch",
             Record::QmdUpload(_) => "qmd_upload",
             Record::DriverLaunch(_) => "driver_launch",
+            Record::DriverCall(_) => "driver_call",
             Record::Summary(_) => "summary",
         };
         *kinds.entry(k).or_default() += 1;
@@ -280,6 +281,144 @@ print("checksum %.4f" % float(acc.double().sum()))
     assert!(
         qmd >= 400,
         "expected at least 400 kernel launches in QMDs, found {qmd}"
+    );
+}
+
+const STREAMS_PROGRAM: &str = r#"
+#include <cstdio>
+#include <cuda_runtime.h>
+__global__ void spin(int *p) { p[threadIdx.x] += 1; }
+int main() {
+  int *d; cudaMalloc(&d, 1024); cudaMemset(d, 0, 1024);
+  cudaStream_t s; cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  cudaEvent_t e; cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+  printf("stream %llx event %llx\n", (unsigned long long)s, (unsigned long long)e);
+  spin<<<1, 32, 0, s>>>(d);
+  cudaEventRecord(e, s);
+  cudaStreamWaitEvent(0, e, 0);
+  spin<<<1, 32>>>(d);
+  cudaError_t q = cudaEventQuery(e); printf("query %s\n", q == cudaSuccess || q == cudaErrorNotReady ? "ok" : "bad");
+  cudaEventSynchronize(e);
+  cudaStreamSynchronize(s);
+  cudaDeviceSynchronize();
+  cudaEventDestroy(e);
+  cudaStreamDestroy(s);
+  int h[32]; cudaMemcpy(h, d, sizeof h, cudaMemcpyDeviceToHost);
+  printf("value %d error %s\n", h[0], cudaGetErrorString(cudaGetLastError()));
+  return 0;
+}
+"#;
+
+/// The stream and event calls of a CUDA runtime program are recorded in order, with the handles it used.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn stream_and_event_calls_are_recorded_in_order() {
+    let dir = std::env::temp_dir().join(format!("apex-trace-calls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("streams.cu");
+    std::fs::write(&src, STREAMS_PROGRAM).unwrap();
+    let bin = dir.join("streams");
+    let Ok(nvcc) = Command::new("nvcc")
+        .args(["-O2", "-arch=sm_90", "-o"])
+        .arg(&bin)
+        .arg(&src)
+        .output()
+    else {
+        println!("SKIPPED: nvcc not found in PATH");
+        return;
+    };
+    assert!(
+        nvcc.status.success(),
+        "nvcc failed: {}",
+        String::from_utf8_lossy(&nvcc.stderr)
+    );
+    let trace = dir.join("trace.jsonl");
+    let (plain, traced, stderr, _, _) = both(|| Command::new(&bin), &trace);
+    println!("traced: {traced}tracer stderr:\n{stderr}");
+    assert!(
+        plain.contains("value 2 error no error") && plain.contains("query ok"),
+        "{plain}"
+    );
+    let handles: Vec<u64> = traced
+        .lines()
+        .next()
+        .and_then(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            Some(vec![
+                u64::from_str_radix(w.get(1)?, 16).ok()?,
+                u64::from_str_radix(w.get(3)?, 16).ok()?,
+            ])
+        })
+        .unwrap_or_else(|| panic!("no handles in {traced}"));
+    let (stream, event) = (handles[0], handles[1]);
+    let records = read_trace(&trace);
+    summarize(&records);
+    let calls: Vec<_> = records
+        .iter()
+        .filter_map(|r| match r {
+            Record::DriverCall(c) if c.stream == Some(stream) || c.event == Some(event) => Some(c),
+            _ => None,
+        })
+        .collect();
+    for c in &calls {
+        println!(
+            "{} stream {:?} event {:?} flags {:?} -> {}",
+            c.api, c.stream, c.event, c.flags, c.result
+        );
+    }
+    // The calls this program makes on its stream and event, in order (the runtime may add others between them).
+    let want: [(&[&str], bool, bool); 8] = [
+        (
+            &["cuStreamCreate", "cuStreamCreateWithPriority"],
+            true,
+            false,
+        ),
+        (&["cuEventCreate"], false, true),
+        (&["cuEventRecord", "cuEventRecordWithFlags"], true, true),
+        (&["cuStreamWaitEvent"], false, true),
+        (&["cuEventQuery"], false, true),
+        (&["cuEventSynchronize"], false, true),
+        (&["cuStreamSynchronize"], true, false),
+        (&["cuEventDestroy_v2"], false, true),
+    ];
+    let mut next = 0;
+    for c in &calls {
+        if next < want.len() {
+            let (apis, on_stream, on_event) = want[next];
+            if apis.contains(&c.api.as_str())
+                && (!on_stream || c.stream == Some(stream))
+                && (!on_event || c.event == Some(event))
+            {
+                // A query may find the event not yet reached (600, CUDA_ERROR_NOT_READY); everything else succeeds.
+                let ok = c.result == 0 || (c.api == "cuEventQuery" && c.result == 600);
+                assert!(ok, "{c:?}");
+                next += 1;
+            }
+        }
+    }
+    assert_eq!(
+        next,
+        want.len(),
+        "calls found in order: {next} of {}; next missing: {:?}",
+        want.len(),
+        want.get(next)
+    );
+    assert!(
+        calls
+            .iter()
+            .any(|c| c.api == "cuStreamDestroy_v2" && c.stream == Some(stream)),
+        "the stream's destruction is missing"
+    );
+    let summary = match records.last() {
+        Some(Record::Summary(s)) => s,
+        other => panic!("the trace does not end with a summary: {other:?}"),
+    };
+    assert!(
+        summary
+            .driver_calls
+            .iter()
+            .any(|c| c.api == "cuCtxSynchronize" && c.count >= 1),
+        "{summary:?}"
     );
 }
 
