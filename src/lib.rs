@@ -70,10 +70,10 @@ pub mod rm;
 pub mod sim;
 
 pub use api::{
-    Backend, BackendRequest, Buffer, DeviceInfo, Error, FallbackReason, Fence, Global, Gpu,
-    HostBuffer, Kernel, Launch, MemoryPool, Module, PeerAccess, PeerLink, PoolBuffer, PoolOptions,
-    PoolOutOfMemory, PoolStats, PreparedLaunch, Queue, QueueOptions, Result, Selection, Ticket,
-    choose,
+    Backend, BackendRequest, Buffer, CudaRelease, DeviceInfo, Error, FallbackReason, Fence, Global,
+    Gpu, HostBuffer, Kernel, Launch, MemoryPool, Module, PeerAccess, PeerLink, PoolBuffer,
+    PoolOptions, PoolOutOfMemory, PoolStats, PreparedLaunch, Queue, QueueOptions, Result,
+    Selection, Ticket, choose,
 };
 pub use api::{Graph, GraphExec, GraphLaunch, GraphNode};
 /// The launch advisor: occupancy of a kernel and block size, what limits it, and advice on launch shapes.

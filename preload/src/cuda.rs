@@ -7,10 +7,15 @@
 use std::ffi::{CStr, CString, c_char, c_int, c_uint, c_void};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use apex::{AssertAction, AssertFailure, Gpu, Queue, VariableHome};
+use apex::{AssertAction, AssertFailure, CudaRelease, Gpu, Queue, VariableHome};
 
 use crate::order::StreamKey;
 use crate::registry::Owner;
+
+/// A queue's release that a CUDA stream can wait for later ([`CudaSide::release_for_cuda`]); `None` only from test
+/// doubles, which release nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ReleaseMark(pub(crate) Option<CudaRelease>);
 
 /// `CUDA_SUCCESS`.
 pub const CUDA_SUCCESS: c_int = 0;
@@ -56,6 +61,18 @@ pub(crate) trait CudaSide: Send + Sync {
     fn global(&self, owner: Owner, library: bool, name: &str) -> Option<VariableHome>;
     /// Makes CUDA `stream` wait on the GPU for everything submitted to `queue` so far.
     fn cuda_waits_for_apex(&self, queue: &mut Queue, stream: StreamKey) -> Result<(), String>;
+    /// Releases, after everything submitted to `queue` so far, a mark a CUDA stream can wait for later
+    /// ([`cuda_waits_for_release`](Self::cuda_waits_for_release)); no libcuda call.
+    fn release_for_cuda(&self, queue: &mut Queue) -> Result<ReleaseMark, String>;
+    /// Makes CUDA `stream` wait on the GPU for `release` of `queue` (and not for the queue's later work).
+    fn cuda_waits_for_release(
+        &self,
+        queue: &mut Queue,
+        stream: StreamKey,
+        release: ReleaseMark,
+    ) -> Result<(), String>;
+    /// Whether CUDA `stream` holds no unfinished work (`cuStreamQuery` answers `CUDA_SUCCESS`).
+    fn stream_idle(&self, stream: usize) -> bool;
     /// Makes `queue` wait on the GPU for everything submitted to CUDA `stream` so far.
     fn apex_waits_for_cuda(&self, queue: &mut Queue, stream: StreamKey) -> Result<(), String>;
     /// Records the program's `event` so that it completes once everything submitted to `queue` so far has, on a
@@ -111,6 +128,12 @@ pub(crate) fn current_context() -> Option<usize> {
 driver_fn!(
     cu_ctx_set_current,
     c"cuCtxSetCurrent",
+    unsafe extern "C" fn(usize) -> c_int
+);
+
+driver_fn!(
+    cu_stream_query,
+    c"cuStreamQuery",
     unsafe extern "C" fn(usize) -> c_int
 );
 
@@ -511,6 +534,29 @@ impl CudaSide for Libcuda {
     fn cuda_waits_for_apex(&self, queue: &mut Queue, stream: StreamKey) -> Result<(), String> {
         // SAFETY: the stream is the program's, live (destroyed streams are handed over and forgotten first).
         unsafe { queue.make_cuda_stream_wait(stream.raw() as _) }.map_err(|e| e.to_string())
+    }
+
+    fn release_for_cuda(&self, queue: &mut Queue) -> Result<ReleaseMark, String> {
+        queue
+            .release_for_cuda()
+            .map(|r| ReleaseMark(Some(r)))
+            .map_err(|e| e.to_string())
+    }
+
+    fn cuda_waits_for_release(
+        &self,
+        queue: &mut Queue,
+        stream: StreamKey,
+        release: ReleaseMark,
+    ) -> Result<(), String> {
+        let r = release.0.ok_or("no release was made")?;
+        // SAFETY: as above.
+        unsafe { queue.make_cuda_stream_wait_for(stream.raw() as _, r) }.map_err(|e| e.to_string())
+    }
+
+    fn stream_idle(&self, stream: usize) -> bool {
+        // SAFETY: libcuda validates the handle; an error (a destroyed stream, a failed context) reads as busy.
+        cu_stream_query().is_some_and(|q| unsafe { q(stream) } == CUDA_SUCCESS)
     }
 
     fn apex_waits_for_cuda(&self, queue: &mut Queue, stream: StreamKey) -> Result<(), String> {

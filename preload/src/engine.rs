@@ -26,7 +26,7 @@ use tracing::{debug, info, warn};
 
 use crate::attrs::Extras;
 use crate::cuda::{
-    CUDA_ERROR_ASSERT, CUDA_ERROR_NOT_READY, CUDA_SUCCESS, CudaSide, Libcuda, Pointer,
+    CUDA_ERROR_ASSERT, CUDA_ERROR_NOT_READY, CUDA_SUCCESS, CudaSide, Libcuda, Pointer, ReleaseMark,
 };
 use crate::history::History;
 use crate::lock::StoreLock;
@@ -410,6 +410,19 @@ struct VirtualEvent {
     fence: Fence,
 }
 
+/// A stream APEX did not take over that, since libcuda last held work of it, has only waited for events the preload
+/// kept: the one queue position it waits for lives here and libcuda holds none of it, until the stream gets work of
+/// its own ([`Engine::make_real`]). NCCL's internal stream waits for the compute stream and is waited for by it around
+/// every collective: kept here, neither wait reaches libcuda or crosses between APEX and CUDA on the GPU.
+struct DependencyStream {
+    slot: usize,
+    /// The queue's launch the stream waits for.
+    fence: Fence,
+    /// The queue's release right after that launch, for libcuda to wait for once the stream gets work (`None`: the
+    /// launch was complete when the stream began to wait for it).
+    release: Option<ReleaseMark>,
+}
+
 /// The events a context keeps, each counted in the hooks' table ([`plain::Plain::keep`]) while it is kept, so
 /// that a hook tells without the engine's lock that an event is not.
 struct KeptEvents {
@@ -505,6 +518,8 @@ struct Ctx {
     /// Stream handle → blocking (not `CU_STREAM_NON_BLOCKING`).
     blocking: Handles<bool>,
     events: KeptEvents,
+    /// Streams that only wait, kept by the preload ([`DependencyStream`]), by handle.
+    dependency: Handles<DependencyStream>,
     /// The preload's own stream for recording events (0 until first used).
     side: usize,
     /// Pinned memory for copies from and to pageable host memory (made on first use).
@@ -1101,6 +1116,7 @@ impl Engine {
                     order: Order::new(),
                     blocking: Handles::default(),
                     events: KeptEvents::new(self.plain),
+                    dependency: Handles::default(),
                     side: 0,
                     staging: None,
                     cuda_work: true,
@@ -1682,6 +1698,8 @@ impl Engine {
             }
             None => self.build_queue(ci)?,
         };
+        // A stream kept as waits only: libcuda holds its waits first, which the queue's first launch waits for.
+        self.make_real(ci, Site::Stream(raw, per_thread));
         // Before the stream is related to a queue: a hook that forwards a call on it without the engine must see it.
         self.new_generation();
         let cuda = self.cuda.as_ref();
@@ -1833,8 +1851,25 @@ impl Engine {
         for e in kept {
             self.materialize(e);
         }
+        // Streams that wait for the queue's work: libcuda holds their waits while the queue still serves the stream.
+        for ci in 0..self.contexts.len() {
+            let c = &self.contexts[ci];
+            if let Some(slot) = c.order.find(key) {
+                let waiting: Vec<usize> = c
+                    .dependency
+                    .iter()
+                    .filter(|(_, d)| d.slot == slot)
+                    .map(|(&h, _)| h)
+                    .collect();
+                for h in waiting {
+                    self.make_real(ci, Site::Stream(h, false));
+                }
+            }
+        }
         self.new_generation();
         for c in &mut self.contexts {
+            // A destroyed stream that only waited: nothing of it is left to order.
+            c.dependency.remove(&raw);
             if let Some(slot) = c.order.find(key) {
                 c.order.remove(slot);
                 for s in c.funcs.values_mut() {
@@ -2158,9 +2193,15 @@ pub(crate) fn materialize(event: usize) {
     }
 }
 
-/// Before libcuda looks at any event (a capture, a graph launch).
+/// Before a capture: libcuda holds every kept event and every stream kept as waits only
+/// ([`Engine::materialize_all`]).
 pub(crate) fn materialize_all() {
     with(|e| e.materialize_all());
+}
+
+/// Every event the preload kept, recorded in libcuda ([`Engine::materialize_events`]).
+pub(crate) fn materialize_events() {
+    with(|e| e.materialize_events());
 }
 
 /// A module or library was loaded from the image at `p`.

@@ -228,7 +228,7 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
     match kind {
         Kind::Work | Kind::WorkDone | Kind::WaitEvent | Kind::Graph => {
             if kind == Kind::Graph {
-                engine::materialize_all();
+                engine::materialize_events();
             }
             if kind == Kind::WorkDone
                 && let Some(code) = engine::pending_assert()

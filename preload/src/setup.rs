@@ -481,7 +481,7 @@ mod tests {
 
     use apex::{AssertFailure, VariableHome};
 
-    use crate::cuda::Pointer;
+    use crate::cuda::{Pointer, ReleaseMark};
     use crate::order::StreamKey;
 
     /// A libcuda whose attach waits until `open` is set, then fails (the worker's bookkeeping is what is tested), and
@@ -529,6 +529,20 @@ mod tests {
         }
         fn apex_waits_for_cuda(&self, _: &mut Queue, _: StreamKey) -> Result<(), String> {
             Ok(())
+        }
+        fn release_for_cuda(&self, _: &mut Queue) -> Result<ReleaseMark, String> {
+            Err("not in this test".into())
+        }
+        fn cuda_waits_for_release(
+            &self,
+            _: &mut Queue,
+            _: StreamKey,
+            _: ReleaseMark,
+        ) -> Result<(), String> {
+            Ok(())
+        }
+        fn stream_idle(&self, _: usize) -> bool {
+            false
         }
         fn record_event_after(
             &self,

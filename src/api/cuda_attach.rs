@@ -168,7 +168,53 @@ impl Queue {
         unsafe { self.cuda_order()?.cuda_waits(stream, value) }?;
         Ok(())
     }
+
+    /// Releases, on the GPU once everything submitted to this queue so far is done, a mark that CUDA streams can
+    /// wait for later ([`make_cuda_stream_wait_for`](Self::make_cuda_stream_wait_for)); no CUDA call is made and
+    /// the CPU does not wait. [`make_cuda_stream_wait`](Self::make_cuda_stream_wait) in two halves: the queue's
+    /// half now, the stream's only if and when a stream must wait, however much the queue ran meanwhile. Queues of
+    /// the direct path only (a driver-backed queue is a CUDA stream: use `make_cuda_stream_wait`).
+    pub fn release_for_cuda(&mut self) -> Result<CudaRelease> {
+        if let Backed::Driver(_) = &self.inner {
+            return Err(Error::InvalidArgument(
+                "a queue on the CUDA driver backend is a CUDA stream itself and makes no releases for CUDA; use \
+                 Queue::make_cuda_stream_wait"
+                    .into(),
+            ));
+        }
+        let (va, value) = self.cuda_order()?.next_for_cuda()?;
+        if let Backed::Direct(q) = &mut self.inner {
+            q.release_value(va, value)?;
+        }
+        Ok(CudaRelease(value))
+    }
+
+    /// Makes the CUDA `stream` wait, on the GPU, for `release` ([`release_for_cuda`](Self::release_for_cuda) of
+    /// this queue): for the queue's work up to that release, not for what it ran after.
+    ///
+    /// # Safety
+    /// `stream` must be a valid CUDA stream of the attached context, or null.
+    pub unsafe fn make_cuda_stream_wait_for(
+        &mut self,
+        stream: CUstream,
+        release: CudaRelease,
+    ) -> Result<()> {
+        let order = self.cuda_order()?;
+        if release.0 == 0 || release.0 > order.released_for_cuda() {
+            return Err(Error::InvalidArgument(format!(
+                "release {} was not made by this queue (Queue::release_for_cuda)",
+                release.0
+            )));
+        }
+        // SAFETY: the caller's promise for `stream`.
+        unsafe { order.cuda_waits(stream, release.0) }?;
+        Ok(())
+    }
 }
+
+/// A point in a queue's work that CUDA streams can wait for ([`Queue::release_for_cuda`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct CudaRelease(u64);
 
 #[cfg(test)]
 mod tests {

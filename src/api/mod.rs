@@ -22,6 +22,7 @@ mod selection;
 mod sim_gpu;
 
 pub use crate::rm::PeerLink;
+pub use cuda_attach::CudaRelease;
 pub use error::{Error, PoolOutOfMemory, Result};
 pub use fallback::{Backend, FallbackReason};
 pub use fence::Fence;

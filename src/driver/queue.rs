@@ -587,6 +587,11 @@ impl CudaOrder {
         Ok((va, value))
     }
 
+    /// The last value [`next_for_cuda`](Self::next_for_cuda) handed out (0: none yet).
+    pub fn released_for_cuda(&self) -> u64 {
+        self.to_cuda
+    }
+
     /// Makes the CUDA stream `stream` wait until the queue released `value` ([`next_for_cuda`](Self::next_for_cuda)).
     ///
     /// # Safety

@@ -215,6 +215,7 @@ impl Engine {
             return None;
         }
         self.wait_on_apex(event, site)
+            .or_else(|| self.wait_as_dependency(event, site))
             .or_else(|| self.wait_cuda_on_kept(event, site, name))
             .map(Ok)
     }
@@ -226,6 +227,10 @@ impl Engine {
 
     /// [`before_at`](Self::before_at); `hand_over`: related queues' work is handed to CUDA (not for a wait).
     fn ordered_at(&mut self, ci: Option<usize>, site: Site, hand_over: bool) -> Ordered {
+        if let Some(ci) = ci {
+            // Work for libcuda on a stream kept as waits only: libcuda holds the waits first.
+            self.make_real(ci, site);
+        }
         let generation = self.generation;
         let Some(ci) = ci else {
             self.remember_plain(site, None);
@@ -404,6 +409,9 @@ impl Engine {
         if let Some(a) = self.report_asserts(ci) {
             return Step::Answer(a);
         }
+        if let Some(step) = self.dependency_sync(ci, site, kind) {
+            return step;
+        }
         let cuda = self.cuda.as_ref();
         let ctx = &mut self.contexts[ci];
         // A failed context answers through libcuda, which keeps its error; a capture makes libcuda's answer an error.
@@ -454,6 +462,13 @@ impl Engine {
         let cuda = self.cuda.as_ref();
         let ctx = &mut self.contexts[ci];
         let stream = ctx.stream(cuda, raw, pt);
+        if let StreamKey::Handle(h) = stream.key
+            && ctx.dependency.contains_key(&h)
+        {
+            // Still kept as waits only: the queue position it waits for is complete, and libcuda holds nothing of it.
+            self.summary.syncs_on_cpu += 1;
+            return (Answer::Done(CUDA_SUCCESS), 0);
+        }
         match ctx.order.find(stream.key) {
             Some(slot) if ctx.order.cuda_clean(slot) => {
                 self.summary.syncs_on_cpu += 1;
@@ -732,6 +747,17 @@ impl Engine {
                 } else {
                     "the queue launched nothing"
                 }
+            } else if let StreamKey::Handle(h) = stream.key
+                && let Some(d) = ctx.dependency.get(&h)
+            {
+                // A stream kept as waits only: the event stands for the queue position it waits for.
+                let kept = VirtualEvent {
+                    slot: d.slot,
+                    fence: d.fence.clone(),
+                };
+                ctx.events.insert(event, kept);
+                self.summary.events_on_apex += 1;
+                return Answer::Done(CUDA_SUCCESS);
             } else {
                 "the stream was not taken over"
             }
@@ -984,8 +1010,20 @@ impl Engine {
         }
     }
 
-    /// Every event the preload kept, recorded in libcuda (before a capture begins or a graph launches).
+    /// Every event the preload kept recorded in libcuda, and every stream kept as waits only handed back to it
+    /// (before a capture begins, and at the end).
     pub(crate) fn materialize_all(&mut self) {
+        self.materialize_events();
+        for ci in 0..self.contexts.len() {
+            let streams: Vec<usize> = self.contexts[ci].dependency.keys().copied().collect();
+            for h in streams {
+                self.make_real(ci, Site::Stream(h, false));
+            }
+        }
+    }
+
+    /// Every event the preload kept, recorded in libcuda (before a graph launches: its nodes may wait for them).
+    pub(crate) fn materialize_events(&mut self) {
         let events: Vec<usize> = self
             .contexts
             .iter()
@@ -993,6 +1031,157 @@ impl Engine {
             .collect();
         for e in events {
             self.materialize(e);
+        }
+    }
+
+    // ---- streams kept as waits only ----
+
+    /// `cuStreamWaitEvent(site, event)` for an event the preload kept, by a stream APEX did not take over: the
+    /// stream kept as waits only ([`DependencyStream`]), so that libcuda sees nothing of the wait and an event
+    /// recorded on the stream later is kept too (standing for the same queue position). Taken only where that is
+    /// exact: a non-blocking stream (no implicit wait for the legacy stream), idle in libcuda when it begins to be
+    /// kept, waiting for one queue, and the event's launch either complete or the queue's last, so that the queue
+    /// releases a mark right after it for libcuda to wait for if the stream later gets work ([`make_real`](
+    /// Self::make_real)). `None`: the usual way (the stream waits in libcuda).
+    pub(crate) fn wait_as_dependency(&mut self, event: usize, site: Site) -> Option<c_int> {
+        let (ci, key) = self.kept_wait(event, site)?;
+        let (Site::Stream(raw, pt), StreamKey::Handle(h)) = (site, key) else {
+            return None;
+        };
+        let cuda = self.cuda.as_ref();
+        let ctx = &mut self.contexts[ci];
+        if ctx.order.find(key).is_some() {
+            return None;
+        }
+        let v = ctx.events.get(&event)?;
+        let (slot, fence) = (v.slot, v.fence.clone());
+        let value = fence.direct()?.value();
+        let fresh = match ctx.dependency.get(&h) {
+            // Two queues to wait for: libcuda waits (the usual way makes the stream real first).
+            Some(d) if d.slot != slot => return None,
+            Some(d) if d.fence.direct().is_some_and(|f| f.value() >= value) => {
+                // An earlier launch of the queue the stream already waits after.
+                self.summary.waits_on_apex += 1;
+                return Some(CUDA_SUCCESS);
+            }
+            Some(_) => false,
+            None => {
+                if ctx.stream(cuda, raw, pt).blocking || !cuda.stream_idle(h) {
+                    return None;
+                }
+                true
+            }
+        };
+        let release = match fence_state(&fence) {
+            SlotState::Done => None,
+            SlotState::Failed => return None,
+            SlotState::Running => {
+                let latest = ctx
+                    .last_fence(slot)
+                    .and_then(Result::ok)
+                    .and_then(|f| Some(f.direct()?.value()));
+                if latest != Some(value) {
+                    return None;
+                }
+                let q = ctx.queues.get_mut(slot)?.as_mut()?;
+                match cuda.release_for_cuda(q) {
+                    Ok(r) => Some(r),
+                    Err(e) => {
+                        debug!(error = %e, "a queue cannot release a mark for CUDA; the stream waits in libcuda");
+                        return None;
+                    }
+                }
+            }
+        };
+        ctx.dependency.insert(
+            h,
+            DependencyStream {
+                slot,
+                fence,
+                release,
+            },
+        );
+        if fresh {
+            // The hooks forward calls on streams they remember without the engine: this one's records must reach it.
+            self.new_generation();
+        }
+        self.summary.waits_on_apex += 1;
+        Some(CUDA_SUCCESS)
+    }
+
+    /// `cuStreamSynchronize` / `cuStreamQuery` of a stream kept as waits only, first step: answered from the queue
+    /// position it waits for. `None`: not such a stream. Where the context failed or a capture runs, libcuda answers,
+    /// holding the stream's waits first.
+    fn dependency_sync(&mut self, ci: usize, site: Site, kind: SyncKind) -> Option<Step> {
+        let Site::Stream(raw, pt) = site else {
+            return None;
+        };
+        let StreamKey::Handle(h) = StreamKey::of(raw, pt) else {
+            return None;
+        };
+        let ctx = &self.contexts[ci];
+        let d = ctx.dependency.get(&h)?;
+        let state =
+            (ctx.failed.is_none() && self.capturing.is_empty()).then(|| fence_state(&d.fence));
+        match state {
+            Some(SlotState::Done) => {
+                self.summary.syncs_on_cpu += 1;
+                Some(Step::Answer(Answer::Done(CUDA_SUCCESS)))
+            }
+            Some(SlotState::Running) if kind == SyncKind::Query => {
+                self.summary.syncs_on_cpu += 1;
+                Some(Step::Answer(Answer::Done(CUDA_ERROR_NOT_READY)))
+            }
+            Some(SlotState::Running) => Some(Step::Wait(Waits {
+                ctx: ci,
+                handle: ctx.handle,
+                items: vec![(d.slot, d.fence.clone())],
+            })),
+            Some(SlotState::Failed) | None => {
+                self.make_real(ci, site);
+                Some(Step::Answer(Answer::Forward))
+            }
+        }
+    }
+
+    /// A stream kept as waits only ([`DependencyStream`]) handed back to libcuda before libcuda gets work of it: the
+    /// stream waits on the GPU for the queue's mark released right after the launch it waited for (nothing when
+    /// that launch is complete or the context failed). Nothing for any other stream.
+    pub(super) fn make_real(&mut self, ci: usize, site: Site) {
+        let Site::Stream(raw, pt) = site else { return };
+        let StreamKey::Handle(h) = StreamKey::of(raw, pt) else {
+            return;
+        };
+        let Some(ctx) = self.contexts.get_mut(ci) else {
+            return;
+        };
+        let Some(d) = ctx.dependency.remove(&h) else {
+            return;
+        };
+        ctx.epoch += 1;
+        let Some(release) = d.release else { return };
+        if ctx.failed.is_some() || fence_state(&d.fence) != SlotState::Running {
+            return;
+        }
+        let cuda = self.cuda.as_ref();
+        let key = StreamKey::Handle(h);
+        let Some(q) = ctx.queues.get_mut(d.slot).and_then(Option::as_mut) else {
+            warn!("a stream that only waited lost its queue; its later work does not wait for it");
+            return;
+        };
+        let waited = cuda.cuda_waits_for_release(q, key, release).or_else(|e| {
+            // Waiting for the queue's later work too is late, never early.
+            debug!(error = %e, "a stream cannot wait for a queue's mark; it waits for all of the queue's work");
+            cuda.cuda_waits_for_apex(q, key)
+        });
+        match waited {
+            Ok(()) => {
+                ctx.cuda_work = true;
+                self.summary.hops_to_cuda += 1;
+            }
+            Err(e) => {
+                warn!(error = %e, "a stream that only waited cannot wait for APEX's queue in libcuda")
+            }
         }
     }
 }

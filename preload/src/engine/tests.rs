@@ -26,6 +26,8 @@ const FOREIGN: usize = NON_BLOCKING + 0xf000;
 const FOREIGN_CTX: usize = 0xf0;
 /// A non-blocking stream APEX never takes over in the tests that use it.
 const QUIET_OTHER: Site = Site::Stream(NON_BLOCKING + 0x3000, false);
+/// A non-blocking stream whose libcuda side is never idle.
+const BUSY: usize = NON_BLOCKING + 0xb000;
 
 /// What the engine asked of "libcuda".
 #[derive(Default)]
@@ -146,6 +148,22 @@ impl CudaSide for FakeCuda {
     fn cuda_waits_for_apex(&self, _: &mut Queue, stream: StreamKey) -> Result<(), String> {
         self.log(format!("cuda<-apex {stream:?}"));
         Ok(())
+    }
+    fn release_for_cuda(&self, _: &mut Queue) -> Result<ReleaseMark, String> {
+        self.log("release".to_string());
+        Ok(ReleaseMark(None))
+    }
+    fn cuda_waits_for_release(
+        &self,
+        _: &mut Queue,
+        stream: StreamKey,
+        _: ReleaseMark,
+    ) -> Result<(), String> {
+        self.log(format!("cuda<-release {stream:?}"));
+        Ok(())
+    }
+    fn stream_idle(&self, stream: usize) -> bool {
+        stream != BUSY
     }
     fn apex_waits_for_cuda(&self, _: &mut Queue, stream: StreamKey) -> Result<(), String> {
         self.log(format!("apex<-cuda {stream:?}"));
@@ -1582,4 +1600,187 @@ fn packed_launches_kept_events_and_waits_on_apex_allocate_nothing() {
     s.sim.resume();
     s.idle();
     assert!(s.sim.errors().is_empty(), "{:?}", s.sim.errors());
+}
+
+// ---- streams kept as waits only ----
+
+/// NCCL's internal stream, as a collective uses it: waits for an event kept after the compute stream's kernel, then
+/// has an event recorded that the compute stream waits for. Kept by the preload: neither call reaches libcuda, the
+/// queue only releases a mark; libcuda gets the wait once the stream gets work of its own.
+#[test]
+fn a_stream_that_only_waits_is_kept_until_it_gets_work() {
+    let mut s = Setup::new();
+    let compute = Site::Stream(0x5000, false);
+    let nccl = NON_BLOCKING + 0x4000;
+    let internal = Site::Stream(nccl, false);
+    s.engine.event_created(EVENT, 2);
+    s.engine.event_created(EVENT + 1, 2);
+    assert!(s.launch_on(0x5000, 1));
+    s.sim.pause();
+    assert!(s.launch_on(0x5000, 1));
+    assert_eq!(s.engine.event_record(EVENT, compute), Answer::Done(0));
+    s.calls();
+    assert_eq!(
+        s.engine
+            .stream_wait(EVENT, internal, "cuStreamWaitEvent", true),
+        Some(Ok(CUDA_SUCCESS))
+    );
+    assert_eq!(
+        s.calls(),
+        vec!["release"],
+        "the queue releases a mark, libcuda sees nothing"
+    );
+    // A record on it is kept, standing for the compute stream's kernel; the compute stream's wait for it is its own.
+    assert_eq!(s.engine.event_record(EVENT + 1, internal), Answer::Done(0));
+    assert_eq!(
+        s.engine
+            .stream_wait(EVENT + 1, compute, "cuStreamWaitEvent", true),
+        Some(Ok(CUDA_SUCCESS))
+    );
+    assert!(s.calls().is_empty());
+    assert_eq!(s.engine.summary().hops_to_cuda, 0);
+    // Its query and the event's are answered from the kernel's fence.
+    assert_eq!(
+        s.engine.stream_sync(internal, SyncKind::Query),
+        Answer::Done(CUDA_ERROR_NOT_READY)
+    );
+    assert_eq!(
+        s.engine.event_sync(EVENT + 1, SyncKind::Query),
+        Answer::Done(CUDA_ERROR_NOT_READY)
+    );
+    // Work for libcuda on it: libcuda waits for the mark first, and the stream is libcuda's again.
+    let o = s.engine.before_work(internal, "cuMemcpyAsync");
+    assert_eq!(s.calls(), vec![format!("cuda<-release Handle({nccl})")]);
+    s.engine.after(internal, o, false);
+    assert_eq!(s.engine.summary().hops_to_cuda, 1);
+    assert_eq!(
+        s.engine.event_record(EVENT + 1, internal),
+        Answer::Forward,
+        "a record after libcuda's work is libcuda's"
+    );
+    s.sim.resume();
+    s.idle();
+}
+
+/// Where keeping the stream would not be exact, it waits in libcuda as before: a blocking stream (it waits for the
+/// legacy stream too), one busy in libcuda, an event whose queue launched again since, a second queue to wait for.
+#[test]
+fn a_stream_is_kept_as_waits_only_only_where_that_is_exact() {
+    let mut s = Setup::new();
+    let compute = Site::Stream(0x5000, false);
+    let second = Site::Stream(NON_BLOCKING + 0x2000, false);
+    let nccl = NON_BLOCKING + 0x4000;
+    s.engine.event_created(EVENT, 2);
+    s.engine.event_created(EVENT + 1, 2);
+    assert!(s.launch_on(0x5000, 1));
+    assert!(s.launch_on(NON_BLOCKING + 0x2000, 1));
+    s.sim.pause();
+    assert!(s.launch_on(0x5000, 1));
+    assert_eq!(s.engine.event_record(EVENT, compute), Answer::Done(0));
+    s.calls();
+    for (stream, why) in [(0x6000, "blocking"), (BUSY, "busy in libcuda")] {
+        assert_eq!(
+            s.engine.stream_wait(
+                EVENT,
+                Site::Stream(stream, false),
+                "cuStreamWaitEvent",
+                true
+            ),
+            Some(Ok(CUDA_SUCCESS)),
+            "{why}"
+        );
+        assert_eq!(
+            s.calls(),
+            vec![format!("cuda<-apex Handle({stream})")],
+            "{why}: waits in libcuda"
+        );
+        let o = s
+            .engine
+            .before_work(Site::Stream(stream, false), "cuMemcpyAsync");
+        s.engine.after(Site::Stream(stream, false), o, false);
+    }
+    s.calls();
+    // Kept, then a wait for another queue's event: libcuda gets the first wait, then the second.
+    let internal = Site::Stream(nccl, false);
+    assert_eq!(
+        s.engine
+            .stream_wait(EVENT, internal, "cuStreamWaitEvent", true),
+        Some(Ok(CUDA_SUCCESS))
+    );
+    assert_eq!(s.calls(), vec!["release"]);
+    assert!(s.launch_on(NON_BLOCKING + 0x2000, 1));
+    assert_eq!(s.engine.event_record(EVENT + 1, second), Answer::Done(0));
+    s.calls();
+    assert_eq!(
+        s.engine
+            .stream_wait(EVENT + 1, internal, "cuStreamWaitEvent", true),
+        Some(Ok(CUDA_SUCCESS))
+    );
+    assert_eq!(
+        s.calls(),
+        vec![
+            format!("cuda<-release Handle({nccl})"),
+            format!("cuda<-apex Handle({nccl})")
+        ]
+    );
+    // The compute queue launched since its event was recorded: no exact mark, libcuda records the event.
+    let late = Site::Stream(NON_BLOCKING + 0x7000, false);
+    assert!(s.launch_on(0x5000, 1));
+    assert_eq!(
+        s.engine.stream_wait(EVENT, late, "cuStreamWaitEvent", true),
+        None
+    );
+    assert!(s.calls().is_empty());
+    s.sim.resume();
+    s.idle();
+}
+
+/// A kept stream whose queue's work is complete needs nothing from libcuda: its synchronize is answered at once, its
+/// destruction forgets it, and its work later waits for nothing. The queue's stream destroyed while a stream waits
+/// for it: libcuda gets the wait first.
+#[test]
+fn a_kept_stream_is_synchronized_destroyed_and_handed_back_without_loss() {
+    let mut s = Setup::new();
+    let compute = Site::Stream(0x5000, false);
+    let (a, b) = (NON_BLOCKING + 0x4000, NON_BLOCKING + 0x4100);
+    s.engine.event_created(EVENT, 2);
+    assert!(s.launch_on(0x5000, 1));
+    s.idle();
+    assert_eq!(s.engine.event_record(EVENT, compute), Answer::Done(0));
+    s.calls();
+    for h in [a, b] {
+        assert_eq!(
+            s.engine
+                .stream_wait(EVENT, Site::Stream(h, false), "cuStreamWaitEvent", true),
+            Some(Ok(CUDA_SUCCESS))
+        );
+    }
+    assert!(s.calls().is_empty(), "complete: not even a release");
+    assert_eq!(
+        s.engine.stream_sync(Site::Stream(a, false), SyncKind::Wait),
+        Answer::Done(CUDA_SUCCESS)
+    );
+    s.engine.stream_destroyed(a);
+    let o = s
+        .engine
+        .before_work(Site::Stream(b, false), "cuMemcpyAsync");
+    s.engine.after(Site::Stream(b, false), o, false);
+    assert!(s.calls().is_empty(), "nothing to wait for");
+    // Running work: destroying the queue's stream hands the kept stream's wait to libcuda while the queue serves it.
+    s.sim.pause();
+    assert!(s.launch_on(0x5000, 1));
+    assert_eq!(s.engine.event_record(EVENT, compute), Answer::Done(0));
+    assert_eq!(
+        s.engine
+            .stream_wait(EVENT, Site::Stream(b, false), "cuStreamWaitEvent", true),
+        Some(Ok(CUDA_SUCCESS))
+    );
+    s.calls();
+    s.engine.stream_destroyed(0x5000);
+    assert!(
+        s.calls().contains(&format!("cuda<-release Handle({b})")),
+        "the kept stream waits in libcuda"
+    );
+    s.sim.resume();
+    s.idle();
 }
