@@ -237,6 +237,24 @@ mod tests {
         );
     }
 
+    /// A queue of a GPU not attached to CUDA makes no releases for CUDA, and no stream waits for a release the
+    /// queue never made: typed errors that say why.
+    #[test]
+    fn releases_for_cuda_need_an_attached_queue_that_made_them() {
+        let (gpu, _sim) =
+            Gpu::open_simulated(crate::rm::sim::SimConfig::default()).expect("simulated GPU");
+        let mut q = gpu.queue().expect("queue");
+        let e = q.release_for_cuda().expect_err("not attached");
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m.contains("attach_cuda")),
+            "{e}"
+        );
+        // SAFETY: refused before the stream is used.
+        let e = unsafe { q.make_cuda_stream_wait_for(std::ptr::null_mut(), CudaRelease(1)) }
+            .expect_err("not attached");
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    }
+
     /// Naming a device or a context is checked before anything is attached: without libcuda that is the error;
     /// with it, a device past the last one and a null context are refused by name.
     #[test]
