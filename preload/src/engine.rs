@@ -1140,11 +1140,13 @@ impl Engine {
     fn site_context(&mut self, site: Site) -> Option<usize> {
         if let Site::Stream(raw, pt) = site {
             let key = StreamKey::of(raw, pt);
-            if let StreamKey::Handle(_) = key
+            // A stream taken over or kept as waits only is its context's whatever context is current: a thread may
+            // work on another device's stream.
+            if let StreamKey::Handle(h) = key
                 && let Some(i) = self
                     .contexts
                     .iter()
-                    .position(|c| c.order.find(key).is_some())
+                    .position(|c| c.order.find(key).is_some() || c.dependency.contains_key(&h))
             {
                 return Some(i);
             }
@@ -2313,6 +2315,16 @@ pub(crate) fn limit(limit: c_int, value: usize) {
 
 /// Before libcuda destroys a stream: the hooks stop forwarding calls on it without the engine ([`plain`]), so that
 /// a stream made later with the same handle is looked at afresh.
+/// Before `cuStreamDestroy`: a stream kept as waits only is forgotten, with no wait handed to libcuda (a destroyed
+/// stream gets no more work; events recorded on it stay kept).
+pub(crate) fn forget_dependency(raw: usize) {
+    with(|e| {
+        for c in &mut e.contexts {
+            c.dependency.remove(&raw);
+        }
+    });
+}
+
 pub(crate) fn stream_destroying() {
     with(|e| e.new_generation());
 }

@@ -1033,6 +1033,7 @@ pub unsafe extern "C" fn cuStreamDestroy_v2(stream: P) -> c_int {
     type F = unsafe extern "C" fn(P) -> c_int;
     let g = enter().filter(|_| !engine::disabled());
     if g.is_some() {
+        engine::forget_dependency(stream as usize);
         engine::before(Site::Stream(stream as usize, false));
         memory::stream_destroyed(stream as usize);
         engine::stream_destroying();

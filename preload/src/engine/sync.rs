@@ -334,6 +334,9 @@ impl Engine {
         let Some(ci) = self.site_context(site) else {
             return;
         };
+        // The call reached libcuda after the stream began to be kept as waits only (by another thread, after this
+        // call was let through): libcuda holds work of it now, so records on it must go to libcuda from here on.
+        self.make_real(ci, site);
         let cuda = self.cuda.as_ref();
         let ctx = &mut self.contexts[ci];
         ctx.cuda_work = true;
@@ -1049,8 +1052,14 @@ impl Engine {
             return None;
         };
         let cuda = self.cuda.as_ref();
+        // Only a stream of the event's own context (asked of libcuda once per stream): the calling thread's current
+        // context need not be the stream's.
+        let own = *self
+            .stream_ctx
+            .entry(h)
+            .or_insert_with(|| cuda.stream_context(h).unwrap_or(0));
         let ctx = &mut self.contexts[ci];
-        if ctx.order.find(key).is_some() {
+        if ctx.order.find(key).is_some() || own != ctx.handle {
             return None;
         }
         let v = ctx.events.get(&event)?;
@@ -1180,7 +1189,12 @@ impl Engine {
                 self.summary.hops_to_cuda += 1;
             }
             Err(e) => {
-                warn!(error = %e, "a stream that only waited cannot wait for APEX's queue in libcuda")
+                // Never early: the launch is waited for here, on the CPU, before libcuda gets the stream's work.
+                warn!(error = %e, "a stream that only waited cannot wait for APEX's queue in libcuda; waiting on the CPU");
+                self.summary.cpu_syncs += 1;
+                if let Err(e) = wait_fence(&d.fence) {
+                    warn!(error = %e, "the queue a stream waited for failed");
+                }
             }
         }
     }
