@@ -1851,7 +1851,7 @@ impl Engine {
             })
             .collect();
         for e in kept {
-            self.materialize(e);
+            self.materialize(e, "stream destroyed");
         }
         // Streams that wait for the queue's work: libcuda holds their waits while the queue still serves the stream.
         for ci in 0..self.contexts.len() {
@@ -2136,7 +2136,14 @@ pub(crate) fn before_wait(
     if let Some(Some(done)) = with(|e| e.stream_wait(event, site, name, on_apex)) {
         return done;
     }
-    materialize(event);
+    materialize(
+        event,
+        if on_apex {
+            name
+        } else {
+            "cuStreamWaitEvent with flags"
+        },
+    );
     Err(with(|e| e.before_stream_wait(site, name)).unwrap_or(Ordered::UNKNOWN))
 }
 
@@ -2188,8 +2195,8 @@ pub(crate) fn event_sync(event: usize, kind: SyncKind) -> Answer {
 }
 
 /// Before libcuda looks at `event` (a wait for its work, if any, runs without the lock).
-pub(crate) fn materialize(event: usize) {
-    if let Some((fence, handle)) = with(|e| e.materialize_begin(event)).flatten() {
+pub(crate) fn materialize(event: usize, why: &'static str) {
+    if let Some((fence, handle)) = with(|e| e.materialize_begin(event, why)).flatten() {
         let _ = wait_fence(&fence);
         with(|e| e.materialize_end(event, handle));
     }

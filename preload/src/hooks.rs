@@ -1118,12 +1118,12 @@ pub unsafe extern "C" fn cuEventQuery(event: P) -> c_int {
 }
 
 /// Before libcuda reads `events`: the ones the preload kept are recorded in libcuda first.
-fn reads_events(events: &[P], call: impl FnOnce() -> c_int) -> c_int {
+fn reads_events(events: &[P], why: &'static str, call: impl FnOnce() -> c_int) -> c_int {
     if !engine::disabled()
         && let Some(_g) = enter()
     {
         for &e in events {
-            engine::materialize(e as usize);
+            engine::materialize(e as usize, why);
         }
     }
     call()
@@ -1134,7 +1134,7 @@ fn reads_events(events: &[P], call: impl FnOnce() -> c_int) -> c_int {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuEventElapsedTime(ms: *mut f32, start: P, end: P) -> c_int {
     type F = unsafe extern "C" fn(*mut f32, P, P) -> c_int;
-    reads_events(&[start, end], || {
+    reads_events(&[start, end], "cuEventElapsedTime", || {
         forward!(
             REAL_EVENT_ELAPSED,
             c"cuEventElapsedTime",
@@ -1149,7 +1149,7 @@ pub unsafe extern "C" fn cuEventElapsedTime(ms: *mut f32, start: P, end: P) -> c
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuEventElapsedTime_v2(ms: *mut f32, start: P, end: P) -> c_int {
     type F = unsafe extern "C" fn(*mut f32, P, P) -> c_int;
-    reads_events(&[start, end], || {
+    reads_events(&[start, end], "cuEventElapsedTime", || {
         forward!(
             REAL_EVENT_ELAPSED_V2,
             c"cuEventElapsedTime_v2",
@@ -1164,7 +1164,7 @@ pub unsafe extern "C" fn cuEventElapsedTime_v2(ms: *mut f32, start: P, end: P) -
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuIpcGetEventHandle(handle: P, event: P) -> c_int {
     type F = unsafe extern "C" fn(P, P) -> c_int;
-    reads_events(&[event], || {
+    reads_events(&[event], "cuIpcGetEventHandle", || {
         forward!(
             REAL_IPC_EVENT_HANDLE,
             c"cuIpcGetEventHandle",

@@ -142,6 +142,10 @@ pub struct Summary {
     /// Of those, recorded in libcuda later because libcuda had to read them.
     #[serde(default)]
     pub events_materialized: u64,
+    /// Those, by what needed libcuda to hold the event: `cuStreamWaitEvent` (a wait the preload could not make
+    /// itself), `cuEventElapsedTime`, `cuIpcGetEventHandle`, `stream destroyed`, `graph or capture`.
+    #[serde(default)]
+    pub events_materialized_for: BTreeMap<String, u64>,
     /// `cuStreamWaitEvent` calls for an event the preload kept, answered without libcuda: the stream's APEX queue
     /// waits for the event's fence on the GPU, or nothing is left to wait for (the fence is complete, or the event
     /// is of the same queue).

@@ -963,12 +963,25 @@ impl Engine {
     /// kept is recorded in libcuda now, on the preload's own stream. Its work complete: with nothing before it. Its
     /// queue has launched nothing since: after the queue's work. Otherwise its fence is returned to wait for first
     /// (waiting for the queue's later work too could wait for work that itself waits for what follows).
-    pub(crate) fn materialize_begin(&mut self, event: usize) -> Option<(Fence, usize)> {
+    pub(crate) fn materialize_begin(
+        &mut self,
+        event: usize,
+        why: &'static str,
+    ) -> Option<(Fence, usize)> {
         let ci = self.event_home(event)?;
         let cuda = self.cuda.as_ref();
         let ctx = &mut self.contexts[ci];
         let v = ctx.events.remove(&event)?;
         self.summary.events_materialized += 1;
+        match self.summary.events_materialized_for.get_mut(why) {
+            Some(n) => *n += 1,
+            None => {
+                self.summary
+                    .events_materialized_for
+                    .insert(why.to_string(), 1);
+            }
+        }
+        debug!(event, why, "a kept event is recorded in libcuda");
         ctx.cuda_work = true;
         ctx.epoch += 1;
         let latest = ctx
@@ -1006,8 +1019,8 @@ impl Engine {
     }
 
     /// [`materialize_begin`](Self::materialize_begin), the wait and the end in one thread.
-    pub(crate) fn materialize(&mut self, event: usize) {
-        if let Some((f, handle)) = self.materialize_begin(event) {
+    pub(crate) fn materialize(&mut self, event: usize, why: &'static str) {
+        if let Some((f, handle)) = self.materialize_begin(event, why) {
             let _ = wait_fence(&f);
             self.materialize_end(event, handle);
         }
@@ -1033,7 +1046,7 @@ impl Engine {
             .flat_map(|c| c.events.keys().copied())
             .collect();
         for e in events {
-            self.materialize(e);
+            self.materialize(e, "graph or capture");
         }
     }
 

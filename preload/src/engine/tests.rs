@@ -513,12 +513,17 @@ fn an_untimed_event_after_apex_work_is_kept_and_recorded_in_libcuda_only_when_re
     assert_eq!(s.engine.event_sync(EVENT, SyncKind::Query), Answer::Done(0));
     assert!(s.calls().is_empty(), "no libcuda call for a kept event");
     // A stream waits for it: libcuda records it now (the work is complete, so with nothing before it).
-    s.engine.materialize(EVENT);
+    s.engine.materialize(EVENT, "cuEventElapsedTime");
     assert_eq!(s.calls(), vec!["record now 0xe0"]);
     // Recorded in libcuda now: libcuda answers from here on.
     assert_eq!(s.engine.event_sync(EVENT, SyncKind::Wait), Answer::Forward);
     let sum = s.engine.summary();
     assert_eq!((sum.events_on_apex, sum.events_materialized), (1, 1));
+    assert_eq!(
+        sum.events_materialized_for.get("cuEventElapsedTime"),
+        Some(&1),
+        "counted by what needed it"
+    );
 }
 
 #[test]
@@ -536,7 +541,7 @@ fn a_kept_event_of_running_work_is_recorded_after_the_queue() {
         s.engine.event_sync(EVENT, SyncKind::Query),
         Answer::Done(CUDA_ERROR_NOT_READY)
     );
-    s.engine.materialize(EVENT);
+    s.engine.materialize(EVENT, "cuEventElapsedTime");
     assert_eq!(s.calls(), vec!["record after 0xe0"]);
     s.sim.resume();
 }

@@ -156,7 +156,7 @@ fn an_event_the_engine_keeps_sends_calls_naming_it_through_the_engine() {
     // Kept, then recorded in libcuda for a reader: no longer kept.
     s.engine.event_created(EVENT, 2);
     assert_eq!(s.engine.event_record(EVENT, LEGACY), Answer::Done(0));
-    s.engine.materialize(EVENT);
+    s.engine.materialize(EVENT, "cuStreamWaitEvent");
     assert_eq!(s.forward_plain(QUIET, Some(EVENT)), Some(true));
 }
 
