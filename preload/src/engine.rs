@@ -1892,14 +1892,16 @@ impl Engine {
         self.stream_ctx.remove(&raw);
     }
 
-    pub(crate) fn capture(&mut self, raw: usize, per_thread: bool, begins: bool) {
+    /// A capture of stream `raw` begins or ends; whether that changed what the engine knew (a stream already
+    /// capturing, or not capturing, leaves it as it was).
+    pub(crate) fn capture(&mut self, raw: usize, per_thread: bool, begins: bool) -> bool {
         let key = StreamKey::of(raw, per_thread);
         if begins {
             // Captured launches are refusals, not launches paying towards a takeover: the credit ends.
             self.settle_grant();
-            self.capturing.insert(key);
+            self.capturing.insert(key)
         } else {
-            self.capturing.remove(&key);
+            self.capturing.remove(&key)
         }
     }
 
@@ -2366,8 +2368,8 @@ pub(crate) fn stream_destroyed(raw: usize) {
 }
 
 /// A stream capture began (`true`) or ended on the stream at `site`.
-pub(crate) fn capture(raw: usize, per_thread: bool, begins: bool) {
-    with(|e| e.capture(raw, per_thread, begins));
+pub(crate) fn capture(raw: usize, per_thread: bool, begins: bool) -> bool {
+    with(|e| e.capture(raw, per_thread, begins)).unwrap_or(false)
 }
 
 /// The program asked for a driver entry point in a variant the preload does not interpose: hand everything to CUDA

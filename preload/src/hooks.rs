@@ -1178,14 +1178,19 @@ pub unsafe extern "C" fn cuIpcGetEventHandle(handle: P, event: P) -> c_int {
 /// and launches stay on libcuda until it ends.
 fn capture_begins(stream: P, per_thread: bool, call: impl FnOnce() -> c_int) -> c_int {
     let g = enter().filter(|_| !engine::disabled());
+    let mut marked = false;
     if g.is_some() {
+        // Marked first: from here no thread keeps an event or a stream that only waits, so nothing kept is left
+        // for libcuda to miss once the capture runs.
+        marked = engine::capture(stream as usize, per_thread, true);
         // A captured stream may wait for an event the preload kept: libcuda must hold it first.
         engine::materialize_all();
         engine::before(Site::Device);
     }
     let r = call();
-    if r == 0 && g.is_some() {
-        engine::capture(stream as usize, per_thread, true);
+    if r != 0 && marked {
+        // libcuda refused the capture: the stream is not capturing after all.
+        engine::capture(stream as usize, per_thread, false);
     }
     r
 }

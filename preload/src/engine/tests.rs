@@ -1023,7 +1023,11 @@ fn a_synchronize_during_a_capture_goes_to_libcuda() {
     let mut s = Setup::new();
     assert!(s.launch());
     s.idle();
-    s.engine.capture(0x9000, false, true);
+    assert!(s.engine.capture(0x9000, false, true));
+    assert!(
+        !s.engine.capture(0x9000, false, true),
+        "already capturing: nothing changes"
+    );
     assert_eq!(
         s.engine.stream_sync(LEGACY, SyncKind::Query),
         Answer::Forward
@@ -1918,5 +1922,47 @@ fn a_refused_hop_is_replaced_by_a_wait_on_the_cpu() {
         engine.after(site, o, false);
     });
     assert_eq!(s.engine.summary().cpu_syncs, 1);
+    s.idle();
+}
+
+/// A capture begins: streams kept as waits only are handed back to libcuda first, and while it runs no stream or
+/// event is kept.
+#[test]
+fn a_capture_hands_kept_streams_back_and_keeps_nothing_while_it_runs() {
+    let mut s = Setup::new();
+    let compute = Site::Stream(0x5000, false);
+    let nccl = NON_BLOCKING + 0x4000;
+    let internal = Site::Stream(nccl, false);
+    let other = Site::Stream(NON_BLOCKING + 0x4100, false);
+    s.engine.event_created(EVENT, 2);
+    s.engine.event_created(EVENT + 1, 2);
+    assert!(s.launch_on(0x5000, 1));
+    s.sim.pause();
+    assert!(s.launch_on(0x5000, 1));
+    assert_eq!(s.engine.event_record(EVENT, compute), Answer::Done(0));
+    assert_eq!(
+        s.engine
+            .stream_wait(EVENT, internal, "cuStreamWaitEvent", true),
+        Some(Ok(CUDA_SUCCESS))
+    );
+    s.calls();
+    // What the capture hook does: mark, then hand everything kept to libcuda.
+    assert!(s.engine.capture(0x9000, false, true));
+    s.engine.materialize_all();
+    let calls = s.calls();
+    assert!(
+        calls.contains(&format!("cuda<-release Handle({nccl})")),
+        "{calls:?}"
+    );
+    assert_eq!(s.engine.event_record(EVENT + 1, internal), Answer::Forward);
+    // The event is libcuda's now: a wait for it is libcuda's, and keeps nothing.
+    assert!(matches!(
+        s.engine
+            .stream_wait(EVENT, other, "cuStreamWaitEvent", true),
+        Some(Err(_))
+    ));
+    assert_eq!(s.engine.event_record(EVENT + 1, other), Answer::Forward);
+    s.engine.capture(0x9000, false, false);
+    s.sim.resume();
     s.idle();
 }
