@@ -103,6 +103,29 @@ fn both(mut make: impl FnMut() -> Command, trace: &Path) -> (String, String, Str
     )
 }
 
+/// `source` compiled with nvcc for sm_90 into `dir`/`name`; `None` (the test skipped, said so) without nvcc.
+fn compile(dir: &Path, name: &str, source: &str) -> Option<PathBuf> {
+    std::fs::create_dir_all(dir).unwrap();
+    let src = dir.join(format!("{name}.cu"));
+    std::fs::write(&src, source).unwrap();
+    let bin = dir.join(name);
+    let Ok(nvcc) = Command::new("nvcc")
+        .args(["-O2", "-arch=sm_90", "-o"])
+        .arg(&bin)
+        .arg(&src)
+        .output()
+    else {
+        println!("SKIPPED: nvcc not found in PATH");
+        return None;
+    };
+    assert!(
+        nvcc.status.success(),
+        "nvcc failed: {}",
+        String::from_utf8_lossy(&nvcc.stderr)
+    );
+    Some(bin)
+}
+
 fn summarize(records: &[Record]) {
     let mut kinds = BTreeMap::<&str, usize>::new();
     for r in records {
@@ -133,24 +156,9 @@ fn summarize(records: &[Record]) {
 #[ignore = "needs an NVIDIA GPU"]
 fn cuda_program_launches_are_all_found() {
     let dir = std::env::temp_dir().join(format!("apex-trace-gpu-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let src = dir.join("prog.cu");
-    std::fs::write(&src, PROGRAM).unwrap();
-    let bin = dir.join("prog");
-    let nvcc = Command::new("nvcc")
-        .args(["-O2", "-arch=sm_90", "-o"])
-        .arg(&bin)
-        .arg(&src)
-        .output();
-    let Ok(nvcc) = nvcc else {
-        println!("SKIPPED: nvcc not found in PATH");
+    let Some(bin) = compile(&dir, "prog", PROGRAM) else {
         return;
     };
-    assert!(
-        nvcc.status.success(),
-        "nvcc failed: {}",
-        String::from_utf8_lossy(&nvcc.stderr)
-    );
     let trace = dir.join("trace.jsonl");
     let (plain, traced, stderr, plain_s, traced_s) = both(|| Command::new(&bin), &trace);
     println!("plain: {plain}traced: {traced}tracer stderr:\n{stderr}");
@@ -314,24 +322,9 @@ int main() {
 #[ignore = "needs an NVIDIA GPU"]
 fn stream_and_event_calls_are_recorded_in_order() {
     let dir = std::env::temp_dir().join(format!("apex-trace-calls-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let src = dir.join("streams.cu");
-    std::fs::write(&src, STREAMS_PROGRAM).unwrap();
-    let bin = dir.join("streams");
-    let Ok(nvcc) = Command::new("nvcc")
-        .args(["-O2", "-arch=sm_90", "-o"])
-        .arg(&bin)
-        .arg(&src)
-        .output()
-    else {
-        println!("SKIPPED: nvcc not found in PATH");
+    let Some(bin) = compile(&dir, "streams", STREAMS_PROGRAM) else {
         return;
     };
-    assert!(
-        nvcc.status.success(),
-        "nvcc failed: {}",
-        String::from_utf8_lossy(&nvcc.stderr)
-    );
     let trace = dir.join("trace.jsonl");
     let (plain, traced, stderr, _, _) = both(|| Command::new(&bin), &trace);
     println!("traced: {traced}tracer stderr:\n{stderr}");

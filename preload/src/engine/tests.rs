@@ -1621,6 +1621,28 @@ fn packed_launches_kept_events_and_waits_on_apex_allocate_nothing() {
 
 // ---- streams kept as waits only ----
 
+/// The compute stream (0x5000, taken over) with its second launch running and `EVENT` kept after it; `EVENT + 1`
+/// made untimed. The simulated GPU is left paused: the test resumes it.
+fn kept_event_of_a_running_launch(s: &mut Setup) {
+    s.engine.event_created(EVENT, 2);
+    s.engine.event_created(EVENT + 1, 2);
+    assert!(s.launch_on(0x5000, 1));
+    s.sim.pause();
+    assert!(s.launch_on(0x5000, 1));
+    assert_eq!(
+        s.engine.event_record(EVENT, Site::Stream(0x5000, false)),
+        Answer::Done(0)
+    );
+}
+
+/// `site` waits for `event`, answered by the preload (kept as waits only, or through a hop it made).
+fn waits_for(s: &mut Setup, event: usize, site: Site) {
+    assert_eq!(
+        s.engine.stream_wait(event, site, "cuStreamWaitEvent", true),
+        Some(Ok(CUDA_SUCCESS))
+    );
+}
+
 /// NCCL's internal stream, as a collective uses it: waits for an event kept after the compute stream's kernel, then
 /// has an event recorded that the compute stream waits for. Kept by the preload: neither call reaches libcuda, the
 /// queue only releases a mark; libcuda gets the wait once the stream gets work of its own.
@@ -1630,18 +1652,9 @@ fn a_stream_that_only_waits_is_kept_until_it_gets_work() {
     let compute = Site::Stream(0x5000, false);
     let nccl = NON_BLOCKING + 0x4000;
     let internal = Site::Stream(nccl, false);
-    s.engine.event_created(EVENT, 2);
-    s.engine.event_created(EVENT + 1, 2);
-    assert!(s.launch_on(0x5000, 1));
-    s.sim.pause();
-    assert!(s.launch_on(0x5000, 1));
-    assert_eq!(s.engine.event_record(EVENT, compute), Answer::Done(0));
+    kept_event_of_a_running_launch(&mut s);
     s.calls();
-    assert_eq!(
-        s.engine
-            .stream_wait(EVENT, internal, "cuStreamWaitEvent", true),
-        Some(Ok(CUDA_SUCCESS))
-    );
+    waits_for(&mut s, EVENT, internal);
     assert_eq!(
         s.calls(),
         vec!["release"],
@@ -1719,11 +1732,7 @@ fn a_stream_is_kept_as_waits_only_only_where_that_is_exact() {
     s.calls();
     // Kept, then a wait for another queue's event: libcuda gets the first wait, then the second.
     let internal = Site::Stream(nccl, false);
-    assert_eq!(
-        s.engine
-            .stream_wait(EVENT, internal, "cuStreamWaitEvent", true),
-        Some(Ok(CUDA_SUCCESS))
-    );
+    waits_for(&mut s, EVENT, internal);
     assert_eq!(s.calls(), vec!["release"]);
     assert!(s.launch_on(NON_BLOCKING + 0x2000, 1));
     assert_eq!(s.engine.event_record(EVENT + 1, second), Answer::Done(0));
@@ -1809,20 +1818,10 @@ fn a_kept_stream_is_synchronized_destroyed_and_handed_back_without_loss() {
 #[test]
 fn a_kept_stream_is_found_whatever_context_is_current() {
     let mut s = Setup::new();
-    let compute = Site::Stream(0x5000, false);
     let nccl = NON_BLOCKING + 0x4000;
     let internal = Site::Stream(nccl, false);
-    s.engine.event_created(EVENT, 2);
-    s.engine.event_created(EVENT + 1, 2);
-    assert!(s.launch_on(0x5000, 1));
-    s.sim.pause();
-    assert!(s.launch_on(0x5000, 1));
-    assert_eq!(s.engine.event_record(EVENT, compute), Answer::Done(0));
-    assert_eq!(
-        s.engine
-            .stream_wait(EVENT, internal, "cuStreamWaitEvent", true),
-        Some(Ok(CUDA_SUCCESS))
-    );
+    kept_event_of_a_running_launch(&mut s);
+    waits_for(&mut s, EVENT, internal);
     s.calls();
     s.engine.cuda.set_current(Some(FOREIGN_CTX)).unwrap();
     let o = s.engine.before_work(internal, "cuMemcpyAsync");
@@ -1839,12 +1838,7 @@ fn a_kept_stream_is_found_whatever_context_is_current() {
 #[test]
 fn a_stream_of_another_context_is_never_kept_as_waits_only() {
     let mut s = Setup::new();
-    let compute = Site::Stream(0x5000, false);
-    s.engine.event_created(EVENT, 2);
-    assert!(s.launch_on(0x5000, 1));
-    s.sim.pause();
-    assert!(s.launch_on(0x5000, 1));
-    assert_eq!(s.engine.event_record(EVENT, compute), Answer::Done(0));
+    kept_event_of_a_running_launch(&mut s);
     s.calls();
     assert_eq!(
         s.engine.stream_wait(
@@ -1878,11 +1872,7 @@ fn a_call_in_flight_when_a_stream_starts_to_be_kept_hands_it_back() {
     assert!(s.launch_on(0x5000, 1));
     assert_eq!(s.engine.event_record(EVENT, compute), Answer::Done(0));
     let t = s.engine.plain.begin(nccl, None).expect("remembered");
-    assert_eq!(
-        s.engine
-            .stream_wait(EVENT, internal, "cuStreamWaitEvent", true),
-        Some(Ok(CUDA_SUCCESS))
-    );
+    waits_for(&mut s, EVENT, internal);
     assert!(!s.engine.plain.end(t, Some("cuMemcpyAsync")));
     s.engine.after(internal, Ordered::UNKNOWN, false);
     assert_eq!(s.engine.event_record(EVENT + 1, internal), Answer::Forward);
@@ -1895,13 +1885,8 @@ fn a_call_in_flight_when_a_stream_starts_to_be_kept_hands_it_back() {
 #[test]
 fn a_refused_hop_is_replaced_by_a_wait_on_the_cpu() {
     let mut s = Setup::new();
-    let compute = Site::Stream(0x5000, false);
     let site = Site::Stream(NOHOP, false);
-    s.engine.event_created(EVENT, 2);
-    assert!(s.launch_on(0x5000, 1));
-    s.sim.pause();
-    assert!(s.launch_on(0x5000, 1));
-    assert_eq!(s.engine.event_record(EVENT, compute), Answer::Done(0));
+    kept_event_of_a_running_launch(&mut s);
     let fence = s.engine.contexts[0].last_fence(0).unwrap().unwrap();
     assert_eq!(
         s.engine.stream_wait(EVENT, site, "cuStreamWaitEvent", true),
@@ -1930,21 +1915,11 @@ fn a_refused_hop_is_replaced_by_a_wait_on_the_cpu() {
 #[test]
 fn a_capture_hands_kept_streams_back_and_keeps_nothing_while_it_runs() {
     let mut s = Setup::new();
-    let compute = Site::Stream(0x5000, false);
     let nccl = NON_BLOCKING + 0x4000;
     let internal = Site::Stream(nccl, false);
     let other = Site::Stream(NON_BLOCKING + 0x4100, false);
-    s.engine.event_created(EVENT, 2);
-    s.engine.event_created(EVENT + 1, 2);
-    assert!(s.launch_on(0x5000, 1));
-    s.sim.pause();
-    assert!(s.launch_on(0x5000, 1));
-    assert_eq!(s.engine.event_record(EVENT, compute), Answer::Done(0));
-    assert_eq!(
-        s.engine
-            .stream_wait(EVENT, internal, "cuStreamWaitEvent", true),
-        Some(Ok(CUDA_SUCCESS))
-    );
+    kept_event_of_a_running_launch(&mut s);
+    waits_for(&mut s, EVENT, internal);
     s.calls();
     // What the capture hook does: mark, then hand everything kept to libcuda.
     assert!(s.engine.capture(0x9000, false, true));
