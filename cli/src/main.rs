@@ -993,6 +993,7 @@ fn stats_report(v: &Value) -> Vec<String> {
     }
     let sizes = [
         ("queues", "APEX queues built"),
+        ("queues_reassigned", "queues handed to another stream"),
         ("modules_seen", "modules seen"),
         ("modules_loaded", "modules loaded by APEX"),
     ];

@@ -53,6 +53,15 @@ use sync::{SlotState, fence_state};
 const PREPARED_PER_FUNCTION: usize = 16;
 /// The stack CUDA gives each thread unless the program raises `CU_LIMIT_STACK_SIZE` (APEX's queues start alike).
 const DEFAULT_STACK: usize = 1024;
+
+/// Launches (on any queue of the context) a stream must have made none of before its idle queue may be handed to
+/// another stream: a few streams that take turns keep their queues, and a handover (a hop for the new stream's
+/// first launch, events recorded in libcuda) is paid for by many launches on APEX.
+const REASSIGN_AFTER_LAUNCHES: u64 = 64;
+
+/// Kept events after a queue's work, at most, for it to be handed to another stream (each is recorded in libcuda
+/// then).
+const REASSIGN_MAX_KEPT_EVENTS: usize = 16;
 /// How long one CPU wait on a queue looks before it checks again (a synchronize waits as long as the work runs).
 const WAIT_SLICE: Duration = Duration::from_secs(3600);
 /// Copies between the host and the device up to this size run on the stream's queue (the `.item()` and small
@@ -1676,12 +1685,19 @@ impl Engine {
             return Ok(Some(s));
         }
         let background = self.config.setup == Mode::Background;
+        // Every queue serves a stream: an idle one is handed over, or the launch stays on libcuda.
+        let reassigned = if self.contexts[ci].order.live() >= self.config.max_queues {
+            match self.idle_queue(ci) {
+                Some(slot) => Some(slot),
+                None => return Err(Refusal::TooManyStreams(self.config.max_queues).into()),
+            }
+        } else {
+            None
+        };
         let ctx = &mut self.contexts[ci];
-        if ctx.order.live() >= self.config.max_queues {
-            return Err(Refusal::TooManyStreams(self.config.max_queues).into());
-        }
         let queue = match ctx.spare.pop() {
-            Some(q) => q,
+            _ if reassigned.is_some() => None,
+            Some(q) => Some(q),
             None if background => {
                 if let Some(r) = &ctx.queue_failed {
                     // Counted by reference: kept for the context.
@@ -1696,9 +1712,9 @@ impl Engine {
                     return Ok(None);
                 }
                 // The worker could not start: built here, as in the inline mode.
-                self.build_queue(ci)?
+                Some(self.build_queue(ci)?)
             }
-            None => self.build_queue(ci)?,
+            None => Some(self.build_queue(ci)?),
         };
         // A stream kept as waits only: libcuda holds its waits first, which the queue's first launch waits for.
         self.make_real(ci, Site::Stream(raw, per_thread));
@@ -1707,12 +1723,23 @@ impl Engine {
         let cuda = self.cuda.as_ref();
         let ctx = &mut self.contexts[ci];
         let stream = ctx.stream(cuda, raw, per_thread);
-        let slot = ctx.order.add(stream);
-        if ctx.queues.len() <= slot {
-            ctx.queues.resize_with(slot + 1, || None);
-            ctx.last.resize_with(slot + 1, || None);
-        }
-        ctx.queues[slot] = Some(queue);
+        let slot = match (reassigned, queue) {
+            // The queue stays in its slot: its prepared launches stay valid.
+            (Some(slot), _) => {
+                ctx.order.reassign(slot, stream);
+                slot
+            }
+            (None, Some(queue)) => {
+                let slot = ctx.order.add(stream);
+                if ctx.queues.len() <= slot {
+                    ctx.queues.resize_with(slot + 1, || None);
+                    ctx.last.resize_with(slot + 1, || None);
+                }
+                ctx.queues[slot] = Some(queue);
+                slot
+            }
+            (None, None) => return Err(Refusal::Internal.into()),
+        };
         ctx.last[slot] = None;
         info!(stream = ?key, slot, "stream taken over by an APEX queue");
         if background {
@@ -1721,6 +1748,69 @@ impl Engine {
             self.top_up(ci);
         }
         Ok(Some(slot))
+    }
+
+    /// Every queue of context `ci` serves a stream (`APEX_PRELOAD_QUEUES`) and another stream asks for one: the queue
+    /// of the stream that launched least recently is freed for it if that stream has launched nothing on any queue
+    /// for [`REASSIGN_AFTER_LAUNCHES`] launches, all its queue's work is complete and few events are kept after it
+    /// (each is recorded in libcuda now, as at a stream's destruction). The former stream is no longer taken over:
+    /// with nothing of APEX's left to wait for, its later work goes to libcuda, or takes a queue over again as any
+    /// stream does. A program that uses more streams than queues one after another (PyTorch hands out streams from
+    /// a pool of 32) keeps its launches on APEX. The slot that is free, its queue still in place; `None` when no
+    /// queue may be handed over.
+    fn idle_queue(&mut self, ci: usize) -> Option<usize> {
+        let ctx = &self.contexts[ci];
+        let now = ctx.order.launches();
+        let mut kept = vec![0usize; ctx.queues.len()];
+        for (_, v) in ctx.events.iter() {
+            if let Some(n) = kept.get_mut(v.slot) {
+                *n += 1;
+            }
+        }
+        let slot = ctx
+            .order
+            .slots()
+            .filter(|&slot| {
+                let Some(stream) = ctx.order.stream(slot) else {
+                    return false;
+                };
+                self.held != Some(stream.key)
+                    && now.saturating_sub(ctx.order.last_launch(slot)) >= REASSIGN_AFTER_LAUNCHES
+                    && kept
+                        .get(slot)
+                        .is_some_and(|&n| n <= REASSIGN_MAX_KEPT_EVENTS)
+                    && ctx.queues.get(slot).is_some_and(Option::is_some)
+                    && ctx.slot_state(slot) == SlotState::Done
+            })
+            .min_by_key(|&slot| ctx.order.last_launch(slot))?;
+        let former = ctx.order.stream(slot)?.key;
+        let events: Vec<usize> = ctx
+            .events
+            .iter()
+            .filter(|(_, v)| v.slot == slot)
+            .map(|(&e, _)| e)
+            .collect();
+        let waiting: Vec<usize> = ctx
+            .dependency
+            .iter()
+            .filter(|(_, d)| d.slot == slot)
+            .map(|(&h, _)| h)
+            .collect();
+        // Complete: libcuda records each with nothing before it, and a stream that only waited for the queue waits
+        // for its mark (passed) in libcuda.
+        for e in events {
+            self.materialize(e, "queue handed to another stream");
+        }
+        for h in waiting {
+            self.make_real(ci, Site::Stream(h, false));
+        }
+        let ctx = &mut self.contexts[ci];
+        ctx.events.retain(|_, v| v.slot != slot);
+        ctx.dependency.retain(|_, d| d.slot != slot);
+        ctx.last[slot] = None;
+        self.summary.queues_reassigned += 1;
+        info!(from = ?former, slot, "an idle APEX queue is handed to another stream");
+        Some(slot)
     }
 
     /// A queue of context `ci` built on this thread (the inline mode).
@@ -1945,7 +2035,8 @@ impl Engine {
         // Set-up in flight works in the program's context, which may go away once this returns: waited for (with a
         // bound), and what it made is dropped below with the rest.
         self.stop_setup();
-        self.materialize_all();
+        // Events the program keeps alive past this point are libcuda's from here.
+        self.materialize_all("end of the takeover");
         for ci in 0..self.contexts.len() {
             self.wait_all(ci);
             // Queues of destroyed streams: their work was handed to CUDA, and may still run.
@@ -2207,12 +2298,12 @@ pub(crate) fn materialize(event: usize, why: &'static str) {
 /// Before a capture: libcuda holds every kept event and every stream kept as waits only
 /// ([`Engine::materialize_all`]).
 pub(crate) fn materialize_all() {
-    with(|e| e.materialize_all());
+    with(|e| e.materialize_all("capture"));
 }
 
 /// Every event the preload kept, recorded in libcuda ([`Engine::materialize_events`]).
 pub(crate) fn materialize_events() {
-    with(|e| e.materialize_events());
+    with(|e| e.materialize_events("graph launch"));
 }
 
 /// A module or library was loaded from the image at `p`.

@@ -23,7 +23,9 @@
 //! context attached at its first launch, further streams still paying for their queues (`history.rs`: a record per program in APEX's cache directory, `runs/`, written at exit;
 //! `APEX_PRELOAD_HISTORY=0` neither reads nor writes them); `APEX_PRELOAD_STATS=FILE` writes a JSON
 //! summary at exit ([`stats::Summary`]; `%p` in FILE becomes the process id, one file per process of a job);
-//! `APEX_PRELOAD_QUEUES=N` (default 8) bounds the streams taken over; `APEX_PRELOAD_ALLOC_CACHE=MIB|off` bounds the
+//! `APEX_PRELOAD_QUEUES=N` (default 8) bounds the queues, one per stream taken over (once every queue serves a
+//! stream, the queue of a stream that has launched nothing for a while, its work complete, goes to the next new
+//! stream); `APEX_PRELOAD_ALLOC_CACHE=MIB|off` bounds the
 //! allocation cache that serves `cuMemAlloc` and `cuMemAllocAsync` (`APEX_PRELOAD_ALLOC_ASYNC=off`: not the
 //! second) ([`alloc_cache`], default 1024 MiB); `APEX_PRELOAD_LOG=LEVEL` (`info`, `debug`, ...) sends the
 //! library's `tracing` events to stderr; `APEX_PRELOAD_PROFILE=1` adds where a launch's time goes to the summary;

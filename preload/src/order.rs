@@ -117,6 +117,18 @@ struct Slot {
 }
 
 impl Slot {
+    /// A slot that begins to serve `stream`, which may already have CUDA work: the queue's first launch waits for it.
+    fn serving(stream: Stream) -> Slot {
+        Slot {
+            stream,
+            apex_dirty: false,
+            cuda_own: true,
+            cuda_related: true,
+            live: true,
+            last: 0,
+        }
+    }
+
     /// CUDA work ordered with `stream` was added: on the slot's own stream, or a related one.
     fn mark_cuda(&mut self, stream: Stream) {
         if stream.key == self.stream.key {
@@ -178,24 +190,28 @@ impl Order {
     /// Takes `stream` over; returns its slot (a freed one when there is one). The stream may already have CUDA work,
     /// so the queue's first launch waits for it.
     pub fn add(&mut self, stream: Stream) -> usize {
-        let slot = Slot {
-            stream,
-            apex_dirty: false,
-            cuda_own: true,
-            cuda_related: true,
-            live: true,
-            last: 0,
-        };
         let i = match self.slots.iter().position(|s| !s.live) {
-            Some(i) => {
-                self.slots[i] = slot;
-                i
-            }
+            Some(i) => i,
             None => {
-                self.slots.push(slot);
+                self.slots.push(Slot::serving(stream));
                 self.slots.len() - 1
             }
         };
+        self.serve(i, stream);
+        i
+    }
+
+    /// Hands live `slot`, whose queue's work is all complete, from its stream to `stream`, which is taken over as by
+    /// [`add`](Order::add) (its queue's first launch waits for it); the former stream is no longer taken over.
+    pub fn reassign(&mut self, slot: usize, stream: Stream) {
+        if slot < self.slots.len() {
+            self.serve(slot, stream);
+        }
+    }
+
+    /// `stream` from now on in slot `i` (which exists).
+    fn serve(&mut self, i: usize, stream: Stream) {
+        self.slots[i] = Slot::serving(stream);
         // Launch numbers only grow, so what other queues saw of the slot's former stream stays below its new work.
         let n = self.slots.len();
         self.seen.resize_with(n, Vec::new);
@@ -203,7 +219,16 @@ impl Order {
             row.resize(n, 0);
         }
         self.seen[i].iter_mut().for_each(|v| *v = 0);
-        i
+    }
+
+    /// Launches made on every queue so far: the clock [`last_launch`](Order::last_launch) reads.
+    pub fn launches(&self) -> u64 {
+        self.launches
+    }
+
+    /// The launch number of `slot`'s last launch (0: none since it began to serve its stream).
+    pub fn last_launch(&self, slot: usize) -> u64 {
+        self.slots.get(slot).map_or(0, |s| s.last)
     }
 
     /// Live slots.
@@ -671,6 +696,45 @@ mod tests {
         assert_eq!(log.hops, vec![("cpu", s)]);
         assert_eq!(o.counts().cpu_syncs, 1);
         assert!(!o.apex_dirty(s));
+    }
+
+    #[test]
+    fn a_reassigned_slot_serves_its_new_stream_from_a_clean_start() {
+        let mut o = Order::new();
+        let mut log = Log::default();
+        let a = o.add(BLOCKING);
+        let b = o.add(NON_BLOCKING);
+        launch(&mut o, a, &mut log);
+        launch(&mut o, b, &mut log);
+        launch(&mut o, b, &mut log);
+        assert_eq!(
+            (o.launches(), o.last_launch(a), o.last_launch(b)),
+            (3, 1, 3)
+        );
+        let c = Stream {
+            key: StreamKey::Handle(0x3000),
+            blocking: false,
+        };
+        o.reassign(a, c);
+        assert_eq!(
+            o.find(BLOCKING.key),
+            None,
+            "the former stream is not taken over"
+        );
+        assert_eq!(o.find(c.key), Some(a));
+        assert_eq!((o.live(), o.launches(), o.last_launch(a)), (2, 3, 0));
+        assert!(
+            o.cuda_dirty(a) && !o.apex_dirty(a),
+            "the new stream's CUDA work is waited for first"
+        );
+        log.hops.clear();
+        launch(&mut o, a, &mut log);
+        assert_eq!(
+            log.hops,
+            vec![("apex<-cuda", a)],
+            "unrelated to b: no wait for b's queue"
+        );
+        assert_eq!(o.last_launch(a), 4);
     }
 
     #[test]

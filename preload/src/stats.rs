@@ -115,6 +115,10 @@ pub struct Summary {
     pub hops_between_queues: u64,
     /// APEX queues built (one per stream taken over).
     pub queues: u64,
+    /// Idle queues handed from a stream that stopped launching to a new stream, when every queue served one
+    /// (`APEX_PRELOAD_QUEUES`).
+    #[serde(default)]
+    pub queues_reassigned: u64,
     /// Modules and libraries the program loaded while the preload watched.
     pub modules_seen: u64,
     /// Of those, loaded by APEX for a launch.
@@ -143,7 +147,8 @@ pub struct Summary {
     #[serde(default)]
     pub events_materialized: u64,
     /// Those, by what needed libcuda to hold the event: `cuStreamWaitEvent` (a wait the preload could not make
-    /// itself), `cuEventElapsedTime`, `cuIpcGetEventHandle`, `stream destroyed`, `graph or capture`.
+    /// itself), `cuEventElapsedTime`, `cuIpcGetEventHandle`, `stream destroyed`, `queue handed to another stream`,
+    /// `graph launch`, `capture`, `end of the takeover` (at exit, or before a context is destroyed).
     #[serde(default)]
     pub events_materialized_for: BTreeMap<String, u64>,
     /// `cuStreamWaitEvent` calls for an event the preload kept, answered without libcuda: the stream's APEX queue

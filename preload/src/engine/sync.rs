@@ -1028,8 +1028,8 @@ impl Engine {
 
     /// Every event the preload kept recorded in libcuda, and every stream kept as waits only handed back to it
     /// (before a capture begins, and at the end).
-    pub(crate) fn materialize_all(&mut self) {
-        self.materialize_events();
+    pub(crate) fn materialize_all(&mut self, why: &'static str) {
+        self.materialize_events(why);
         for ci in 0..self.contexts.len() {
             let streams: Vec<usize> = self.contexts[ci].dependency.keys().copied().collect();
             for h in streams {
@@ -1038,15 +1038,16 @@ impl Engine {
         }
     }
 
-    /// Every event the preload kept, recorded in libcuda (before a graph launches: its nodes may wait for them).
-    pub(crate) fn materialize_events(&mut self) {
+    /// Every event the preload kept, recorded in libcuda (before a graph launches: its nodes may wait for them);
+    /// `why` names the cause in the summary.
+    pub(crate) fn materialize_events(&mut self, why: &'static str) {
         let events: Vec<usize> = self
             .contexts
             .iter()
             .flat_map(|c| c.events.keys().copied())
             .collect();
         for e in events {
-            self.materialize(e, "graph or capture");
+            self.materialize(e, why);
         }
     }
 

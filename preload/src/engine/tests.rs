@@ -1923,7 +1923,7 @@ fn a_capture_hands_kept_streams_back_and_keeps_nothing_while_it_runs() {
     s.calls();
     // What the capture hook does: mark, then hand everything kept to libcuda.
     assert!(s.engine.capture(0x9000, false, true));
-    s.engine.materialize_all();
+    s.engine.materialize_all("capture");
     let calls = s.calls();
     assert!(
         calls.contains(&format!("cuda<-release Handle({nccl})")),
@@ -1940,4 +1940,105 @@ fn a_capture_hands_kept_streams_back_and_keeps_nothing_while_it_runs() {
     s.engine.capture(0x9000, false, false);
     s.sim.resume();
     s.idle();
+}
+
+/// More streams than queues, one after another (PyTorch hands out streams from a pool): the queue of a stream that
+/// stopped launching, its work complete, serves the next new stream; the kept event after its work is recorded in
+/// libcuda first; its prepared launches stay valid (same queue); a stream that launched lately keeps its queue.
+#[test]
+fn an_idle_queue_serves_a_new_stream_once_every_queue_is_taken() {
+    let mut s = Setup::new();
+    s.engine.config.max_queues = 2;
+    let (a, b, c) = (0x5000, 0x6000, 0x7000);
+    s.engine.event_created(EVENT, 2);
+    assert!(s.launch_on(a, 1));
+    assert_eq!(
+        s.engine.event_record(EVENT, Site::Stream(a, false)),
+        Answer::Done(0)
+    );
+    assert!(s.launch_on(b, 1));
+    assert!(!s.launch_on(c, 1), "a launched lately: it keeps its queue");
+    for _ in 0..REASSIGN_AFTER_LAUNCHES {
+        assert!(s.launch_on(b, 1));
+    }
+    s.idle();
+    s.calls();
+    let before = s.sim.launches().len();
+    assert!(s.launch_on(c, 1), "a's idle queue serves c");
+    let calls = s.calls();
+    assert!(
+        calls.contains(&format!("record now {EVENT:#x}")),
+        "the event kept after a's work is recorded in libcuda: {calls:?}"
+    );
+    assert!(
+        calls.iter().any(|c| c.starts_with("apex<-cuda")),
+        "c's first launch waits for c's CUDA work: {calls:?}"
+    );
+    assert!(
+        s.sim
+            .wait_for(Duration::from_secs(10), |m| m.launches().len()
+                == before + 1),
+        "c's launch ran"
+    );
+    let sum = s.engine.summary();
+    assert_eq!((sum.queues, sum.queues_reassigned), (2, 1));
+    assert_eq!(sum.reasons["too_many_streams"].launches, 1);
+    assert_eq!(
+        sum.events_materialized_for
+            .get("queue handed to another stream"),
+        Some(&1)
+    );
+    let ctx = &s.engine.contexts[0];
+    assert_eq!(
+        ctx.order.find(StreamKey::of(a, false)),
+        None,
+        "a is no longer taken over"
+    );
+    let slot = ctx
+        .order
+        .find(StreamKey::of(c, false))
+        .expect("c is taken over");
+    assert_eq!(slot, 0, "in a's slot, with a's queue");
+    assert!(!ctx.events.contains_key(&EVENT));
+    // a's event is libcuda's now: a wait for it goes to libcuda.
+    assert_eq!(s.engine.event_sync(EVENT, SyncKind::Query), Answer::Forward);
+}
+
+/// A queue whose last launch still runs, one that launched lately and one with many events kept after it are never
+/// handed over: the new stream's launch stays on libcuda.
+#[test]
+fn a_busy_or_recent_queue_is_never_handed_to_another_stream() {
+    let mut s = Setup::new();
+    s.engine.config.max_queues = 2;
+    let (a, b, c) = (0x5000, 0x6000, 0x7000);
+    assert!(s.launch_on(a, 1));
+    assert!(s.launch_on(b, 1));
+    // a's work still runs (the GPU is paused), however many launches b makes after it.
+    s.sim.pause();
+    assert!(s.launch_on(a, 1));
+    for _ in 0..REASSIGN_AFTER_LAUNCHES {
+        assert!(s.launch_on(b, 1));
+    }
+    assert!(!s.launch_on(c, 1), "a's queue is busy, b's launched lately");
+    s.sim.resume();
+    s.idle();
+    // a is idle now, but has more events kept after its work than are worth recording in libcuda at once.
+    for i in 0..=REASSIGN_MAX_KEPT_EVENTS {
+        let e = EVENT + 0x100 * (i + 1);
+        s.engine.event_created(e, 2);
+        assert_eq!(
+            s.engine.event_record(e, Site::Stream(a, false)),
+            Answer::Done(0)
+        );
+    }
+    assert!(!s.launch_on(c, 1), "too many events kept after a's work");
+    let sum = s.engine.summary();
+    assert_eq!(sum.queues_reassigned, 0);
+    assert_eq!(sum.reasons["too_many_streams"].launches, 2);
+    assert!(
+        s.engine.contexts[0]
+            .order
+            .find(StreamKey::of(a, false))
+            .is_some()
+    );
 }
