@@ -31,6 +31,8 @@ struct Paths {
     q_host: ComputeQueue,
     /// A queue with `chained_stream` on.
     q_chained: ComputeQueue,
+    /// The same with its launch memory in host memory.
+    q_chained_host: ComputeQueue,
     k: Kernel,
     stream: driver::Stream,
     f: driver::Function,
@@ -64,6 +66,13 @@ fn setup() -> Option<Paths> {
         ComputeQueueConfig::default().with_chained_stream(true),
     )
     .ok()?;
+    let q_chained_host = ComputeQueue::new(
+        &gpu,
+        ComputeQueueConfig::default()
+            .with_chained_stream(true)
+            .with_memory(LaunchMemory::Host),
+    )
+    .ok()?;
     let k = Module::load(&gpu, CUBIN).ok()?.kernel("empty").ok()?;
     let stream = driver::Stream::new(&ctx).ok()?;
     let f = driver::Module::load(&ctx, CUBIN)
@@ -74,6 +83,7 @@ fn setup() -> Option<Paths> {
         q,
         q_host,
         q_chained,
+        q_chained_host,
         k,
         stream,
         f,
@@ -223,6 +233,22 @@ fn benches(c: &mut Criterion) {
                     last = Some(unsafe { p.q_chained.launch(&p.k, &ONE, &[]) }.expect("launch"));
                 }
                 p.q_chained.flush_held().expect("flush");
+                last.expect("launched").wait(T).expect("wait");
+            })
+        })
+    });
+    // The same with the chained queue's launch memory in host memory (QMD writes are cached stores, not
+    // write-combined ones through BAR1; the GPU reads them over PCIe).
+    g.bench_function("apex_chained_stream_host", |b| {
+        b.iter_custom(|iters| {
+            per_launch(iters, || {
+                let mut last = None;
+                for _ in 0..1000 {
+                    // SAFETY: the empty kernel touches no memory.
+                    last =
+                        Some(unsafe { p.q_chained_host.launch(&p.k, &ONE, &[]) }.expect("launch"));
+                }
+                p.q_chained_host.flush_held().expect("flush");
                 last.expect("launched").wait(T).expect("wait");
             })
         })

@@ -1695,7 +1695,12 @@ impl Engine {
             None
         };
         let ctx = &mut self.contexts[ci];
-        let queue = match ctx.spare.pop() {
+        let spare = if reassigned.is_none() {
+            ctx.spare.pop()
+        } else {
+            None
+        };
+        let queue = match spare {
             _ if reassigned.is_some() => None,
             Some(q) => Some(q),
             None if background => {
@@ -1751,8 +1756,10 @@ impl Engine {
     }
 
     /// Every queue of context `ci` serves a stream (`APEX_PRELOAD_QUEUES`) and another stream asks for one: the queue
-    /// of the stream that launched least recently is freed for it if that stream has launched nothing on any queue
-    /// for [`REASSIGN_AFTER_LAUNCHES`] launches, all its queue's work is complete and few events are kept after it
+    /// of the stream that used its queue least recently is freed for it if that stream has used it for none of the
+    /// context's last [`REASSIGN_AFTER_LAUNCHES`] launches (counted from its last launch, or from when it got the
+    /// queue), all the queue's work is complete, no wait is left on it without its launch, and few events are kept
+    /// after it
     /// (each is recorded in libcuda now, as at a stream's destruction). The former stream is no longer taken over:
     /// with nothing of APEX's left to wait for, its later work goes to libcuda, or takes a queue over again as any
     /// stream does. A program that uses more streams than queues one after another (PyTorch hands out streams from
@@ -1761,28 +1768,34 @@ impl Engine {
     fn idle_queue(&mut self, ci: usize) -> Option<usize> {
         let ctx = &self.contexts[ci];
         let now = ctx.order.launches();
-        let mut kept = vec![0usize; ctx.queues.len()];
-        for (_, v) in ctx.events.iter() {
-            if let Some(n) = kept.get_mut(v.slot) {
-                *n += 1;
+        // Least recently used first, without allocating: a launch refused for want of a queue comes here each time.
+        let mut tried = 0u64;
+        let slot = loop {
+            let (slot, _) = ctx
+                .order
+                .slots()
+                .filter(|&slot| slot < 64 && tried & (1 << slot) == 0)
+                .filter_map(|slot| Some((slot, ctx.order.unused_since(slot)?)))
+                .filter(|&(_, since)| now.saturating_sub(since) >= REASSIGN_AFTER_LAUNCHES)
+                .min_by_key(|&(_, since)| since)?;
+            tried |= 1 << slot;
+            let kept = ctx
+                .events
+                .iter()
+                .filter(|(_, v)| v.slot == slot)
+                .take(REASSIGN_MAX_KEPT_EVENTS + 1)
+                .count();
+            if ctx.queues.get(slot).is_some_and(Option::is_some)
+                && ctx
+                    .order
+                    .stream(slot)
+                    .is_some_and(|s| self.held != Some(s.key))
+                && ctx.slot_state(slot) == SlotState::Done
+                && kept <= REASSIGN_MAX_KEPT_EVENTS
+            {
+                break slot;
             }
-        }
-        let slot = ctx
-            .order
-            .slots()
-            .filter(|&slot| {
-                let Some(stream) = ctx.order.stream(slot) else {
-                    return false;
-                };
-                self.held != Some(stream.key)
-                    && now.saturating_sub(ctx.order.last_launch(slot)) >= REASSIGN_AFTER_LAUNCHES
-                    && kept
-                        .get(slot)
-                        .is_some_and(|&n| n <= REASSIGN_MAX_KEPT_EVENTS)
-                    && ctx.queues.get(slot).is_some_and(Option::is_some)
-                    && ctx.slot_state(slot) == SlotState::Done
-            })
-            .min_by_key(|&slot| ctx.order.last_launch(slot))?;
+        };
         let former = ctx.order.stream(slot)?.key;
         let events: Vec<usize> = ctx
             .events

@@ -114,11 +114,16 @@ struct Slot {
     live: bool,
     /// The launch number (counted over all queues, from 1) of the queue's last launch; 0 before any.
     last: u64,
+    /// The launch number when the slot began to serve its stream.
+    since: u64,
+    /// No wait was put on the queue since its last launch without a launch after it (a launch whose submission
+    /// failed leaves one): the queue holds nothing of its stream but its launches.
+    settled: bool,
 }
 
 impl Slot {
     /// A slot that begins to serve `stream`, which may already have CUDA work: the queue's first launch waits for it.
-    fn serving(stream: Stream) -> Slot {
+    fn serving(stream: Stream, since: u64) -> Slot {
         Slot {
             stream,
             apex_dirty: false,
@@ -126,6 +131,8 @@ impl Slot {
             cuda_related: true,
             live: true,
             last: 0,
+            since,
+            settled: true,
         }
     }
 
@@ -193,7 +200,7 @@ impl Order {
         let i = match self.slots.iter().position(|s| !s.live) {
             Some(i) => i,
             None => {
-                self.slots.push(Slot::serving(stream));
+                self.slots.push(Slot::serving(stream, self.launches));
                 self.slots.len() - 1
             }
         };
@@ -211,7 +218,7 @@ impl Order {
 
     /// `stream` from now on in slot `i` (which exists).
     fn serve(&mut self, i: usize, stream: Stream) {
-        self.slots[i] = Slot::serving(stream);
+        self.slots[i] = Slot::serving(stream, self.launches);
         // Launch numbers only grow, so what other queues saw of the slot's former stream stays below its new work.
         let n = self.slots.len();
         self.seen.resize_with(n, Vec::new);
@@ -229,6 +236,16 @@ impl Order {
     /// The launch number of `slot`'s last launch (0: none since it began to serve its stream).
     pub fn last_launch(&self, slot: usize) -> u64 {
         self.slots.get(slot).map_or(0, |s| s.last)
+    }
+
+    /// The launch number since which live `slot`'s stream has not used its queue (its last launch, or when the slot
+    /// began to serve it); `None` when the queue holds a wait with no launch after it (its submission failed), or
+    /// the slot is not live.
+    pub fn unused_since(&self, slot: usize) -> Option<u64> {
+        self.slots
+            .get(slot)
+            .filter(|s| s.live && s.settled)
+            .map(|s| s.last.max(s.since))
     }
 
     /// Live slots.
@@ -409,6 +426,8 @@ impl Order {
     /// CUDA if a direct wait fails), then for its stream if the stream has work it has not seen.
     pub fn before_apex(&mut self, slot: usize, hops: &mut dyn Hops) -> Result<(), String> {
         let stream = self.slots[slot].stream;
+        // Until the launch is sent ([`after_apex`](Order::after_apex)): a wait put on the queue below stays in it.
+        self.slots[slot].settled = false;
         for i in 0..self.slots.len() {
             let s = self.slots[i];
             if i == slot || !s.live || !s.stream.related(stream) || s.last <= self.seen[slot][i] {
@@ -439,6 +458,7 @@ impl Order {
         self.launches += 1;
         self.slots[slot].apex_dirty = true;
         self.slots[slot].last = self.launches;
+        self.slots[slot].settled = true;
     }
 }
 
@@ -723,6 +743,11 @@ mod tests {
         );
         assert_eq!(o.find(c.key), Some(a));
         assert_eq!((o.live(), o.launches(), o.last_launch(a)), (2, 3, 0));
+        assert_eq!(
+            o.unused_since(a),
+            Some(3),
+            "unused since it began to serve c, not since launch 0"
+        );
         assert!(
             o.cuda_dirty(a) && !o.apex_dirty(a),
             "the new stream's CUDA work is waited for first"
@@ -735,6 +760,12 @@ mod tests {
             "unrelated to b: no wait for b's queue"
         );
         assert_eq!(o.last_launch(a), 4);
+        assert_eq!(o.unused_since(a), Some(4));
+        // A wait put on the queue for a launch that was never sent: the queue is not settled until a launch is.
+        o.before_apex(b, &mut log).unwrap();
+        assert_eq!(o.unused_since(b), None);
+        o.after_apex(b);
+        assert_eq!(o.unused_since(b), Some(5));
     }
 
     #[test]

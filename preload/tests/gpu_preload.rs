@@ -451,6 +451,69 @@ fn more_streams_than_queues_stay_on_apex_in_order() {
     assert!(c.summary.queues_reassigned > 0, "{:?}", c.summary.reasons);
 }
 
+const TEXTURE_PROGRAM: &str = r#"
+#include <cstdio>
+#include <cstdint>
+#include <cuda_runtime.h>
+#define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("cuda error %s at %d\n", cudaGetErrorString(e), __LINE__); return 1; } } while (0)
+__global__ void sample(cudaTextureObject_t t, float *out, int w, int h) {
+  int x = blockIdx.x * blockDim.x + threadIdx.x, y = blockIdx.y;
+  if (x < w && y < h) out[y * w + x] = tex2D<float>(t, x + 0.5f, y + 0.5f) * 2.0f + tex2D<float>(t, x * 0.7f, y * 0.3f);
+}
+__global__ void surf(cudaSurfaceObject_t s, int w, int h) {
+  int x = blockIdx.x * blockDim.x + threadIdx.x, y = blockIdx.y;
+  if (x < w && y < h) { float v; surf2Dread(&v, s, x * 4, y); surf2Dwrite(v * 3.0f + 1.0f, s, x * 4, y); }
+}
+static uint64_t fnv(const void *p, size_t n) { const unsigned char *b = (const unsigned char *)p; uint64_t h = 1469598103934665603ull; for (size_t i = 0; i < n; i++) { h ^= b[i]; h *= 1099511628211ull; } return h; }
+int main() {
+  const int w = 256, h = 64;
+  static float host[w * h]; for (int i = 0; i < w * h; i++) host[i] = (i % 97) * 0.25f;
+  cudaChannelFormatDesc d = cudaCreateChannelDesc<float>();
+  cudaArray_t arr; CHECK(cudaMallocArray(&arr, &d, w, h, cudaArraySurfaceLoadStore));
+  CHECK(cudaMemcpy2DToArray(arr, 0, 0, host, w * 4, w * 4, h, cudaMemcpyHostToDevice));
+  cudaResourceDesc rd = {}; rd.resType = cudaResourceTypeArray; rd.res.array.array = arr;
+  cudaTextureDesc td = {}; td.addressMode[0] = td.addressMode[1] = cudaAddressModeClamp; td.filterMode = cudaFilterModeLinear; td.readMode = cudaReadModeElementType;
+  cudaTextureObject_t t; CHECK(cudaCreateTextureObject(&t, &rd, &td, nullptr));
+  cudaSurfaceObject_t s; CHECK(cudaCreateSurfaceObject(&s, &rd));
+  float *out; CHECK(cudaMalloc(&out, w * h * 4));
+  for (int i = 0; i < 50; i++) { surf<<<dim3(w / 128, h), 128>>>(s, w, h); sample<<<dim3(w / 128, h), 128>>>(t, out, w, h); }
+  CHECK(cudaDeviceSynchronize());
+  static float res[w * h]; CHECK(cudaMemcpy(res, out, sizeof res, cudaMemcpyDeviceToHost));
+  printf("result out %016llx\n", (unsigned long long)fnv(res, sizeof res));
+  printf("result error %s\n", cudaGetErrorString(cudaGetLastError()));
+  return 0;
+}
+"#;
+
+/// Kernels on texture and surface objects (their descriptors live in the texture header pool CUDA binds in its own
+/// channels, which APEX's do not) are refused before they reach the GPU, with the instruction named, and run on
+/// libcuda in stream order: the bits are libcuda's. (Before they were refused, such a program faulted with an
+/// illegal address under the preload.)
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn texture_and_surface_kernels_are_refused_and_run_on_libcuda() {
+    let lib = preload_lib();
+    let (dir, exe) = build_cuda("textures", TEXTURE_PROGRAM);
+    let plain = run(Command::new(&exe), None, &dir, "plain");
+    let pre = run(inline(Command::new(&exe)), Some(&lib), &dir, "preload");
+    let (a, b) = both_succeeded(&plain, &pre);
+    assert_eq!(results(&a), results(&b), "without:\n{a}\nwith:\n{b}");
+    assert!(results(&a).iter().any(|l| l.contains("no error")), "{a}");
+    let summary = pre.summary.expect("summary");
+    report("textures", &summary);
+    let refused = summary
+        .reasons
+        .get("kernel_refused")
+        .expect("refused kernels");
+    assert_eq!(refused.launches, summary.launches, "{:?}", summary.reasons);
+    assert!(
+        refused.example.contains("texture instructions")
+            || refused.example.contains("surface instructions"),
+        "{}",
+        refused.example
+    );
+}
+
 const PDL_PROGRAM: &str = r#"
 #include <cstdio>
 #include <cstdint>

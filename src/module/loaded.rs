@@ -41,6 +41,8 @@ pub struct Module {
     runtime: Option<RuntimeLink>,
     /// Externals APEX does not provide: references link to 0 (only refused kernels make them).
     unsupported: Vec<String>,
+    /// Per kernel, read from its code at its first lookup: the texture or surface instruction that refuses it.
+    textures: Vec<std::sync::OnceLock<Option<super::cubin::CubinError>>>,
     /// Per image section: in GPU memory (set only once the whole upload it was part of is written).
     done: Vec<AtomicBool>,
     /// Serializes uploads.
@@ -234,6 +236,7 @@ impl Module {
             image.write(at, &code)?;
         }
         let sections = cubin.image_section_count();
+        let kernels = cubin.kernels().len();
         let code_left = (0..sections).filter(|&i| cubin.section_is_code(i)).count();
         let module = Module {
             cubin,
@@ -244,6 +247,7 @@ impl Module {
             placed,
             runtime,
             unsupported,
+            textures: (0..kernels).map(|_| std::sync::OnceLock::new()).collect(),
             done: (0..sections).map(|_| AtomicBool::new(false)).collect(),
             uploading: Mutex::new(Uploading { code_left }),
         };
@@ -384,6 +388,13 @@ impl Module {
         let index = self.kernel_index(name)?;
         let found = &self.cubin.kernels()[index].name;
         if let Some((_, e)) = self.refused.iter().find(|(k, _)| k == found) {
+            return Err(Error::KernelRefused {
+                kernel: found.clone(),
+                reason: e.clone(),
+            });
+        }
+        // Read once per kernel, from the code alone: a kernel's lookup is cheap after its first.
+        if let Some(e) = self.textures[index].get_or_init(|| self.cubin.texture_use(index)) {
             return Err(Error::KernelRefused {
                 kernel: found.clone(),
                 reason: e.clone(),
@@ -626,6 +637,71 @@ mod tests {
         );
         m.kernel("c").unwrap();
         assert_eq!(read(3), bytes(0xc3));
+    }
+
+    /// A kernel whose code, or code it calls, holds a texture or surface instruction is refused at every lookup
+    /// with the instruction named, and nothing of it goes up; the module's other kernels load.
+    #[test]
+    fn kernels_using_textures_or_surfaces_are_refused_at_lookup() {
+        let (gpu, _sim) = Simulator::open(SimConfig::default()).unwrap();
+        let plain = vec![0x11u8; 32];
+        // A NOP, then `TEX.LL` as nvcc 13.0 emits it for sm_90 (low word 0x20000403080f7f60).
+        let mut tex = 0x0000000000007918u64.to_le_bytes().to_vec();
+        tex.extend_from_slice(&[0; 8]);
+        tex.extend_from_slice(&0x20000403080f7f60u64.to_le_bytes());
+        tex.extend_from_slice(&[0; 8]);
+        // `SUST` first.
+        let mut sust = 0x10000a0b04007f9du64.to_le_bytes().to_vec();
+        sust.extend_from_slice(&[0; 24]);
+        let cubin = Cubin::synthetic(
+            &[
+                (".text.caller", true, plain.clone()),
+                (".text.sampler", true, tex),
+                (".text.writer", true, sust),
+                (".text.other", true, plain),
+            ],
+            &[(0, 8, Ok((1, 0)))], // caller calls sampler
+            vec![
+                (kernel_named("caller"), 0),
+                (kernel_named("writer"), 2),
+                (kernel_named("other"), 3),
+            ],
+        );
+        let m = Arc::new(
+            Module::from_cubin(&gpu, cubin, &PrintfFifoCell::new(), &|_| None, false).unwrap(),
+        );
+        for _ in 0..2 {
+            match m.kernel("caller").unwrap_err() {
+                Error::KernelRefused {
+                    kernel,
+                    reason:
+                        crate::module::cubin::CubinError::TextureInstructions {
+                            kind,
+                            section,
+                            offset,
+                            ..
+                        },
+                } => {
+                    assert_eq!(kernel, "caller");
+                    assert_eq!(
+                        (kind, section.as_str(), offset),
+                        ("texture", ".text.sampler", 16)
+                    );
+                }
+                e => panic!("{e}"),
+            }
+            assert!(
+                !m.kernel_is_loaded("caller").unwrap(),
+                "nothing of it goes up"
+            );
+        }
+        let e = m.kernel("writer").unwrap_err();
+        assert!(
+            e.to_string().contains("surface instructions")
+                && e.to_string().contains("APEX_BACKEND=driver"),
+            "{e}"
+        );
+        m.kernel("other").unwrap();
     }
 
     /// The compiler's constants are never given a home (each instance holds the same bytes, and a linked module has

@@ -2042,3 +2042,71 @@ fn a_busy_or_recent_queue_is_never_handed_to_another_stream() {
             .is_some()
     );
 }
+
+/// Once every queue is taken and none is idle, each launch on another stream is refused for it: the search for an
+/// idle queue allocates nothing (from a review).
+#[test]
+fn a_launch_refused_for_want_of_a_queue_allocates_nothing() {
+    let mut s = Setup::new();
+    s.engine.config.max_queues = 2;
+    let (a, b, c) = (0x5000, 0x6000, 0x7000);
+    assert!(s.launch_on(a, 1));
+    assert!(s.launch_on(b, 1));
+    let mut ptrs: Vec<*mut c_void> = s
+        .params
+        .iter_mut()
+        .map(|p| (p as *mut u64).cast())
+        .collect();
+    let l = Launch {
+        stream: c,
+        params: ptrs.as_mut_ptr(),
+        ..bare_launch()
+    };
+    assert!(s.engine.launch(&l, 0).is_none(), "a and b launched lately");
+    let before = allocations();
+    for _ in 0..10 {
+        assert!(s.engine.launch(&l, 0).is_none());
+    }
+    assert_eq!(
+        allocations() - before,
+        0,
+        "allocations in 10 refused launches"
+    );
+}
+
+/// A queue just handed to a stream counts as used from then on: streams whose launches never reach it (refused
+/// after the takeover, here for a block of 2048 threads) do not pass it back and forth (from a review).
+#[test]
+fn a_queue_just_handed_over_is_not_taken_back_at_the_next_launch() {
+    let mut s = Setup::new();
+    s.engine.config.max_queues = 2;
+    let (a, b, c, d) = (0x5000, 0x6000, 0x7000, 0x8000);
+    assert!(s.launch_on(a, 1));
+    assert!(s.launch_on(b, 1));
+    for _ in 0..REASSIGN_AFTER_LAUNCHES {
+        assert!(s.launch_on(b, 1));
+    }
+    s.idle();
+    let mut ptrs: Vec<*mut c_void> = s
+        .params
+        .iter_mut()
+        .map(|p| (p as *mut u64).cast())
+        .collect();
+    let params = ptrs.as_mut_ptr();
+    let refused = |stream| Launch {
+        stream,
+        block: [2048, 1, 1],
+        params,
+        ..bare_launch()
+    };
+    for i in 0..6 {
+        let stream = if i % 2 == 0 { c } else { d };
+        assert!(s.engine.launch(&refused(stream), 0).is_none());
+    }
+    let sum = s.engine.summary();
+    assert_eq!(sum.apex, 1 + 1 + REASSIGN_AFTER_LAUNCHES);
+    assert_eq!(
+        sum.queues_reassigned, 1,
+        "one handover for 6 launches, none of which ran on APEX"
+    );
+}

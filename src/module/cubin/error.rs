@@ -43,6 +43,23 @@ pub enum CubinError {
         /// The device's SM version.
         device_sm: u32,
     },
+    /// A kernel (or code it calls) uses texture or surface objects: their descriptors live in the texture header
+    /// pool the CUDA driver binds in its own channels, which APEX's channels do not have.
+    #[error(
+        "kernel `{kernel}` uses {kind} instructions ({section} at offset {offset:#x}), whose texture and surface \
+         objects live in the CUDA driver's texture header pool, which the direct path does not bind; launch it \
+         through CUDA (the CUDA driver backend, APEX_BACKEND=driver)"
+    )]
+    TextureInstructions {
+        /// The kernel.
+        kernel: String,
+        /// `texture` or `surface`.
+        kind: &'static str,
+        /// The code section holding the first such instruction.
+        section: String,
+        /// Its byte offset in that section.
+        offset: u64,
+    },
     /// A relocation type APEX does not apply.
     #[error(
         "relocation type {kind} in section {section} is not supported by the direct path; load the module on the \

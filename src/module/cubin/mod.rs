@@ -26,6 +26,7 @@ mod error;
 mod info;
 mod nvinfo;
 mod relocate;
+mod sass;
 mod sections;
 #[cfg(test)]
 mod tests;
@@ -453,6 +454,35 @@ impl Cubin {
     /// How many sections the image has ([`Cubin::image_sections`]); the loader links them one by one.
     pub(crate) fn image_section_count(&self) -> usize {
         self.sections.len()
+    }
+
+    /// The first texture or surface instruction in kernel `kernel`'s code or in the code it calls (the sections its
+    /// relocations reach), as [`CubinError::TextureInstructions`]: such a kernel needs the texture header pool that
+    /// only CUDA's channels bind.
+    pub(crate) fn texture_use(&self, kernel: usize) -> Option<CubinError> {
+        let k = self.kernels.get(kernel)?;
+        let root = self.kernel_section(kernel)?;
+        let mut seen = vec![false; self.sections.len()];
+        let mut work = vec![root];
+        while let Some(i) = work.pop() {
+            if std::mem::replace(&mut seen[i], true) || !self.section_is_code(i) {
+                continue;
+            }
+            let s = &self.sections[i];
+            if let Some((kind, at)) = self
+                .section_bytes(s)
+                .and_then(|code| sass::texture_or_surface(code, self.sm))
+            {
+                return Some(CubinError::TextureInstructions {
+                    kernel: k.name.clone(),
+                    kind,
+                    section: s.info.name.clone(),
+                    offset: at as u64,
+                });
+            }
+            work.extend(self.section_refers_to(i).filter(|&j| !seen[j]));
+        }
+        None
     }
 
     /// Whether image section `section` holds machine code.
