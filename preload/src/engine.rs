@@ -1797,26 +1797,9 @@ impl Engine {
             }
         };
         let former = ctx.order.stream(slot)?.key;
-        let events: Vec<usize> = ctx
-            .events
-            .iter()
-            .filter(|(_, v)| v.slot == slot)
-            .map(|(&e, _)| e)
-            .collect();
-        let waiting: Vec<usize> = ctx
-            .dependency
-            .iter()
-            .filter(|(_, d)| d.slot == slot)
-            .map(|(&h, _)| h)
-            .collect();
-        // Complete: libcuda records each with nothing before it, and a stream that only waited for the queue waits
-        // for its mark (passed) in libcuda.
-        for e in events {
-            self.materialize(e, "queue handed to another stream");
-        }
-        for h in waiting {
-            self.make_real(ci, Site::Stream(h, false));
-        }
+        // Complete: libcuda records each kept event with nothing before it, and a stream that only waited for the
+        // queue waits for its mark (passed) in libcuda.
+        self.hand_slot_to_cuda(ci, slot, "queue handed to another stream");
         let ctx = &mut self.contexts[ci];
         ctx.events.retain(|_, v| v.slot != slot);
         ctx.dependency.retain(|_, d| d.slot != slot);
@@ -1824,6 +1807,32 @@ impl Engine {
         self.summary.queues_reassigned += 1;
         info!(from = ?former, slot, "an idle APEX queue is handed to another stream");
         Some(slot)
+    }
+
+    /// What the preload keeps that stands for the work of `slot`'s queue in context `ci` becomes libcuda's, while the
+    /// queue still serves its stream: each kept event is recorded in libcuda ([`materialize`](Self::materialize),
+    /// `why` its cause in the summary), and each stream that only waits for the queue waits in libcuda
+    /// ([`make_real`](Self::make_real)).
+    fn hand_slot_to_cuda(&mut self, ci: usize, slot: usize, why: &'static str) {
+        let c = &self.contexts[ci];
+        let events: Vec<usize> = c
+            .events
+            .iter()
+            .filter(|(_, v)| v.slot == slot)
+            .map(|(&e, _)| e)
+            .collect();
+        let waiting: Vec<usize> = c
+            .dependency
+            .iter()
+            .filter(|(_, d)| d.slot == slot)
+            .map(|(&h, _)| h)
+            .collect();
+        for e in events {
+            self.materialize(e, why);
+        }
+        for h in waiting {
+            self.make_real(ci, Site::Stream(h, false));
+        }
     }
 
     /// A queue of context `ci` built on this thread (the inline mode).
@@ -1941,34 +1950,10 @@ impl Engine {
         if self.takeover.forget_stream(key) {
             self.summary.setup.streams_not_earned += 1;
         }
-        // Events kept after the stream's queue are recorded in libcuda while the queue still serves it.
-        let kept: Vec<usize> = self
-            .contexts
-            .iter()
-            .flat_map(|c| {
-                let slot = c.order.find(key);
-                c.events
-                    .iter()
-                    .filter(move |(_, v)| Some(v.slot) == slot)
-                    .map(|(&e, _)| e)
-            })
-            .collect();
-        for e in kept {
-            self.materialize(e, "stream destroyed");
-        }
-        // Streams that wait for the queue's work: libcuda holds their waits while the queue still serves the stream.
+        // What the preload keeps for the stream's queue is libcuda's while the queue still serves the stream.
         for ci in 0..self.contexts.len() {
-            let c = &self.contexts[ci];
-            if let Some(slot) = c.order.find(key) {
-                let waiting: Vec<usize> = c
-                    .dependency
-                    .iter()
-                    .filter(|(_, d)| d.slot == slot)
-                    .map(|(&h, _)| h)
-                    .collect();
-                for h in waiting {
-                    self.make_real(ci, Site::Stream(h, false));
-                }
+            if let Some(slot) = self.contexts[ci].order.find(key) {
+                self.hand_slot_to_cuda(ci, slot, "stream destroyed");
             }
         }
         self.new_generation();
