@@ -639,8 +639,9 @@ mod tests {
         assert_eq!(read(3), bytes(0xc3));
     }
 
-    /// A kernel whose code, or code it calls, holds a texture or surface instruction is refused at every lookup
-    /// with the instruction named, and nothing of it goes up; the module's other kernels load.
+    /// A kernel whose code, or code it calls (directly, or through a table of function pointers), holds a texture or
+    /// surface instruction is refused at every lookup with the instruction named, and nothing of it goes up; the
+    /// module's other kernels load.
     #[test]
     fn kernels_using_textures_or_surfaces_are_refused_at_lookup() {
         let (gpu, _sim) = Simulator::open(SimConfig::default()).unwrap();
@@ -658,13 +659,20 @@ mod tests {
                 (".text.caller", true, plain.clone()),
                 (".text.sampler", true, tex),
                 (".text.writer", true, sust),
-                (".text.other", true, plain),
+                (".text.other", true, plain.clone()),
+                (".text.indirect", true, plain),
+                (".nv.global.init", false, vec![0; 16]),
             ],
-            &[(0, 8, Ok((1, 0)))], // caller calls sampler
+            &[
+                (0, 8, Ok((1, 0))), // caller calls sampler
+                (4, 8, Ok((5, 0))), // indirect reads a table of function pointers...
+                (5, 0, Ok((1, 0))), // ...that holds sampler
+            ],
             vec![
                 (kernel_named("caller"), 0),
                 (kernel_named("writer"), 2),
                 (kernel_named("other"), 3),
+                (kernel_named("indirect"), 4),
             ],
         );
         let m = Arc::new(
@@ -701,6 +709,8 @@ mod tests {
                 && e.to_string().contains("APEX_BACKEND=driver"),
             "{e}"
         );
+        let e = m.kernel("indirect").unwrap_err();
+        assert!(e.to_string().contains(".text.sampler"), "{e}");
         m.kernel("other").unwrap();
     }
 

@@ -456,21 +456,23 @@ impl Cubin {
         self.sections.len()
     }
 
-    /// The first texture or surface instruction in kernel `kernel`'s code or in the code it calls (the sections its
-    /// relocations reach), as [`CubinError::TextureInstructions`]: such a kernel needs the texture header pool that
-    /// only CUDA's channels bind.
+    /// The first texture or surface instruction in kernel `kernel`'s code or in the code it may reach (the sections
+    /// its relocations reach, through data too: a table of function pointers), as
+    /// [`CubinError::TextureInstructions`]: such a kernel needs the texture header pool that only CUDA's channels
+    /// bind.
     pub(crate) fn texture_use(&self, kernel: usize) -> Option<CubinError> {
         let k = self.kernels.get(kernel)?;
         let root = self.kernel_section(kernel)?;
         let mut seen = vec![false; self.sections.len()];
         let mut work = vec![root];
         while let Some(i) = work.pop() {
-            if std::mem::replace(&mut seen[i], true) || !self.section_is_code(i) {
+            if std::mem::replace(&mut seen[i], true) {
                 continue;
             }
             let s = &self.sections[i];
             if let Some((kind, at)) = self
                 .section_bytes(s)
+                .filter(|_| s.code)
                 .and_then(|code| sass::texture_or_surface(code, self.sm))
             {
                 return Some(CubinError::TextureInstructions {
