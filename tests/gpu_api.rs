@@ -122,6 +122,61 @@ fn chained(b: Backend) {
     );
 }
 
+/// Deferred launches (`Launch::deferred`): on the direct path the GPU hears of none before a doorbell (a second
+/// queue reads the value unchanged), then one flush sends them all in order; later, plain launches among deferred
+/// ones send those before them. Prepared and not.
+fn deferred(b: Backend) {
+    let g = gpu(b);
+    let mut q = g.queue().unwrap();
+    let mut other = g.queue().unwrap();
+    let k = g.load_module(CUBIN).unwrap().kernel("chain_step").unwrap();
+    let cfg = LaunchConfig::linear(1, 1);
+    let prepared = q.prepare(&k, &cfg).unwrap();
+    let v = g.alloc(8).unwrap();
+    q.upload(&g, &v, 0, &5u64.to_le_bytes()).unwrap();
+    q.synchronize().unwrap();
+    let read = |q: &mut apex::Queue| {
+        let mut out = [0u8; 8];
+        q.download(&g, &v, 0, &mut out).unwrap();
+        u64::from_le_bytes(out)
+    };
+    let mut expect = 5u64;
+    let step = |q: &mut apex::Queue, expect: &mut u64, i: u64, plain: bool| {
+        let (mul, add) = (i * 2 + 3, i ^ 0x5555);
+        *expect = expect.wrapping_mul(mul).wrapping_add(add);
+        let args = [v.arg(), Arg::U64(mul), Arg::U64(add)];
+        let launch = if i.is_multiple_of(2) {
+            Launch::prepared(&prepared, &args)
+        } else {
+            Launch::new(&k, &cfg, &args)
+        };
+        let launch = if plain { launch } else { launch.deferred() };
+        // SAFETY: an 8-byte buffer, all the kernel touches.
+        unsafe { q.submit(&launch) }.unwrap()
+    };
+    for i in 0..100 {
+        step(&mut q, &mut expect, i, false);
+    }
+    if b == Backend::Direct {
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(
+            read(&mut other),
+            5,
+            "a deferred launch ran before any doorbell"
+        );
+    }
+    q.flush().unwrap();
+    q.synchronize().unwrap();
+    assert_eq!(read(&mut other), expect, "{b:?}");
+    let mut last = None;
+    for i in 100..2000 {
+        last = Some(step(&mut q, &mut expect, i, i % 100 == 99));
+    }
+    // The last launch is a plain one: its doorbell sent the deferred ones before it, and it completes after them.
+    q.fence(last.unwrap()).unwrap().wait(T).unwrap();
+    assert_eq!(read(&mut other), expect, "{b:?}");
+}
+
 fn transfers(b: Backend) {
     let g = gpu(b);
     let mut q = g.queue().unwrap();
@@ -269,6 +324,7 @@ both!(
     vector_add,
     chain,
     chained,
+    deferred,
     transfers,
     bad_input,
     queues_run_kernels_at_the_same_time

@@ -1,6 +1,7 @@
 //! The public queue's one launch entry (`Queue::submit` with an `apex::Launch`) on the simulated GPU: refused
 //! combinations are typed and submit nothing, tickets of chained links complete with their chain's part, prepared
-//! links carry their own arguments, and a prepared launch's ticket allocates nothing.
+//! links carry their own arguments, a prepared launch's ticket allocates nothing, and deferred launches wait for one
+//! doorbell.
 
 use std::time::Duration;
 
@@ -175,4 +176,78 @@ fn a_prepared_launchs_ticket_allocates_nothing() {
     assert_eq!(allocs, 0, "prepared launches with tickets allocated");
     q.fence(last.unwrap()).unwrap().wait(T).unwrap();
     assert_eq!(sim.launches().len(), before + 200);
+}
+
+/// Doorbells the simulated GPU has seen, over every channel, once the model has had time to see the last one (it
+/// counts a doorbell when it next polls, which may be after the work it sent is done).
+fn doorbells(sim: &apex::sim::Simulator) -> u64 {
+    std::thread::sleep(Duration::from_millis(50));
+    sim.channel_stats().iter().map(|s| s.doorbells).sum()
+}
+
+#[test]
+fn deferred_launches_ring_no_doorbell_until_one_sends_them_all() {
+    let (gpu, sim) = gpu();
+    let m = gpu.load_module(CUBIN).unwrap();
+    let step = m.kernel("chain_step").unwrap();
+    let v = gpu.alloc(8).unwrap();
+    let one = LaunchConfig::linear(1, 1);
+    let mut q = gpu.queue().unwrap();
+    let prepared = q.prepare(&step, &one).unwrap();
+    q.synchronize().unwrap();
+    let (launched, rung) = (sim.launches().len(), doorbells(&sim));
+    // Prepared and not, plain and programmatic: none rings.
+    let mut tickets = Vec::new();
+    for i in 0..12u64 {
+        let args = [v.arg(), Arg::U64(i), Arg::U64(1)];
+        let launch = if i % 2 == 0 {
+            Launch::prepared(&prepared, &args)
+        } else {
+            Launch::new(&step, &one, &args)
+        };
+        let launch = if i % 3 == 1 {
+            launch.programmatic()
+        } else {
+            launch
+        };
+        // SAFETY: the simulated GPU runs no kernels.
+        tickets.push(unsafe { q.submit(&launch.deferred()) }.unwrap());
+    }
+    assert_eq!(doorbells(&sim), rung, "a deferred launch rang the doorbell");
+    assert!(!q.fence(tickets[11]).unwrap().is_done());
+    // One flush sends them all, in order, each with its own arguments.
+    q.flush().unwrap();
+    q.fence(tickets[11]).unwrap().wait(T).unwrap();
+    assert_eq!(doorbells(&sim), rung + 1);
+    let ls = sim.launches()[launched..].to_vec();
+    assert_eq!(ls.len(), 12);
+    for (i, l) in ls.iter().enumerate() {
+        assert_eq!(l.params[8..16], (i as u64).to_le_bytes(), "launch {i}");
+    }
+
+    // A deferred launch, then a plain one: the plain launch's doorbell sends both.
+    let rung = doorbells(&sim);
+    let args = [v.arg(), Arg::U64(1), Arg::U64(1)];
+    // SAFETY: as above.
+    let (held, plain) = unsafe {
+        (
+            q.submit(&Launch::prepared(&prepared, &args).deferred())
+                .unwrap(),
+            q.submit(&Launch::prepared(&prepared, &args)).unwrap(),
+        )
+    };
+    q.fence(plain).unwrap().wait(T).unwrap();
+    assert!(q.fence(held).unwrap().is_done());
+    assert_eq!(doorbells(&sim), rung + 1);
+
+    // Deferred launches allocate nothing either.
+    let (_, allocs) = allocations(|| {
+        for _ in 0..100 {
+            // SAFETY: as above.
+            unsafe { q.submit(&Launch::prepared(&prepared, &args).deferred()) }.unwrap();
+        }
+    });
+    assert_eq!(allocs, 0, "deferred prepared launches allocated");
+    q.synchronize().unwrap();
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
 }

@@ -1394,8 +1394,8 @@ fn launch(l: Launch, forward: impl FnOnce() -> c_int) -> c_int {
         return e;
     }
     match engine::launch(&l, t0) {
-        Ok(since) => {
-            crate::profile::tail(since);
+        Ok(taken) => {
+            crate::profile::tail(taken.finish());
             0
         }
         Err(Some(o)) => {

@@ -175,8 +175,12 @@ impl Queue {
         // SAFETY: forwarded to the caller.
         let value = unsafe {
             match launch.what {
-                What::Prepared(p) => self.submit_prepared(p, launch.args, how)?,
-                What::Kernel(k, cfg) => self.submit_kernel(how, k, cfg, launch.args)?,
+                What::Prepared(p) => {
+                    self.submit_prepared(p, launch.args, how, launch.is_deferred())?
+                }
+                What::Kernel(k, cfg) => {
+                    self.submit_kernel(how, k, cfg, launch.args, launch.is_deferred())?
+                }
             }
         };
         Ok(Ticket {
@@ -261,11 +265,14 @@ impl Queue {
         prepared: &PreparedLaunch,
         args: &[Arg<'_>],
         how: How,
+        deferred: bool,
     ) -> Result<u64> {
         match self.inner.as_mut().with(prepared.0.as_ref())? {
             // SAFETY: forwarded to the caller.
             Backed::Direct((q, p)) => Ok(unsafe {
                 match how {
+                    How::Plain if deferred => q.record_prepared_value(p, args, false)?,
+                    How::Programmatic if deferred => q.record_prepared_value(p, args, true)?,
                     How::Plain => q.launch_prepared_value(p, args)?,
                     How::Programmatic => q.launch_prepared_programmatic_value(p, args)?,
                     How::Chained => q.record_prepared_chained_value(p, args, false)?,
@@ -297,6 +304,7 @@ impl Queue {
         kernel: &Kernel,
         cfg: &LaunchConfig,
         args: &[Arg<'_>],
+        deferred: bool,
     ) -> Result<u64> {
         if !how.is_chained() {
             // Any launch but a chained link ends the driver backend's chain, whatever the kernel.
@@ -306,6 +314,8 @@ impl Queue {
             // SAFETY: forwarded to the caller.
             Backed::Direct((q, k)) => Ok(unsafe {
                 match how {
+                    How::Plain if deferred => q.record_launch_value(k, cfg, args, false)?,
+                    How::Programmatic if deferred => q.record_launch_value(k, cfg, args, true)?,
                     How::Plain => q.launch_value(k, cfg, args)?,
                     How::Cooperative => q.launch_cooperative_value(k, cfg, args)?,
                     How::Programmatic => q.launch_programmatic_value(k, cfg, args)?,
@@ -333,10 +343,11 @@ impl Queue {
         }
     }
 
-    /// Sends everything the queue holds: the links a chained queue ([`QueueOptions::chained`]) holds back while
-    /// the GPU is busy, and an open chain of [`chained`](Launch::chained) launches (ended as
-    /// [`end_chain`](Self::end_chain) ends it). Needed only before waiting on a fence of such a launch while making
-    /// no other call on the queue; every other call sends them first anyway.
+    /// Sends everything the queue holds: [`deferred`](Launch::deferred) launches (one doorbell for all of them), the
+    /// links a chained queue ([`QueueOptions::chained`]) holds back while the GPU is busy, and an open chain of
+    /// [`chained`](Launch::chained) launches (ended as [`end_chain`](Self::end_chain) ends it). Needed only before
+    /// waiting on a fence of such a launch while making no other call on the queue; every other call sends them
+    /// first anyway.
     pub fn flush(&mut self) -> Result<()> {
         match &mut self.inner {
             Backed::Direct(q) => Ok(q.flush_held()?),

@@ -393,6 +393,13 @@ fn a_launch_goes_to_the_gpu_and_a_synchronize_right_after_it_needs_no_libcuda() 
     assert_eq!(s.calls(), vec!["apex<-cuda Legacy"]);
     assert!(s.launch());
     assert!(s.calls().is_empty(), "back-to-back launches make no hop");
+    // Its doorbell was rung before the engine returned (after the bookkeeping): the GPU runs it with no other call.
+    assert!(
+        s.sim
+            .wait_for(Duration::from_secs(10), |m| m.launches().len()
+                == before + 2),
+        "the second launch was left unsent"
+    );
     assert_eq!(
         s.engine.stream_sync(LEGACY, SyncKind::Wait),
         Answer::Done(0)

@@ -209,6 +209,28 @@ impl ComputeQueue {
         Ok(self.queue.fence_for(value))
     }
 
+    /// As [`launch_value`](Self::launch_value) (or, `programmatic`,
+    /// [`launch_programmatic_value`](Self::launch_programmatic_value)) without ringing the doorbell: the GPU learns
+    /// of the launch at the queue's next doorbell ([`flush`](Self::flush), or any later call that rings).
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch) (and, `programmatic`, [`launch_programmatic`](Self::launch_programmatic)).
+    #[inline]
+    pub unsafe fn record_launch_value(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg<'_>],
+        programmatic: bool,
+    ) -> Result<u64> {
+        let order = if programmatic {
+            Order::Programmatic
+        } else {
+            Order::Stream
+        };
+        self.record(kernel, cfg, args, order)
+    }
+
     /// Whether this queue has launched programmatically ([`launch_programmatic`](Self::launch_programmatic)) and
     /// built the gates its programmatic launches use.
     pub fn is_programmatic(&self) -> bool {

@@ -176,6 +176,28 @@ impl ComputeQueue {
         Ok(value)
     }
 
+    /// As [`launch_prepared_value`](Self::launch_prepared_value) (or, `programmatic`,
+    /// [`launch_prepared_programmatic_value`](Self::launch_prepared_programmatic_value)) without ringing the doorbell:
+    /// the GPU learns of the launch at the queue's next doorbell ([`flush`](Self::flush), or any later call that
+    /// rings). Allocates nothing.
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch) (and, `programmatic`, [`launch_programmatic`](Self::launch_programmatic)).
+    #[inline]
+    pub unsafe fn record_prepared_value(
+        &mut self,
+        prepared: &PreparedLaunch,
+        args: &[Arg<'_>],
+        programmatic: bool,
+    ) -> Result<u64> {
+        let order = if programmatic {
+            Order::Programmatic
+        } else {
+            Order::Stream
+        };
+        self.record_prepared_as(prepared, args, order)
+    }
+
     /// Records a [`PreparedLaunch`] of this queue as the next link of a chain, programmatic or not, and returns the
     /// timeline value the link completes with (as [`record_chained_value`](Self::record_chained_value) does: a
     /// link is built as any chained link, from the prepared launch's kernel and shape).
