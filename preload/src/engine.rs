@@ -1272,7 +1272,8 @@ impl Engine {
                 slot
             }
         };
-        // The doorbell once the launch's ticket is back (below); a chained queue's doorbell would send its held links.
+        // The doorbell once the launch's ticket is back (below); not on a chained queue, where flushing would send the
+        // links it holds.
         let defer = !self.config.chained;
         let Engine {
             contexts,
@@ -2117,7 +2118,8 @@ impl Engine {
 
 // ---- the entry points the hooks call ----
 
-/// Launches through APEX if it can (`Ok`: the profile's stamp where the hook's last phase starts). `Err` when the
+/// Launches through APEX if it can (`Ok`: the launch is sent and the engine still locked until [`Taken::finish`],
+/// which returns the profile's stamp where the hook's last phase starts). `Err` when the
 /// caller must forward the launch to libcuda: ordered already, under the same lock, as [`before`] orders CUDA work
 /// (the caller gives the answer to [`after`]); `Err(None)` while nothing is attached, when there is nothing of
 /// APEX's to order it with (the caller then calls [`after_unordered`], which costs one load unless an attach began
@@ -2127,8 +2129,9 @@ pub(crate) fn launch(l: &Launch, t0: u64) -> Result<Taken, Option<Ordered>> {
         return Err(Some(Ordered::UNKNOWN));
     }
     let mut guard = ENGINE.lock();
-    let busy = crate::watchdog::busy();
     let engine = guard.get_or_insert_with(|| Engine::new(Config::from_env(), Box::new(Libcuda)));
+    // After the engine is made: making it starts the watchdog.
+    let busy = crate::watchdog::busy();
     let r = apex_interpose::quietly(|| match engine.launch(l, t0) {
         Some(stamp) => Ok(stamp),
         // A launch left to libcuda before anything is attached (a background attach asked for sets the flag too): no
@@ -2151,7 +2154,8 @@ pub(crate) fn launch(l: &Launch, t0: u64) -> Result<Taken, Option<Ordered>> {
     }
 }
 
-/// A launch APEX took over, its doorbell rung and the engine still locked: [`Taken::finish`] releases the lock.
+/// A launch APEX took over, sent (or held as a link, on a chained queue) and the engine still locked:
+/// [`Taken::finish`] releases the lock.
 ///
 /// Until the doorbell's stores have left the core, a load that reads back a store made after them in a size the CPU
 /// cannot forward from its store buffer waits for them (about 0.3 µs on an H200 host). [`with_engine`] moves its

@@ -150,6 +150,10 @@ impl<'a> Launch<'a> {
     /// Records it without telling the GPU: on the direct path the launch is written to the queue but its doorbell is
     /// not rung, so the GPU starts it only at the queue's next doorbell: [`Queue::flush`](crate::Queue::flush), or any
     /// later submission that is not deferred (a launch, a copy, a wait, [`Queue::synchronize`](crate::Queue::synchronize)).
+    /// The queue still rings on its own where it must wait for room (a free launch slot, pushbuffer space, ring
+    /// entries) or grows its local memory, and a chained queue ([`QueueOptions::chained`](crate::QueueOptions::chained))
+    /// that finds the GPU idle sends the links it holds, so none of the queue's own waits waits on a launch it has
+    /// not sent; "one doorbell for all of them" holds only while none of that happens.
     /// Several deferred launches then go under one doorbell, and the caller chooses where the doorbell falls among
     /// its own stores. The doorbell's store fences and uncached store leave the CPU only after the call that makes
     /// them; until they have, a locked instruction waits for them, and so does a load the CPU cannot forward from a

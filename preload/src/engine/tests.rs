@@ -393,7 +393,8 @@ fn a_launch_goes_to_the_gpu_and_a_synchronize_right_after_it_needs_no_libcuda() 
     assert_eq!(s.calls(), vec!["apex<-cuda Legacy"]);
     assert!(s.launch());
     assert!(s.calls().is_empty(), "back-to-back launches make no hop");
-    // Its doorbell was rung before the engine returned (after the bookkeeping): the GPU runs it with no other call.
+    // Its doorbell was rung before the engine returned (the launch recorded deferred, then flushed once the launch
+    // call had returned): the GPU runs it with no other call.
     assert!(
         s.sim
             .wait_for(Duration::from_secs(10), |m| m.launches().len()

@@ -223,7 +223,9 @@ impl ComputeQueue {
     /// the doorbell for everything recorded. Nothing to send is not an error.
     pub fn flush_held(&mut self) -> Result<()> {
         self.end_open_chain()?;
-        self.queue.kick();
+        // With the write prefetch, as a launch call rings: a caller that records deferred launches and flushes each
+        // gets the same head start on its next launch.
+        self.send_launch_now();
         Ok(())
     }
 
