@@ -223,12 +223,7 @@ impl ComputeQueue {
         args: &[Arg<'_>],
         programmatic: bool,
     ) -> Result<u64> {
-        let order = if programmatic {
-            Order::Programmatic
-        } else {
-            Order::Stream
-        };
-        self.record(kernel, cfg, args, order)
+        self.record(kernel, cfg, args, Order::stream_or(programmatic))
     }
 
     /// Whether this queue has launched programmatically ([`launch_programmatic`](Self::launch_programmatic)) and

@@ -96,6 +96,17 @@ pub(super) enum Order {
     Programmatic,
 }
 
+impl Order {
+    /// Stream order, or programmatic when `programmatic`: the two orders a launch call offers.
+    pub(super) fn stream_or(programmatic: bool) -> Order {
+        if programmatic {
+            Order::Programmatic
+        } else {
+            Order::Stream
+        }
+    }
+}
+
 /// How a programmatic launch goes through the gates: the gate of its own slot, armed before it is sent, and the
 /// gate of the slot before when that slot's programmatic launch schedules it (counted down instead of waiting).
 #[derive(Clone, Copy, Debug)]

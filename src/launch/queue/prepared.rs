@@ -190,12 +190,7 @@ impl ComputeQueue {
         args: &[Arg<'_>],
         programmatic: bool,
     ) -> Result<u64> {
-        let order = if programmatic {
-            Order::Programmatic
-        } else {
-            Order::Stream
-        };
-        self.record_prepared_as(prepared, args, order)
+        self.record_prepared_as(prepared, args, Order::stream_or(programmatic))
     }
 
     /// Records a [`PreparedLaunch`] of this queue as the next link of a chain, programmatic or not, and returns the
