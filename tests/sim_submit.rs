@@ -19,6 +19,38 @@ fn gpu() -> (Gpu, apex::sim::Simulator) {
     Gpu::open_simulated(SimConfig::default()).expect("simulated GPU")
 }
 
+/// What the chain_step tests share: a simulated GPU, the kernel, its 8-byte value, one queue and a prepared
+/// one-thread launch of the kernel on it.
+struct Step {
+    sim: apex::sim::Simulator,
+    step: apex::Kernel,
+    v: apex::Buffer,
+    one: LaunchConfig,
+    q: apex::Queue,
+    prepared: apex::PreparedLaunch,
+}
+
+fn chain_step() -> Step {
+    let (gpu, sim) = gpu();
+    let step = gpu
+        .load_module(CUBIN)
+        .unwrap()
+        .kernel("chain_step")
+        .unwrap();
+    let v = gpu.alloc(8).unwrap();
+    let one = LaunchConfig::linear(1, 1);
+    let mut q = gpu.queue().unwrap();
+    let prepared = q.prepare(&step, &one).unwrap();
+    Step {
+        sim,
+        step,
+        v,
+        one,
+        q,
+        prepared,
+    }
+}
+
 /// The timeline value a ticket stands for (its fence's, on the direct path).
 fn value(q: &apex::Queue, t: apex::Ticket) -> u64 {
     q.fence(t).unwrap().direct().unwrap().value()
@@ -69,13 +101,15 @@ fn combinations_that_mean_nothing_are_refused_before_anything_is_submitted() {
 
 #[test]
 fn a_chained_links_ticket_completes_with_its_chains_part() {
-    let (gpu, sim) = gpu();
-    let m = gpu.load_module(CUBIN).unwrap();
-    let step = m.kernel("chain_step").unwrap();
-    let v = gpu.alloc(8).unwrap();
-    let one = LaunchConfig::linear(1, 1);
-    let mut q = gpu.queue().unwrap();
-    let prepared = q.prepare(&step, &one).unwrap();
+    let Step {
+        sim,
+        step,
+        v,
+        one,
+        mut q,
+        prepared,
+        ..
+    } = chain_step();
     let before = sim.launches().len();
     // Long enough for several parts (the first part holds 8 links, each after it more), plain and programmatic
     // links, prepared and not.
@@ -141,12 +175,13 @@ fn a_chained_links_ticket_completes_with_its_chains_part() {
 
 #[test]
 fn a_prepared_launchs_ticket_allocates_nothing() {
-    let (gpu, sim) = gpu();
-    let m = gpu.load_module(CUBIN).unwrap();
-    let step = m.kernel("chain_step").unwrap();
-    let v = gpu.alloc(8).unwrap();
-    let mut q = gpu.queue().unwrap();
-    let prepared = q.prepare(&step, &LaunchConfig::linear(1, 1)).unwrap();
+    let Step {
+        sim,
+        v,
+        mut q,
+        prepared,
+        ..
+    } = chain_step();
     let args = [v.arg(), Arg::U64(3), Arg::U64(4)];
     // Warm up: every slot holds the prepared launch, and the programmatic gates exist.
     for _ in 0..300 {
@@ -187,13 +222,15 @@ fn doorbells(sim: &apex::sim::Simulator) -> u64 {
 
 #[test]
 fn deferred_launches_ring_no_doorbell_until_one_sends_them_all() {
-    let (gpu, sim) = gpu();
-    let m = gpu.load_module(CUBIN).unwrap();
-    let step = m.kernel("chain_step").unwrap();
-    let v = gpu.alloc(8).unwrap();
-    let one = LaunchConfig::linear(1, 1);
-    let mut q = gpu.queue().unwrap();
-    let prepared = q.prepare(&step, &one).unwrap();
+    let Step {
+        sim,
+        step,
+        v,
+        one,
+        mut q,
+        prepared,
+        ..
+    } = chain_step();
     q.synchronize().unwrap();
     let (launched, rung) = (sim.launches().len(), doorbells(&sim));
     // Prepared and not, plain and programmatic: none rings.
