@@ -530,12 +530,19 @@ fn a_chained_stream_holds_launches_while_busy_and_sends_them_when_the_gpu_catche
         0,
         "a launch on an idle queue is sent at once"
     );
-    // The GPU has not run it: the launches after it are held as links.
+    // The GPU has not run it: the launches after it are held as links, and ring no doorbell (the GPU reads nothing
+    // of them before their part is sent).
+    let doorbells = q.queue().channel().kicks();
     let mut held = Vec::new();
     for tag in 1..=5 {
         held.push(launch(&mut q, tag));
         assert_eq!(q.chain_len(), tag as usize);
     }
+    assert_eq!(
+        q.queue().channel().kicks(),
+        doorbells,
+        "a held launch rang the doorbell"
+    );
     sim.resume();
     first.wait(T).unwrap();
     assert_eq!(
@@ -546,6 +553,11 @@ fn a_chained_stream_holds_launches_while_busy_and_sends_them_when_the_gpu_catche
     // The GPU is done with what was sent: the next launch sends the held links with itself.
     let last = launch(&mut q, 6);
     assert_eq!(q.chain_len(), 0);
+    assert_eq!(
+        q.queue().channel().kicks(),
+        doorbells + 1,
+        "the links are sent under one doorbell"
+    );
     last.wait(T).unwrap();
     for f in &held {
         assert!(f.is_done(), "a held launch's fence is the chain's");

@@ -368,6 +368,18 @@ impl Queue {
         Ok(self.channel.push(va, dwords, self.timeout)?)
     }
 
+    /// As [`kick`](Self::kick), but on a queue that is not armed rings nothing when nothing was pushed to the ring
+    /// since the last doorbell: a launch call that only held its launch back (a chain link not sent yet) has nothing
+    /// new for the GPU, and a doorbell's two store fences would cost it more than the launch (each waits for every
+    /// write-combined store before it to leave the CPU).
+    #[inline]
+    pub fn kick_recorded(&mut self) {
+        if self.armed.is_none() && !self.channel.has_unpublished() {
+            return;
+        }
+        self.kick();
+    }
+
     /// Sends everything recorded: rings the doorbell, or on an armed queue opens the gate (and rings the
     /// doorbell only for entries pushed to the ring, or to arm more slots).
     #[inline]

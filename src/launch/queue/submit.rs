@@ -15,10 +15,11 @@ use super::{ComputeQueue, QMD_BYTES, SLOT_BYTES};
 
 impl ComputeQueue {
     /// Sends the launch just recorded (the doorbell, or the gate of a polled queue), then prefetches for writing
-    /// what the next launch writes.
+    /// what the next launch writes. A launch held back as a chain link rings nothing: the GPU reads nothing of it
+    /// until its part is sent, which rings for itself.
     #[inline]
     pub(super) fn send_launch_now(&mut self) {
-        self.queue.kick();
+        self.queue.kick_recorded();
         self.prefetch_next();
     }
 
@@ -249,9 +250,10 @@ impl ComputeQueue {
             })?)
     }
 
-    /// Rings the doorbell for everything recorded.
+    /// Rings the doorbell for everything recorded (nothing when nothing was recorded since the last doorbell; links a
+    /// chained queue holds are sent by [`flush_held`](Self::flush_held)).
     pub fn flush(&mut self) {
-        self.queue.kick();
+        self.queue.kick_recorded();
     }
 
     /// Waits until every launch so far (an open chain included) has completed, then prints what their kernels
