@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use apex::{Arg, Backend, BackendRequest, Gpu, Launch, LaunchConfig};
+use apex::{Arg, Backend, BackendRequest, DevicePtr, Gpu, Launch, LaunchConfig};
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
 const PTX: &[u8] = include_bytes!("../kernels/apex_test_kernels.ptx");
@@ -314,6 +314,118 @@ fn queues_run_kernels_at_the_same_time(b: Backend) {
     );
 }
 
+/// Fills and copies as launches (`Launch::fill`, `Launch::copy`): every size class of the built-in kernels' grids,
+/// odd widths, offsets and sizes, plain and deferred, among kernel launches on the same queue, checked byte by byte;
+/// the modifiers that mean nothing for them refused.
+fn fills_and_copies_as_launches(b: Backend) {
+    let g = gpu(b);
+    let mut q = g.queue().unwrap();
+    let k = g.load_module(CUBIN).unwrap().kernel("chain_step").unwrap();
+    let size = (40u64 << 20) + 64;
+    let a = g.alloc(size).unwrap();
+    let c = g.alloc(size).unwrap();
+    let v = g.alloc(8).unwrap();
+    let mut expect = vec![0u8; size as usize];
+    q.upload(&g, &a, 0, &expect).unwrap();
+    q.upload(&g, &v, 0, &1u64.to_le_bytes()).unwrap();
+    let mut step = 1u64;
+    // (offset, elements, width, value): 1 byte to 40 MiB, so every grid size class from 1 block to the cap.
+    let fills = [
+        (0u64, 1u64, 1u32, 0x5au32),
+        (3, 5, 1, 0x1234),
+        (2, 4093, 2, 0xbeef),
+        (8, 1 << 12, 4, 0xdead_beef),
+        (4, (1 << 20) + 3, 4, 0x0102_0304),
+        (1, (40 << 20) - 1, 1, 0x77),
+        (16, 100_000, 2, 0xa5c3),
+    ];
+    for (i, &(off, count, width, value)) in fills.iter().enumerate() {
+        let bytes = (count * u64::from(width)) as usize;
+        let pattern: Vec<u8> = match width {
+            1 => vec![value as u8],
+            2 => (value as u16).to_le_bytes().to_vec(),
+            _ => value.to_le_bytes().to_vec(),
+        };
+        for (j, byte) in expect[off as usize..off as usize + bytes]
+            .iter_mut()
+            .enumerate()
+        {
+            *byte = pattern[j % pattern.len()];
+        }
+        let fill = Launch::fill(DevicePtr(a.device_ptr() + off), value, width, count);
+        let fill = if i % 2 == 1 { fill.deferred() } else { fill };
+        // SAFETY: inside `a`, aligned to the width.
+        unsafe { q.submit(&fill) }.unwrap();
+        // A kernel in between, ordered after the fill.
+        let (mul, add) = (i as u64 + 3, i as u64);
+        step = step.wrapping_mul(mul).wrapping_add(add);
+        // SAFETY: an 8-byte buffer, all the kernel touches.
+        unsafe {
+            q.submit(&Launch::new(
+                &k,
+                &LaunchConfig::linear(1, 1),
+                &[v.arg(), Arg::U64(mul), Arg::U64(add)],
+            ))
+        }
+        .unwrap();
+    }
+    // Copies of odd sizes and offsets, each after the fills, one deferred.
+    for (i, &(from, to, bytes)) in [
+        (0u64, 5u64, 1u64),
+        (7, 1, 4099),
+        (64, 4096, 1 << 20),
+        (3, 9, (40 << 20) - 9),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let copy = Launch::copy(
+            DevicePtr(a.device_ptr() + from),
+            DevicePtr(c.device_ptr() + to),
+            bytes,
+        );
+        let copy = if i == 2 { copy.deferred() } else { copy };
+        // SAFETY: inside `a` and `c`, which nothing else writes.
+        unsafe { q.submit(&copy) }.unwrap();
+        let mut back = vec![0u8; bytes as usize];
+        q.flush().unwrap();
+        q.synchronize().unwrap();
+        q.download(&g, &c, to, &mut back).unwrap();
+        assert!(
+            back == expect[from as usize..(from + bytes) as usize],
+            "{b:?}: copy of {bytes} bytes from {from} to {to}"
+        );
+    }
+    let mut got = vec![0u8; size as usize];
+    q.download(&g, &a, 0, &mut got).unwrap();
+    let first_bad = got.iter().zip(&expect).position(|(x, y)| x != y);
+    assert_eq!(first_bad, None, "{b:?}: filled bytes differ");
+    let mut out = [0u8; 8];
+    q.download(&g, &v, 0, &mut out).unwrap();
+    assert_eq!(
+        u64::from_le_bytes(out),
+        step,
+        "{b:?}: the kernels between the fills"
+    );
+    // Only plain stream order.
+    let fill = Launch::fill(DevicePtr(a.device_ptr()), 0, 4, 1);
+    for refused in [fill.programmatic(), fill.chained(), fill.cooperative()] {
+        // SAFETY: refused before anything is submitted.
+        let e = unsafe { q.submit(&refused) }.unwrap_err();
+        assert!(matches!(e, apex::Error::InvalidArgument(_)), "{e}");
+    }
+    // A bad width or alignment is an error, not a launch.
+    // SAFETY: refused before anything is submitted.
+    assert!(unsafe { q.submit(&Launch::fill(DevicePtr(a.device_ptr()), 0, 3, 1)) }.is_err());
+    if b == Backend::Direct {
+        // SAFETY: as above.
+        assert!(
+            unsafe { q.submit(&Launch::fill(DevicePtr(a.device_ptr() + 1), 0, 4, 1)) }.is_err()
+        );
+    }
+    q.synchronize().unwrap();
+}
+
 macro_rules! both {
     ($($name:ident),*) => {
         mod direct { $( #[test] #[ignore = "needs an NVIDIA GPU"] fn $name() { super::$name(apex::Backend::Direct) } )* }
@@ -325,6 +437,7 @@ both!(
     chain,
     chained,
     deferred,
+    fills_and_copies_as_launches,
     transfers,
     bad_input,
     queues_run_kernels_at_the_same_time

@@ -638,3 +638,86 @@ fn a_chained_stream_sends_long_bursts_part_by_part_in_order() {
     assert_eq!(tags_after(&sim, before), (1..=200).collect::<Vec<u64>>());
     assert!(sim.errors().is_empty(), "{:?}", sim.errors());
 }
+
+#[test]
+fn fills_and_device_copies_launch_the_built_in_kernels_by_size_class_in_order() {
+    let (gpu, sim, mut q, module) = setup();
+    let k = module.kernel("chain_step").unwrap();
+    let v = page(&gpu);
+    let cap = gpu.info().sm_count * 8;
+    let before = sim.launches().len();
+    // (bytes, blocks): 16 bytes per thread of 256 per pass, rounded up to a power of two, at most 8 blocks per SM.
+    let fills: [(u64, u32); 5] = [(16384, 4), (16384, 4), (20000, 8), (1, 1), (1 << 32, cap)];
+    let mut values = Vec::new();
+    for (i, &(bytes, _)) in fills.iter().enumerate() {
+        // SAFETY (every launch below): the model does not execute kernels.
+        let fence = unsafe { q.fill(v.va(), 0xa0 + i as u32, 1, bytes) }.unwrap();
+        values.push(fence.value());
+        // Another kernel in between: the slots the built-in launches reuse held something else.
+        unsafe {
+            q.launch(
+                &k,
+                &LaunchConfig::linear(1, 1),
+                &[Arg::Ptr(v.va()), Arg::U64(i as u64), Arg::U64(0)],
+            )
+        }
+        .unwrap();
+    }
+    // Recorded without a doorbell, then sent with the copy after it.
+    let doorbells = q.queue().channel().kicks();
+    let recorded = unsafe { q.record_fill_value(v.va() + 8, 7, 4, 2) }.unwrap();
+    assert_eq!(
+        q.queue().channel().kicks(),
+        doorbells,
+        "a recorded fill rang"
+    );
+    let copied = unsafe { q.copy_device(v.va(), v.va() + 2048, 1000) }.unwrap();
+    assert!(copied.value() > recorded);
+    copied.wait(T).unwrap();
+    let seen = &sim.launches()[before..];
+    assert_eq!(seen.len(), fills.len() * 2 + 2);
+    let fill_program = seen[0].program_va;
+    for (i, &(bytes, blocks)) in fills.iter().enumerate() {
+        let l = &seen[i * 2];
+        assert_eq!(l.program_va, fill_program);
+        assert_eq!(
+            (l.grid, l.block),
+            ([blocks, 1, 1], [256, 1, 1]),
+            "fill of {bytes} bytes"
+        );
+        let dst = u64::from_le_bytes(l.params[0..8].try_into().unwrap());
+        let value = u32::from_le_bytes(l.params[8..12].try_into().unwrap());
+        let width = u32::from_le_bytes(l.params[12..16].try_into().unwrap());
+        let count = u64::from_le_bytes(l.params[16..24].try_into().unwrap());
+        assert_eq!(
+            (dst, value, width, count),
+            (v.va(), 0xa0 + i as u32, 1, bytes)
+        );
+        assert_eq!(l.releases.len(), 1, "a fill completes with its own value");
+        assert_eq!(l.releases[0].1, values[i]);
+        assert_ne!(seen[i * 2 + 1].program_va, fill_program);
+    }
+    let last_fill = &seen[fills.len() * 2];
+    assert_eq!(
+        (last_fill.program_va, last_fill.grid),
+        (fill_program, [1, 1, 1])
+    );
+    assert_eq!(
+        &last_fill.params[8..24],
+        &[7, 0, 0, 0, 4, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0]
+    );
+    let copy = &seen[fills.len() * 2 + 1];
+    assert_ne!(copy.program_va, fill_program);
+    assert_eq!(copy.grid, [1, 1, 1]);
+    let words: Vec<u64> = (0..3)
+        .map(|i| u64::from_le_bytes(copy.params[i * 8..i * 8 + 8].try_into().unwrap()))
+        .collect();
+    assert_eq!(words, [v.va(), v.va() + 2048, 1000]);
+    // Bad fills are refused before anything is recorded.
+    assert!(unsafe { q.fill(v.va() + 1, 0, 4, 1) }.is_err());
+    assert!(unsafe { q.fill(v.va(), 0, 3, 1) }.is_err());
+    assert!(unsafe { q.fill(v.va(), 0, 4, 0) }.is_err());
+    assert!(unsafe { q.copy_device(v.va(), v.va(), 0) }.is_err());
+    assert_eq!(sim.launches().len() - before, seen.len());
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+}

@@ -78,6 +78,16 @@ int main(int argc, char **argv) {
   printf("metric launch_item_ns %.0f\n", median(n, idle, [&](int) {
     axpy<<<16, 256, 0, st>>>(y, x, 0.5f, 4096);
     CHECK(cudaMemcpyAsync(hv, y, 4, cudaMemcpyDeviceToHost, st)); CHECK(cudaStreamSynchronize(st)); }));
+  // Copies and memsets on the stream, one at a time (as `clone()`, `copy_()` and `zero_()` of a small tensor make
+  // them), and a memset followed by the program's own work (as `driver_launch_then_work_ns`).
+  printf("metric memset_isolated_ns %.0f\n", median(n, idle, [&](int) {
+    CHECK(cudaMemsetAsync(y, 0, 4096 * 4, st)); }));
+  printf("metric memset_then_work_ns %.0f\n", median(n, idle, [&](int) {
+    CHECK(cudaMemsetAsync(y, 0, 4096 * 4, st)); work(); }) - work_alone);
+  printf("metric memcpy_d2d_isolated_ns %.0f\n", median(n, idle, [&](int) {
+    CHECK(cudaMemcpyAsync(y, x, 4096 * 4, cudaMemcpyDeviceToDevice, st)); }));
+  printf("metric memcpy_h2d_pinned_isolated_ns %.0f\n", median(n, idle, [&](int) {
+    CHECK(cudaMemcpyAsync(x, hv, 16, cudaMemcpyHostToDevice, st)); }));
   // torch.tensor([token], device="cuda") then a kernel and a wait: a small upload from pageable memory.
   float up[2] = {1.0f, 2.0f};
   printf("metric upload_launch_sync_ns %.0f\n", median(n, idle, [&](int i) {

@@ -396,8 +396,9 @@ enum FuncState {
     Pending(Owner),
 }
 
-/// A queue's last launch: a ticket (launches, no reference count) or a fence (copies).
-enum Last {
+/// A queue's last work: a ticket (launches, memsets and copies between GPU addresses: no reference count) or a fence
+/// (staged copies, joins).
+pub(super) enum Last {
     Ticket(Ticket),
     Fence(Fence),
 }
@@ -778,7 +779,7 @@ impl Ctx {
         &mut self,
         cuda: &dyn CudaSide,
         slot: usize,
-        work: impl FnOnce(&mut Queue, &mut Option<Staging>) -> Result<Fence, String>,
+        work: impl FnOnce(&mut Queue, &mut Option<Staging>) -> Result<Last, String>,
     ) -> Result<(), String> {
         self.epoch += 1;
         let (mut hops, order) = self.hops(cuda);
@@ -786,9 +787,9 @@ impl Ctx {
         let queue = self.queues[slot]
             .as_mut()
             .ok_or_else(|| format!("no queue in slot {slot}"))?;
-        let fence = work(queue, &mut self.staging)?;
+        let last = work(queue, &mut self.staging)?;
         self.order.after_apex(slot);
-        self.last[slot] = Some(Last::Fence(fence));
+        self.last[slot] = Some(last);
         Ok(())
     }
 

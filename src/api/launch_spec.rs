@@ -4,7 +4,7 @@
 use super::backend::Backed;
 use super::{Error, Kernel, Result};
 use crate::driver::{self, LaunchMode as How};
-use crate::launch::{self, Arg, LaunchConfig};
+use crate::launch::{self, Arg, DevicePtr, LaunchConfig};
 
 /// One launch for [`Queue::submit`](crate::Queue::submit): what runs (a kernel over a launch shape, or a
 /// [`PreparedLaunch`]), with which arguments, and how it is ordered against the work before it on the queue.
@@ -51,6 +51,19 @@ pub struct Launch<'a> {
 pub(super) enum What<'a> {
     Kernel(&'a Kernel, &'a LaunchConfig),
     Prepared(&'a PreparedLaunch),
+    /// [`Launch::fill`].
+    Fill {
+        dst: u64,
+        value: u32,
+        width: u32,
+        count: u64,
+    },
+    /// [`Launch::copy`].
+    Copy {
+        src: u64,
+        dst: u64,
+        bytes: u64,
+    },
 }
 
 impl<'a> Launch<'a> {
@@ -77,6 +90,53 @@ impl<'a> Launch<'a> {
         Launch {
             what: What::Prepared(prepared),
             args,
+            programmatic: false,
+            cooperative: false,
+            chained: false,
+            deferred: false,
+        }
+    }
+
+    /// Sets `count` elements of `width` bytes (1, 2 or 4) at GPU address `dst` to the low bytes of `value`, in the
+    /// queue's order, as `cuMemsetD8Async`/`D16`/`D32` do ([`Queue::fill_addresses`](crate::Queue::fill_addresses)
+    /// as a launch): on the direct path a prepared launch of APEX's built-in fill kernel, so it costs what a prepared
+    /// launch costs and returns a [`Ticket`](crate::Ticket) (no reference count), and it may be
+    /// [`deferred`](Self::deferred); on the driver backend `cuMemsetD*Async`. Submitting it is `unsafe` for what it
+    /// writes: `dst` must be memory the queue's GPU reaches for `count * width` bytes, aligned to `width`, and stay so
+    /// until it completes. Only in plain stream order ([`Queue::submit`](crate::Queue::submit) refuses the
+    /// modifiers but [`deferred`](Self::deferred)).
+    #[inline]
+    pub const fn fill(dst: DevicePtr, value: u32, width: u32, count: u64) -> Launch<'static> {
+        Launch {
+            what: What::Fill {
+                dst: dst.get(),
+                value,
+                width,
+                count,
+            },
+            args: &[],
+            programmatic: false,
+            cooperative: false,
+            chained: false,
+            deferred: false,
+        }
+    }
+
+    /// Copies `bytes` bytes from GPU address `src` to `dst` (device memory, or host memory mapped for the GPU), in
+    /// the queue's order ([`Queue::copy_addresses`](crate::Queue::copy_addresses) as a launch): on the direct path a
+    /// prepared launch of APEX's built-in copy kernel on the SMs, at a prepared launch's cost, returning a
+    /// [`Ticket`](crate::Ticket), and it may be [`deferred`](Self::deferred); on the driver backend
+    /// `cuMemcpyDtoDAsync`. Both ranges must stay valid until it completes, and nothing else may write `dst`
+    /// meanwhile. Only in plain stream order, as [`fill`](Self::fill).
+    #[inline]
+    pub const fn copy(src: DevicePtr, dst: DevicePtr, bytes: u64) -> Launch<'static> {
+        Launch {
+            what: What::Copy {
+                src: src.get(),
+                dst: dst.get(),
+                bytes,
+            },
+            args: &[],
             programmatic: false,
             cooperative: false,
             chained: false,
@@ -199,6 +259,14 @@ impl<'a> Launch<'a> {
     /// How it is ordered, or why it cannot be: the combinations [`Queue::submit`](crate::Queue::submit) refuses.
     #[inline]
     pub(super) fn mode(&self) -> Result<How> {
+        let modified = self.cooperative || self.chained || self.programmatic;
+        if modified && matches!(self.what, What::Fill { .. } | What::Copy { .. }) {
+            return Err(Error::InvalidArgument(
+                "a fill or copy runs in plain stream order: submit it without .programmatic(), .cooperative() and \
+                 .chained() (.deferred() is allowed)"
+                    .into(),
+            ));
+        }
         Ok(match (self.cooperative, self.chained, self.programmatic) {
             (false, false, false) => How::Plain,
             (false, false, true) => How::Programmatic,

@@ -181,6 +181,15 @@ impl Queue {
                 What::Kernel(k, cfg) => {
                     self.submit_kernel(how, k, cfg, launch.args, launch.is_deferred())?
                 }
+                What::Fill {
+                    dst,
+                    value,
+                    width,
+                    count,
+                } => self.submit_fill(dst, value, width, count, launch.is_deferred())?,
+                What::Copy { src, dst, bytes } => {
+                    self.submit_copy(src, dst, bytes, launch.is_deferred())?
+                }
             }
         };
         Ok(Ticket {
@@ -326,6 +335,64 @@ impl Queue {
             Backed::Driver((q, k)) => {
                 // SAFETY: forwarded to the caller.
                 unsafe { q.launch(how, k, cfg, args)? };
+                Ok(0)
+            }
+        }
+    }
+
+    /// A [`Launch::fill`]: its value on the queue's timeline (0 on the driver backend).
+    ///
+    /// # Safety
+    /// As for [`fill_addresses`](Self::fill_addresses).
+    unsafe fn submit_fill(
+        &mut self,
+        dst: u64,
+        value: u32,
+        width: u32,
+        count: u64,
+        deferred: bool,
+    ) -> Result<u64> {
+        self.other_work();
+        match &mut self.inner {
+            Backed::Direct(q) => {
+                // SAFETY: forwarded to the caller.
+                let v = unsafe { q.record_fill_value(dst, value, width, count)? };
+                if !deferred {
+                    q.flush();
+                }
+                Ok(v)
+            }
+            Backed::Driver(q) => {
+                // SAFETY: forwarded to the caller.
+                unsafe { q.fill(dst, value, width, count)? };
+                Ok(0)
+            }
+        }
+    }
+
+    /// A [`Launch::copy`]: its value on the queue's timeline (0 on the driver backend).
+    ///
+    /// # Safety
+    /// As for [`copy_addresses`](Self::copy_addresses).
+    unsafe fn submit_copy(
+        &mut self,
+        src: u64,
+        dst: u64,
+        bytes: u64,
+        deferred: bool,
+    ) -> Result<u64> {
+        self.other_work();
+        match &mut self.inner {
+            Backed::Direct(q) => {
+                // SAFETY: forwarded to the caller.
+                let v = unsafe { q.record_copy_device_value(src, dst, bytes)? };
+                if !deferred {
+                    q.flush();
+                }
+                Ok(v)
+            }
+            Backed::Driver(_) => {
+                self.copy_raw(src, dst, bytes)?;
                 Ok(0)
             }
         }
@@ -539,8 +606,10 @@ impl Queue {
         match &mut self.inner {
             Backed::Direct(q) if bytes > 0 => {
                 // SAFETY: forwarded to the caller.
-                let f = unsafe { q.copy_device(src, dst, bytes)? };
-                let f = Fence::from_direct(f, q);
+                let value = unsafe { q.record_copy_device_value(src, dst, bytes)? };
+                // The fence's reference counts before the doorbell, which they would otherwise wait for.
+                let f = Fence::from_direct(q.fence_for(value), q);
+                q.flush();
                 self.prune();
                 Ok(f)
             }
@@ -566,8 +635,11 @@ impl Queue {
         match &mut self.inner {
             Backed::Direct(q) => {
                 // SAFETY: forwarded to the caller.
-                let f = unsafe { q.fill(dst, value, width, count)? };
-                Ok(Fence::from_direct(f, q))
+                let v = unsafe { q.record_fill_value(dst, value, width, count)? };
+                // As in `copy_addresses`: the fence before the doorbell.
+                let f = Fence::from_direct(q.fence_for(v), q);
+                q.flush();
+                Ok(f)
             }
             // SAFETY: forwarded to the caller.
             Backed::Driver(q) => Ok(Fence::from_driver(unsafe {

@@ -1,6 +1,7 @@
 //! Copies and memsets the program asks for on a taken-over stream, run on its APEX queue in stream order.
 
 use super::*;
+use apex::DevicePtr;
 
 /// Which way a program's copy goes, as its entry point says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -132,23 +133,24 @@ impl Staging {
 }
 
 /// Submits copy `op` on `queue` as `plan` says (through the staging ring for pageable memory),
-/// waiting where CUDA's copy would return only once done; returns its fence.
+/// waiting where CUDA's copy would return only once done; returns what later work waits for.
 pub(super) fn run_copy(
     queue: &mut Queue,
     staging: &mut Option<Staging>,
     plan: CopyPlan,
     op: &CopyOp,
-) -> Result<Fence, String> {
+) -> Result<Last, String> {
     let n = op.bytes as u64;
     if let CopyPlan::Direct { src, dst } = plan {
+        let copy = apex::Launch::copy(DevicePtr(src), DevicePtr(dst), n);
         // SAFETY: libcuda says both are memory of this context the GPU reaches, for `n` bytes; the program keeps
         // them until the copy is done, as it must for CUDA's.
-        let f = unsafe { queue.copy_addresses(src, dst, n) }.map_err(|e| e.to_string())?;
+        let ticket = unsafe { submit_then_ring(queue, &copy)? };
         // A synchronous entry point returns once the copy is done (from pinned memory too).
         if op.blocking {
-            wait_fence(&f)?;
+            wait_fence(&queue.fence(ticket).map_err(|e| e.to_string())?)?;
         }
-        return Ok(f);
+        return Ok(Last::Ticket(ticket));
     }
     let staging = staging.as_mut().ok_or("no staging memory")?;
     let at = staging.take(n)?;
@@ -163,7 +165,7 @@ pub(super) fn run_copy(
             // SAFETY: the program passed `dst` as host memory of `n` writable bytes.
             let out = unsafe { std::slice::from_raw_parts_mut(op.dst as *mut u8, op.bytes) };
             staging.buffer.read(at, out).map_err(|e| e.to_string())?;
-            Ok(f)
+            Ok(Last::Fence(f))
         }
         CopyPlan::StageIn { dst } => {
             // SAFETY: the program passed `src` as host memory of `n` readable bytes.
@@ -174,10 +176,27 @@ pub(super) fn run_copy(
                 unsafe { queue.copy_addresses(base + at, dst, n) }.map_err(|e| e.to_string())?;
             // From pageable memory CUDA returns once the data is staged, also for the synchronous entry point.
             staging.inflight.push(f.clone());
-            Ok(f)
+            Ok(Last::Fence(f))
         }
         CopyPlan::Direct { .. } => Err("a direct copy is not staged".into()),
     }
+}
+
+/// Submits a fill or copy between GPU addresses deferred and rings the doorbell once its ticket is back: the
+/// doorbell's store fences and uncached store then wait for nothing the call made after them (as for a launch, see
+/// `Ctx::launch`), and the ticket holds no reference count to take now or drop later.
+///
+/// # Safety
+/// The addresses `work` names must be memory of this queue's context the GPU reaches, for its size, until it is
+/// done (what libcuda's own memset or copy asks of the program).
+unsafe fn submit_then_ring(
+    queue: &mut Queue,
+    work: &apex::Launch<'_>,
+) -> Result<apex::Ticket, String> {
+    // SAFETY: forwarded to the caller.
+    let ticket = unsafe { queue.submit(&work.deferred()) }.map_err(|e| e.to_string())?;
+    queue.flush().map_err(|e| e.to_string())?;
+    Ok(ticket)
 }
 
 impl Engine {
@@ -264,10 +283,10 @@ impl Engine {
             Pointer::Device { bytes: room } if room >= bytes => {}
             _ => return None,
         }
+        let fill = apex::Launch::fill(DevicePtr(op.dst), op.value, op.width, op.count as u64);
         match ctx.run_on_queue(cuda, slot, |queue, _| {
             // SAFETY: libcuda says `dst` is device memory of this context for `bytes` bytes, aligned to the width.
-            unsafe { queue.fill_addresses(op.dst, op.value, op.width, op.count as u64) }
-                .map_err(|e| e.to_string())
+            unsafe { submit_then_ring(queue, &fill) }.map(Last::Ticket)
         }) {
             Ok(()) => {
                 self.summary.sets_on_apex += 1;

@@ -807,9 +807,9 @@ impl Engine {
         // Complete already, or of the same queue: nothing to wait for.
         if v.slot != slot && !v.fence.is_done() {
             let fence = v.fence.clone();
-            if let Err(e) =
-                ctx.run_on_queue(cuda, slot, |q, _| q.join(&fence).map_err(|e| e.to_string()))
-            {
+            if let Err(e) = ctx.run_on_queue(cuda, slot, |q, _| {
+                q.join(&fence).map(Last::Fence).map_err(|e| e.to_string())
+            }) {
                 debug!(error = %e, "a queue could not wait for another's fence; libcuda waits");
                 return None;
             }

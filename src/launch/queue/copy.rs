@@ -8,11 +8,64 @@ use crate::launch::{Error, Result};
 use crate::module::Kernel;
 use crate::pushbuf::{Acquire, Fence, Signal};
 
-use super::ComputeQueue;
 use super::config::LaunchConfig;
+use super::{ComputeQueue, PreparedLaunch};
 
 /// Kernels APEX launches itself (kernels/apex_builtin.cu).
 const BUILTIN_CUBIN: &[u8] = include_bytes!("../../../kernels/apex_builtin.sm_90.cubin");
+
+/// Threads per block of the built-in kernels.
+const BUILTIN_THREADS: u32 = 256;
+
+/// Size classes of the built-in kernels' grids: 1, 2, 4, ... 1024 blocks, and the cap of 8 blocks per SM.
+const GRID_CLASSES: usize = 12;
+
+/// A built-in kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Builtin {
+    Copy = 0,
+    Fill = 1,
+}
+
+/// The built-in kernels, and per kernel and grid size class the prepared launch that runs it: a copy or memset
+/// costs what a prepared launch costs (no kernel looked up by name, no QMD built, no reference count taken or
+/// dropped after the doorbell).
+pub(super) struct BuiltinLaunches {
+    copy: Kernel,
+    fill: Kernel,
+    prepared: [[Option<PreparedLaunch>; GRID_CLASSES]; 2],
+}
+
+impl BuiltinLaunches {
+    fn kernel(&self, which: Builtin) -> &Kernel {
+        match which {
+            Builtin::Copy => &self.copy,
+            Builtin::Fill => &self.fill,
+        }
+    }
+}
+
+/// Blocks of a built-in kernel's launch over `bytes` bytes: 16 bytes per thread per pass, rounded up to a power of
+/// two, at most 8 per SM. The kernels stride over the grid, so any grid covers any size; whole powers of two keep
+/// the shapes, and so the prepared launches, few.
+pub(super) fn builtin_blocks(bytes: u64, sm_count: u32) -> u32 {
+    let cap = u64::from(sm_count.max(1)) * 8;
+    bytes
+        .div_ceil(16 * u64::from(BUILTIN_THREADS))
+        .max(1)
+        .next_power_of_two()
+        .min(cap) as u32
+}
+
+/// The size class of a grid of `blocks` blocks ([`builtin_blocks`]): log2 of a power of two, the last class for
+/// the cap.
+fn grid_class(blocks: u32) -> usize {
+    if blocks.is_power_of_two() {
+        (blocks.trailing_zeros() as usize).min(GRID_CLASSES - 1)
+    } else {
+        GRID_CLASSES - 1
+    }
+}
 
 impl ComputeQueue {
     /// Copies `bytes` from `src` to `dst` on the copy engines of `engines` (split across them), after every
@@ -61,15 +114,42 @@ impl ComputeQueue {
     /// Both ranges must be device memory mapped in this GPU's address space for `bytes` bytes; the kernel writes
     /// `dst` as any kernel would.
     pub unsafe fn copy_device(&mut self, src: u64, dst: u64, bytes: u64) -> Result<Fence> {
+        // SAFETY: forwarded to the caller.
+        let value = unsafe { self.record_copy_device_value(src, dst, bytes)? };
+        // The fence (a reference count, a locked instruction) before the doorbell: after it, it would wait for the
+        // doorbell's uncached store to leave the CPU.
+        let fence = self.queue.fence_for(value);
+        self.send_launch_now();
+        Ok(fence)
+    }
+
+    /// As [`copy_device`](Self::copy_device) without ringing the doorbell ([`flush`](Self::flush) sends it), returning
+    /// the copy's value on the queue's timeline ([`fence_for`](Self::fence_for) makes its fence). The copy is a
+    /// prepared launch of the built-in copy kernel: it allocates nothing once the queue has copied a range of this
+    /// size class before.
+    ///
+    /// # Safety
+    /// As for [`copy_device`](Self::copy_device).
+    pub unsafe fn record_copy_device_value(
+        &mut self,
+        src: u64,
+        dst: u64,
+        bytes: u64,
+    ) -> Result<u64> {
         if bytes == 0 {
             return Err(Error::InvalidLaunch {
                 kernel: "apex_copy".into(),
                 why: "a copy of 0 bytes".into(),
             });
         }
-        let (k, cfg) = self.copy_launch(bytes)?;
         // SAFETY: forwarded to the caller.
-        unsafe { self.launch(&k, &cfg, &[Arg::Ptr(src), Arg::Ptr(dst), Arg::U64(bytes)]) }
+        unsafe {
+            self.record_builtin(
+                Builtin::Copy,
+                bytes,
+                &[Arg::Ptr(src), Arg::Ptr(dst), Arg::U64(bytes)],
+            )
+        }
     }
 
     /// Sets `count` elements of `width` bytes (1, 2 or 4) at `dst` to the low bytes of `value`
@@ -79,6 +159,27 @@ impl ComputeQueue {
     /// `dst` must be memory mapped in this GPU's address space for `count * width` bytes, aligned to `width`; the
     /// kernel writes it as any kernel would.
     pub unsafe fn fill(&mut self, dst: u64, value: u32, width: u32, count: u64) -> Result<Fence> {
+        // SAFETY: forwarded to the caller.
+        let v = unsafe { self.record_fill_value(dst, value, width, count)? };
+        // As in `copy_device`: the fence before the doorbell.
+        let fence = self.queue.fence_for(v);
+        self.send_launch_now();
+        Ok(fence)
+    }
+
+    /// As [`fill`](Self::fill) without ringing the doorbell ([`flush`](Self::flush) sends it), returning the fill's
+    /// value on the queue's timeline. The fill is a prepared launch of the built-in fill kernel: it allocates nothing
+    /// once the queue has filled a range of this size class before.
+    ///
+    /// # Safety
+    /// As for [`fill`](Self::fill).
+    pub unsafe fn record_fill_value(
+        &mut self,
+        dst: u64,
+        value: u32,
+        width: u32,
+        count: u64,
+    ) -> Result<u64> {
         let bad = |why: String| Error::InvalidLaunch {
             kernel: "apex_fill".into(),
             why,
@@ -95,12 +196,11 @@ impl ComputeQueue {
             .checked_mul(u64::from(width))
             .filter(|&b| b > 0)
             .ok_or_else(|| bad(format!("{count} elements of {width} bytes")))?;
-        let (k, cfg) = self.builtin_launch("apex_fill", bytes)?;
         // SAFETY: forwarded to the caller.
         unsafe {
-            self.launch(
-                &k,
-                &cfg,
+            self.record_builtin(
+                Builtin::Fill,
+                bytes,
                 &[
                     Arg::Ptr(dst),
                     Arg::U32(value),
@@ -111,28 +211,58 @@ impl ComputeQueue {
         }
     }
 
-    /// The built-in copy kernel (loaded on first use) and the launch shape that copies `bytes` bytes with it:
-    /// 16 bytes per thread per pass, at most 8 blocks per SM (grid-stride beyond).
-    pub(super) fn copy_launch(&mut self, bytes: u64) -> Result<(Kernel, LaunchConfig)> {
-        self.builtin_launch("apex_copy", bytes)
+    /// Records a launch of built-in kernel `which` over `bytes` bytes, in stream order, as the prepared launch of its
+    /// size class (built at the class's first use, and again when the queue's local memory has grown since).
+    ///
+    /// # Safety
+    /// `args` must be what the kernel may run with: the ranges they name mapped on this GPU, as the public callers
+    /// require.
+    unsafe fn record_builtin(
+        &mut self,
+        which: Builtin,
+        bytes: u64,
+        args: &[Arg<'_>],
+    ) -> Result<u64> {
+        let blocks = builtin_blocks(bytes, self.gpu.info().sm_count);
+        let class = grid_class(blocks);
+        let held = self.builtin_launches()?.prepared[which as usize][class].take();
+        let prepared = match held {
+            Some(p) if p.built_for_local() == self.local_per_thread => p,
+            _ => {
+                let kernel = self.builtin_launches()?.kernel(which).clone();
+                self.prepare_launch(&kernel, &LaunchConfig::linear(blocks, BUILTIN_THREADS))?
+            }
+        };
+        // SAFETY: forwarded to the caller.
+        let value = unsafe { self.record_prepared_value(&prepared, args, false) };
+        // Put back whether or not the launch was recorded (a move: no reference count changes hands).
+        if let Some(b) = self.builtin.as_mut() {
+            b.prepared[which as usize][class] = Some(prepared);
+        }
+        value
     }
 
-    /// Built-in kernel `name` (its module loaded on first use) and the launch shape that covers `bytes` bytes with
-    /// it: 16 bytes per thread per pass, at most 8 blocks per SM (grid-stride beyond).
-    fn builtin_launch(&mut self, name: &str, bytes: u64) -> Result<(Kernel, LaunchConfig)> {
+    /// The built-in kernels and their prepared launches, the module loaded on first use.
+    fn builtin_launches(&mut self) -> Result<&mut BuiltinLaunches> {
         if self.builtin.is_none() {
-            self.builtin = Some(crate::module::Module::load(&self.gpu, BUILTIN_CUBIN)?);
+            let module = crate::module::Module::load(&self.gpu, BUILTIN_CUBIN)?;
+            self.builtin = Some(Box::new(BuiltinLaunches {
+                copy: module.kernel("apex_copy")?,
+                fill: module.kernel("apex_fill")?,
+                prepared: Default::default(),
+            }));
         }
-        let module = self
-            .builtin
-            .as_ref()
-            .ok_or(Error::Unsupported("the built-in kernels".into()))?;
-        let k = module.kernel(name)?;
-        let threads = 256u64;
-        let blocks = bytes
-            .div_ceil(16 * threads)
-            .clamp(1, u64::from(self.gpu.info().sm_count) * 8) as u32;
-        Ok((k, LaunchConfig::linear(blocks, threads as u32)))
+        self.builtin
+            .as_deref_mut()
+            .ok_or(Error::Unsupported("the built-in kernels".into()))
+    }
+
+    /// The built-in copy kernel (loaded on first use) and the launch shape that copies `bytes` bytes with it
+    /// ([`builtin_blocks`]).
+    pub(super) fn copy_launch(&mut self, bytes: u64) -> Result<(Kernel, LaunchConfig)> {
+        let blocks = builtin_blocks(bytes, self.gpu.info().sm_count);
+        let k = self.builtin_launches()?.copy.clone();
+        Ok((k, LaunchConfig::linear(blocks, BUILTIN_THREADS)))
     }
 
     /// Copies `bytes` from `src` to `dst` (GPU addresses: device or host memory mapped for the GPU) with the copy

@@ -94,8 +94,8 @@ pub struct ComputeQueue {
     /// How a launch waits for the previous one: the acquire comparison and whether the scheduler may switch
     /// channel groups while it waits.
     ordering: StreamOrder,
-    /// The built-in kernels' module (copy, fill), loaded on first use.
-    builtin: Option<Arc<crate::module::Module>>,
+    /// The built-in kernels (copy, fill) and their prepared launches, loaded on first use.
+    builtin: Option<Box<copy::BuiltinLaunches>>,
     /// The QMD of the last launch shape, patched per launch instead of rebuilt.
     template: Option<(TemplateKey, [u32; QMD_WORDS])>,
     /// What each slot's QMD and driver words hold now (the slots are write-only device memory).

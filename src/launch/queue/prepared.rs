@@ -44,6 +44,11 @@ impl PreparedLaunch {
     pub fn config(&self) -> &LaunchConfig {
         &self.cfg
     }
+
+    /// Local memory per thread its QMD was built for (a queue whose local memory grew since builds it afresh).
+    pub(super) fn built_for_local(&self) -> u32 {
+        self.local
+    }
 }
 
 impl std::fmt::Debug for PreparedLaunch {
