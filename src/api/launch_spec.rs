@@ -6,10 +6,11 @@ use super::{Error, Kernel, Result};
 use crate::driver::{self, LaunchMode as How};
 use crate::launch::{self, Arg, DevicePtr, LaunchConfig};
 
-/// One launch for [`Queue::submit`](crate::Queue::submit): what runs (a kernel over a launch shape, or a
-/// [`PreparedLaunch`]), with which arguments, and how it is ordered against the work before it on the queue.
+/// One launch for [`Queue::submit`](crate::Queue::submit): what runs (a kernel over a launch shape, a
+/// [`PreparedLaunch`], or one of APEX's own memsets and copies), with which arguments, and how it is ordered against
+/// the work before it on the queue.
 ///
-/// Built by [`Launch::new`] or [`Launch::prepared`]; without a modifier it is a plain launch in stream order (it starts
+/// Built by [`Launch::new`], [`Launch::prepared`], [`Launch::fill`] or [`Launch::copy`]; without a modifier it is a plain launch in stream order (it starts
 /// once the work before it on the queue has completed), as [`Queue::launch`](crate::Queue::launch) makes. The modifiers
 /// choose another order: [`programmatic`](Self::programmatic), [`cooperative`](Self::cooperative) and
 /// [`chained`](Self::chained) (`.chained().programmatic()`: a programmatic link of a chain). Building one is free (it
