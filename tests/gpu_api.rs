@@ -314,7 +314,8 @@ fn queues_run_kernels_at_the_same_time(b: Backend) {
     );
 }
 
-/// Fills and copies as launches (`Launch::fill`, `Launch::copy`): every size class of the built-in kernels' grids,
+/// Fills and copies as launches (`Launch::fill`, `Launch::copy`): grid size classes of the built-in kernels from one
+/// block to the cap,
 /// odd widths, offsets and sizes, plain and deferred, among kernel launches on the same queue, checked byte by byte;
 /// the modifiers that mean nothing for them refused.
 fn fills_and_copies_as_launches(b: Backend) {
@@ -329,7 +330,7 @@ fn fills_and_copies_as_launches(b: Backend) {
     q.upload(&g, &a, 0, &expect).unwrap();
     q.upload(&g, &v, 0, &1u64.to_le_bytes()).unwrap();
     let mut step = 1u64;
-    // (offset, elements, width, value): 1 byte to 40 MiB, so every grid size class from 1 block to the cap.
+    // (offset, elements, width, value): 1 byte to 40 MiB, grids from 1 block to the cap.
     let fills = [
         (0u64, 1u64, 1u32, 0x5au32),
         (3, 5, 1, 0x1234),
@@ -414,7 +415,11 @@ fn fills_and_copies_as_launches(b: Backend) {
         let e = unsafe { q.submit(&refused) }.unwrap_err();
         assert!(matches!(e, apex::Error::InvalidArgument(_)), "{e}");
     }
-    // A bad width or alignment is an error, not a launch.
+    // A bad width, alignment or size is an error, not a launch, on both backends.
+    // SAFETY: refused before anything is submitted.
+    assert!(unsafe { q.submit(&Launch::fill(DevicePtr(a.device_ptr()), 0, 4, 0)) }.is_err());
+    // SAFETY: as above.
+    assert!(unsafe { q.submit(&Launch::copy(a.ptr(), c.ptr(), 0)) }.is_err());
     // SAFETY: refused before anything is submitted.
     assert!(unsafe { q.submit(&Launch::fill(DevicePtr(a.device_ptr()), 0, 3, 1)) }.is_err());
     if b == Backend::Direct {

@@ -714,10 +714,56 @@ fn fills_and_device_copies_launch_the_built_in_kernels_by_size_class_in_order() 
         .collect();
     assert_eq!(words, [v.va(), v.va() + 2048, 1000]);
     // Bad fills are refused before anything is recorded.
+    let submitted = q.queue().last_submitted();
     assert!(unsafe { q.fill(v.va() + 1, 0, 4, 1) }.is_err());
     assert!(unsafe { q.fill(v.va(), 0, 3, 1) }.is_err());
     assert!(unsafe { q.fill(v.va(), 0, 4, 0) }.is_err());
     assert!(unsafe { q.copy_device(v.va(), v.va(), 0) }.is_err());
-    assert_eq!(sim.launches().len() - before, seen.len());
+    assert_eq!(
+        q.queue().last_submitted(),
+        submitted,
+        "a refused fill or copy was recorded"
+    );
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+}
+
+#[test]
+fn fills_and_copies_on_a_busy_chained_queue_are_sent_not_held() {
+    let (gpu, sim, mut q, module) =
+        setup_with(ComputeQueueConfig::default().with_chained_stream(true));
+    let k = module.kernel("chain_step").unwrap();
+    let v = page(&gpu);
+    let cfg = LaunchConfig::linear(1, 1);
+    let before = sim.launches().len();
+    sim.pause();
+    // SAFETY (every launch below): the model does not execute kernels.
+    unsafe { q.launch(&k, &cfg, &[Arg::Ptr(v.va()), Arg::U64(1), Arg::U64(0)]) }.unwrap();
+    unsafe { q.launch(&k, &cfg, &[Arg::Ptr(v.va()), Arg::U64(2), Arg::U64(0)]) }.unwrap();
+    assert_eq!(
+        q.chain_len(),
+        1,
+        "the second launch is held while the first runs"
+    );
+    // The queue is still busy: a fill and a copy are sent all the same (their callers ring a plain doorbell and may
+    // wait for them at once), after the link held before them.
+    let filled = unsafe { q.fill(v.va() + 64, 0, 4, 4) }.unwrap();
+    assert_eq!(
+        q.chain_len(),
+        0,
+        "the held link was not sent before the fill"
+    );
+    let copied = unsafe { q.copy_device(v.va(), v.va() + 128, 16) }.unwrap();
+    assert_eq!(q.chain_len(), 0, "a copy on a busy chained queue was held");
+    sim.resume();
+    // No other call: the fence completes because the copy was sent.
+    copied.wait(Duration::from_secs(5)).unwrap();
+    assert!(filled.is_done());
+    let seen = sim.launches()[before..].to_vec();
+    assert_eq!(seen.len(), 4);
+    assert_eq!(chain_step_args(&seen[0].params).1, 1);
+    assert_eq!(chain_step_args(&seen[1].params).1, 2);
+    assert_eq!(seen[0].program_va, seen[1].program_va);
+    assert_ne!(seen[2].program_va, seen[0].program_va);
+    assert_ne!(seen[3].program_va, seen[2].program_va);
     assert!(sim.errors().is_empty(), "{:?}", sim.errors());
 }

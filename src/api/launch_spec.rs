@@ -104,8 +104,8 @@ impl<'a> Launch<'a> {
     /// launch costs and returns a [`Ticket`](crate::Ticket) (no reference count), and it may be
     /// [`deferred`](Self::deferred); on the driver backend `cuMemsetD*Async`. Submitting it is `unsafe` for what it
     /// writes: `dst` must be memory the queue's GPU reaches for `count * width` bytes, aligned to `width`, and stay so
-    /// until it completes. Only in plain stream order ([`Queue::submit`](crate::Queue::submit) refuses the
-    /// modifiers but [`deferred`](Self::deferred)).
+    /// until it completes. A fill of 0 elements is refused. Only in plain stream order
+    /// ([`Queue::submit`](crate::Queue::submit) refuses the modifiers but [`deferred`](Self::deferred)).
     #[inline]
     pub const fn fill(dst: DevicePtr, value: u32, width: u32, count: u64) -> Launch<'static> {
         Launch {
@@ -127,8 +127,9 @@ impl<'a> Launch<'a> {
     /// the queue's order ([`Queue::copy_addresses`](crate::Queue::copy_addresses) as a launch): on the direct path a
     /// prepared launch of APEX's built-in copy kernel on the SMs, at a prepared launch's cost, returning a
     /// [`Ticket`](crate::Ticket), and it may be [`deferred`](Self::deferred); on the driver backend
-    /// `cuMemcpyDtoDAsync`. Both ranges must stay valid until it completes, and nothing else may write `dst`
-    /// meanwhile. Only in plain stream order, as [`fill`](Self::fill).
+    /// `cuMemcpyAsync`. Submitting it is `unsafe` for what it reads and writes: both ranges must be memory the queue's
+    /// GPU reaches for `bytes` bytes, must not overlap, and must stay valid until it completes, and nothing else may
+    /// write `dst` meanwhile. A copy of 0 bytes is refused. Only in plain stream order, as [`fill`](Self::fill).
     #[inline]
     pub const fn copy(src: DevicePtr, dst: DevicePtr, bytes: u64) -> Launch<'static> {
         Launch {

@@ -169,6 +169,10 @@ impl Queue {
     ///
     /// A [`cooperative`](Launch::cooperative) or [`chained`](Launch::chained) (not programmatic) launch asks
     /// nothing more than a plain one.
+    ///
+    /// For a [`Launch::fill`]: its range must be memory the queue's GPU reaches, aligned to the element width, valid
+    /// until the fill completes. For a [`Launch::copy`]: both ranges must be memory the queue's GPU reaches, must not
+    /// overlap, and must stay valid until the copy completes; nothing else may write the destination meanwhile.
     #[inline]
     pub unsafe fn submit(&mut self, launch: &Launch<'_>) -> Result<Ticket> {
         let how = launch.mode()?;
@@ -352,6 +356,10 @@ impl Queue {
         count: u64,
         deferred: bool,
     ) -> Result<u64> {
+        if count == 0 {
+            // Refused on both backends alike (cuMemsetD*Async would accept it).
+            return Err(Error::InvalidArgument("a fill of 0 elements".into()));
+        }
         self.other_work();
         match &mut self.inner {
             Backed::Direct(q) => {
@@ -381,6 +389,9 @@ impl Queue {
         bytes: u64,
         deferred: bool,
     ) -> Result<u64> {
+        if bytes == 0 {
+            return Err(Error::InvalidArgument("a copy of 0 bytes".into()));
+        }
         self.other_work();
         match &mut self.inner {
             Backed::Direct(q) => {
@@ -632,6 +643,7 @@ impl Queue {
         width: u32,
         count: u64,
     ) -> Result<Fence> {
+        self.other_work();
         match &mut self.inner {
             Backed::Direct(q) => {
                 // SAFETY: forwarded to the caller.

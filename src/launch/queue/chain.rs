@@ -182,8 +182,8 @@ impl ComputeQueue {
     /// On a chained stream ([`ComputeQueueConfig::chained_stream`](super::ComputeQueueConfig::chained_stream)),
     /// holds a stream-ordered or programmatic launch as the next link of the open chain when the queue's last
     /// submission is still running or links are already held, and returns the timeline value it will complete with;
-    /// `None` when it is to be sent as usual (the queue is idle, or the launch is cooperative or unordered, or
-    /// unordered launches wait for a join). A launch that finds the GPU done with everything sent while links are
+    /// `None` when it is to be sent as usual (the queue is idle, or the launch is cooperative or unordered, or a
+    /// built-in fill or copy, or unordered launches wait for a join). A launch that finds the GPU done with everything sent while links are
     /// held sends them with itself at once: the GPU never waits for links beyond the launch that noticed.
     pub(super) fn hold(
         &mut self,
@@ -193,6 +193,7 @@ impl ComputeQueue {
         order: Order,
     ) -> Result<Option<u64>> {
         if !self.chained_stream
+            || self.hold_off
             || order == Order::Unordered
             || self.cooperative.is_some()
             || self.unordered_pending

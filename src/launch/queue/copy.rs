@@ -17,8 +17,8 @@ const BUILTIN_CUBIN: &[u8] = include_bytes!("../../../kernels/apex_builtin.sm_90
 /// Threads per block of the built-in kernels.
 const BUILTIN_THREADS: u32 = 256;
 
-/// Size classes of the built-in kernels' grids: 1, 2, 4, ... 1024 blocks, and the cap of 8 blocks per SM.
-const GRID_CLASSES: usize = 12;
+/// Size classes of the built-in kernels' grids: the grid's size rounded up to a power of two, 2^0 to 2^32.
+const GRID_CLASSES: usize = 33;
 
 /// A built-in kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,14 +57,13 @@ pub(super) fn builtin_blocks(bytes: u64, sm_count: u32) -> u32 {
         .min(cap) as u32
 }
 
-/// The size class of a grid of `blocks` blocks ([`builtin_blocks`]): log2 of a power of two, the last class for
-/// the cap.
+/// The size class of a grid of `blocks` blocks ([`builtin_blocks`]): log2 of its size rounded up to a power of two.
+/// Distinct for every grid `builtin_blocks` makes: a power of two below the cap, or the cap, whose class is above
+/// theirs.
 fn grid_class(blocks: u32) -> usize {
-    if blocks.is_power_of_two() {
-        (blocks.trailing_zeros() as usize).min(GRID_CLASSES - 1)
-    } else {
-        GRID_CLASSES - 1
-    }
+    blocks
+        .checked_next_power_of_two()
+        .map_or(GRID_CLASSES - 1, |p| p.trailing_zeros() as usize)
 }
 
 impl ComputeQueue {
@@ -227,14 +226,22 @@ impl ComputeQueue {
         let class = grid_class(blocks);
         let held = self.builtin_launches()?.prepared[which as usize][class].take();
         let prepared = match held {
-            Some(p) if p.built_for_local() == self.local_per_thread => p,
+            Some(p)
+                if p.built_for_local() == self.local_per_thread && p.config().grid[0] == blocks =>
+            {
+                p
+            }
             _ => {
                 let kernel = self.builtin_launches()?.kernel(which).clone();
                 self.prepare_launch(&kernel, &LaunchConfig::linear(blocks, BUILTIN_THREADS))?
             }
         };
+        // Never held as a link of a chained queue: the callers ring with a plain doorbell (which sends no held link),
+        // and may wait for the work at once. Recorded after the links held so far, which it sends first.
+        self.hold_off = true;
         // SAFETY: forwarded to the caller.
         let value = unsafe { self.record_prepared_value(&prepared, args, false) };
+        self.hold_off = false;
         // Put back whether or not the launch was recorded (a move: no reference count changes hands).
         if let Some(b) = self.builtin.as_mut() {
             b.prepared[which as usize][class] = Some(prepared);
@@ -249,7 +256,7 @@ impl ComputeQueue {
             self.builtin = Some(Box::new(BuiltinLaunches {
                 copy: module.kernel("apex_copy")?,
                 fill: module.kernel("apex_fill")?,
-                prepared: Default::default(),
+                prepared: std::array::from_fn(|_| std::array::from_fn(|_| None)),
             }));
         }
         self.builtin

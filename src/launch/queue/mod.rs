@@ -125,6 +125,9 @@ pub struct ComputeQueue {
     next_part: usize,
     /// [`ComputeQueueConfig::chained_stream`]: launches made while the queue is busy are held as chain links.
     chained_stream: bool,
+    /// Set while a built-in fill or copy is recorded: those are never held as chain links, since their callers send
+    /// them with a plain doorbell and may wait for them at once.
+    hold_off: bool,
     /// The printf FIFO of the modules launched so far (one per GPU), drained when the queue synchronizes.
     printf: Option<Arc<PrintfFifo>>,
     /// The grid barrier cooperative launches count in (zeroed once; it resets itself at every sync).
@@ -244,6 +247,7 @@ impl ComputeQueue {
             chain_part: config.chain_part.clamp(1, config.slots),
             next_part: FIRST_CHAIN_PART.min(config.chain_part.clamp(1, config.slots)),
             chained_stream: config.chained_stream,
+            hold_off: false,
             printf: None,
             grid_barrier: None,
             cooperative: None,
