@@ -72,14 +72,7 @@ impl<'a> Launch<'a> {
     /// device limits when it is submitted.
     #[inline]
     pub const fn new(kernel: &'a Kernel, cfg: &'a LaunchConfig, args: &'a [Arg<'a>]) -> Launch<'a> {
-        Launch {
-            what: What::Kernel(kernel, cfg),
-            args,
-            programmatic: false,
-            cooperative: false,
-            chained: false,
-            deferred: false,
-        }
+        Launch::plain(What::Kernel(kernel, cfg), args)
     }
 
     /// A plain launch of `prepared` ([`Queue::prepare`](crate::Queue::prepare)) with `args`, checked against the
@@ -88,14 +81,7 @@ impl<'a> Launch<'a> {
     /// writes only the parameters and the completion value; it allocates nothing on either backend).
     #[inline]
     pub const fn prepared(prepared: &'a PreparedLaunch, args: &'a [Arg<'a>]) -> Launch<'a> {
-        Launch {
-            what: What::Prepared(prepared),
-            args,
-            programmatic: false,
-            cooperative: false,
-            chained: false,
-            deferred: false,
-        }
+        Launch::plain(What::Prepared(prepared), args)
     }
 
     /// Sets `count` elements of `width` bytes (1, 2 or 4) at GPU address `dst` to the low bytes of `value`, in the
@@ -108,19 +94,15 @@ impl<'a> Launch<'a> {
     /// ([`Queue::submit`](crate::Queue::submit) refuses the modifiers but [`deferred`](Self::deferred)).
     #[inline]
     pub const fn fill(dst: DevicePtr, value: u32, width: u32, count: u64) -> Launch<'static> {
-        Launch {
-            what: What::Fill {
+        Launch::plain(
+            What::Fill {
                 dst: dst.get(),
                 value,
                 width,
                 count,
             },
-            args: &[],
-            programmatic: false,
-            cooperative: false,
-            chained: false,
-            deferred: false,
-        }
+            &[],
+        )
     }
 
     /// Copies `bytes` bytes from GPU address `src` to `dst` (device memory, or host memory mapped for the GPU), in
@@ -132,18 +114,14 @@ impl<'a> Launch<'a> {
     /// write `dst` meanwhile. A copy of 0 bytes is refused. Only in plain stream order, as [`fill`](Self::fill).
     #[inline]
     pub const fn copy(src: DevicePtr, dst: DevicePtr, bytes: u64) -> Launch<'static> {
-        Launch {
-            what: What::Copy {
+        Launch::plain(
+            What::Copy {
                 src: src.get(),
                 dst: dst.get(),
                 bytes,
             },
-            args: &[],
-            programmatic: false,
-            cooperative: false,
-            chained: false,
-            deferred: false,
-        }
+            &[],
+        )
     }
 
     /// Makes it a programmatic dependent of the launch right before it on the queue (CUDA's programmatic stream
@@ -249,6 +227,19 @@ impl<'a> Launch<'a> {
         Launch {
             deferred: true,
             ..self
+        }
+    }
+
+    /// A plain launch of `what` with `args`: in stream order, no modifier.
+    #[inline]
+    const fn plain(what: What<'a>, args: &'a [Arg<'a>]) -> Launch<'a> {
+        Launch {
+            what,
+            args,
+            programmatic: false,
+            cooperative: false,
+            chained: false,
+            deferred: false,
         }
     }
 
