@@ -618,9 +618,7 @@ impl Queue {
             Backed::Direct(q) if bytes > 0 => {
                 // SAFETY: forwarded to the caller.
                 let value = unsafe { q.record_copy_device_value(src, dst, bytes)? };
-                // The fence's reference counts before the doorbell, which they would otherwise wait for.
-                let f = Fence::from_direct(q.fence_for(value), q);
-                q.flush();
+                let f = fence_then_ring(q, value);
                 self.prune();
                 Ok(f)
             }
@@ -648,10 +646,7 @@ impl Queue {
             Backed::Direct(q) => {
                 // SAFETY: forwarded to the caller.
                 let v = unsafe { q.record_fill_value(dst, value, width, count)? };
-                // As in `copy_addresses`: the fence before the doorbell.
-                let f = Fence::from_direct(q.fence_for(v), q);
-                q.flush();
-                Ok(f)
+                Ok(fence_then_ring(q, v))
             }
             // SAFETY: forwarded to the caller.
             Backed::Driver(q) => Ok(Fence::from_driver(unsafe {
@@ -891,6 +886,14 @@ pub struct Ticket {
 fn next_queue_id() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The fence of recorded work at `value`, made before the doorbell that sends the work is rung: its reference counts
+/// (locked instructions) would otherwise wait for the doorbell's stores to leave the CPU.
+fn fence_then_ring(q: &mut ComputeQueue, value: u64) -> Fence {
+    let fence = Fence::from_direct(q.fence_for(value), q);
+    q.flush();
+    fence
 }
 
 pub(super) fn check_range(size: u64, offset: u64, len: u64) -> Result<()> {
