@@ -636,6 +636,42 @@ fn a_chained_stream_sends_long_bursts_part_by_part_in_order() {
     sim.resume();
     q.synchronize().unwrap();
     assert_eq!(tags_after(&sim, before), (1..=200).collect::<Vec<u64>>());
+    // Every part's head waits for work the queue has not seen complete, so it is read ahead of that wait (and run
+    // as read); the links after a head are scheduled by the link before it, and the lone first launch, sent to an
+    // idle queue, waits for nothing: neither is read ahead.
+    let launches = &sim.launches()[before..];
+    let heads: Vec<u64> = launches
+        .iter()
+        .filter(|l| l.prefetched)
+        .map(|l| chain_step_args(&l.params).1)
+        .collect();
+    // Parts of 8, 16 and 32 links after the first launch (the last, of 15, sent by synchronize).
+    let sent_while_busy = [2, 10, 26, 58, 90, 122, 154, 186];
+    assert_eq!(heads, sent_while_busy, "heads read ahead");
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+}
+
+#[test]
+fn chain_heads_are_not_read_ahead_when_reading_ahead_is_off() {
+    let (gpu, sim, mut q, module) = setup_with(
+        ComputeQueueConfig::default()
+            .with_chained_stream(true)
+            .with_chain_part(32)
+            .with_prefetch_qmds(false),
+    );
+    let k = module.kernel("chain_step").unwrap();
+    let v = page(&gpu);
+    let cfg = LaunchConfig::linear(1, 1);
+    let before = sim.launches().len();
+    sim.pause();
+    for tag in 1..=100u64 {
+        // SAFETY: the model does not execute kernels.
+        unsafe { q.launch(&k, &cfg, &[Arg::Ptr(v.va()), Arg::U64(tag), Arg::U64(0)]) }.unwrap();
+    }
+    sim.resume();
+    q.synchronize().unwrap();
+    assert_eq!(tags_after(&sim, before), (1..=100).collect::<Vec<u64>>());
+    assert!(!sim.launches()[before..].iter().any(|l| l.prefetched));
     assert!(sim.errors().is_empty(), "{:?}", sim.errors());
 }
 

@@ -250,8 +250,8 @@ pub struct ComputeQueueConfig {
     pub prefetch_next: bool,
     /// Have the GPU read a launch's QMD before the front end waits for the launch ahead of it (stream order), so that
     /// the fetch overlaps that launch's work instead of following it: two more compute methods in the pushbuffer
-    /// ahead of the wait (five words). Only for QMDs the GPU fetches from a plain launch slot (not inline, not
-    /// gated, not a chain's head), and only where the queue has not yet seen the launch ahead complete. On by
+    /// ahead of the wait (five words). Only for QMDs the GPU fetches from a launch slot, a chain's head included
+    /// (not inline, not gated), and only where the queue has not yet seen the launch ahead complete. On by
     /// default: on an H100 it took 1000 dependent empty launches from 1718 to 1450 ns each (interleaved A/B) and
     /// GPT-2 eager from 758 to 696-699 µs per token; an isolated launch call stayed within the spread (BENCHMARKS.md).
     pub prefetch_qmds: bool,

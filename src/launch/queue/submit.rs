@@ -184,8 +184,10 @@ impl ComputeQueue {
         self.send_qmd(qmd_va, inline, early, invalidate, prev_done, prev, gate)
     }
 
-    /// Records the methods that launch the QMD at `qmd_va`, fetched by the GPU (chain heads; not fetched early: only
-    /// a plain slot's QMD is known to be written by the CPU alone).
+    /// Records the methods that launch the QMD at `qmd_va` (a chain's head), fetched by the GPU. Every QMD of a chain
+    /// is written by the CPU before its part is sent, and the head's is not gated, so a head that waits for the work
+    /// before it is read ahead of that wait as a plain slot's QMD is: a chained queue sends each part while the one
+    /// before runs, and the fetch then overlaps that part's work.
     pub(super) fn send(
         &mut self,
         qmd_va: u64,
@@ -193,7 +195,15 @@ impl ComputeQueue {
         prev_done: bool,
         prev: u64,
     ) -> Result<u64> {
-        self.send_qmd(qmd_va, None, false, invalidate, prev_done, prev, None)
+        self.send_qmd(
+            qmd_va,
+            None,
+            self.prefetch_qmds,
+            invalidate,
+            prev_done,
+            prev,
+            None,
+        )
     }
 
     /// Records a launch of the QMD at `qmd_va`: sent inline from slot `inline`'s staged words, or fetched. A fetched
