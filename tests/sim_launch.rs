@@ -118,6 +118,19 @@ fn raw_qmd(
         q.local_window(),
     );
     mem.write_words(0x1000, &driver).unwrap();
+    let mut cluster = [0u32; apex::launch::cbank::CLUSTER_WORDS];
+    apex::launch::cbank::write_cluster_words(&mut cluster, [1, 1, 1], None);
+    mem.write_words(
+        0x1000 + apex::launch::cbank::CLUSTER_WORDS_START as u64,
+        &cluster,
+    )
+    .unwrap();
+    let block = apex::launch::cbank::param_block_words(cb, k.info().param_cbank_size);
+    mem.write_words(
+        0x1000 + apex::launch::cbank::PARAM_BLOCK_START as u64,
+        &block,
+    )
+    .unwrap();
     let mut cbs = [None; 8];
     cbs[0] = Some(ConstBuffer {
         va: cb,

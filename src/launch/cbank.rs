@@ -53,6 +53,32 @@ const CLUSTER_DIM: usize = 0x144;
 const CLUSTER_GRID: usize = 0x15c;
 /// `%cluster_nctarank`: blocks per cluster (cluster_body reads its peer count here; 1 for plain launches).
 const CLUSTER_SIZE: usize = 0x188;
+/// The reciprocal of each cluster dimension as an f32 (1.0 without clusters): the compiler derives `%clusterid` as
+/// `trunc(f32(%ctaid) * c[0x0][0x150 + 4i])` and `%cluster_ctaid` from it (SASS of nvcc 13 for both), and libcuda
+/// writes `1.0f / dim` rounded to nearest (read back from its banks for cluster shapes 1-8 on an H200, 580.159.04).
+const CLUSTER_RECIPROCAL: usize = 0x150;
+
+/// First byte of the parameter block's address range: `c[0x0][0x198]` holds its start (the bank's address +
+/// [`DRIVER_BYTES`]) and `c[0x0][0x1a0]` its end, as libcuda writes them. Code that takes a `__grid_constant__`
+/// parameter's address (a `CUtensorMap` handed to the tensor memory accelerator, a by-value struct indexed at run
+/// time) reads the start: 624 reads in PyTorch 2.11's sm_90 code, every Triton kernel given a host tensor
+/// descriptor.
+pub const PARAM_BLOCK_START: usize = 0x198;
+/// Words from [`PARAM_BLOCK_START`]: start and end, 64 bits each.
+pub const PARAM_BLOCK_WORDS: usize = 4;
+
+/// The words at [`PARAM_BLOCK_START`] for a constant bank 0 at `bank_va` whose kernel takes `param_bytes` bytes of
+/// parameters.
+pub fn param_block_words(bank_va: u64, param_bytes: u32) -> [u32; PARAM_BLOCK_WORDS] {
+    let start = bank_va + DRIVER_BYTES as u64;
+    let end = start + u64::from(param_bytes);
+    [
+        start as u32,
+        (start >> 32) as u32,
+        end as u32,
+        (end >> 32) as u32,
+    ]
+}
 
 /// Writes the cluster words (`out` starts at [`CLUSTER_WORDS_START`], at least [`CLUSTER_WORDS`] long): the
 /// cluster flag, shape, grid in clusters and blocks per cluster, or the words of a launch without clusters. `grid`
@@ -69,6 +95,9 @@ pub fn write_cluster_words(out: &mut [u32], grid: [u32; 3], cluster: Option<[u32
         out[w(CLUSTER_GRID) + i] = grid[i] / c[i].max(1);
     }
     out[w(CLUSTER_SIZE)] = c[0].saturating_mul(c[1]).saturating_mul(c[2]);
+    for (i, &dim) in c.iter().enumerate() {
+        out[w(CLUSTER_RECIPROCAL) + i] = (1.0f32 / dim.max(1) as f32).to_bits();
+    }
 }
 
 /// Writes the grid barrier's address for a cooperative launch (`None`: zero, as for every other launch).
@@ -115,6 +144,11 @@ mod tests {
         assert_eq!(&cb[at(0x144)..at(0x150)], &[1, 1, 1]);
         assert_eq!(&cb[at(0x15c)..at(0x168)], &[4, 3, 2]);
         assert_eq!(cb[at(0x188)], 1);
+        assert_eq!(
+            &cb[at(0x150)..at(0x15c)],
+            &[0x3f80_0000; 3],
+            "1.0 without clusters"
+        );
         // cluster_runtime with clusters of 4 over 12 blocks: cluster.sync() takes the cluster barrier, and the
         // kernel counts 4 peers.
         let window = &mut cb[CLUSTER_WORDS_START / 4..][..CLUSTER_WORDS];
@@ -123,8 +157,61 @@ mod tests {
         assert_eq!(&cb[at(0x144)..at(0x150)], &[4, 1, 1]);
         assert_eq!(&cb[at(0x15c)..at(0x168)], &[3, 1, 1]);
         assert_eq!(cb[at(0x188)], 4);
-        // Nothing between them is touched (libcuda's other words there are not written by APEX).
-        assert_eq!(&cb[at(0x150)..at(0x15c)], &[0, 0, 0]);
+        // The reciprocals the compiler scales %ctaid by, as libcuda writes them (read back from its banks).
+        assert_eq!(
+            &cb[at(0x150)..at(0x15c)],
+            &[0x3e80_0000, 0x3f80_0000, 0x3f80_0000]
+        );
+        // Nothing else between them is touched (libcuda's other words there are not written by APEX).
         assert!(cb[at(0x168)..at(0x188)].iter().all(|&w| w == 0));
+    }
+
+    /// libcuda's words for cluster shapes read back from its banks (`kernels/conformance/driver_words.cu`'s
+    /// `bank_words`, H200, 580.159.04): the reciprocals round to nearest, which truncates every `%ctaid` of a
+    /// grid of up to 2^16 clusters to its cluster.
+    #[test]
+    fn cluster_reciprocals_match_libcuda() {
+        let seen: [([u32; 3], [u32; 3]); 6] = [
+            ([3, 2, 1], [0x3eaa_aaab, 0x3f00_0000, 0x3f80_0000]),
+            ([5, 1, 1], [0x3e4c_cccd, 0x3f80_0000, 0x3f80_0000]),
+            ([6, 1, 1], [0x3e2a_aaab, 0x3f80_0000, 0x3f80_0000]),
+            ([7, 1, 1], [0x3e12_4925, 0x3f80_0000, 0x3f80_0000]),
+            ([1, 5, 1], [0x3f80_0000, 0x3e4c_cccd, 0x3f80_0000]),
+            ([2, 2, 2], [0x3f00_0000; 3]),
+        ];
+        for (c, want) in seen {
+            let mut cb = [0u32; CLUSTER_WORDS];
+            let grid = [c[0] * 4, c[1] * 2, c[2]];
+            write_cluster_words(&mut cb, grid, Some(c));
+            let at = (0x150 - CLUSTER_WORDS_START) / 4;
+            assert_eq!(&cb[at..at + 3], &want, "cluster {c:?}");
+        }
+        for dim in 1..=16u32 {
+            let mut cb = [0u32; CLUSTER_WORDS];
+            write_cluster_words(&mut cb, [dim, 1, 1], Some([dim, 1, 1]));
+            let r = f32::from_bits(cb[(0x150 - CLUSTER_WORDS_START) / 4]);
+            for ctaid in 0..(dim << 16) {
+                assert_eq!(
+                    (ctaid as f32 * r) as u32,
+                    ctaid / dim,
+                    "ctaid {ctaid} in clusters of {dim}"
+                );
+            }
+        }
+    }
+
+    /// The parameter block's start and end as libcuda wrote them for `bank_words` (48 bytes of parameters) with its
+    /// bank at 0x7fb7_1228_0000.
+    #[test]
+    fn param_block_words_match_libcuda() {
+        assert_eq!(
+            param_block_words(0x7fb7_1228_0000, 0x30),
+            [0x1228_0210, 0x7fb7, 0x1228_0240, 0x7fb7]
+        );
+        assert_eq!(
+            param_block_words(0x7fee_ae29_0000, 0),
+            [0xae29_0210, 0x7fee, 0xae29_0210, 0x7fee],
+            "no parameters (empty in research/hopper-launch-raw/cbank0_table.txt)"
+        );
     }
 }

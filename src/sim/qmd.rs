@@ -5,7 +5,7 @@
 
 use super::headers::qmd_v04 as v04;
 use crate::hw::{Generation, QmdVersion, UnknownGeneration};
-use crate::launch::cbank::{CLUSTER_WORDS, CLUSTER_WORDS_START, DRIVER_BYTES, INITIAL_STACK};
+use crate::launch::cbank::{DRIVER_BYTES, INITIAL_STACK, PARAM_BLOCK_START, PARAM_BLOCK_WORDS};
 use crate::launch::qmd::sm_config;
 
 /// Words of a V04 QMD.
@@ -672,12 +672,14 @@ pub fn check_environment(
             "shared/local memory windows were never set (SET_SHADER_*_MEMORY_WINDOW)",
         )));
     }
-    let (cb0, _) = d.const_banks[0].ok_or(EnvFault::Violation(QmdViolation::NoConstantBank0))?;
-    let n = CLUSTER_WORDS_START / 4 + CLUSTER_WORDS;
+    let (cb0, cb0_size) =
+        d.const_banks[0].ok_or(EnvFault::Violation(QmdViolation::NoConstantBank0))?;
+    let n = PARAM_BLOCK_START / 4 + PARAM_BLOCK_WORDS;
     let w = mem
         .read_words(cb0, n)
         .ok_or_else(|| fault("constant bank 0", cb0, n as u64 * 4))?;
     check_cluster_words(d, &w)?;
+    check_param_block(cb0, cb0_size, &w)?;
     let w64 = |i: usize| u64::from(w[i]) | (u64::from(w[i + 1]) << 32);
     let checks: [(u64, u64, u64, &'static str); 9] = [
         (0x0, w[0].into(), d.block[0].into(), "blockDim.x"),
@@ -726,6 +728,39 @@ pub fn check_environment(
 /// The cluster words of cbank0 (`w` from its start): a cluster launch has the flag that makes `barrier.cluster`
 /// a cluster barrier, its shape, the grid in clusters and the blocks per cluster; a launch without clusters must
 /// not have the flag (its words may be left zero).
+/// The parameter block's address range (`c[0x0][0x198]`, `c[0x0][0x1a0]`): code that takes a grid constant's
+/// address reads the start, which libcuda writes as the bank's address + 0x210; the end lies inside the bank.
+fn check_param_block(cb0: u64, size: u64, w: &[u32]) -> Result<(), EnvFault> {
+    let w64 = |byte: usize| u64::from(w[byte / 4]) | (u64::from(w[byte / 4 + 1]) << 32);
+    let start = cb0 + DRIVER_BYTES as u64;
+    let violation = |offset: usize, found: u64, expected: u64, what| {
+        Err(EnvFault::Violation(QmdViolation::Cbank0Word {
+            offset: offset as u64,
+            found,
+            expected,
+            what,
+        }))
+    };
+    if w64(PARAM_BLOCK_START) != start {
+        return violation(
+            PARAM_BLOCK_START,
+            w64(PARAM_BLOCK_START),
+            start,
+            "the parameter block's address",
+        );
+    }
+    let end = w64(PARAM_BLOCK_START + 8);
+    if end < start || end > cb0 + size {
+        return violation(
+            PARAM_BLOCK_START + 8,
+            end,
+            start,
+            "the parameter block's end (inside the bank)",
+        );
+    }
+    Ok(())
+}
+
 fn check_cluster_words(d: &QmdDesc, w: &[u32]) -> Result<(), EnvFault> {
     let at = |byte: usize| u64::from(w.get(byte / 4).copied().unwrap_or(0));
     let word = |offset: usize, expected: u64, what: &'static str| {
@@ -741,6 +776,15 @@ fn check_cluster_words(d: &QmdDesc, w: &[u32]) -> Result<(), EnvFault> {
             }))
         }
     };
+    let reciprocals = ["1 / cluster.x", "1 / cluster.y", "1 / cluster.z"];
+    for i in 0..3 {
+        let dim = d.cluster.map_or(1, |c| c[i].max(1));
+        word(
+            0x150 + 4 * i,
+            (1.0f32 / dim as f32).to_bits().into(),
+            reciprocals[i],
+        )?;
+    }
     let Some(c) = d.cluster else {
         return word(0x140, 0, "cluster flag of a launch without clusters");
     };

@@ -40,7 +40,7 @@ use crate::hw::Generation;
 use crate::pushbuf::{Acquire, Queue, Signal};
 use crate::rm::{GpuCore, Memory, MemoryDesc, Placement};
 
-use super::cbank::{CLUSTER_WORDS, DRIVER_BYTES};
+use super::cbank::{CLUSTER_WORDS, DRIVER_BYTES, PARAM_BLOCK_WORDS};
 use super::qmd::{ChainAction, QMD_WORDS, QmdVersion};
 use super::{Error, Result};
 use crate::module::printf::PrintfFifo;
@@ -103,6 +103,8 @@ pub struct ComputeQueue {
     cb_shadow: Vec<[u32; CBANK_DRIVER_WORDS]>,
     /// What each slot's cluster words of constant bank 0 hold now.
     cluster_shadow: Vec<[u32; CLUSTER_WORDS]>,
+    /// What each slot's parameter block address words hold now (`c[0x0][0x198..0x1a8]`).
+    param_block_shadow: Vec<[u32; PARAM_BLOCK_WORDS]>,
     /// Per slot, the [`PreparedLaunch`] whose QMD and driver words the slot holds (0: none), so launching it there
     /// again rewrites only the parameters and the release payload.
     slot_owner: Vec<u64>,
@@ -235,6 +237,7 @@ impl ComputeQueue {
             qmd_shadow: vec![[0; QMD_WORDS]; config.slots],
             cb_shadow: vec![[0; CBANK_DRIVER_WORDS]; config.slots],
             cluster_shadow: vec![[0; CLUSTER_WORDS]; config.slots],
+            param_block_shadow: vec![[0; PARAM_BLOCK_WORDS]; config.slots],
             slot_owner: vec![0; config.slots],
             inline_qmd: config.inline_qmd,
             prefetch: config.prefetch_next,

@@ -276,7 +276,12 @@ impl ComputeQueue {
                 qmd::patch_launch(self.version, &mut q, cb_va, Some(value))?;
                 gated = self.gate(order, slot, &mut q)?;
                 self.stage_qmd(slot, &q)?;
-                self.write_bank_words(slot, &p.driver, &p.cluster)?;
+                self.write_bank_words(
+                    slot,
+                    &p.driver,
+                    &p.cluster,
+                    p.kernel.info().param_cbank_size,
+                )?;
                 self.slot_owner[slot] = if gated.is_some() { 0 } else { p.id };
             }
         }

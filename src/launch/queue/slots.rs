@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use crate::launch::cbank::{
-    CLUSTER_WORDS, CLUSTER_WORDS_START, DRIVER_BYTES, write_cluster_words, write_driver_words,
-    write_grid_barrier,
+    CLUSTER_WORDS, CLUSTER_WORDS_START, DRIVER_BYTES, PARAM_BLOCK_START, param_block_words,
+    write_cluster_words, write_driver_words, write_grid_barrier,
 };
 use crate::launch::params::{Arg, pack};
 use crate::launch::qmd::{self, ConstBuffer, QMD_WORDS, QmdParams};
@@ -125,7 +125,7 @@ impl ComputeQueue {
 
         // Only the words that differ from what the slot already holds go over the bus (write-combined BAR1).
         let (driver, cluster_words) = self.bank_words(cfg, cluster, self.cooperative);
-        self.write_bank_words(slot, &driver, &cluster_words)?;
+        self.write_bank_words(slot, &driver, &cluster_words, k.param_cbank_size)?;
         self.slots.write(
             slot_off + QMD_BYTES + DRIVER_BYTES as u64,
             &self.params[..n],
@@ -187,12 +187,14 @@ impl ComputeQueue {
         (driver, words)
     }
 
-    /// Writes the driver and cluster words of a slot's constant bank 0 that differ from what it holds.
+    /// Writes the driver and cluster words of a slot's constant bank 0 that differ from what it holds, and the
+    /// address range of its parameter block (`param_bytes` long), which depends on the slot.
     pub(super) fn write_bank_words(
         &mut self,
         slot: usize,
         driver: &[u32; CBANK_DRIVER_WORDS],
         cluster: &[u32; CLUSTER_WORDS],
+        param_bytes: u32,
     ) -> Result<()> {
         let bank = slot as u64 * SLOT_BYTES + QMD_BYTES;
         write_changed(&self.slots, bank, &mut self.cb_shadow[slot], driver)?;
@@ -201,6 +203,13 @@ impl ComputeQueue {
             bank + CLUSTER_WORDS_START as u64,
             &mut self.cluster_shadow[slot],
             cluster,
+        )?;
+        let block = param_block_words(self.slots.va() + bank, param_bytes);
+        write_changed(
+            &self.slots,
+            bank + PARAM_BLOCK_START as u64,
+            &mut self.param_block_shadow[slot],
+            &block,
         )
     }
 

@@ -1,5 +1,7 @@
 use super::*;
-use crate::launch::cbank::{write_cluster_words, write_driver_words};
+use crate::launch::cbank::{
+    CLUSTER_WORDS_START, param_block_words, write_cluster_words, write_driver_words,
+};
 use crate::launch::qmd::{ConstBuffer, QMD_WORDS, QmdParams, QmdVersion, build};
 
 const CB: u64 = 0x10_0000;
@@ -188,6 +190,7 @@ fn cluster_qmds_are_checked() {
     );
     let window = CLUSTER_WORDS_START / 4;
     write_cluster_words(&mut cb0[window..], [8, 1, 1], Some([2, 1, 1]));
+    write_param_block(&mut cb0, 0x18);
     let mut mem = Fake {
         ranges: vec![(CB, 0x1000), (PROGRAM, 0x1000), (SEM, 0x1000)],
         cb0,
@@ -201,6 +204,17 @@ fn cluster_qmds_are_checked() {
             ..
         }))
     ));
+    // %clusterid is %ctaid scaled by the reciprocal of the cluster shape: without it every block is in cluster 0.
+    mem.cb0[0x188 / 4] = 2;
+    mem.cb0[0x150 / 4] = 0;
+    assert!(matches!(
+        check_environment(&d, &st, &mem),
+        Err(EnvFault::Violation(QmdViolation::Cbank0Word {
+            offset: 0x150,
+            ..
+        }))
+    ));
+    mem.cb0[0x150 / 4] = 0.5f32.to_bits();
     // Without the flag, cluster.sync() in a kernel without __cluster_dims__ would be a plain bar.sync.
     mem.cb0[0x188 / 4] = 2;
     mem.cb0[0x140 / 4] = 0;
@@ -220,6 +234,8 @@ fn cluster_qmds_are_checked() {
         st.shared_window,
         st.local_window,
     );
+    write_cluster_words(&mut mem.cb0[window..], [2, 1, 1], None);
+    assert_eq!(check_environment(&plain, &st, &mem), Ok(()));
     mem.cb0[0x140 / 4] = 1;
     assert!(matches!(
         check_environment(&plain, &st, &mem),
@@ -228,6 +244,12 @@ fn cluster_qmds_are_checked() {
             ..
         }))
     ));
+}
+
+/// Writes the parameter block's address range for a kernel of `params` bytes of parameters in the bank at `CB`.
+fn write_param_block(cb0: &mut [u32], params: u32) {
+    let at = crate::launch::cbank::PARAM_BLOCK_START / 4;
+    cb0[at..at + 4].copy_from_slice(&param_block_words(CB, params));
 }
 
 struct Fake {
@@ -262,11 +284,36 @@ fn environment_checks_addresses_and_cbank0() {
         st.shared_window,
         st.local_window,
     );
+    write_cluster_words(&mut cb0[CLUSTER_WORDS_START / 4..], [2, 1, 1], None);
+    write_param_block(&mut cb0, 0x20);
     let mut mem = Fake {
         ranges: vec![(CB, 0x1000), (PROGRAM, 0x1000), (SEM, 0x1000)],
         cb0,
     };
     assert_eq!(check_environment(&d, &st, &mem), Ok(()));
+
+    // Code that takes a grid constant's address reads the parameter block's from c[0x0][0x198].
+    let at = crate::launch::cbank::PARAM_BLOCK_START / 4;
+    mem.cb0[at] = 0;
+    assert!(matches!(
+        check_environment(&d, &st, &mem),
+        Err(EnvFault::Violation(QmdViolation::Cbank0Word {
+            offset: 0x198,
+            ..
+        }))
+    ));
+    write_param_block(&mut mem.cb0, 0x100);
+    assert!(
+        matches!(
+            check_environment(&d, &st, &mem),
+            Err(EnvFault::Violation(QmdViolation::Cbank0Word {
+                offset: 0x1a0,
+                ..
+            }))
+        ),
+        "an end past the 0x300-byte bank"
+    );
+    write_param_block(&mut mem.cb0, 0x20);
 
     mem.cb0[3] = 3;
     assert!(matches!(

@@ -294,7 +294,13 @@ impl ComputeQueue {
             finish_node(self.version, &mut q, form.as_ref(), link, latch)?;
             mem.write_words(offset, &q[..qmd_words])?;
             let mut driver = [0u32; DRIVER_WORDS];
-            driver_words(&mut driver, &p.cfg, p.shape.1, windows);
+            driver_words(
+                &mut driver,
+                &p.cfg,
+                p.shape.1,
+                windows,
+                (cb_va, p.kernel.info().param_cbank_size),
+            );
             mem.write_words(offset + QMD_BYTES, &driver)?;
             let bank = (DRIVER_BYTES + p.params.len()).next_multiple_of(16);
             let params_at = offset + QMD_BYTES + DRIVER_BYTES as u64;

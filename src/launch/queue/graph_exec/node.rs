@@ -2,7 +2,8 @@
 //! built QMD, the driver words, and [`GraphExec::update_launch`], which rewrites them in place.
 
 use crate::launch::cbank::{
-    CLUSTER_WORDS, CLUSTER_WORDS_START, DRIVER_BYTES, write_cluster_words, write_driver_words,
+    CLUSTER_WORDS, CLUSTER_WORDS_START, DRIVER_BYTES, PARAM_BLOCK_START, PARAM_BLOCK_WORDS,
+    param_block_words, write_cluster_words, write_driver_words,
 };
 use crate::launch::graph::{GraphError, NodeId};
 use crate::launch::params::{Arg, pack};
@@ -98,7 +99,14 @@ impl GraphExec {
             &q[..qmd_words],
         )?;
         let mut driver = n.driver_shadow;
-        driver_words(&mut driver, cfg, cluster, self.windows);
+        let bank_va = self.mem.va() + n.offset + QMD_BYTES;
+        driver_words(
+            &mut driver,
+            cfg,
+            cluster,
+            self.windows,
+            (bank_va, k.param_cbank_size),
+        );
         write_changed(
             &self.mem,
             n.offset + QMD_BYTES,
@@ -116,12 +124,14 @@ impl GraphExec {
     }
 }
 
-/// The driver words of a node's constant bank 0: launch shape, windows, stack, and the cluster words.
+/// The driver words of a node's constant bank 0 (at `bank_va`, its kernel taking `param_bytes` of parameters):
+/// launch shape, windows, stack, the cluster words and the parameter block's address range.
 pub(super) fn driver_words(
     out: &mut [u32; DRIVER_WORDS],
     cfg: &LaunchConfig,
     cluster: Option<[u32; 3]>,
     (shared, local): (u64, u64),
+    (bank_va, param_bytes): (u64, u32),
 ) {
     write_driver_words(out, cfg.block, cfg.grid, shared, local);
     write_cluster_words(
@@ -129,6 +139,8 @@ pub(super) fn driver_words(
         cfg.grid,
         cluster,
     );
+    out[PARAM_BLOCK_START / 4..][..PARAM_BLOCK_WORDS]
+        .copy_from_slice(&param_block_words(bank_va, param_bytes));
 }
 
 /// The latch a programmatic producer arrives at: one per producing node, so every edge of a graph has its own;

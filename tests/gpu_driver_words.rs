@@ -1,0 +1,168 @@
+//! Constant bank 0's driver words on a GPU, APEX's against libcuda's in one process (run with `--include-ignored` on
+//! an NVIDIA GPU with libcuda): every word sm_90 code was seen to read (the launch shape, the cluster words and the
+//! reciprocals `%clusterid` is derived with, the parameter block's address a grid constant's address is taken from),
+//! and what kernels compute from them. A binary of its own: a test that kills libcuda's context elsewhere would
+//! leave no driver backend to compare with.
+
+use std::time::Duration;
+
+use apex::{Arg, Backend, BackendRequest, Gpu, LaunchConfig};
+
+const DRIVER_WORDS: &[u8] = include_bytes!("../kernels/conformance/driver_words.sm_90.cubin");
+const T: Duration = Duration::from_secs(20);
+
+fn gpu(b: Backend) -> Gpu {
+    let req = match b {
+        Backend::Direct => BackendRequest::Direct,
+        Backend::Driver => BackendRequest::Driver,
+    };
+    let g = Gpu::open_with(0, req).expect("open GPU");
+    assert_eq!(g.backend(), b, "{}", g.selection());
+    g
+}
+
+fn words(b: &[u8]) -> Vec<u32> {
+    b.chunks_exact(4)
+        .map(|w| u32::from_le_bytes(w.try_into().unwrap()))
+        .collect()
+}
+
+/// The launch shapes the driver-word comparison runs: a plain launch, then clusters of every size from 1 to 8 in
+/// each dimension (the reciprocals of 3, 5, 6 and 7 are not exact).
+const WORD_SHAPES: [([u32; 3], Option<[u32; 3]>); 9] = [
+    ([4, 3, 2], None),
+    ([8, 1, 1], Some([1, 1, 1])),
+    ([8, 1, 1], Some([2, 1, 1])),
+    ([6, 4, 1], Some([3, 2, 1])),
+    ([3, 10, 1], Some([1, 5, 1])),
+    ([12, 1, 1], Some([6, 1, 1])),
+    ([2, 2, 14], Some([1, 1, 7])),
+    ([4, 4, 4], Some([2, 2, 2])),
+    ([16, 2, 1], Some([8, 1, 1])),
+];
+
+/// What one backend's launches of `driver_words.sm_90.cubin` give for `shape`: block 0's constant bank 0 driver words,
+/// and every block's cluster special registers.
+fn driver_words_of(g: &Gpu, shape: ([u32; 3], Option<[u32; 3]>)) -> (Vec<u32>, Vec<u32>) {
+    let (grid, cluster) = shape;
+    let mut q = g.queue().unwrap();
+    let m = g.load_module(DRIVER_WORDS).unwrap();
+    let blocks = (grid[0] * grid[1] * grid[2]) as usize;
+    let cfg = {
+        let c = LaunchConfig::linear(1, 32).with_grid(grid);
+        match cluster {
+            Some(c3) => c.with_cluster(c3),
+            None => c,
+        }
+    };
+    let count = 0x210 / 4;
+    let out = g.alloc((blocks * count * 4) as u64).unwrap();
+    let tag: Vec<u8> = (1..=4u64).flat_map(|v| v.to_le_bytes()).collect();
+    let bank = m.kernel("bank_words").unwrap();
+    // SAFETY: `out` holds `count` words per block; the tag is the kernel's 32-byte struct.
+    unsafe {
+        q.launch(
+            &bank,
+            &cfg,
+            &[
+                Arg::Bytes(&tag),
+                out.arg(),
+                Arg::U32(0),
+                Arg::U32(count as u32),
+            ],
+        )
+    }
+    .unwrap()
+    .wait(T)
+    .unwrap();
+    let mut bytes = vec![0u8; count * 4];
+    q.download(g, &out, 0, &mut bytes).unwrap();
+    let bank_words = words(&bytes);
+    let regs = m.kernel("cluster_registers").unwrap();
+    // SAFETY: `out` holds 12 words per block.
+    unsafe { q.launch(&regs, &cfg, &[out.arg()]) }
+        .unwrap()
+        .wait(T)
+        .unwrap();
+    let mut bytes = vec![0u8; blocks * 12 * 4];
+    q.download(g, &out, 0, &mut bytes).unwrap();
+    let registers = words(&bytes);
+    (bank_words, registers)
+}
+
+/// Every driver word sm_90 code was seen to read (PyTorch 2.11's whole sm_90 SASS, nvcc 13, Triton 3.6) holds on
+/// APEX what libcuda writes there, for plain and cluster launches, and the cluster special registers derived from
+/// them agree block by block. The parameter block's address is APEX's own bank's (libcuda's bank lies elsewhere): it
+/// must point 0x210 bytes into the bank the kernel read, and its end 48 bytes (the kernel's parameters) after that.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn driver_words_code_reads_match_libcuda() {
+    let direct = gpu(Backend::Direct);
+    let driver = gpu(Backend::Driver);
+    // Launch shape and the initial stack; the cluster flag, shape, reciprocals, grid in clusters and size. The
+    // shared and local windows (0x18-0x24) are each backend's own.
+    let compared: Vec<usize> = [0x0, 0x4, 0x8, 0xc, 0x10, 0x14, 0x28]
+        .into_iter()
+        .chain((0x140..0x168).step_by(4))
+        .chain([0x188])
+        .collect();
+    for shape in WORD_SHAPES {
+        let (apex_words, apex_regs) = driver_words_of(&direct, shape);
+        let (cuda_words, cuda_regs) = driver_words_of(&driver, shape);
+        for &at in &compared {
+            assert_eq!(
+                apex_words[at / 4],
+                cuda_words[at / 4],
+                "c[0x0][{at:#x}] for {shape:?}"
+            );
+        }
+        for bank in [&apex_words, &cuda_words] {
+            let w64 = |at: usize| u64::from(bank[at / 4]) | (u64::from(bank[at / 4 + 1]) << 32);
+            assert_ne!(w64(0x198), 0, "{shape:?}");
+            assert_eq!(w64(0x1a0) - w64(0x198), 48, "{shape:?}");
+        }
+        assert_eq!(apex_regs, cuda_regs, "cluster registers for {shape:?}");
+    }
+}
+
+/// A grid constant read through its address (the parameter block's, from `c[0x0][0x198]`) gives the value passed,
+/// on both backends.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn grid_constants_read_through_their_address() {
+    let words = [3u64, 5, 7, 11];
+    let tag: Vec<u8> = words.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let n = 9;
+    let expected: Vec<u64> = (0..64)
+        .map(|t| {
+            (0..n).fold(0u64, |s, i| {
+                s.wrapping_mul(31).wrapping_add(words[(i + t) % 4])
+            })
+        })
+        .collect();
+    for b in [Backend::Direct, Backend::Driver] {
+        let g = gpu(b);
+        let mut q = g.queue().unwrap();
+        let m = g.load_module(DRIVER_WORDS).unwrap();
+        let k = m.kernel("grid_constant_sum").unwrap();
+        let out = g.alloc(64 * 8).unwrap();
+        // SAFETY: `out` holds one u64 per thread of the one block; the tag is the kernel's 32-byte struct.
+        unsafe {
+            q.launch(
+                &k,
+                &LaunchConfig::linear(1, 64),
+                &[Arg::Bytes(&tag), out.arg(), Arg::I32(n as i32)],
+            )
+        }
+        .unwrap()
+        .wait(T)
+        .unwrap();
+        let mut bytes = vec![0u8; 64 * 8];
+        q.download(&g, &out, 0, &mut bytes).unwrap();
+        let got: Vec<u64> = bytes
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(got, expected, "{b:?}");
+    }
+}
