@@ -41,9 +41,22 @@ const WORD_SHAPES: [([u32; 3], Option<[u32; 3]>); 9] = [
     ([16, 2, 1], Some([8, 1, 1])),
 ];
 
-/// What one backend's launches of `driver_words.sm_90.cubin` give for `shape`: block 0's constant bank 0 driver words,
-/// and every block's cluster special registers.
-fn driver_words_of(g: &Gpu, shape: ([u32; 3], Option<[u32; 3]>)) -> (Vec<u32>, Vec<u32>) {
+/// What one backend's launches of `driver_words.sm_90.cubin` give for `shape`.
+struct Seen {
+    /// Block 0's constant bank 0 through its parameters, read through the parameter block's address.
+    bank: Vec<u32>,
+    /// That address, as the kernel took it.
+    param_address: u64,
+    /// The output buffers' addresses (the kernel's second and third parameters).
+    out: [u64; 2],
+    /// Every block's cluster special registers.
+    registers: Vec<u32>,
+}
+
+/// The bytes of parameters `bank_words` takes: a 32-byte struct, two pointers, two words.
+const BANK_WORDS_PARAMS: usize = 56;
+
+fn driver_words_of(g: &Gpu, shape: ([u32; 3], Option<[u32; 3]>)) -> Seen {
     let (grid, cluster) = shape;
     let mut q = g.queue().unwrap();
     let m = g.load_module(DRIVER_WORDS).unwrap();
@@ -55,11 +68,12 @@ fn driver_words_of(g: &Gpu, shape: ([u32; 3], Option<[u32; 3]>)) -> (Vec<u32>, V
             None => c,
         }
     };
-    let count = 0x210 / 4;
+    let count = (0x210 + BANK_WORDS_PARAMS) / 4;
     let out = g.alloc((blocks * count * 4) as u64).unwrap();
+    let addr = g.alloc(8).unwrap();
     let tag: Vec<u8> = (1..=4u64).flat_map(|v| v.to_le_bytes()).collect();
     let bank = m.kernel("bank_words").unwrap();
-    // SAFETY: `out` holds `count` words per block; the tag is the kernel's 32-byte struct.
+    // SAFETY: `out` holds `count` words per block, `addr` one address; the tag is the kernel's 32-byte struct.
     unsafe {
         q.launch(
             &bank,
@@ -67,6 +81,7 @@ fn driver_words_of(g: &Gpu, shape: ([u32; 3], Option<[u32; 3]>)) -> (Vec<u32>, V
             &[
                 Arg::Bytes(&tag),
                 out.arg(),
+                addr.arg(),
                 Arg::U32(0),
                 Arg::U32(count as u32),
             ],
@@ -78,6 +93,8 @@ fn driver_words_of(g: &Gpu, shape: ([u32; 3], Option<[u32; 3]>)) -> (Vec<u32>, V
     let mut bytes = vec![0u8; count * 4];
     q.download(g, &out, 0, &mut bytes).unwrap();
     let bank_words = words(&bytes);
+    let mut a = [0u8; 8];
+    q.download(g, &addr, 0, &mut a).unwrap();
     let regs = m.kernel("cluster_registers").unwrap();
     // SAFETY: `out` holds 12 words per block.
     unsafe { q.launch(&regs, &cfg, &[out.arg()]) }
@@ -86,14 +103,20 @@ fn driver_words_of(g: &Gpu, shape: ([u32; 3], Option<[u32; 3]>)) -> (Vec<u32>, V
         .unwrap();
     let mut bytes = vec![0u8; blocks * 12 * 4];
     q.download(g, &out, 0, &mut bytes).unwrap();
-    let registers = words(&bytes);
-    (bank_words, registers)
+    Seen {
+        bank: bank_words,
+        param_address: u64::from_le_bytes(a),
+        out: [out.device_ptr(), addr.device_ptr()],
+        registers: words(&bytes),
+    }
 }
 
-/// Every driver word sm_90 code was seen to read (PyTorch 2.11's whole sm_90 SASS, nvcc 13, Triton 3.6) holds on
-/// APEX what libcuda writes there, for plain and cluster launches, and the cluster special registers derived from
-/// them agree block by block. The parameter block's address is APEX's own bank's (libcuda's bank lies elsewhere): it
-/// must point 0x210 bytes into the bank the kernel read, and its end 48 bytes (the kernel's parameters) after that.
+/// Every driver word sm_90 code was seen to read (PyTorch 2.11's whole sm_90 SASS, cuDNN, NCCL, cuBLAS, nvcc 13,
+/// Triton 3.6) holds on APEX what libcuda writes there, for plain and cluster launches, and the cluster special
+/// registers derived from them agree block by block. The parameter block's address is each backend's own (the banks
+/// lie in different places): the kernel takes its grid constant's address from it and reads its bank through it,
+/// so the bank must show that same address at 0x198, the block's end 56 bytes (the kernel's parameters) after it,
+/// and this launch's own parameters at 0x210.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn driver_words_code_reads_match_libcuda() {
@@ -107,21 +130,35 @@ fn driver_words_code_reads_match_libcuda() {
         .chain([0x188])
         .collect();
     for shape in WORD_SHAPES {
-        let (apex_words, apex_regs) = driver_words_of(&direct, shape);
-        let (cuda_words, cuda_regs) = driver_words_of(&driver, shape);
+        let apex = driver_words_of(&direct, shape);
+        let cuda = driver_words_of(&driver, shape);
         for &at in &compared {
             assert_eq!(
-                apex_words[at / 4],
-                cuda_words[at / 4],
+                apex.bank[at / 4],
+                cuda.bank[at / 4],
                 "c[0x0][{at:#x}] for {shape:?}"
             );
         }
-        for bank in [&apex_words, &cuda_words] {
-            let w64 = |at: usize| u64::from(bank[at / 4]) | (u64::from(bank[at / 4 + 1]) << 32);
-            assert_ne!(w64(0x198), 0, "{shape:?}");
-            assert_eq!(w64(0x1a0) - w64(0x198), 48, "{shape:?}");
+        for (who, seen) in [("APEX", &apex), ("libcuda", &cuda)] {
+            let w = &seen.bank;
+            let w64 = |at: usize| u64::from(w[at / 4]) | (u64::from(w[at / 4 + 1]) << 32);
+            assert_eq!(w64(0x198), seen.param_address, "{who} {shape:?}");
+            assert_eq!(
+                w64(0x1a0) - w64(0x198),
+                BANK_WORDS_PARAMS as u64,
+                "{who} {shape:?}"
+            );
+            let params: Vec<u64> = (0..6).map(|i| w64(0x210 + 8 * i)).collect();
+            assert_eq!(
+                params,
+                [1, 2, 3, 4, seen.out[0], seen.out[1]],
+                "{who} {shape:?}"
+            );
         }
-        assert_eq!(apex_regs, cuda_regs, "cluster registers for {shape:?}");
+        assert_eq!(
+            apex.registers, cuda.registers,
+            "cluster registers for {shape:?}"
+        );
     }
 }
 

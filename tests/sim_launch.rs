@@ -646,6 +646,8 @@ fn a_chained_stream_sends_long_bursts_part_by_part_in_order() {
     }
     // Held links never exceed a part: full parts are sent while the GPU is still busy.
     assert_eq!(longest, 32);
+    // The last part too, before the model runs anything.
+    q.flush_held().unwrap();
     sim.resume();
     q.synchronize().unwrap();
     assert_eq!(tags_after(&sim, before), (1..=200).collect::<Vec<u64>>());
@@ -658,7 +660,7 @@ fn a_chained_stream_sends_long_bursts_part_by_part_in_order() {
         .filter(|l| l.prefetched)
         .map(|l| chain_step_args(&l.params).1)
         .collect();
-    // Parts of 8, 16 and 32 links after the first launch (the last, of 15, sent by synchronize).
+    // Parts of 8, 16 and 32 links after the first launch (the last, of 15, sent by flush_held).
     let sent_while_busy = [2, 10, 26, 58, 90, 122, 154, 186];
     assert_eq!(heads, sent_while_busy, "heads read ahead");
     assert!(sim.errors().is_empty(), "{:?}", sim.errors());
@@ -815,4 +817,91 @@ fn fills_and_copies_on_a_busy_chained_queue_are_sent_not_held() {
     assert_ne!(seen[2].program_va, seen[0].program_va);
     assert_ne!(seen[3].program_va, seen[2].program_va);
     assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+}
+
+/// Chains linked with `QMD_SCHEDULE` (as libcuda's graphs link theirs) run each link's QMD as the slot holds it now,
+/// never a copy the work distributor read ahead of an earlier launch from the same slot: chains of every length,
+/// under each action in turn, as `gpu_chain` runs them. (With the chain heads read ahead and `QMD_SCHEDULE` links,
+/// the model ran a stale head at the 255-link chain.)
+#[test]
+fn schedule_linked_chains_never_run_a_copy_read_ahead_before() {
+    let (gpu, sim, mut q, module) = setup();
+    let k = module.kernel("chain_step").unwrap();
+    let v = page(&gpu);
+    let one = LaunchConfig::linear(1, 1);
+    for action in [
+        qmd::ChainAction::InvalidateCopySchedule,
+        qmd::ChainAction::Schedule,
+    ] {
+        q.set_chain_action(action);
+        for n in [1u64, 2, 3, 10, 255, 256, 257, 511, 1000] {
+            let before = sim.launches().len();
+            for i in 0..n {
+                let args = [Arg::Ptr(v.va()), Arg::U64(i), Arg::U64(0)];
+                // SAFETY: the model does not execute kernels.
+                unsafe { q.record_launch_chained(&k, &one, &args) }.unwrap();
+            }
+            q.end_chain().unwrap().wait(T).unwrap();
+            assert!(
+                sim.errors().is_empty(),
+                "{action:?} n={n}: {:?}",
+                sim.errors()
+            );
+            assert_eq!(tags_after(&sim, before), (0..n).collect::<Vec<_>>());
+        }
+    }
+}
+
+/// Launches read ahead on a queue, then a chain linked with `QMD_SCHEDULE` over the same slots with another grid:
+/// every link runs with its own grid (the copies read ahead before are dropped when the chain is sent), and no QMD
+/// is read ahead while chains link that way.
+#[test]
+fn a_schedule_linked_chain_after_read_ahead_launches_runs_its_own_qmds() {
+    let (gpu, sim, mut q, module) = setup_with(
+        ComputeQueueConfig::default()
+            .with_slots(64)
+            .with_chain_part(32),
+    );
+    let k = module.kernel("chain_step").unwrap();
+    let v = page(&gpu);
+    let one = LaunchConfig::linear(1, 1);
+    let before = sim.launches().len();
+    sim.pause();
+    for tag in 1..=40u64 {
+        // SAFETY: the model does not execute kernels.
+        unsafe { q.launch(&k, &one, &[Arg::Ptr(v.va()), Arg::U64(tag), Arg::U64(0)]) }.unwrap();
+    }
+    sim.resume();
+    q.synchronize().unwrap();
+    assert!(
+        sim.launches()[before..].iter().any(|l| l.prefetched),
+        "the first launches were read ahead"
+    );
+    q.set_chain_action(qmd::ChainAction::Schedule);
+    let two = LaunchConfig::linear(2, 1);
+    let second = sim.launches().len();
+    sim.pause();
+    for tag in 41..=90u64 {
+        let args = [Arg::Ptr(v.va()), Arg::U64(tag), Arg::U64(0)];
+        // SAFETY: as above.
+        unsafe { q.record_launch_chained(&k, &two, &args) }.unwrap();
+    }
+    q.end_chain().unwrap();
+    for tag in 91..=95u64 {
+        // SAFETY: as above.
+        unsafe { q.launch(&k, &one, &[Arg::Ptr(v.va()), Arg::U64(tag), Arg::U64(0)]) }.unwrap();
+    }
+    sim.resume();
+    q.synchronize().unwrap();
+    assert!(sim.errors().is_empty(), "{:?}", sim.errors());
+    let seen = &sim.launches()[second..];
+    assert_eq!(tags_after(&sim, second), (41..=95).collect::<Vec<u64>>());
+    assert!(
+        seen[..50].iter().all(|l| l.grid == [2, 1, 1]),
+        "a stale grid ran"
+    );
+    assert!(
+        !seen.iter().any(|l| l.prefetched),
+        "read ahead under QMD_SCHEDULE"
+    );
 }

@@ -83,11 +83,12 @@ pub fn param_block_words(bank_va: u64, param_bytes: u32) -> [u32; PARAM_BLOCK_WO
 }
 
 /// Writes the cluster words (`out` starts at [`CLUSTER_WORDS_START`], at least [`CLUSTER_WORDS`] long): the
-/// cluster flag, shape, grid in clusters and blocks per cluster, or the words of a launch without clusters. `grid`
-/// is in blocks and a multiple of `cluster` (checked before). The flag and the size are what compiled code reads
-/// (cluster.sm_90.cubin's SASS); the shape and grid-in-clusters words match libcuda's values for plain launches
-/// (research/hopper-launch-raw/cbank0_table.txt: 1, 1, 1 at 0x144 and the grid at 0x15c), their meaning for
-/// cluster launches is inferred from the PTX special registers, not read from a libcuda cluster launch.
+/// cluster flag, shape, reciprocals of the shape, grid in clusters and blocks per cluster, or the words of a launch
+/// without clusters. `grid` is in blocks and a multiple of `cluster` (checked before). Compiled code reads the flag,
+/// the shape, the reciprocals, the grid in clusters and the size (`%cluster_nctaid`, `%clusterid`, `%nclusterid`,
+/// `%cluster_nctarank` in nvcc 13's SASS). Every word written here equals libcuda's for a plain launch and for
+/// cluster shapes of 1 to 8 blocks per dimension (read back from libcuda's banks by
+/// `kernels/conformance/driver_words.cu`, H200, 580.159.04; `tests/gpu_driver_words.rs` compares them).
 pub fn write_cluster_words(out: &mut [u32], grid: [u32; 3], cluster: Option<[u32; 3]>) {
     let w = |byte: usize| (byte - CLUSTER_WORDS_START) / 4;
     let c = cluster.unwrap_or([1, 1, 1]);

@@ -725,9 +725,6 @@ pub fn check_environment(
     Ok(())
 }
 
-/// The cluster words of cbank0 (`w` from its start): a cluster launch has the flag that makes `barrier.cluster`
-/// a cluster barrier, its shape, the grid in clusters and the blocks per cluster; a launch without clusters must
-/// not have the flag (its words may be left zero).
 /// The parameter block's address range (`c[0x0][0x198]`, `c[0x0][0x1a0]`): code that takes a grid constant's
 /// address reads the start, which libcuda writes as the bank's address + 0x210; the end lies inside the bank.
 fn check_param_block(cb0: u64, size: u64, w: &[u32]) -> Result<(), EnvFault> {
@@ -754,13 +751,17 @@ fn check_param_block(cb0: u64, size: u64, w: &[u32]) -> Result<(), EnvFault> {
         return violation(
             PARAM_BLOCK_START + 8,
             end,
-            start,
-            "the parameter block's end (inside the bank)",
+            cb0 + size,
+            "the parameter block's end (inside the bank, at most its end)",
         );
     }
     Ok(())
 }
 
+/// The cluster words of cbank0 (`w` from its start): every launch has the reciprocals of its cluster shape that
+/// `%clusterid` is derived with (1.0 without clusters); a cluster launch has the flag that makes `barrier.cluster`
+/// a cluster barrier, its shape, the grid in clusters and the blocks per cluster; a launch without clusters must
+/// not have the flag (its other cluster words may be left zero).
 fn check_cluster_words(d: &QmdDesc, w: &[u32]) -> Result<(), EnvFault> {
     let at = |byte: usize| u64::from(w.get(byte / 4).copied().unwrap_or(0));
     let word = |offset: usize, expected: u64, what: &'static str| {

@@ -236,7 +236,9 @@ impl ComputeQueue {
     }
 
     /// How a chain's QMDs schedule the next one: `InvalidateCopySchedule` (the default) fetches each QMD afresh, as
-    /// rewritten slots need; `Schedule` is what libcuda's graphs use for QMDs that never change.
+    /// rewritten slots need; `Schedule` is what libcuda's graphs use for QMDs that never change. Under `Schedule` no
+    /// QMD is read ahead of its launch ([`ComputeQueueConfig::prefetch_qmds`](super::ComputeQueueConfig::prefetch_qmds)),
+    /// and a chain's first part drops the copies read ahead before, since its links would run them.
     pub fn set_chain_action(&mut self, action: ChainAction) {
         self.chain_action = action;
     }

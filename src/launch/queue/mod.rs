@@ -120,6 +120,9 @@ pub struct ComputeQueue {
     /// The chain being recorded by `record_launch_chained`, sent by `end_chain`.
     chain: Option<OpenChain>,
     chain_action: ChainAction,
+    /// Set when a QMD was read ahead of its launch since the work distributor's copies were last dropped (a chain
+    /// linked with [`ChainAction::Schedule`] drops them first).
+    read_ahead_held: bool,
     graph_schedule: GraphSchedule,
     chain_part: usize,
     /// The size of the next chain part: [`FIRST_CHAIN_PART`] for a new chain, doubling part by part up to
@@ -246,6 +249,7 @@ impl ComputeQueue {
             timeout: config.timeout,
             chain: None,
             chain_action: ChainAction::InvalidateCopySchedule,
+            read_ahead_held: false,
             graph_schedule: GraphSchedule::Gpu,
             chain_part: config.chain_part.clamp(1, config.slots),
             next_part: FIRST_CHAIN_PART.min(config.chain_part.clamp(1, config.slots)),

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::launch::cbank::DRIVER_BYTES;
-use crate::launch::qmd::{self, QMD_WORDS};
+use crate::launch::qmd::{self, ChainAction, QMD_WORDS};
 use crate::launch::{Error, Result};
 use crate::module::printf::{Drained, PrintfFifo};
 use crate::module::{Kernel, newest_generation};
@@ -180,8 +180,10 @@ impl ComputeQueue {
         let qmd_va = self.slot_qmd_va(slot);
         // A slot's QMD is only ever written by the CPU, before the launch is sent, so it may be fetched early; a
         // gated QMD is not (its gate and latch change as the work distributor runs it).
-        let early = self.prefetch_qmds && gate.is_none();
-        self.send_qmd(qmd_va, inline, early, invalidate, prev_done, prev, gate)
+        let early = self.reads_ahead() && gate.is_none();
+        self.send_qmd(
+            qmd_va, inline, early, invalidate, prev_done, prev, gate, None,
+        )
     }
 
     /// Records the methods that launch the QMD at `qmd_va` (a chain's head), fetched by the GPU. Every QMD of a chain
@@ -195,21 +197,39 @@ impl ComputeQueue {
         prev_done: bool,
         prev: u64,
     ) -> Result<u64> {
+        // Links scheduled with `ChainAction::Schedule` run the work distributor's copy of a QMD when it holds one:
+        // before such a chain, every copy read ahead earlier (under the other action) is dropped, slot by slot.
+        let drop_copies = (self.chain_action == ChainAction::Schedule && self.read_ahead_held)
+            .then(|| (self.slots.va(), self.slot_values.len()));
+        if drop_copies.is_some() {
+            self.read_ahead_held = false;
+        }
         self.send_qmd(
             qmd_va,
             None,
-            self.prefetch_qmds,
+            self.reads_ahead(),
             invalidate,
             prev_done,
             prev,
             None,
+            drop_copies,
         )
+    }
+
+    /// Whether fetched QMDs are read ahead of their waits ([`ComputeQueueConfig::prefetch_qmds`]): never while chains
+    /// link with [`ChainAction::Schedule`], whose links run the work distributor's copy of a QMD if it holds one: a
+    /// copy read ahead of an earlier launch from the same slot would run instead of the slot's new QMD.
+    ///
+    /// [`ComputeQueueConfig::prefetch_qmds`]: super::ComputeQueueConfig::prefetch_qmds
+    fn reads_ahead(&self) -> bool {
+        self.prefetch_qmds && self.chain_action != ChainAction::Schedule
     }
 
     /// Records a launch of the QMD at `qmd_va`: sent inline from slot `inline`'s staged words, or fetched. A fetched
     /// QMD that waits for the work before it is, where `early`, fetched before that wait, so that the fetch overlaps
     /// the work instead of following it. With a gate ([`GateSend`]), that gate is armed first, and a launch the
-    /// previous slot's gate schedules has that gate counted down instead of waiting for the work before it.
+    /// previous slot's gate schedules has that gate counted down instead of waiting for the work before it. With
+    /// `drop_copies` (the slots' base and count), the work distributor's copy of every slot's QMD is dropped first.
     #[allow(clippy::too_many_arguments)]
     fn send_qmd(
         &mut self,
@@ -220,19 +240,27 @@ impl ComputeQueue {
         prev_done: bool,
         prev: u64,
         gate: Option<GateSend>,
+        drop_copies: Option<(u64, usize)>,
     ) -> Result<u64> {
         let timeline_va = self.queue.timeline().va();
         let order = self.ordering;
         let words = inline.map(|slot| &self.qmd_shadow[slot]);
         // At most 17 words besides an inline QMD (cache invalidation 2, read-ahead 5, acquire 6, PCAS 4; or a gate's
         // 4 and a count-down's 4 in their place), so armed slots of 32 words still take every fetched launch.
-        let max_words = 24 + words.map_or(0, |_| 3 + QMD_WORDS);
+        let max_words =
+            24 + words.map_or(0, |_| 3 + QMD_WORDS) + drop_copies.map_or(0, |(_, slots)| 4 * slots);
         let after = gate.and_then(|g| g.after);
         let waits = !prev_done && after.is_none();
         let prefetch = early && waits && words.is_none();
+        self.read_ahead_held |= prefetch;
         Ok(self
             .queue
             .record_value(max_words, Signal::Recorded, |p, _| {
+                if let Some((base, slots)) = drop_copies {
+                    for slot in 0..slots as u64 {
+                        p.invalidate_qmd(base + slot * SLOT_BYTES);
+                    }
+                }
                 if invalidate {
                     p.invalidate_shader_caches_no_wfi();
                 }
