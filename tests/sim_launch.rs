@@ -853,8 +853,8 @@ fn schedule_linked_chains_never_run_a_copy_read_ahead_before() {
 }
 
 /// Launches read ahead on a queue, then a chain linked with `QMD_SCHEDULE` over the same slots with another grid:
-/// every link runs with its own grid (the copies read ahead before are dropped when the chain is sent), and no QMD
-/// is read ahead while chains link that way.
+/// every link runs with its own grid (a link into a slot read ahead before fetches afresh), and no QMD is read ahead
+/// while chains link that way.
 #[test]
 fn a_schedule_linked_chain_after_read_ahead_launches_runs_its_own_qmds() {
     let (gpu, sim, mut q, module) = setup_with(
@@ -904,4 +904,54 @@ fn a_schedule_linked_chain_after_read_ahead_launches_runs_its_own_qmds() {
         !seen.iter().any(|l| l.prefetched),
         "read ahead under QMD_SCHEDULE"
     );
+}
+
+/// The action is fixed per link as it is recorded: links recorded under `QMD_SCHEDULE` into slots read ahead before
+/// fetch afresh even when the action is switched back before the chain is sent (the chain's head is then read
+/// ahead itself).
+#[test]
+fn links_recorded_under_schedule_stay_safe_when_the_action_changes_before_the_chain_is_sent() {
+    let (gpu, sim, mut q, module) = setup_with(
+        ComputeQueueConfig::default()
+            .with_slots(16)
+            .with_chain_part(8),
+    );
+    let k = module.kernel("chain_step").unwrap();
+    let v = page(&gpu);
+    let one = LaunchConfig::linear(1, 1);
+    let two = LaunchConfig::linear(2, 1);
+    for round in 0..4u64 {
+        let before = sim.launches().len();
+        // Every slot's last launch read ahead (each batch waits behind work the queue has not seen complete).
+        for batch in 0..2u64 {
+            sim.pause();
+            for tag in batch * 8..batch * 8 + 8 {
+                let args = [Arg::Ptr(v.va()), Arg::U64(round * 100 + tag), Arg::U64(0)];
+                // SAFETY: the model does not execute kernels.
+                unsafe { q.launch(&k, &one, &args) }.unwrap();
+            }
+            sim.resume();
+            q.synchronize().unwrap();
+        }
+        sim.pause();
+        q.set_chain_action(qmd::ChainAction::Schedule);
+        for tag in 16..24u64 {
+            let args = [Arg::Ptr(v.va()), Arg::U64(round * 100 + tag), Arg::U64(0)];
+            // SAFETY: as above.
+            unsafe { q.record_launch_chained(&k, &two, &args) }.unwrap();
+        }
+        q.set_chain_action(qmd::ChainAction::InvalidateCopySchedule);
+        q.end_chain().unwrap();
+        sim.resume();
+        q.synchronize().unwrap();
+        assert!(sim.errors().is_empty(), "round {round}: {:?}", sim.errors());
+        let want: Vec<u64> = (0..24).map(|t| round * 100 + t).collect();
+        assert_eq!(tags_after(&sim, before), want);
+        assert!(
+            sim.launches()[before + 16..]
+                .iter()
+                .all(|l| l.grid == [2, 1, 1]),
+            "round {round}: a stale QMD ran"
+        );
+    }
 }

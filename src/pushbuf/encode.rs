@@ -520,17 +520,6 @@ impl<'a> Push<'a> {
         );
     }
 
-    /// Drops the compute work distributor's copy of the QMD at `qmd_va`, if it holds one (PCAS INVALIDATE), so that
-    /// a later launch that does not fetch afresh cannot run a copy read ahead of an earlier launch from the same
-    /// place.
-    #[inline]
-    pub fn invalidate_qmd(&mut self, qmd_va: u64) {
-        self.send_pcas_action(
-            qmd_va,
-            compute::SEND_SIGNALING_PCAS2_B_PCAS_ACTION_INVALIDATE,
-        );
-    }
-
     /// Counts one predecessor of the armed QMD at `qmd_va` down (PCAS DECREMENT_DEPENDENCE): the compute work
     /// distributor schedules it when its dependence counter reaches zero.
     pub fn send_pcas_decrement(&mut self, qmd_va: u64) {

@@ -132,7 +132,7 @@ impl ComputeQueue {
                 })
             }
             Some(mut c) => {
-                let next = (self.slot_qmd_va(slot), self.chain_action);
+                let next = (self.slot_qmd_va(slot), self.link_action(slot));
                 qmd::set_chain_link(self.version, &mut c.last_qmd, Some(next))?;
                 if programmatic {
                     // The link before lets this one be scheduled at its pre-exit and arrives at a latch this one's
@@ -238,7 +238,7 @@ impl ComputeQueue {
     /// How a chain's QMDs schedule the next one: `InvalidateCopySchedule` (the default) fetches each QMD afresh, as
     /// rewritten slots need; `Schedule` is what libcuda's graphs use for QMDs that never change. Under `Schedule` no
     /// QMD is read ahead of its launch ([`ComputeQueueConfig::prefetch_qmds`](super::ComputeQueueConfig::prefetch_qmds)),
-    /// and a chain's first part drops the copies read ahead before, since its links would run them.
+    /// and a link into a slot read ahead before fetches afresh, since a `Schedule` link would run the copy read then.
     pub fn set_chain_action(&mut self, action: ChainAction) {
         self.chain_action = action;
     }
@@ -261,12 +261,7 @@ impl ComputeQueue {
         self.write_qmd(c.last_slot, &c.last_qmd)?;
         // Read before the invalidation is recorded: code uploaded after it is not counted as seen.
         let newest = newest_generation();
-        let sent = self.send(
-            self.slot_qmd_va(c.first_slot),
-            c.invalidate,
-            prev_done,
-            prev,
-        )?;
+        let sent = self.send(c.first_slot, c.invalidate, prev_done, prev)?;
         debug_assert_eq!(sent, value);
         if c.invalidate {
             self.seen_generation = newest;

@@ -251,7 +251,7 @@ pub struct ComputeQueueConfig {
     /// Have the GPU read a launch's QMD before the front end waits for the launch ahead of it (stream order), so that
     /// the fetch overlaps that launch's work instead of following it: two more compute methods in the pushbuffer
     /// ahead of the wait (five words). Only for QMDs the GPU fetches from a launch slot, a chain's head included
-    /// (not inline, not gated), and only where the queue has not yet seen the launch ahead complete. On by
+    /// (not inline, not gated, not while chains link with `ChainAction::Schedule`), and only where the queue has not yet seen the launch ahead complete. On by
     /// default: on an H100 it took 1000 dependent empty launches from 1718 to 1450 ns each (interleaved A/B) and
     /// GPT-2 eager from 758 to 696-699 µs per token; an isolated launch call stayed within the spread (BENCHMARKS.md).
     pub prefetch_qmds: bool,

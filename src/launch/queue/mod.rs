@@ -120,9 +120,9 @@ pub struct ComputeQueue {
     /// The chain being recorded by `record_launch_chained`, sent by `end_chain`.
     chain: Option<OpenChain>,
     chain_action: ChainAction,
-    /// Set when a QMD was read ahead of its launch since the work distributor's copies were last dropped (a chain
-    /// linked with [`ChainAction::Schedule`] drops them first).
-    read_ahead_held: bool,
+    /// Per slot, whether its last launch was read ahead (`PCAS PREFETCH`), so that the work distributor may hold a
+    /// copy of that QMD: a [`ChainAction::Schedule`] link into the slot fetches afresh instead.
+    read_ahead_slots: Vec<bool>,
     graph_schedule: GraphSchedule,
     chain_part: usize,
     /// The size of the next chain part: [`FIRST_CHAIN_PART`] for a new chain, doubling part by part up to
@@ -249,7 +249,7 @@ impl ComputeQueue {
             timeout: config.timeout,
             chain: None,
             chain_action: ChainAction::InvalidateCopySchedule,
-            read_ahead_held: false,
+            read_ahead_slots: vec![false; config.slots],
             graph_schedule: GraphSchedule::Gpu,
             chain_part: config.chain_part.clamp(1, config.slots),
             next_part: FIRST_CHAIN_PART.min(config.chain_part.clamp(1, config.slots)),

@@ -176,91 +176,86 @@ impl ComputeQueue {
         prev: u64,
         gate: Option<GateSend>,
     ) -> Result<u64> {
-        let inline = self.inline_qmd.then_some(slot);
-        let qmd_va = self.slot_qmd_va(slot);
+        let inline = self.inline_qmd;
         // A slot's QMD is only ever written by the CPU, before the launch is sent, so it may be fetched early; a
         // gated QMD is not (its gate and latch change as the work distributor runs it).
         let early = self.reads_ahead() && gate.is_none();
-        self.send_qmd(
-            qmd_va, inline, early, invalidate, prev_done, prev, gate, None,
-        )
+        self.send_qmd(slot, inline, early, invalidate, prev_done, prev, gate)
     }
 
-    /// Records the methods that launch the QMD at `qmd_va` (a chain's head), fetched by the GPU. Every QMD of a chain
-    /// is written by the CPU before its part is sent, and the head's is not gated, so a head that waits for the work
-    /// before it is read ahead of that wait as a plain slot's QMD is: a chained queue sends each part while the one
-    /// before runs, and the fetch then overlaps that part's work.
+    /// Records the methods that launch the QMD of slot `slot` (a chain's head), fetched by the GPU. Every QMD of a
+    /// chain is written by the CPU before its part is sent, and the head's is not gated, so a head that waits for the
+    /// work before it is read ahead of that wait as a plain slot's QMD is: a chained queue sends each part while the
+    /// one before runs, and the fetch then overlaps that part's work.
     pub(super) fn send(
         &mut self,
-        qmd_va: u64,
+        slot: usize,
         invalidate: bool,
         prev_done: bool,
         prev: u64,
     ) -> Result<u64> {
-        // Links scheduled with `ChainAction::Schedule` run the work distributor's copy of a QMD when it holds one:
-        // before such a chain, every copy read ahead earlier (under the other action) is dropped, slot by slot.
-        let drop_copies = (self.chain_action == ChainAction::Schedule && self.read_ahead_held)
-            .then(|| (self.slots.va(), self.slot_values.len()));
-        if drop_copies.is_some() {
-            self.read_ahead_held = false;
-        }
         self.send_qmd(
-            qmd_va,
-            None,
+            slot,
+            false,
             self.reads_ahead(),
             invalidate,
             prev_done,
             prev,
             None,
-            drop_copies,
         )
     }
 
-    /// Whether fetched QMDs are read ahead of their waits ([`ComputeQueueConfig::prefetch_qmds`]): never while chains
-    /// link with [`ChainAction::Schedule`], whose links run the work distributor's copy of a QMD if it holds one: a
-    /// copy read ahead of an earlier launch from the same slot would run instead of the slot's new QMD.
+    /// Whether fetched QMDs are read ahead of their waits ([`ComputeQueueConfig::prefetch_qmds`]): not while chains
+    /// link with [`ChainAction::Schedule`], whose links run the work distributor's copy of a QMD if it holds one (a
+    /// link into a slot read ahead before is linked with the action that fetches afresh instead: see
+    /// [`link_action`](Self::link_action)).
     ///
     /// [`ComputeQueueConfig::prefetch_qmds`]: super::ComputeQueueConfig::prefetch_qmds
     fn reads_ahead(&self) -> bool {
         self.prefetch_qmds && self.chain_action != ChainAction::Schedule
     }
 
-    /// Records a launch of the QMD at `qmd_va`: sent inline from slot `inline`'s staged words, or fetched. A fetched
-    /// QMD that waits for the work before it is, where `early`, fetched before that wait, so that the fetch overlaps
-    /// the work instead of following it. With a gate ([`GateSend`]), that gate is armed first, and a launch the
-    /// previous slot's gate schedules has that gate counted down instead of waiting for the work before it. With
-    /// `drop_copies` (the slots' base and count), the work distributor's copy of every slot's QMD is dropped first.
+    /// How a chain link into `slot` is scheduled: the queue's [`ChainAction`], except that a `Schedule` link into a
+    /// slot whose QMD the work distributor may hold a copy of (read ahead of an earlier launch from the slot, since
+    /// rewritten) fetches afresh, as `InvalidateCopySchedule` does; that fetch leaves no copy behind.
+    pub(super) fn link_action(&mut self, slot: usize) -> ChainAction {
+        if self.chain_action == ChainAction::Schedule && !self.read_ahead_slots[slot] {
+            return ChainAction::Schedule;
+        }
+        self.read_ahead_slots[slot] = false;
+        ChainAction::InvalidateCopySchedule
+    }
+
+    /// Records a launch of slot `slot`'s QMD: sent inline from the slot's staged words (`inline`), or fetched. A
+    /// fetched QMD that waits for the work before it is, where `early`, fetched before that wait, so that the fetch
+    /// overlaps the work instead of following it (the slot is then marked as one whose QMD the work distributor may
+    /// hold a copy of; any other launch of it fetches afresh, leaving none). With a gate ([`GateSend`]), that gate is
+    /// armed first, and a launch the previous slot's gate schedules has that gate counted down instead of waiting for
+    /// the work before it.
     #[allow(clippy::too_many_arguments)]
     fn send_qmd(
         &mut self,
-        qmd_va: u64,
-        inline: Option<usize>,
+        slot: usize,
+        inline: bool,
         early: bool,
         invalidate: bool,
         prev_done: bool,
         prev: u64,
         gate: Option<GateSend>,
-        drop_copies: Option<(u64, usize)>,
     ) -> Result<u64> {
+        let qmd_va = self.slot_qmd_va(slot);
         let timeline_va = self.queue.timeline().va();
         let order = self.ordering;
-        let words = inline.map(|slot| &self.qmd_shadow[slot]);
+        let words = inline.then(|| &self.qmd_shadow[slot]);
         // At most 17 words besides an inline QMD (cache invalidation 2, read-ahead 5, acquire 6, PCAS 4; or a gate's
         // 4 and a count-down's 4 in their place), so armed slots of 32 words still take every fetched launch.
-        let max_words =
-            24 + words.map_or(0, |_| 3 + QMD_WORDS) + drop_copies.map_or(0, |(_, slots)| 4 * slots);
+        let max_words = 24 + words.map_or(0, |_| 3 + QMD_WORDS);
         let after = gate.and_then(|g| g.after);
         let waits = !prev_done && after.is_none();
         let prefetch = early && waits && words.is_none();
-        self.read_ahead_held |= prefetch;
-        Ok(self
+        let value = self
             .queue
             .record_value(max_words, Signal::Recorded, |p, _| {
-                if let Some((base, slots)) = drop_copies {
-                    for slot in 0..slots as u64 {
-                        p.invalidate_qmd(base + slot * SLOT_BYTES);
-                    }
-                }
                 if invalidate {
                     p.invalidate_shader_caches_no_wfi();
                 }
@@ -285,7 +280,9 @@ impl ComputeQueue {
                     // runs once the previous launch has pre-exited and this decrement has arrived.
                     p.send_pcas_decrement(previous);
                 }
-            })?)
+            })?;
+        self.read_ahead_slots[slot] = prefetch;
+        Ok(value)
     }
 
     /// Rings the doorbell for everything recorded (nothing when nothing was recorded since the last doorbell; links a
