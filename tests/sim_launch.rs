@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use apex::launch::qmd::{self, ConstBuffer, QMD_WORDS, QmdParams, QmdVersion};
 use apex::launch::{Arg, ComputeQueue, ComputeQueueConfig, Error, FIRST_CHAIN_PART, LaunchConfig};
-use apex::module::Module;
+use apex::module::{Kernel, Module};
 use apex::pushbuf::Signal;
 use apex::rm::{GpuCore, Memory, MemoryDesc};
 use apex::sim::{QmdViolation, SimErrorKind, Simulator, XID_GRAPHICS};
@@ -514,6 +514,35 @@ fn a_launch_right_after_a_wait_needs_no_acquire_of_its_own() {
     assert!(sim.errors().is_empty(), "{:?}", sim.errors());
 }
 
+/// Launches `chain_step` (`k`) over `cfg` once per tag, in stream order, writing through `v`.
+fn launch_tags(
+    q: &mut ComputeQueue,
+    k: &Kernel,
+    cfg: &LaunchConfig,
+    v: u64,
+    tags: impl IntoIterator<Item = u64>,
+) {
+    for tag in tags {
+        // SAFETY: the model does not execute kernels.
+        unsafe { q.launch(k, cfg, &[Arg::Ptr(v), Arg::U64(tag), Arg::U64(0)]) }.unwrap();
+    }
+}
+
+/// Records `chain_step` (`k`) over `cfg` once per tag as links of the queue's open chain.
+fn chain_tags(
+    q: &mut ComputeQueue,
+    k: &Kernel,
+    cfg: &LaunchConfig,
+    v: u64,
+    tags: impl IntoIterator<Item = u64>,
+) {
+    for tag in tags {
+        // SAFETY: the model does not execute kernels.
+        unsafe { q.record_launch_chained(k, cfg, &[Arg::Ptr(v), Arg::U64(tag), Arg::U64(0)]) }
+            .unwrap();
+    }
+}
+
 /// Tags of the `chain_step` launches the model saw after `before`, in the order it ran them.
 fn tags_after(sim: &Simulator, before: usize) -> Vec<u64> {
     sim.launches()[before..]
@@ -679,10 +708,7 @@ fn chain_heads_are_not_read_ahead_when_reading_ahead_is_off() {
     let cfg = LaunchConfig::linear(1, 1);
     let before = sim.launches().len();
     sim.pause();
-    for tag in 1..=100u64 {
-        // SAFETY: the model does not execute kernels.
-        unsafe { q.launch(&k, &cfg, &[Arg::Ptr(v.va()), Arg::U64(tag), Arg::U64(0)]) }.unwrap();
-    }
+    launch_tags(&mut q, &k, &cfg, v.va(), 1..=100);
     sim.resume();
     q.synchronize().unwrap();
     assert_eq!(tags_after(&sim, before), (1..=100).collect::<Vec<u64>>());
@@ -836,11 +862,7 @@ fn schedule_linked_chains_never_run_a_copy_read_ahead_before() {
         q.set_chain_action(action);
         for n in [1u64, 2, 3, 10, 255, 256, 257, 511, 1000] {
             let before = sim.launches().len();
-            for i in 0..n {
-                let args = [Arg::Ptr(v.va()), Arg::U64(i), Arg::U64(0)];
-                // SAFETY: the model does not execute kernels.
-                unsafe { q.record_launch_chained(&k, &one, &args) }.unwrap();
-            }
+            chain_tags(&mut q, &k, &one, v.va(), 0..n);
             q.end_chain().unwrap().wait(T).unwrap();
             assert!(
                 sim.errors().is_empty(),
@@ -867,10 +889,7 @@ fn a_schedule_linked_chain_after_read_ahead_launches_runs_its_own_qmds() {
     let one = LaunchConfig::linear(1, 1);
     let before = sim.launches().len();
     sim.pause();
-    for tag in 1..=40u64 {
-        // SAFETY: the model does not execute kernels.
-        unsafe { q.launch(&k, &one, &[Arg::Ptr(v.va()), Arg::U64(tag), Arg::U64(0)]) }.unwrap();
-    }
+    launch_tags(&mut q, &k, &one, v.va(), 1..=40);
     sim.resume();
     q.synchronize().unwrap();
     assert!(
@@ -881,16 +900,9 @@ fn a_schedule_linked_chain_after_read_ahead_launches_runs_its_own_qmds() {
     let two = LaunchConfig::linear(2, 1);
     let second = sim.launches().len();
     sim.pause();
-    for tag in 41..=90u64 {
-        let args = [Arg::Ptr(v.va()), Arg::U64(tag), Arg::U64(0)];
-        // SAFETY: as above.
-        unsafe { q.record_launch_chained(&k, &two, &args) }.unwrap();
-    }
+    chain_tags(&mut q, &k, &two, v.va(), 41..=90);
     q.end_chain().unwrap();
-    for tag in 91..=95u64 {
-        // SAFETY: as above.
-        unsafe { q.launch(&k, &one, &[Arg::Ptr(v.va()), Arg::U64(tag), Arg::U64(0)]) }.unwrap();
-    }
+    launch_tags(&mut q, &k, &one, v.va(), 91..=95);
     sim.resume();
     q.synchronize().unwrap();
     assert!(sim.errors().is_empty(), "{:?}", sim.errors());
@@ -925,21 +937,14 @@ fn links_recorded_under_schedule_stay_safe_when_the_action_changes_before_the_ch
         // Every slot's last launch read ahead (each batch waits behind work the queue has not seen complete).
         for batch in 0..2u64 {
             sim.pause();
-            for tag in batch * 8..batch * 8 + 8 {
-                let args = [Arg::Ptr(v.va()), Arg::U64(round * 100 + tag), Arg::U64(0)];
-                // SAFETY: the model does not execute kernels.
-                unsafe { q.launch(&k, &one, &args) }.unwrap();
-            }
+            let tags = batch * 8..batch * 8 + 8;
+            launch_tags(&mut q, &k, &one, v.va(), tags.map(|t| round * 100 + t));
             sim.resume();
             q.synchronize().unwrap();
         }
         sim.pause();
         q.set_chain_action(qmd::ChainAction::Schedule);
-        for tag in 16..24u64 {
-            let args = [Arg::Ptr(v.va()), Arg::U64(round * 100 + tag), Arg::U64(0)];
-            // SAFETY: as above.
-            unsafe { q.record_launch_chained(&k, &two, &args) }.unwrap();
-        }
+        chain_tags(&mut q, &k, &two, v.va(), (16..24).map(|t| round * 100 + t));
         q.set_chain_action(qmd::ChainAction::InvalidateCopySchedule);
         q.end_chain().unwrap();
         sim.resume();
