@@ -129,7 +129,7 @@ impl Marker {
 /// The stream an allocation or free names, as far as handing a block out again at once goes: `None` for the
 /// per-thread default stream, which names a different stream in each thread (and one that may outlive its thread's id).
 pub fn lane(key: StreamKey) -> Option<StreamKey> {
-    (key != StreamKey::PerThread).then_some(key)
+    (!key.is_per_thread()).then_some(key)
 }
 
 /// A stream-ordered block the program freed, held by the cache.

@@ -763,7 +763,7 @@ impl Ctx {
     fn stream(&mut self, cuda: &dyn CudaSide, raw: usize, per_thread: bool) -> Stream {
         let key = StreamKey::of(raw, per_thread);
         let blocking = match key {
-            StreamKey::Legacy | StreamKey::PerThread => true,
+            StreamKey::Legacy | StreamKey::PerThread(_) => true,
             StreamKey::Handle(h) => *self
                 .blocking
                 .entry(h)
@@ -1185,9 +1185,6 @@ impl Engine {
             Err(r) => return Err(r.clone().into()),
         };
         let key = StreamKey::of(l.stream, l.per_thread);
-        if key == StreamKey::PerThread {
-            return Err(Refusal::PerThreadStream.into());
-        }
         // SAFETY: `extra` is the program's `extra` array, as the driver would read it.
         let packed = unsafe { packed_params(l.params, l.extra) }?;
         if self.stack_raised {
@@ -2177,11 +2174,6 @@ impl Taken {
         drop(self.guard);
         self.since
     }
-}
-
-/// A launch made through an entry point the preload always leaves to libcuda.
-pub(crate) fn refused(why: Refusal) {
-    with(|e| e.summary.refused(&why));
 }
 
 /// Before a CUDA operation at `site`: related queues' work is handed to CUDA. The answer is for [`after`].

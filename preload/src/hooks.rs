@@ -14,7 +14,6 @@ use std::sync::atomic::AtomicUsize;
 
 use apex_interpose::{CUDA_ERROR_STUB_LIBRARY, GpaFn, GpaV2Fn, enter, install, next, quietly};
 
-use crate::Refusal;
 use crate::attrs::{self, LaunchConfig};
 use crate::engine::{self, Answer, CopyDir, CopyOp, Launch, SetOp, Site, SyncKind};
 
@@ -1556,18 +1555,34 @@ pub unsafe extern "C" fn cuLaunchKernelEx_ptsz(
     })
 }
 
-fn cooperative(stream: P, per_thread: bool, forward: impl FnOnce() -> c_int) -> c_int {
-    if engine::disabled() {
-        engine::count_disabled_launch();
-        return forward();
-    }
-    let Some(_g) = enter() else { return forward() };
-    engine::refused(Refusal::CooperativeEntryPoint);
-    let site = Site::Stream(stream as usize, per_thread);
-    let o = engine::before(site);
-    let r = forward();
-    engine::after(site, o, false);
-    r
+/// A `cuLaunchCooperativeKernel` is a `cuLaunchKernelEx` with `CU_LAUNCH_ATTRIBUTE_COOPERATIVE` set: taken over
+/// as one (every block resident at once, the grid barrier APEX's), or forwarded ordered.
+#[allow(clippy::too_many_arguments)]
+fn cooperative(
+    f: P,
+    grid: [c_uint; 3],
+    block: [c_uint; 3],
+    shared: c_uint,
+    stream: P,
+    params: *mut P,
+    per_thread: bool,
+    forward: impl FnOnce() -> c_int,
+) -> c_int {
+    let l = Launch {
+        f: f as usize,
+        grid,
+        block,
+        shared,
+        stream: stream as usize,
+        per_thread,
+        params,
+        extra: std::ptr::null_mut(),
+        extras: Ok(attrs::Extras {
+            cooperative: true,
+            ..attrs::Extras::default()
+        }),
+    };
+    launch(l, forward)
 }
 
 /// # Safety
@@ -1585,14 +1600,23 @@ pub unsafe extern "C" fn cuLaunchCooperativeKernel(
     stream: P,
     params: *mut P,
 ) -> c_int {
-    cooperative(stream, false, || {
-        forward!(
-            REAL_COOP,
-            c"cuLaunchCooperativeKernel",
-            CoopFn,
-            (f, gx, gy, gz, bx, by, bz, shared, stream, params)
-        )
-    })
+    cooperative(
+        f,
+        [gx, gy, gz],
+        [bx, by, bz],
+        shared,
+        stream,
+        params,
+        false,
+        || {
+            forward!(
+                REAL_COOP,
+                c"cuLaunchCooperativeKernel",
+                CoopFn,
+                (f, gx, gy, gz, bx, by, bz, shared, stream, params)
+            )
+        },
+    )
 }
 
 /// # Safety
@@ -1610,14 +1634,23 @@ pub unsafe extern "C" fn cuLaunchCooperativeKernel_ptsz(
     stream: P,
     params: *mut P,
 ) -> c_int {
-    cooperative(stream, true, || {
-        forward!(
-            REAL_COOP_PT,
-            c"cuLaunchCooperativeKernel_ptsz",
-            CoopFn,
-            (f, gx, gy, gz, bx, by, bz, shared, stream, params)
-        )
-    })
+    cooperative(
+        f,
+        [gx, gy, gz],
+        [bx, by, bz],
+        shared,
+        stream,
+        params,
+        true,
+        || {
+            forward!(
+                REAL_COOP_PT,
+                c"cuLaunchCooperativeKernel_ptsz",
+                CoopFn,
+                (f, gx, gy, gz, bx, by, bz, shared, stream, params)
+            )
+        },
+    )
 }
 
 // ---- how programs find the driver's functions ----

@@ -33,9 +33,9 @@
 pub enum StreamKey {
     /// The legacy default stream (handle 0 on the non-`_ptsz` entry points, or `CU_STREAM_LEGACY`).
     Legacy,
-    /// The calling thread's per-thread default stream (handle 0 on `_ptsz`/`_ptds` entry points, or
-    /// `CU_STREAM_PER_THREAD`).
-    PerThread,
+    /// A thread's per-thread default stream (handle 0 on `_ptsz`/`_ptds` entry points, or `CU_STREAM_PER_THREAD`),
+    /// named by the thread's serial number ([`thread_serial`]): each thread's is a stream of its own.
+    PerThread(u64),
     /// A stream the program created.
     Handle(usize),
 }
@@ -45,24 +45,54 @@ pub const CU_STREAM_LEGACY: usize = 1;
 /// `CU_STREAM_PER_THREAD`.
 pub const CU_STREAM_PER_THREAD: usize = 2;
 
+/// The calling thread's serial number: given at its first call, from 1, never reused (a thread id may be, once its
+/// thread ends; a later thread's per-thread default stream is another stream).
+pub fn thread_serial() -> u64 {
+    use std::cell::Cell;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local! {
+        // No destructor: readable until the thread's very end.
+        static SERIAL: Cell<u64> = const { Cell::new(0) };
+    }
+    SERIAL.with(|s| match s.get() {
+        0 => {
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            s.set(n);
+            n
+        }
+        n => n,
+    })
+}
+
 impl StreamKey {
-    /// The stream a driver call names with `raw`; `per_thread` for the `_ptsz`/`_ptds` entry points.
+    /// The stream a driver call of this thread names with `raw`; `per_thread` for the `_ptsz`/`_ptds` entry points.
     pub fn of(raw: usize, per_thread: bool) -> StreamKey {
         match raw {
-            0 if per_thread => StreamKey::PerThread,
+            0 if per_thread => StreamKey::PerThread(thread_serial()),
             0 | CU_STREAM_LEGACY => StreamKey::Legacy,
-            CU_STREAM_PER_THREAD => StreamKey::PerThread,
+            CU_STREAM_PER_THREAD => StreamKey::PerThread(thread_serial()),
             h => StreamKey::Handle(h),
         }
     }
 
-    /// The handle to pass to the driver for this stream (the legacy stream as null).
+    /// The handle to pass to the driver, from this thread, for waiting on or after this stream's work (the legacy
+    /// stream as null). Another thread's per-thread default stream cannot be named from here: its handle is the
+    /// legacy default stream's instead, which CUDA orders with every blocking stream both ways (the legacy stream's
+    /// work after all earlier work of blocking streams, theirs after all its earlier work), so a wait or a value
+    /// written there orders that stream's work as one made on the stream itself would, and more.
     pub fn raw(self) -> usize {
         match self {
             StreamKey::Legacy => 0,
-            StreamKey::PerThread => CU_STREAM_PER_THREAD,
+            StreamKey::PerThread(t) if t == thread_serial() => CU_STREAM_PER_THREAD,
+            StreamKey::PerThread(_) => 0,
             StreamKey::Handle(h) => h,
         }
+    }
+
+    /// Whether this is a per-thread default stream (of any thread).
+    pub fn is_per_thread(self) -> bool {
+        matches!(self, StreamKey::PerThread(_))
     }
 }
 
@@ -513,7 +543,11 @@ mod tests {
         blocking: false,
     };
     const PER_THREAD: Stream = Stream {
-        key: StreamKey::PerThread,
+        key: StreamKey::PerThread(1),
+        blocking: true,
+    };
+    const OTHER_PER_THREAD: Stream = Stream {
+        key: StreamKey::PerThread(2),
         blocking: true,
     };
 
@@ -527,10 +561,36 @@ mod tests {
         assert_eq!(StreamKey::of(0, false), StreamKey::Legacy);
         assert_eq!(StreamKey::of(1, false), StreamKey::Legacy);
         assert_eq!(StreamKey::of(1, true), StreamKey::Legacy);
-        assert_eq!(StreamKey::of(0, true), StreamKey::PerThread);
-        assert_eq!(StreamKey::of(2, false), StreamKey::PerThread);
+        let me = StreamKey::PerThread(thread_serial());
+        assert_eq!(StreamKey::of(0, true), me);
+        assert_eq!(StreamKey::of(2, false), me);
         assert_eq!(StreamKey::of(0x55, true), StreamKey::Handle(0x55));
         assert_eq!(StreamKey::Legacy.raw(), 0);
+        assert_eq!(me.raw(), CU_STREAM_PER_THREAD);
+        assert!(me.is_per_thread() && !StreamKey::Legacy.is_per_thread());
+    }
+
+    #[test]
+    fn each_thread_names_its_own_per_thread_stream_and_reaches_others_through_the_legacy_stream() {
+        let here = StreamKey::of(0, true);
+        assert_eq!(StreamKey::of(0, true), here, "stable within a thread");
+        let there = std::thread::spawn(|| {
+            let k = StreamKey::of(CU_STREAM_PER_THREAD, false);
+            (k, k.raw())
+        })
+        .join()
+        .unwrap();
+        assert_ne!(
+            there.0, here,
+            "another thread's per-thread stream is another stream"
+        );
+        assert_eq!(
+            there.1, CU_STREAM_PER_THREAD,
+            "named as itself in its own thread"
+        );
+        // From this thread that stream is reached through the legacy stream, which orders it both ways.
+        assert_eq!(there.0.raw(), 0);
+        assert_eq!(here.raw(), CU_STREAM_PER_THREAD);
     }
 
     #[test]
@@ -544,6 +604,10 @@ mod tests {
             "two created streams do not synchronize"
         );
         assert!(NON_BLOCKING.related(NON_BLOCKING));
+        assert!(
+            !PER_THREAD.related(OTHER_PER_THREAD) && OTHER_PER_THREAD.related(LEGACY),
+            "two threads' default streams are ordered only through the legacy stream"
+        );
     }
 
     #[test]

@@ -21,9 +21,6 @@ pub enum Refusal {
     /// is unusable from then on, and libcuda answers every call.
     #[error("a device assert failed in this context; libcuda answers from then on")]
     AssertReported,
-    /// A launch on the per-thread default stream (`_ptsz` entry points, `CU_STREAM_PER_THREAD`): not taken over.
-    #[error("launches on the per-thread default stream are not taken over")]
-    PerThreadStream,
     /// A stream is being captured into a CUDA graph: launches must reach libcuda to be captured.
     #[error("a stream is being captured into a CUDA graph")]
     Capturing,
@@ -106,9 +103,6 @@ pub enum Refusal {
     /// The APEX launch failed after it was checked.
     #[error("the APEX launch failed: {0}")]
     LaunchFailed(String),
-    /// A cooperative launch through `cuLaunchCooperativeKernel`.
-    #[error("cuLaunchCooperativeKernel is left to libcuda")]
-    CooperativeEntryPoint,
     /// The preload's own state was lost to an internal error; it forwards everything from then on.
     #[error("an internal error turned the takeover off")]
     Internal,
@@ -135,7 +129,6 @@ impl Refusal {
             Refusal::DriverBackend(_) => "driver_backend",
             Refusal::NoContext => "no_context",
             Refusal::AssertReported => "assert_reported",
-            Refusal::PerThreadStream => "per_thread_stream",
             Refusal::Capturing => "capturing",
             Refusal::TooManyStreams(_) => "too_many_streams",
             Refusal::QueueFailed(_) => "queue_failed",
@@ -154,7 +147,6 @@ impl Refusal {
             Refusal::ContextLimit => "context_limit",
             Refusal::LaunchRefused(_) => "launch_refused",
             Refusal::LaunchFailed(_) => "launch_failed",
-            Refusal::CooperativeEntryPoint => "cooperative_entry_point",
             Refusal::Internal => "internal",
         }
     }
@@ -189,7 +181,6 @@ mod tests {
             Refusal::DriverBackend("x".into()),
             Refusal::NoContext,
             Refusal::AssertReported,
-            Refusal::PerThreadStream,
             Refusal::Capturing,
             Refusal::TooManyStreams(8),
             Refusal::QueueFailed("x".into()),
@@ -213,7 +204,6 @@ mod tests {
             Refusal::ContextLimit,
             Refusal::LaunchRefused("x".into()),
             Refusal::LaunchFailed("x".into()),
-            Refusal::CooperativeEntryPoint,
             Refusal::Internal,
         ];
         let labels: std::collections::BTreeSet<_> = all.iter().map(Refusal::label).collect();

@@ -211,12 +211,19 @@ impl Compared {
 /// Builds `source` with nvcc (sm_90, linked with libcuda for programs that call the driver API) into a scratch
 /// directory named after `name`; returns the directory and the executable.
 fn build_cuda(name: &str, source: &str) -> (PathBuf, PathBuf) {
+    build_cuda_with(name, source, &[])
+}
+
+/// As [`build_cuda`], with nvcc given `extra` arguments too.
+fn build_cuda_with(name: &str, source: &str, extra: &[&str]) -> (PathBuf, PathBuf) {
     let dir = scratch(name);
     let src = dir.join(format!("{name}.cu"));
     std::fs::write(&src, source).unwrap();
     let exe = dir.join(name);
     let built = Command::new(nvcc())
-        .args(["-O2", "-arch=sm_90", "-o"])
+        .args(["-O2", "-arch=sm_90"])
+        .args(extra)
+        .arg("-o")
         .arg(&exe)
         .arg(&src)
         .arg("-lcuda")
@@ -235,8 +242,13 @@ fn build_cuda(name: &str, source: &str) -> (PathBuf, PathBuf) {
 /// and checks that both runs succeed with identical `result` lines, no CUDA error, and every launch seen by the
 /// preload (its `launches` line), at least nine in ten of them through APEX.
 fn compare_cuda_program(name: &str, source: &str) -> Compared {
+    compare_cuda_program_with(name, source, &[])
+}
+
+/// As [`compare_cuda_program`], the program built with nvcc given `extra` arguments too.
+fn compare_cuda_program_with(name: &str, source: &str, extra: &[&str]) -> Compared {
     let lib = preload_lib();
-    let (dir, exe) = build_cuda(name, source);
+    let (dir, exe) = build_cuda_with(name, source, extra);
     let iters = std::env::var("APEX_PRELOAD_ITERS").unwrap_or_else(|_| "2000".into());
     let cmd = || {
         let mut c = Command::new(&exe);
@@ -1454,6 +1466,45 @@ fn hopper_features_give_identical_results_through_apex() {
     // Only the device-side malloc kernel stays on libcuda (its heap is libcuda's).
     assert_eq!(c.summary.fallback, 4, "{:?}", c.summary.reasons);
     assert_eq!(c.summary.apex + 4, c.summary.launches);
+}
+
+/// What CUDA promises about order holds for work the preload sends through APEX (`programs/stream_semantics.cu`):
+/// the legacy default stream's implicit waits, per-thread default streams, host functions and stream callbacks,
+/// stream memory operations across streams, events on the default stream, timed events, explicit and captured
+/// graphs between kernels, pageable copies, pitched 2D and 3D copies, a cooperative grid barrier, and threads each on
+/// a stream of its own. Built as it is and with nvcc's `--default-stream per-thread` (every stream-0 launch then on
+/// a thread's own default stream): the same bits as libcuda's, every launch through APEX but the captured ones.
+/// Before, `cuLaunchCooperativeKernel` and every per-thread default stream stayed on libcuda.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn stream_semantics_hold_through_apex() {
+    for (name, extra) in [
+        ("stream_semantics", &[][..]),
+        (
+            "stream_semantics_per_thread",
+            &["--default-stream", "per-thread"][..],
+        ),
+    ] {
+        let c =
+            compare_cuda_program_with(name, include_str!("programs/stream_semantics.cu"), extra);
+        let a = c.plain_out();
+        assert!(a.contains("result timed_events ok"), "{name}: {a}");
+        let b = c.pre_out();
+        assert!(b.contains("result timed_events ok"), "{name}: {b}");
+        // Only launches into a capture stay on libcuda: they must reach CUDA's graph.
+        let captured = value(&a, "captured ") as u64;
+        assert!(captured > 0, "{a}");
+        assert_eq!(
+            c.summary.fallback, captured,
+            "{name}: {:?}",
+            c.summary.reasons
+        );
+        assert!(
+            c.summary.reasons.keys().all(|k| k == "capturing"),
+            "{name}: {:?}",
+            c.summary.reasons
+        );
+    }
 }
 
 /// Triton's tensor descriptors (host-made maps passed by value, and maps made on the device in Triton's global

@@ -109,7 +109,7 @@ fn marker_on<D: Driver>(
     ctx: usize,
     key: StreamKey,
 ) -> Option<Marker> {
-    let (stream, pt) = (key.raw(), key == StreamKey::PerThread);
+    let (stream, pt) = (key.raw(), key.is_per_thread());
     match d.free_point(stream, pt) {
         FreePoint::Fence { ctx: owner, fence } if owner == ctx => Some(Marker::Fence(fence)),
         FreePoint::Fence { .. } => None,

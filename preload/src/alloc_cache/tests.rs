@@ -171,7 +171,7 @@ fn another_stream_gets_a_block_only_once_its_free_is_complete() {
     let s = c.stats();
     assert_eq!((s.async_misses, s.async_unready), (3, 1), "{s:?}");
     // The per-thread default stream is never "the same stream": it is each thread's own.
-    assert_eq!(lane(StreamKey::PerThread), None);
+    assert_eq!(lane(StreamKey::PerThread(1)), None);
     assert_eq!(c.take_async(CTX, 4096, None, &mut never), None);
     // Once the event says S1's work up to the free is complete, any stream may have it.
     let mut complete = |m: &Marker| m.event() == Some(7);

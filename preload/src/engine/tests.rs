@@ -597,6 +597,78 @@ fn a_cuda_stream_waits_for_a_kept_event_without_libcuda_recording_it() {
     s.idle();
 }
 
+/// A launch of the test kernel with `params` on `stream` (`per_thread`: through a `_ptsz` entry point).
+fn launch_with(
+    engine: &mut Engine,
+    params: &mut [u64; 4],
+    stream: usize,
+    per_thread: bool,
+) -> bool {
+    let mut ptrs: Vec<*mut c_void> = params.iter_mut().map(|p| (p as *mut u64).cast()).collect();
+    let l = Launch {
+        stream,
+        per_thread,
+        params: ptrs.as_mut_ptr(),
+        ..bare_launch()
+    };
+    engine.launch(&l, 0).is_some()
+}
+
+/// Each thread's per-thread default stream is taken over as a stream of its own (named by 0 on a `_ptsz` entry point
+/// or by `CU_STREAM_PER_THREAD`, the same stream), ordered with the legacy stream as CUDA orders it: a libcuda
+/// operation on the legacy stream hands both threads' queues over, and each queue waits for the legacy stream's work
+/// before its next launch.
+#[test]
+fn each_threads_default_stream_is_taken_over_as_a_stream_of_its_own() {
+    let mut s = Setup::new();
+    let mut params = s.params;
+    // Each thread's queue is built at its first launch (which waits for the simulated GPU); a second launch on each
+    // is left running.
+    let here = crate::order::StreamKey::PerThread(crate::order::thread_serial());
+    assert!(launch_with(&mut s.engine, &mut params, 0, true));
+    let there = std::thread::scope(|scope| {
+        let other = scope.spawn(|| {
+            let ok = launch_with(&mut s.engine, &mut params, 0, true);
+            assert!(ok, "{:?}", s.engine.summary().reasons);
+            s.sim.pause();
+            assert!(launch_with(&mut s.engine, &mut params, 0, true));
+            crate::order::StreamKey::PerThread(crate::order::thread_serial())
+        });
+        other.join().unwrap()
+    });
+    assert!(launch_with(
+        &mut s.engine,
+        &mut params,
+        crate::order::CU_STREAM_PER_THREAD,
+        false
+    ));
+    assert_ne!(here, there);
+    let sum = s.engine.summary();
+    assert_eq!(
+        (sum.apex, sum.fallback, sum.queues),
+        (4, 0, 2),
+        "{:?}",
+        sum.reasons
+    );
+    s.calls();
+    // libcuda work on the legacy stream follows both threads' default streams: both queues are handed over.
+    let o = s.engine.before_work(LEGACY, "cuMemsetD32Async");
+    let mut handed = s.calls();
+    handed.sort();
+    let mut want = vec![
+        format!("cuda<-apex {here:?}"),
+        format!("cuda<-apex {there:?}"),
+    ];
+    want.sort();
+    assert_eq!(handed, want);
+    s.engine.after(LEGACY, o, false);
+    // This thread's next launch on its default stream waits for the legacy stream's work first.
+    assert!(launch_with(&mut s.engine, &mut params, 0, true));
+    assert_eq!(s.calls(), vec![format!("apex<-cuda {here:?}")]);
+    s.sim.resume();
+    s.idle();
+}
+
 #[test]
 fn a_wait_for_a_libcuda_event_on_a_taken_over_stream_hands_nothing_to_cuda() {
     let mut s = Setup::new();
@@ -694,15 +766,11 @@ fn refusals_are_counted_by_reason_and_shapes_are_prepared_once() {
     assert_eq!(s.engine.summary().apex, 60);
     let mut l = bare_launch();
     assert!(s.engine.launch(&l, 0).is_none(), "missing parameters");
-    l.per_thread = true;
-    assert!(s.engine.launch(&l, 0).is_none());
-    l.per_thread = false;
     l.f = 0xdead;
     assert!(s.engine.launch(&l, 0).is_none());
     let sum = s.engine.summary();
-    assert_eq!(sum.fallback, 3);
+    assert_eq!(sum.fallback, 2);
     assert_eq!(sum.reasons["extra_params"].launches, 1);
-    assert_eq!(sum.reasons["per_thread_stream"].launches, 1);
     assert_eq!(sum.reasons["unknown_function"].launches, 1);
     assert_eq!(sum.contexts, vec!["direct".to_string()]);
 }

@@ -311,7 +311,7 @@ fn a_synchronized_stream_hands_its_frees_to_any_stream_without_libcuda() {
     free(&c, &d, q, S1, false);
     assert!(d.calls().is_empty());
     // A synchronization of another thread's default stream completes nothing held.
-    synchronized(&c, &d, Some(StreamKey::PerThread), frees_so_far());
+    synchronized(&c, &d, Some(StreamKey::PerThread(u64::MAX)), frees_so_far());
 }
 
 /// A free another thread makes while a synchronization of its stream runs may follow work that synchronization did
