@@ -488,6 +488,16 @@ impl CudaSide for Libcuda {
 
     fn attach(&self) -> Result<(Gpu, bool), String> {
         let gpu = Gpu::attach_cuda().map_err(|e| e.to_string())?;
+        // With several contexts on the GPU, APEX's channel would join the oldest one's group, which need not be this
+        // context's: its work would run under another context's time slices and faults, and a second context's
+        // queue in the first one's group was seen to stall (a driver-API program with two contexts, H200,
+        // 580.159.04). Such a context is left to libcuda; contexts attached while they were alone keep APEX.
+        if let Some(n) = gpu.cuda_contexts_at_attach().filter(|&n| n > 1) {
+            return Err(format!(
+                "{n} CUDA contexts of this process use this GPU, and RM does not say which channel group is the \
+                 current one's: this context's work stays on libcuda"
+            ));
+        }
         // A failed assert must end its thread, not fault the channel group: the group is the program's context,
         // and CUDA's report of the assert comes from the replay (`replay_asserts`).
         let ends_thread = gpu.set_assert_action(AssertAction::EndThread).is_ok();

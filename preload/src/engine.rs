@@ -2048,6 +2048,24 @@ impl Engine {
         let _ = self.history.record(&run);
     }
 
+    /// A context is about to be destroyed: when APEX never attached to it (nor is attaching), what the preload keeps
+    /// under its handle is forgotten (a refused attach, the takeover's counts of its streams), so a later context
+    /// given the same handle starts from nothing, and `true` is returned; `false` when APEX has anything in it.
+    pub(crate) fn context_destroyed_alone(&mut self, handle: usize) -> bool {
+        if self.find_context(handle).is_some() || self.attaching.contains_key(&handle) {
+            return false;
+        }
+        self.settle_grant();
+        self.unattached.remove(&handle);
+        self.takeover.forget_context(handle);
+        self.new_generation();
+        info!(
+            context = format_args!("{handle:#x}"),
+            "a CUDA context APEX never attached to ends; the takeover goes on"
+        );
+        true
+    }
+
     pub(crate) fn shutdown(&mut self, why: &str) {
         let started = std::time::Instant::now();
         // Set-up in flight works in the program's context, which may go away once this returns: waited for (with a
@@ -2526,6 +2544,12 @@ pub(crate) fn unknown_entry(name: &str) {
 /// goes away: at exit, or before `cuCtxDestroy`/`cuDevicePrimaryCtxReset`).
 pub(crate) fn shutdown(why: &str) {
     with(|e| e.shutdown(why));
+}
+
+/// Before `cuCtxDestroy(ctx)`: a context APEX never attached to (and is not attaching to) is forgotten alone, and
+/// `true` returned; `false` when APEX has something in it (then the takeover ends with it).
+pub(crate) fn context_destroyed_alone(ctx: usize) -> bool {
+    with(|e| e.context_destroyed_alone(ctx)).unwrap_or(false)
 }
 
 #[cfg(test)]

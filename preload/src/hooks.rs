@@ -285,10 +285,16 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
             Answer::Forward => after_waiting(call()),
         },
         Kind::Teardown => {
-            engine::shutdown("the program destroys the CUDA context");
+            // A context APEX never attached to (another context of the GPU, one whose attach was refused) goes alone:
+            // nothing of APEX's runs in it. Any other end of a context (one APEX attached to, a primary context
+            // reset, which names a device) ends the takeover.
+            let alone = a.context != 0 && engine::context_destroyed_alone(a.context);
+            if !alone {
+                engine::shutdown("the program destroys the CUDA context");
+            }
             // libcuda frees the context's memory with it, the cached blocks too.
             if let Some(mut c) = crate::alloc_cache::lock() {
-                c.forget(None);
+                c.forget(alone.then_some(a.context));
             }
             call()
         }
@@ -575,7 +581,7 @@ hooks! {
     cuMemFreeHost, "cuMemFreeHost", false, false, Device, (p: P) => Site::Device;
     cuMemHostUnregister, "cuMemHostUnregister", false, false, Device, (p: P) => Site::Device;
     cuMemUnmap, "cuMemUnmap", false, false, Device, (d: Dptr, n: usize) => Site::Device;
-    cuCtxDestroy_v2, "cuCtxDestroy", false, false, Teardown, (c: P) => Site::Device;
+    cuCtxDestroy_v2, "cuCtxDestroy", false, false, Teardown, (c: P) => Site::Device, context c;
     cuDevicePrimaryCtxReset_v2, "cuDevicePrimaryCtxReset", false, false, Teardown, (d: c_int) => Site::Device;
 }
 

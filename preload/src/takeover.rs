@@ -392,6 +392,11 @@ impl Takeover {
         self.counts.len() != before
     }
 
+    /// Context `ctx` ends: its streams' counts go with it (a later context with its handle starts from nothing).
+    pub(crate) fn forget_context(&mut self, ctx: usize) {
+        self.counts.retain(|(c, _), _| *c != ctx);
+    }
+
     /// Streams counted and not taken over (yet).
     pub(crate) fn counted(&self) -> u64 {
         self.counts.len() as u64

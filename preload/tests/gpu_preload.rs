@@ -1507,6 +1507,51 @@ fn stream_semantics_hold_through_apex() {
     }
 }
 
+/// A driver-API program as the CUDA samples write them (`programs/driver_api.cu`: an NVRTC-built cubin and PTX the
+/// driver compiles at load, modules and a context-independent library, `kernelParams` and packed `extra` launches, a
+/// `__device__` variable set through `cuModuleGetGlobal`, 100 KiB of dynamic shared memory), in the primary context
+/// alone and then beside a second context made with `cuCtxCreate`, destroyed while the first goes on: the same bits
+/// as libcuda's; every launch of the primary context through APEX, the second context's left to libcuda (its attach
+/// is refused: RM does not say which channel group is whose). Before, the second context's queue joined the first
+/// one's group and stalled, and destroying the second context ended the takeover for the first.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_driver_api_program_with_two_contexts_gives_identical_results_through_apex() {
+    let lib = preload_lib();
+    let (dir, exe) = build_cuda_with(
+        "driver_api",
+        include_str!("programs/driver_api.cu"),
+        &["-lnvrtc"],
+    );
+    let cmd = || {
+        let mut c = Command::new(&exe);
+        c.arg("2000");
+        c
+    };
+    let _ = run(cmd(), None, &dir, "warm");
+    let plain = run(cmd(), None, &dir, "plain");
+    let pre = run(inline(cmd()), Some(&lib), &dir, "preload");
+    let (a, b) = both_succeeded(&plain, &pre);
+    assert_eq!(
+        results(&a),
+        results(&b),
+        "outputs differ:\nwithout:\n{a}\nwith:\n{b}"
+    );
+    assert!(results(&a).iter().any(|l| l.contains("no error")), "{a}");
+    let s = pre.summary.clone().expect("summary");
+    report("driver_api", &s);
+    let primary = value(&a, "launches_primary ") as u64;
+    let created = value(&a, "launches_created ") as u64;
+    assert_eq!(s.launches, primary + created);
+    assert_eq!(s.apex, primary, "{:?}", s.reasons);
+    assert_eq!(s.fallback, created);
+    assert!(
+        s.reasons.keys().all(|k| k == "attach_failed"),
+        "{:?}",
+        s.reasons
+    );
+}
+
 /// Triton's tensor descriptors (host-made maps passed by value, and maps made on the device in Triton's global
 /// scratch) give identical results through APEX, every launch on APEX. Before the parameter block's address was
 /// written, the first kernel given a host descriptor failed with a misaligned address.

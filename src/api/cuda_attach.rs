@@ -120,6 +120,18 @@ impl Gpu {
     pub fn is_attached(&self) -> bool {
         self.cuda.is_some()
     }
+
+    /// For a GPU attached on the direct path: how many CUDA contexts of this process had work on the device when
+    /// APEX attached. Above 1, APEX joined the oldest context's channel group, which need not be the one attached
+    /// to (RM does not say which group is whose): the memory of every context is reachable, but APEX's work shares
+    /// that group's time slices and fault fate. `None` for a GPU not attached, or attached through the driver
+    /// backend.
+    pub fn cuda_contexts_at_attach(&self) -> Option<usize> {
+        match &self.inner {
+            Backed::Direct(c) if self.cuda.is_some() => c.attachment().map(|a| a.cuda_contexts),
+            _ => None,
+        }
+    }
 }
 
 impl Queue {

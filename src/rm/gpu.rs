@@ -129,6 +129,9 @@ pub struct Attachment {
     pub vaspaces: Vec<Arc<Object>>,
     /// CUDA's RM client handle.
     pub cuda_client: super::Handle,
+    /// CUDA contexts of the process with a compute channel group on this GPU at the attach: above 1, `group` is the
+    /// oldest one's, which need not be the current context's (RM does not say which group is whose).
+    pub cuda_contexts: usize,
 }
 
 impl GpuCore {
@@ -459,6 +462,7 @@ impl GpuCore {
                 group,
                 vaspaces,
                 cuda_client: cuda.handle,
+                cuda_contexts: objs.compute_groups.len(),
             }),
             gpu_id: card.gpu_id,
             domain: 0,

@@ -669,6 +669,19 @@ fn each_threads_default_stream_is_taken_over_as_a_stream_of_its_own() {
     s.idle();
 }
 
+/// The end of a context APEX never attached to (a second context of the GPU, whose attach is refused) leaves the
+/// takeover on for the others; the end of one APEX attached to is not handled alone.
+#[test]
+fn destroying_a_context_apex_never_attached_to_leaves_the_takeover_on() {
+    let mut s = Setup::new();
+    assert!(s.launch());
+    assert!(s.engine.context_destroyed_alone(CTX + 0x1000));
+    assert!(s.launch(), "still through APEX");
+    assert_eq!(s.engine.summary().apex, 2);
+    assert!(!s.engine.context_destroyed_alone(CTX));
+    s.idle();
+}
+
 #[test]
 fn a_wait_for_a_libcuda_event_on_a_taken_over_stream_hands_nothing_to_cuda() {
     let mut s = Setup::new();
