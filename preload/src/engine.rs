@@ -1659,14 +1659,21 @@ impl Engine {
         let Some(module) = self.module(ci, origin.owner)? else {
             return Err(Unresolved::SettingUp(origin.owner));
         };
-        // `__device__` variables are shared with CUDA's instance; `__constant__` ones are APEX's own copy, which a
-        // write through the address the program took would miss.
+        // `__device__` variables are shared with CUDA's instance, and so is the `__constant__` bank where CUDA said
+        // where it lives; otherwise `__constant__` variables are APEX's own copy, which a write through the address
+        // the program took would miss.
+        let constants_shared = module.shares_constants();
         let constant_escaped = self.registry.escaped(origin.owner).iter().any(|name| {
             name.as_deref()
                 .and_then(|n| module.cubin().and_then(|c| c.global(n)))
-                .is_none_or(|g| g.is_constant())
+                .is_none_or(|g| g.is_constant() && !constants_shared)
         });
         if constant_escaped {
+            debug!(
+                escaped = ?self.registry.escaped(origin.owner),
+                constants_shared,
+                "a module variable's address escaped"
+            );
             return Err(Refusal::GlobalsEscaped.into());
         }
         let kernel = module
@@ -1942,6 +1949,12 @@ impl Engine {
     }
 
     pub(crate) fn escape(&mut self, handle: usize, name: Option<String>) {
+        // A name seen before changes nothing (a program may look a variable up before each copy to it).
+        if let Some(owner) = self.registry.owner(handle)
+            && self.registry.escaped(owner).contains(&name)
+        {
+            return;
+        }
         self.registry.escape(handle, name);
         if let Some(owner) = self.registry.owner(handle) {
             for c in &mut self.contexts {

@@ -59,7 +59,7 @@ pub enum Refusal {
     /// The program asked libcuda for the address of one of the module's `__constant__` globals (or a managed one):
     /// APEX's copy would no longer match, so the module's kernels stay on libcuda from then on.
     #[error(
-        "the program took the address of a __constant__ or managed global of this module; its kernels stay on libcuda"
+        "the program took the address of a managed global of this module, or of a __constant__ one whose bank APEX could not share with CUDA's instance; its kernels stay on libcuda"
     )]
     GlobalsEscaped,
     /// APEX refused the kernel (an external it does not provide, a name it does not find, ...).

@@ -194,8 +194,17 @@ pub(crate) fn load_module_timed(
         }
         home
     };
+    // `__constant__` variables: APEX's launches bind CUDA's instance's bank when CUDA says where they live, so the
+    // program's `cudaMemcpyToSymbol` reaches them; a variable CUDA does not give leaves the module a bank of its own
+    // (no refusal: only a write through CUDA's address would diverge, and the escape of one is watched).
+    let constants = |name: &str, size: u64| {
+        let asked = std::time::Instant::now();
+        let home = cuda.global(owner, library, name).filter(|h| h.size == size);
+        placing.set(placing.get() + asked.elapsed());
+        home
+    };
     let loaded = gpu
-        .load_module_sharing(image, &place)
+        .load_module_sharing_constants(image, &place, &constants)
         .map_err(|e| Refusal::ModuleRefused(e.to_string()))
         .and_then(|m| match unplaced.borrow_mut().take() {
             Some(name) => Err(Refusal::ModuleGlobals(name)),

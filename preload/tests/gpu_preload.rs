@@ -1507,6 +1507,18 @@ fn stream_semantics_hold_through_apex() {
     }
 }
 
+/// `__constant__` memory rewritten between launches (`programs/constants.cu`: `cudaMemcpyToSymbol`, its async form on
+/// the kernels' stream, mid-stream between two launches that read it, `cudaMemcpyFromSymbol`, uniform, indexed and
+/// struct reads, and reads through the address `cudaGetSymbolAddress` gives) gives libcuda's bits with every launch
+/// through APEX: APEX's launches bind CUDA's instance's constant bank. Before, the first symbol copy refused the
+/// module's kernels (`globals_escaped`) and every launch stayed on libcuda.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn constant_memory_written_between_launches_gives_identical_results_through_apex() {
+    let c = compare_cuda_program("constants", include_str!("programs/constants.cu"));
+    assert_eq!(c.summary.fallback, 0, "{:?}", c.summary.reasons);
+}
+
 /// A driver-API program as the CUDA samples write them (`programs/driver_api.cu`: an NVRTC-built cubin and PTX the
 /// driver compiles at load, modules and a context-independent library, `kernelParams` and packed `extra` launches, a
 /// `__device__` variable set through `cuModuleGetGlobal`, 100 KiB of dynamic shared memory), in the primary context

@@ -289,7 +289,40 @@ impl Gpu {
                 c,
                 image,
                 &self.printf,
-                &|g| place(&g.name, g.size),
+                &|g| (!g.is_constant()).then(|| place(&g.name, g.size)).flatten(),
+            )?)),
+            Backed::Driver(_) => Err(Error::InvalidArgument(
+                "placing a module's variables needs the direct path; on the driver backend load the module with \
+                 load_module"
+                    .into(),
+            )),
+        }
+    }
+
+    /// As [`Gpu::load_module_sharing`], and with the module's `__constant__` bank where `constants(name, size)` says
+    /// its variables live. Given CUDA's addresses for them (`cuModuleGetGlobal` of a `__constant__` variable points
+    /// into CUDA's instance's bank, which `cudaMemcpyToSymbol` writes), APEX's launches bind CUDA's bank instead of
+    /// a copy, so the program's writes to `__constant__` variables reach APEX's kernels too (every launch
+    /// invalidates the SMs' constant caches). The bank is shared only where the homes of its first and last
+    /// variables agree with the cubin's layout and the bank is 64-byte aligned, as launches bind banks; otherwise
+    /// the module keeps a bank of its own ([`Module::shares_constants`] says which).
+    ///
+    /// Direct path only, as [`Gpu::load_module_sharing`].
+    pub fn load_module_sharing_constants(
+        &self,
+        image: &[u8],
+        place: &dyn Fn(&str, u64) -> Option<crate::VariableHome>,
+        constants: &dyn Fn(&str, u64) -> Option<crate::VariableHome>,
+    ) -> Result<Module> {
+        match &self.inner {
+            Backed::Direct(c) => Ok(Module::from_direct(module::Module::load_placed(
+                c,
+                image,
+                &self.printf,
+                &|g| match g.is_constant() {
+                    true => constants(&g.name, g.size),
+                    false => place(&g.name, g.size),
+                },
             )?)),
             Backed::Driver(_) => Err(Error::InvalidArgument(
                 "placing a module's variables needs the direct path; on the driver backend load the module with \

@@ -56,6 +56,17 @@ impl Module {
         }
     }
 
+    /// Whether the module's `__constant__` bank is CUDA's instance's
+    /// ([`Gpu::load_module_sharing_constants`](crate::Gpu::load_module_sharing_constants)): a write to a
+    /// `__constant__` variable through CUDA (`cudaMemcpyToSymbol`) reaches this module's launches. Always `true` on
+    /// the driver backend, where the module is CUDA's own.
+    pub fn shares_constants(&self) -> bool {
+        match &self.0 {
+            Backed::Direct(m) => m.shares_constants(),
+            Backed::Driver(_) => true,
+        }
+    }
+
     /// The kernel `name` (the mangled symbol, or the demangled name with or without its parameter list).
     pub fn kernel(&self, name: &str) -> Result<Kernel> {
         Ok(Kernel(match &self.0 {

@@ -55,6 +55,61 @@ struct Uploading {
     code_left: usize,
 }
 
+/// The section of the module-wide `__constant__` bank (bank 3).
+const CONSTANT_BANK: &str = ".nv.constant3";
+
+/// Constant banks are bound by an address the QMD stores shifted right by 6.
+const BANK_ALIGN: u64 = 64;
+
+/// Where the module's `__constant__` bank lives when `place` gives a home for its variables (CUDA's instance's bank,
+/// which `cudaMemcpyToSymbol` writes): the bank's image range placed at the home of its first variable less that
+/// variable's offset, checked against its last variable's home (one bank, laid out as the cubin's). `None` (the
+/// module's own bank) when no home is given, the homes disagree, or the bank would not be 64-byte aligned.
+fn shared_constant_bank(
+    cubin: &Cubin,
+    place: &dyn Fn(&GlobalSymbol) -> Option<VariableHome>,
+) -> Option<PlacedGlobal> {
+    let section = cubin.image_sections().find(|s| s.name == CONSTANT_BANK)?;
+    let mut vars = cubin
+        .globals()
+        .iter()
+        .filter(|g| g.section == CONSTANT_BANK && g.size > 0 && !g.is_compiler_constant());
+    let Some(first) = vars.next() else {
+        debug!(
+            sections = ?cubin.globals().iter().map(|g| (&g.name, &g.section)).collect::<Vec<_>>(),
+            "no variable in the constant bank"
+        );
+        return None;
+    };
+    let last = vars.next_back();
+    let base_of = |g: &GlobalSymbol| {
+        let home = place(g)?;
+        if home.size < g.size {
+            return None;
+        }
+        home.address
+            .checked_sub(g.image_offset.checked_sub(section.image_offset)?)
+    };
+    let Some(base) = base_of(first) else {
+        debug!(variable = %first.name, "no home for the constant bank's first variable; the module keeps its own bank");
+        return None;
+    };
+    let last_base = last.map(base_of);
+    if base % BANK_ALIGN != 0 || last_base.is_some_and(|b| b != Some(base)) {
+        debug!(
+            base = format_args!("{base:#x}"),
+            last = ?last_base.flatten().map(|b| format!("{b:#x}")),
+            "the constant bank's homes disagree or are misaligned; the module keeps its own"
+        );
+        return None;
+    }
+    Some(PlacedGlobal {
+        image_offset: section.image_offset,
+        size: section.size,
+        address: base,
+    })
+}
+
 /// Whether modules load eagerly (`CUDA_MODULE_LOADING=EAGER`), read once.
 fn eager_loading() -> bool {
     static EAGER: OnceLock<bool> = OnceLock::new();
@@ -186,6 +241,9 @@ impl Module {
                     address,
                 });
             }
+        }
+        if let Some(bank) = shared_constant_bank(&cubin, place) {
+            placed.push(bank);
         }
         let plan = RuntimeLink::plan(cubin.sm_version(), cubin.externals(), cubin.image_size());
         // Cubins list each kernel's externals; where none does, every kernel is taken to call all of them.
@@ -379,6 +437,24 @@ impl Module {
         self.image.va()
     }
 
+    /// The address launches bind for the constant bank whose template is at `image_offset` in the image: the
+    /// module's own copy, or where the bank was placed ([`Module::shares_constants`]).
+    pub fn bank_va(&self, image_offset: u64) -> u64 {
+        self.placed
+            .iter()
+            .find(|p| p.image_offset == image_offset)
+            .map_or(self.base_va() + image_offset, |p| p.address)
+    }
+
+    /// Whether the module's `__constant__` bank is another instance's (placed at load, as CUDA's instance keeps it
+    /// for `cudaMemcpyToSymbol`): writes through that instance's addresses reach this module's launches.
+    pub fn shares_constants(&self) -> bool {
+        self.cubin
+            .image_sections()
+            .find(|s| s.name == CONSTANT_BANK)
+            .is_some_and(|s| self.placed.iter().any(|p| p.image_offset == s.image_offset))
+    }
+
     pub(crate) fn generation(&self) -> u64 {
         self.generation.load(Ordering::Acquire)
     }
@@ -459,8 +535,12 @@ impl Module {
         let va = self
             .placed
             .iter()
-            .find(|p| p.image_offset == g.image_offset)
-            .map_or(self.base_va() + g.image_offset, |p| p.address);
+            .find(|p| {
+                g.image_offset >= p.image_offset && g.image_offset - p.image_offset < p.size.max(1)
+            })
+            .map_or(self.base_va() + g.image_offset, |p| {
+                p.address + (g.image_offset - p.image_offset)
+            });
         Ok(Global {
             name: g.name.clone(),
             va,
@@ -712,6 +792,65 @@ mod tests {
         let e = m.kernel("indirect").unwrap_err();
         assert!(e.to_string().contains(".text.sampler"), "{e}");
         m.kernel("other").unwrap();
+    }
+
+    /// A module loaded beside another instance binds that instance's `__constant__` bank when given its variables'
+    /// homes (placed at the first variable's home less its offset, checked against the last one's): lookups answer
+    /// inside it and launches bind it. Homes that disagree with the cubin's layout, or a bank launches could not
+    /// bind (not 64-byte aligned), leave the module its own bank.
+    #[test]
+    fn the_constant_bank_goes_where_its_variables_homes_say() {
+        const CUBIN: &[u8] = include_bytes!("../../kernels/conformance/module_data.sm_90.cubin");
+        let (gpu, _sim) = Simulator::open(SimConfig::default()).unwrap();
+        let section = Cubin::parse(CUBIN)
+            .unwrap()
+            .image_sections()
+            .find(|s| s.name == CONSTANT_BANK)
+            .cloned()
+            .unwrap();
+        let load = |bank: u64, skew: u64| {
+            let cubin = Cubin::parse(CUBIN).unwrap();
+            let last = cubin
+                .globals()
+                .iter()
+                .filter(|g| g.section == CONSTANT_BANK && g.size > 0)
+                .map(|g| g.name.clone())
+                .next_back()
+                .unwrap();
+            let home = |g: &GlobalSymbol| {
+                g.is_constant().then(|| VariableHome {
+                    address: bank
+                        + (g.image_offset - section.image_offset)
+                        + if g.name == last { skew } else { 0 },
+                    size: g.size,
+                })
+            };
+            Module::from_cubin(&gpu, cubin, &PrintfFifoCell::new(), &home, false).unwrap()
+        };
+        let bank = 0x7_0000_0000;
+        let m = load(bank, 0);
+        assert!(m.shares_constants());
+        assert_eq!(m.bank_va(section.image_offset), bank);
+        let g = m.cubin().global("cdouble").unwrap().clone();
+        assert_eq!(
+            m.global("cdouble").unwrap().va,
+            bank + g.image_offset - section.image_offset
+        );
+        for (bank, skew) in [(bank + 8, 0), (bank, 64)] {
+            let m = load(bank, skew);
+            assert!(
+                !m.shares_constants(),
+                "bank {bank:#x}, last variable off by {skew}"
+            );
+            assert_eq!(
+                m.bank_va(section.image_offset),
+                m.base_va() + section.image_offset
+            );
+            assert_eq!(
+                m.global("cdouble").unwrap().va,
+                m.base_va() + g.image_offset
+            );
+        }
     }
 
     /// The compiler's constants are never given a home (each instance holds the same bytes, and a linked module has

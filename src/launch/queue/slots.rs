@@ -266,7 +266,7 @@ pub(super) fn qmd_params(
                 why: format!("constant bank {} of {} bytes", bank.bank, bank.size),
             })?;
             cbs[bank.bank as usize] = Some(ConstBuffer {
-                va: kernel.module().base_va() + off,
+                va: kernel.module().bank_va(off),
                 size,
             });
         }
