@@ -1519,6 +1519,39 @@ fn constant_memory_written_between_launches_gives_identical_results_through_apex
     assert_eq!(c.summary.fallback, 0, "{:?}", c.summary.reasons);
 }
 
+/// Thrust and CUB (`programs/thrust_cub.cu`: sorts of keys and pairs, reductions read by the host, scans, unique,
+/// count_if, on the default stream and a stream of the program's; CUB's radix sort, reduce and select with the
+/// program's temporary storage) give libcuda's bits with every launch through APEX. A scan of floats is checked
+/// against the host's in double precision rather than bitwise: CUB's single-pass scan adds up whichever
+/// predecessors' sums are ready, so its rounding follows timing (measured: stable over three libcuda runs, different
+/// in each of three through APEX, every value within the tolerance).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn thrust_and_cub_give_identical_results_through_apex() {
+    let lib = preload_lib();
+    let (dir, exe) = build_cuda("thrust_cub", include_str!("programs/thrust_cub.cu"));
+    let cmd = || {
+        let mut c = Command::new(&exe);
+        c.arg("2000");
+        c
+    };
+    let _ = run(cmd(), None, &dir, "warm");
+    let plain = run(cmd(), None, &dir, "plain");
+    let pre = run(inline(cmd()), Some(&lib), &dir, "preload");
+    let (a, b) = both_succeeded(&plain, &pre);
+    assert_eq!(
+        results(&a),
+        results(&b),
+        "outputs differ:\nwithout:\n{a}\nwith:\n{b}"
+    );
+    assert!(a.contains("result float_scan_off 0"), "{a}");
+    assert!(results(&a).iter().any(|l| l.contains("no error")), "{a}");
+    let s = pre.summary.clone().expect("summary");
+    report("thrust_cub", &s);
+    assert!(s.apex > 500, "{} launches through APEX", s.apex);
+    assert_eq!(s.fallback, 0, "{:?}", s.reasons);
+}
+
 /// A driver-API program as the CUDA samples write them (`programs/driver_api.cu`: an NVRTC-built cubin and PTX the
 /// driver compiles at load, modules and a context-independent library, `kernelParams` and packed `extra` launches, a
 /// `__device__` variable set through `cuModuleGetGlobal`, 100 KiB of dynamic shared memory), in the primary context
