@@ -61,27 +61,26 @@ const CONSTANT_BANK: &str = ".nv.constant3";
 /// Constant banks are bound by an address the QMD stores shifted right by 6.
 const BANK_ALIGN: u64 = 64;
 
+/// Most of a constant bank's variables whose homes are checked against the cubin's layout (a bank with more has an
+/// evenly spaced sample checked, its first and last included): each is a question to CUDA.
+const BANK_CHECKS: usize = 64;
+
 /// Where the module's `__constant__` bank lives when `place` gives a home for its variables (CUDA's instance's bank,
 /// which `cudaMemcpyToSymbol` writes): the bank's image range placed at the home of its first variable less that
-/// variable's offset, checked against its last variable's home (one bank, laid out as the cubin's). `None` (the
-/// module's own bank) when no home is given, the homes disagree, or the bank would not be 64-byte aligned.
+/// variable's offset, where every variable checked (all, up to [`BANK_CHECKS`]; the compiler's constants aside) has
+/// its home at the same place relative to it: one bank, laid out as the cubin's. `None` (the module's own bank) when
+/// a variable checked has no home (a module-local one CUDA does not name), a home disagrees, or the bank would not be
+/// 64-byte aligned.
 fn shared_constant_bank(
     cubin: &Cubin,
     place: &dyn Fn(&GlobalSymbol) -> Option<VariableHome>,
 ) -> Option<PlacedGlobal> {
     let section = cubin.image_sections().find(|s| s.name == CONSTANT_BANK)?;
-    let mut vars = cubin
+    let vars: Vec<&GlobalSymbol> = cubin
         .globals()
         .iter()
-        .filter(|g| g.section == CONSTANT_BANK && g.size > 0 && !g.is_compiler_constant());
-    let Some(first) = vars.next() else {
-        debug!(
-            sections = ?cubin.globals().iter().map(|g| (&g.name, &g.section)).collect::<Vec<_>>(),
-            "no variable in the constant bank"
-        );
-        return None;
-    };
-    let last = vars.next_back();
+        .filter(|g| g.section == CONSTANT_BANK && g.size > 0 && !g.is_compiler_constant())
+        .collect();
     let base_of = |g: &GlobalSymbol| {
         let home = place(g)?;
         if home.size < g.size {
@@ -90,16 +89,31 @@ fn shared_constant_bank(
         home.address
             .checked_sub(g.image_offset.checked_sub(section.image_offset)?)
     };
+    let first = vars.first()?;
     let Some(base) = base_of(first) else {
         debug!(variable = %first.name, "no home for the constant bank's first variable; the module keeps its own bank");
         return None;
     };
-    let last_base = last.map(base_of);
-    if base % BANK_ALIGN != 0 || last_base.is_some_and(|b| b != Some(base)) {
+    let stride = vars.len().div_ceil(BANK_CHECKS).max(1);
+    let checked = (stride..vars.len())
+        .step_by(stride)
+        .chain((vars.len() > 1).then_some(vars.len() - 1));
+    for i in checked {
+        let other = base_of(vars[i]);
+        if other != Some(base) {
+            debug!(
+                base = format_args!("{base:#x}"),
+                variable = %vars[i].name,
+                other = ?other.map(|b| format!("{b:#x}")),
+                "the constant bank's homes disagree with the cubin's layout; the module keeps its own"
+            );
+            return None;
+        }
+    }
+    if base % BANK_ALIGN != 0 {
         debug!(
             base = format_args!("{base:#x}"),
-            last = ?last_base.flatten().map(|b| format!("{b:#x}")),
-            "the constant bank's homes disagree or are misaligned; the module keeps its own"
+            "the constant bank would be misaligned; the module keeps its own"
         );
         return None;
     }
@@ -808,27 +822,21 @@ mod tests {
             .find(|s| s.name == CONSTANT_BANK)
             .cloned()
             .unwrap();
-        let load = |bank: u64, skew: u64| {
+        // Homes laid out as the cubin's from `bank`, but `skewed`'s moved by `skew` bytes.
+        let load = |bank: u64, skewed: &str, skew: u64| {
             let cubin = Cubin::parse(CUBIN).unwrap();
-            let last = cubin
-                .globals()
-                .iter()
-                .filter(|g| g.section == CONSTANT_BANK && g.size > 0)
-                .map(|g| g.name.clone())
-                .next_back()
-                .unwrap();
             let home = |g: &GlobalSymbol| {
                 g.is_constant().then(|| VariableHome {
                     address: bank
                         + (g.image_offset - section.image_offset)
-                        + if g.name == last { skew } else { 0 },
+                        + if g.name == skewed { skew } else { 0 },
                     size: g.size,
                 })
             };
             Module::from_cubin(&gpu, cubin, &PrintfFifoCell::new(), &home, false).unwrap()
         };
         let bank = 0x7_0000_0000;
-        let m = load(bank, 0);
+        let m = load(bank, "", 0);
         assert!(m.shares_constants());
         assert_eq!(m.bank_va(section.image_offset), bank);
         let g = m.cubin().global("cdouble").unwrap().clone();
@@ -836,11 +844,16 @@ mod tests {
             m.global("cdouble").unwrap().va,
             bank + g.image_offset - section.image_offset
         );
-        for (bank, skew) in [(bank + 8, 0), (bank, 64)] {
-            let m = load(bank, skew);
+        // A misaligned bank; the last variable's home elsewhere; a middle one's.
+        for (bank, skewed, skew) in [
+            (bank + 8, "", 0),
+            (bank, "cptr", 64),
+            (bank, "ctable_zero", 16),
+        ] {
+            let m = load(bank, skewed, skew);
             assert!(
                 !m.shares_constants(),
-                "bank {bank:#x}, last variable off by {skew}"
+                "bank {bank:#x}, {skewed} off by {skew}"
             );
             assert_eq!(
                 m.bank_va(section.image_offset),
