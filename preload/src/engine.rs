@@ -1663,10 +1663,18 @@ impl Engine {
         // where it lives; otherwise `__constant__` variables are APEX's own copy, which a write through the address
         // the program took would miss.
         let constants_shared = module.shares_constants();
+        let library = self.registry.is_library(origin.owner);
+        let cuda = self.cuda.as_ref();
+        // A shared bank was checked against a sample of its variables: each one whose address the program took is
+        // checked exactly (where CUDA has it is where APEX's launches read it).
+        let same_home = |name: &str| {
+            let ours = module.global(name).ok().map(|g| g.device_ptr());
+            ours.is_some() && cuda.global(origin.owner, library, name).map(|h| h.address) == ours
+        };
         let constant_escaped = self.registry.escaped(origin.owner).iter().any(|name| {
             name.as_deref()
-                .and_then(|n| module.cubin().and_then(|c| c.global(n)))
-                .is_none_or(|g| g.is_constant() && !constants_shared)
+                .and_then(|n| module.cubin().and_then(|c| c.global(n)).map(|g| (n, g)))
+                .is_none_or(|(n, g)| g.is_constant() && !(constants_shared && same_home(n)))
         });
         if constant_escaped {
             debug!(
@@ -2071,6 +2079,20 @@ impl Engine {
         self.settle_grant();
         self.unattached.remove(&handle);
         self.takeover.forget_context(handle);
+        // Its streams went with it, without a cuStreamDestroy each: a later stream given one of their handles is
+        // another stream.
+        let gone: Vec<usize> = self
+            .stream_ctx
+            .iter()
+            .filter(|&(_, &c)| c == handle)
+            .map(|(&s, _)| s)
+            .collect();
+        for s in gone {
+            self.stream_ctx.remove(&s);
+            for c in &mut self.contexts {
+                c.blocking.remove(&s);
+            }
+        }
         self.new_generation();
         info!(
             context = format_args!("{handle:#x}"),
@@ -2557,6 +2579,11 @@ pub(crate) fn unknown_entry(name: &str) {
 /// goes away: at exit, or before `cuCtxDestroy`/`cuDevicePrimaryCtxReset`).
 pub(crate) fn shutdown(why: &str) {
     with(|e| e.shutdown(why));
+}
+
+/// Before a capture begins on this thread ([`Engine::before_capture`]).
+pub(crate) fn before_capture() {
+    with(|e| e.before_capture());
 }
 
 /// Before `cuCtxDestroy(ctx)`: a context APEX never attached to (and is not attaching to) is forgotten alone, and

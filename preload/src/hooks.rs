@@ -1190,7 +1190,7 @@ fn capture_begins(stream: P, per_thread: bool, call: impl FnOnce() -> c_int) -> 
         marked = engine::capture(stream as usize, per_thread, true);
         // A captured stream may wait for an event the preload kept: libcuda must hold it first.
         engine::materialize_all();
-        engine::before(Site::Device);
+        engine::before_capture();
     }
     let r = call();
     if r != 0 && marked {

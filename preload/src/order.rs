@@ -94,6 +94,11 @@ impl StreamKey {
     pub fn is_per_thread(self) -> bool {
         matches!(self, StreamKey::PerThread(_))
     }
+
+    /// Whether this is another thread's per-thread default stream, which this thread cannot name.
+    pub fn is_other_threads(self) -> bool {
+        matches!(self, StreamKey::PerThread(t) if t != thread_serial())
+    }
 }
 
 /// A stream and whether it synchronizes with the legacy default stream.
@@ -206,9 +211,13 @@ pub struct Order {
 pub enum Target {
     /// Work on one stream.
     Stream(Stream),
-    /// Everything: a context-wide synchronization, a free that waits for the device, a module unload, a capture
-    /// beginning, the end of the process.
+    /// Everything: a context-wide synchronization, a free that waits for the device, a module unload, the end of the
+    /// process.
     Device,
+    /// A capture beginning: every stream but other threads' per-thread default streams. This thread cannot name
+    /// those, and a hop made for them through the legacy stream would make every blocking stream wait for their
+    /// queues, an order CUDA does not have; their own thread hands them over at its next CUDA call on them.
+    CaptureBegins,
 }
 
 impl Order {
@@ -411,6 +420,7 @@ impl Order {
     pub fn before_cuda(&mut self, target: Target, hops: &mut dyn Hops) -> Result<(), String> {
         self.hand_over_where(hops, |s| match target {
             Target::Device => true,
+            Target::CaptureBegins => !s.key.is_other_threads(),
             Target::Stream(t) => t.related(s),
         })
     }
@@ -766,6 +776,31 @@ mod tests {
         o.before_cuda(Target::Device, &mut log).unwrap();
         assert_eq!(log.hops, vec![("cuda<-apex", a), ("cuda<-apex", b)]);
         assert!(!o.apex_dirty(a) && !o.apex_dirty(b));
+    }
+
+    #[test]
+    fn a_capture_beginning_leaves_other_threads_default_streams_to_their_thread() {
+        let mut o = Order::new();
+        let mut log = Log::default();
+        let mine = Stream {
+            key: StreamKey::PerThread(thread_serial()),
+            blocking: true,
+        };
+        let theirs = Stream {
+            key: StreamKey::PerThread(u64::MAX),
+            blocking: true,
+        };
+        let (a, b, c) = (o.add(BLOCKING), o.add(mine), o.add(theirs));
+        for slot in [a, b, c] {
+            launch(&mut o, slot, &mut log);
+        }
+        log.hops.clear();
+        o.before_cuda(Target::CaptureBegins, &mut log).unwrap();
+        assert_eq!(log.hops, vec![("cuda<-apex", a), ("cuda<-apex", b)]);
+        assert!(o.apex_dirty(c), "handed over by its own thread later");
+        // A device-wide operation still waits for it (through the legacy stream, from here).
+        o.before_cuda(Target::Device, &mut log).unwrap();
+        assert!(!o.apex_dirty(c));
     }
 
     #[test]

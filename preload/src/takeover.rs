@@ -395,6 +395,9 @@ impl Takeover {
     /// Context `ctx` ends: its streams' counts go with it (a later context with its handle starts from nothing).
     pub(crate) fn forget_context(&mut self, ctx: usize) {
         self.counts.retain(|(c, _), _| *c != ctx);
+        self.context_counts.remove(&ctx);
+        self.owed.retain(|(c, _), _| *c != ctx);
+        self.owed_ns.remove(&ctx);
     }
 
     /// Streams counted and not taken over (yet).

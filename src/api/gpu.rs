@@ -303,9 +303,10 @@ impl Gpu {
     /// its variables live. Given CUDA's addresses for them (`cuModuleGetGlobal` of a `__constant__` variable points
     /// into CUDA's instance's bank, which `cudaMemcpyToSymbol` writes), APEX's launches bind CUDA's bank instead of
     /// a copy, so the program's writes to `__constant__` variables reach APEX's kernels too (every launch
-    /// invalidates the SMs' constant caches). The bank is shared only where the homes of its first and last
-    /// variables agree with the cubin's layout and the bank is 64-byte aligned, as launches bind banks; otherwise
-    /// the module keeps a bank of its own ([`Module::shares_constants`] says which).
+    /// invalidates the SMs' constant caches, and so does every replay of a graph with such a module's kernels). The
+    /// bank is shared only where its variables' homes (every one, up to 64; an even sample beyond) agree with the
+    /// cubin's layout and the bank is 64-byte aligned, as launches bind banks; otherwise the module keeps a bank of
+    /// its own ([`Module::shares_constants`] says which).
     ///
     /// Direct path only, as [`Gpu::load_module_sharing`].
     pub fn load_module_sharing_constants(

@@ -75,7 +75,15 @@ fn shared_constant_bank(
     cubin: &Cubin,
     place: &dyn Fn(&GlobalSymbol) -> Option<VariableHome>,
 ) -> Option<PlacedGlobal> {
-    let section = cubin.image_sections().find(|s| s.name == CONSTANT_BANK)?;
+    let (index, section) = cubin
+        .image_sections()
+        .enumerate()
+        .find(|(_, s)| s.name == CONSTANT_BANK)?;
+    if cubin.section_stores_code_addresses(index) {
+        // Function pointers in `__constant__` data: the other instance's bank points at its own code (and runtime).
+        debug!("the constant bank holds code addresses; the module keeps its own");
+        return None;
+    }
     let vars: Vec<&GlobalSymbol> = cubin
         .globals()
         .iter()
@@ -864,6 +872,43 @@ mod tests {
                 m.base_va() + g.image_offset
             );
         }
+    }
+
+    /// A constant bank holding code addresses (a table of device-function pointers) stays the module's own: the other
+    /// instance's bank points at that instance's code.
+    #[test]
+    fn a_constant_bank_with_code_addresses_is_never_shared() {
+        let (gpu, _sim) = Simulator::open(SimConfig::default()).unwrap();
+        let load = |to: Option<Result<(usize, u64), &str>>| {
+            let relocations: Vec<_> = to.into_iter().map(|t| (1, 0, t)).collect();
+            let c = Cubin::synthetic(
+                &[
+                    (".text.f", true, vec![0; 64]),
+                    (CONSTANT_BANK, false, vec![0; 16]),
+                    (".nv.global", false, vec![0; 16]),
+                ],
+                &relocations,
+                vec![],
+            );
+            let at = c.section_offset(CONSTANT_BANK).unwrap();
+            let c = c.with_globals(vec![GlobalSymbol {
+                name: "table".into(),
+                image_offset: at,
+                size: 16,
+                section: CONSTANT_BANK.into(),
+                local: true,
+            }]);
+            let home = |g: &GlobalSymbol| {
+                Some(VariableHome {
+                    address: 0x7_0000_0000,
+                    size: g.size,
+                })
+            };
+            Module::from_cubin(&gpu, c, &PrintfFifoCell::new(), &home, false).unwrap()
+        };
+        assert!(load(None).shares_constants());
+        assert!(load(Some(Ok((2, 0)))).shares_constants(), "a data address");
+        assert!(!load(Some(Ok((0, 0)))).shares_constants(), "a code address");
     }
 
     /// The compiler's constants are never given a home (each instance holds the same bytes, and a linked module has

@@ -138,6 +138,25 @@ impl Engine {
         self.before_at(ci, site)
     }
 
+    /// Before a capture begins on this thread: every queue's work handed to CUDA ([`Target::CaptureBegins`]: a
+    /// captured stream, or one an event joins into the capture, can take no hop while it captures), but other threads'
+    /// per-thread default streams, which their own thread hands over at its next CUDA call on them.
+    pub(crate) fn before_capture(&mut self) {
+        let Some(ci) = self.site_context(Site::Device) else {
+            return;
+        };
+        let cuda = self.cuda.as_ref();
+        let ctx = &mut self.contexts[ci];
+        ctx.cuda_work = true;
+        ctx.epoch += 1;
+        if ctx.order.live() > 0 {
+            let (mut hops, order) = ctx.hops(cuda);
+            if let Err(e) = order.before_cuda(Target::CaptureBegins, &mut hops) {
+                warn!(error = %e, "cannot hand APEX's queues to CUDA before a capture");
+            }
+        }
+    }
+
     /// [`before`](Self::before) for CUDA work the program gave libcuda through driver function `name`, counted for
     /// the summary by the name's address (one word hashed).
     pub(crate) fn before_work(&mut self, site: Site, name: &'static str) -> Ordered {
@@ -252,7 +271,7 @@ impl Engine {
             };
             related = match target {
                 Target::Stream(s) => ctx.order.related(s).next().is_some(),
-                Target::Device => true,
+                Target::Device | Target::CaptureBegins => true,
             };
             if related {
                 let (mut hops, order) = ctx.hops(cuda);

@@ -516,6 +516,19 @@ impl Cubin {
         self.relocations[range].iter().filter_map(|r| r.refers_to)
     }
 
+    /// Whether a relocation of image section `section` stores the address of code, or of a symbol outside the image
+    /// (another instance of the module, relocated by another linker, holds other values there).
+    pub(crate) fn section_stores_code_addresses(&self, section: usize) -> bool {
+        let range = self
+            .section_relocations
+            .get(section)
+            .cloned()
+            .unwrap_or(0..0);
+        self.relocations[range]
+            .iter()
+            .any(|r| r.refers_to.is_none_or(|t| self.section_is_code(t)))
+    }
+
     /// Links image section `section` alone for an image at `base_va` into `out` (cleared first; resolved and
     /// placed as [`Cubin::link_placed`] does); returns its offset inside the image.
     pub(crate) fn link_section(

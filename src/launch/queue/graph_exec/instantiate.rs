@@ -119,6 +119,9 @@ impl ComputeQueue {
             .map(|p| p.kernel.module().generation())
             .max()
             .unwrap_or(0);
+        // A module whose constant bank another instance writes (CUDA's `cudaMemcpyToSymbol`): no replay may keep the
+        // constant caches.
+        let shared_banks = planned.iter().any(|p| p.kernel.module().shares_constants());
 
         // Chains: u → v when v is u's only successor and u is v's only predecessor.
         let id = NodeId::at;
@@ -419,6 +422,7 @@ impl ComputeQueue {
             windows,
             generation,
             banks_written: true,
+            shared_banks,
             printf,
             last: None,
             timeout: self.timeout,

@@ -179,6 +179,9 @@ pub struct GraphExec {
     /// The nodes' QMDs keep the constant cache (as libcuda's graph nodes do): set when their banks were written
     /// (instantiation, an update), so that the next replay invalidates it once, before any node runs.
     banks_written: bool,
+    /// A node's module binds a constant bank another instance writes ([`crate::module::Module::shares_constants`]):
+    /// every replay invalidates the constant caches, since writes to it are not seen here.
+    shared_banks: bool,
     printf: Option<Arc<PrintfFifo>>,
     last: Option<Fence>,
     timeout: Duration,

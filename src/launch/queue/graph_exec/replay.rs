@@ -45,7 +45,7 @@ impl ComputeQueue {
             // Read before the invalidation is recorded: code uploaded after it is not counted as seen.
             let newest = newest_generation();
             let new_code = self.seen_generation < exec.generation;
-            let invalidate = new_code || exec.banks_written;
+            let invalidate = new_code || exec.banks_written || exec.shared_banks;
             if !prev_done || invalidate {
                 let timeline_va = self.queue.timeline().va();
                 let order = self.ordering;
