@@ -1451,7 +1451,17 @@ impl Engine {
             Err(e) => {
                 // Nothing was sent: the slot's last launch is still the one before, which synchronizations wait for.
                 last[slot] = previous;
-                Err(Refusal::LaunchFailed(e.to_string()).into())
+                // A shape the checks refuse (a cooperative grid that cannot be resident, checked at its launch since
+                // cooperative launches are not prepared) is a refusal, as at `prepare`; anything else a failure.
+                let refused = matches!(
+                    e,
+                    apex::Error::Direct(apex::launch::Error::InvalidLaunch { .. })
+                );
+                Err(match refused {
+                    true => Refusal::LaunchRefused(e.to_string()),
+                    false => Refusal::LaunchFailed(e.to_string()),
+                }
+                .into())
             }
         }
     }

@@ -614,6 +614,37 @@ fn launch_with(
     engine.launch(&l, 0).is_some()
 }
 
+/// A cooperative launch (`cuLaunchCooperativeKernel`, or `cuLaunchKernelEx` with the attribute) runs on APEX, never
+/// as a prepared launch; one whose grid cannot be resident at once is refused before the GPU (libcuda then refuses it
+/// as it does).
+#[test]
+fn cooperative_launches_run_on_apex_and_too_large_grids_are_refused() {
+    let mut s = Setup::new();
+    let mut params = s.params;
+    let mut ptrs: Vec<*mut c_void> = params.iter_mut().map(|p| (p as *mut u64).cast()).collect();
+    let launch = |grid: u32, ptrs: &mut Vec<*mut c_void>| Launch {
+        grid: [grid, 1, 1],
+        params: ptrs.as_mut_ptr(),
+        extras: Ok(Extras {
+            cooperative: true,
+            ..Extras::default()
+        }),
+        ..bare_launch()
+    };
+    assert!(s.engine.launch(&launch(4, &mut ptrs), 0).is_some());
+    assert!(s.engine.launch(&launch(4, &mut ptrs), 0).is_some());
+    let sum = s.engine.summary();
+    assert_eq!((sum.apex, sum.prepared_shapes), (2, 0));
+    assert!(s.engine.launch(&launch(1 << 24, &mut ptrs), 0).is_none());
+    let sum = s.engine.summary();
+    assert_eq!(
+        sum.reasons["launch_refused"].launches, 1,
+        "{:?}",
+        sum.reasons
+    );
+    s.idle();
+}
+
 /// Each thread's per-thread default stream is taken over as a stream of its own (named by 0 on a `_ptsz` entry point
 /// or by `CU_STREAM_PER_THREAD`, the same stream), ordered with the legacy stream as CUDA orders it: a libcuda
 /// operation on the legacy stream hands both threads' queues over, and each queue waits for the legacy stream's work
