@@ -247,33 +247,8 @@ fn compare_cuda_program(name: &str, source: &str) -> Compared {
 
 /// As [`compare_cuda_program`], the program built with nvcc given `extra` arguments too.
 fn compare_cuda_program_with(name: &str, source: &str, extra: &[&str]) -> Compared {
-    let lib = preload_lib();
-    let (dir, exe) = build_cuda_with(name, source, extra);
-    let iters = std::env::var("APEX_PRELOAD_ITERS").unwrap_or_else(|_| "2000".into());
-    let cmd = || {
-        let mut c = Command::new(&exe);
-        c.arg(&iters);
-        c
-    };
-    let _ = run(cmd(), None, &dir, "warm");
-    let plain = run(cmd(), None, &dir, "plain");
-    let pre = run(inline(cmd()), Some(&lib), &dir, "preload");
-    let (a, b) = (stdout(&plain), stdout(&pre));
-    assert!(plain.out.status.success(), "without the preload:\n{a}");
-    assert!(
-        pre.out.status.success(),
-        "with the preload: {:?}\n{b}\nstderr:\n{}",
-        pre.out.status,
-        String::from_utf8_lossy(&pre.out.stderr)
-    );
-    let summary = pre.summary.clone().expect("summary");
-    report(name, &summary);
-    assert_eq!(
-        results(&a),
-        results(&b),
-        "outputs differ:\nwithout:\n{a}\nwith:\n{b}"
-    );
-    assert!(results(&a).iter().any(|l| l.contains("no error")), "{a}");
+    let c = identical_cuda_program(name, source, extra);
+    let (a, summary) = (c.plain_out(), &c.summary);
     assert_eq!(
         summary.launches as f64,
         value(&a, "launches "),
@@ -286,6 +261,33 @@ fn compare_cuda_program_with(name: &str, source: &str, extra: &[&str]) -> Compar
         summary.launches,
         summary.reasons
     );
+    c
+}
+
+/// Builds `source` with nvcc (given `extra` arguments too), runs it once to warm the driver's caches, then without
+/// and with the preload (`APEX_PRELOAD_ITERS` iterations, 2000 by default; the set-up inline), and checks that both
+/// runs succeed with identical `result` lines and no CUDA error; prints what the preload counted.
+fn identical_cuda_program(name: &str, source: &str, extra: &[&str]) -> Compared {
+    let lib = preload_lib();
+    let (dir, exe) = build_cuda_with(name, source, extra);
+    let iters = std::env::var("APEX_PRELOAD_ITERS").unwrap_or_else(|_| "2000".into());
+    let cmd = || {
+        let mut c = Command::new(&exe);
+        c.arg(&iters);
+        c
+    };
+    let _ = run(cmd(), None, &dir, "warm");
+    let plain = run(cmd(), None, &dir, "plain");
+    let pre = run(inline(cmd()), Some(&lib), &dir, "preload");
+    let (a, b) = both_succeeded(&plain, &pre);
+    let summary = pre.summary.clone().expect("summary");
+    report(name, &summary);
+    assert_eq!(
+        results(&a),
+        results(&b),
+        "outputs differ:\nwithout:\n{a}\nwith:\n{b}"
+    );
+    assert!(results(&a).iter().any(|l| l.contains("no error")), "{a}");
     Compared {
         plain,
         pre,
@@ -1528,28 +1530,15 @@ fn constant_memory_written_between_launches_gives_identical_results_through_apex
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn thrust_and_cub_give_identical_results_through_apex() {
-    let lib = preload_lib();
-    let (dir, exe) = build_cuda("thrust_cub", include_str!("programs/thrust_cub.cu"));
-    let cmd = || {
-        let mut c = Command::new(&exe);
-        c.arg("2000");
-        c
-    };
-    let _ = run(cmd(), None, &dir, "warm");
-    let plain = run(cmd(), None, &dir, "plain");
-    let pre = run(inline(cmd()), Some(&lib), &dir, "preload");
-    let (a, b) = both_succeeded(&plain, &pre);
-    assert_eq!(
-        results(&a),
-        results(&b),
-        "outputs differ:\nwithout:\n{a}\nwith:\n{b}"
-    );
+    let c = identical_cuda_program("thrust_cub", include_str!("programs/thrust_cub.cu"), &[]);
+    let a = c.plain_out();
     assert!(a.contains("result float_scan_off 0"), "{a}");
-    assert!(results(&a).iter().any(|l| l.contains("no error")), "{a}");
-    let s = pre.summary.clone().expect("summary");
-    report("thrust_cub", &s);
-    assert!(s.apex > 500, "{} launches through APEX", s.apex);
-    assert_eq!(s.fallback, 0, "{:?}", s.reasons);
+    assert!(
+        c.summary.apex > 500,
+        "{} launches through APEX",
+        c.summary.apex
+    );
+    assert_eq!(c.summary.fallback, 0, "{:?}", c.summary.reasons);
 }
 
 /// A driver-API program as the CUDA samples write them (`programs/driver_api.cu`: an NVRTC-built cubin and PTX the
@@ -1562,29 +1551,12 @@ fn thrust_and_cub_give_identical_results_through_apex() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn a_driver_api_program_with_two_contexts_gives_identical_results_through_apex() {
-    let lib = preload_lib();
-    let (dir, exe) = build_cuda_with(
+    let c = identical_cuda_program(
         "driver_api",
         include_str!("programs/driver_api.cu"),
         &["-lnvrtc"],
     );
-    let cmd = || {
-        let mut c = Command::new(&exe);
-        c.arg("2000");
-        c
-    };
-    let _ = run(cmd(), None, &dir, "warm");
-    let plain = run(cmd(), None, &dir, "plain");
-    let pre = run(inline(cmd()), Some(&lib), &dir, "preload");
-    let (a, b) = both_succeeded(&plain, &pre);
-    assert_eq!(
-        results(&a),
-        results(&b),
-        "outputs differ:\nwithout:\n{a}\nwith:\n{b}"
-    );
-    assert!(results(&a).iter().any(|l| l.contains("no error")), "{a}");
-    let s = pre.summary.clone().expect("summary");
-    report("driver_api", &s);
+    let (a, s) = (c.plain_out(), &c.summary);
     let primary = value(&a, "launches_primary ") as u64;
     let created = value(&a, "launches_created ") as u64;
     assert_eq!(s.launches, primary + created);
