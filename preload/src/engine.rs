@@ -1538,8 +1538,9 @@ impl Engine {
     /// After launch `l` went to libcuda to pay towards an attach: lets the hooks forward the stream's next launches
     /// of the same function themselves, one fewer than the stream still has to pay ([`fast`]).
     fn grant_forwarding(&mut self, l: &Launch) {
+        // A per-thread default stream is named alike in every thread: a credit for it would be spent by all of them.
         if self.grants_off
-            || l.per_thread
+            || StreamKey::of(l.stream, l.per_thread).is_per_thread()
             || !self.contexts.is_empty()
             || !self.attaching.is_empty()
             || self.off.is_some()

@@ -109,6 +109,10 @@ fn marker_on<D: Driver>(
     ctx: usize,
     key: StreamKey,
 ) -> Option<Marker> {
+    // Another thread's default stream cannot be named from here (its handle would name this thread's).
+    if key.is_other_threads() {
+        return None;
+    }
     let (stream, pt) = (key.raw(), key.is_per_thread());
     match d.free_point(stream, pt) {
         FreePoint::Fence { ctx: owner, fence } if owner == ctx => Some(Marker::Fence(fence)),

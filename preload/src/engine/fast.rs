@@ -46,6 +46,7 @@ impl FastForward {
     /// Whether a launch of function `f` on `stream` goes to libcuda on the credit (spending one launch of it).
     pub(crate) fn spend(&self, f: usize, stream: usize, per_thread: bool) -> bool {
         !per_thread
+            && stream != crate::order::CU_STREAM_PER_THREAD
             && self.stream.load(Ordering::Acquire) == stream.wrapping_add(1)
             && self.has_seen(f)
             && self.credit.fetch_sub(1, Ordering::AcqRel) > 0
@@ -206,6 +207,10 @@ mod tests {
         assert_eq!(ff.left(), MAX_GRANT);
         ff.forget_functions();
         assert!(!ff.spend(0x7000, 0x50, false), "forgotten");
+        // CU_STREAM_PER_THREAD names each thread's own stream: never spent on.
+        ff.saw(0x7000);
+        ff.grant(crate::order::CU_STREAM_PER_THREAD, 10);
+        assert!(!ff.spend(0x7000, crate::order::CU_STREAM_PER_THREAD, false));
     }
 
     #[test]
