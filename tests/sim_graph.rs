@@ -1796,3 +1796,63 @@ fn a_programmatic_chain_waits_on_each_producers_latch_in_every_replay() {
         }
     }
 }
+
+/// A graph whose kernel binds a constant bank another instance of its module writes (`Module::shares_constants`:
+/// CUDA's `cudaMemcpyToSymbol` lands there, unseen by APEX) invalidates the SMs' constant caches at every replay; one
+/// whose module binds its own bank invalidates them only at its first replay, as its nodes keep the caches.
+#[test]
+fn replays_invalidate_constant_caches_when_a_node_shares_its_bank() {
+    const MODULE_DATA: &[u8] = include_bytes!("../kernels/conformance/module_data.sm_90.cubin");
+    let mut s = setup();
+    let bank = buffer(&s.gpu, 0x1000);
+    let section = apex::module::cubin::Cubin::parse(MODULE_DATA)
+        .unwrap()
+        .image_sections()
+        .find(|x| x.name == ".nv.constant3")
+        .map(|x| x.image_offset)
+        .unwrap();
+    let out = buffer(&s.gpu, 64);
+    let token = s.q.queue().channel().token();
+    let invalidations = |sim: &Simulator| sim.stats_for(token).unwrap().cache_invalidations;
+    for shared in [false, true] {
+        let home = |g: &apex::module::cubin::GlobalSymbol| {
+            (shared && g.is_constant()).then(|| apex::VariableHome {
+                address: bank.va() + (g.image_offset - section),
+                size: g.size,
+            })
+        };
+        let m = Module::load_placed(
+            &s.gpu,
+            MODULE_DATA,
+            &apex::module::printf::PrintfFifoCell::new(),
+            &home,
+        )
+        .unwrap();
+        assert_eq!(m.shares_constants(), shared);
+        let combo = m.kernel("combo").unwrap();
+        let mut g = Graph::new();
+        g.launch_args(&combo, LaunchConfig::linear(1, 1), &[Arg::Ptr(out.va())])
+            .unwrap();
+        let mut exec = s.q.instantiate_graph(&g).unwrap();
+        // SAFETY: the simulated GPU runs no kernels.
+        unsafe { s.q.replay_graph(&mut exec) }
+            .unwrap()
+            .wait(T)
+            .unwrap();
+        let before = invalidations(&s.sim);
+        for _ in 0..3 {
+            // SAFETY: as above.
+            unsafe { s.q.replay_graph(&mut exec) }
+                .unwrap()
+                .wait(T)
+                .unwrap();
+        }
+        let added = invalidations(&s.sim) - before;
+        if shared {
+            assert!(added >= 3, "{added} invalidations over 3 replays");
+        } else {
+            assert_eq!(added, 0, "the nodes keep the constant caches");
+        }
+    }
+    assert!(s.sim.errors().is_empty());
+}
