@@ -55,6 +55,9 @@ pub(crate) trait CudaSide: Send + Sync {
     fn stream_context(&self, stream: usize) -> Option<usize>;
     /// A function's or kernel's name, asked of the driver.
     fn function_name(&self, f: usize) -> Option<String>;
+    /// The most dynamic shared memory a launch of function or kernel `f` may ask for in the current context
+    /// (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES` as the program last set it); `None` when libcuda cannot say.
+    fn max_dynamic_shared(&self, f: usize) -> Option<u32>;
     /// A function's module, if `known` says the preload saw it loaded; else a kernel's library.
     fn function_owner(&self, f: usize, known: &dyn Fn(usize) -> bool) -> Option<usize>;
     /// Where CUDA's instance of module or library `owner` keeps its variable `name`, in the current context.
@@ -161,6 +164,16 @@ driver_fn!(
     cu_kernel_get_library,
     c"cuKernelGetLibrary",
     unsafe extern "C" fn(*mut usize, usize) -> c_int
+);
+driver_fn!(
+    cu_func_get_attribute,
+    c"cuFuncGetAttribute",
+    unsafe extern "C" fn(*mut c_int, c_int, usize) -> c_int
+);
+driver_fn!(
+    cu_kernel_get_attribute,
+    c"cuKernelGetAttribute",
+    unsafe extern "C" fn(*mut c_int, c_int, usize, c_int) -> c_int
 );
 driver_fn!(
     cu_module_get_global,
@@ -517,6 +530,23 @@ impl CudaSide for Libcuda {
 
     fn function_name(&self, f: usize) -> Option<String> {
         driver_name(cu_func_get_name(), f).or_else(|| driver_name(cu_kernel_get_name(), f))
+    }
+
+    fn max_dynamic_shared(&self, f: usize) -> Option<u32> {
+        const MAX_DYNAMIC_SHARED_SIZE_BYTES: c_int = 8;
+        let mut value: c_int = 0;
+        // SAFETY: a live out-parameter; the driver validates the handle (a CUkernel is refused, then asked below).
+        let read = cu_func_get_attribute()
+            .is_some_and(|get| unsafe { get(&mut value, MAX_DYNAMIC_SHARED_SIZE_BYTES, f) } == 0)
+            || {
+                let mut device: c_int = 0;
+                // SAFETY: live out-parameters; the driver validates the handle and the device.
+                cu_ctx_get_device().is_some_and(|get| unsafe { get(&mut device) } == 0)
+                    && cu_kernel_get_attribute().is_some_and(|get| unsafe {
+                        get(&mut value, MAX_DYNAMIC_SHARED_SIZE_BYTES, f, device)
+                    } == 0)
+            };
+        read.then(|| u32::try_from(value).ok()).flatten()
     }
 
     fn function_owner(&self, f: usize, known: &dyn Fn(usize) -> bool) -> Option<usize> {

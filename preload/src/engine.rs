@@ -385,6 +385,13 @@ struct Ready {
     /// hold at most.
     block: usize,
     owner: Owner,
+    /// The most dynamic shared memory a launch may ask for (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES` as
+    /// libcuda last said, or as the program set it on this handle): a launch asking for more is libcuda's to refuse.
+    max_dynamic_shared: u32,
+    /// Why launches that are not cooperative are left to libcuda: the kernel can trap
+    /// ([`check::trap_refusal`]). Cooperative groups' `grid.sync()` traps when its grid was not launched
+    /// cooperatively, so a cooperative launch of such a kernel never reaches that trap and runs on APEX.
+    traps: Option<Box<Refusal>>,
     /// Most recently used first.
     prepared: Vec<Prepared>,
 }
@@ -1306,6 +1313,23 @@ impl Engine {
         if packed.is_none() && l.params.is_null() && !ready.sizes.is_empty() {
             return Err(Refusal::ExtraParams.into());
         }
+        if let Some(r) = ready.traps.as_deref().filter(|_| !extras.cooperative) {
+            return Err(r.clone().into());
+        }
+        if l.shared > ready.max_dynamic_shared {
+            // The program may have raised the limit through another handle of the kernel: libcuda says.
+            if let Some(now) = cuda.max_dynamic_shared(l.f) {
+                ready.max_dynamic_shared = now;
+            }
+            if l.shared > ready.max_dynamic_shared {
+                return Err(Refusal::LaunchRefused(format!(
+                    "{} bytes of dynamic shared memory exceed the function's limit of {} \
+                     (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)",
+                    l.shared, ready.max_dynamic_shared
+                ))
+                .into());
+            }
+        }
         let cfg = LaunchConfig::new(l.grid, l.block)
             .with_shared_bytes(l.shared)
             .with_cluster_shape(extras.cluster)
@@ -1704,16 +1728,26 @@ impl Engine {
         if let Some(r) = check::kernel_refusal(info, self.contexts[ci].asserts_on_apex) {
             return Err(r.into());
         }
+        let traps = module
+            .cubin()
+            .and_then(|c| check::trap_refusal(c, &info.name))
+            .map(Box::new);
         let sizes = info.params.iter().map(|p| p.size as usize).collect();
         let offsets = info.params.iter().map(|p| p.offset as usize).collect();
         // The block the launch packs parameters into (`EIATTR_PARAM_CBANK`).
         let block = info.param_cbank_size as usize;
+        let max_dynamic_shared = self
+            .cuda
+            .max_dynamic_shared(f)
+            .unwrap_or_else(|| default_dynamic_shared(info.static_shared));
         Ok(Ready {
             kernel,
             sizes,
             offsets,
             block,
             owner: origin.owner,
+            max_dynamic_shared,
+            traps,
             prepared: Vec::new(),
         })
     }
@@ -1979,6 +2013,28 @@ impl Engine {
             for c in &mut self.contexts {
                 c.funcs
                     .retain(|_, s| !matches!(s, FuncState::Ready(r) if r.owner == owner));
+            }
+        }
+    }
+
+    /// The program set the most dynamic shared memory `f`'s launches may ask for.
+    pub(crate) fn dynamic_shared_limit(&mut self, f: usize, bytes: u32) {
+        let mut known = false;
+        for c in &mut self.contexts {
+            if let Some(FuncState::Ready(r)) = c.funcs.get_mut(&f) {
+                r.max_dynamic_shared = bytes;
+                known = true;
+            }
+        }
+        if !known {
+            // Set through a handle no launch used (a kernel's other handle): each function asks libcuda again at its
+            // next launch with dynamic shared memory, so a lowered limit is not missed.
+            for c in &mut self.contexts {
+                for s in c.funcs.values_mut() {
+                    if let FuncState::Ready(r) = s {
+                        r.max_dynamic_shared = 0;
+                    }
+                }
             }
         }
     }
@@ -2512,14 +2568,27 @@ pub(crate) fn escape(handle: usize, name: *const c_char) {
     with(|e| e.escape(handle, name));
 }
 
-/// `cuFuncSetAttribute` / `cuKernelSetAttribute` on `f`.
-pub(crate) fn func_attribute(f: usize, attr: c_int) {
-    // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES (8) and _PREFERRED_SHARED_MEMORY_CARVEOUT (9) change nothing
-    // APEX checks differently; cluster shapes and policies (10-14) and anything newer do.
-    if attr == 8 || attr == 9 {
-        return;
+/// `cuFuncSetAttribute` / `cuKernelSetAttribute` on `f`, which libcuda accepted.
+pub(crate) fn func_attribute(f: usize, attr: c_int, value: c_int) {
+    match attr {
+        // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: launches asking for more are libcuda's to refuse.
+        8 => {
+            with(|e| e.dynamic_shared_limit(f, u32::try_from(value).unwrap_or(0)));
+        }
+        // _PREFERRED_SHARED_MEMORY_CARVEOUT: a preference, which APEX's own choice of carveout meets.
+        9 => {}
+        // Cluster shapes and policies (10-14) and anything newer change what APEX would have to send.
+        _ => {
+            with(|e| e.func_attribute(f, attr));
+        }
     }
-    with(|e| e.func_attribute(f, attr));
+}
+
+/// CUDA's default for `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`: 48 KiB less the kernel's static shared
+/// memory (whose first KiB on sm_90 is the compiler's reserve, not counted), for when libcuda cannot be asked.
+fn default_dynamic_shared(static_shared: u64) -> u32 {
+    let own = static_shared.saturating_sub(1024);
+    u32::try_from((48u64 << 10).saturating_sub(own)).unwrap_or(0)
 }
 
 /// `cuCtxSetLimit`.

@@ -526,6 +526,9 @@ mod tests {
         fn function_name(&self, _: usize) -> Option<String> {
             None
         }
+        fn max_dynamic_shared(&self, _: usize) -> Option<u32> {
+            None
+        }
         fn function_owner(&self, _: usize, _: &dyn Fn(usize) -> bool) -> Option<usize> {
             None
         }

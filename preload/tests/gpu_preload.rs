@@ -1612,3 +1612,75 @@ fn triton_tensor_descriptors_give_identical_results_through_apex() {
         "every launch through APEX: {s:?}"
     );
 }
+
+/// Launches CUDA refuses (`programs/launch_errors.cu`: a block of 1025 threads, an empty grid, a grid too tall,
+/// dynamic shared memory beyond the function's limit and beyond the GPU's, a block beyond `__launch_bounds__`) return
+/// libcuda's error codes at the launch, and a kernel that traps gives `cudaErrorLaunchFailure` at the synchronize
+/// and after it, as libcuda does: APEX refuses each before the GPU and leaves it to libcuda. Before, a launch asking
+/// for more dynamic shared memory than `cudaFuncAttributeMaxDynamicSharedMemorySize` allowed ran on APEX, and a trap
+/// on APEX's channel read as `cudaErrorIllegalAddress`.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn refused_launches_and_a_trap_give_libcudas_errors_through_apex() {
+    let c = identical_cuda_program(
+        "launch_errors",
+        include_str!("programs/launch_errors.cu"),
+        &[],
+    );
+    let (a, s) = (c.plain_out(), &c.summary);
+    assert!(
+        a.contains("result smem_100k_no_attr cudaErrorInvalidValue"),
+        "{a}"
+    );
+    assert!(a.contains("result trap_sync cudaErrorLaunchFailure"), "{a}");
+    let reason = |k: &str| s.reasons.get(k).map_or(0, |r| r.launches);
+    assert!(reason("launch_refused") >= 7, "{:?}", s.reasons);
+    assert_eq!(reason("kernel_refused"), 1, "{:?}", s.reasons);
+    assert!(s.apex >= 100, "{} launches through APEX", s.apex);
+}
+
+/// cuRAND's host API (`programs/curand_host.cu`: XORWOW, MRG32k3a, MTGP32, MT19937, Philox, Sobol and scrambled
+/// Sobol generators; uniform, normal, log-normal, Poisson and raw bits; on the default stream and a stream of the
+/// program's) gives libcuda's bits with every launch through APEX.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn curand_generators_give_identical_results_through_apex() {
+    let c = identical_cuda_program(
+        "curand_host",
+        include_str!("programs/curand_host.cu"),
+        &["-lcurand"],
+    );
+    assert!(c.summary.apex > 50, "{:?}", c.summary);
+    assert_eq!(c.summary.fallback, 0, "{:?}", c.summary.reasons);
+}
+
+/// Graphs the program builds node by node (kernel, memcpy, host, child graph and event record nodes), updates in
+/// place (`cudaGraphExecKernelNodeSetParams`) and as a whole (`cudaGraphExecUpdate`), captures from two streams, and
+/// one with a conditional while node set from its body's kernel, each launched between plain launches on the same
+/// streams (`programs/graphs.cu`): libcuda's bits, the plain launches on APEX and the graphs on libcuda, ordered
+/// with each other.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn graphs_built_updated_and_conditional_give_identical_results_through_apex() {
+    let c = identical_cuda_program("graphs", include_str!("programs/graphs.cu"), &[]);
+    let s = &c.summary;
+    assert!(s.apex * 10 >= s.launches * 9, "{:?}", s);
+    assert!(
+        s.reasons.keys().all(|k| k == "capturing"),
+        "{:?}",
+        s.reasons
+    );
+}
+
+/// Recursive device functions, whose stack the compiler cannot size (CUDA gives them its 1 KiB default), a kernel
+/// with 12 KB of local memory per thread, and deeper recursion after the program raises the stack limit
+/// (`programs/recursion.cu`), built optimized and as a debug build (`-G`, whose code checks its stack and traps):
+/// libcuda's bits in both builds.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn recursion_and_large_local_memory_give_identical_results_through_apex() {
+    let source = include_str!("programs/recursion.cu");
+    let c = identical_cuda_program("recursion", source, &[]);
+    assert!(c.summary.apex >= 40, "{:?}", c.summary);
+    identical_cuda_program("recursion_debug", source, &["-G", "-DBASE_DEPTH=5"]);
+}

@@ -4,6 +4,7 @@
 //! answered without libcuda.
 
 use std::cell::Cell;
+use std::sync::atomic::{AtomicU32, Ordering as AtomicOrdering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -82,6 +83,9 @@ struct FakeCuda {
     fail_attach: Option<String>,
     /// What `set_current` was asked, on which thread, in order.
     made_current: MadeCurrent,
+    /// `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES` of every function (48 KiB, CUDA's default, until a test
+    /// raises it as the program's `cuFuncSetAttribute` would).
+    dynamic_shared: Arc<AtomicU32>,
 }
 
 impl FakeCuda {
@@ -94,6 +98,7 @@ impl FakeCuda {
             jobs: Arc::default(),
             fail_attach: None,
             made_current: Arc::default(),
+            dynamic_shared: Arc::new(AtomicU32::new(48 << 10)),
         }
     }
 
@@ -140,6 +145,9 @@ impl CudaSide for FakeCuda {
     }
     fn function_name(&self, _: usize) -> Option<String> {
         None
+    }
+    fn max_dynamic_shared(&self, _: usize) -> Option<u32> {
+        Some(self.dynamic_shared.load(AtomicOrdering::Relaxed))
     }
     fn function_owner(&self, _: usize, _: &dyn Fn(usize) -> bool) -> Option<usize> {
         None
@@ -215,6 +223,8 @@ struct Setup {
     /// The set-up worker's jobs wait while it is closed.
     jobs: Arc<Gate>,
     made_current: MadeCurrent,
+    /// The double's answer to `max_dynamic_shared`.
+    dynamic_shared: Arc<AtomicU32>,
     /// Parameter values of vector_add: a, b, out, n.
     params: [u64; 4],
 }
@@ -280,12 +290,13 @@ impl Setup {
         let (gpu, sim) = Gpu::open_simulated(SimConfig::default()).unwrap();
         let mut cuda = FakeCuda::new(gpu);
         cuda.fail_attach = fail_attach.map(str::to_string);
-        let (calls, device, gate, jobs, made_current) = (
+        let (calls, device, gate, jobs, made_current, dynamic_shared) = (
             cuda.calls.clone(),
             cuda.device.clone(),
             cuda.gate.clone(),
             cuda.jobs.clone(),
             cuda.made_current.clone(),
+            cuda.dynamic_shared.clone(),
         );
         let config = Config {
             enabled: true,
@@ -309,6 +320,7 @@ impl Setup {
             gate,
             jobs,
             made_current,
+            dynamic_shared,
             params: [0x1000, 0x2000, 0x3000, 64],
         }
     }
@@ -797,6 +809,92 @@ fn timed_events_and_events_after_cuda_work_go_to_libcuda() {
     // Unknown events (created before the preload watched) time, as far as the preload knows.
     assert_eq!(s.engine.event_record(EVENT + 2, stream), Answer::Forward);
     assert_eq!(s.engine.summary().events_on_apex, 0);
+}
+
+/// A kernel that can trap is left to libcuda, whose trap handler reports the trap as CUDA does, unless it is launched
+/// cooperatively (cooperative groups' `grid.sync()` traps only in grids launched otherwise).
+#[test]
+fn a_kernel_that_can_trap_is_left_to_libcuda_unless_launched_cooperatively() {
+    const TRAP: usize = FUNC + 0x10;
+    let mut s = Setup::new();
+    let cubin = Cubin::parse(CUBIN).unwrap();
+    let name = cubin
+        .kernels()
+        .iter()
+        .find(|k| k.name == "trap")
+        .unwrap()
+        .name
+        .clone();
+    s.engine.function(TRAP, MODULE, &name);
+    let launch = |cooperative: bool| Launch {
+        f: TRAP,
+        extras: Ok(Extras {
+            cooperative,
+            ..Extras::default()
+        }),
+        ..bare_launch()
+    };
+    assert!(s.engine.launch(&launch(false), 0).is_none());
+    assert!(s.engine.launch(&launch(false), 0).is_none());
+    let sum = s.engine.summary();
+    assert_eq!(
+        sum.reasons["kernel_refused"].launches, 2,
+        "{:?}",
+        sum.reasons
+    );
+    assert!(
+        sum.reasons["kernel_refused"]
+            .example
+            .contains("trap instruction"),
+        "{:?}",
+        sum.reasons
+    );
+    // The vector_add kernel of the same module holds no trap.
+    assert!(s.launch());
+    assert_eq!(s.engine.summary().apex, 1);
+    assert!(s.engine.launch(&launch(true), 0).is_some());
+    assert_eq!(s.engine.summary().apex, 2);
+}
+
+/// A launch asking for more dynamic shared memory than the function allows (48 KiB until the program raises
+/// `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`) is libcuda's to refuse, as CUDA refuses it; once raised, on the
+/// launch's handle or another handle of the kernel (libcuda asked again), it runs on APEX, and lowered again it is
+/// refused again.
+#[test]
+fn dynamic_shared_memory_beyond_the_functions_limit_is_left_to_libcuda() {
+    let mut s = Setup::new();
+    let mut params = s.params;
+    let mut ptrs: Vec<*mut c_void> = params.iter_mut().map(|p| (p as *mut u64).cast()).collect();
+    let launch = |shared: u32, ptrs: &mut Vec<*mut c_void>| Launch {
+        shared,
+        params: ptrs.as_mut_ptr(),
+        ..bare_launch()
+    };
+    assert!(s.engine.launch(&launch(48 << 10, &mut ptrs), 0).is_some());
+    assert!(s.engine.launch(&launch(64 << 10, &mut ptrs), 0).is_none());
+    let refused = |s: &Setup| {
+        s.engine
+            .summary()
+            .reasons
+            .get("launch_refused")
+            .map_or(0, |r| r.launches)
+    };
+    assert_eq!(refused(&s), 1);
+    // Raised through another handle: libcuda's answer is asked for again.
+    s.dynamic_shared.store(100 << 10, AtomicOrdering::Relaxed);
+    assert!(s.engine.launch(&launch(64 << 10, &mut ptrs), 0).is_some());
+    // Lowered on the launch's own handle.
+    s.dynamic_shared.store(32 << 10, AtomicOrdering::Relaxed);
+    s.engine.dynamic_shared_limit(FUNC, 32 << 10);
+    assert!(s.engine.launch(&launch(48 << 10, &mut ptrs), 0).is_none());
+    assert!(s.engine.launch(&launch(32 << 10, &mut ptrs), 0).is_some());
+    // Lowered through a handle no launch used: every function asks libcuda again.
+    s.dynamic_shared.store(16 << 10, AtomicOrdering::Relaxed);
+    s.engine.dynamic_shared_limit(FUNC + 1, 16 << 10);
+    assert!(s.engine.launch(&launch(32 << 10, &mut ptrs), 0).is_none());
+    assert_eq!(refused(&s), 3);
+    assert_eq!(s.engine.summary().apex, 3);
+    s.idle();
 }
 
 #[test]

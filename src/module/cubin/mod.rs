@@ -461,7 +461,31 @@ impl Cubin {
     /// [`CubinError::TextureInstructions`]: such a kernel needs the texture header pool that only CUDA's channels
     /// bind.
     pub(crate) fn texture_use(&self, kernel: usize) -> Option<CubinError> {
-        let k = self.kernels.get(kernel)?;
+        let (section, (kind, at)) =
+            self.first_in_reach(kernel, |code| sass::texture_or_surface(code, self.sm))?;
+        Some(CubinError::TextureInstructions {
+            kernel: self.kernels.get(kernel)?.name.clone(),
+            kind,
+            section,
+            offset: at as u64,
+        })
+    }
+
+    /// The first trap instruction (`__trap()`, `asm("trap;")`) a thread of kernel `kernel` can reach, in its code or
+    /// the code it may reach: the code section and the byte offset in it. A trap placed after a call that does not
+    /// return (`__assertfail`'s) is not one. sm_90 code only; `None` for others.
+    pub fn reachable_trap(&self, kernel: usize) -> Option<(String, u64)> {
+        self.first_in_reach(kernel, |code| sass::reachable_trap(code, self.sm))
+            .map(|(section, at)| (section, at as u64))
+    }
+
+    /// What `find` first finds in kernel `kernel`'s code or in the code it may reach (the sections its relocations
+    /// reach, through data too: a table of function pointers), with the name of the code section it was found in.
+    fn first_in_reach<T>(
+        &self,
+        kernel: usize,
+        find: impl Fn(&[u8]) -> Option<T>,
+    ) -> Option<(String, T)> {
         let root = self.kernel_section(kernel)?;
         let mut seen = vec![false; self.sections.len()];
         let mut work = vec![root];
@@ -470,17 +494,8 @@ impl Cubin {
                 continue;
             }
             let s = &self.sections[i];
-            if let Some((kind, at)) = self
-                .section_bytes(s)
-                .filter(|_| s.code)
-                .and_then(|code| sass::texture_or_surface(code, self.sm))
-            {
-                return Some(CubinError::TextureInstructions {
-                    kernel: k.name.clone(),
-                    kind,
-                    section: s.info.name.clone(),
-                    offset: at as u64,
-                });
+            if let Some(found) = self.section_bytes(s).filter(|_| s.code).and_then(&find) {
+                return Some((s.info.name.clone(), found));
             }
             work.extend(self.section_refers_to(i).filter(|&j| !seen[j]));
         }
