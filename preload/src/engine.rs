@@ -2207,7 +2207,7 @@ impl Engine {
         }
         self.new_generation();
         self.settle_grant();
-        self.off = Some(Refusal::Disabled);
+        self.off = Some(Refusal::Ended(why.to_string()));
         if let Some(path) = &self.config.stats {
             let path = stats_path(path, std::process::id());
             match serde_json::to_vec_pretty(&summary) {

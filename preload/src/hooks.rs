@@ -290,7 +290,7 @@ fn around(kind: Kind, site: Site, a: Args, call: impl FnOnce() -> c_int) -> c_in
             // reset, which names a device) ends the takeover.
             let alone = a.context != 0 && engine::context_destroyed_alone(a.context);
             if !alone {
-                engine::shutdown("the program destroys the CUDA context");
+                engine::shutdown("the program destroyed or reset the CUDA context APEX had joined");
             }
             // libcuda frees the context's memory with it, the cached blocks too.
             if let Some(mut c) = crate::alloc_cache::lock() {

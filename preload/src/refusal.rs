@@ -8,6 +8,10 @@ pub enum Refusal {
     /// `APEX_PRELOAD=off`.
     #[error("the takeover is off (APEX_PRELOAD=off)")]
     Disabled,
+    /// The takeover ended before the program did: the CUDA context APEX had joined was destroyed or reset
+    /// (`cuCtxDestroy`, `cudaDeviceReset`), and APEX does not join the context CUDA makes after it.
+    #[error("the takeover ended when {0}; work after it stays on libcuda")]
+    Ended(String),
     /// APEX could not join the program's CUDA context.
     #[error("APEX could not attach to the CUDA context: {0}")]
     AttachFailed(String),
@@ -125,6 +129,7 @@ impl Refusal {
     pub fn label(&self) -> &'static str {
         match self {
             Refusal::Disabled => "disabled",
+            Refusal::Ended(_) => "takeover_ended",
             Refusal::AttachFailed(_) => "attach_failed",
             Refusal::DriverBackend(_) => "driver_backend",
             Refusal::NoContext => "no_context",
@@ -177,6 +182,7 @@ mod tests {
     fn labels_are_distinct_and_messages_say_why() {
         let all = [
             Refusal::Disabled,
+            Refusal::Ended("x".into()),
             Refusal::AttachFailed("x".into()),
             Refusal::DriverBackend("x".into()),
             Refusal::NoContext,

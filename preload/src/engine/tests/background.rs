@@ -331,7 +331,12 @@ fn the_end_waits_for_the_set_up_in_flight_with_a_bound_and_drops_what_it_made() 
     assert_eq!((sum.setup.dropped, sum.warmup), (1, 1));
     assert_eq!(sum.attach, "direct (ready only after the last launch)");
     assert!(!s.hook_launch(0), "the takeover is over");
-    assert_eq!(s.engine.summary().reasons["disabled"].launches, 1);
+    let ended = &s.engine.summary().reasons["takeover_ended"];
+    assert_eq!(ended.launches, 1);
+    assert_eq!(
+        ended.example,
+        "the takeover ended when test; work after it stays on libcuda"
+    );
 
     // An attach that does not finish: the end waits for it up to the bound, then leaves it. (It fails once let
     // through: an abandoned GPU would be leaked, and the simulator has room for only a few per process.)
