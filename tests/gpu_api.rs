@@ -3,20 +3,17 @@
 
 use std::time::{Duration, Instant};
 
-use apex::{Arg, Backend, BackendRequest, DevicePtr, Gpu, Launch, LaunchConfig};
+use apex::{Arg, Backend, DevicePtr, Gpu, Launch, LaunchConfig};
+
+#[path = "support/gpu.rs"]
+mod support_gpu;
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
 const PTX: &[u8] = include_bytes!("../kernels/apex_test_kernels.ptx");
 const T: Duration = Duration::from_secs(20);
 
 fn gpu(b: Backend) -> Gpu {
-    let req = match b {
-        Backend::Direct => BackendRequest::Direct,
-        Backend::Driver => BackendRequest::Driver,
-    };
-    let g = Gpu::open_with(0, req).expect("open GPU");
-    assert_eq!(g.backend(), b, "{}", g.selection());
-    g
+    support_gpu::open(b)
 }
 
 fn f32s(v: &[f32]) -> Vec<u8> {

@@ -5,9 +5,10 @@
 
 use std::time::{Duration, Instant};
 
-use apex::{
-    Arg, Backend, BackendRequest, Gpu, HostBuffer, Launch, LaunchConfig, Queue, QueueOptions,
-};
+use apex::{Arg, Backend, Gpu, HostBuffer, Launch, LaunchConfig, Queue, QueueOptions};
+
+#[path = "support/gpu.rs"]
+mod support_gpu;
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
 const PDL_CUBIN: &[u8] = include_bytes!("../kernels/apex_pdl.sm_90.cubin");
@@ -15,13 +16,7 @@ const T: Duration = Duration::from_secs(20);
 const ONE: LaunchConfig = LaunchConfig::new([1, 1, 1], [1, 1, 1]);
 
 fn gpu(b: Backend) -> Gpu {
-    let req = match b {
-        Backend::Direct => BackendRequest::Direct,
-        Backend::Driver => BackendRequest::Driver,
-    };
-    let g = Gpu::open_with(0, req).expect("open GPU");
-    assert_eq!(g.backend(), b, "{}", g.selection());
-    g
+    support_gpu::open(b)
 }
 
 fn chained(g: &Gpu) -> Queue {

@@ -8,7 +8,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use apex::{Arg, Backend, BackendRequest, Gpu, Launch, LaunchConfig};
+use apex::{Arg, Backend, Gpu, Launch, LaunchConfig};
+
+#[path = "support/gpu.rs"]
+mod support_gpu;
 
 const TRITON_GEN: &str = include_str!("../kernels/conformance/triton_gen.py");
 const NVCC_SRC: &str = include_str!("../kernels/conformance/nvcc_variants.cu");
@@ -16,13 +19,7 @@ const NVRTC_GEN: &str = include_str!("../kernels/conformance/nvrtc_gen.py");
 const T: Duration = Duration::from_secs(30);
 
 fn gpu(b: Backend) -> Gpu {
-    let req = match b {
-        Backend::Direct => BackendRequest::Direct,
-        Backend::Driver => BackendRequest::Driver,
-    };
-    let g = Gpu::open_with(0, req).expect("open GPU");
-    assert_eq!(g.backend(), b, "{}", g.selection());
-    g
+    support_gpu::open(b)
 }
 
 fn scratch_dir(tag: &str) -> PathBuf {

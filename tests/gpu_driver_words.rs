@@ -6,19 +6,16 @@
 
 use std::time::Duration;
 
-use apex::{Arg, Backend, BackendRequest, Gpu, LaunchConfig};
+use apex::{Arg, Backend, Gpu, LaunchConfig};
+
+#[path = "support/gpu.rs"]
+mod support_gpu;
 
 const DRIVER_WORDS: &[u8] = include_bytes!("../kernels/conformance/driver_words.sm_90.cubin");
 const T: Duration = Duration::from_secs(20);
 
 fn gpu(b: Backend) -> Gpu {
-    let req = match b {
-        Backend::Direct => BackendRequest::Direct,
-        Backend::Driver => BackendRequest::Driver,
-    };
-    let g = Gpu::open_with(0, req).expect("open GPU");
-    assert_eq!(g.backend(), b, "{}", g.selection());
-    g
+    support_gpu::open(b)
 }
 
 fn words(b: &[u8]) -> Vec<u32> {

@@ -12,6 +12,9 @@ use std::time::Duration;
 
 use apex::{Arg, Backend, BackendRequest, Buffer, Gpu, LaunchConfig, Queue};
 
+#[path = "support/gpu.rs"]
+mod support_gpu;
+
 const MODULE_DATA: &[u8] = include_bytes!("../kernels/conformance/module_data.sm_90.cubin");
 const CLUSTER: &[u8] = include_bytes!("../kernels/conformance/cluster.sm_90.cubin");
 const TEST_CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
@@ -19,13 +22,7 @@ const TEST_PTX: &[u8] = include_bytes!("../kernels/apex_test_kernels.ptx");
 const T: Duration = Duration::from_secs(20);
 
 fn gpu(b: Backend) -> Gpu {
-    let req = match b {
-        Backend::Direct => BackendRequest::Direct,
-        Backend::Driver => BackendRequest::Driver,
-    };
-    let g = Gpu::open_with(0, req).expect("open GPU");
-    assert_eq!(g.backend(), b, "{}", g.selection());
-    g
+    support_gpu::open(b)
 }
 
 fn ints(b: &[u8]) -> Vec<i32> {

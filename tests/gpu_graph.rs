@@ -4,10 +4,7 @@
 
 use std::time::Duration;
 
-use apex::{
-    Arg, Backend, BackendRequest, Buffer, Gpu, Graph, LaunchConfig, LaunchMemory, Queue,
-    QueueOptions,
-};
+use apex::{Arg, Backend, Buffer, Gpu, Graph, LaunchConfig, LaunchMemory, Queue, QueueOptions};
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
 const T: Duration = Duration::from_secs(20);
@@ -16,16 +13,13 @@ const T: Duration = Duration::from_secs(20);
 mod counting_alloc;
 use counting_alloc::allocations;
 
+#[path = "support/gpu.rs"]
+mod support_gpu;
+
 // ---- helpers ----------------------------------------------------------------------------------------------
 
 fn gpu(b: Backend) -> Gpu {
-    let req = match b {
-        Backend::Direct => BackendRequest::Direct,
-        Backend::Driver => BackendRequest::Driver,
-    };
-    let g = Gpu::open_with(0, req).expect("open GPU");
-    assert_eq!(g.backend(), b, "{}", g.selection());
-    g
+    support_gpu::open(b)
 }
 
 fn f32s(v: &[f32]) -> Vec<u8> {

@@ -9,7 +9,10 @@ use std::time::Duration;
 use apex::module::fatbin;
 use apex::module::jit::{self, Compiler, InputKind};
 use apex::module::select;
-use apex::{Arg, Backend, BackendRequest, Gpu, LaunchConfig, Module};
+use apex::{Arg, Backend, Gpu, LaunchConfig, Module};
+
+#[path = "support/gpu.rs"]
+mod support_gpu;
 
 macro_rules! fixture {
     ($name:literal) => {
@@ -40,12 +43,7 @@ const HOSTS: [(&str, &[u8]); 4] = [
 const T: Duration = Duration::from_secs(20);
 
 fn gpu(b: Backend) -> Gpu {
-    let req = match b {
-        Backend::Direct => BackendRequest::Direct,
-        Backend::Driver => BackendRequest::Driver,
-    };
-    let g = Gpu::open_with(0, req).expect("open GPU");
-    assert_eq!(g.backend(), b, "{}", g.selection());
+    let g = support_gpu::open(b);
     assert_eq!(g.info().sm_version, 90, "these tests expect an sm_90 GPU");
     g
 }

@@ -5,22 +5,17 @@
 
 use std::time::Duration;
 
-use apex::{
-    Arg, Backend, BackendRequest, Error, Gpu, HostBuffer, LaunchConfig, PoolOptions, Queue,
-};
+use apex::{Arg, Backend, Error, Gpu, HostBuffer, LaunchConfig, PoolOptions, Queue};
+
+#[path = "support/gpu.rs"]
+mod support_gpu;
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
 const T: Duration = Duration::from_secs(20);
 const MIB: u64 = 1 << 20;
 
 fn gpu(b: Backend) -> Gpu {
-    let req = match b {
-        Backend::Direct => BackendRequest::Direct,
-        Backend::Driver => BackendRequest::Driver,
-    };
-    let g = Gpu::open_with(0, req).expect("open GPU");
-    assert_eq!(g.backend(), b, "{}", g.selection());
-    g
+    support_gpu::open(b)
 }
 
 /// Sets `n` floats at `ptr` to `v` on `q`.

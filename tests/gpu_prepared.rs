@@ -4,7 +4,10 @@
 
 use std::time::Duration;
 
-use apex::{Arg, Backend, BackendRequest, Gpu, Launch, LaunchConfig, LaunchMemory, QueueOptions};
+use apex::{Arg, Backend, Gpu, Launch, LaunchConfig, LaunchMemory, QueueOptions};
+
+#[path = "support/gpu.rs"]
+mod support_gpu;
 
 const CUBIN: &[u8] = include_bytes!("../kernels/apex_test_kernels.sm_90.cubin");
 const T: Duration = Duration::from_secs(20);
@@ -23,13 +26,7 @@ fn log() {
 
 fn gpu(b: Backend) -> Gpu {
     log();
-    let req = match b {
-        Backend::Direct => BackendRequest::Direct,
-        Backend::Driver => BackendRequest::Driver,
-    };
-    let g = Gpu::open_with(0, req).expect("open GPU");
-    assert_eq!(g.backend(), b, "{}", g.selection());
-    g
+    support_gpu::open(b)
 }
 
 fn run(b: Backend, memory: LaunchMemory) {

@@ -10,7 +10,10 @@ use apex::launch::{self, ComputeQueue, ComputeQueueConfig};
 use apex::module::Module;
 use apex::module::printf::{DeviceRecord, PrintfFifoCell, format_printf};
 use apex::rm::{GpuCore, Memory, MemoryDesc};
-use apex::{Arg, Backend, BackendRequest, Error, Gpu, LaunchConfig};
+use apex::{Arg, Backend, Error, Gpu, LaunchConfig};
+
+#[path = "support/gpu.rs"]
+mod support_gpu;
 
 const PRINTF: &[u8] = include_bytes!("../kernels/conformance/printf_kernels.sm_90.cubin");
 const PRINTF_SRC: &str = include_str!("../kernels/conformance/printf_kernels.cu");
@@ -25,13 +28,7 @@ const F: f32 = 2.5;
 const C: u8 = b'Z';
 
 fn gpu(b: Backend) -> Gpu {
-    let req = match b {
-        Backend::Direct => BackendRequest::Direct,
-        Backend::Driver => BackendRequest::Driver,
-    };
-    let g = Gpu::open_with(0, req).expect("open GPU");
-    assert_eq!(g.backend(), b, "{}", g.selection());
-    g
+    support_gpu::open(b)
 }
 
 /// What C prints for `printf_types` with the arguments above (`p` is the device string's address).
