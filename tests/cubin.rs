@@ -902,3 +902,77 @@ fn random_mutations_never_panic() {
         }
     }
 }
+
+/// Parameters beyond 4 KiB: nvcc 13.0 describes them with `EIATTR_KPARAM_INFO_V2` (kernels/conformance/big_params.cu;
+/// offsets and sizes as cuobjdump prints them). Before it was read, these kernels had no parameters in APEX's table,
+/// and a launch packed none.
+#[test]
+fn parameters_beyond_4_kib_are_read_from_their_v2_records() {
+    let cubin = Cubin::parse(include_bytes!(
+        "../kernels/conformance/big_params.sm_90.cubin"
+    ))
+    .unwrap();
+    let params = |name: &str| {
+        let k = cubin.kernels().iter().find(|k| k.name == name).unwrap();
+        assert_eq!(k.parameter_table_problem(), None, "{name}");
+        (
+            k.param_cbank_size,
+            k.params
+                .iter()
+                .map(|p| (p.ordinal, p.offset, p.size))
+                .collect::<Vec<_>>(),
+        )
+    };
+    assert_eq!(
+        params("_Z2k53P5KPii"),
+        (0x1394, vec![(0, 0, 5000), (1, 0x1388, 8), (2, 0x1390, 4)])
+    );
+    assert_eq!(
+        params("_Z3k32Pi4P32Ki"),
+        (0x7d0c, vec![(0, 0, 8), (1, 8, 32000), (2, 0x7d08, 4)])
+    );
+}
+
+/// A parameter table that does not describe the parameter block is reported: no records, a parameter past the
+/// block's end, two overlapping. Every fixture kernel's table is sound.
+#[test]
+fn parameter_tables_that_do_not_describe_the_block_are_reported() {
+    for bytes in [SM80, SM90, SM100] {
+        for k in Cubin::parse(bytes).unwrap().kernels() {
+            assert_eq!(k.parameter_table_problem(), None, "{}", k.name);
+        }
+    }
+    let cubin = Cubin::parse(include_bytes!(
+        "../kernels/conformance/big_params.sm_90.cubin"
+    ))
+    .unwrap();
+    let k = cubin
+        .kernels()
+        .iter()
+        .find(|k| k.name == "_Z2k53P5KPii")
+        .unwrap();
+    let mut none = k.clone();
+    none.params.clear();
+    assert!(
+        none.parameter_table_problem()
+            .unwrap()
+            .contains("no parameter records for its 5012-byte"),
+        "{:?}",
+        none.parameter_table_problem()
+    );
+    let mut past = k.clone();
+    past.params[2].size = 8;
+    assert!(
+        past.parameter_table_problem()
+            .unwrap()
+            .contains("ends past")
+    );
+    let mut overlap = k.clone();
+    overlap.params[0].size = 5001;
+    assert!(
+        overlap
+            .parameter_table_problem()
+            .unwrap()
+            .contains("overlap")
+    );
+}

@@ -500,3 +500,72 @@ fn unsupported_externals_refuse_only_their_kernels() {
         assert_eq!(a, b, "{name}: backends differ");
     }
 }
+
+/// Parameters beyond 4 KiB (kernels/conformance/big_params.cu: a 5000-byte and a 32000-byte struct by value, with
+/// a pointer and an int after them), described by nvcc 13.0's `EIATTR_KPARAM_INFO_V2`: on both backends, every
+/// value as the host computes it. Before those records were read, the direct path saw no parameters.
+fn big_parameters(b: Backend) {
+    let g = gpu(b);
+    let m = g
+        .load_module(include_bytes!(
+            "../kernels/conformance/big_params.sm_90.cubin"
+        ))
+        .unwrap();
+    let mut q = g.queue().unwrap();
+    let (o5, o32) = (g.alloc(1250 * 4).unwrap(), g.alloc(8000 * 4).unwrap());
+    q.upload(&g, &o5, 0, &[0; 1250 * 4]).unwrap();
+    q.upload(&g, &o32, 0, &[0; 8000 * 4]).unwrap();
+    let (mut want5, mut want32) = (vec![0i32; 1250], vec![0i32; 8000]);
+    for round in 0..3i32 {
+        let p5: Vec<i32> = (0..1250).map(|i| i * 3 + round).collect();
+        let p32: Vec<i32> = (0..8000).map(|i| i ^ round).collect();
+        let bytes = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let (b5, b32) = (bytes(&p5), bytes(&p32));
+        // SAFETY: the kernels write 1250 and 8000 ints of the buffers given, which hold that many.
+        unsafe {
+            q.launch(
+                &m.kernel("_Z2k53P5KPii").unwrap(),
+                &LaunchConfig::linear(5, 256),
+                &[Arg::Bytes(&b5), o5.arg(), Arg::I32(round)],
+            )
+            .unwrap();
+            q.launch(
+                &m.kernel("_Z3k32Pi4P32Ki").unwrap(),
+                &LaunchConfig::linear(32, 256),
+                &[o32.arg(), Arg::Bytes(&b32), Arg::I32(round)],
+            )
+            .unwrap();
+        }
+        for (i, w) in want5.iter_mut().enumerate() {
+            *w = w.wrapping_mul(3).wrapping_add(p5[i]).wrapping_add(round);
+        }
+        for (i, w) in want32.iter_mut().enumerate() {
+            *w = w
+                .wrapping_mul(5)
+                .wrapping_add(p32[(i * 7) % 8000])
+                .wrapping_sub(round);
+        }
+    }
+    q.synchronize().unwrap();
+    let ints = |buf: &apex::Buffer, n: usize, q: &mut apex::Queue| {
+        let mut v = vec![0u8; n * 4];
+        q.download(&g, buf, 0, &mut v).unwrap();
+        v.chunks_exact(4)
+            .map(|w| i32::from_le_bytes(w.try_into().unwrap()))
+            .collect::<Vec<i32>>()
+    };
+    assert_eq!(ints(&o5, 1250, &mut q), want5);
+    assert_eq!(ints(&o32, 8000, &mut q), want32);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn parameters_beyond_4_kib_direct() {
+    big_parameters(Backend::Direct);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn parameters_beyond_4_kib_driver() {
+    big_parameters(Backend::Driver);
+}

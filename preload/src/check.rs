@@ -56,21 +56,6 @@ pub fn kernel_refusal(kernel: &KernelInfo, asserts: bool) -> Option<Refusal> {
         .map(|e| Refusal::DeviceRuntime(e.clone()))
 }
 
-/// Why launches of kernel `name` of `cubin` may not run on an APEX queue because it can trap (`__trap()`,
-/// `asm("trap;")`): CUDA reports a trap as `CUDA_ERROR_LAUNCH_FAILED` from what its own trap handler records, which
-/// APEX's channels do not have, so the program would see `CUDA_ERROR_ILLEGAL_ADDRESS` instead (H200, 580.159.04).
-/// The trap the compiler places after `__assertfail`'s call is no reason: under APEX a failed assert ends its thread
-/// first. The engine applies it to launches that are not cooperative (cooperative groups' `grid.sync()` holds a
-/// trap for grids launched otherwise).
-pub fn trap_refusal(cubin: &Cubin, name: &str) -> Option<Refusal> {
-    let index = cubin.kernels().iter().position(|k| k.name == name)?;
-    let (section, offset) = cubin.reachable_trap(index)?;
-    Some(Refusal::KernelRefused(format!(
-        "kernel `{name}` can execute a trap instruction ({section} at offset {offset:#x}), which CUDA reports as \
-         CUDA_ERROR_LAUNCH_FAILED through its own trap handler, which APEX's channels do not have"
-    )))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -79,36 +64,6 @@ mod tests {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
         let bytes = std::fs::read(root.join(path)).unwrap_or_else(|e| panic!("{path}: {e}"));
         Cubin::parse(&bytes).unwrap()
-    }
-
-    #[test]
-    fn kernels_that_can_trap_are_refused_and_asserting_kernels_are_not() {
-        let c = cubin("kernels/apex_test_kernels.sm_90.cubin");
-        for k in c.kernels() {
-            let r = trap_refusal(&c, &k.name);
-            if k.name == "trap" {
-                let Some(Refusal::KernelRefused(why)) = r else {
-                    panic!("`trap` not refused: {r:?}");
-                };
-                assert!(
-                    why.contains("trap instruction") && why.contains("CUDA_ERROR_LAUNCH_FAILED"),
-                    "{why}"
-                );
-            } else {
-                assert_eq!(r, None, "{}", k.name);
-            }
-        }
-        // Kernels that call `__assertfail` and `vprintf` (the trap after `__assertfail`'s call is not reachable).
-        let c = cubin("kernels/conformance/printf_kernels.sm_90.cubin");
-        assert!(
-            c.kernels()
-                .iter()
-                .any(|k| k.externs.iter().any(|e| e == "__assertfail"))
-        );
-        for k in c.kernels() {
-            assert_eq!(trap_refusal(&c, &k.name), None, "{}", k.name);
-        }
-        assert_eq!(trap_refusal(&c, "no such kernel"), None);
     }
 
     #[test]

@@ -388,10 +388,6 @@ struct Ready {
     /// The most dynamic shared memory a launch may ask for (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES` as
     /// libcuda last said, or as the program set it on this handle): a launch asking for more is libcuda's to refuse.
     max_dynamic_shared: u32,
-    /// Why launches that are not cooperative are left to libcuda: the kernel can trap
-    /// ([`check::trap_refusal`]). Cooperative groups' `grid.sync()` traps when its grid was not launched
-    /// cooperatively, so a cooperative launch of such a kernel never reaches that trap and runs on APEX.
-    traps: Option<Box<Refusal>>,
     /// Most recently used first.
     prepared: Vec<Prepared>,
 }
@@ -1313,9 +1309,6 @@ impl Engine {
         if packed.is_none() && l.params.is_null() && !ready.sizes.is_empty() {
             return Err(Refusal::ExtraParams.into());
         }
-        if let Some(r) = ready.traps.as_deref().filter(|_| !extras.cooperative) {
-            return Err(r.clone().into());
-        }
         if l.shared > ready.max_dynamic_shared {
             // The program may have raised the limit through another handle of the kernel: libcuda says.
             if let Some(now) = cuda.max_dynamic_shared(l.f) {
@@ -1728,10 +1721,6 @@ impl Engine {
         if let Some(r) = check::kernel_refusal(info, self.contexts[ci].asserts_on_apex) {
             return Err(r.into());
         }
-        let traps = module
-            .cubin()
-            .and_then(|c| check::trap_refusal(c, &info.name))
-            .map(Box::new);
         let sizes = info.params.iter().map(|p| p.size as usize).collect();
         let offsets = info.params.iter().map(|p| p.offset as usize).collect();
         // The block the launch packs parameters into (`EIATTR_PARAM_CBANK`).
@@ -1747,7 +1736,6 @@ impl Engine {
             block,
             owner: origin.owner,
             max_dynamic_shared,
-            traps,
             prepared: Vec::new(),
         })
     }

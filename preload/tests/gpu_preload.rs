@@ -1615,13 +1615,12 @@ fn triton_tensor_descriptors_give_identical_results_through_apex() {
 
 /// Launches CUDA refuses (`programs/launch_errors.cu`: a block of 1025 threads, an empty grid, a grid too tall,
 /// dynamic shared memory beyond the function's limit and beyond the GPU's, a block beyond `__launch_bounds__`) return
-/// libcuda's error codes at the launch, and a kernel that traps gives `cudaErrorLaunchFailure` at the synchronize
-/// and after it, as libcuda does: APEX refuses each before the GPU and leaves it to libcuda. Before, a launch asking
-/// for more dynamic shared memory than `cudaFuncAttributeMaxDynamicSharedMemorySize` allowed ran on APEX, and a trap
-/// on APEX's channel read as `cudaErrorIllegalAddress`.
+/// libcuda's error codes at the launch, and the work around them libcuda's bits: APEX refuses each before the GPU and
+/// leaves it to libcuda. Before, a launch asking for more dynamic shared memory than
+/// `cudaFuncAttributeMaxDynamicSharedMemorySize` allowed ran on APEX.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
-fn refused_launches_and_a_trap_give_libcudas_errors_through_apex() {
+fn refused_launches_give_libcudas_errors_through_apex() {
     let c = identical_cuda_program(
         "launch_errors",
         include_str!("programs/launch_errors.cu"),
@@ -1632,11 +1631,10 @@ fn refused_launches_and_a_trap_give_libcudas_errors_through_apex() {
         a.contains("result smem_100k_no_attr cudaErrorInvalidValue"),
         "{a}"
     );
-    assert!(a.contains("result trap_sync cudaErrorLaunchFailure"), "{a}");
     let reason = |k: &str| s.reasons.get(k).map_or(0, |r| r.launches);
     assert!(reason("launch_refused") >= 7, "{:?}", s.reasons);
-    assert_eq!(reason("kernel_refused"), 1, "{:?}", s.reasons);
-    assert!(s.apex >= 100, "{} launches through APEX", s.apex);
+    assert_eq!(s.fallback, reason("launch_refused"), "{:?}", s.reasons);
+    assert!(s.apex >= 50, "{} launches through APEX", s.apex);
 }
 
 /// cuRAND's host API (`programs/curand_host.cu`: XORWOW, MRG32k3a, MTGP32, MT19937, Philox, Sobol and scrambled
@@ -1674,8 +1672,7 @@ fn graphs_built_updated_and_conditional_give_identical_results_through_apex() {
 
 /// Recursive device functions, whose stack the compiler cannot size (CUDA gives them its 1 KiB default), a kernel
 /// with 12 KB of local memory per thread, and deeper recursion after the program raises the stack limit
-/// (`programs/recursion.cu`), built optimized and as a debug build (`-G`, whose code checks its stack and traps):
-/// libcuda's bits in both builds.
+/// (`programs/recursion.cu`), built optimized and as a debug build (`-G`): libcuda's bits in both builds.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn recursion_and_large_local_memory_give_identical_results_through_apex() {
@@ -1683,4 +1680,21 @@ fn recursion_and_large_local_memory_give_identical_results_through_apex() {
     let c = identical_cuda_program("recursion", source, &[]);
     assert!(c.summary.apex >= 40, "{:?}", c.summary);
     identical_cuda_program("recursion_debug", source, &["-G", "-DBASE_DEPTH=5"]);
+}
+
+/// Kernel parameters beyond 4 KiB (`programs/big_params.cu`: a 5000-byte and a 32000-byte struct by value, through
+/// `<<<>>>` and `cudaLaunchKernel`), and a module linked at run time from two relocatable NVRTC objects with
+/// `cuLinkCreate`/`cuLinkAddData`/`cuLinkComplete`: libcuda's bits, every launch through APEX. Before nvcc 13.0's
+/// `EIATTR_KPARAM_INFO_V2` records were read, APEX saw no parameters in these kernels and launched them with none:
+/// the first one faulted on a null pointer, and the program's context with it.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn parameters_beyond_4_kib_and_a_run_time_link_give_identical_results_through_apex() {
+    let c = identical_cuda_program(
+        "big_params",
+        include_str!("programs/big_params.cu"),
+        &["-lnvrtc"],
+    );
+    assert!(c.summary.apex >= 400, "{:?}", c.summary);
+    assert_eq!(c.summary.fallback, 0, "{:?}", c.summary.reasons);
 }

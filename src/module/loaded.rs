@@ -33,7 +33,8 @@ pub struct Module {
     generation: AtomicU64,
     /// The ring `printf`/`assert` records go to, when the module calls them.
     printf: Option<Arc<PrintfFifo>>,
-    /// Kernels that call an external APEX does not provide, with the reason: refused when looked up.
+    /// Kernels that call an external APEX does not provide, or whose parameter table does not describe their
+    /// parameter block, with the reason: refused when looked up.
     refused: Vec<(String, super::cubin::CubinError)>,
     /// `__device__` variables that live outside the image ([`Module::load_placed`]).
     placed: Vec<PlacedGlobal>,
@@ -273,7 +274,20 @@ impl Module {
         // Externals APEX does not provide: the kernels that call them are refused when looked up, the others run.
         // Where the cubin does not say which kernel calls what, the whole module is refused before anything is
         // allocated.
-        let mut refused = Vec::new();
+        let mut refused: Vec<(String, super::cubin::CubinError)> = cubin
+            .kernels()
+            .iter()
+            .filter_map(|k| {
+                let why = k.parameter_table_problem()?;
+                Some((
+                    k.name.clone(),
+                    super::cubin::CubinError::ParameterTable {
+                        kernel: k.name.clone(),
+                        why,
+                    },
+                ))
+            })
+            .collect();
         if let Some(e) = plan.unsupported.first() {
             if !listed {
                 return Err(e.clone().into());

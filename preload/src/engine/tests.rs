@@ -811,51 +811,6 @@ fn timed_events_and_events_after_cuda_work_go_to_libcuda() {
     assert_eq!(s.engine.summary().events_on_apex, 0);
 }
 
-/// A kernel that can trap is left to libcuda, whose trap handler reports the trap as CUDA does, unless it is launched
-/// cooperatively (cooperative groups' `grid.sync()` traps only in grids launched otherwise).
-#[test]
-fn a_kernel_that_can_trap_is_left_to_libcuda_unless_launched_cooperatively() {
-    const TRAP: usize = FUNC + 0x10;
-    let mut s = Setup::new();
-    let cubin = Cubin::parse(CUBIN).unwrap();
-    let name = cubin
-        .kernels()
-        .iter()
-        .find(|k| k.name == "trap")
-        .unwrap()
-        .name
-        .clone();
-    s.engine.function(TRAP, MODULE, &name);
-    let launch = |cooperative: bool| Launch {
-        f: TRAP,
-        extras: Ok(Extras {
-            cooperative,
-            ..Extras::default()
-        }),
-        ..bare_launch()
-    };
-    assert!(s.engine.launch(&launch(false), 0).is_none());
-    assert!(s.engine.launch(&launch(false), 0).is_none());
-    let sum = s.engine.summary();
-    assert_eq!(
-        sum.reasons["kernel_refused"].launches, 2,
-        "{:?}",
-        sum.reasons
-    );
-    assert!(
-        sum.reasons["kernel_refused"]
-            .example
-            .contains("trap instruction"),
-        "{:?}",
-        sum.reasons
-    );
-    // The vector_add kernel of the same module holds no trap.
-    assert!(s.launch());
-    assert_eq!(s.engine.summary().apex, 1);
-    assert!(s.engine.launch(&launch(true), 0).is_some());
-    assert_eq!(s.engine.summary().apex, 2);
-}
-
 /// A launch asking for more dynamic shared memory than the function allows (48 KiB until the program raises
 /// `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`) is libcuda's to refuse, as CUDA refuses it; once raised, on the
 /// launch's handle or another handle of the kernel (libcuda asked again), it runs on APEX, and lowered again it is

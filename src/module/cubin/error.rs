@@ -60,6 +60,18 @@ pub enum CubinError {
         /// Its byte offset in that section.
         offset: u64,
     },
+    /// A kernel's parameter table (`EIATTR_KPARAM_INFO`) does not describe its parameter block: a launch would pack
+    /// the arguments wrongly.
+    #[error(
+        "kernel `{kernel}`: {why}; APEX packs arguments by that table, so it does not launch the kernel from it: \
+         launch it through CUDA (the CUDA driver backend, APEX_BACKEND=driver)"
+    )]
+    ParameterTable {
+        /// The kernel.
+        kernel: String,
+        /// What is wrong with the table.
+        why: String,
+    },
     /// A relocation type APEX does not apply.
     #[error(
         "relocation type {kind} in section {section} is not supported by the direct path; load the module on the \

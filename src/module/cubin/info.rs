@@ -77,6 +77,40 @@ pub struct KernelInfo {
 }
 
 impl KernelInfo {
+    /// What is wrong with the parameter table, if it does not describe the parameter block: no records for a block
+    /// of some bytes, a parameter reaching past the block's end, or two overlapping. A launch packs the arguments by
+    /// this table, so a kernel whose table cannot be trusted must not be launched from it.
+    pub fn parameter_table_problem(&self) -> Option<String> {
+        let block = self.param_cbank_size;
+        if block > 0 && self.params.is_empty() {
+            return Some(format!(
+                "no parameter records for its {block}-byte parameter block"
+            ));
+        }
+        if block > 0
+            && let Some(p) = self
+                .params
+                .iter()
+                .find(|p| p.offset.checked_add(p.size).is_none_or(|end| end > block))
+        {
+            return Some(format!(
+                "parameter {} ({} bytes at offset {}) ends past its {block}-byte parameter block",
+                p.ordinal, p.size, p.offset
+            ));
+        }
+        let mut by_offset: Vec<&ParamInfo> = self.params.iter().collect();
+        by_offset.sort_by_key(|p| p.offset);
+        by_offset
+            .windows(2)
+            .find(|w| w[0].offset + w[0].size > w[1].offset)
+            .map(|w| {
+                format!(
+                    "parameters {} and {} overlap (offsets {} and {}, {} bytes at the first)",
+                    w[0].ordinal, w[1].ordinal, w[0].offset, w[1].offset, w[0].size
+                )
+            })
+    }
+
     /// The constant bank numbered `bank`, if the kernel has one.
     pub fn const_bank(&self, bank: u32) -> Option<&ConstBank> {
         self.const_banks.iter().find(|b| b.bank == bank)

@@ -479,6 +479,14 @@ impl Cubin {
             .map(|(section, at)| (section, at as u64))
     }
 
+    /// The byte offset of the first trap instruction in kernel `kernel`'s own code section (not in the functions it
+    /// calls), as [`reachable_trap`](Self::reachable_trap) counts them.
+    pub fn own_trap(&self, kernel: usize) -> Option<u64> {
+        let s = self.sections.get(self.kernel_section(kernel)?)?;
+        let code = self.section_bytes(s)?;
+        sass::reachable_trap(code, self.sm).map(|at| at as u64)
+    }
+
     /// What `find` first finds in kernel `kernel`'s code or in the code it may reach (the sections its relocations
     /// reach, through data too: a table of function pointers), with the name of the code section it was found in.
     fn first_in_reach<T>(

@@ -37,6 +37,10 @@ pub mod eiattr {
     pub const MIN_STACK_SIZE: u8 = 0x12;
     /// `u32 index, u16 ordinal, u16 offset, u32 flags` (size in flags bits 31:18).
     pub const KPARAM_INFO: u8 = 0x17;
+    /// `u32 index, u16 ordinal, u16 offset, u32 size` (size in the low 16 bits; cuobjdump prints the pointee's
+    /// alignment and space from the rest): what nvcc 13.0 writes for kernels whose parameters pass 4 KiB, whose
+    /// sizes do not fit `KPARAM_INFO`'s 14 bits (a 32000-byte struct: `00 7d 00 00`; H200, 2026-11-28).
+    pub const KPARAM_INFO_V2: u8 = 0x45;
     /// `u16`: bytes of parameters.
     pub const CBANK_PARAM_SIZE: u8 = 0x19;
     /// `u16`: the `-maxrregcount` limit (0xff: none).
@@ -291,6 +295,7 @@ pub(super) fn kernel_info(
                     eiattr::PARAM_CBANK
                         | eiattr::CBANK_PARAM_SIZE
                         | eiattr::KPARAM_INFO
+                        | eiattr::KPARAM_INFO_V2
                         | eiattr::EXIT_INSTR_OFFSETS
                         | eiattr::MAX_THREADS
                         | eiattr::REQNTID
@@ -354,15 +359,18 @@ pub(super) fn kernel_info(
                     Value::Half(v) => k.cbank_param_size = v.into(),
                     _ => return Err(corrupt(format!("{section}: CBANK_PARAM_SIZE is not a u16"))),
                 },
-                eiattr::KPARAM_INFO => {
+                eiattr::KPARAM_INFO | eiattr::KPARAM_INFO_V2 => {
                     let b = bytes_of(&record, section, Some(12))?;
                     let fields = u16_at(b, 4).zip(u16_at(b, 6)).zip(u32_at(b, 8));
-                    let ((ordinal, offset), flags) =
-                        fields.ok_or_else(|| corrupt("KPARAM_INFO"))?;
+                    let ((ordinal, offset), word) = fields.ok_or_else(|| corrupt("KPARAM_INFO"))?;
                     k.params.push(ParamInfo {
                         ordinal: ordinal.into(),
                         offset: offset.into(),
-                        size: flags >> 18,
+                        size: if record.attr == eiattr::KPARAM_INFO {
+                            word >> 18
+                        } else {
+                            word & 0xffff
+                        },
                     });
                 }
                 eiattr::MAX_THREADS => {
