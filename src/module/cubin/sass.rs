@@ -31,10 +31,10 @@ fn op(word: &[u8]) -> u16 {
 /// The byte offset of the first trap instruction in `code` (machine code for `sm`) that a thread can reach: a `BPT`
 /// right after a `CALL.ABS` follows a call that does not return (the compiler places one after `__assertfail`, which
 /// under APEX ends the thread), so it is not counted. `None` for code of other architectures, whose encodings were
-/// not checked. Seen with nvcc 13.0 (H200, 2026-11-28): `BPT.TRAP 0x1` is `0x000000040000795c`, and the
-/// asserts looked at in PyTorch's kernels are each followed by one after their `CALL.ABS.NOINC`. Reachable ones guard libraries'
-/// fatal paths (`examples/cubin_scan`: in the own code of 66 of PyTorch 2.11's 21 742 sm_90 kernels and of 838 of
-/// cuBLASLt 13's 10 626).
+/// not checked. Seen with nvcc 13.0 (H200, 2026-11-28): `BPT.TRAP 0x1` is `0x000000040000795c`, and the asserts
+/// looked at in PyTorch's kernels are each followed by one after their `CALL.ABS.NOINC`. Reachable ones guard
+/// libraries' fatal paths (`examples/cubin_scan`: in the own code of 66 of PyTorch 2.11's 21 742 sm_90 kernels and
+/// of 838 of cuBLASLt 13's 10 626).
 pub(crate) fn reachable_trap(code: &[u8], sm: u32) -> Option<usize> {
     if sm / 10 != 9 {
         return None;
