@@ -18,15 +18,16 @@ struct Tally {
     cubins: usize,
     unparsed: Vec<String>,
     kernels: usize,
-    /// Kernels by why the direct path refuses them, with a first example.
-    refused: BTreeMap<&'static str, (usize, String)>,
+    /// Kernels by what was found in them (why the direct path refuses them, where they can trap), with a first
+    /// example.
+    noted: BTreeMap<&'static str, (usize, String)>,
     /// Kernels whose parameters pass 4 KiB (read from `EIATTR_KPARAM_INFO_V2` where nvcc wrote it).
     big_params: usize,
 }
 
 impl Tally {
-    fn refuse(&mut self, why: &'static str, example: String) {
-        let e = self.refused.entry(why).or_insert((0, example));
+    fn note(&mut self, what: &'static str, example: String) {
+        let e = self.noted.entry(what).or_insert((0, example));
         e.0 += 1;
     }
 
@@ -45,18 +46,26 @@ impl Tally {
                 self.big_params += 1;
             }
             if let Some(why) = k.parameter_table_problem() {
-                self.refuse("parameter table", format!("{}: {why}", k.name));
+                self.note("refused: its parameter table", format!("{}: {why}", k.name));
             }
             if let Some(at) = cubin.own_trap(i) {
-                self.refuse("trap in its own code", format!("{} (at {at:#x})", k.name));
+                self.note(
+                    "can trap, in its own code",
+                    format!("{} (at {at:#x})", k.name),
+                );
             } else if let Some((section, at)) = cubin.reachable_trap(i) {
-                self.refuse(
-                    "trap only in functions it calls",
+                self.note(
+                    "can trap, only in functions it calls",
                     format!("{} ({section} at {at:#x})", k.name),
                 );
             }
         }
     }
+}
+
+/// Whether `bytes` is an ELF for NVIDIA GPUs (`e_machine` EM_CUDA, 190): a cubin, not a host binary.
+fn is_cuda_elf(bytes: &[u8]) -> bool {
+    bytes.starts_with(b"\x7fELF") && bytes.get(18..20) == Some(&190u16.to_le_bytes()[..])
 }
 
 fn main() {
@@ -78,7 +87,7 @@ fn main() {
             }
         };
         let mut t = Tally::default();
-        if bytes.starts_with(b"\x7fELF") && Cubin::parse(&bytes).is_ok() {
+        if is_cuda_elf(&bytes) {
             t.cubin(&bytes, &path);
         } else {
             match fatbin::entries(&bytes) {
@@ -102,14 +111,14 @@ fn main() {
             }
         }
         println!(
-            "{path}: {} sm_{sm} cubins, {} kernels ({} with parameters past 4 KiB), {} cubins not parsed",
+            "{path}: {} cubins (sm_{sm} from fatbins), {} kernels ({} with parameters past 4 KiB), {} cubins not parsed",
             t.cubins,
             t.kernels,
             t.big_params,
             t.unparsed.len()
         );
-        for (why, (n, example)) in &t.refused {
-            println!("  refused, {why}: {n} kernels (e.g. {example})");
+        for (what, (n, example)) in &t.noted {
+            println!("  {what}: {n} kernels (e.g. {example})");
         }
         for u in t.unparsed.iter().take(3) {
             println!("  not parsed: {u}");

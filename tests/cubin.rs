@@ -976,3 +976,31 @@ fn parameter_tables_that_do_not_describe_the_block_are_reported() {
             .contains("overlap")
     );
 }
+
+/// A parameter described by both an `EIATTR_KPARAM_INFO` and an `EIATTR_KPARAM_INFO_V2` record (in either order) is
+/// one parameter, the second version's record standing; two records of one version for one ordinal stay an error.
+#[test]
+fn a_parameter_with_records_of_both_versions_is_one_parameter() {
+    let base = synthetic(Vec::new(), Vec::new());
+    // The V1 record of ordinal 0 (4 bytes at 0), and a V2 record for ordinal 1 (6 bytes at 8) to put in its place.
+    let v1_ordinal0: &[u8] = &[4, 0x17, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xf0, 0x11, 0];
+    let v2_ordinal1: &[u8] = &[4, 0x45, 12, 0, 0, 0, 0, 0, 1, 0, 8, 0, 6, 0, 0, 0];
+    let at = base
+        .windows(v1_ordinal0.len())
+        .position(|w| w == v1_ordinal0)
+        .expect("the synthetic cubin's record of parameter 0");
+    let mut both = base.clone();
+    both[at..at + v2_ordinal1.len()].copy_from_slice(v2_ordinal1);
+    let cubin = Cubin::parse(&both).unwrap();
+    let params: Vec<_> = cubin.kernels()[0]
+        .params
+        .iter()
+        .map(|p| (p.ordinal, p.offset, p.size))
+        .collect();
+    assert_eq!(params, vec![(1, 8, 6)]);
+    // Two V1 records for one ordinal: the cubin is refused, as before.
+    let v1_ordinal1_again: &[u8] = &[4, 0x17, 12, 0, 0, 0, 0, 0, 1, 0, 8, 0, 0, 0xf0, 0x21, 0];
+    let mut twice = base;
+    twice[at..at + v1_ordinal1_again.len()].copy_from_slice(v1_ordinal1_again);
+    assert!(Cubin::parse(&twice).is_err());
+}

@@ -1310,10 +1310,11 @@ impl Engine {
             return Err(Refusal::ExtraParams.into());
         }
         if l.shared > ready.max_dynamic_shared {
-            // The program may have raised the limit through another handle of the kernel: libcuda says.
-            if let Some(now) = cuda.max_dynamic_shared(l.f) {
-                ready.max_dynamic_shared = now;
-            }
+            // The limit may have been raised through another handle of the kernel, or marked stale (0) by a set:
+            // libcuda says, for this context's device.
+            ready.max_dynamic_shared = cuda.max_dynamic_shared(l.f).unwrap_or_else(|| {
+                default_dynamic_shared(ready.kernel.info().map_or(0, |i| i.static_shared))
+            });
             if l.shared > ready.max_dynamic_shared {
                 return Err(Refusal::LaunchRefused(format!(
                     "{} bytes of dynamic shared memory exceed the function's limit of {} \
@@ -2005,18 +2006,28 @@ impl Engine {
         }
     }
 
-    /// The program set the most dynamic shared memory `f`'s launches may ask for.
-    pub(crate) fn dynamic_shared_limit(&mut self, f: usize, bytes: u32) {
-        let mut known = false;
+    /// The program set the most dynamic shared memory `f`'s launches may ask for. The value is not taken: a kernel has
+    /// several handles (its `CUkernel`, a `CUfunction` per context) and `cuKernelSetAttribute` names one device, so
+    /// every cached limit of the same kernel is marked stale (0) and asked of libcuda again at its next launch with
+    /// dynamic shared memory; where the kernel cannot be named, every function's is.
+    pub(crate) fn dynamic_shared_limit(&mut self, f: usize) {
+        let name = match self.registry.origin(f) {
+            Some(o) => Some(o.name.clone()),
+            None => self.cuda.function_name(f),
+        };
+        let mut marked = false;
         for c in &mut self.contexts {
-            if let Some(FuncState::Ready(r)) = c.funcs.get_mut(&f) {
-                r.max_dynamic_shared = bytes;
-                known = true;
+            for s in c.funcs.values_mut() {
+                if let FuncState::Ready(r) = s
+                    && name.as_deref().is_none_or(|n| r.kernel.name() == n)
+                {
+                    r.max_dynamic_shared = 0;
+                    marked = true;
+                }
             }
         }
-        if !known {
-            // Set through a handle no launch used (a kernel's other handle): each function asks libcuda again at its
-            // next launch with dynamic shared memory, so a lowered limit is not missed.
+        if !marked && name.is_some() {
+            // Named as no resolved function is (a name the module spells otherwise): every one asks again.
             for c in &mut self.contexts {
                 for s in c.funcs.values_mut() {
                     if let FuncState::Ready(r) = s {
@@ -2557,11 +2568,11 @@ pub(crate) fn escape(handle: usize, name: *const c_char) {
 }
 
 /// `cuFuncSetAttribute` / `cuKernelSetAttribute` on `f`, which libcuda accepted.
-pub(crate) fn func_attribute(f: usize, attr: c_int, value: c_int) {
+pub(crate) fn func_attribute(f: usize, attr: c_int) {
     match attr {
         // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: launches asking for more are libcuda's to refuse.
         8 => {
-            with(|e| e.dynamic_shared_limit(f, u32::try_from(value).unwrap_or(0)));
+            with(|e| e.dynamic_shared_limit(f));
         }
         // _PREFERRED_SHARED_MEMORY_CARVEOUT: a preference, which APEX's own choice of carveout meets.
         9 => {}
@@ -2572,11 +2583,11 @@ pub(crate) fn func_attribute(f: usize, attr: c_int, value: c_int) {
     }
 }
 
-/// CUDA's default for `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`: 48 KiB less the kernel's static shared
-/// memory (whose first KiB on sm_90 is the compiler's reserve, not counted), for when libcuda cannot be asked.
+/// CUDA's default for `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`, for when libcuda cannot be asked: 48 KiB
+/// less the kernel's static shared memory. Counting the 1 KiB the sm_90 compiler reserves there too errs towards
+/// leaving a launch to libcuda, which then decides.
 fn default_dynamic_shared(static_shared: u64) -> u32 {
-    let own = static_shared.saturating_sub(1024);
-    u32::try_from((48u64 << 10).saturating_sub(own)).unwrap_or(0)
+    u32::try_from((48u64 << 10).saturating_sub(static_shared)).unwrap_or(0)
 }
 
 /// `cuCtxSetLimit`.

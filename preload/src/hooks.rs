@@ -993,7 +993,7 @@ pub unsafe extern "C" fn cuFuncSetAttribute(f: P, attr: c_int, value: c_int) -> 
                 (f, attr, value)
             )
         },
-        || engine::func_attribute(f as usize, attr, value),
+        || engine::func_attribute(f as usize, attr),
     )
 }
 
@@ -1016,7 +1016,7 @@ pub unsafe extern "C" fn cuKernelSetAttribute(
                 (attr, value, kernel, dev)
             )
         },
-        || engine::func_attribute(kernel as usize, attr, value),
+        || engine::func_attribute(kernel as usize, attr),
     )
 }
 

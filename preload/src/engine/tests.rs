@@ -840,15 +840,39 @@ fn dynamic_shared_memory_beyond_the_functions_limit_is_left_to_libcuda() {
     assert!(s.engine.launch(&launch(64 << 10, &mut ptrs), 0).is_some());
     // Lowered on the launch's own handle.
     s.dynamic_shared.store(32 << 10, AtomicOrdering::Relaxed);
-    s.engine.dynamic_shared_limit(FUNC, 32 << 10);
+    s.engine.dynamic_shared_limit(FUNC);
     assert!(s.engine.launch(&launch(48 << 10, &mut ptrs), 0).is_none());
     assert!(s.engine.launch(&launch(32 << 10, &mut ptrs), 0).is_some());
     // Lowered through a handle no launch used: every function asks libcuda again.
     s.dynamic_shared.store(16 << 10, AtomicOrdering::Relaxed);
-    s.engine.dynamic_shared_limit(FUNC + 1, 16 << 10);
+    s.engine.dynamic_shared_limit(FUNC + 1);
     assert!(s.engine.launch(&launch(32 << 10, &mut ptrs), 0).is_none());
     assert_eq!(refused(&s), 3);
     assert_eq!(s.engine.summary().apex, 3);
+    // Two handles of one kernel, both launched: lowered through one, the other's launches follow too.
+    const OTHER: usize = FUNC + 0x20;
+    let name = Cubin::parse(CUBIN)
+        .unwrap()
+        .kernels()
+        .iter()
+        .find(|k| k.name.contains("vector_add"))
+        .unwrap()
+        .name
+        .clone();
+    s.engine.function(OTHER, MODULE, &name);
+    s.dynamic_shared.store(64 << 10, AtomicOrdering::Relaxed);
+    s.engine.dynamic_shared_limit(FUNC);
+    let other = |shared: u32, ptrs: &mut Vec<*mut c_void>| Launch {
+        f: OTHER,
+        ..launch(shared, ptrs)
+    };
+    assert!(s.engine.launch(&other(64 << 10, &mut ptrs), 0).is_some());
+    assert!(s.engine.launch(&launch(64 << 10, &mut ptrs), 0).is_some());
+    s.dynamic_shared.store(8 << 10, AtomicOrdering::Relaxed);
+    s.engine.dynamic_shared_limit(FUNC);
+    assert!(s.engine.launch(&other(16 << 10, &mut ptrs), 0).is_none());
+    assert_eq!(refused(&s), 4);
+    assert_eq!(s.engine.summary().apex, 5);
     s.idle();
 }
 

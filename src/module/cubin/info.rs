@@ -102,7 +102,7 @@ impl KernelInfo {
         by_offset.sort_by_key(|p| p.offset);
         by_offset
             .windows(2)
-            .find(|w| w[0].offset + w[0].size > w[1].offset)
+            .find(|w| w[0].offset.saturating_add(w[0].size) > w[1].offset)
             .map(|w| {
                 format!(
                     "parameters {} and {} overlap (offsets {} and {}, {} bytes at the first)",

@@ -342,6 +342,8 @@ pub(super) fn kernel_info(
     };
     let mut registers = lookup(&module.regcount, sym_key);
     let mut barriers = None;
+    // Ordinals described by `KPARAM_INFO_V2` records.
+    let mut v2_ordinals: Vec<u32> = Vec::new();
 
     if let Some(meta) = info_section {
         let section = &*meta.name;
@@ -363,15 +365,22 @@ pub(super) fn kernel_info(
                     let b = bytes_of(&record, section, Some(12))?;
                     let fields = u16_at(b, 4).zip(u16_at(b, 6)).zip(u32_at(b, 8));
                     let ((ordinal, offset), word) = fields.ok_or_else(|| corrupt("KPARAM_INFO"))?;
-                    k.params.push(ParamInfo {
+                    let v2 = record.attr == eiattr::KPARAM_INFO_V2;
+                    let param = ParamInfo {
                         ordinal: ordinal.into(),
                         offset: offset.into(),
-                        size: if record.attr == eiattr::KPARAM_INFO {
-                            word >> 18
-                        } else {
-                            word & 0xffff
-                        },
-                    });
+                        size: if v2 { word & 0xffff } else { word >> 18 },
+                    };
+                    // A toolchain that wrote both records for one parameter: the second version's stands.
+                    let v2_before = v2_ordinals.contains(&param.ordinal);
+                    match k.params.iter().position(|p| p.ordinal == param.ordinal) {
+                        Some(i) if v2 && !v2_before => k.params[i] = param,
+                        Some(_) if !v2 && v2_before => {}
+                        _ => k.params.push(param),
+                    }
+                    if v2 {
+                        v2_ordinals.push(param.ordinal);
+                    }
                 }
                 eiattr::MAX_THREADS => {
                     let dims = triple(bytes_of(&record, section, Some(12))?)
