@@ -386,7 +386,8 @@ struct Ready {
     block: usize,
     owner: Owner,
     /// The most dynamic shared memory a launch may ask for (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES` as
-    /// libcuda last said, or as the program set it on this handle): a launch asking for more is libcuda's to refuse.
+    /// libcuda last said; 0 once a set made it stale): a launch asking for more asks libcuda again, and is libcuda's
+    /// to refuse if it still asks for more.
     max_dynamic_shared: u32,
     /// Most recently used first.
     prepared: Vec<Prepared>,
@@ -569,6 +570,9 @@ pub(crate) struct Engine {
     unreadable: HashMap<usize, String>,
     /// Functions whose attributes the program set to something APEX does not apply.
     func_attrs: Handles<i32>,
+    /// Per kernel name (as the program asked for it, and as its module spells it), the function handles resolved to
+    /// a launch of APEX's in any context: the handles a set of the kernel's dynamic shared memory limit makes stale.
+    kernel_handles: HashMap<String, Vec<usize>>,
     contexts: Vec<Ctx>,
     /// The context of the last launch (an index into `contexts`).
     recent: usize,
@@ -847,6 +851,7 @@ impl Engine {
             registry: Registry::new(),
             unreadable: HashMap::new(),
             func_attrs: Handles::default(),
+            kernel_handles: HashMap::new(),
             contexts: Vec::new(),
             recent: 0,
             unattached: Handles::default(),
@@ -1241,7 +1246,16 @@ impl Engine {
             // A slow path: not profiled.
             s[0] = 0;
             let state = match self.resolve(ci, l.f) {
-                Ok(r) => FuncState::Ready(Box::new(r)),
+                Ok(r) => {
+                    let asked = self.registry.origin(l.f).map(|o| o.name.as_str());
+                    for name in [Some(r.kernel.name()), asked].into_iter().flatten() {
+                        let handles = self.kernel_handles.entry(name.to_string()).or_default();
+                        if !handles.contains(&l.f) {
+                            handles.push(l.f);
+                        }
+                    }
+                    FuncState::Ready(Box::new(r))
+                }
                 Err(Unresolved::SettingUp(owner)) => FuncState::Pending(owner),
                 Err(Unresolved::Refused(r)) if r.is_per_function() => FuncState::Refused(r),
                 // Not the function's fault (an internal error): decided again next time.
@@ -2008,30 +2022,35 @@ impl Engine {
 
     /// The program set the most dynamic shared memory `f`'s launches may ask for. The value is not taken: a kernel has
     /// several handles (its `CUkernel`, a `CUfunction` per context) and `cuKernelSetAttribute` names one device, so
-    /// every cached limit of the same kernel is marked stale (0) and asked of libcuda again at its next launch with
-    /// dynamic shared memory; where the kernel cannot be named, every function's is.
+    /// the cached limit of every handle of the same kernel is marked stale (0) and asked of libcuda again at its next
+    /// launch with dynamic shared memory; where the kernel cannot be named, every function's is.
     pub(crate) fn dynamic_shared_limit(&mut self, f: usize) {
         let name = match self.registry.origin(f) {
             Some(o) => Some(o.name.clone()),
             None => self.cuda.function_name(f),
         };
-        let mut marked = false;
-        for c in &mut self.contexts {
-            for s in c.funcs.values_mut() {
-                if let FuncState::Ready(r) = s
-                    && name.as_deref().is_none_or(|n| r.kernel.name() == n)
-                {
-                    r.max_dynamic_shared = 0;
-                    marked = true;
-                }
+        let handles = match &name {
+            Some(n) => {
+                let mut h = self.kernel_handles.get(n).cloned().unwrap_or_default();
+                h.push(f);
+                Some(h)
             }
-        }
-        if !marked && name.is_some() {
-            // Named as no resolved function is (a name the module spells otherwise): every one asks again.
-            for c in &mut self.contexts {
-                for s in c.funcs.values_mut() {
-                    if let FuncState::Ready(r) = s {
-                        r.max_dynamic_shared = 0;
+            None => None,
+        };
+        for c in &mut self.contexts {
+            match &handles {
+                Some(handles) => {
+                    for h in handles {
+                        if let Some(FuncState::Ready(r)) = c.funcs.get_mut(h) {
+                            r.max_dynamic_shared = 0;
+                        }
+                    }
+                }
+                None => {
+                    for s in c.funcs.values_mut() {
+                        if let FuncState::Ready(r) = s {
+                            r.max_dynamic_shared = 0;
+                        }
                     }
                 }
             }
