@@ -96,6 +96,15 @@ pub(crate) trait CudaSide: Send + Sync {
     fn replay_asserts(&self, ctx: usize, failures: &[AssertFailure]) -> Result<(), String>;
     /// What `ptr` points at, for a copy in context `ctx`.
     fn pointer(&self, ptr: u64, ctx: usize) -> Pointer;
+    /// Whether a thread that waits for the GPU in context `ctx` sleeps rather than spins: the program made the
+    /// context with `CU_CTX_SCHED_BLOCKING_SYNC` (`cudaDeviceScheduleBlockingSync`), as `cuCtxGetFlags` says while
+    /// `ctx` is current on the calling thread (`false` while another one is).
+    fn sleeps_while_waiting(&self, ctx: usize) -> bool;
+    /// A new event of the preload's own in context `ctx` whose synchronize sleeps (`CU_EVENT_BLOCKING_SYNC`, no
+    /// timing).
+    fn sleeping_event(&self, ctx: usize) -> Result<usize, String>;
+    /// Sleeps in libcuda until `event` (one of [`sleeping_event`](Self::sleeping_event)'s) completes.
+    fn sleep_on_event(&self, event: usize) -> Result<(), String>;
 }
 
 // ---- libcuda's own functions (looked up with the real dlsym, never a wrapper) ----
@@ -127,6 +136,17 @@ pub(crate) fn current_context() -> Option<usize> {
     // SAFETY: a live out-parameter.
     (unsafe { get(&mut ctx) } == 0 && ctx != 0).then_some(ctx)
 }
+
+driver_fn!(
+    cu_ctx_get_flags,
+    c"cuCtxGetFlags",
+    unsafe extern "C" fn(*mut c_uint) -> c_int
+);
+/// `CU_CTX_SCHED_MASK` and `CU_CTX_SCHED_BLOCKING_SYNC`: how a context's threads wait for the GPU.
+const CU_CTX_SCHED_MASK: c_uint = 0x07;
+const CU_CTX_SCHED_BLOCKING_SYNC: c_uint = 0x04;
+/// `CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING`.
+const SLEEPING_EVENT_FLAGS: c_uint = 0x01 | 0x02;
 
 driver_fn!(
     cu_ctx_set_current,
@@ -626,6 +646,37 @@ impl CudaSide for Libcuda {
             // SAFETY: the program's event (the driver validates it) on the preload's stream.
             call("cuEventRecord", unsafe { record(event, s) })
         })
+    }
+
+    fn sleeps_while_waiting(&self, ctx: usize) -> bool {
+        if self.current_context() != Some(ctx) {
+            return false;
+        }
+        let Some(get) = cu_ctx_get_flags() else {
+            return false;
+        };
+        let mut flags: c_uint = 0;
+        // SAFETY: a live out-parameter; the current context's flags.
+        (unsafe { get(&mut flags) } == CUDA_SUCCESS)
+            && flags & CU_CTX_SCHED_MASK == CU_CTX_SCHED_BLOCKING_SYNC
+    }
+
+    fn sleeping_event(&self, ctx: usize) -> Result<usize, String> {
+        self.in_context(ctx, || {
+            let create = cu_event_create().ok_or_else(|| missing("cuEventCreate"))?;
+            let mut event = 0usize;
+            // SAFETY: a live out-parameter, in the context made current above.
+            call("cuEventCreate", unsafe {
+                create(&mut event, SLEEPING_EVENT_FLAGS)
+            })?;
+            Ok(event)
+        })
+    }
+
+    fn sleep_on_event(&self, event: usize) -> Result<(), String> {
+        let sync = cu_event_synchronize().ok_or_else(|| missing("cuEventSynchronize"))?;
+        // SAFETY: the preload's own event, live.
+        call("cuEventSynchronize", unsafe { sync(event) })
     }
 
     fn pointer(&self, ptr: u64, ctx: usize) -> Pointer {

@@ -182,11 +182,24 @@ pub(crate) fn load_module_timed(
     // not give (or gives at another size: not the same variable) would diverge. The compiler's constants are not
     // asked for (`Gpu::load_module_sharing`): both instances hold the same bytes, which nothing writes.
     let placing = std::cell::Cell::new(std::time::Duration::ZERO);
+    // For the debug log: how many variables were asked for, and how long the first answer took (CUDA loads its
+    // instance of the module's data to give it, where the program has not run the module's kernels on libcuda).
+    let asked_count = std::cell::Cell::new(0u32);
+    let first_answer = std::cell::Cell::new(std::time::Duration::ZERO);
+    let ask = |name: &str| {
+        let asked = std::time::Instant::now();
+        let home = cuda.global(owner, library, name);
+        let took = asked.elapsed();
+        if asked_count.get() == 0 {
+            first_answer.set(took);
+        }
+        asked_count.set(asked_count.get() + 1);
+        placing.set(placing.get() + took);
+        home
+    };
     let unplaced = std::cell::RefCell::new(None);
     let place = |name: &str, size: u64| {
-        let asked = std::time::Instant::now();
-        let home = cuda.global(owner, library, name).filter(|h| h.size == size);
-        placing.set(placing.get() + asked.elapsed());
+        let home = ask(name).filter(|h| h.size == size);
         if home.is_none() {
             unplaced
                 .borrow_mut()
@@ -197,12 +210,7 @@ pub(crate) fn load_module_timed(
     // `__constant__` variables: APEX's launches bind CUDA's instance's bank when CUDA says where they live, so the
     // program's `cudaMemcpyToSymbol` reaches them; a variable CUDA does not give leaves the module a bank of its own
     // (no refusal: only a write through CUDA's address would diverge, and the escape of one is watched).
-    let constants = |name: &str, size: u64| {
-        let asked = std::time::Instant::now();
-        let home = cuda.global(owner, library, name).filter(|h| h.size == size);
-        placing.set(placing.get() + asked.elapsed());
-        home
-    };
+    let constants = |name: &str, size: u64| ask(name).filter(|h| h.size == size);
     let loaded = gpu
         .load_module_sharing_constants(image, &place, &constants)
         .map_err(|e| Refusal::ModuleRefused(e.to_string()))
@@ -222,6 +230,12 @@ pub(crate) fn load_module_timed(
                 None => Ok(m),
             }
         });
+    tracing::debug!(
+        asked = asked_count.get(),
+        first_us = first_answer.get().as_micros(),
+        all_us = placing.get().as_micros(),
+        "module variables asked of CUDA"
+    );
     (loaded, placing.get())
 }
 
@@ -573,6 +587,15 @@ mod tests {
         }
         fn pointer(&self, _: u64, _: usize) -> Pointer {
             Pointer::Other
+        }
+        fn sleeps_while_waiting(&self, _: usize) -> bool {
+            false
+        }
+        fn sleeping_event(&self, _: usize) -> Result<usize, String> {
+            Err("no events".into())
+        }
+        fn sleep_on_event(&self, _: usize) -> Result<(), String> {
+            Ok(())
         }
     }
 

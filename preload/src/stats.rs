@@ -140,6 +140,11 @@ pub struct Summary {
     /// Synchronizations libcuda had to answer (CUDA had work of its own), with no hop before them.
     #[serde(default)]
     pub syncs_forwarded: u64,
+    /// Waits for APEX's work that slept in libcuda (on an event recorded after the queues' work) rather than spin,
+    /// because the program asked CUDA to sleep while it waits (`cudaDeviceScheduleBlockingSync`,
+    /// `cudaEventBlockingSync`) and the work ran longer than a short spin.
+    #[serde(default)]
+    pub syncs_asleep: u64,
     /// Events recorded by the preload after an APEX queue's work instead of by libcuda.
     #[serde(default)]
     pub events_on_apex: u64,

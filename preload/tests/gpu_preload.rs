@@ -816,6 +816,55 @@ fn every_synchronization_waits_for_the_work_apex_ran() {
     assert!(s.sets_on_apex >= 200, "memsets on APEX's queues: {s:?}");
 }
 
+/// A program that asks CUDA to sleep while it waits (`cudaDeviceScheduleBlockingSync`; in a spinning context, events
+/// made with `cudaEventBlockingSync`) gets the same results through APEX, and its waits for APEX's work sleep as
+/// libcuda's do: stream, device and event synchronizes and a synchronous copy after ~20 ms kernels take a small share
+/// of the waiting time in CPU time, where spinning took all of it (before: 203 ms of CPU for 305 ms of waiting
+/// against libcuda's 3, H200).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn waits_sleep_where_the_program_asked_cuda_to_sleep() {
+    let lib = preload_lib();
+    let (dir, exe) = build_cuda("blocking_sync", include_str!("programs/blocking_sync.cu"));
+    // The waits each mode makes: 5 event synchronizes; with the context made to sleep, 10 more of every kind.
+    for (mode, waits) in [("device", 15), ("events", 5)] {
+        let cmd = || {
+            let mut c = Command::new(&exe);
+            c.arg(mode);
+            c
+        };
+        let plain = run(cmd(), None, &dir, &format!("plain-{mode}"));
+        let pre = run(inline(cmd()), Some(&lib), &dir, &format!("preload-{mode}"));
+        let (a, b) = both_succeeded(&plain, &pre);
+        let s = pre.summary.clone().expect("summary");
+        report(&format!("blocking sync ({mode})"), &s);
+        let (cpu, wall) = (value(&b, "metric wait_cpu_ms"), value(&b, "metric wait_wall_ms"));
+        println!(
+            "  {mode}: waits took {cpu:.1} ms of CPU in {wall:.1} ms through APEX ({} asleep), {:.1} in {:.1} ms on \
+             libcuda",
+            s.syncs_asleep,
+            value(&a, "metric wait_cpu_ms"),
+            value(&a, "metric wait_wall_ms")
+        );
+        assert_eq!(
+            results(&a),
+            results(&b),
+            "outputs differ:\nwithout:\n{a}\nwith:\n{b}"
+        );
+        assert!(a.contains("result last cudaSuccess"), "{a}");
+        assert_eq!(s.apex, s.launches, "every launch through APEX: {s:?}");
+        assert!(
+            s.syncs_asleep >= waits,
+            "{} of {waits} long waits slept: {s:?}",
+            s.syncs_asleep
+        );
+        assert!(
+            cpu < wall / 4.0,
+            "the waits slept: {cpu:.1} ms of CPU time for {wall:.1} ms of waiting"
+        );
+    }
+}
+
 const TORCH_ASSERT: &str = r#"
 import sys
 try:

@@ -133,12 +133,14 @@ impl Staging {
 }
 
 /// Submits copy `op` on `queue` as `plan` says (through the staging ring for pageable memory),
-/// waiting where CUDA's copy would return only once done; returns what later work waits for.
+/// waiting (through `wait`, for the queue's newest work) where CUDA's copy would return only once done; returns
+/// what later work waits for.
 pub(super) fn run_copy(
     queue: &mut Queue,
     staging: &mut Option<Staging>,
     plan: CopyPlan,
     op: &CopyOp,
+    wait: &mut dyn FnMut(&mut Queue, &Fence) -> Result<(), String>,
 ) -> Result<Last, String> {
     let n = op.bytes as u64;
     if let CopyPlan::Direct { src, dst } = plan {
@@ -148,7 +150,8 @@ pub(super) fn run_copy(
         let ticket = unsafe { submit_then_ring(queue, &copy)? };
         // A synchronous entry point returns once the copy is done (from pinned memory too).
         if op.blocking {
-            wait_fence(&queue.fence(ticket).map_err(|e| e.to_string())?)?;
+            let fence = queue.fence(ticket).map_err(|e| e.to_string())?;
+            wait(queue, &fence)?;
         }
         return Ok(Last::Ticket(ticket));
     }
@@ -161,7 +164,7 @@ pub(super) fn run_copy(
             let f =
                 unsafe { queue.copy_addresses(src, base + at, n) }.map_err(|e| e.to_string())?;
             // To pageable memory CUDA returns once the data is there: so does this.
-            wait_fence(&f)?;
+            wait(queue, &f)?;
             // SAFETY: the program passed `dst` as host memory of `n` writable bytes.
             let out = unsafe { std::slice::from_raw_parts_mut(op.dst as *mut u8, op.bytes) };
             staging.buffer.read(at, out).map_err(|e| e.to_string())?;
@@ -255,9 +258,51 @@ impl Engine {
                 }
             }
         }
-        match ctx.run_on_queue(cuda, slot, |queue, staging| {
-            run_copy(queue, staging, plan, op)
-        }) {
+        // A copy that returns once done sleeps while it waits where the program asked CUDA to sleep (as a
+        // synchronize does: `wait_or_sleep`), on an event of the preload's own recorded after the copy, which is
+        // the queue's newest work. The engine's lock stays held, as while a copy spins.
+        let handle = ctx.handle;
+        let sleeper = if waits && cuda.sleeps_while_waiting(handle) {
+            ctx.sleepers
+                .pop()
+                .or_else(|| cuda.sleeping_event(handle).ok())
+        } else {
+            None
+        };
+        let mut side = ctx.side;
+        let mut slept = false;
+        let mut wait = |queue: &mut Queue, fence: &Fence| -> Result<(), String> {
+            if let (Some(event), Some(d)) = (sleeper, fence.direct()) {
+                match d.wait(SPIN_BEFORE_SLEEP) {
+                    Ok(()) => return Ok(()),
+                    Err(apex::pushbuf::Error::Channel(apex::gpfifo::Error::Timeout { .. })) => {}
+                    Err(e) => return Err(e.to_string()),
+                }
+                match cuda.record_event_after(handle, queue, event, &mut side) {
+                    Ok(()) => {
+                        slept = true;
+                        if let Err(e) = cuda.sleep_on_event(event) {
+                            debug!(error = %e, "a sleeping wait returned early; the copy is waited for");
+                        }
+                    }
+                    Err(e) => {
+                        debug!(error = %e, "cannot sleep while a copy runs; it is waited for")
+                    }
+                }
+            }
+            wait_fence(fence)
+        };
+        let ran = ctx.run_on_queue(cuda, slot, |queue, staging| {
+            run_copy(queue, staging, plan, op, &mut wait)
+        });
+        ctx.side = side;
+        if let Some(event) = sleeper {
+            ctx.sleepers.push(event);
+        }
+        if slept {
+            self.summary.syncs_asleep += 1;
+        }
+        match ran {
             Ok(()) => {
                 self.summary.copies_on_apex += 1;
                 // A copy that returned once done reports a failed assert of an earlier kernel, as libcuda's would.

@@ -52,6 +52,35 @@ impl Waits {
         }
         Ok(())
     }
+
+    /// Waits for every fence for at most `bound`: `None` while work still runs then.
+    pub(crate) fn wait_briefly(&self, bound: Duration) -> Option<Result<(), String>> {
+        let started = std::time::Instant::now();
+        for (_, f) in &self.items {
+            let Some(d) = f.direct() else {
+                // A driver-backed queue's fence is libcuda's own wait (which sleeps as the context says).
+                if let Err(e) = wait_fence(f) {
+                    return Some(Err(e));
+                }
+                continue;
+            };
+            match d.wait(bound.saturating_sub(started.elapsed())) {
+                Ok(()) => {}
+                Err(apex::pushbuf::Error::Channel(apex::gpfifo::Error::Timeout { .. })) => {
+                    return None;
+                }
+                Err(e) => return Some(Err(e.to_string())),
+            }
+        }
+        Some(Ok(()))
+    }
+}
+
+/// A wait that sleeps in libcuda ([`Engine::sleep_ticket`]): on `event`, of the preload's own in context `ctx`.
+pub(crate) struct Sleep {
+    pub(crate) cuda: Arc<dyn CudaSide>,
+    ctx: usize,
+    pub(crate) event: usize,
 }
 
 /// Where a queue's last launch stands, looked at without waiting.
@@ -392,6 +421,71 @@ impl Engine {
         })
     }
 
+    /// A wait for `w`'s fences that has spun for a while, where the program asked CUDA to sleep while it waits
+    /// (the context made with `CU_CTX_SCHED_BLOCKING_SYNC`, or the program's `event` with `CU_EVENT_BLOCKING_SYNC`):
+    /// an event of the preload's own, recorded in libcuda after every queue's work, for the caller to sleep on
+    /// without the lock. `None` to go on spinning: the program did not ask to sleep, the context is gone or failed,
+    /// or a queue has launched since the fence waited for (waiting for that later work too could wait for work that
+    /// itself waits for what follows this wait).
+    pub(crate) fn sleep_ticket(&mut self, w: &Waits, event: Option<usize>) -> Option<Sleep> {
+        let cuda = self.cuda.clone();
+        let event_sleeps = event.is_some_and(|e| self.event_sleeps.contains_key(&e));
+        let ctx = self
+            .contexts
+            .get_mut(w.ctx)
+            .filter(|c| c.handle == w.handle && c.failed.is_none())?;
+        if !event_sleeps && !cuda.sleeps_while_waiting(ctx.handle) {
+            return None;
+        }
+        let running: Vec<usize> = w
+            .items
+            .iter()
+            .filter(|(_, f)| !f.is_done())
+            .map(|&(slot, ref f)| {
+                let latest = ctx
+                    .last_fence(slot)
+                    .and_then(Result::ok)
+                    .and_then(|l| Some(l.direct()?.value()));
+                (latest.is_some() && latest == f.direct().map(|d| d.value())).then_some(slot)
+            })
+            .collect::<Option<_>>()?;
+        if running.is_empty() {
+            return None;
+        }
+        let sleeper = match ctx.sleepers.pop() {
+            Some(e) => e,
+            None => cuda
+                .sleeping_event(ctx.handle)
+                .inspect_err(|e| debug!(error = %e, "no sleeping event; the wait spins"))
+                .ok()?,
+        };
+        for slot in running {
+            let recorded = match ctx.queues.get_mut(slot).and_then(Option::as_mut) {
+                Some(q) => cuda.record_event_after(ctx.handle, q, sleeper, &mut ctx.side),
+                None => Err("the queue is gone".into()),
+            };
+            if let Err(e) = recorded {
+                debug!(error = %e, "cannot record a sleeping event after an APEX queue; the wait spins");
+                // Recorded after some queues only: the next wait that takes it records it again.
+                ctx.sleepers.push(sleeper);
+                return None;
+            }
+        }
+        self.summary.syncs_asleep += 1;
+        Some(Sleep {
+            cuda,
+            ctx: w.handle,
+            event: sleeper,
+        })
+    }
+
+    /// A sleep [`sleep_ticket`](Self::sleep_ticket) arranged has ended: its event is free for the next.
+    pub(crate) fn slept(&mut self, sleep: Sleep) {
+        if let Some(ci) = self.find_context(sleep.ctx) {
+            self.contexts[ci].sleepers.push(sleep.event);
+        }
+    }
+
     /// After the waits of `w` (`waited`): the queues whose last launch is still the one waited for are complete;
     /// `None` when the context is gone or a queue failed (libcuda then answers).
     pub(super) fn waited(&mut self, w: &Waits, waited: &Result<(), String>) -> Option<usize> {
@@ -717,11 +811,18 @@ impl Engine {
         // process reads an interprocess event's state from libcuda.
         self.event_untimed
             .insert(event, flags & 2 != 0 && flags & 4 == 0);
+        // CU_EVENT_BLOCKING_SYNC (1): a synchronize on it sleeps.
+        if flags & 1 != 0 {
+            self.event_sleeps.insert(event, ());
+        } else {
+            self.event_sleeps.remove(&event);
+        }
     }
 
     /// `cuEventDestroy`.
     pub(crate) fn event_destroyed(&mut self, event: usize) {
         self.event_untimed.remove(&event);
+        self.event_sleeps.remove(&event);
         for c in &mut self.contexts {
             c.events.remove(&event);
         }

@@ -4,7 +4,7 @@
 //! answered without libcuda.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU32, Ordering as AtomicOrdering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering as AtomicOrdering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -86,7 +86,14 @@ struct FakeCuda {
     /// `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES` of every function (48 KiB, CUDA's default, until a test
     /// raises it as the program's `cuFuncSetAttribute` would).
     dynamic_shared: Arc<AtomicU32>,
+    /// The context was made with `CU_CTX_SCHED_BLOCKING_SYNC` (as `cudaDeviceScheduleBlockingSync` makes it).
+    sleeps: Arc<AtomicBool>,
+    /// Sleeping events made so far.
+    sleeping_events: AtomicU32,
 }
+
+/// The double's sleeping events are numbered from here.
+const SLEEPING_EVENTS: usize = 0x5e_0000;
 
 impl FakeCuda {
     fn new(gpu: Gpu) -> FakeCuda {
@@ -99,6 +106,8 @@ impl FakeCuda {
             fail_attach: None,
             made_current: Arc::default(),
             dynamic_shared: Arc::new(AtomicU32::new(48 << 10)),
+            sleeps: Arc::default(),
+            sleeping_events: AtomicU32::new(0),
         }
     }
 
@@ -203,6 +212,20 @@ impl CudaSide for FakeCuda {
         self.log(format!("replay {}", failures.len()));
         Ok(())
     }
+    fn sleeps_while_waiting(&self, ctx: usize) -> bool {
+        ctx == CTX && self.sleeps.load(AtomicOrdering::Relaxed)
+    }
+    fn sleeping_event(&self, ctx: usize) -> Result<usize, String> {
+        assert_eq!(ctx, CTX);
+        let event =
+            SLEEPING_EVENTS + self.sleeping_events.fetch_add(1, AtomicOrdering::Relaxed) as usize;
+        self.log(format!("sleeping event {event:#x}"));
+        Ok(event)
+    }
+    fn sleep_on_event(&self, event: usize) -> Result<(), String> {
+        self.log(format!("sleep on {event:#x}"));
+        Ok(())
+    }
     fn pointer(&self, ptr: u64, ctx: usize) -> crate::cuda::Pointer {
         assert_eq!(ctx, CTX);
         let device = self.device.lock().unwrap();
@@ -225,6 +248,8 @@ struct Setup {
     made_current: MadeCurrent,
     /// The double's answer to `max_dynamic_shared`.
     dynamic_shared: Arc<AtomicU32>,
+    /// The double's answer to `sleeps_while_waiting`.
+    sleeps: Arc<AtomicBool>,
     /// Parameter values of vector_add: a, b, out, n.
     params: [u64; 4],
 }
@@ -298,6 +323,7 @@ impl Setup {
             cuda.made_current.clone(),
             cuda.dynamic_shared.clone(),
         );
+        let sleeps = cuda.sleeps.clone();
         let config = Config {
             enabled: true,
             max_queues: 8,
@@ -321,6 +347,7 @@ impl Setup {
             jobs,
             made_current,
             dynamic_shared,
+            sleeps,
             params: [0x1000, 0x2000, 0x3000, 64],
         }
     }
@@ -1734,6 +1761,7 @@ fn a_free_on_the_legacy_stream_is_the_queues_only_when_it_waited_for_the_blockin
 
 mod background;
 mod plain;
+mod sleep;
 mod takeover;
 
 /// An event recorded after a stream's APEX work (the legacy stream's too, once its queue has waited for every
