@@ -108,12 +108,41 @@ pub(crate) fn enabled_by(value: Option<&[u8]>) -> bool {
     !matches!(value, Some(b"off" | b"0" | b"false"))
 }
 
-/// `APEX_PRELOAD`'s value, read without allocating (`getenv`): the hooks ask on their first call.
-fn switch_in_env() -> bool {
+/// Whether a value of `CUDA_LAUNCH_BLOCKING` makes libcuda's launches synchronous: one `atoi` reads as non-zero, as
+/// libcuda reads it (`1`; `0`, `true` and unset do not).
+pub(crate) fn launch_blocking_by(value: Option<&[u8]>) -> bool {
+    let Some(v) = value else { return false };
+    let v = v.trim_ascii_start();
+    let digits = v
+        .strip_prefix(b"-")
+        .or_else(|| v.strip_prefix(b"+"))
+        .unwrap_or(v);
+    digits
+        .iter()
+        .take_while(|b| b.is_ascii_digit())
+        .any(|&b| b != b'0')
+}
+
+/// An environment variable's value, read without allocating (`getenv`).
+fn env_bytes(name: &CStr) -> Option<&'static [u8]> {
     // SAFETY: a NUL-terminated name; the program does not change its environment while CUDA calls run.
-    let p = unsafe { libc::getenv(c"APEX_PRELOAD".as_ptr()) };
-    // SAFETY: getenv's answer is null or a NUL-terminated string.
-    enabled_by((!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_bytes()))
+    let p = unsafe { libc::getenv(name.as_ptr()) };
+    // SAFETY: getenv's answer is null or a NUL-terminated string, which stays while the environment is unchanged.
+    (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_bytes())
+}
+
+/// Why the environment turns the takeover off for the whole process, if it does: `APEX_PRELOAD=off`, or
+/// `CUDA_LAUNCH_BLOCKING=1`, with which libcuda makes every launch synchronous (so that an error shows at the launch
+/// that caused it, what a program is run with to debug one) and APEX's asynchronous launches would not. Read without
+/// allocating: the hooks ask on their first call.
+fn off_in_env() -> Option<Refusal> {
+    if !enabled_by(env_bytes(c"APEX_PRELOAD")) {
+        Some(Refusal::Disabled)
+    } else if launch_blocking_by(env_bytes(c"CUDA_LAUNCH_BLOCKING")) {
+        Some(Refusal::LaunchBlocking)
+    } else {
+        None
+    }
 }
 
 /// Whether APEX has, or is making, anything a CUDA call must be ordered with: an attached context (queues, kept
@@ -160,12 +189,13 @@ pub(crate) fn engaged() -> bool {
     ENGAGED.load(Ordering::Acquire)
 }
 
-/// The takeover's switch: 0 not read yet, 1 on, 2 off (`APEX_PRELOAD=off`).
+/// The takeover's switch: 0 not read yet, 1 on, 2 off (`APEX_PRELOAD=off`), 3 off (`CUDA_LAUNCH_BLOCKING=1`).
 static SWITCH: AtomicU8 = AtomicU8::new(0);
 
-/// Whether `APEX_PRELOAD=off` turned the takeover off for the whole process. Then every hook forwards at once (one
-/// load), launches are counted without the engine's lock, and `cuGetProcAddress` and `dlsym` hand out libcuda's own
-/// functions for everything but launches, module loads and themselves: no queue can exist, so nothing needs ordering.
+/// Whether the environment turned the takeover off for the whole process ([`off_in_env`]). Then every hook forwards
+/// at once (one load), launches are counted without the engine's lock, and `cuGetProcAddress` and `dlsym` hand out
+/// libcuda's own functions for everything but launches, module loads and themselves: no queue can exist, so nothing
+/// needs ordering.
 pub(crate) fn disabled() -> bool {
     // A forked child forwards everything too: its copies of the engine and the allocation cache are the parent's
     // (a cached block answered there would be a success libcuda, unusable in a fork child, would not give).
@@ -174,12 +204,25 @@ pub(crate) fn disabled() -> bool {
     }
     match SWITCH.load(Ordering::Relaxed) {
         1 => false,
-        2 => true,
+        2 | 3 => true,
         _ => {
-            let off = !switch_in_env();
-            SWITCH.store(if off { 2 } else { 1 }, Ordering::Relaxed);
-            off
+            let switch = match off_in_env() {
+                None => 1,
+                Some(Refusal::LaunchBlocking) => 3,
+                Some(_) => 2,
+            };
+            SWITCH.store(switch, Ordering::Relaxed);
+            switch != 1
         }
+    }
+}
+
+/// Why the takeover is off where [`disabled`] says it is: what the summary counts the forwarded launches under.
+fn off_reason() -> Refusal {
+    match SWITCH.load(Ordering::Relaxed) {
+        3 => Refusal::LaunchBlocking,
+        0 => off_in_env().unwrap_or(Refusal::Disabled),
+        _ => Refusal::Disabled,
     }
 }
 
@@ -193,7 +236,7 @@ pub(crate) fn count_disabled_launch() {
 
 impl Config {
     fn from_env() -> Config {
-        let enabled = switch_in_env();
+        let enabled = off_in_env().is_none();
         let max_queues = std::env::var("APEX_PRELOAD_QUEUES")
             .ok()
             .and_then(|v| v.parse().ok())
@@ -845,7 +888,7 @@ impl Engine {
             takeover.advise();
         }
         let mut engine = Engine {
-            off: (!config.enabled).then_some(Refusal::Disabled),
+            off: (!config.enabled).then(off_reason),
             takeover,
             history,
             config,
@@ -964,7 +1007,7 @@ impl Engine {
         }
         let off = DISABLED_LAUNCHES.load(Ordering::Relaxed);
         if !self.config.enabled && off > 0 {
-            let r = Refusal::Disabled;
+            let r = off_reason();
             s.launches += off;
             s.fallback += off;
             let e = s.reasons.entry(r.label().to_string()).or_default();

@@ -8,6 +8,12 @@ pub enum Refusal {
     /// `APEX_PRELOAD=off`.
     #[error("the takeover is off (APEX_PRELOAD=off)")]
     Disabled,
+    /// `CUDA_LAUNCH_BLOCKING=1`: libcuda makes every launch synchronous, so that an error shows at the launch that
+    /// caused it; APEX's launches are asynchronous, so the takeover is off and libcuda runs everything.
+    #[error(
+        "the takeover is off: CUDA_LAUNCH_BLOCKING=1 makes every launch synchronous, as libcuda runs them"
+    )]
+    LaunchBlocking,
     /// The takeover ended before the program did: the CUDA context APEX had joined was destroyed or reset
     /// (`cuCtxDestroy`, `cudaDeviceReset`), and APEX does not join the context CUDA makes after it.
     #[error("the takeover ended when {0}; work after it stays on libcuda")]
@@ -129,6 +135,7 @@ impl Refusal {
     pub fn label(&self) -> &'static str {
         match self {
             Refusal::Disabled => "disabled",
+            Refusal::LaunchBlocking => "launch_blocking",
             Refusal::Ended(_) => "takeover_ended",
             Refusal::AttachFailed(_) => "attach_failed",
             Refusal::DriverBackend(_) => "driver_backend",
@@ -182,6 +189,7 @@ mod tests {
     fn labels_are_distinct_and_messages_say_why() {
         let all = [
             Refusal::Disabled,
+            Refusal::LaunchBlocking,
             Refusal::Ended("x".into()),
             Refusal::AttachFailed("x".into()),
             Refusal::DriverBackend("x".into()),

@@ -838,7 +838,10 @@ fn waits_sleep_where_the_program_asked_cuda_to_sleep() {
         let (a, b) = both_succeeded(&plain, &pre);
         let s = pre.summary.clone().expect("summary");
         report(&format!("blocking sync ({mode})"), &s);
-        let (cpu, wall) = (value(&b, "metric wait_cpu_ms"), value(&b, "metric wait_wall_ms"));
+        let (cpu, wall) = (
+            value(&b, "metric wait_cpu_ms"),
+            value(&b, "metric wait_wall_ms"),
+        );
         println!(
             "  {mode}: waits took {cpu:.1} ms of CPU in {wall:.1} ms through APEX ({} asleep), {:.1} in {:.1} ms on \
              libcuda",
@@ -863,6 +866,46 @@ fn waits_sleep_where_the_program_asked_cuda_to_sleep() {
             "the waits slept: {cpu:.1} ms of CPU time for {wall:.1} ms of waiting"
         );
     }
+}
+
+/// Under `CUDA_LAUNCH_BLOCKING=1` (run to find which launch fails) libcuda makes every launch synchronous, so a
+/// faulting kernel's error shows at its own launch; APEX's launches are asynchronous, so the preload leaves
+/// everything to libcuda (counted as `launch_blocking`) and the program reads what it reads without the preload.
+/// Without the variable the same program runs through APEX, and the fault shows at the synchronize.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn launch_blocking_leaves_every_launch_to_libcuda() {
+    let lib = preload_lib();
+    let (dir, exe) = build_cuda("launch_blocking", include_str!("programs/launch_blocking.cu"));
+    let blocking = || {
+        let mut c = Command::new(&exe);
+        c.env("CUDA_LAUNCH_BLOCKING", "1");
+        c
+    };
+    let plain = run(blocking(), None, &dir, "plain");
+    let pre = run(inline(blocking()), Some(&lib), &dir, "preload");
+    let (a, b) = (stdout(&plain), stdout(&pre));
+    let s = pre.summary.clone().expect("summary");
+    report("CUDA_LAUNCH_BLOCKING=1", &s);
+    assert!(
+        a.contains("result after the faulting launch cudaErrorIllegalAddress"),
+        "libcuda reports the fault at the launch:\n{a}"
+    );
+    assert_eq!(results(&a), results(&b), "without:\n{a}\nwith:\n{b}");
+    assert_eq!(s.apex, 0, "{s:?}");
+    assert_eq!(s.launches, 51, "every launch counted: {s:?}");
+    assert_eq!(s.reasons["launch_blocking"].launches, 51, "{s:?}");
+    // Without the variable: through APEX, the fault at the synchronize, as on libcuda.
+    let plain = run(Command::new(&exe), None, &dir, "plain-async");
+    let pre = run(inline(Command::new(&exe)), Some(&lib), &dir, "preload-async");
+    let (a, b) = (stdout(&plain), stdout(&pre));
+    let s = pre.summary.clone().expect("summary");
+    assert!(
+        a.contains("result after the faulting launch cudaSuccess"),
+        "asynchronous launches report at the synchronize:\n{a}"
+    );
+    assert_eq!(results(&a), results(&b), "without:\n{a}\nwith:\n{b}");
+    assert_eq!(s.apex, 51, "{s:?}");
 }
 
 const TORCH_ASSERT: &str = r#"

@@ -1527,6 +1527,22 @@ fn a_stream_taken_over_during_a_forwarded_call_is_marked_after_it() {
 fn launches_forwarded_with_the_takeover_off_are_counted() {
     assert!(enabled_by(None) && enabled_by(Some(b"on")) && enabled_by(Some(b"1")));
     assert!(!enabled_by(Some(b"off")) && !enabled_by(Some(b"0")) && !enabled_by(Some(b"false")));
+    // CUDA_LAUNCH_BLOCKING as libcuda reads it (atoi): non-zero turns the takeover off.
+    for on in [&b"1"[..], b" 1", b"2", b"+1", b"-1", b"01", b"1x"] {
+        assert!(
+            launch_blocking_by(Some(on)),
+            "{:?}",
+            String::from_utf8_lossy(on)
+        );
+    }
+    for off in [&b"0"[..], b"", b"true", b"yes", b"00", b"x1"] {
+        assert!(
+            !launch_blocking_by(Some(off)),
+            "{:?}",
+            String::from_utf8_lossy(off)
+        );
+    }
+    assert!(!launch_blocking_by(None));
     let (gpu, _sim) = Gpu::open_simulated(SimConfig::default()).unwrap();
     let cuda = FakeCuda::new(gpu);
     let config = Config {
