@@ -876,7 +876,10 @@ fn waits_sleep_where_the_program_asked_cuda_to_sleep() {
 #[ignore = "needs an NVIDIA GPU"]
 fn launch_blocking_leaves_every_launch_to_libcuda() {
     let lib = preload_lib();
-    let (dir, exe) = build_cuda("launch_blocking", include_str!("programs/launch_blocking.cu"));
+    let (dir, exe) = build_cuda(
+        "launch_blocking",
+        include_str!("programs/launch_blocking.cu"),
+    );
     let blocking = || {
         let mut c = Command::new(&exe);
         c.env("CUDA_LAUNCH_BLOCKING", "1");
@@ -897,7 +900,12 @@ fn launch_blocking_leaves_every_launch_to_libcuda() {
     assert_eq!(s.reasons["launch_blocking"].launches, 51, "{s:?}");
     // Without the variable: through APEX, the fault at the synchronize, as on libcuda.
     let plain = run(Command::new(&exe), None, &dir, "plain-async");
-    let pre = run(inline(Command::new(&exe)), Some(&lib), &dir, "preload-async");
+    let pre = run(
+        inline(Command::new(&exe)),
+        Some(&lib),
+        &dir,
+        "preload-async",
+    );
     let (a, b) = (stdout(&plain), stdout(&pre));
     let s = pre.summary.clone().expect("summary");
     assert!(
