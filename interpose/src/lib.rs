@@ -6,6 +6,10 @@
 //!
 //! Each preloaded library links its own copy of this crate, so its guard and caches are its own.
 
+mod imports;
+
+pub use imports::{Redirect, loads_so_far, redirect_imports};
+
 use std::cell::Cell;
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};

@@ -131,15 +131,22 @@ fn env_bytes(name: &CStr) -> Option<&'static [u8]> {
     (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_bytes())
 }
 
-/// Why the environment turns the takeover off for the whole process, if it does: `APEX_PRELOAD=off`, or
+/// Why the environment turns the takeover off for the whole process, if it does: `APEX_PRELOAD=off`;
 /// `CUDA_LAUNCH_BLOCKING=1`, with which libcuda makes every launch synchronous (so that an error shows at the launch
-/// that caused it, what a program is run with to debug one) and APEX's asynchronous launches would not. Read without
-/// allocating: the hooks ask on their first call.
+/// that caused it, what a program is run with to debug one) and APEX's asynchronous launches would not; or a CUDA
+/// tool injected into the process (`CUDA_INJECTION64_PATH`; `NV_SANITIZER_INJECTION_PORT_BASE`, which
+/// compute-sanitizer sets in its target, and `NV_NSIGHT_INJECTION_PORT_BASE`, which Nsight Compute sets: both seen
+/// on CUDA 13.0), which sees, checks and times only the work libcuda runs. Read without allocating: the hooks ask on their first call.
 fn off_in_env() -> Option<Refusal> {
     if !enabled_by(env_bytes(c"APEX_PRELOAD")) {
         Some(Refusal::Disabled)
     } else if launch_blocking_by(env_bytes(c"CUDA_LAUNCH_BLOCKING")) {
         Some(Refusal::LaunchBlocking)
+    } else if env_bytes(c"CUDA_INJECTION64_PATH").is_some_and(|v| !v.is_empty())
+        || env_bytes(c"NV_SANITIZER_INJECTION_PORT_BASE").is_some()
+        || env_bytes(c"NV_NSIGHT_INJECTION_PORT_BASE").is_some()
+    {
+        Some(Refusal::ToolInjected)
     } else {
         None
     }
@@ -189,7 +196,8 @@ pub(crate) fn engaged() -> bool {
     ENGAGED.load(Ordering::Acquire)
 }
 
-/// The takeover's switch: 0 not read yet, 1 on, 2 off (`APEX_PRELOAD=off`), 3 off (`CUDA_LAUNCH_BLOCKING=1`).
+/// The takeover's switch: 0 not read yet, 1 on, 2 off (`APEX_PRELOAD=off`), 3 off (`CUDA_LAUNCH_BLOCKING=1`), 4 off
+/// (a CUDA tool injected).
 static SWITCH: AtomicU8 = AtomicU8::new(0);
 
 /// Whether the environment turned the takeover off for the whole process ([`off_in_env`]). Then every hook forwards
@@ -204,11 +212,12 @@ pub(crate) fn disabled() -> bool {
     }
     match SWITCH.load(Ordering::Relaxed) {
         1 => false,
-        2 | 3 => true,
+        2..=4 => true,
         _ => {
             let switch = match off_in_env() {
                 None => 1,
                 Some(Refusal::LaunchBlocking) => 3,
+                Some(Refusal::ToolInjected) => 4,
                 Some(_) => 2,
             };
             SWITCH.store(switch, Ordering::Relaxed);
@@ -221,6 +230,7 @@ pub(crate) fn disabled() -> bool {
 fn off_reason() -> Refusal {
     match SWITCH.load(Ordering::Relaxed) {
         3 => Refusal::LaunchBlocking,
+        4 => Refusal::ToolInjected,
         0 => off_in_env().unwrap_or(Refusal::Disabled),
         _ => Refusal::Disabled,
     }
@@ -875,6 +885,15 @@ impl Engine {
             let _ = tracing::subscriber::set_global_default(crate::exit_safe::ExitSafe(fmt));
         }
         crate::watchdog::start();
+        // A profiler the program turns on later (torch.profiler) must see its GPU work: CUPTI's switches are watched
+        // in the libraries that import them by versioned references, loaded by now.
+        if config.enabled && !cfg!(test) {
+            let slots = crate::cupti::redirect_importers();
+            debug!(
+                slots,
+                "CUPTI's activity switches watched in the libraries that import them"
+            );
+        }
         crate::profile::start();
         let cuda: Arc<dyn CudaSide> = Arc::from(cuda);
         // Tests' engines neither read nor leave records.
@@ -1236,6 +1255,9 @@ impl Engine {
         }
         if !self.capturing.is_empty() {
             return Err(Refusal::Capturing.into());
+        }
+        if crate::cupti::recording() {
+            return Err(Refusal::Profiled.into());
         }
         let extras = match &l.extras {
             Ok(e) => *e,
@@ -2002,6 +2024,10 @@ impl Engine {
         library: bool,
     ) {
         self.summary.modules_seen += 1;
+        // A library loaded since the engine started may import CUPTI (a module load often follows a library load).
+        if self.config.enabled && !cfg!(test) {
+            crate::cupti::redirect_new_importers();
+        }
         self.forget_owner(owner);
         match image {
             Ok(bytes) => {

@@ -2041,6 +2041,11 @@ pub unsafe extern "C" fn dlsym(handle: *mut c_void, name: *const c_char) -> *mut
             // APEX's own lookups (made inside a hook) get libcuda's function: a wrapper's slot is shared with the
             // program's lookups, which may have stored another version of the function there.
             let _outer = enter()?;
+            // CUPTI's activity switches: watched whatever the takeover does (a profiler turned on under
+            // `APEX_PRELOAD=off` changes nothing, but costs nothing either).
+            if let Some((slot, ours)) = crate::cupti::by_symbol(n) {
+                return install(slot, real, ours);
+            }
             let h = by_symbol(n).filter(|h| h.handed_out(engine::disabled()))?;
             install(h.slot, real, h.ours)
         })

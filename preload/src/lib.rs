@@ -45,6 +45,7 @@ pub mod asserts;
 pub mod attrs;
 pub mod check;
 mod cuda;
+mod cupti;
 mod engine;
 mod exit_safe;
 mod history;

@@ -14,6 +14,17 @@ pub enum Refusal {
         "the takeover is off: CUDA_LAUNCH_BLOCKING=1 makes every launch synchronous, as libcuda runs them"
     )]
     LaunchBlocking,
+    /// A CUDA tool is injected into the process (`CUDA_INJECTION64_PATH`; compute-sanitizer's
+    /// `NV_SANITIZER_INJECTION_PORT_BASE`): it sees, checks and times only the work libcuda runs, so the takeover is
+    /// off.
+    #[error(
+        "the takeover is off: a CUDA tool is injected (compute-sanitizer, Nsight), which sees only libcuda's work"
+    )]
+    ToolInjected,
+    /// A profiler records GPU activity through CUPTI (torch.profiler, a CUPTI client of the program's own): it sees
+    /// only libcuda's work, so launches go to libcuda while it records.
+    #[error("a profiler records GPU activity through CUPTI, which sees only libcuda's work")]
+    Profiled,
     /// The takeover ended before the program did: the CUDA context APEX had joined was destroyed or reset
     /// (`cuCtxDestroy`, `cudaDeviceReset`), and APEX does not join the context CUDA makes after it.
     #[error("the takeover ended when {0}; work after it stays on libcuda")]
@@ -136,6 +147,8 @@ impl Refusal {
         match self {
             Refusal::Disabled => "disabled",
             Refusal::LaunchBlocking => "launch_blocking",
+            Refusal::ToolInjected => "cuda_tool",
+            Refusal::Profiled => "profiled",
             Refusal::Ended(_) => "takeover_ended",
             Refusal::AttachFailed(_) => "attach_failed",
             Refusal::DriverBackend(_) => "driver_backend",
@@ -190,6 +203,8 @@ mod tests {
         let all = [
             Refusal::Disabled,
             Refusal::LaunchBlocking,
+            Refusal::ToolInjected,
+            Refusal::Profiled,
             Refusal::Ended("x".into()),
             Refusal::AttachFailed("x".into()),
             Refusal::DriverBackend("x".into()),

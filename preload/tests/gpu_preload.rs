@@ -916,6 +916,74 @@ fn launch_blocking_leaves_every_launch_to_libcuda() {
     assert_eq!(s.apex, 51, "{s:?}");
 }
 
+const TORCH_PROFILER: &str = r#"
+import hashlib, sys
+try:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+except Exception as e:
+    print(f"SKIP torch cannot be imported: {e}"); sys.exit(0)
+torch.manual_seed(0)
+x = torch.randn(512, 512, device="cuda")
+def step(x):
+    return torch.relu(x @ x * 0.001).sum(0) + x[0]
+for _ in range(50):
+    y = step(x)
+torch.cuda.synchronize()
+with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    for _ in range(20):
+        y = step(y.expand(512, 512).contiguous())
+    torch.cuda.synchronize()
+kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+print("result kernels seen by the profiler", len(kernels))
+for _ in range(50):
+    y = step(y.expand(512, 512).contiguous())
+print("result y", hashlib.sha256(y.cpu().numpy().tobytes()).hexdigest())
+"#;
+
+/// torch.profiler (Kineto, through CUPTI's activity API) sees only the work libcuda runs: while it records, the
+/// preload leaves launches, copies and memsets to libcuda, so the profile holds every kernel it holds without the
+/// preload; before and after, the same program's launches go through APEX.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_profiler_sees_every_kernel_while_it_records() {
+    let lib = preload_lib();
+    let dir = scratch("torch_profiler");
+    let script = dir.join("profiled.py");
+    std::fs::write(&script, TORCH_PROFILER).unwrap();
+    let cmd = || {
+        let mut c = Command::new("python3");
+        c.arg(&script);
+        c
+    };
+    let plain = run(cmd(), None, &dir, "plain");
+    let a = stdout(&plain);
+    if let Some(why) = a.lines().find(|l| l.starts_with("SKIP")) {
+        println!("PyTorch test skipped: {why}");
+        return;
+    }
+    let pre = run(cmd(), Some(&lib), &dir, "preload");
+    let (a, b) = both_succeeded(&plain, &pre);
+    let s = pre.summary.clone().expect("summary");
+    report("torch.profiler", &s);
+    assert_eq!(results(&a), results(&b), "without:\n{a}\nwith:\n{b}");
+    let seen = value(&a, "result kernels seen by the profiler ");
+    assert!(
+        seen >= 60.0,
+        "the profiler saw the profiled steps' kernels: {a}"
+    );
+    // The same kernels seen (the results above) is the point; the launches meanwhile are counted as `profiled`.
+    let profiled = s.reasons.get("profiled").map_or(0, |r| r.launches);
+    assert!(
+        profiled >= 60,
+        "the profiled steps' launches went to libcuda: {profiled} ({seen} kernels seen): {s:?}"
+    );
+    assert!(
+        s.apex >= 300,
+        "the launches before and after the profile went through APEX: {s:?}"
+    );
+}
+
 const TORCH_ASSERT: &str = r#"
 import sys
 try:

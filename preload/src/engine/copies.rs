@@ -212,7 +212,7 @@ impl Engine {
     /// The context and slot of a stream the preload took over, if work at `site` can run on its queue now (the
     /// takeover on, no capture, the context not failed).
     pub(super) fn taken_over(&mut self, site: Site) -> Option<(usize, usize)> {
-        if self.off.is_some() || !self.capturing.is_empty() {
+        if self.off.is_some() || !self.capturing.is_empty() || crate::cupti::recording() {
             return None;
         }
         let Site::Stream(raw, pt) = site else {

@@ -846,6 +846,8 @@ impl Engine {
             "the event times or is interprocess"
         } else if !self.capturing.is_empty() {
             "a stream is capturing"
+        } else if crate::cupti::recording() {
+            "a profiler records GPU activity"
         } else if let Some(ci) = found
             && self.contexts[ci].failed.is_none()
         {
@@ -902,7 +904,7 @@ impl Engine {
         let Site::Stream(raw, pt) = site else {
             return None;
         };
-        if !self.capturing.is_empty() {
+        if !self.capturing.is_empty() || crate::cupti::recording() {
             return None;
         }
         let ci = self.event_home(event)?;
