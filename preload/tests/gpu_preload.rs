@@ -984,6 +984,44 @@ fn a_profiler_sees_every_kernel_while_it_records() {
     );
 }
 
+/// compute-sanitizer checks only the kernels libcuda runs: under it the preload leaves everything to libcuda
+/// (`cuda_tool`), so the sanitizer reports every error it reports without the preload (before: 1 of 33, the faulting
+/// kernel unchecked on APEX and the synchronize's error lost).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn compute_sanitizer_checks_every_kernel() {
+    let lib = preload_lib();
+    let sanitizer = nvcc().with_file_name("compute-sanitizer");
+    if !sanitizer.exists() {
+        println!("compute-sanitizer not found beside nvcc: skipped");
+        return;
+    }
+    let (dir, exe) = build_cuda("sanitized", include_str!("programs/launch_blocking.cu"));
+    let cmd = || {
+        let mut c = Command::new(&sanitizer);
+        c.args(["--print-limit", "1"]).arg(&exe);
+        c
+    };
+    let plain = run(cmd(), None, &dir, "plain");
+    let pre = run(cmd(), Some(&lib), &dir, "preload");
+    let (a, b) = (stdout(&plain), stdout(&pre));
+    let s = pre.summary.clone().expect("summary");
+    report("compute-sanitizer", &s);
+    let summary = |t: &str| -> Vec<String> {
+        t.lines()
+            .filter(|l| l.starts_with("result ") || l.contains("ERROR SUMMARY"))
+            .map(str::to_owned)
+            .collect()
+    };
+    assert!(
+        a.contains("ERROR SUMMARY") && !a.contains("ERROR SUMMARY: 0 errors"),
+        "the sanitizer reports the faulting kernel:\n{a}"
+    );
+    assert_eq!(summary(&a), summary(&b), "without:\n{a}\nwith:\n{b}");
+    assert_eq!(s.apex, 0, "{s:?}");
+    assert_eq!(s.reasons["cuda_tool"].launches, s.launches, "{s:?}");
+}
+
 const TORCH_ASSERT: &str = r#"
 import sys
 try:
