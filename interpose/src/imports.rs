@@ -198,9 +198,60 @@ impl Object {
     }
 }
 
-/// Points every importer's GOT slots for `redirects` at the wrappers. `provider` is part of the providing library's
-/// file name (`libcupti`); only objects that need it are touched. Returns how many slots now point at a wrapper
-/// (0 when the provider is not loaded).
+/// The file name of a path (what follows its last `/`).
+fn file_name(path: &[u8]) -> &[u8] {
+    path.rsplit(|&b| b == b'/').next().unwrap_or(path)
+}
+
+/// The one loaded object whose file name starts with `provider` (`libcupti.so`): `None` when none is loaded, or
+/// several (two versions of the library: which one an importer binds to would have to be read from each).
+fn provider_object<'a>(all: &'a [Object], provider: &[u8]) -> Option<&'a Object> {
+    let mut found = all
+        .iter()
+        .filter(|o| file_name(&o.name).starts_with(provider));
+    let first = found.next()?;
+    found.all(|o| o.base == first.base).then_some(first)
+}
+
+/// `name` as the loaded library whose file name starts with `provider` defines it (looked up in that library, which
+/// may not be in the global scope: a library a Python extension needs is loaded `RTLD_LOCAL`); 0 when it is not
+/// loaded or does not define it.
+pub fn provider_symbol(provider: &[u8], name: &CStr) -> usize {
+    let all = objects();
+    let Some(lib) = provider_object(&all, provider) else {
+        return 0;
+    };
+    lookup(lib, &[name]).first().copied().unwrap_or(0)
+}
+
+/// `names` as loaded object `lib` defines them (0 for one it does not), through glibc's own `dlsym` (a preloaded
+/// library may wrap `dlsym` itself).
+fn lookup(lib: &Object, names: &[&CStr]) -> Vec<usize> {
+    let Ok(path) = std::ffi::CString::new(lib.name.clone()) else {
+        return Vec::new();
+    };
+    let Some(dlsym) = crate::real_dlsym() else {
+        return Vec::new();
+    };
+    // SAFETY: a NUL-terminated path of a loaded object; RTLD_NOLOAD never loads anything.
+    let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_LAZY) };
+    if handle.is_null() {
+        return Vec::new();
+    }
+    let found = names
+        .iter()
+        // SAFETY: a live handle and NUL-terminated names.
+        .map(|n| unsafe { dlsym(handle, n.as_ptr()) } as usize)
+        .collect();
+    // SAFETY: the handle from the dlopen above (the object stays loaded: its importers hold it).
+    unsafe { libc::dlclose(handle) };
+    found
+}
+
+/// Points every importer's GOT slots for `redirects` at the wrappers. `provider` is how the providing library's file
+/// name starts (`libcupti.so`); only objects that name such a library among their `DT_NEEDED` are touched, and
+/// nothing when no such library or several are loaded. Returns how many slots now point at a wrapper. x86-64 only
+/// (elsewhere 0).
 ///
 /// # Safety
 /// Each wrapper must have the signature of the function it replaces and call the function its `real` slot holds.
@@ -214,45 +265,51 @@ pub unsafe fn redirect_imports(redirects: &[Redirect], provider: &[u8]) -> usize
 ///
 /// # Safety
 /// As [`redirect_imports`].
+#[cfg(target_arch = "x86_64")]
 unsafe fn redirect(redirects: &[Redirect], provider: &[u8], skip_own: bool) -> usize {
     let all = objects();
-    let contains = |hay: &[u8], needle: &[u8]| hay.windows(needle.len()).any(|w| w == needle);
-    let Some(lib) = all.iter().find(|o| contains(&o.name, provider)) else {
+    let Some(lib) = provider_object(&all, provider) else {
         return 0;
     };
-    let Ok(path) = std::ffi::CString::new(lib.name.clone()) else {
-        return 0;
-    };
-    // SAFETY: a NUL-terminated path of a loaded object; RTLD_NOLOAD never loads anything.
-    let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_LAZY) };
-    if handle.is_null() {
-        return 0;
-    }
+    let names: Vec<&CStr> = redirects.iter().map(|r| r.name).collect();
     let mut wanted = Vec::new();
-    for r in redirects {
-        // SAFETY: a live handle and a NUL-terminated name.
-        let f = unsafe { libc::dlsym(handle, r.name.as_ptr()) } as usize;
+    for (r, f) in redirects.iter().zip(lookup(lib, &names)) {
         if f != 0 && f != r.ours {
             r.real.store(f, Ordering::Release);
             wanted.push((r, f));
         }
     }
-    // SAFETY: the handle from the dlopen above (the object stays loaded: its importers hold it).
-    unsafe { libc::dlclose(handle) };
+    if wanted.is_empty() {
+        return 0;
+    }
     let own = if skip_own { own_object() } else { None };
+    let page = page_size();
     let mut done = 0;
     for o in &all {
-        if std::ptr::eq(o, lib) || own.is_some_and(|b| b == o.base) {
+        if o.base == lib.base || own.is_some_and(|b| b == o.base) {
             continue;
         }
         let Some(d) = o.dynamic() else { continue };
-        if !d
-            .needed
-            .iter()
-            .any(|&n| o.string(&d, n).is_some_and(|s| contains(s, provider)))
-        {
+        if !d.needed.iter().any(|&n| {
+            o.string(&d, n)
+                .is_some_and(|s| file_name(s).starts_with(provider))
+        }) {
             continue;
         }
+        // Held loaded while its slots are read and written (another thread could unload it meanwhile); one being
+        // loaded or unloaded right now is left alone.
+        let held = match std::ffi::CString::new(o.name.clone()) {
+            Ok(path) if !o.name.is_empty() => {
+                // SAFETY: a NUL-terminated path; RTLD_NOLOAD never loads anything.
+                let h = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_LAZY) };
+                if h.is_null() {
+                    continue;
+                }
+                Some(h)
+            }
+            // The main program (no name) is never unloaded.
+            _ => None,
+        };
         let tables = [
             (d.jmprel, if d.plt_is_rela { d.pltrelsz } else { 0 }),
             (d.rela, d.relasz),
@@ -288,7 +345,7 @@ unsafe fn redirect(redirects: &[Redirect], provider: &[u8], skip_own: bool) -> u
                     continue;
                 };
                 let slot = o.base.wrapping_add(offset);
-                if !o.holds(slot, 8) {
+                if !slot.is_multiple_of(8) || !o.holds(slot, 8) {
                     continue;
                 }
                 // SAFETY: an aligned GOT slot inside the object's segments.
@@ -299,24 +356,48 @@ unsafe fn redirect(redirects: &[Redirect], provider: &[u8], skip_own: bool) -> u
                     done += 1;
                 } else if now == real || o.holds(now, 1) {
                     // SAFETY: the caller's promise for the wrapper; the slot is made writable for the store.
-                    if unsafe { store(o, slot, r.ours) } {
+                    if unsafe { store(o, slot, r.ours, page) } {
                         done += 1;
                     }
                 }
             }
         }
+        if let Some(h) = held {
+            // SAFETY: the handle from the dlopen above.
+            unsafe { libc::dlclose(h) };
+        }
     }
     done
 }
 
-/// Stores `value` into GOT slot `slot` of `o`, made writable for the store when it lies in the RELRO segment.
+/// GOT slots are x86-64's here: elsewhere nothing is redirected.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn redirect(_: &[Redirect], _: &[u8], _: bool) -> usize {
+    0
+}
+
+/// The page size mprotect works in.
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(p)
+        .ok()
+        .filter(|p| p.is_power_of_two())
+        .unwrap_or(4096)
+}
+
+/// Stores `value` into GOT slot `slot` of `o`, made writable for the store when it lies in the pages the loader
+/// made read-only: the RELRO segment rounded down to whole pages at both ends, as glibc protects it (the last,
+/// partial page stays writable, shared with the data after it).
 ///
 /// # Safety
 /// `slot` is an aligned GOT slot of `o` that only this code rewrites.
-unsafe fn store(o: &Object, slot: usize, value: usize) -> bool {
-    let page = 4096usize;
-    let relro = o.relro.filter(|&(s, e)| slot >= s && slot + 8 <= e);
+unsafe fn store(o: &Object, slot: usize, value: usize, page: usize) -> bool {
     let start = slot & !(page - 1);
+    let relro = o
+        .relro
+        .map(|(s, e)| (s & !(page - 1), e & !(page - 1)))
+        .filter(|&(s, e)| slot >= s && slot + 8 <= e);
     if relro.is_some() {
         // SAFETY: the page of a loaded segment of the object; made read-only again below.
         if unsafe {
@@ -383,7 +464,7 @@ mod tests {
         );
         assert_eq!(REAL.load(Ordering::Acquire), 0);
         // SAFETY: as above.
-        let n = unsafe { redirect(&redirects, b"libc.so", false) };
+        let n = unsafe { redirect(&redirects, b"libc.so.", false) };
         assert!(n >= 1, "this binary's getpid import was redirected");
         assert_ne!(REAL.load(Ordering::Acquire), 0, "libc's own getpid found");
         let before = CALLS.load(Ordering::Relaxed);
@@ -399,10 +480,10 @@ mod tests {
         );
         // Again: slots already redirected are counted, not rewritten.
         // SAFETY: as above.
-        assert_eq!(unsafe { redirect(&redirects, b"libc.so", false) }, n);
+        assert_eq!(unsafe { redirect(&redirects, b"libc.so.", false) }, n);
         // The public form leaves the object it is in alone (the preload's own imports).
         // SAFETY: as above.
-        let _ = unsafe { redirect_imports(&redirects, b"libc.so") };
+        let _ = unsafe { redirect_imports(&redirects, b"libc.so.") };
         // SAFETY: getpid has no preconditions.
         assert_eq!(unsafe { libc::getpid() }, pid);
     }

@@ -8,7 +8,7 @@
 
 mod imports;
 
-pub use imports::{Redirect, loads_so_far, redirect_imports};
+pub use imports::{Redirect, loads_so_far, provider_symbol, redirect_imports};
 
 use std::cell::Cell;
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};

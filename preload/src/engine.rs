@@ -47,7 +47,7 @@ use copies::Staging;
 pub(crate) use copies::{CopyDir, CopyOp, SetOp};
 pub(crate) use plain::Ticket as PlainTicket;
 pub(crate) use sync::{Answer, CtxMark, Ordered, Step, SyncKind, Waits, sticky};
-use sync::{SlotState, fence_state};
+use sync::{Sleeper, SlotState, fence_state};
 
 /// Prepared launch shapes kept per function (the least recently used is replaced beyond this).
 const PREPARED_PER_FUNCTION: usize = 16;
@@ -77,7 +77,8 @@ const SETUP_BOUND: Duration = Duration::from_secs(5);
 /// Settings from the environment.
 #[derive(Clone, Debug)]
 pub(crate) struct Config {
-    pub enabled: bool,
+    /// Why the environment turns the takeover off for the process ([`off_in_env`]); `None`: on.
+    pub off: Option<Refusal>,
     pub max_queues: usize,
     pub stats: Option<PathBuf>,
     /// Where the queues keep their rings and launch slots (`APEX_PRELOAD_LAUNCH_MEMORY=video|host`).
@@ -226,16 +227,6 @@ pub(crate) fn disabled() -> bool {
     }
 }
 
-/// Why the takeover is off where [`disabled`] says it is: what the summary counts the forwarded launches under.
-fn off_reason() -> Refusal {
-    match SWITCH.load(Ordering::Relaxed) {
-        3 => Refusal::LaunchBlocking,
-        4 => Refusal::ToolInjected,
-        0 => off_in_env().unwrap_or(Refusal::Disabled),
-        _ => Refusal::Disabled,
-    }
-}
-
 /// Launches forwarded while the takeover is off (counted without the engine's lock; the summary adds them).
 static DISABLED_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 
@@ -246,7 +237,7 @@ pub(crate) fn count_disabled_launch() {
 
 impl Config {
     fn from_env() -> Config {
-        let enabled = off_in_env().is_none();
+        let off = off_in_env();
         let max_queues = std::env::var("APEX_PRELOAD_QUEUES")
             .ok()
             .and_then(|v| v.parse().ok())
@@ -268,7 +259,7 @@ impl Config {
                 Policy::Earned
             });
         Config {
-            enabled,
+            off,
             max_queues,
             stats,
             launch_memory,
@@ -589,9 +580,9 @@ struct Ctx {
     dependency: Handles<DependencyStream>,
     /// The preload's own stream for recording events (0 until first used).
     side: usize,
-    /// Events of the preload's own whose synchronize sleeps, free for the next wait that sleeps
-    /// ([`Engine::sleep_ticket`]); libcuda frees them with the context.
-    sleepers: Vec<usize>,
+    /// Events of the preload's own whose synchronize sleeps, each with a stream of its own, free for the next wait
+    /// that sleeps ([`Engine::sleep_ticket`]); libcuda frees them with the context.
+    sleepers: Vec<Sleeper>,
     /// Pinned memory for copies from and to pageable host memory (made on first use).
     staging: Option<Staging>,
     /// CUDA work was submitted in this context since its last `cuCtxSynchronize` (launches left to libcuda, copies,
@@ -698,7 +689,13 @@ fn with_engine<R>(send_held: bool, f: impl FnOnce(&mut Engine) -> R) -> Option<R
     }
     // A panic inside `f` is contained below and turns the takeover off: there is no poisoning to undo.
     let mut guard = ENGINE.lock();
+    let made = guard.is_none();
     let engine = guard.get_or_insert_with(|| Engine::new(Config::from_env(), Box::new(Libcuda)));
+    if made {
+        // After the lock is released (the redirect takes the loader's lock, which a thread inside `dlopen` holds
+        // while its constructors call hooks that take this one).
+        WATCH_CUPTI.store(true, Ordering::Release);
+    }
     let _busy = crate::watchdog::busy();
     let r = apex_interpose::quietly(|| {
         if send_held {
@@ -710,7 +707,33 @@ fn with_engine<R>(send_held: bool, f: impl FnOnce(&mut Engine) -> R) -> Option<R
         engine.off.get_or_insert(Refusal::Internal);
         warn!("internal error in apex-preload: launches go to libcuda from now on");
     }
+    drop(guard);
+    if WATCH_CUPTI.load(Ordering::Acquire) {
+        watch_cupti();
+    }
     r
+}
+
+/// Set when the engine is made: CUPTI's activity switches are to be watched in the libraries loaded by then
+/// ([`watch_cupti`]), outside the engine's lock.
+static WATCH_CUPTI: AtomicBool = AtomicBool::new(false);
+
+/// A profiler the program turns on (torch.profiler) must see its GPU work: CUPTI's switches are watched in the
+/// libraries that import them by versioned references ([`crate::cupti::redirect_importers`]), when the engine is
+/// made and whenever a module load follows libraries loaded since. Never under the engine's lock.
+fn watch_cupti() {
+    if cfg!(test) || disabled() {
+        return;
+    }
+    if WATCH_CUPTI.swap(false, Ordering::AcqRel) {
+        let slots = crate::cupti::redirect_importers();
+        debug!(
+            slots,
+            "CUPTI's activity switches watched in the libraries that import them"
+        );
+    } else {
+        crate::cupti::redirect_new_importers();
+    }
 }
 
 /// The GPU-side hops on one context's queues.
@@ -885,19 +908,11 @@ impl Engine {
             let _ = tracing::subscriber::set_global_default(crate::exit_safe::ExitSafe(fmt));
         }
         crate::watchdog::start();
-        // A profiler the program turns on later (torch.profiler) must see its GPU work: CUPTI's switches are watched
-        // in the libraries that import them by versioned references, loaded by now.
-        if config.enabled && !cfg!(test) {
-            let slots = crate::cupti::redirect_importers();
-            debug!(
-                slots,
-                "CUPTI's activity switches watched in the libraries that import them"
-            );
-        }
+
         crate::profile::start();
         let cuda: Arc<dyn CudaSide> = Arc::from(cuda);
         // Tests' engines neither read nor leave records.
-        let history = if cfg!(test) || !config.enabled {
+        let history = if cfg!(test) || config.off.is_some() {
             History::off()
         } else {
             History::open()
@@ -907,7 +922,7 @@ impl Engine {
             takeover.advise();
         }
         let mut engine = Engine {
-            off: (!config.enabled).then(off_reason),
+            off: config.off.clone(),
             takeover,
             history,
             config,
@@ -954,7 +969,7 @@ impl Engine {
             grant_ctx: None,
             grants_off: false,
         };
-        if !engine.config.enabled {
+        if engine.config.off.is_some() {
             // No context is ever attached with the takeover off: the summary is written at exit all the same.
             engine.exit_hooks();
         }
@@ -1025,8 +1040,7 @@ impl Engine {
             *s.cuda_work.entry(name.to_string()).or_default() += n;
         }
         let off = DISABLED_LAUNCHES.load(Ordering::Relaxed);
-        if !self.config.enabled && off > 0 {
-            let r = off_reason();
+        if let (Some(r), true) = (&self.config.off, off > 0) {
             s.launches += off;
             s.fallback += off;
             let e = s.reasons.entry(r.label().to_string()).or_default();
@@ -2024,10 +2038,6 @@ impl Engine {
         library: bool,
     ) {
         self.summary.modules_seen += 1;
-        // A library loaded since the engine started may import CUPTI (a module load often follows a library load).
-        if self.config.enabled && !cfg!(test) {
-            crate::cupti::redirect_new_importers();
-        }
         self.forget_owner(owner);
         match image {
             Ok(bytes) => {
@@ -2215,7 +2225,7 @@ impl Engine {
     fn record_run(&mut self) {
         let s = self.summary();
         let launches = s.apex.saturating_add(s.warmup);
-        if !self.config.enabled || launches == 0 {
+        if self.config.off.is_some() || launches == 0 {
             return;
         }
         self.takeover.libcuda_launch_took(LIBCUDA_LAUNCH.estimate());
@@ -2341,6 +2351,10 @@ pub(crate) fn launch(l: &Launch, t0: u64) -> Result<Taken, Option<Ordered>> {
         return Err(Some(Ordered::UNKNOWN));
     }
     let mut guard = ENGINE.lock();
+    if guard.is_none() {
+        // Watched at the next call that releases the lock ([`with_engine`]).
+        WATCH_CUPTI.store(true, Ordering::Release);
+    }
     let engine = guard.get_or_insert_with(|| Engine::new(Config::from_env(), Box::new(Libcuda)));
     // After the engine is made: making it starts the watchdog.
     let busy = crate::watchdog::busy();
@@ -2452,7 +2466,7 @@ fn wait_or_sleep(w: &Waits, event: Option<usize>) -> Result<(), String> {
     }
     if let Some(Some(sleep)) = with(|e| e.sleep_ticket(w, event)) {
         // An error (the context faulted) shows in the wait below as well.
-        if let Err(e) = sleep.cuda.sleep_on_event(sleep.event) {
+        if let Err(e) = sleep.cuda.sleep_on_event(sleep.sleeper.event) {
             debug!(error = %e, "a sleeping wait returned early; the fences are waited for");
         }
         with(|e| e.slept(sleep));
@@ -2631,6 +2645,8 @@ pub(crate) fn loaded(owner: usize, p: *const u8, library: bool) {
                 ImageBytes::Owned(bytes.into())
             }
         });
+    // A library loaded since the engine started may import CUPTI (a module load often follows a library load).
+    watch_cupti();
     with(|e| e.loaded(owner, image, library));
 }
 

@@ -259,29 +259,28 @@ impl Engine {
             }
         }
         // A copy that returns once done sleeps while it waits where the program asked CUDA to sleep (as a
-        // synchronize does: `wait_or_sleep`), on an event of the preload's own recorded after the copy, which is
-        // the queue's newest work. The engine's lock stays held, as while a copy spins.
+        // synchronize does: `wait_or_sleep`), on an event of the preload's own recorded on its own stream after the
+        // copy, which is the queue's newest work. Asked only once the copy has run past the spin; the engine's lock
+        // stays held, as while a copy spins.
         let handle = ctx.handle;
-        let sleeper = if waits && cuda.sleeps_while_waiting(handle) {
-            ctx.sleepers
-                .pop()
-                .or_else(|| cuda.sleeping_event(handle).ok())
-        } else {
-            None
-        };
-        let mut side = ctx.side;
+        let mut pool = std::mem::take(&mut ctx.sleepers);
         let mut slept = false;
         let mut wait = |queue: &mut Queue, fence: &Fence| -> Result<(), String> {
-            if let (Some(event), Some(d)) = (sleeper, fence.direct()) {
-                match d.wait(SPIN_BEFORE_SLEEP) {
-                    Ok(()) => return Ok(()),
-                    Err(apex::pushbuf::Error::Channel(apex::gpfifo::Error::Timeout { .. })) => {}
-                    Err(e) => return Err(e.to_string()),
-                }
-                match cuda.record_event_after(handle, queue, event, &mut side) {
+            let Some(d) = fence.direct() else {
+                return wait_fence(fence);
+            };
+            match d.wait(SPIN_BEFORE_SLEEP) {
+                Ok(()) => return Ok(()),
+                Err(apex::pushbuf::Error::Channel(apex::gpfifo::Error::Timeout { .. })) => {}
+                Err(e) => return Err(e.to_string()),
+            }
+            if cuda.sleeps_while_waiting(handle)
+                && let Some(mut sleeper) = Sleeper::take(&mut pool, cuda, handle)
+            {
+                match cuda.record_event_after(handle, queue, sleeper.event, &mut sleeper.stream) {
                     Ok(()) => {
                         slept = true;
-                        if let Err(e) = cuda.sleep_on_event(event) {
+                        if let Err(e) = cuda.sleep_on_event(sleeper.event) {
                             debug!(error = %e, "a sleeping wait returned early; the copy is waited for");
                         }
                     }
@@ -289,16 +288,14 @@ impl Engine {
                         debug!(error = %e, "cannot sleep while a copy runs; it is waited for")
                     }
                 }
+                pool.push(sleeper);
             }
             wait_fence(fence)
         };
         let ran = ctx.run_on_queue(cuda, slot, |queue, staging| {
             run_copy(queue, staging, plan, op, &mut wait)
         });
-        ctx.side = side;
-        if let Some(event) = sleeper {
-            ctx.sleepers.push(event);
-        }
+        ctx.sleepers = pool;
         if slept {
             self.summary.syncs_asleep += 1;
         }

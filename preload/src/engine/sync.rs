@@ -76,11 +76,38 @@ impl Waits {
     }
 }
 
-/// A wait that sleeps in libcuda ([`Engine::sleep_ticket`]): on `event`, of the preload's own in context `ctx`.
-pub(crate) struct Sleep {
-    pub(crate) cuda: Arc<dyn CudaSide>,
-    ctx: usize,
+/// An event of the preload's own whose synchronize sleeps, and the stream of its own it is recorded on (0 until
+/// first used): recorded on a stream shared with other work, its synchronize would wait for that work too.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Sleeper {
     pub(crate) event: usize,
+    pub(crate) stream: usize,
+}
+
+impl Sleeper {
+    /// A sleeper from context `handle`'s pool, or a new one.
+    pub(super) fn take(
+        pool: &mut Vec<Sleeper>,
+        cuda: &dyn CudaSide,
+        handle: usize,
+    ) -> Option<Sleeper> {
+        pool.pop().or_else(|| {
+            cuda.sleeping_event(handle)
+                .inspect_err(|e| debug!(error = %e, "no sleeping event; the wait spins"))
+                .ok()
+                .map(|event| Sleeper { event, stream: 0 })
+        })
+    }
+}
+
+/// A wait that sleeps in libcuda ([`Engine::sleep_ticket`]): on `sleeper`'s event, in context `ctx`.
+pub(crate) struct Sleep {
+    /// What sleeps ([`CudaSide::sleep_on_event`]).
+    pub(crate) cuda: Arc<dyn CudaSide>,
+    /// The context's handle, whose pool gets the sleeper back.
+    ctx: usize,
+    /// The event slept on, and its stream.
+    pub(crate) sleeper: Sleeper,
 }
 
 /// Where a queue's last launch stands, looked at without waiting.
@@ -423,8 +450,8 @@ impl Engine {
 
     /// A wait for `w`'s fences that has spun for a while, where the program asked CUDA to sleep while it waits
     /// (the context made with `CU_CTX_SCHED_BLOCKING_SYNC`, or the program's `event` with `CU_EVENT_BLOCKING_SYNC`):
-    /// an event of the preload's own, recorded in libcuda after every queue's work, for the caller to sleep on
-    /// without the lock. `None` to go on spinning: the program did not ask to sleep, the context is gone or failed,
+    /// an event of the preload's own, recorded in libcuda after every waited queue's work on a stream of its own, for
+    /// the caller to sleep on without the lock. `None` to go on spinning: the program did not ask to sleep, the context is gone or failed,
     /// or a queue has launched since the fence waited for (waiting for that later work too could wait for work that
     /// itself waits for what follows this wait).
     pub(crate) fn sleep_ticket(&mut self, w: &Waits, event: Option<usize>) -> Option<Sleep> {
@@ -452,16 +479,12 @@ impl Engine {
         if running.is_empty() {
             return None;
         }
-        let sleeper = match ctx.sleepers.pop() {
-            Some(e) => e,
-            None => cuda
-                .sleeping_event(ctx.handle)
-                .inspect_err(|e| debug!(error = %e, "no sleeping event; the wait spins"))
-                .ok()?,
-        };
+        let mut sleeper = Sleeper::take(&mut ctx.sleepers, cuda.as_ref(), ctx.handle)?;
         for slot in running {
             let recorded = match ctx.queues.get_mut(slot).and_then(Option::as_mut) {
-                Some(q) => cuda.record_event_after(ctx.handle, q, sleeper, &mut ctx.side),
+                Some(q) => {
+                    cuda.record_event_after(ctx.handle, q, sleeper.event, &mut sleeper.stream)
+                }
                 None => Err("the queue is gone".into()),
             };
             if let Err(e) = recorded {
@@ -475,14 +498,14 @@ impl Engine {
         Some(Sleep {
             cuda,
             ctx: w.handle,
-            event: sleeper,
+            sleeper,
         })
     }
 
     /// A sleep [`sleep_ticket`](Self::sleep_ticket) arranged has ended: its event is free for the next.
     pub(crate) fn slept(&mut self, sleep: Sleep) {
         if let Some(ci) = self.find_context(sleep.ctx) {
-            self.contexts[ci].sleepers.push(sleep.event);
+            self.contexts[ci].sleepers.push(sleep.sleeper);
         }
     }
 

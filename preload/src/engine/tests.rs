@@ -90,7 +90,12 @@ struct FakeCuda {
     sleeps: Arc<AtomicBool>,
     /// Sleeping events made so far.
     sleeping_events: AtomicU32,
+    /// Streams of the preload's own made so far (by `record_event_after`).
+    side_streams: AtomicU32,
 }
+
+/// The double's streams of the preload's own are numbered from here.
+const SIDE_STREAMS: usize = 0x51_0000;
 
 /// The double's sleeping events are numbered from here.
 const SLEEPING_EVENTS: usize = 0x5e_0000;
@@ -108,6 +113,7 @@ impl FakeCuda {
             dynamic_shared: Arc::new(AtomicU32::new(48 << 10)),
             sleeps: Arc::default(),
             sleeping_events: AtomicU32::new(0),
+            side_streams: AtomicU32::new(0),
         }
     }
 
@@ -199,8 +205,12 @@ impl CudaSide for FakeCuda {
         _: usize,
         _: &mut Queue,
         event: usize,
-        _: &mut usize,
+        side: &mut usize,
     ) -> Result<(), String> {
+        // The stream is made at its first use, as libcuda's would be.
+        if *side == 0 {
+            *side = SIDE_STREAMS + self.side_streams.fetch_add(1, AtomicOrdering::Relaxed) as usize;
+        }
         self.log(format!("record after {event:#x}"));
         Ok(())
     }
@@ -325,7 +335,7 @@ impl Setup {
         );
         let sleeps = cuda.sleeps.clone();
         let config = Config {
-            enabled: true,
+            off: None,
             max_queues: 8,
             stats: None,
             launch_memory: LaunchMemory::Video,
@@ -1546,7 +1556,7 @@ fn launches_forwarded_with_the_takeover_off_are_counted() {
     let (gpu, _sim) = Gpu::open_simulated(SimConfig::default()).unwrap();
     let cuda = FakeCuda::new(gpu);
     let config = Config {
-        enabled: false,
+        off: Some(Refusal::Disabled),
         max_queues: 8,
         stats: None,
         launch_memory: LaunchMemory::Video,

@@ -39,7 +39,13 @@ fn a_wait_in_a_context_that_sleeps_sleeps_in_libcuda_on_an_event_after_the_queue
         .sleep_ticket(&w, None)
         .expect("a context made to sleep sleeps");
     let first = SLEEPING_EVENTS;
-    assert_eq!(sleep.event, first);
+    assert_eq!(sleep.sleeper.event, first);
+    assert_ne!(sleep.sleeper.stream, 0, "recorded on a stream of its own");
+    assert_ne!(
+        sleep.sleeper.stream, s.engine.contexts[0].side,
+        "not the stream the preload records the program's events on"
+    );
+    let stream = sleep.sleeper.stream;
     assert_eq!(
         s.calls(),
         [
@@ -51,7 +57,7 @@ fn a_wait_in_a_context_that_sleeps_sleeps_in_libcuda_on_an_event_after_the_queue
     );
     assert_eq!(s.engine.summary().syncs_asleep, 1);
     s.sim.resume();
-    assert_eq!(sleep.cuda.sleep_on_event(sleep.event), Ok(()));
+    assert_eq!(sleep.cuda.sleep_on_event(sleep.sleeper.event), Ok(()));
     s.engine.slept(sleep);
     let waited = w.wait();
     assert_eq!(
@@ -65,7 +71,14 @@ fn a_wait_in_a_context_that_sleeps_sleeps_in_libcuda_on_an_event_after_the_queue
     s.calls();
     let w = s.running_sync(SITE);
     let sleep = s.engine.sleep_ticket(&w, None).expect("sleeps again");
-    assert_eq!(sleep.event, first, "events are reused");
+    assert_eq!(
+        sleep.sleeper,
+        Sleeper {
+            event: first,
+            stream
+        },
+        "events are reused, with their streams"
+    );
     assert_eq!(
         s.calls(),
         [format!("record after {first:#x}")],
@@ -212,5 +225,35 @@ fn a_synchronous_copy_in_a_context_that_sleeps_is_answered_as_before() {
         s.engine.contexts[0].sleepers.len(),
         usize::from(calls.iter().any(|c| c.starts_with("sleeping event"))),
         "an event taken for the copy is back in the pool"
+    );
+}
+
+#[test]
+fn two_waits_asleep_at_once_sleep_on_events_and_streams_of_their_own() {
+    let mut s = Setup::new();
+    s.sleeps.store(true, AtomicOrdering::Relaxed);
+    let other = NON_BLOCKING + 0x2100;
+    assert!(s.launch_on(STREAM, 1));
+    assert!(s.launch_on(other, 1));
+    s.idle();
+    s.sim.pause();
+    assert!(s.launch_on(STREAM, 2));
+    assert!(s.launch_on(other, 2));
+    // Two threads' synchronizes, each asleep before the other wakes: neither event nor stream is shared (an event
+    // re-recorded by the other, or recorded behind the other's wait, would wait for the other's work too).
+    let w1 = s.running_sync(SITE);
+    let w2 = s.running_sync(Site::Stream(other, false));
+    let a = s.engine.sleep_ticket(&w1, None).expect("sleeps");
+    let b = s.engine.sleep_ticket(&w2, None).expect("sleeps");
+    assert_ne!(a.sleeper.event, b.sleeper.event);
+    assert_ne!(a.sleeper.stream, b.sleeper.stream);
+    s.sim.resume();
+    s.engine.slept(a);
+    s.engine.slept(b);
+    assert!(w1.wait().is_ok() && w2.wait().is_ok());
+    assert_eq!(
+        s.engine.contexts[0].sleepers.len(),
+        2,
+        "both back in the pool"
     );
 }
