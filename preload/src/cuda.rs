@@ -51,6 +51,9 @@ pub(crate) trait CudaSide: Send + Sync {
     /// Whether a stream synchronizes with the legacy default stream (not `CU_STREAM_NON_BLOCKING`). Unknown:
     /// `true`, which relates it to more streams (more hops, never fewer).
     fn stream_blocking(&self, stream: usize) -> bool;
+    /// A stream's priority (`cuStreamGetPriority`: 0 is the default and the lowest, lower numbers are higher
+    /// priorities); 0 when libcuda cannot say.
+    fn stream_priority(&self, stream: usize) -> i32;
     /// The context a stream belongs to (`cuStreamGetCtx`); `None` when libcuda cannot say.
     fn stream_context(&self, stream: usize) -> Option<usize>;
     /// A function's or kernel's name, asked of the driver.
@@ -160,6 +163,11 @@ driver_fn!(
     unsafe extern "C" fn(usize) -> c_int
 );
 
+driver_fn!(
+    cu_stream_get_priority,
+    c"cuStreamGetPriority",
+    unsafe extern "C" fn(usize, *mut c_int) -> c_int
+);
 driver_fn!(
     cu_stream_get_flags,
     c"cuStreamGetFlags",
@@ -542,6 +550,15 @@ impl CudaSide for Libcuda {
         // SAFETY: a live out-parameter; the driver validates the handle.
         cu_stream_get_flags()
             .is_none_or(|get| unsafe { get(stream, &mut flags) } != 0 || flags & 1 == 0)
+    }
+
+    fn stream_priority(&self, stream: usize) -> i32 {
+        let mut priority: c_int = 0;
+        // SAFETY: a live out-parameter; the driver validates the handle.
+        match cu_stream_get_priority().map(|get| unsafe { get(stream, &mut priority) }) {
+            Some(CUDA_SUCCESS) => priority,
+            _ => 0,
+        }
     }
 
     fn stream_context(&self, stream: usize) -> Option<usize> {

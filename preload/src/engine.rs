@@ -629,6 +629,9 @@ pub(crate) struct Engine {
     event_untimed: Handles<bool>,
     /// Events the program made with `CU_EVENT_BLOCKING_SYNC`: a synchronize on one sleeps, as in libcuda.
     event_sleeps: Handles<()>,
+    /// Streams not taken over, by handle: their priority where it is above the default (kept on libcuda), else 0.
+    /// Asked of libcuda once per stream, forgotten when it is destroyed.
+    stream_priorities: Handles<i32>,
     /// Streams being captured into a CUDA graph.
     capturing: HashSet<StreamKey>,
     stack_raised: bool,
@@ -939,6 +942,7 @@ impl Engine {
             unattached: Handles::default(),
             event_untimed: Handles::default(),
             event_sleeps: Handles::default(),
+            stream_priorities: Handles::default(),
             capturing: HashSet::new(),
             stack_raised: false,
             held: None,
@@ -1298,6 +1302,24 @@ impl Engine {
                 {
                     self.summary.refused(r);
                     return Err(NotTaken::Counted);
+                }
+                // A stream made with a priority above the default stays on libcuda, which schedules its work ahead
+                // of other streams' (APEX's queues are all of one priority).
+                if let StreamKey::Handle(h) = key {
+                    let cuda = self.cuda.as_ref();
+                    // Bounded: a program that drops streams without destroying them through CUDA leaves entries.
+                    if self.stream_priorities.len() >= 4096
+                        && !self.stream_priorities.contains_key(&h)
+                    {
+                        self.stream_priorities.clear();
+                    }
+                    let p = *self
+                        .stream_priorities
+                        .entry(h)
+                        .or_insert_with(|| cuda.stream_priority(h).min(0));
+                    if p < 0 {
+                        return Err(Refusal::StreamPriority(p).into());
+                    }
                 }
                 if !self.unattached.contains_key(&handle)
                     && !self.takeover_earned(handle, found, key, l.f)
@@ -2158,6 +2180,7 @@ impl Engine {
 
     pub(crate) fn stream_destroyed(&mut self, raw: usize) {
         self.settle_grant();
+        self.stream_priorities.remove(&raw);
         let key = StreamKey::of(raw, false);
         if self.takeover.forget_stream(key) {
             self.summary.setup.streams_not_earned += 1;

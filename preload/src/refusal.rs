@@ -45,6 +45,12 @@ pub enum Refusal {
     /// A stream is being captured into a CUDA graph: launches must reach libcuda to be captured.
     #[error("a stream is being captured into a CUDA graph")]
     Capturing,
+    /// The stream was made with a priority above the default (`cudaStreamCreateWithPriority`): libcuda schedules
+    /// its work ahead of other streams', which APEX's queues, all of one priority, would not.
+    #[error(
+        "the stream has a priority above the default ({0}), which libcuda schedules and APEX's queues would not"
+    )]
+    StreamPriority(i32),
     /// Every APEX queue the preload may build serves another stream.
     #[error("all {0} APEX queues serve other streams (APEX_PRELOAD_QUEUES)")]
     TooManyStreams(usize),
@@ -155,6 +161,7 @@ impl Refusal {
             Refusal::NoContext => "no_context",
             Refusal::AssertReported => "assert_reported",
             Refusal::Capturing => "capturing",
+            Refusal::StreamPriority(_) => "stream_priority",
             Refusal::TooManyStreams(_) => "too_many_streams",
             Refusal::QueueFailed(_) => "queue_failed",
             Refusal::UnknownEntryPoint(_) => "unknown_entry_point",
@@ -211,6 +218,7 @@ mod tests {
             Refusal::NoContext,
             Refusal::AssertReported,
             Refusal::Capturing,
+            Refusal::StreamPriority(-1),
             Refusal::TooManyStreams(8),
             Refusal::QueueFailed("x".into()),
             Refusal::UnknownEntryPoint("cuX".into()),

@@ -588,6 +588,9 @@ mod tests {
         fn pointer(&self, _: u64, _: usize) -> Pointer {
             Pointer::Other
         }
+        fn stream_priority(&self, _: usize) -> i32 {
+            0
+        }
         fn sleeps_while_waiting(&self, _: usize) -> bool {
             false
         }

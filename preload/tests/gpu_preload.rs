@@ -1022,6 +1022,26 @@ fn compute_sanitizer_checks_every_kernel() {
     assert_eq!(s.reasons["cuda_tool"].launches, s.launches, "{s:?}");
 }
 
+/// A stream made with a priority above the default, and launches that ask for one, stay on libcuda, which schedules
+/// their work ahead of other streams' (APEX's queues are all of one priority); the default-priority stream's plain
+/// launches run through APEX, ordered with them by events both ways; the results are libcuda's.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_high_priority_stream_stays_on_libcuda() {
+    let lib = preload_lib();
+    let (dir, exe) = build_cuda("stream_priority", include_str!("programs/stream_priority.cu"));
+    let plain = run(Command::new(&exe), None, &dir, "plain");
+    let pre = run(inline(Command::new(&exe)), Some(&lib), &dir, "preload");
+    let (a, b) = both_succeeded(&plain, &pre);
+    let s = pre.summary.clone().expect("summary");
+    report("stream priorities", &s);
+    assert!(a.contains("result last cudaSuccess"), "{a}");
+    assert_eq!(results(&a), results(&b), "without:\n{a}\nwith:\n{b}");
+    assert_eq!(s.reasons["stream_priority"].launches, 300, "{s:?}");
+    assert_eq!(s.reasons["launch_attribute"].launches, 300, "{s:?}");
+    assert_eq!(s.apex, 300, "the default stream's plain launches: {s:?}");
+}
+
 const TORCH_ASSERT: &str = r#"
 import sys
 try:

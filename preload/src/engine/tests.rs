@@ -31,6 +31,8 @@ const QUIET_OTHER: Site = Site::Stream(NON_BLOCKING + 0x3000, false);
 const BUSY: usize = NON_BLOCKING + 0xb000;
 /// A non-blocking stream on which libcuda refuses every wait for APEX's queue.
 const NOHOP: usize = NON_BLOCKING + 0xd000;
+/// A non-blocking stream made with a priority above the default.
+const PRIORITY: usize = NON_BLOCKING + 0xe000;
 
 /// What the engine asked of "libcuda".
 #[derive(Default)]
@@ -153,6 +155,10 @@ impl CudaSide for FakeCuda {
     fn stream_blocking(&self, stream: usize) -> bool {
         // Streams at NON_BLOCKING and above were made with CU_STREAM_NON_BLOCKING (as NCCL's and PyTorch's are).
         stream < NON_BLOCKING
+    }
+    fn stream_priority(&self, stream: usize) -> i32 {
+        // PRIORITY was made with a high priority (as cudaStreamCreateWithPriority makes one).
+        if stream == PRIORITY { -2 } else { 0 }
     }
     fn stream_context(&self, stream: usize) -> Option<usize> {
         // Every stream is CTX's, but FOREIGN, of a context APEX never attached to.
@@ -931,6 +937,25 @@ fn refusals_are_counted_by_reason_and_shapes_are_prepared_once() {
     assert_eq!(sum.reasons["extra_params"].launches, 1);
     assert_eq!(sum.reasons["unknown_function"].launches, 1);
     assert_eq!(sum.contexts, vec!["direct".to_string()]);
+}
+
+#[test]
+fn a_stream_with_a_priority_above_the_default_stays_on_libcuda() {
+    let mut s = Setup::new();
+    // CUDA schedules a high-priority stream's work ahead of others'; APEX's queues are all of one priority.
+    assert!(!s.launch_on(PRIORITY, 1));
+    assert!(!s.launch_on(PRIORITY, 2));
+    assert!(
+        s.launch_on(NON_BLOCKING + 0x4000, 1),
+        "a default stream is taken over"
+    );
+    let sum = s.engine.summary();
+    assert_eq!(sum.reasons["stream_priority"].launches, 2);
+    assert!(sum.reasons["stream_priority"].example.contains("-2"));
+    assert_eq!(sum.apex, 1);
+    // A stream made later with the same handle is asked again.
+    s.engine.stream_destroyed(PRIORITY);
+    assert!(!s.engine.stream_priorities.contains_key(&PRIORITY));
 }
 
 #[test]
