@@ -64,13 +64,11 @@ struct Object {
     loads: Vec<(usize, usize)>,
 }
 
-unsafe extern "C" fn collect(
-    info: *mut libc::dl_phdr_info,
-    _size: usize,
-    data: *mut c_void,
-) -> c_int {
-    // SAFETY: `data` is the `Vec<Object>` `objects` passed; `info` is the loader's, valid during the callback.
-    let (out, info) = unsafe { (&mut *data.cast::<Vec<Object>>(), &*info) };
+/// The object `dl_iterate_phdr` reports, if it has a dynamic section.
+///
+/// # Safety
+/// `info` is the loader's, valid for the call.
+unsafe fn object_from(info: &libc::dl_phdr_info) -> Option<Object> {
     let name = if info.dlpi_name.is_null() {
         Vec::new()
     } else {
@@ -99,7 +97,18 @@ unsafe extern "C" fn collect(
             _ => {}
         }
     }
-    if o.dynamic != 0 {
+    (o.dynamic != 0).then_some(o)
+}
+
+unsafe extern "C" fn collect(
+    info: *mut libc::dl_phdr_info,
+    _size: usize,
+    data: *mut c_void,
+) -> c_int {
+    // SAFETY: `data` is the `Vec<Object>` `objects` passed; `info` is the loader's, valid during the callback.
+    let (out, info) = unsafe { (&mut *data.cast::<Vec<Object>>(), &*info) };
+    // SAFETY: as above.
+    if let Some(o) = unsafe { object_from(info) } {
         out.push(o);
     }
     0
@@ -282,92 +291,119 @@ unsafe fn redirect(redirects: &[Redirect], provider: &[u8], skip_own: bool) -> u
     if wanted.is_empty() {
         return 0;
     }
-    let own = if skip_own { own_object() } else { None };
-    let page = page_size();
-    let mut done = 0;
-    for o in &all {
-        if o.base == lib.base || own.is_some_and(|b| b == o.base) {
+    let mut pass = Pass {
+        wanted,
+        provider,
+        provider_base: lib.base,
+        own: if skip_own { own_object() } else { None },
+        page: page_size(),
+        done: 0,
+    };
+    // The slots are read and written inside the loader's walk over its objects: an object it reports stays loaded
+    // until the callback returns (another thread's `dlclose` waits for the walk).
+    // SAFETY: the callback only reads the objects' own tables and rewrites the slots the caller's promise covers.
+    unsafe { libc::dl_iterate_phdr(Some(patch), (&mut pass as *mut Pass<'_>).cast()) };
+    pass.done
+}
+
+/// What one walk over the loaded objects rewrites ([`redirect`]).
+#[cfg(target_arch = "x86_64")]
+struct Pass<'a> {
+    /// Each redirect with the provider's own function.
+    wanted: Vec<(&'a Redirect, usize)>,
+    provider: &'a [u8],
+    provider_base: usize,
+    /// The object this code is in, when it is not to be rewritten.
+    own: Option<usize>,
+    page: usize,
+    /// Slots that point at a wrapper.
+    done: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+unsafe extern "C" fn patch(
+    info: *mut libc::dl_phdr_info,
+    _size: usize,
+    data: *mut c_void,
+) -> c_int {
+    // SAFETY: `data` is the `Pass` `redirect` passed; `info` is the loader's, valid during the callback.
+    let (pass, info) = unsafe { (&mut *data.cast::<Pass<'_>>(), &*info) };
+    // SAFETY: as above.
+    if let Some(o) = unsafe { object_from(info) } {
+        // SAFETY: the object stays loaded during the callback; the caller's promise for the wrappers.
+        unsafe { patch_object(pass, &o) };
+    }
+    0
+}
+
+/// Rewrites object `o`'s slots for `pass.wanted`, if it needs the provider.
+///
+/// # Safety
+/// `o` is loaded for the call; as [`redirect_imports`] for the wrappers.
+#[cfg(target_arch = "x86_64")]
+unsafe fn patch_object(pass: &mut Pass<'_>, o: &Object) {
+    if o.base == pass.provider_base || pass.own.is_some_and(|b| b == o.base) {
+        return;
+    }
+    let Some(d) = o.dynamic() else { return };
+    if !d.needed.iter().any(|&n| {
+        o.string(&d, n)
+            .is_some_and(|s| file_name(s).starts_with(pass.provider))
+    }) {
+        return;
+    }
+    let tables = [
+        (d.jmprel, if d.plt_is_rela { d.pltrelsz } else { 0 }),
+        (d.rela, d.relasz),
+    ];
+    for (table, size) in tables {
+        if table == 0 || !o.holds(table, size) {
             continue;
         }
-        let Some(d) = o.dynamic() else { continue };
-        if !d.needed.iter().any(|&n| {
-            o.string(&d, n)
-                .is_some_and(|s| file_name(s).starts_with(provider))
-        }) {
-            continue;
-        }
-        // Held loaded while its slots are read and written (another thread could unload it meanwhile); one being
-        // loaded or unloaded right now is left alone.
-        let held = match std::ffi::CString::new(o.name.clone()) {
-            Ok(path) if !o.name.is_empty() => {
-                // SAFETY: a NUL-terminated path; RTLD_NOLOAD never loads anything.
-                let h = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_LAZY) };
-                if h.is_null() {
-                    continue;
-                }
-                Some(h)
-            }
-            // The main program (no name) is never unloaded.
-            _ => None,
-        };
-        let tables = [
-            (d.jmprel, if d.plt_is_rela { d.pltrelsz } else { 0 }),
-            (d.rela, d.relasz),
-        ];
-        for (table, size) in tables {
-            if table == 0 || !o.holds(table, size) {
+        for i in 0..size / RELA_SIZE {
+            let at = table + i * RELA_SIZE;
+            // SAFETY: inside the relocation table, which lies in the object's segments.
+            let (offset, info) = unsafe {
+                (
+                    (at as *const u64).read_unaligned() as usize,
+                    ((at + 8) as *const u64).read_unaligned(),
+                )
+            };
+            let kind = (info & 0xffff_ffff) as u32;
+            if kind != R_X86_64_JUMP_SLOT && kind != R_X86_64_GLOB_DAT {
                 continue;
             }
-            for i in 0..size / RELA_SIZE {
-                let at = table + i * RELA_SIZE;
-                // SAFETY: inside the relocation table, which lies in the object's segments.
-                let (offset, info) = unsafe {
-                    (
-                        (at as *const u64).read_unaligned() as usize,
-                        ((at + 8) as *const u64).read_unaligned(),
-                    )
-                };
-                let kind = (info & 0xffff_ffff) as u32;
-                if kind != R_X86_64_JUMP_SLOT && kind != R_X86_64_GLOB_DAT {
-                    continue;
-                }
-                let sym = d.symtab + (info >> 32) as usize * SYM_SIZE;
-                if !o.holds(sym, SYM_SIZE) {
-                    continue;
-                }
-                // SAFETY: a symbol table entry inside the object's segments; st_name is its first word.
-                let name_at = unsafe { (sym as *const u32).read_unaligned() } as usize;
-                let Some(name) = o.string(&d, name_at) else {
-                    continue;
-                };
-                let Some(&(r, real)) = wanted.iter().find(|(r, _)| r.name.to_bytes() == name)
-                else {
-                    continue;
-                };
-                let slot = o.base.wrapping_add(offset);
-                if !slot.is_multiple_of(8) || !o.holds(slot, 8) {
-                    continue;
-                }
-                // SAFETY: an aligned GOT slot inside the object's segments.
-                let now = unsafe { (*(slot as *const AtomicUsize)).load(Ordering::Acquire) };
-                // The provider's function (bound), or a stub of the object's own (lazy binding, not called yet):
-                // anything else was put there by someone else, and stays.
-                if now == r.ours {
-                    done += 1;
-                } else if now == real || o.holds(now, 1) {
-                    // SAFETY: the caller's promise for the wrapper; the slot is made writable for the store.
-                    if unsafe { store(o, slot, r.ours, page) } {
-                        done += 1;
-                    }
+            let sym = d.symtab + (info >> 32) as usize * SYM_SIZE;
+            if !o.holds(sym, SYM_SIZE) {
+                continue;
+            }
+            // SAFETY: a symbol table entry inside the object's segments; st_name is its first word.
+            let name_at = unsafe { (sym as *const u32).read_unaligned() } as usize;
+            let Some(name) = o.string(&d, name_at) else {
+                continue;
+            };
+            let Some(&(r, real)) = pass.wanted.iter().find(|(r, _)| r.name.to_bytes() == name)
+            else {
+                continue;
+            };
+            let slot = o.base.wrapping_add(offset);
+            if !slot.is_multiple_of(8) || !o.holds(slot, 8) {
+                continue;
+            }
+            // SAFETY: an aligned GOT slot inside the object's segments.
+            let now = unsafe { (*(slot as *const AtomicUsize)).load(Ordering::Acquire) };
+            // The provider's function (bound), or a stub of the object's own (lazy binding, not called yet):
+            // anything else was put there by someone else, and stays.
+            if now == r.ours {
+                pass.done += 1;
+            } else if now == real || o.holds(now, 1) {
+                // SAFETY: the caller's promise for the wrapper; the slot is made writable for the store.
+                if unsafe { store(o, slot, r.ours, pass.page) } {
+                    pass.done += 1;
                 }
             }
         }
-        if let Some(h) = held {
-            // SAFETY: the handle from the dlopen above.
-            unsafe { libc::dlclose(h) };
-        }
     }
-    done
 }
 
 /// GOT slots are x86-64's here: elsewhere nothing is redirected.

@@ -132,6 +132,51 @@ driver_fn!(
     c"cuCtxGetCurrent",
     unsafe extern "C" fn(*mut usize) -> c_int
 );
+/// Looks every libcuda function the engine calls up once, outside the engine's lock: a first lookup takes the
+/// loader's lock (`dlopen` of libcuda with `RTLD_NOLOAD`), which a thread inside `dlopen` holds while its
+/// constructors make CUDA calls whose hooks take the engine's. Whether libcuda was found (until it is, each
+/// function is looked up at its first use, as before).
+pub(crate) fn resolve_driver_functions() -> bool {
+    let found = [
+        cu_ctx_get_current().is_some(),
+        cu_ctx_get_flags().is_some(),
+        cu_ctx_set_current().is_some(),
+        cu_stream_query().is_some(),
+        cu_stream_get_priority().is_some(),
+        cu_stream_get_flags().is_some(),
+        cu_func_get_name().is_some(),
+        cu_kernel_get_name().is_some(),
+        cu_func_get_module().is_some(),
+        cu_kernel_get_library().is_some(),
+        cu_func_get_attribute().is_some(),
+        cu_kernel_get_attribute().is_some(),
+        cu_module_get_global().is_some(),
+        cu_library_get_global().is_some(),
+        cu_stream_create().is_some(),
+        cu_event_record().is_some(),
+        cu_module_load_data().is_some(),
+        cu_module_get_function().is_some(),
+        cu_mem_alloc().is_some(),
+        cu_memcpy_htod().is_some(),
+        cu_launch_kernel().is_some(),
+        cu_pointer_get_attributes().is_some(),
+        cu_ctx_push_current().is_some(),
+        cu_ctx_pop_current().is_some(),
+        cu_ctx_synchronize().is_some(),
+        cu_event_create().is_some(),
+        cu_event_query().is_some(),
+        cu_event_synchronize().is_some(),
+        cu_event_destroy().is_some(),
+        cu_stream_get_ctx().is_some(),
+        cu_ctx_get_device().is_some(),
+        cu_device_get_mem_pool().is_some(),
+        cu_device_get_default_mem_pool().is_some(),
+        cu_mem_pool_get_attribute().is_some(),
+        cu_mem_pool_trim_to().is_some(),
+    ];
+    found[0]
+}
+
 /// The context current on this thread, asked of libcuda directly (`None`: none, or no libcuda).
 pub(crate) fn current_context() -> Option<usize> {
     let get = cu_ctx_get_current()?;

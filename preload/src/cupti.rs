@@ -6,11 +6,12 @@
 //! linked against CUPTI without symbol versions call them), handed out by the `dlsym` hook, and written into the GOT
 //! slots of loaded libraries that import CUPTI by versioned references (PyTorch's Kineto:
 //! `cuptiActivityEnable@libcupti.so.13`, which an unversioned definition does not interpose) when the engine starts
-//! and when a module load follows libraries loaded since ([`redirect_importers`]). Callback subscriptions are not
+//! and when a module load follows libraries loaded since ([`request_redirect`]). Callback subscriptions are not
 //! watched (Kineto subscribes to CUPTI's callbacks whether or not it profiles).
 
 use std::ffi::{CStr, c_int, c_void};
-use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use apex_interpose::{Redirect, next};
 
@@ -25,8 +26,8 @@ const KINDS_COUNTED: usize = 64;
 /// takes back only its own count, so a concurrent enable of the same kind that succeeded keeps it recorded.
 struct Kinds {
     per_kind: [AtomicU32; KINDS_COUNTED],
-    /// The sum of `per_kind`; signed, so that a disable that clears a count before the enable that made it has added
-    /// it to the sum reads as nothing recorded for that moment, never as wrapped around.
+    /// The sum of `per_kind`, at least (an enable adds to it before its count); signed, so that no interleaving can
+    /// wrap it around.
     total: AtomicI64,
 }
 
@@ -48,8 +49,9 @@ impl Kinds {
     }
 
     fn enabling(&self, kind: u32) {
-        self.counter(kind).fetch_add(1, Ordering::AcqRel);
+        // The sum first: it never falls below the counts, so a race only ever leans towards recording.
         self.total.fetch_add(1, Ordering::AcqRel);
+        self.counter(kind).fetch_add(1, Ordering::AcqRel);
     }
 
     fn enable_failed(&self, kind: u32) {
@@ -225,37 +227,61 @@ pub(crate) fn by_symbol(name: &[u8]) -> Option<(&'static AtomicUsize, usize)> {
         .map(|(_, slot, ours)| (slot, ours))
 }
 
-/// The loader's count of objects loaded when [`redirect_importers`] last looked.
+/// The loader's count of objects loaded when a redirect was last asked for.
 static LOADS_SEEN: AtomicU64 = AtomicU64::new(0);
 
-/// Whether a redirect runs now: one at a time (two would change the same pages' protection together).
-static REDIRECTING: AtomicU32 = AtomicU32::new(0);
+/// A redirect is asked for and not yet run.
+static WANTED: AtomicBool = AtomicBool::new(false);
 
-/// [`redirect_importers`] again if the process has loaded libraries since it last ran (one call into the loader
-/// when it has not): a program may load a CUPTI client after its first CUDA call.
-pub(crate) fn redirect_new_importers() {
+/// The thread that runs the redirects ([`redirect_importers`]), started at the first request.
+static WORKER: OnceLock<Option<std::thread::Thread>> = OnceLock::new();
+
+/// Asks for the GOT slots of every loaded library that imports CUPTI's activity switches to be pointed at the
+/// wrappers. The redirect runs on a thread of the preload's own, which holds no lock of the program's: it takes the
+/// loader's lock, which a thread inside `dlopen` holds while its constructors make CUDA calls (and take cudart's and
+/// the engine's locks). A thread started from inside a `dlopen` constructor runs once that `dlopen` returns.
+pub(crate) fn request_redirect() {
+    LOADS_SEEN.store(apex_interpose::loads_so_far(), Ordering::Relaxed);
+    WANTED.store(true, Ordering::Release);
+    let worker = WORKER.get_or_init(|| {
+        std::thread::Builder::new()
+            .name("apex-cupti".into())
+            .spawn(|| {
+                loop {
+                    if WANTED.swap(false, Ordering::AcqRel) {
+                        let slots = redirect_importers();
+                        tracing::debug!(
+                            slots,
+                            "CUPTI's activity switches watched in the libraries that import them"
+                        );
+                    }
+                    std::thread::park();
+                }
+            })
+            .map(|h| h.thread().clone())
+            .inspect_err(|e| tracing::debug!(error = %e, "no thread for CUPTI's redirect"))
+            .ok()
+    });
+    if let Some(t) = worker {
+        t.unpark();
+    }
+}
+
+/// [`request_redirect`] if the process has loaded libraries since the last request (one call into the loader when
+/// it has not): a program may load a CUPTI client after its first CUDA call.
+pub(crate) fn request_redirect_if_loaded() {
     let now = apex_interpose::loads_so_far();
     if now != 0 && now != LOADS_SEEN.load(Ordering::Relaxed) {
-        redirect_importers();
+        request_redirect();
     }
 }
 
 /// Points the GOT slots of every loaded library that imports CUPTI's activity switches at the wrappers
-/// ([`apex_interpose::redirect_imports`]); how many slots do (0 as well when another thread redirects now). Never
-/// called under the engine's lock: it takes the loader's.
-pub(crate) fn redirect_importers() -> usize {
-    if REDIRECTING
-        .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire)
-        .is_err()
-    {
-        return 0;
-    }
-    LOADS_SEEN.store(apex_interpose::loads_so_far(), Ordering::Relaxed);
+/// ([`apex_interpose::redirect_imports`]); how many slots do. Runs on the redirect's own thread.
+fn redirect_importers() -> usize {
     let redirects = watched().map(|(name, real, ours)| Redirect { name, ours, real });
     // SAFETY: each wrapper has its function's signature and calls what its slot holds.
-    let slots = unsafe { apex_interpose::redirect_imports(&redirects, PROVIDER) };
-    REDIRECTING.store(0, Ordering::Release);
-    slots
+    unsafe { apex_interpose::redirect_imports(&redirects, PROVIDER) }
 }
 
 #[cfg(test)]

@@ -237,7 +237,17 @@ pub(crate) fn count_disabled_launch() {
 
 impl Config {
     fn from_env() -> Config {
-        let off = off_in_env();
+        // As the hooks' switch read it (the environment may have changed since).
+        let off = if disabled() {
+            match SWITCH.load(Ordering::Relaxed) {
+                3 => Some(Refusal::LaunchBlocking),
+                4 => Some(Refusal::ToolInjected),
+                // `APEX_PRELOAD=off` (a fork child never makes the engine).
+                _ => Some(Refusal::Disabled),
+            }
+        } else {
+            None
+        };
         let max_queues = std::env::var("APEX_PRELOAD_QUEUES")
             .ok()
             .and_then(|v| v.parse().ok())
@@ -629,9 +639,9 @@ pub(crate) struct Engine {
     event_untimed: Handles<bool>,
     /// Events the program made with `CU_EVENT_BLOCKING_SYNC`: a synchronize on one sleeps, as in libcuda.
     event_sleeps: Handles<()>,
-    /// Streams not taken over, by handle: their priority where it is above the default (kept on libcuda), else 0.
-    /// Asked of libcuda once per stream, forgotten when it is destroyed.
-    stream_priorities: Handles<i32>,
+    /// Streams not taken over, by context and handle: their priority where it is above the default (kept on
+    /// libcuda), else 0. Asked of libcuda once per stream, forgotten when it or its context is destroyed.
+    stream_priorities: HashMap<(usize, usize), i32>,
     /// Streams being captured into a CUDA graph.
     capturing: HashSet<StreamKey>,
     stack_raised: bool,
@@ -690,6 +700,7 @@ fn with_engine<R>(send_held: bool, f: impl FnOnce(&mut Engine) -> R) -> Option<R
     if FORKED.load(Ordering::Relaxed) {
         return None;
     }
+    resolve_driver_functions();
     // A panic inside `f` is contained below and turns the takeover off: there is no poisoning to undo.
     let mut guard = ENGINE.lock();
     let made = guard.is_none();
@@ -717,25 +728,33 @@ fn with_engine<R>(send_held: bool, f: impl FnOnce(&mut Engine) -> R) -> Option<R
     r
 }
 
+/// Whether libcuda's functions the engine calls were looked up ([`crate::cuda::resolve_driver_functions`]).
+static DRIVER_RESOLVED: AtomicBool = AtomicBool::new(false);
+
+/// Looks libcuda's functions up before the engine's lock is taken, until libcuda is found (then one load).
+fn resolve_driver_functions() {
+    if !DRIVER_RESOLVED.load(Ordering::Relaxed) && crate::cuda::resolve_driver_functions() {
+        DRIVER_RESOLVED.store(true, Ordering::Relaxed);
+    }
+}
+
 /// Set when the engine is made: CUPTI's activity switches are to be watched in the libraries loaded by then
 /// ([`watch_cupti`]), outside the engine's lock.
 static WATCH_CUPTI: AtomicBool = AtomicBool::new(false);
 
 /// A profiler the program turns on (torch.profiler) must see its GPU work: CUPTI's switches are watched in the
-/// libraries that import them by versioned references ([`crate::cupti::redirect_importers`]), when the engine is
-/// made and whenever a module load follows libraries loaded since. Never under the engine's lock.
+/// libraries that import them by versioned references, when the engine is made and whenever a module load follows
+/// libraries loaded since. The redirect itself runs on a thread of its own ([`crate::cupti::request_redirect`]),
+/// which holds no lock of the program's: it takes the loader's lock, which a thread inside `dlopen` holds while its
+/// constructors call CUDA (and with it cudart's and the engine's locks).
 fn watch_cupti() {
-    if cfg!(test) || disabled() {
+    if cfg!(test) || disabled() || crate::exit_safe::is_exiting() {
         return;
     }
     if WATCH_CUPTI.swap(false, Ordering::AcqRel) {
-        let slots = crate::cupti::redirect_importers();
-        debug!(
-            slots,
-            "CUPTI's activity switches watched in the libraries that import them"
-        );
+        crate::cupti::request_redirect();
     } else {
-        crate::cupti::redirect_new_importers();
+        crate::cupti::request_redirect_if_loaded();
     }
 }
 
@@ -942,7 +961,7 @@ impl Engine {
             unattached: Handles::default(),
             event_untimed: Handles::default(),
             event_sleeps: Handles::default(),
-            stream_priorities: Handles::default(),
+            stream_priorities: HashMap::new(),
             capturing: HashSet::new(),
             stack_raised: false,
             held: None,
@@ -1309,13 +1328,13 @@ impl Engine {
                     let cuda = self.cuda.as_ref();
                     // Bounded: a program that drops streams without destroying them through CUDA leaves entries.
                     if self.stream_priorities.len() >= 4096
-                        && !self.stream_priorities.contains_key(&h)
+                        && !self.stream_priorities.contains_key(&(handle, h))
                     {
                         self.stream_priorities.clear();
                     }
                     let p = *self
                         .stream_priorities
-                        .entry(h)
+                        .entry((handle, h))
                         .or_insert_with(|| cuda.stream_priority(h).min(0));
                     if p < 0 {
                         return Err(Refusal::StreamPriority(p).into());
@@ -2180,7 +2199,7 @@ impl Engine {
 
     pub(crate) fn stream_destroyed(&mut self, raw: usize) {
         self.settle_grant();
-        self.stream_priorities.remove(&raw);
+        self.stream_priorities.retain(|&(_, h), _| h != raw);
         let key = StreamKey::of(raw, false);
         if self.takeover.forget_stream(key) {
             self.summary.setup.streams_not_earned += 1;
@@ -2273,6 +2292,7 @@ impl Engine {
         self.settle_grant();
         self.unattached.remove(&handle);
         self.takeover.forget_context(handle);
+        self.stream_priorities.retain(|&(c, _), _| c != handle);
         // Its streams went with it, without a cuStreamDestroy each: a later stream given one of their handles is
         // another stream.
         let gone: Vec<usize> = self
@@ -2373,6 +2393,7 @@ pub(crate) fn launch(l: &Launch, t0: u64) -> Result<Taken, Option<Ordered>> {
     if FORKED.load(Ordering::Relaxed) {
         return Err(Some(Ordered::UNKNOWN));
     }
+    resolve_driver_functions();
     let mut guard = ENGINE.lock();
     if guard.is_none() {
         // Watched at the next call that releases the lock ([`with_engine`]).
@@ -2685,6 +2706,7 @@ pub(crate) fn loaded_file(owner: usize, path: *const c_char, library: bool) {
     let image = std::fs::read(&path)
         .map(|b| ImageBytes::Owned(b.into_boxed_slice()))
         .map_err(|e| format!("{path}: {e}"));
+    watch_cupti();
     with(|e| e.loaded(owner, image, library));
 }
 

@@ -16,8 +16,13 @@ pub(crate) fn exiting() {
     EXITING.store(true, Ordering::Relaxed);
 }
 
+/// Whether the program is exiting ([`exiting`] was called).
+pub(crate) fn is_exiting() -> bool {
+    EXITING.load(Ordering::Relaxed)
+}
+
 fn live() -> bool {
-    !EXITING.load(Ordering::Relaxed)
+    !is_exiting()
 }
 
 /// `S`, silent once [`exiting`] was called. Interest is never cached as "always", so every event asks

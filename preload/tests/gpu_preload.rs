@@ -1029,7 +1029,10 @@ fn compute_sanitizer_checks_every_kernel() {
 #[ignore = "needs an NVIDIA GPU"]
 fn a_high_priority_stream_stays_on_libcuda() {
     let lib = preload_lib();
-    let (dir, exe) = build_cuda("stream_priority", include_str!("programs/stream_priority.cu"));
+    let (dir, exe) = build_cuda(
+        "stream_priority",
+        include_str!("programs/stream_priority.cu"),
+    );
     let plain = run(Command::new(&exe), None, &dir, "plain");
     let pre = run(inline(Command::new(&exe)), Some(&lib), &dir, "preload");
     let (a, b) = both_succeeded(&plain, &pre);

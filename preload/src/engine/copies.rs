@@ -285,7 +285,9 @@ impl Engine {
                         }
                     }
                     Err(e) => {
-                        debug!(error = %e, "cannot sleep while a copy runs; it is waited for")
+                        debug!(error = %e, "cannot sleep while a copy runs; it is waited for");
+                        // Its stream may wait for the copy already: the next sleep uses a new one.
+                        sleeper.stream = 0;
                     }
                 }
                 pool.push(sleeper);

@@ -489,7 +489,9 @@ impl Engine {
             };
             if let Err(e) = recorded {
                 debug!(error = %e, "cannot record a sleeping event after an APEX queue; the wait spins");
-                // Recorded after some queues only: the next wait that takes it records it again.
+                // Its stream may already wait for some queues' work: the next wait that takes the event records it
+                // on a new stream (this one is left to libcuda, which frees it with the context).
+                sleeper.stream = 0;
                 ctx.sleepers.push(sleeper);
                 return None;
             }

@@ -955,7 +955,7 @@ fn a_stream_with_a_priority_above_the_default_stays_on_libcuda() {
     assert_eq!(sum.apex, 1);
     // A stream made later with the same handle is asked again.
     s.engine.stream_destroyed(PRIORITY);
-    assert!(!s.engine.stream_priorities.contains_key(&PRIORITY));
+    assert!(!s.engine.stream_priorities.contains_key(&(CTX, PRIORITY)));
 }
 
 #[test]
