@@ -1704,7 +1704,9 @@ fn hopper_features_give_identical_results_through_apex() {
 /// stream memory operations across streams, events on the default stream, timed events, explicit and captured
 /// graphs between kernels, pageable copies, pitched 2D and 3D copies, a cooperative grid barrier, and threads each on
 /// a stream of its own. Built as it is and with nvcc's `--default-stream per-thread` (every stream-0 launch then on
-/// a thread's own default stream): the same bits as libcuda's, every launch through APEX but the captured ones.
+/// a thread's own default stream): the same bits as libcuda's, every launch through APEX but the captured ones and
+/// those on stream B, made at the greatest priority, which libcuda schedules ahead of the others (since the
+/// twenty-first session: `stream_priority`), ordered with APEX's streams by hops.
 /// Before, `cuLaunchCooperativeKernel` and every per-thread default stream stayed on libcuda.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
@@ -1716,25 +1718,45 @@ fn stream_semantics_hold_through_apex() {
             &["--default-stream", "per-thread"][..],
         ),
     ] {
-        let c =
-            compare_cuda_program_with(name, include_str!("programs/stream_semantics.cu"), extra);
+        let c = identical_cuda_program(name, include_str!("programs/stream_semantics.cu"), extra);
         let a = c.plain_out();
         assert!(a.contains("result timed_events ok"), "{name}: {a}");
         let b = c.pre_out();
         assert!(b.contains("result timed_events ok"), "{name}: {b}");
-        // Only launches into a capture stay on libcuda: they must reach CUDA's graph.
+        let s = &c.summary;
+        assert_eq!(
+            s.launches as f64,
+            value(&a, "launches "),
+            "every launch reached the preload"
+        );
+        // Launches into a capture must reach CUDA's graph; stream B's keep its priority on libcuda.
         let captured = value(&a, "captured ") as u64;
         assert!(captured > 0, "{a}");
+        let prioritized = s.reasons.get("stream_priority").map_or(0, |r| r.launches);
+        assert!(
+            prioritized > 0,
+            "{name}: stream B stays on libcuda: {:?}",
+            s.reasons
+        );
         assert_eq!(
-            c.summary.fallback, captured,
+            s.reasons["capturing"].launches, captured,
             "{name}: {:?}",
-            c.summary.reasons
+            s.reasons
+        );
+        assert_eq!(
+            s.fallback,
+            captured + prioritized,
+            "{name}: {:?}",
+            s.reasons
         );
         assert!(
-            c.summary.reasons.keys().all(|k| k == "capturing"),
+            s.reasons
+                .keys()
+                .all(|k| k == "capturing" || k == "stream_priority"),
             "{name}: {:?}",
-            c.summary.reasons
+            s.reasons
         );
+        assert_eq!(s.apex + s.fallback, s.launches, "{name}: {s:?}");
     }
 }
 
