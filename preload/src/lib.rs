@@ -14,8 +14,10 @@
 //! apex run -- ./program          # or: APEX_PRELOAD_STATS=stats.json LD_PRELOAD=target/release/libapex_preload.so ./program
 //! ```
 //!
-//! Environment: `APEX_PRELOAD=off` forwards everything (and still counts), and so does `CUDA_LAUNCH_BLOCKING=1` (libcuda's
-//! launches are then synchronous, APEX's would not be); `APEX_PRELOAD_TAKEOVER=earned` (the
+//! Environment: `APEX_PRELOAD=off` forwards everything (and still counts), and so do `CUDA_LAUNCH_BLOCKING=1` (libcuda's
+//! launches are then synchronous, APEX's would not be) and a CUDA tool injected into the process (compute-sanitizer,
+//! Nsight: they see only libcuda's work); while a profiler records through CUPTI (torch.profiler), launches go to
+//! libcuda too (`cupti.rs`); `APEX_PRELOAD_TAKEOVER=earned` (the
 //! default) leaves each stream's launches to libcuda until they have cost, at about 3 µs saved per launch, what its
 //! takeover costs (an attach, a queue: milliseconds; the modules its kernels need loaded: up to hundreds of ms), so a program too short to earn APEX's set-up back never pays
 //! for it (launches before are counted as `warmup`), `first` takes every stream over at its first launch, a number
