@@ -137,7 +137,8 @@ fn env_bytes(name: &CStr) -> Option<&'static [u8]> {
 /// that caused it, what a program is run with to debug one) and APEX's asynchronous launches would not; or a CUDA
 /// tool injected into the process (`CUDA_INJECTION64_PATH`; `NV_SANITIZER_INJECTION_PORT_BASE`, which
 /// compute-sanitizer sets in its target, and `NV_NSIGHT_INJECTION_PORT_BASE`, which Nsight Compute sets: both seen
-/// on CUDA 13.0), which sees, checks and times only the work libcuda runs. Read without allocating: the hooks ask on their first call.
+/// on CUDA 13.0), which sees, checks and times only the work libcuda runs. Read without allocating: the hooks ask on
+/// their first call.
 fn off_in_env() -> Option<Refusal> {
     if !enabled_by(env_bytes(c"APEX_PRELOAD")) {
         Some(Refusal::Disabled)
@@ -706,8 +707,7 @@ fn with_engine<R>(send_held: bool, f: impl FnOnce(&mut Engine) -> R) -> Option<R
     let made = guard.is_none();
     let engine = guard.get_or_insert_with(|| Engine::new(Config::from_env(), Box::new(Libcuda)));
     if made {
-        // After the lock is released (the redirect takes the loader's lock, which a thread inside `dlopen` holds
-        // while its constructors call hooks that take this one).
+        // Asked for after the lock is released ([`watch_cupti`]).
         WATCH_CUPTI.store(true, Ordering::Release);
     }
     let _busy = crate::watchdog::busy();
