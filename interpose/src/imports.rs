@@ -5,9 +5,9 @@
 //! `GLOB_DAT`s of calls through the GOT — are rewritten to point at the preload's wrapper, which calls the provider's
 //! own function (looked up in the provider itself, which may not be in the global scope).
 //!
-//! Only objects that name the provider among their `DT_NEEDED` libraries are touched, and only slots that hold the
-//! provider's function or a lazy-binding stub of the object's own; a slot inside the object's RELRO segment is made
-//! writable for the store and read-only again after it.
+//! Only objects that name the provider among their `DT_NEEDED` libraries are touched, each held loaded meanwhile, and
+//! only slots of undefined symbols that hold the provider's function (or, for a PLT slot, a lazy-binding stub of the
+//! object's own); a slot in the pages glibc made read-only is made writable for the store and read-only again.
 
 use std::ffi::{CStr, c_int, c_void};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -62,6 +62,8 @@ struct Object {
     relro: Option<(usize, usize)>,
     /// Every PT_LOAD segment (start, end), absolute.
     loads: Vec<(usize, usize)>,
+    /// The PT_LOAD segments mapped writable (`PF_W`).
+    writable: Vec<(usize, usize)>,
 }
 
 /// The object `dl_iterate_phdr` reports, if it has a dynamic section.
@@ -84,6 +86,7 @@ unsafe fn object_from(info: &libc::dl_phdr_info) -> Option<Object> {
         dynamic: 0,
         relro: None,
         loads: Vec::new(),
+        writable: Vec::new(),
     };
     for i in 0..usize::from(info.dlpi_phnum) {
         // SAFETY: `dlpi_phnum` headers at `dlpi_phdr`.
@@ -93,7 +96,12 @@ unsafe fn object_from(info: &libc::dl_phdr_info) -> Option<Object> {
         match ph.p_type {
             libc::PT_DYNAMIC => o.dynamic = start,
             libc::PT_GNU_RELRO => o.relro = Some((start, end)),
-            libc::PT_LOAD => o.loads.push((start, end)),
+            libc::PT_LOAD => {
+                o.loads.push((start, end));
+                if ph.p_flags & libc::PF_W != 0 {
+                    o.writable.push((start, end));
+                }
+            }
             _ => {}
         }
     }
@@ -291,18 +299,43 @@ unsafe fn redirect(redirects: &[Redirect], provider: &[u8], skip_own: bool) -> u
     if wanted.is_empty() {
         return 0;
     }
+    let own = if skip_own { own_object() } else { None };
+    // Every other object is held loaded first (`RTLD_NOLOAD`: never loads anything, and waits for a load under way
+    // to finish its relocation), so none is unmapped, or still being relocated, while its slots are read and written.
+    let mut held = Vec::new();
+    for o in &all {
+        if o.base == lib.base || own.is_some_and(|b| b == o.base) || o.name.is_empty() {
+            continue;
+        }
+        let Ok(path) = std::ffi::CString::new(o.name.clone()) else {
+            continue;
+        };
+        // SAFETY: a NUL-terminated path; RTLD_NOLOAD never loads anything.
+        let h = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_LAZY) };
+        if !h.is_null() {
+            held.push((o.name.clone(), h));
+        }
+    }
     let mut pass = Pass {
         wanted,
         provider,
-        provider_base: lib.base,
-        own: if skip_own { own_object() } else { None },
         page: page_size(),
         done: 0,
     };
-    // The slots are read and written inside the loader's walk over its objects: an object it reports stays loaded
-    // until the callback returns (another thread's `dlclose` waits for the walk).
-    // SAFETY: the callback only reads the objects' own tables and rewrites the slots the caller's promise covers.
-    unsafe { libc::dl_iterate_phdr(Some(patch), (&mut pass as *mut Pass<'_>).cast()) };
+    // The held objects as the loader lists them now (relocated), and the main program (never unloaded).
+    for o in objects() {
+        let fresh = o.base != lib.base
+            && own.is_none_or(|b| b != o.base)
+            && (o.name.is_empty() || held.iter().any(|(n, _)| *n == o.name));
+        if fresh {
+            // SAFETY: held loaded (or the main program); the caller's promise for the wrappers.
+            unsafe { patch_object(&mut pass, &o) };
+        }
+    }
+    for (_, h) in held {
+        // SAFETY: a handle from the dlopen above.
+        unsafe { libc::dlclose(h) };
+    }
     pass.done
 }
 
@@ -312,39 +345,17 @@ struct Pass<'a> {
     /// Each redirect with the provider's own function.
     wanted: Vec<(&'a Redirect, usize)>,
     provider: &'a [u8],
-    provider_base: usize,
-    /// The object this code is in, when it is not to be rewritten.
-    own: Option<usize>,
     page: usize,
     /// Slots that point at a wrapper.
     done: usize,
 }
 
-#[cfg(target_arch = "x86_64")]
-unsafe extern "C" fn patch(
-    info: *mut libc::dl_phdr_info,
-    _size: usize,
-    data: *mut c_void,
-) -> c_int {
-    // SAFETY: `data` is the `Pass` `redirect` passed; `info` is the loader's, valid during the callback.
-    let (pass, info) = unsafe { (&mut *data.cast::<Pass<'_>>(), &*info) };
-    // SAFETY: as above.
-    if let Some(o) = unsafe { object_from(info) } {
-        // SAFETY: the object stays loaded during the callback; the caller's promise for the wrappers.
-        unsafe { patch_object(pass, &o) };
-    }
-    0
-}
-
 /// Rewrites object `o`'s slots for `pass.wanted`, if it needs the provider.
 ///
 /// # Safety
-/// `o` is loaded for the call; as [`redirect_imports`] for the wrappers.
+/// `o` is loaded and relocated for the call; as [`redirect_imports`] for the wrappers.
 #[cfg(target_arch = "x86_64")]
 unsafe fn patch_object(pass: &mut Pass<'_>, o: &Object) {
-    if o.base == pass.provider_base || pass.own.is_some_and(|b| b == o.base) {
-        return;
-    }
     let Some(d) = o.dynamic() else { return };
     if !d.needed.iter().any(|&n| {
         o.string(&d, n)
@@ -373,12 +384,26 @@ unsafe fn patch_object(pass: &mut Pass<'_>, o: &Object) {
             if kind != R_X86_64_JUMP_SLOT && kind != R_X86_64_GLOB_DAT {
                 continue;
             }
-            let sym = d.symtab + (info >> 32) as usize * SYM_SIZE;
-            if !o.holds(sym, SYM_SIZE) {
+            let Some(sym) = usize::try_from(info >> 32)
+                .ok()
+                .and_then(|i| i.checked_mul(SYM_SIZE))
+                .and_then(|o| d.symtab.checked_add(o))
+                .filter(|&sym| o.holds(sym, SYM_SIZE))
+            else {
+                continue;
+            };
+            // SAFETY: a symbol table entry inside the object's segments: st_name is its first word, st_shndx the
+            // u16 at byte 6.
+            let (name_at, shndx) = unsafe {
+                (
+                    (sym as *const u32).read_unaligned() as usize,
+                    ((sym + 6) as *const u16).read_unaligned(),
+                )
+            };
+            // Only imports: a function the object defines itself (a shim of its own) stays its own.
+            if shndx != 0 {
                 continue;
             }
-            // SAFETY: a symbol table entry inside the object's segments; st_name is its first word.
-            let name_at = unsafe { (sym as *const u32).read_unaligned() } as usize;
             let Some(name) = o.string(&d, name_at) else {
                 continue;
             };
@@ -392,11 +417,12 @@ unsafe fn patch_object(pass: &mut Pass<'_>, o: &Object) {
             }
             // SAFETY: an aligned GOT slot inside the object's segments.
             let now = unsafe { (*(slot as *const AtomicUsize)).load(Ordering::Acquire) };
-            // The provider's function (bound), or a stub of the object's own (lazy binding, not called yet):
-            // anything else was put there by someone else, and stays.
+            // The provider's function (bound), or, in a PLT slot, a stub of the object's own (lazy binding, not
+            // called yet): anything else was put there by someone else, and stays.
+            let lazy = kind == R_X86_64_JUMP_SLOT && o.holds(now, 1);
             if now == r.ours {
                 pass.done += 1;
-            } else if now == real || o.holds(now, 1) {
+            } else if now == real || lazy {
                 // SAFETY: the caller's promise for the wrapper; the slot is made writable for the store.
                 if unsafe { store(o, slot, r.ours, pass.page) } {
                     pass.done += 1;
@@ -434,6 +460,10 @@ unsafe fn store(o: &Object, slot: usize, value: usize, page: usize) -> bool {
         .relro
         .map(|(s, e)| (s & !(page - 1), e & !(page - 1)))
         .filter(|&(s, e)| slot >= s && slot + 8 <= e);
+    // Outside the read-only pages a GOT slot lies in a writable segment; anything else is not a slot to write.
+    if relro.is_none() && !o.writable.iter().any(|&(s, e)| slot >= s && slot + 8 <= e) {
+        return false;
+    }
     if relro.is_some() {
         // SAFETY: the page of a loaded segment of the object; made read-only again below.
         if unsafe {

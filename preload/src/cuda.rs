@@ -112,17 +112,31 @@ pub(crate) trait CudaSide: Send + Sync {
 
 // ---- libcuda's own functions (looked up with the real dlsym, never a wrapper) ----
 
+/// A function slot's mark for "libcuda is loaded and has no such function" (an older driver): not looked up again,
+/// since a lookup takes the loader's lock and the engine calls some of these under its own.
+const ABSENT: usize = usize::MAX;
+
+/// libcuda's function `name`: its address; `ABSENT` where libcuda is loaded without it; 0 where libcuda is not loaded
+/// yet (asked again next time).
+fn look_up(name: &CStr) -> usize {
+    match apex_interpose::libcuda_symbol(name) {
+        Some(p) => p,
+        None if apex_interpose::libcuda_symbol(c"cuInit").is_some() => ABSENT,
+        None => 0,
+    }
+}
+
 macro_rules! driver_fn {
     ($getter:ident, $name:literal, $ty:ty) => {
         fn $getter() -> Option<$ty> {
             static SLOT: AtomicUsize = AtomicUsize::new(0);
             let mut p = SLOT.load(Ordering::Relaxed);
             if p == 0 {
-                p = apex_interpose::libcuda_symbol($name).unwrap_or(0);
+                p = look_up($name);
                 SLOT.store(p, Ordering::Relaxed);
             }
             // SAFETY: libcuda exports this function with this signature.
-            (p != 0).then(|| unsafe { std::mem::transmute::<usize, $ty>(p) })
+            (p != 0 && p != ABSENT).then(|| unsafe { std::mem::transmute::<usize, $ty>(p) })
         }
     };
 }

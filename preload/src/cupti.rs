@@ -65,6 +65,12 @@ impl Kinds {
     }
 
     fn disabled(&self, kind: u32) {
+        let shared = usize::try_from(kind).map_or(true, |k| k >= KINDS_COUNTED - 1);
+        if shared {
+            // The kinds counted together: this disable ends one enable, not the others'.
+            self.enable_failed(kind);
+            return;
+        }
         let n = self.counter(kind).swap(0, Ordering::AcqRel);
         self.total.fetch_sub(i64::from(n), Ordering::AcqRel);
     }
@@ -301,12 +307,16 @@ mod tests {
         assert!(k.recording(), "memcpy still recorded");
         k.disabled(1);
         assert!(!k.recording());
-        // A kind beyond the counters.
+        // Kinds beyond the counters share one: a disable of one ends that one only.
         k.enabling(70);
+        k.enabling(71);
         assert!(k.recording());
         k.disabled(70);
-        k.disabled(70);
+        assert!(k.recording(), "kind 71 still recorded");
+        k.disabled(71);
+        k.disabled(71);
         assert!(!k.recording(), "never below nothing");
+        assert_eq!(k.total.load(Ordering::Acquire), 0);
     }
 
     #[test]
